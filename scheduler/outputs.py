@@ -1,0 +1,84 @@
+"""The step plan the scheduler emits and the runner's answer to it.
+
+Plain picklable dataclasses without torch: they cross the Ray boundary to every
+tensor-parallel rank, and the scheduler stays importable without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    ``token_ids`` are computed at positions ``num_computed_tokens ..
+    num_computed_tokens + len(token_ids) - 1``; slot of position ``p`` is
+    ``block_table[p // B] * B + p % B``. ``sample_ids`` lists the sequences
+    that draw their next token from this row's last logits: ``[request_id]``
+    for an ordinary request at the end of its prompt or in decode, every
+    sibling's id when an ``n > 1`` request finishes its shared prompt, and
+    ``[]`` for a prefill chunk that is not the last.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample_ids: list[str]
+    sampling_params: dict[str, SamplingParams] = field(default_factory=dict)
+    output_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything a worker needs for one forward; the worker never decides.
+
+    Workers apply ``blocks_to_swap_out`` first, then ``blocks_to_swap_in``,
+    then ``blocks_to_copy``, then the forward. That order is what lets the
+    scheduler reuse a block freed by a swap-out in the same step.
+    Pairs are ``(device_block, cpu_block)`` for swaps and ``(src, dst)`` for copies.
+    ``finished_ids`` and ``aborted_ids`` let workers drop per-request state
+    (e.g. seeded generators).
+    """
+
+    step_id: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    aborted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.blocks_to_copy)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """One sampled token and, when asked for, its logprob and the top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Rank 0's answer: one sampled token per sequence id in any ``sample_ids``."""
+
+    step_id: int
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
