@@ -1,0 +1,197 @@
+"""Attention backend interface and selection.
+
+The model runner talks to one :class:`AttentionBackend` object, so the same
+model code runs on the CPU reference path, on Triton kernels, or on
+flash-attn. Backends are looked up lazily by name: importing this module never
+imports triton or flash_attn, so ``import pagedserve.kernels`` works on a bare
+CPU install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from abc import ABC, abstractmethod
+
+import torch
+from pagedserve.kernels.metadata import VarlenMetadata
+
+BACKEND_NAMES = ("torch", "triton", "flash")
+
+
+class AttentionBackend(ABC):
+    """Paged attention ops on the KV layout ``[num_blocks, block_size, Hkv, D]``.
+
+    Block copy and swap are plain tensor copies, identical for every backend,
+    so they live here; backends override them only with a faster kernel.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def supports_block_size(self, block_size: int) -> bool:
+        """Whether this backend accepts caches with ``block_size`` tokens per block."""
+        return block_size >= 1
+
+    @abstractmethod
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key/value[t]`` into flat slot ``slot_mapping[t]``; slot -1 is skipped."""
+
+    @abstractmethod
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        md: VarlenMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal (bottom-right aligned) attention of packed queries over paged keys."""
+
+    @abstractmethod
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query per sequence attending to keys ``[0, cache_seqlens[s])``."""
+
+    def copy_blocks(
+        self,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        pairs: torch.Tensor,
+    ) -> None:
+        """Copy-on-write: block ``src`` -> ``dst`` in every layer's K and V cache."""
+        if pairs.numel() == 0:
+            return
+        for kc, vc in zip(key_caches, value_caches, strict=True):
+            p = pairs.to(kc.device, torch.long)
+            src, dst = p[:, 0], p[:, 1]
+            # index_select makes a copy first, so a dst that is also a src reads old data.
+            kc.index_copy_(0, dst, kc.index_select(0, src))
+            vc.index_copy_(0, dst, vc.index_select(0, src))
+
+    def swap_blocks(
+        self,
+        src_caches: list[torch.Tensor],
+        dst_caches: list[torch.Tensor],
+        pairs: torch.Tensor,
+    ) -> None:
+        """Move blocks between tiers (device pool <-> CPU pool), per layer.
+
+        ``pairs[:, 0]`` are block ids of ``src_caches``, ``pairs[:, 1]`` of
+        ``dst_caches``; the tiers may differ in device and block count.
+        """
+        if pairs.numel() == 0:
+            return
+        pairs_cpu = pairs.to("cpu", torch.long)
+        for src, dst in zip(src_caches, dst_caches, strict=True):
+            if src.shape[1:] != dst.shape[1:]:
+                raise ValueError(f"block shapes differ: {tuple(src.shape)} vs {tuple(dst.shape)}")
+            s_idx = pairs_cpu[:, 0].to(src.device)
+            d_idx = pairs_cpu[:, 1].to(dst.device)
+            blocks = src.index_select(0, s_idx).to(dst.device, non_blocking=True)
+            dst.index_copy_(0, d_idx, blocks)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, device={self.device})"
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run on ``device``, or None when it can."""
+    if name == "torch":
+        return None
+    if name == "triton":
+        if not _has_module("triton"):
+            return "the 'triton' package is not installed (pip install 'pagedserve[triton]')"
+        if device.type != "cuda":
+            return (
+                f"Triton kernels need a CUDA device, got {device.type!r} "
+                "(set TRITON_INTERPRET=1 before importing triton to run them on CPU)"
+            )
+        if not torch.cuda.is_available():
+            return "Triton kernels need CUDA but torch.cuda.is_available() is False"
+        return None
+    if name == "flash":
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return f"flash-attn needs a CUDA device, got {device.type!r}"
+        if not _has_module("flash_attn"):
+            return "the 'flash_attn' package is not installed (pip install 'pagedserve[gpu]')"
+        return None
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+
+
+def _triton_interpreter_on() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Names of the backends that can run on ``device``, best first.
+
+    On CPU, triton is listed only when ``TRITON_INTERPRET=1`` (tests).
+    """
+    dev = torch.device(device)
+    names = []
+    for name in ("flash", "triton", "torch"):
+        reason = _unavailable_reason(name, dev)
+        if reason is None or (
+            name == "triton" and dev.type == "cpu" and _has_module("triton")
+            and _triton_interpreter_on()
+        ):
+            names.append(name)
+    return names
+
+
+def get_backend(
+    name: str | None = None, device: torch.device | str = "cpu"
+) -> AttentionBackend:
+    """Return a backend instance; ``None`` picks flash, then triton (CUDA), then torch.
+
+    An explicit choice that cannot run raises ``RuntimeError`` with the reason,
+    rather than silently falling back to a slower path.
+    """
+    dev = torch.device(device)
+    if name is None:
+        name = available_backends(dev)[0] if dev.type == "cuda" else "torch"
+    name = name.lower()
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+    reason = _unavailable_reason(name, dev)
+    interp_ok = name == "triton" and dev.type == "cpu" and _has_module("triton") and (
+        _triton_interpreter_on()
+    )
+    if reason is not None and not interp_ok:
+        raise RuntimeError(f"attention backend {name!r} is unavailable: {reason}")
+    if name == "torch":
+        from pagedserve.kernels.torch_ref import TorchBackend
+
+        return TorchBackend(dev)
+    if name == "triton":
+        mod = importlib.import_module("pagedserve.kernels.triton_backend")
+        return mod.TritonBackend(dev)
+    mod = importlib.import_module("pagedserve.kernels.flash")
+    return mod.FlashBackend(dev)

@@ -1,0 +1,282 @@
+"""Torch reference backend: the CPU production path and the test oracle for paged KV.
+
+Design (see DESIGN.md, "Kernels"): no per-token Python loops. K/V are
+gathered a whole block at a time (``index_select`` on the block dimension
+copies contiguous ``block_size * Hkv * D`` chunks) into a padded
+``[S, L, Hkv, D]`` tensor and attended with ``scaled_dot_product_attention``
+and a key mask; GQA uses SDPA's native grouping, so K/V are never repeated.
+The gather target is a reusable workspace: fresh multi-megabyte allocations
+page-fault on every call and cost several times the copy itself, and the
+engine calls this once per layer per step.
+
+Varlen batches are split: single-token queries (decode rows of a mixed batch)
+go through the decode path, the rest are packed into groups whose padded cost
+stays within ~2x of the real cost, so one long prefill never pads a hundred
+short rows to its length.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.metadata import VarlenMetadata
+
+_PAD_SLACK = 1 << 14  # padded q*k elements a group may waste for free
+
+
+class _Workspace:
+    """Grow-only scratch buffers keyed by (name, device, dtype)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        key = (name, like.device, like.dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+            self._bufs[key] = buf
+        return buf[:numel].view(shape)
+
+
+def store_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new tokens' K/V into their slots, skipping padding slots (-1)."""
+    slots = slot_mapping.to(key_cache.device, torch.long).reshape(-1)
+    if slots.numel() == 0:
+        return
+    key = key.reshape(slots.numel(), *key_cache.shape[2:])
+    value = value.reshape(slots.numel(), *value_cache.shape[2:])
+    valid = slots >= 0
+    if not bool(valid.all()):
+        idx = valid.nonzero().squeeze(1)
+        slots = slots.index_select(0, idx)
+        key = key.index_select(0, idx)
+        value = value.index_select(0, idx)
+    # .view (not reshape) so a non-contiguous cache raises instead of writing a copy.
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(
+        0, slots, value.to(value_cache.dtype)
+    )
+
+
+def _plan_groups(ids: list[int], q_lens: list[int], k_lens: list[int]) -> list[list[int]]:
+    """Greedy grouping of sequences so padding to a group's max lengths stays cheap."""
+    order = sorted(ids, key=lambda s: (k_lens[s], q_lens[s]), reverse=True)
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    mq = mk = cost = 0
+    for s in order:
+        lq, lk = q_lens[s], k_lens[s]
+        nq, nk = max(mq, lq), max(mk, lk)
+        if cur and (len(cur) + 1) * nq * nk > 2 * (cost + lq * lk) + _PAD_SLACK:
+            groups.append(cur)
+            cur, mq, mk, cost = [], 0, 0, 0
+            nq, nk = lq, lk
+        cur.append(s)
+        mq, mk, cost = nq, nk, cost + lq * lk
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class TorchBackend(AttentionBackend):
+    """Pure-torch paged attention (CPU production path, any device works)."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        self._ws = _Workspace()
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        store_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+
+    def _gather(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``tables`` [n, nb] -> K, V [n, nb*B, Hkv, D] (workspace views)."""
+        n, nb = tables.shape
+        _, bsz, hkv, d = key_cache.shape
+        idx = tables.to(key_cache.device, torch.long).clamp_min(0).reshape(-1)
+        k = self._ws.get("k", (n * nb, bsz, hkv, d), key_cache)
+        v = self._ws.get("v", (n * nb, bsz, hkv, d), value_cache)
+        torch.index_select(key_cache, 0, idx, out=k)
+        torch.index_select(value_cache, 0, idx, out=v)
+        return k.view(n, nb * bsz, hkv, d), v.view(n, nb * bsz, hkv, d)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        lens: torch.Tensor,
+        lens_host: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        s, hq, d = q.shape
+        max_k, min_k = max(lens_host), min(lens_host)
+        if max_k == 0:
+            return q.new_zeros(s, hq, d)
+        bsz = key_cache.shape[1]
+        nb = -(-max_k // bsz)
+        k, v = self._gather(key_cache, value_cache, block_table[:, :nb])
+        k, v = k[:, :max_k], v[:, :max_k]
+        hkv = k.shape[2]
+        mask = None
+        if min_k != max_k:
+            valid = torch.arange(max_k, device=q.device)[None, :] < lens[:, None]
+            if min_k == 0:
+                valid[:, 0] |= lens == 0  # keep softmax finite; row is zeroed below
+            mask = valid[:, None, None, :]
+        o = F.scaled_dot_product_attention(
+            q.view(s, hkv, hq // hkv, d),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+        ).reshape(s, hq, d)
+        if min_k == 0:
+            o = o.masked_fill((lens == 0)[:, None, None], 0.0)
+        return o
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        if q.shape[0] == 0:
+            return q.new_empty(q.shape)
+        lens = cache_seqlens.to(q.device, torch.long)
+        return self._decode(
+            q, key_cache, value_cache, block_table, lens, lens.tolist(), scale
+        ).to(q.dtype)
+
+    def _prefill_group(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        ids: list[int],
+        starts: list[int],
+        q_lens: list[int],
+        k_lens: list[int],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        dev = q.device
+        n = len(ids)
+        hq, d = q.shape[1:]
+        gq = [q_lens[s] for s in ids]
+        gk = [k_lens[s] for s in ids]
+        mq, mk = max(gq), max(gk)
+        bsz = key_cache.shape[1]
+        nb = -(-mk // bsz)
+        ids_t = torch.tensor(ids, device=dev)
+        k, v = self._gather(key_cache, value_cache, block_table.index_select(0, ids_t)[:, :nb])
+        k, v = k[:, :mk], v[:, :mk]
+        hkv = k.shape[2]
+        qi = torch.arange(mq, device=dev)
+        ql = torch.tensor(gq, device=dev)
+        kl = torch.tensor(gk, device=dev)
+        rows = torch.tensor([starts[s] for s in ids], device=dev)[:, None] + qi[None, :]
+        q_valid = qi[None, :] < ql[:, None]
+        uniform = all(x == mq for x in gq) and all(x == mk for x in gk)
+        if uniform:
+            qp = q[starts[ids[0]] : starts[ids[0]] + n * mq].view(n, mq, hq, d)
+            if sorted(ids) != ids or any(
+                starts[b] != starts[a] + mq for a, b in itertools.pairwise(ids)
+            ):
+                qp = q.index_select(0, rows.reshape(-1)).view(n, mq, hq, d)
+        else:
+            qp = q.index_select(0, rows.clamp_max(q.shape[0] - 1).reshape(-1)).view(n, mq, hq, d)
+        row_ok = None
+        if uniform and mq == mk:
+            mask, causal = None, True
+        else:
+            causal = False
+            kj = torch.arange(mk, device=dev)
+            shift = (kl - ql)[:, None, None]
+            mask = (kj[None, None, :] < kl[:, None, None]) & (
+                kj[None, None, :] <= qi[None, :, None] + shift
+            )
+            row_ok = q_valid & (qi[None, :] + (kl - ql)[:, None] >= 0)
+            mask[:, :, 0] |= ~row_ok
+            mask = mask[:, None]
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=hkv != hq,
+        ).transpose(1, 2)  # [n, mq, hq, d]
+        if row_ok is not None:
+            o = o.masked_fill(~row_ok[:, :, None, None], 0.0)
+        if uniform:
+            out.index_copy_(0, rows.reshape(-1), o.reshape(n * mq, hq, d).to(out.dtype))
+        else:
+            out.index_copy_(0, rows[q_valid], o[q_valid].to(out.dtype))
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        md: VarlenMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
+        out = q.new_zeros(q.shape)
+        starts = [0]
+        for lq in q_lens:
+            starts.append(starts[-1] + lq)
+        dec = [s for s in range(len(q_lens)) if q_lens[s] == 1 and k_lens[s] > 0]
+        rest = [s for s in range(len(q_lens)) if q_lens[s] > 1 and k_lens[s] > 0]
+        if dec:
+            dev = q.device
+            rows = torch.tensor([starts[s] for s in dec], device=dev)
+            lens_host = [k_lens[s] for s in dec]
+            ids_t = torch.tensor(dec, device=dev)
+            o = self._decode(
+                q.index_select(0, rows),
+                key_cache,
+                value_cache,
+                block_table.index_select(0, ids_t.to(block_table.device)),
+                torch.tensor(lens_host, device=dev),
+                lens_host,
+                scale,
+            )
+            out.index_copy_(0, rows, o.to(out.dtype))
+        for group in _plan_groups(rest, q_lens, k_lens):
+            self._prefill_group(
+                q, key_cache, value_cache, block_table, sorted(group), starts,
+                q_lens, k_lens, scale, out,
+            )
+        return out
