@@ -63,8 +63,12 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
-                    or self.blocks_to_copy)
+        return not (
+            self.scheduled
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.blocks_to_copy
+        )
 
 
 @dataclass(slots=True)
@@ -82,3 +86,17 @@ class ModelRunnerOutput:
 
     step_id: int
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one sequence, for the engine's detokeniser and streams."""
+
+    request_id: str
+    group_id: str
+    index: int
+    new_tokens: list[SampledToken]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0

@@ -1,0 +1,56 @@
+"""Scheduler and cache settings: small frozen dataclasses validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Batching policy.
+
+    ``max_num_batched_tokens`` is the per-step token budget shared by decodes
+    and prefill chunks; ``max_num_seqs`` caps running sequences.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "swap"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len without chunked prefill, "
+                f"got {self.max_num_batched_tokens} < {self.max_model_len}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged pool: block size, device and CPU block counts, prefix caching."""
+
+    num_gpu_blocks: int
+    block_size: int = 16
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = True
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not isinstance(self.num_gpu_blocks, int) or self.num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be > 0, got {self.num_gpu_blocks!r}")
+        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")

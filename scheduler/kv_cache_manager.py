@@ -1,0 +1,236 @@
+"""Per-request block tables on top of the pools: prefix hits, slot allocation,
+fork and copy-on-write, swap between tiers, freeing.
+
+Every method either succeeds or leaves all state untouched, so the scheduler
+can try an allocation, fail, preempt someone and try again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.scheduler.block_hash import BlockHash
+from pagedserve.scheduler.block_pool import BlockPool, CpuBlockPool, KVCacheBlock
+from pagedserve.scheduler.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class SwappedBlocks:
+    """Where a swapped-out request's KV lives: CPU ids plus the hashes they held."""
+
+    cpu_block_ids: list[int]
+    hashes: list[BlockHash | None]
+
+
+class KVCacheManager:
+    """Owns ``request_id -> [KVCacheBlock]`` and every change to it."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_caching: bool = True,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as plain ids, kept in step so plans copy them in C.
+        self.req_block_ids: dict[str, list[int]] = {}
+        self.swapped: dict[str, SwappedBlocks] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- lookups -------------------------------------------------------------
+
+    def block_ids(self, request_id: str) -> list[int]:
+        ids = self.req_block_ids.get(request_id)
+        return ids.copy() if ids is not None else []
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks, leaving at least one token to compute
+        (the last prompt token's logits are what we sample from)."""
+        hashes = request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # ---- allocation ----------------------------------------------------------
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Fresh device blocks a step of ``num_new_tokens`` needs, CoW included."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + num_new_tokens
+        need = max(0, cdiv(total, self.block_size) - len(blocks))
+        if self._cow_index(request, blocks, num_new_tokens) is not None:
+            need += 1
+        return need
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[tuple[int, int]] | None:
+        """Make room for ``num_new_tokens`` after ``request.num_computed_tokens``.
+
+        ``computed_blocks`` are prefix-cache hits for a request being admitted
+        (its ``num_computed_tokens`` already counts them). Returns the
+        copy-on-write pairs to emit, or ``None`` (nothing changed) if the pool
+        is short.
+        """
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        if not computed_blocks:
+            # Fast path (every decode step but one in B): the last block has room
+            # and is ours alone.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size and (
+                request.num_computed_tokens % self.block_size == 0
+                or blocks[request.num_computed_tokens // self.block_size].ref_cnt == 1
+            ):
+                return []
+        computed_blocks = computed_blocks or []
+        if computed_blocks and blocks:
+            raise RuntimeError(f"{rid} already has blocks; prefix hits only at admission")
+        total = request.num_computed_tokens + num_new_tokens
+        have = len(blocks) + len(computed_blocks)
+        need = max(0, cdiv(total, self.block_size) - have)
+        cow = self._cow_index(request, blocks, num_new_tokens)
+        need += cow is not None
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need + revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed_blocks)
+        blocks = self.req_blocks.setdefault(rid, [])
+        ids = self.req_block_ids.setdefault(rid, [])
+        blocks.extend(computed_blocks)
+        copies: list[tuple[int, int]] = []
+        if cow is not None:
+            old = blocks[cow]
+            (new,) = self.pool.allocate(1)
+            self.pool.free([old])
+            blocks[cow] = new
+            copies.append((old.block_id, new.block_id))
+            need -= 1
+        blocks.extend(self.pool.allocate(need))
+        ids[:] = [b.block_id for b in blocks]
+        return copies
+
+    def _cow_index(
+        self, request: Request, blocks: list[KVCacheBlock], num_new_tokens: int
+    ) -> int | None:
+        """Index of a shared block the step writes into, if any.
+
+        Only the partially filled last block can be written (full blocks are
+        immutable), and only a fork shares a partial block.
+        """
+        if num_new_tokens <= 0 or request.num_computed_tokens % self.block_size == 0:
+            return None
+        idx = request.num_computed_tokens // self.block_size
+        if idx < len(blocks) and blocks[idx].ref_cnt > 1:
+            return idx
+        return None
+
+    def cache_blocks(self, request: Request) -> None:
+        """Name every computed full block by its hash (called after the forward ran,
+        so a hash never names a block whose content was not written)."""
+        if not self.pool.enable_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id, [])
+        full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if full <= request.num_hashed_blocks:
+            return
+        hashes = request.update_block_hashes(self.block_size)
+        for i in range(request.num_hashed_blocks, full):
+            b = blocks[i]
+            if b.block_hash is None:
+                self.pool.cache_full_block(b, hashes[i])
+        request.num_hashed_blocks = full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Child shares every parent block, the partial last one included."""
+        blocks = self.req_blocks.get(parent.request_id, [])
+        if child.request_id in self.req_blocks:
+            raise RuntimeError(f"{child.request_id} already has blocks")
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        self.req_block_ids[child.request_id] = [b.block_id for b in blocks]
+
+    def free(self, request: Request) -> None:
+        """Release device blocks (tail first, so prefixes outlive tails) and CPU copies."""
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self.req_block_ids.pop(request.request_id, None)
+        request.num_hashed_blocks = 0
+        if blocks:
+            self.pool.free(reversed(blocks))
+        swapped = self.swapped.pop(request.request_id, None)
+        if swapped:
+            self.cpu_pool.free(swapped.cpu_block_ids)
+
+    # ---- swap ----------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        n = len(self.req_blocks.get(request.request_id, ()))
+        return n <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Copy a request's blocks to the CPU tier and release them on the device.
+
+        The device blocks keep their hashes in the LRU queue, so the prefix
+        can still be hit (and swap-in can skip copying it back) until evicted.
+        """
+        blocks = self.req_blocks.pop(request.request_id)
+        del self.req_block_ids[request.request_id]
+        request.num_hashed_blocks = 0
+        cpu_ids = self.cpu_pool.allocate(len(blocks))
+        self.swapped[request.request_id] = SwappedBlocks(cpu_ids, [b.block_hash for b in blocks])
+        pairs = [(b.block_id, c) for b, c in zip(blocks, cpu_ids)]
+        self.pool.free(reversed(blocks))
+        return pairs
+
+    def num_blocks_to_swap_in(self, request: Request) -> int:
+        """Free device blocks a swap-in consumes: fresh copies plus revived cache hits."""
+        sw = self.swapped[request.request_id]
+        hits = [None if h is None else self.pool.get_cached_block(h) for h in sw.hashes]
+        return sum(1 for b in hits if b is None or b.ref_cnt == 0)
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back; full blocks still cached on the device are
+        reused instead of copied. Returns ``(device, cpu)`` pairs or ``None``."""
+        sw = self.swapped[request.request_id]
+        hits = [None if h is None else self.pool.get_cached_block(h) for h in sw.hashes]
+        revived = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
+        need = sum(1 for b in hits if b is None)
+        if need + revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch([b for b in hits if b is not None])
+        fresh = iter(self.pool.allocate(need))
+        blocks: list[KVCacheBlock] = []
+        pairs: list[tuple[int, int]] = []
+        for hit, cpu_id in zip(hits, sw.cpu_block_ids):
+            if hit is not None:
+                blocks.append(hit)
+            else:
+                b = next(fresh)
+                blocks.append(b)
+                pairs.append((b.block_id, cpu_id))
+        del self.swapped[request.request_id]
+        self.cpu_pool.free(sw.cpu_block_ids)
+        self.req_blocks[request.request_id] = blocks
+        self.req_block_ids[request.request_id] = [b.block_id for b in blocks]
+        return pairs

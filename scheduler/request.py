@@ -1,0 +1,126 @@
+"""One sequence the scheduler tracks: its tokens, progress and lifecycle state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from pagedserve.scheduler.block_hash import BlockHash, hash_prompt_blocks
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+class Request:
+    """A single sequence: a prompt plus the tokens sampled so far.
+
+    An ``n > 1`` request is a group: sample 0 keeps the group id as its
+    ``request_id`` and carries its siblings in ``pending_children`` until the
+    shared prompt is computed, when the scheduler forks them onto its blocks.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+        extra_keys: Sequence[str] = (),
+        group_id: str | None = None,
+        index: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.group_id = group_id if group_id is not None else request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.extra_keys = tuple(extra_keys)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        # Leading blocks of the current table already offered to the prefix cache.
+        self.num_hashed_blocks = 0
+        self.pending_children: list[Request] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extend the chained hashes to every full block of the current tokens."""
+        full = self.num_tokens // block_size
+        if len(self.block_hashes) < full:
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.extend(
+                hash_prompt_blocks(
+                    self.all_token_ids[: full * block_size],
+                    block_size,
+                    self.extra_keys,
+                    start=len(self.block_hashes),
+                    parent=parent,
+                )
+            )
+        return self.block_hashes
+
+    def make_child(self, index: int) -> Request:
+        """Sibling ``index`` of an ``n > 1`` group (vLLM's seed + index rule)."""
+        child = Request(
+            f"{self.group_id}#{index}",
+            self.prompt_token_ids,
+            self.sampling_params.for_child(index),
+            self.eos_token_ids,
+            self.extra_keys,
+            group_id=self.group_id,
+            index=index,
+            arrival_time=self.arrival_time,
+        )
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

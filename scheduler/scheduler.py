@@ -1,0 +1,383 @@
+"""Continuous batching with a token budget, chunked prefill, preemption and abort.
+
+Each ``schedule()`` call: running sequences first (decode, or the next chunk of
+a prefill), preempting the most recently arrived running sequence whenever
+the pool is short; then swapped sequences come back (only in a step that
+preempted nobody); then waiting ones are admitted in arrival order while the
+budget, the sequence cap and the pool allow. ``update_from_output`` applies
+the sampled tokens, names newly full blocks in the prefix cache, forks
+parallel samples and frees finished sequences at once.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import deque
+
+from pagedserve.scheduler.block_hash import make_extra_keys
+from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.scheduler.memory import MemoryStats, memory_stats
+from pagedserve.scheduler.outputs import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+class Scheduler:
+    """The single owner of every block decision of one engine replica."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(
+            cache_config.num_gpu_blocks,
+            cache_config.block_size,
+            cache_config.num_cpu_blocks,
+            cache_config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[str]] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self._finished_ids: list[str] = []
+        self._aborted_ids: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+
+    # ---- admission -------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Build a request with this replica's hash keys (model id, salt)."""
+        return Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_ids,
+            make_extra_keys(self.cache_config.model_id, cache_salt),
+        )
+
+    def check_fits(self, request: Request) -> None:
+        """Reject at admission what could never run, instead of waiting forever."""
+        n = request.num_prompt_tokens
+        max_len = self.config.max_model_len
+        if n >= max_len:
+            raise ValueError(
+                f"prompt is {n} tokens, the model's context is {max_len} "
+                "(at least one token must be generated)"
+            )
+        max_tokens = request.sampling_params.max_tokens
+        total = n + (max_tokens if max_tokens is not None else max_len - n)
+        if total > max_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n}) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds the model's context of {max_len} tokens"
+            )
+        if cdiv(total, self.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request needs {cdiv(total, self.block_size)} KV blocks for {total} tokens, "
+                f"the pool has {self.kv.pool.num_blocks}"
+            )
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens exceeds max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) without chunked prefill"
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ``n > 1`` becomes a group whose siblings fork later."""
+        if request.request_id in self.requests or request.group_id in self.groups:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.check_fits(request)
+        n = request.sampling_params.n
+        if n > 1:
+            request.pending_children = [request.make_child(i) for i in range(1, n)]
+            request.sampling_params = request.sampling_params.for_child(0)
+        self.requests[request.request_id] = request
+        self.groups[request.group_id] = [request.request_id] + [
+            c.request_id for c in request.pending_children
+        ]
+        self.waiting.append(request)
+
+    # ---- the step plan -----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._step_id)
+        self._step_id += 1
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        out.aborted_ids, self._aborted_ids = self._aborted_ids, []
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            copies = self.kv.allocate_slots(req, num_new)
+            while copies is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+                copies = self.kv.allocate_slots(req, num_new)
+            if copies is None:
+                break
+            out.blocks_to_copy.extend(copies)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+
+        while (
+            not preempted
+            and self.swapped
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            blocks_after = cdiv(req.num_computed_tokens + num_new, self.block_size)
+            extra = max(0, blocks_after - len(self.kv.swapped[req.request_id].cpu_block_ids))
+            if self.kv.num_blocks_to_swap_in(req) + extra > self.kv.pool.num_free_blocks:
+                break
+            pairs = self.kv.swap_in(req)
+            copies = self.kv.allocate_slots(req, num_new) if pairs is not None else None
+            assert pairs is not None and copies is not None, "swap-in check was exact"
+            self.swapped.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.blocks_to_swap_in.extend(pairs)
+            out.blocks_to_copy.extend(copies)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+        while (
+            not preempted
+            and not self.swapped
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            req.num_computed_tokens = num_hit
+            copies = self.kv.allocate_slots(req, num_new, hits)
+            if copies is None:
+                req.num_computed_tokens = 0
+                break
+            req.num_cached_tokens = max(req.num_cached_tokens, num_hit)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return out
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        rid = req.request_id
+        if start + num_new != len(req.all_token_ids):
+            sample_ids, params = [], {}
+        elif not req.pending_children:
+            sample_ids, params = [rid], {rid: req.sampling_params}
+        else:
+            family = [req, *req.pending_children]
+            sample_ids = [r.request_id for r in family]
+            params = {r.request_id: r.sampling_params for r in family}
+        return ScheduledRequest(
+            rid,
+            req.all_token_ids[start : start + num_new],
+            start,
+            self.kv.block_ids(rid),
+            sample_ids,
+            params,
+        )
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Swap to CPU when the mode and the CPU tier allow; otherwise recompute.
+
+        A swap that does not fit on the CPU falls back to recompute for that
+        request alone: the engine never fails for lack of swap space.
+        """
+        req.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            self.num_preemptions["swap"] += 1
+            return
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions["recompute"] += 1
+
+    # ---- applying a step's results ---------------------------------------------
+
+    def update_from_output(
+        self, plan: SchedulerOutput, output: ModelRunnerOutput | None
+    ) -> list[RequestUpdate]:
+        """Advance every scheduled sequence; sequences aborted mid-step are skipped."""
+        sampled = output.sampled if output is not None else {}
+        updates: list[RequestUpdate] = []
+        block_size = self.block_size
+        for sr in plan.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += len(sr.token_ids)
+            if req.num_computed_tokens // block_size > req.num_hashed_blocks:
+                self.kv.cache_blocks(req)
+            if not sr.sample_ids:
+                continue
+            family = [req]
+            if req.pending_children:
+                for child in req.pending_children:
+                    self._fork(req, child)
+                family += req.pending_children
+                req.pending_children = []
+            for r in family:
+                tok = sampled.get(r.request_id)
+                if tok is None:
+                    raise RuntimeError(f"runner returned no token for {r.request_id}")
+                r.all_token_ids.append(tok.token_id)
+                reason = self._stop_reason(r, tok.token_id)
+                if reason is not None:
+                    self._finish(r, reason)
+                updates.append(
+                    RequestUpdate(
+                        r.request_id,
+                        r.group_id,
+                        r.index,
+                        [tok],
+                        reason is not None,
+                        reason.value if reason is not None else None,
+                        r.num_prompt_tokens,
+                        r.num_cached_tokens,
+                    )
+                )
+        return updates
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
+    def _stop_reason(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        n = len(req.all_token_ids)
+        if (p.max_tokens is not None and n - len(req.prompt_token_ids) >= p.max_tokens) or (
+            n >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- ending requests -----------------------------------------------------------
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End one sequence from outside (a stop string matched in the detokeniser)."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, status)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Abort a group (or one sequence) in any state; frees its blocks at once.
+
+        Blocks shared with other sequences only lose this sequence's reference.
+        Returns the sequence ids that were aborted.
+        """
+        ids = list(self.groups.get(request_id, [request_id]))
+        aborted: list[str] = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None:
+                parent = self.requests.get(self._group_of(rid) or "")
+                if parent is not None:
+                    parent.pending_children = [
+                        c for c in parent.pending_children if c.request_id != rid
+                    ]
+                    self._forget(rid, parent.group_id)
+                    aborted.append(rid)
+                continue
+            if not req.is_finished:
+                aborted += self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return aborted
+
+    def _group_of(self, rid: str) -> str | None:
+        return rid.rsplit("#", 1)[0] if "#" in rid else None
+
+    def _finish(self, req: Request, status: RequestStatus) -> list[str]:
+        """End a sequence, free its blocks now, and drop siblings it never forked."""
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        ended = [req.request_id] + [c.request_id for c in req.pending_children]
+        req.pending_children = []
+        sink = self._aborted_ids if status is RequestStatus.FINISHED_ABORTED else self._finished_ids
+        sink.extend(ended)
+        for rid in ended:
+            self._forget(rid, req.group_id)
+        return ended
+
+    def _forget(self, rid: str, group_id: str) -> None:
+        members = self.groups.get(group_id)
+        if members is None:
+            return
+        if rid in members:
+            members.remove(rid)
+        if not members:
+            del self.groups[group_id]
+
+    # ---- introspection ---------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def memory_stats(self) -> MemoryStats:
+        return memory_stats(self)
+
+
+def configure_gc_for_serving() -> None:
+    """Freeze start-up objects and raise the young-generation threshold.
+
+    A step allocates thousands of small objects (plans, updates); with the
+    default threshold CPython's collector runs several times per step and
+    walks every live request, which doubles scheduler time at 1024 running
+    sequences. The engine calls this once after start-up.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)

@@ -1,0 +1,120 @@
+"""Drive a Scheduler against the KV simulator and check its invariants."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.request import Request
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler
+
+from tests.scheduler.kv_sim import KVSim
+
+
+def make_scheduler(
+    num_gpu_blocks: int = 64,
+    block_size: int = 4,
+    num_cpu_blocks: int = 0,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 256,
+    preemption_mode: str = "swap",
+    enable_prefix_caching: bool = True,
+) -> tuple[Scheduler, KVSim]:
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            preemption_mode=preemption_mode,
+        ),
+        CacheConfig(
+            num_gpu_blocks=num_gpu_blocks,
+            block_size=block_size,
+            num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            model_id="test-model",
+        ),
+    )
+    return sched, KVSim(num_gpu_blocks, num_cpu_blocks, block_size)
+
+
+def req(
+    rid: str,
+    prompt: list[int],
+    max_tokens: int = 8,
+    n: int = 1,
+    salt: str | None = None,
+    sched: Scheduler | None = None,
+) -> Request:
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0)
+    if sched is not None:
+        return sched.make_request(rid, prompt, params, cache_salt=salt)
+    return Request(rid, prompt, params, extra_keys=("test-model",))
+
+
+def step(sched: Scheduler, sim: KVSim) -> dict[str, list[int]]:
+    plan = sched.schedule()
+    out = sim.execute(plan)
+    produced: dict[str, list[int]] = {}
+    for u in sched.update_from_output(plan, out):
+        produced.setdefault(u.request_id, []).extend(t.token_id for t in u.new_tokens)
+    check_invariants(sched, sim)
+    return produced
+
+
+def run_to_completion(
+    sched: Scheduler, sim: KVSim, max_steps: int = 10_000
+) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return outputs
+        for rid, toks in step(sched, sim).items():
+            outputs.setdefault(rid, []).extend(toks)
+    raise AssertionError("scheduler did not finish")
+
+
+def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
+    """Refcounts equal table membership; free and referenced are disjoint; every
+    hash names one block whose simulated content is the hashed tokens."""
+    pool = sched.kv.pool
+    holders: Counter[int] = Counter()
+    for blocks in sched.kv.req_blocks.values():
+        for b in blocks:
+            holders[b.block_id] += 1
+    free_ids = {b.block_id for b in pool.free_queue}
+    assert len(free_ids) == pool.num_free_blocks
+    for b in pool.blocks:
+        assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
+        assert (b.ref_cnt == 0) == (b.block_id in free_ids), b
+    for h, b in pool.cached.items():
+        assert b.block_hash == h
+    for rid, blocks in sched.kv.req_blocks.items():
+        assert sched.kv.req_block_ids[rid] == [b.block_id for b in blocks]
+        r = sched.requests[rid]
+        assert len(blocks) * sched.block_size >= r.num_computed_tokens
+        hashes = r.update_block_hashes(sched.block_size)
+        for i, b in enumerate(blocks):
+            if b.block_hash is not None:
+                assert b.block_hash == hashes[i], f"{rid} block {i} hash names other tokens"
+    if sim is not None:
+        B = sched.block_size
+        for rid, blocks in sched.kv.req_blocks.items():
+            r = sched.requests[rid]
+            for p in range(r.num_computed_tokens):
+                assert sim.gpu[blocks[p // B].block_id][p % B] == r.all_token_ids[p]
+        for b in pool.cached.values():
+            assert None not in sim.gpu[b.block_id]
+    used_cpu = sum(len(s.cpu_block_ids) for s in sched.kv.swapped.values())
+    assert used_cpu == sched.kv.cpu_pool.num_blocks - sched.kv.cpu_pool.num_free_blocks
+
+
+def assert_baseline(sched: Scheduler) -> None:
+    pool = sched.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not sched.kv.req_blocks and not sched.kv.swapped
+    assert sched.kv.cpu_pool.num_free_blocks == sched.kv.cpu_pool.num_blocks
+    assert not sched.requests and not sched.groups
