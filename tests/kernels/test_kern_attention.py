@@ -1,90 +1,133 @@
-"""Every available backend against the dense oracle on shuffled paged caches."""
+"""Every available backend against the dense oracle on shuffled paged caches.
+
+On CPU the backends are torch and (under TRITON_INTERPRET=1) triton; the same
+tests run on a GPU box through test_kern_gpu.py. Batches mix decode rows
+(q_len 1), no-context prefills (q_len == k_len) and chunked prefills over
+context, with lengths 1, B-1, B, B+1 and 2B.
+"""
 
 import math
 import random
 
 import pytest
 import torch
-from pagedserve.kernels import build_varlen_metadata, dense_causal_attention, get_backend
-from pagedserve.kernels.backend import available_backends
-from pagedserve.kernels.testing import make_paged_batch
+from pagedserve.kernels import (
+    available_backends,
+    build_varlen_metadata,
+    dense_causal_attention,
+    get_backend,
+)
+from pagedserve.kernels.testing import PagedBatch, make_paged_batch
 
 CPU_BACKENDS = available_backends("cpu")
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: inputs and output rounded to 11 bits
+FP32_TOL = 1e-5
+HALF_TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}  # 11 / 8 mantissa bits on in/out
 
 
-def _lengths(block_size: int, seed: int) -> tuple[list[int], list[int]]:
+def mixed_lengths(block_size: int, seed: int) -> tuple[list[int], list[int]]:
     """Decode rows, no-context prefills and chunked prefills, edge lengths included."""
     rng = random.Random(seed)
     edges = [1, block_size, 2 * block_size, block_size + 1, block_size - 1]
     q_lens, k_lens = [], []
     for k in edges + [rng.randint(1, 3 * block_size) for _ in range(3)]:
         kind = rng.choice(["decode", "prefill", "chunk"])
-        q = 1 if kind == "decode" else k if kind == "prefill" else rng.randint(1, k)
-        q_lens.append(q)
+        q_lens.append(1 if kind == "decode" else k if kind == "prefill" else rng.randint(1, k))
         k_lens.append(k)
     return q_lens, k_lens
 
 
-def _check(name: str, b, tol: float, *, decode: bool) -> None:
-    be = get_backend(name, "cpu")
-    d = b.q.shape[-1]
-    scale = 1 / math.sqrt(d)
-    ref = dense_causal_attention(b.q, b.k, b.v, b.query_lens, b.key_lens, scale)
+def check_against_oracle(
+    be, b: PagedBatch, tol: float, *, decode: bool, device: str = "cpu"
+) -> None:
+    """Run one backend on ``b`` and compare with the dense oracle (on CPU)."""
+    scale = 1 / math.sqrt(b.q.shape[-1])
+    ref = dense_causal_attention(
+        b.q.cpu(), b.k.cpu(), b.v.cpu(), b.query_lens, b.key_lens, scale
+    )
     if decode:
-        seqlens = torch.tensor(b.key_lens, dtype=torch.int32)
+        seqlens = torch.tensor(b.key_lens, dtype=torch.int32, device=device)
         out = be.decode_attention(b.q, b.key_cache, b.value_cache, b.block_table, seqlens, scale)
     else:
-        md = build_varlen_metadata(b.query_lens, b.key_lens)
+        md = build_varlen_metadata(b.query_lens, b.key_lens, device=device)
         out = be.varlen_attention(b.q, b.key_cache, b.value_cache, b.block_table, md, scale)
     assert out.shape == b.q.shape and out.dtype == b.q.dtype
-    err = (out.double() - ref.double()).abs().max().item()
-    assert err <= tol, f"{name}: max abs error {err} > {tol}"
+    err = (out.cpu().double() - ref.double()).abs().max().item()
+    assert err <= tol, f"{be.name}: max abs error {err} > {tol}"
 
 
-@pytest.mark.parametrize("name", [n for n in CPU_BACKENDS if n == "torch"])
+@pytest.mark.parametrize("name", CPU_BACKENDS)
 @pytest.mark.parametrize("gqa", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_torch_varlen_matches_oracle(name: str, gqa: int, head_dim: int, seed: int) -> None:
-    q_lens, k_lens = _lengths(16, seed)
+def test_varlen_matches_oracle(name: str, gqa: int, head_dim: int) -> None:
+    seed = gqa * 7 + head_dim
+    q_lens, k_lens = mixed_lengths(16, seed)
     b = make_paged_batch(q_lens, k_lens, 2 * gqa, 2, head_dim, block_size=16, seed=seed)
-    _check(name, b, TOL[torch.float32], decode=False)
+    check_against_oracle(get_backend(name, "cpu"), b, FP32_TOL, decode=False)
 
 
+@pytest.mark.parametrize("name", CPU_BACKENDS)
 @pytest.mark.parametrize("gqa", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_torch_decode_matches_oracle(gqa: int, head_dim: int) -> None:
+def test_decode_matches_oracle(name: str, gqa: int, head_dim: int) -> None:
     k_lens = [1, 16, 17, 32, 5, 47, 0]
     b = make_paged_batch([1] * len(k_lens), k_lens, 2 * gqa, 2, head_dim, block_size=16)
-    _check("torch", b, TOL[torch.float32], decode=True)
+    check_against_oracle(get_backend(name, "cpu"), b, FP32_TOL, decode=True)
 
 
+@pytest.mark.parametrize("name", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_torch_half_precision(dtype: torch.dtype) -> None:
-    q_lens, k_lens = _lengths(16, 5)
+def test_half_precision(name: str, dtype: torch.dtype) -> None:
+    q_lens, k_lens = mixed_lengths(16, 5)
     b = make_paged_batch(q_lens, k_lens, 6, 2, 64, block_size=16, dtype=dtype, garbage=3.0)
-    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
-    _check("torch", b, tol, decode=False)
+    check_against_oracle(get_backend(name, "cpu"), b, HALF_TOL[dtype], decode=False)
 
 
-def test_torch_uniform_prefill_and_padded_groups() -> None:
-    """Equal no-context prefills (is_causal path) and one long + many short rows."""
-    b = make_paged_batch([20, 20, 20], [20, 20, 20], 4, 4, 64, block_size=16)
-    _check("torch", b, TOL[torch.float32], decode=False)
-    q_lens = [200] + [3] * 10 + [1] * 10
-    k_lens = [200] + [9] * 10 + [33] * 10
-    b = make_paged_batch(q_lens, k_lens, 6, 2, 64, block_size=16, seed=3)
-    _check("torch", b, TOL[torch.float32], decode=False)
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_block_size_not_power_of_two_and_tiny(name: str) -> None:
+    b = make_paged_batch([3, 1, 9], [7, 12, 9], 3, 1, 64, block_size=3, seed=4)
+    check_against_oracle(get_backend(name, "cpu"), b, FP32_TOL, decode=False)
 
 
-def test_rows_without_keys_are_zero() -> None:
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_rows_without_keys_are_zero(name: str) -> None:
     """q_len > k_len: the first q_len - k_len rows see nothing; k_len 0 is all zeros."""
     b = make_paged_batch([5, 4, 1], [2, 0, 0], 2, 1, 64, block_size=16)
     md = build_varlen_metadata(b.query_lens, b.key_lens)
-    out = get_backend("torch").varlen_attention(
+    out = get_backend(name, "cpu").varlen_attention(
         b.q, b.key_cache, b.value_cache, b.block_table, md, 0.125
     )
     assert torch.equal(out[:3], torch.zeros_like(out[:3]))
     assert out[3:5].abs().sum() > 0
     assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+
+
+def test_torch_varlen_more_seeds() -> None:
+    for seed in range(2, 6):
+        q_lens, k_lens = mixed_lengths(32, seed)
+        b = make_paged_batch(q_lens, k_lens, 9, 3, 64, block_size=32, seed=seed)
+        check_against_oracle(get_backend("torch"), b, FP32_TOL, decode=False)
+
+
+def test_torch_uniform_prefill_and_padded_groups() -> None:
+    """Equal no-context prefills (is_causal path) and one long + many short rows."""
+    be = get_backend("torch")
+    b = make_paged_batch([20, 20, 20], [20, 20, 20], 4, 4, 64, block_size=16)
+    check_against_oracle(be, b, FP32_TOL, decode=False)
+    q_lens = [200] + [3] * 10 + [1] * 10
+    k_lens = [200] + [9] * 10 + [33] * 10
+    b = make_paged_batch(q_lens, k_lens, 6, 2, 64, block_size=16, seed=3)
+    check_against_oracle(be, b, FP32_TOL, decode=False)
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton (interpreter)")
+@pytest.mark.parametrize("splits", [2, 3])
+def test_triton_split_k_matches_oracle(splits: int) -> None:
+    """Flash-decoding path: key range split across programs, partials combined."""
+    from pagedserve.kernels.triton_backend import TritonBackend
+
+    be = TritonBackend("cpu", num_splits=splits)
+    k_lens = [1, 16, 70, 33, 0]
+    b = make_paged_batch([1] * 5, k_lens, 6, 2, 64, block_size=16, seed=splits)
+    check_against_oracle(be, b, FP32_TOL, decode=True)
+    b = make_paged_batch([4, 1, 20], [40, 7, 20], 8, 2, 64, block_size=16, seed=splits)
+    check_against_oracle(be, b, FP32_TOL, decode=False)

@@ -4,7 +4,12 @@ import math
 
 import pytest
 import torch
-from pagedserve.kernels import build_varlen_metadata, dense_causal_attention, get_backend
+from pagedserve.kernels import (
+    available_backends,
+    build_varlen_metadata,
+    dense_causal_attention,
+    get_backend,
+)
 from pagedserve.kernels.testing import make_paged_batch
 
 
@@ -39,12 +44,13 @@ def test_empty_batch_metadata() -> None:
     assert md.max_length_q == 0 and md.max_length_k == 0
 
 
-def test_seed_varlen_attention_example() -> None:
+@pytest.mark.parametrize("name", available_backends("cpu"))
+def test_seed_varlen_attention_example(name: str) -> None:
     """q [10,3,1] over k [0,1,7]: the zero-key sequence outputs zeros."""
     b = make_paged_batch([10, 3, 1], [0, 1, 7], 4, 2, 64, block_size=4, seed=1)
     md = build_varlen_metadata(b.query_lens, b.key_lens)
     scale = 1 / math.sqrt(64)
-    out = get_backend("torch").varlen_attention(
+    out = get_backend(name, "cpu").varlen_attention(
         b.q, b.key_cache, b.value_cache, b.block_table, md, scale
     )
     ref = dense_causal_attention(b.q, b.k, b.v, b.query_lens, b.key_lens, scale)
@@ -54,13 +60,14 @@ def test_seed_varlen_attention_example() -> None:
     assert (out - ref).abs().max().item() <= 1e-5
 
 
-def test_seed_decode_example() -> None:
+@pytest.mark.parametrize("name", available_backends("cpu"))
+def test_seed_decode_example(name: str) -> None:
     """cache lengths [30,32,70], B=32, non-contiguous block table."""
     table = [[2, -1, -1, -1], [0, 1, -1, -1], [3, 5, 6, -1]]
     b = make_paged_batch([1, 1, 1], [30, 32, 70], 6, 2, 64, block_size=32, block_table=table)
     scale = 0.125
     seqlens = torch.tensor([30, 32, 70], dtype=torch.int32)
-    out = get_backend("torch").decode_attention(
+    out = get_backend(name, "cpu").decode_attention(
         b.q, b.key_cache, b.value_cache, b.block_table, seqlens, scale
     )
     ref = dense_causal_attention(b.q, b.k, b.v, b.query_lens, b.key_lens, scale)

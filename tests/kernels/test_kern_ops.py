@@ -6,7 +6,7 @@ import pytest
 import torch
 from pagedserve.kernels import AttentionBackend, available_backends, get_backend
 
-CPU_BACKENDS = [n for n in available_backends("cpu") if n == "torch"]  # triton: next commit
+CPU_BACKENDS = available_backends("cpu")
 
 
 def _caches(num_blocks: int = 6, block_size: int = 4, hkv: int = 2, d: int = 8, layers: int = 2):

@@ -1,0 +1,147 @@
+"""Triton paged attention: one kernel for varlen prefill (with context) and decode.
+
+Each program owns one query tile of one sequence and one KV head. Its rows pack
+``BLOCK_M // G`` query positions times the ``G`` query heads that share the KV
+head (GQA packing), so each K/V tile is loaded once for the whole group. Keys
+are gathered token by token through the block table, so any block size works.
+The grid's third axis splits the key range (flash-decoding): with few
+sequences a decode batch would otherwise leave most SMs idle; each split
+writes an unnormalised partial result plus its running max and sum, and
+``_combine_kernel`` merges them.
+
+Math is fp32 (loads are upcast: the interpreter mishandles bf16 arithmetic and
+fp32 caches need IEEE dots, not tf32). With 16-bit caches on a GPU the two
+dots take the native dtype to use tensor cores, accumulating in fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    block_table_ptr, cu_q_ptr, seq_lens_k_ptr, tile_seq_ptr, tile_qoff_ptr,
+    scale_log2, num_q_heads, block_size,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    qoff = tl.load(tile_qoff_ptr + tile)
+    q_begin = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+    k_len = tl.load(seq_lens_k_ptr + seq)
+    shift = k_len - q_len  # bottom-right causal alignment
+
+    BLOCK_Q: tl.constexpr = BLOCK_M // G
+    r = tl.arange(0, BLOCK_M)
+    qi = qoff + r // G  # query index inside the sequence
+    head = kvh * G + r % G
+    row_ok = (r < BLOCK_Q * G) & (qi < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tok = (q_begin + qi).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    last_q = tl.minimum(qoff + BLOCK_Q, q_len) - 1
+    kv_end = tl.maximum(tl.minimum(k_len, last_q + shift + 1), 0)
+    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_end)
+    limit = qi + shift  # last visible key per row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        blk = tl.load(block_table_ptr + seq * stride_bt + n // block_size, mask=n_ok, other=0)
+        blk = blk.to(tl.int64)
+        in_blk = n % block_size
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_cache_ptr + (blk * stride_kb + in_blk * stride_ks + kvh * stride_kh)[:, None]
+            + d[None, :], mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + (blk * stride_vb + in_blk * stride_vs + kvh * stride_vh)[:, None]
+            + d[None, :], mask=kv_mask, other=0.0,
+        )
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        vis = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= limit[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=out_mask,
+        )
+    else:
+        part = (tok * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, num_q_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    """Merge split-K partials of one (token, head): rescale by each split's max."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < NUM_SPLITS
+    base = (t * num_q_heads + h) * NUM_SPLITS
+    m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
+    l_part = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)
+    denom = tl.sum(w * l_part, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    acc = tl.load(
+        part_acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (Triton block dims must be powers of two)."""
+    return triton.next_power_of_2(max(int(x), 1))

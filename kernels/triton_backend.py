@@ -1,0 +1,223 @@
+"""Triton backend: host-side planning and launches for the kernels in triton_*.py.
+
+Importing this module imports triton; ``get_backend("triton")`` does so only on
+request. On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests only).
+Planning avoids device synchronisation: decode builds its tile map on the
+device and bounds the context by the block table's width; varlen uses the
+host length lists carried by :class:`VarlenMetadata`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.metadata import VarlenMetadata
+from pagedserve.kernels.triton_attention import (
+    _combine_kernel,
+    _paged_attention_kernel,
+    next_pow2,
+)
+from pagedserve.kernels.triton_cache import _copy_blocks_kernel, _store_kv_kernel
+
+_LOG2E = 1.4426950408889634
+_MIN_KEYS_PER_SPLIT = 256
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention with Triton kernels (CUDA; CPU via the interpreter).
+
+    ``num_splits`` forces the split-K factor (tests use it to exercise the
+    combine path); ``None`` picks it from the grid size and context length.
+    """
+
+    name = "triton"
+
+    def __init__(self, device: torch.device | str = "cuda", num_splits: int | None = None) -> None:
+        super().__init__(device)
+        self.num_splits = num_splits
+        self._num_sms: int | None = None
+
+    # ---------------------------------------------------------------- cache ops
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        t = slot_mapping.numel()
+        if t == 0:
+            return
+        _, bsz, hkv, d = key_cache.shape
+        key = _rows_contiguous(key.reshape(t, hkv, d))
+        value = _rows_contiguous(value.reshape(t, hkv, d))
+        for c in (key_cache, value_cache):
+            if c.stride(2) != d or c.stride(3) != 1:
+                raise ValueError("cache heads and head_dim must be contiguous")
+        slots = slot_mapping.to(key_cache.device, torch.int64).contiguous()
+        _store_kv_kernel[(t,)](
+            key, value, key_cache, value_cache, slots,
+            key.stride(0), value.stride(0),
+            key_cache.stride(0), key_cache.stride(1),
+            value_cache.stride(0), value_cache.stride(1), bsz,
+            ROW=hkv * d, BLOCK=next_pow2(hkv * d),
+        )
+
+    def copy_blocks(
+        self,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        pairs: torch.Tensor,
+    ) -> None:
+        if pairs.numel() == 0:
+            return
+        p = pairs.to(key_caches[0].device, torch.int64).contiguous()
+        if bool(torch.isin(p[:, 1], p[:, 0]).any()):
+            # Chained copies need ordering a parallel launch cannot give.
+            super().copy_blocks(key_caches, value_caches, pairs)
+            return
+        for cache in [*key_caches, *value_caches]:
+            if not cache.is_contiguous():
+                raise ValueError("copy_blocks needs contiguous caches")
+            numel = cache[0].numel()
+            chunk = min(4096, next_pow2(numel))
+            _copy_blocks_kernel[(p.shape[0], triton.cdiv(numel, chunk))](
+                cache, p, numel, CHUNK=chunk
+            )
+
+    # ------------------------------------------------------------ attention
+    def _splits(self, programs: int, max_k: int) -> int:
+        if self.num_splits is not None:
+            return self.num_splits
+        if _interpreting() or not torch.cuda.is_available():
+            return 1
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if programs >= self._num_sms:
+            return 1
+        want = min(triton.cdiv(2 * self._num_sms, programs), triton.cdiv(max_k, _MIN_KEYS_PER_SPLIT))
+        return max(1, min(16, 1 << int(math.log2(max(want, 1)))))
+
+    def _launch(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cu_q: torch.Tensor,
+        seq_lens_k: torch.Tensor,
+        tile_seq: torch.Tensor,
+        tile_qoff: torch.Tensor,
+        block_m: int,
+        max_k: int,
+        total_q: int,
+        scale: float,
+    ) -> torch.Tensor:
+        tq, hq, d = q.shape
+        _, bsz, hkv, _ = key_cache.shape
+        if hq % hkv:
+            raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+        if q.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+            raise ValueError("head_dim must be the contiguous dimension")
+        group = hq // hkv
+        n_tiles = tile_seq.numel()
+        out = torch.empty_like(q) if tq == total_q else torch.zeros_like(q)
+        if n_tiles == 0:
+            return out
+        splits = self._splits(n_tiles * hkv, max_k)
+        interp = _interpreting()
+        dot_f32 = interp or q.dtype == torch.float32 or key_cache.dtype == torch.float32
+        block_n = 32 if interp or d > 64 else 64
+        if splits > 1:
+            part_acc = torch.empty(tq * hq * splits * d, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(tq * hq * splits * 2, dtype=torch.float32, device=q.device)
+        else:
+            part_acc = part_ml = out  # unused: NUM_SPLITS == 1 writes `out` directly
+        bt = block_table.to(torch.int32)
+        _paged_attention_kernel[(n_tiles, hkv, splits)](
+            q, key_cache, value_cache, out, part_acc, part_ml,
+            bt, cu_q, seq_lens_k, tile_seq, tile_qoff,
+            scale * _LOG2E, hq, bsz,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            bt.stride(0),
+            G=group, HEAD_DIM=d, BLOCK_D=next_pow2(max(d, 16)),
+            BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
+            num_warps=4 if block_m <= 64 else 8,
+        )
+        if splits > 1:
+            _combine_kernel[(tq, hq)](
+                out, part_acc, part_ml, hq, out.stride(0), out.stride(1),
+                HEAD_DIM=d, BLOCK_D=next_pow2(d), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits),
+            )
+        return out
+
+    @staticmethod
+    def _block_m(group: int, max_q: int) -> int:
+        """Rows per program: G heads x as many query positions as fit (>=16 for tl.dot)."""
+        if max_q <= 1:
+            return max(16, next_pow2(group))
+        return max(64, next_pow2(group))
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        s = q.shape[0]
+        dev = q.device
+        group = q.shape[1] // key_cache.shape[2]
+        ar = torch.arange(s + 1, device=dev, dtype=torch.int32)
+        return self._launch(
+            q, key_cache, value_cache, block_table, ar,
+            cache_seqlens.to(dev, torch.int32), ar[:s], torch.zeros(s, dtype=torch.int32, device=dev),
+            self._block_m(group, 1), block_table.shape[1] * key_cache.shape[1], s, scale,
+        )
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        md: VarlenMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        dev = q.device
+        q_lens = md.host_query_lens()
+        group = q.shape[1] // key_cache.shape[2]
+        block_m = self._block_m(group, max(q_lens, default=0))
+        block_q = block_m // group
+        per_seq = torch.tensor([-(-lq // block_q) for lq in q_lens], dtype=torch.int64)
+        seq_ids = torch.arange(len(q_lens))
+        tile_seq = torch.repeat_interleave(seq_ids, per_seq)
+        first = torch.cumsum(per_seq, 0) - per_seq
+        tile_qoff = (torch.arange(tile_seq.numel()) - first[tile_seq]) * block_q
+        return self._launch(
+            q, key_cache, value_cache, block_table,
+            md.cu_seq_lens_q.to(dev, torch.int32), md.seq_lens_k.to(dev, torch.int32),
+            tile_seq.to(dev, torch.int32), tile_qoff.to(dev, torch.int32),
+            block_m, md.max_length_k, sum(q_lens), scale,
+        )
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Make each token's [Hkv, D] row contiguous (a strided token dim is fine)."""
+    d = x.shape[2]
+    if x.stride(2) == 1 and x.stride(1) == d:
+        return x
+    return x.contiguous()
