@@ -9,9 +9,14 @@ Unused cache slots hold large finite garbage for the same reason.
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 import torch
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.metadata import build_varlen_metadata
+from pagedserve.kernels.reference import dense_causal_attention
 
 
 @dataclass
@@ -86,3 +91,34 @@ def make_paged_batch(
         q.to(dev), k.to(dev), v.to(dev), key_cache.to(dev), value_cache.to(dev),
         bt.to(dev), slots.to(dev), list(query_lens), list(key_lens),
     )
+
+
+def mixed_lengths(block_size: int, seed: int) -> tuple[list[int], list[int]]:
+    """Decode rows, no-context prefills and chunked prefills, edge lengths included."""
+    rng = random.Random(seed)
+    edges = [1, block_size, 2 * block_size, block_size + 1, block_size - 1]
+    q_lens, k_lens = [], []
+    for k in edges + [rng.randint(1, 3 * block_size) for _ in range(3)]:
+        kind = rng.choice(["decode", "prefill", "chunk"])
+        q_lens.append(1 if kind == "decode" else k if kind == "prefill" else rng.randint(1, k))
+        k_lens.append(k)
+    return q_lens, k_lens
+
+
+def check_against_oracle(
+    be: AttentionBackend, b: PagedBatch, tol: float, *, decode: bool, device: str = "cpu"
+) -> None:
+    """Run one backend on ``b`` and compare with the dense oracle (on CPU)."""
+    scale = 1 / math.sqrt(b.q.shape[-1])
+    ref = dense_causal_attention(
+        b.q.cpu(), b.k.cpu(), b.v.cpu(), b.query_lens, b.key_lens, scale
+    )
+    if decode:
+        seqlens = torch.tensor(b.key_lens, dtype=torch.int32, device=device)
+        out = be.decode_attention(b.q, b.key_cache, b.value_cache, b.block_table, seqlens, scale)
+    else:
+        md = build_varlen_metadata(b.query_lens, b.key_lens, device=device)
+        out = be.varlen_attention(b.q, b.key_cache, b.value_cache, b.block_table, md, scale)
+    assert out.shape == b.q.shape and out.dtype == b.q.dtype
+    err = (out.cpu().double() - ref.double()).abs().max().item()
+    assert err <= tol, f"{be.name}: max abs error {err} > {tol}"
