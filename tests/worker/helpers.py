@@ -1,0 +1,100 @@
+"""Builders shared by the worker tests: tiny HF checkpoints, workers and step plans."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.worker import Worker
+
+TINY: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, rms_norm_eps=1e-5,
+    eos_token_id=2, bos_token_id=1,
+)
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
+                    **overrides: Any) -> Path:
+    """Write a random HF checkpoint (safetensors) of a tiny Llama or Qwen2 to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kw = {**TINY, **overrides}
+    torch.manual_seed(seed)
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    # Random init leaves norms at 1 and biases at 0; perturb them so loading bugs show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(path), safe_serialization=True, max_shard_size="200KB")
+    return path
+
+
+def load_hf(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                             attn_implementation="eager")
+    return m.eval()
+
+
+def make_worker(path: Path | str | None, num_blocks: int = 64, block_size: int = 4,
+                num_cpu_blocks: int = 8, **kw: Any) -> Worker:
+    w = Worker(WorkerConfig(model=None if path is None else str(path), block_size=block_size,
+                            num_gpu_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, **kw))
+    w.load_model()
+    w.init_kv_cache(w.determine_num_blocks())
+    return w
+
+
+class BlockAllocator:
+    """Hands out shuffled block ids, so block tables are non-contiguous and interleaved."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0):
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.block_size = block_size
+        self.tables: dict[str, list[int]] = {}
+
+    def table(self, rid: str, num_tokens: int) -> list[int]:
+        t = self.tables.setdefault(rid, [])
+        while len(t) * self.block_size < num_tokens:
+            t.append(self.free.pop())
+        return list(t)
+
+
+def request(alloc: BlockAllocator, rid: str, token_ids: list[int], computed: int,
+            sample: bool = True, params: SamplingParams | None = None,
+            sample_ids: list[str] | None = None) -> ScheduledRequest:
+    """One scheduled row; greedy sampling unless ``params`` is given."""
+    ids = sample_ids if sample_ids is not None else ([rid] if sample else [])
+    p = params or SamplingParams(temperature=0.0)
+    return ScheduledRequest(rid, list(token_ids), computed,
+                            alloc.table(rid, computed + len(token_ids)), ids,
+                            {i: p for i in ids})
+
+
+def plan(step: int, reqs: list[ScheduledRequest], **kw: Any) -> SchedulerOutput:
+    return SchedulerOutput(step_id=step, scheduled=reqs, **kw)
+
+
+@torch.inference_mode()
+def all_logits(worker: Worker, p: SchedulerOutput) -> torch.Tensor:
+    """Logits of every token of the plan (runs the forward, writes the KV cache)."""
+    runner = worker.runner
+    assert runner is not None
+    runner.apply_cache_ops(p)
+    inputs = runner.prepare_inputs(p)
+    hidden = runner.forward_hidden(inputs)
+    logits = worker.model.compute_logits(hidden)
+    assert logits is not None
+    return logits

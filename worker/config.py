@@ -1,0 +1,260 @@
+"""Model and worker configuration.
+
+``ModelConfig`` is the small, frozen subset of a Hugging Face config that the
+Llama-family model actually needs. Building it once, with validation that names
+the offending field, means a malformed checkpoint fails at load time with a
+readable error instead of deep inside a matmul. ``WorkerConfig`` carries what
+one tensor-parallel rank needs to start; it is a plain picklable dataclass so
+the engine can ship it to Ray actors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name ("float32", "bf16", ...) or torch.dtype to a torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[key]
+
+
+def _require(cfg: dict[str, Any], name: str) -> Any:
+    if name not in cfg or cfg[name] is None:
+        raise ValueError(f"model config is missing required field {name!r}")
+    return cfg[name]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"model config field {name!r} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts of a Llama-family checkpoint (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: str
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed ``config.json``; accepts both transformers 4 and 5 layouts.
+
+        Transformers 5 writes ``rope_parameters`` (theta and scaling in one
+        dict); older checkpoints have ``rope_theta`` plus ``rope_scaling``.
+        """
+        model_type = _require(cfg, "model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model config field 'model_type' must be one of {SUPPORTED_MODEL_TYPES}, "
+                f"got {model_type!r}"
+            )
+        hidden = _positive_int("hidden_size", _require(cfg, "hidden_size"))
+        heads = _positive_int("num_attention_heads", _require(cfg, "num_attention_heads"))
+        kv_heads = _positive_int(
+            "num_key_value_heads", cfg.get("num_key_value_heads") or heads
+        )
+        if heads % kv_heads:
+            raise ValueError(
+                f"model config field 'num_key_value_heads' ({kv_heads}) must divide "
+                f"num_attention_heads ({heads})"
+            )
+        head_dim = cfg.get("head_dim") or hidden // heads
+        _positive_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"model config field 'head_dim' must be even for RoPE, got {head_dim}")
+        if cfg.get("mlp_bias"):
+            raise ValueError("model config field 'mlp_bias' = true is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"model config field 'hidden_act' must be 'silu', got {cfg.get('hidden_act')!r}"
+            )
+
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy = cfg.get("rope_scaling")
+        if legacy:
+            rope = {**legacy, **rope}
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"model config field 'rope_scaling.rope_type' must be one of "
+                f"{SUPPORTED_ROPE_TYPES}, got {rope_type!r}"
+            )
+        scaling = None
+        if rope_type != "default":
+            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+            scaling["rope_type"] = rope_type
+            if "factor" not in scaling:
+                raise ValueError("model config field 'rope_scaling.factor' is required")
+            if rope_type == "llama3":
+                for key in ("low_freq_factor", "high_freq_factor"):
+                    if key not in scaling:
+                        raise ValueError(f"model config field 'rope_scaling.{key}' is required")
+                scaling.setdefault(
+                    "original_max_position_embeddings", cfg.get("max_position_embeddings")
+                )
+
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            model_type=model_type,
+            num_layers=_positive_int("num_hidden_layers", _require(cfg, "num_hidden_layers")),
+            hidden_size=hidden,
+            intermediate_size=_positive_int(
+                "intermediate_size", _require(cfg, "intermediate_size")
+            ),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=_positive_int("vocab_size", _require(cfg, "vocab_size")),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            max_position_embeddings=_positive_int(
+                "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
+            ),
+            sliding_window=int(window) if window else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            dtype=str(dtype),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        """Read ``config.json`` from a local HF directory."""
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        return cls.from_hf_dict(json.loads(cfg_path.read_text()))
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence we serve exactly.
+
+        We run full attention, so a sliding-window model (Mistral v0.1) is
+        capped at its window: beyond it our outputs would differ from the
+        reference implementation.
+        """
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def kv_bytes_per_block(self, block_size: int, num_kv_heads_per_rank: int,
+                           dtype: torch.dtype) -> int:
+        """Bytes one block costs on one rank: K and V for every layer (DESIGN's M_KV per block)."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * num_kv_heads_per_rank * self.head_dim * elem
+
+
+@dataclass
+class WorkerConfig:
+    """What one tensor-parallel rank needs to start.
+
+    ``dist_init_method`` may be left None at construction and passed to
+    ``Worker.init_device`` later, because rank 0's address and port are only
+    known once its actor is running.
+
+    KV sizing: on CPU give ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
+    (there is nothing to profile against); on CUDA, when neither is given,
+    ``gpu_memory_utilization`` of the device is used after a profiling forward.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    attention_backend: str | None = None
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    dist_init_method: str | None = None
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_cpu_blocks: int = 0
+    seed: int = 0
+    max_num_batched_tokens: int = 8192
+    enable_cuda_graph: bool = False
+    num_threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise ValueError(
+                f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}"
+            )
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        parse_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)

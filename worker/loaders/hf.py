@@ -1,0 +1,56 @@
+"""Load a local Hugging Face safetensors checkpoint, one shard slice per rank.
+
+Tensors are exposed lazily through safetensors ``get_slice``: a layer indexes
+only the rows or columns of its rank, and only those bytes are read from the
+memory-mapped file. A TP=8 rank therefore never holds more than its eighth.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+
+class SafetensorsSlice:
+    """Adapter giving a safetensors slice the ``shape`` / ``[...]`` interface of a tensor."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self.shape = tuple(handle.get_shape())
+
+    def __getitem__(self, idx: Any) -> torch.Tensor:
+        if not self.shape:  # scalars cannot be sliced
+            return self._handle[:]
+        return self._handle[idx]
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those of the index json if there is one, else all."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({root / f for f in weight_map.values()})
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {root} (only safetensors checkpoints are supported)"
+        )
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint shards listed in the index are missing: {missing}")
+    return files
+
+
+def iter_safetensors(path: str | Path, device: str = "cpu") -> Iterator[tuple[str, SafetensorsSlice]]:
+    """Yield ``(name, lazy slice)`` for every tensor of the checkpoint in ``path``."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device=device) as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, SafetensorsSlice(fh.get_slice(name))

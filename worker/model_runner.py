@@ -1,0 +1,148 @@
+"""Turn a ``SchedulerOutput`` into tensors, run one forward, sample on rank 0.
+
+This is the per-step hot path (hundreds of sequences every few tens of
+milliseconds), so inputs are built with a handful of list concatenations and
+vectorised tensor ops rather than per-token Python loops, and the LM head runs
+only on the last token of rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from pagedserve.kernels import build_varlen_metadata
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.cuda_graph import DecodeGraphRunner
+from pagedserve.worker.kv_cache import KVCache
+from pagedserve.worker.layers.attention import AttentionMetadata
+from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.sampler import Sampler, SampleRequest
+
+
+@dataclass
+class ModelInputs:
+    """Flat batch tensors of one step; ``logits_indices`` are the rows that need logits."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    md: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_reqs: list[SampleRequest]
+
+
+class ModelRunner:
+    """Executes step plans against one rank's model and KV cache shard."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, ctx: ParallelContext,
+                 device: torch.device, sampler: Sampler | None = None,
+                 enable_cuda_graph: bool = False, max_num_seqs: int = 256):
+        self.model, self.kv_cache, self.ctx, self.device = model, kv_cache, ctx, device
+        self.block_size = kv_cache.block_size
+        self.sampler = sampler or Sampler(model.config.eos_token_ids)
+        self.graphs: DecodeGraphRunner | None = None
+        if enable_cuda_graph and device.type == "cuda":
+            max_blocks = -(-model.config.max_model_len // self.block_size)
+            self.graphs = DecodeGraphRunner(model, kv_cache, device, max_num_seqs, max_blocks)
+
+    def prepare_inputs(self, plan: SchedulerOutput) -> ModelInputs:
+        """Build input ids, positions, slot mapping, -1 padded block tables and metadata."""
+        reqs = plan.scheduled
+        bsz, dev = self.block_size, self.device
+        q_lens = [len(r.token_ids) for r in reqs]
+        starts = [r.num_computed_tokens for r in reqs]
+        seq_lens = [s + q for s, q in zip(starts, q_lens)]
+        num_tokens = sum(q_lens)
+        width = -(-max(seq_lens) // bsz)
+        pad = [-1] * width
+        flat_bt: list[int] = []
+        for r, n in zip(reqs, seq_lens):
+            bt = r.block_table
+            need = -(-n // bsz)
+            if len(bt) < need:
+                raise ValueError(
+                    f"request {r.request_id}: block table has {len(bt)} blocks, "
+                    f"{n} tokens need {need}"
+                )
+            flat_bt += bt[:need]
+            flat_bt += pad[: width - need]
+        block_table = torch.tensor(flat_bt, dtype=torch.int32).view(len(reqs), width)
+        input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in reqs)),
+                                 dtype=torch.long)
+        is_decode = num_tokens == len(reqs)
+        if is_decode:
+            positions = torch.tensor(starts, dtype=torch.long)
+            seq_idx = torch.arange(len(reqs))
+        else:
+            q_t = torch.tensor(q_lens)
+            first = torch.cumsum(q_t, 0) - q_t  # row offset of each sequence's first token
+            shift = torch.repeat_interleave(first - torch.tensor(starts), q_t)
+            positions = torch.arange(num_tokens) - shift
+            seq_idx = torch.repeat_interleave(torch.arange(len(reqs)), q_t)
+        slots = block_table[seq_idx, positions // bsz].long() * bsz + positions % bsz
+        md = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            block_table=block_table.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            is_decode=is_decode,
+            varlen=None if is_decode else build_varlen_metadata(q_lens, seq_lens, dev),
+        )
+        rows: list[int] = []
+        sample_reqs: list[SampleRequest] = []
+        end = 0
+        for r, q in zip(reqs, q_lens):
+            end += q
+            if not r.sample_ids:
+                continue
+            row = len(rows)
+            rows.append(end - 1)
+            for sid in r.sample_ids:
+                params = r.sampling_params.get(sid) or r.sampling_params.get(r.request_id)
+                if params is None:
+                    raise ValueError(f"request {r.request_id}: no sampling params for {sid!r}")
+                out = r.output_token_ids.get(sid)
+                sample_reqs.append(SampleRequest(sid, r.request_id, row, params,
+                                                 None if out is None else len(out)))
+        return ModelInputs(
+            input_ids=input_ids.to(dev),
+            positions=positions.to(dev),
+            md=md,
+            logits_indices=torch.tensor(rows, dtype=torch.long, device=dev),
+            sample_reqs=sample_reqs,
+        )
+
+    def forward_hidden(self, inputs: ModelInputs) -> torch.Tensor:
+        """Final hidden states for every token of the step (CUDA graph for decode if captured)."""
+        if self.graphs is not None and inputs.md.is_decode:
+            out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.md)
+            if out is not None:
+                return out
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.md)
+
+    def apply_cache_ops(self, plan: SchedulerOutput) -> None:
+        """Swap-out, swap-in, then copy: the order the scheduler's block reuse relies on."""
+        self.kv_cache.swap_out(plan.blocks_to_swap_out)
+        self.kv_cache.swap_in(plan.blocks_to_swap_in)
+        self.kv_cache.copy(plan.blocks_to_copy)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the plan's cache ops, run the forward, and sample (rank 0 only returns)."""
+        done = list(plan.finished_ids) + list(plan.aborted_ids)
+        if done:
+            self.sampler.forget(done)
+        self.apply_cache_ops(plan)
+        out = ModelRunnerOutput(step_id=plan.step_id) if self.ctx.is_first else None
+        if not plan.scheduled:
+            return out
+        inputs = self.prepare_inputs(plan)
+        hidden = self.forward_hidden(inputs)
+        if inputs.logits_indices.numel() == 0:
+            return out
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        if out is None or logits is None:
+            return None
+        out.sampled = self.sampler.sample(logits, inputs.sample_reqs)
+        return out

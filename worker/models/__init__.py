@@ -1,0 +1,13 @@
+"""Model registry: HF ``model_type`` -> model class."""
+
+from __future__ import annotations
+
+from pagedserve.worker.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM"]

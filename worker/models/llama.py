@@ -1,0 +1,212 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) with tensor parallelism.
+
+The differences between these architectures are config flags (q/k/v bias,
+rope scaling, tied head, GQA ratio), so one implementation covers them. The
+forward runs over a flat, mixed batch of tokens (any mix of prefill chunks and
+decodes) and returns hidden states; the runner picks the rows that need
+logits, so the LM head is never computed on prompt tokens that are not
+sampled.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from pagedserve.kernels import AttentionBackend
+from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.worker.layers.linear import (
+    LazyTensor,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.layers.rotary import RotaryEmbedding
+from pagedserve.worker.parallel import ParallelContext
+from torch import nn
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.qkv_bias, ctx, dtype, device)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        cfg.o_bias, ctx, dtype, device)
+        self.num_heads = self.qkv_proj.local_heads
+        self.num_kv_heads = self.qkv_proj.local_kv_heads
+        self.head_dim = cfg.head_dim
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
+                ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        # Rotating q and k separately yields contiguous tensors, which kernels view freely.
+        q = RotaryEmbedding.apply(qkv[:, : hq * d].view(t, hq, d), cos, sin)
+        k = RotaryEmbedding.apply(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d), cos, sin)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        out = self.attn(q, k, v, kv_cache, md)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], ctx, dtype,
+                                                       device)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, ctx, dtype, device)
+        self.local_i = self.gate_up_proj.local_sizes[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        h = F.silu(gu[:, : self.local_i])
+        h.mul_(gu[:, self.local_i:])
+        return self.down_proj(h)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(cfg, ctx, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                device)
+        self.mlp = LlamaMLP(cfg, ctx, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder plus a vocab-parallel LM head.
+
+    ``forward`` returns final hidden states for every token; ``compute_logits``
+    turns the selected rows into full-vocabulary logits on rank 0.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config, self.ctx = cfg, ctx
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype,
+                                                   device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, ctx, backend, dtype, device) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.embed_tokens)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                md: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for the flat batch ``input_ids[T]`` at ``positions[T]``."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv, md)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[N, vocab]`` on rank 0 (None elsewhere); every rank must call it."""
+        return self.lm_head.logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> None:
+        """Load HF-named tensors, each rank copying only its shard; fail on anything missing."""
+        pending = self._expected_names()
+        for name, lazy in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            self._load_one(name, lazy)
+            pending.discard(name)
+        if pending:
+            missing = sorted(pending)
+            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
+
+    def _expected_names(self) -> set[str]:
+        cfg = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not cfg.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+            names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
+            names |= {p + f"self_attn.{m}_proj.weight" for m in ("q", "k", "v", "o")}
+            if cfg.qkv_bias:
+                names |= {p + f"self_attn.{m}_proj.bias" for m in ("q", "k", "v")}
+            if cfg.o_bias:
+                names.add(p + "self_attn.o_proj.bias")
+        return names
+
+    def _load_one(self, name: str, lazy: LazyTensor) -> None:
+        if name == "model.embed_tokens.weight":
+            self.embed_tokens.load(lazy)
+            return
+        if name == "lm_head.weight":
+            self.lm_head.load(lazy)
+            return
+        if name == "model.norm.weight":
+            _copy_full(name, self.norm.weight, lazy)
+            return
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) >= len(self.layers):
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        layer = self.layers[int(m.group(1))]
+        rest = m.group(2)
+        module, _, kind = rest.rpartition(".")
+        is_bias = kind == "bias"
+        if module in ("input_layernorm", "post_attention_layernorm") and not is_bias:
+            _copy_full(name, getattr(layer, module).weight, lazy)
+        elif module.startswith("self_attn.") and module[10:] in _QKV:
+            layer.self_attn.qkv_proj.load(_QKV[module[10:]], lazy, is_bias)
+        elif module == "self_attn.o_proj":
+            layer.self_attn.o_proj.load(lazy, is_bias)
+        elif module == "mlp.gate_proj" and not is_bias:
+            layer.mlp.gate_up_proj.load(0, lazy)
+        elif module == "mlp.up_proj" and not is_bias:
+            layer.mlp.gate_up_proj.load(1, lazy)
+        elif module == "mlp.down_proj" and not is_bias:
+            layer.mlp.down_proj.load(lazy)
+        else:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+
+
+def _copy_full(name: str, param: nn.Parameter, lazy: LazyTensor) -> None:
+    """Copy a replicated tensor (norm weights), checking the shape first."""
+    if tuple(lazy.shape) != tuple(param.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != {tuple(param.shape)}")
+    param.data.copy_(lazy[:])

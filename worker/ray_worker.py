@@ -1,0 +1,58 @@
+"""Ray actor wrapper around :class:`Worker`.
+
+The cluster package creates the placement group and the actors
+(``RayWorker.options(scheduling_strategy=..., num_gpus=...).remote(config)``);
+this wrapper only forwards calls, so a Worker behaves the same in-process and
+inside an actor. Rank 0's actor reports its address for the
+``tcp://ip:port`` init method that every rank then passes to ``load_model``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.parallel import get_node_ip_and_free_port
+from pagedserve.worker.worker import Worker
+
+
+class RayWorkerWrapper:
+    """Holds one Worker inside an actor process."""
+
+    def __init__(self, config: WorkerConfig):
+        self.worker = Worker(config)
+
+    def get_node_ip_and_free_port(self) -> tuple[str, int]:
+        """This actor's node IP and a free port (called on rank 0 before ``load_model``)."""
+        return get_node_ip_and_free_port()
+
+    def load_model(self, dist_init_method: str | None = None) -> None:
+        self.worker.load_model(dist_init_method)
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None) -> None:
+        self.worker.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(plan)
+
+    def check_health(self) -> dict[str, Any]:
+        return self.worker.check_health()
+
+    def get_model_info(self) -> dict[str, Any]:
+        return self.worker.get_model_info()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+    def ping(self) -> str:
+        return "pong"
+
+
+RayWorker = ray.remote(RayWorkerWrapper)
+
+__all__ = ["RayWorker", "RayWorkerWrapper", "get_node_ip_and_free_port"]

@@ -1,0 +1,200 @@
+"""One tensor-parallel rank: device, process group, model, KV shard and runner.
+
+The engine drives every rank with the same calls in the same order
+(``load_model`` -> ``determine_num_blocks`` -> ``init_kv_cache`` ->
+``execute_model``...). Collective calls (process-group init, weight-free
+forwards, logits gather) happen inside these methods, so all ranks must
+receive each call, which the executor guarantees by broadcasting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from pagedserve.kernels import get_backend
+from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.kv_cache import KVCache, bytes_per_block
+from pagedserve.worker.loaders import ResolvedModel, iter_safetensors, resolve_model
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models import MODEL_REGISTRY
+from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+class Worker:
+    """A rank of the TP group; constructing it is cheap and touches no device."""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.ctx: ParallelContext | None = None
+        self.resolved: ResolvedModel | None = None
+        self.model_config: ModelConfig | None = None
+        self.model: Any = None
+        self.kv_cache: KVCache | None = None
+        self.runner: ModelRunner | None = None
+        self.backend = None
+        self.load_time_s = 0.0
+
+    # ----- setup -------------------------------------------------------------------------
+
+    def init_device(self, dist_init_method: str | None = None) -> None:
+        """Pick threads and device, seed torch, and join the TP group (collective if TP > 1)."""
+        if self.ctx is not None:
+            return
+        cfg = self.config
+        if self.device.type == "cpu":
+            threads = cfg.num_threads
+            if threads is None and "OMP_NUM_THREADS" not in os.environ:
+                threads = max(1, len(os.sched_getaffinity(0)) // cfg.tensor_parallel_size)
+            if threads:
+                torch.set_num_threads(threads)
+        elif self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(cfg.seed)
+        method = dist_init_method or cfg.dist_init_method
+        self.ctx = init_parallel(cfg.rank, cfg.tensor_parallel_size, method, self.device)
+        self.backend = get_backend(cfg.attention_backend, self.device)
+        if not self.backend.supports_block_size(cfg.block_size):
+            raise ValueError(
+                f"attention backend {self.backend.name!r} does not support block_size "
+                f"{cfg.block_size}"
+            )
+
+    def load_model(self, dist_init_method: str | None = None) -> None:
+        """Resolve the model (GGUF conversion is cached), build it and load this rank's shard."""
+        self.init_device(dist_init_method)
+        assert self.ctx is not None
+        t0 = time.perf_counter()
+        self.resolved = resolve_model(self.config.model)
+        self.model_config = ModelConfig.from_pretrained(self.resolved.path)
+        cls = MODEL_REGISTRY[self.model_config.model_type]
+        self.model = cls(self.model_config, self.ctx, self.backend, self.dtype, self.device)
+        self.model.load_weights(iter_safetensors(self.resolved.path))
+        self.model.eval()
+        self.load_time_s = time.perf_counter() - t0
+        logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
+                    self.load_time_s)
+
+    def _block_bytes(self) -> int:
+        assert self.model_config is not None and self.model is not None
+        return bytes_per_block(self.model_config.num_layers, self.config.block_size,
+                               self.model.num_kv_heads_per_rank, self.model_config.head_dim,
+                               self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """Device KV blocks this rank can hold: explicit count, byte budget, or CUDA profiling.
+
+        The engine takes the minimum over ranks so every rank has the same pool.
+        """
+        cfg = self.config
+        if cfg.num_gpu_blocks is not None:
+            return cfg.num_gpu_blocks
+        per_block = self._block_bytes()
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        num = budget // per_block
+        if num < 1:
+            raise RuntimeError(
+                f"KV budget of {budget} bytes is below one block ({per_block} bytes)"
+            )
+        return int(num)
+
+    def _profile_cuda_budget(self) -> int:  # pragma: no cover - CUDA only
+        """``total * gpu_memory_utilization`` minus what a max-size forward peaks at."""
+        assert self.model_config is not None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n_tok = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
+        blocks = -(-n_tok // self.config.block_size)
+        self.init_kv_cache(blocks, 0)
+        plan = SchedulerOutput(step_id=-1, scheduled=[ScheduledRequest(
+            "profile", [0] * n_tok, 0, list(range(blocks)), ["profile"],
+            {"profile": SamplingParams(temperature=0.0)})])
+        self.execute_model(plan)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_cache = self.runner = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return int(total * self.config.gpu_memory_utilization - peak - max(non_torch, 0))
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None) -> None:
+        """Allocate the KV pool shard and CPU swap shard, and build the model runner."""
+        assert self.model is not None and self.model_config is not None and self.ctx
+        cpu_blocks = self.config.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks
+        self.kv_cache = KVCache(self.model_config.num_layers, num_gpu_blocks,
+                                self.config.block_size, self.model.num_kv_heads_per_rank,
+                                self.model_config.head_dim, self.dtype, self.device,
+                                self.backend, cpu_blocks)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device,
+                                  enable_cuda_graph=self.config.enable_cuda_graph)
+
+    # ----- steps -------------------------------------------------------------------------
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step plan; rank 0 returns the sampled tokens, other ranks None."""
+        if self.runner is None:
+            raise RuntimeError("init_kv_cache must be called before execute_model")
+        return self.runner.execute(plan)
+
+    def check_health(self) -> dict[str, Any]:
+        """Raise if this rank cannot serve; otherwise a small status dict."""
+        if self.model is None or self.runner is None:
+            raise RuntimeError("worker not ready: model or KV cache not initialised")
+        if self.device.type == "cuda":  # pragma: no cover - CUDA only
+            torch.cuda.synchronize(self.device)
+        assert self.ctx is not None
+        return {"rank": self.ctx.rank, "ok": True}
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Facts the engine needs: EOS ids, max length, vocab, KV geometry, sizes."""
+        mc = self.model_config
+        if mc is None or self.resolved is None:
+            raise RuntimeError("load_model must be called before get_model_info")
+        return {
+            "model_id": self.resolved.model_id,
+            "model_path": self.resolved.path,
+            "source": self.resolved.source,
+            "model_type": mc.model_type,
+            "eos_token_ids": list(mc.eos_token_ids),
+            "bos_token_id": mc.bos_token_id,
+            "max_model_len": mc.max_model_len,
+            "vocab_size": mc.vocab_size,
+            "num_layers": mc.num_layers,
+            "hidden_size": mc.hidden_size,
+            "num_heads": mc.num_heads,
+            "num_kv_heads": mc.num_kv_heads,
+            "num_kv_heads_per_rank": self.model.num_kv_heads_per_rank,
+            "head_dim": mc.head_dim,
+            "block_size": self.config.block_size,
+            "bytes_per_block": self._block_bytes(),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "attention_backend": getattr(self.backend, "name", None),
+            "load_time_s": self.load_time_s,
+        }
+
+    def shutdown(self) -> None:
+        """Free the cache and leave the process group."""
+        self.runner = self.kv_cache = None
+        if self.ctx is not None:
+            destroy_parallel(self.ctx)
+            self.ctx = None
