@@ -8,7 +8,6 @@ from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
-
 from tests.scheduler.kv_sim import KVSim
 
 

@@ -1,10 +1,10 @@
 """Exact block ids, refcounts, free-queue order and eviction order."""
 
 import pytest
+
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.block_pool import BlockPool, CpuBlockPool, NoFreeBlocksError
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
-
 from tests.scheduler.helpers import req
 
 

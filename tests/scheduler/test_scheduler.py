@@ -3,9 +3,9 @@
 import pickle
 
 import pytest
+
 from pagedserve.scheduler.request import RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
-
 from tests.scheduler.helpers import (
     assert_baseline,
     make_scheduler,

@@ -9,8 +9,8 @@ pool must be back at baseline.
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from pagedserve.scheduler.request import RequestStatus
 
+from pagedserve.scheduler.request import RequestStatus
 from tests.scheduler.helpers import (
     assert_baseline,
     check_invariants,
