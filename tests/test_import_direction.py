@@ -45,9 +45,9 @@ def test_folder_respects_the_dependency_direction(folder: str) -> None:
             for f in FORBIDDEN[folder]:
                 if mod == f or mod.startswith(f + "."):
                     bad.append(f"{path.relative_to(ROOT)} imports {mod}")
-            if folder == "worker" and mod.startswith("pagedserve.scheduler"):
-                if mod not in WORKER_MAY_USE_FROM_SCHEDULER:
-                    bad.append(f"{path.relative_to(ROOT)} imports {mod} (only plan types)")
+            if (folder == "worker" and mod.startswith("pagedserve.scheduler")
+                    and mod not in WORKER_MAY_USE_FROM_SCHEDULER):
+                bad.append(f"{path.relative_to(ROOT)} imports {mod} (only plan types)")
     assert not bad, "\n".join(bad)
 
 
