@@ -14,6 +14,7 @@ import importlib.util
 from abc import ABC, abstractmethod
 
 import torch
+
 from pagedserve.kernels.metadata import VarlenMetadata
 
 BACKEND_NAMES = ("torch", "triton", "flash")

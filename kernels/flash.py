@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+
 from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.metadata import VarlenMetadata
 from pagedserve.kernels.torch_ref import store_kv_torch
@@ -117,4 +118,6 @@ class FlashBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
         )
-        return out.squeeze(1)
+        # The contract says a sequence with no keys yields zeros; make it explicit.
+        empty = (cache_seqlens.to(dev) == 0)[:, None, None]
+        return out.squeeze(1).masked_fill(empty, 0.0)

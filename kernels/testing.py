@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+
 from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.metadata import build_varlen_metadata
 from pagedserve.kernels.reference import dense_causal_attention

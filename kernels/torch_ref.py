@@ -21,10 +21,12 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+
 from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.metadata import VarlenMetadata
 
 _PAD_SLACK = 1 << 14  # padded q*k elements a group may waste for free
+_CPU_CHUNK_BYTES = 8 << 20  # gathered K+V per decode chunk: fits a typical L3
 
 
 class _Workspace:
@@ -137,24 +139,33 @@ class TorchBackend(AttentionBackend):
         max_k, min_k = max(lens_host), min(lens_host)
         if max_k == 0:
             return q.new_zeros(s, hq, d)
-        bsz = key_cache.shape[1]
+        _, bsz, hkv, _ = key_cache.shape
         nb = -(-max_k // bsz)
-        k, v = self._gather(key_cache, value_cache, block_table[:, :nb])
-        k, v = k[:, :max_k], v[:, :max_k]
-        hkv = k.shape[2]
         mask = None
         if min_k != max_k:
             valid = torch.arange(max_k, device=q.device)[None, :] < lens[:, None]
             if min_k == 0:
                 valid[:, 0] |= lens == 0  # keep softmax finite; row is zeroed below
             mask = valid[:, None, None, :]
-        o = F.scaled_dot_product_attention(
-            q.view(s, hkv, hq // hkv, d),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            scale=scale,
-        ).reshape(s, hq, d)
+        qg = q.view(s, hkv, hq // hkv, d)
+        # On CPU, gather and attend a few sequences at a time so the gathered K/V
+        # are still in the last-level cache when SDPA reads them.
+        row_bytes = nb * bsz * hkv * d * key_cache.element_size() * 2
+        chunk = s if q.device.type != "cpu" else max(1, _CPU_CHUNK_BYTES // row_bytes)
+        outs = []
+        for s0 in range(0, s, chunk):
+            s1 = min(s, s0 + chunk)
+            k, v = self._gather(key_cache, value_cache, block_table[s0:s1, :nb])
+            outs.append(
+                F.scaled_dot_product_attention(
+                    qg[s0:s1],
+                    k[:, :max_k].transpose(1, 2),
+                    v[:, :max_k].transpose(1, 2),
+                    attn_mask=None if mask is None else mask[s0:s1],
+                    scale=scale,
+                )
+            )
+        o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(s, hq, d)
         if min_k == 0:
             o = o.masked_fill((lens == 0)[:, None, None], 0.0)
         return o

@@ -14,6 +14,7 @@ import os
 
 import torch
 import triton
+
 from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.metadata import VarlenMetadata
 from pagedserve.kernels.triton_attention import (

@@ -9,6 +9,7 @@ context, with lengths 1, B-1, B, B+1 and 2B.
 
 import pytest
 import torch
+
 from pagedserve.kernels import (
     available_backends,
     build_varlen_metadata,
@@ -76,6 +77,18 @@ def test_torch_varlen_more_seeds() -> None:
         q_lens, k_lens = mixed_lengths(32, seed)
         b = make_paged_batch(q_lens, k_lens, 9, 3, 64, block_size=32, seed=seed)
         check_against_oracle(get_backend("torch"), b, FP32_TOL, decode=False)
+
+
+def test_torch_decode_in_cache_sized_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU decode path gathers a few sequences at a time; chunk edges must not matter."""
+    from pagedserve.kernels import torch_ref
+
+    monkeypatch.setattr(torch_ref, "_CPU_CHUNK_BYTES", 40_000)
+    k_lens = [33, 0, 16, 1, 48, 20, 7, 64, 2]
+    b = make_paged_batch([1] * len(k_lens), k_lens, 6, 2, 64, block_size=16, seed=9)
+    check_against_oracle(get_backend("torch"), b, FP32_TOL, decode=True)
+    b = make_paged_batch([1] * 5, [40] * 5, 6, 2, 64, block_size=16, seed=10)
+    check_against_oracle(get_backend("torch"), b, FP32_TOL, decode=True)
 
 
 def test_torch_uniform_prefill_and_padded_groups() -> None:

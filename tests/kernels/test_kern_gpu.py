@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from pagedserve.kernels import available_backends, get_backend
 from pagedserve.kernels.testing import check_against_oracle, make_paged_batch, mixed_lengths
 

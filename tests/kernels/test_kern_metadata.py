@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from pagedserve.kernels import (
     available_backends,
     build_varlen_metadata,

@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from pagedserve.kernels import AttentionBackend, available_backends, get_backend
 
 CPU_BACKENDS = available_backends("cpu")

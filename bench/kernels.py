@@ -1,0 +1,198 @@
+"""Paged attention kernel benchmark: time and KV-read bandwidth per backend.
+
+Decode (one query per sequence) over batch size x context length, and prefill
+(no context, q_len == k_len). Bandwidth counts the K and V bytes a kernel must
+read (sum of key lengths x Hkv x D x 2 x element size) over the call time.
+
+On CPU each backend is compared with a naive contiguous baseline (per-sequence
+SDPA over contiguous K/V tensors, i.e. what attention costs without paging);
+ratio = baseline time / backend time (>1 means the paged path is faster). On a
+GPU the bandwidth is also printed as a fraction of the device's peak.
+
+    python bench/kernels.py --quick
+    python bench/kernels.py --json bench/results/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import available_backends, build_varlen_metadata, get_backend
+from pagedserve.kernels.testing import make_paged_batch
+
+# HBM peak bandwidth (bytes/s) by device-name fragment, most specific first.
+PEAK_BW = [("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12), ("L40", 0.864e12),
+           ("A10", 0.6e12), ("L4", 0.3e12), ("T4", 0.32e12)]
+
+
+def device_peak(device: torch.device) -> tuple[str, float | None]:
+    """Device name and its peak memory bandwidth (None when unknown or CPU)."""
+    if device.type != "cuda":
+        return "cpu", None
+    name = torch.cuda.get_device_name(device)
+    for frag, bw in PEAK_BW:
+        if frag in name:
+            return name, bw
+    return name, None
+
+
+def timeit(fn, device: torch.device, reps: int) -> float:
+    """Median seconds per call after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def naive_decode(q, ks, vs, hkv: int, scale: float):
+    """Baseline: per-sequence SDPA over contiguous [1, Hkv, L, D] K/V, GQA folded."""
+    s, hq, d = q.shape
+    return [
+        F.scaled_dot_product_attention(
+            q[i].view(1, hkv, hq // hkv, d), ks[i], vs[i], scale=scale
+        )
+        for i in range(s)
+    ]
+
+
+def naive_prefill(q, ks, vs, lens: list[int], scale: float):
+    """Baseline: per-sequence causal SDPA over contiguous K/V."""
+    out, off = [], 0
+    for i, n in enumerate(lens):
+        qs = q[off : off + n].transpose(0, 1)[None]
+        out.append(F.scaled_dot_product_attention(
+            qs, ks[i], vs[i], is_causal=True, scale=scale, enable_gqa=True))
+        off += n
+    return out
+
+
+def contiguous_kv(b, lens: list[int]):
+    """Per-sequence contiguous [1, Hkv, L, D] copies of the batch's K/V."""
+    ks, vs, off = [], [], 0
+    for n in lens:
+        ks.append(b.k[off : off + n].transpose(0, 1)[None].contiguous())
+        vs.append(b.v[off : off + n].transpose(0, 1)[None].contiguous())
+        off += n
+    return ks, vs
+
+
+def run_case(kind: str, q_lens, k_lens, args, device, backends, reps) -> list[dict]:
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    dtype = getattr(torch, args.dtype)
+    scale = 1 / math.sqrt(d)
+    kv_bytes = sum(k_lens) * hkv * d * 2 * torch.finfo(dtype).bits // 8
+    _, peak = device_peak(device)
+    rows = []
+    cache = {}
+    for name in backends:
+        bsz = 256 if name == "flash" else args.block_size
+        if bsz not in cache:
+            cache[bsz] = make_paged_batch(q_lens, k_lens, hq, hkv, d, bsz, dtype=dtype,
+                                          device=device, extra_blocks=0, garbage=1.0)
+        b = cache[bsz]
+        be = get_backend(name, device)
+        if kind == "decode":
+            lens = torch.tensor(k_lens, dtype=torch.int32, device=device)
+            fn = lambda be=be, b=b, lens=lens: be.decode_attention(  # noqa: E731
+                b.q, b.key_cache, b.value_cache, b.block_table, lens, scale)
+        else:
+            md = build_varlen_metadata(q_lens, k_lens, device=device)
+            fn = lambda be=be, b=b, md=md: be.varlen_attention(  # noqa: E731
+                b.q, b.key_cache, b.value_cache, b.block_table, md, scale)
+        t = timeit(fn, device, reps)
+        rows.append({"kind": kind, "backend": name, "batch": len(q_lens),
+                     "context": max(k_lens), "ms": t * 1e3, "kv_GBps": kv_bytes / t / 1e9,
+                     "peak_frac": kv_bytes / t / peak if peak else None})
+    if device.type == "cpu" and not args.no_baseline:
+        b = next(iter(cache.values()))
+        ks, vs = contiguous_kv(b, k_lens)
+        if kind == "decode":
+            t = timeit(lambda: naive_decode(b.q, ks, vs, hkv, scale), device, reps)
+        else:
+            t = timeit(lambda: naive_prefill(b.q, ks, vs, k_lens, scale), device, reps)
+        for r in rows:
+            r["baseline_ms"] = t * 1e3
+            r["ratio_vs_baseline"] = t * 1e3 / r["ms"]
+        del ks, vs
+    return rows
+
+
+def fmt(r: dict) -> str:
+    s = (f"{r['kind']:7s} {r['backend']:6s} batch={r['batch']:4d} ctx={r['context']:5d} "
+         f"{r['ms']:9.3f} ms  {r['kv_GBps']:8.2f} GB/s")
+    if r.get("peak_frac") is not None:
+        s += f"  {100 * r['peak_frac']:5.1f}% of peak"
+    if "ratio_vs_baseline" in r:
+        s += f"  naive-contiguous {r['baseline_ms']:9.3f} ms  ratio {r['ratio_vs_baseline']:5.2f}x"
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small grid, few repetitions")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backends", nargs="*", help="default: every available backend")
+    ap.add_argument("--dtype", default=None, help="default float16 on CUDA, float32 on CPU")
+    ap.add_argument("--heads", type=int, default=9)  # SmolLM2-135M
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    args.dtype = args.dtype or ("float16" if device.type == "cuda" else "float32")
+    backends = args.backends or available_backends(device)
+    if device.type == "cpu":
+        backends = [n for n in backends if n != "triton"]  # the interpreter is not a benchmark
+    gpu = device.type == "cuda"
+    if args.quick:
+        batches, contexts, reps = [64, 256], [256, 512], 5
+        prefills = [(1, 512), (4, 256)] if not gpu else [(1, 2048), (8, 1024)]
+        if gpu:
+            contexts = [512, 2048]
+    else:
+        batches, contexts, reps = [16, 64, 256], [128, 512, 1024], 10
+        prefills = [(1, 512), (4, 512), (1, 2048), (16, 256)]
+        if gpu:
+            contexts, reps = [512, 2048, 8192], 20
+            prefills += [(1, 8192), (32, 1024)]
+    name, peak = device_peak(device)
+    print(f"device={name} peak={peak} dtype={args.dtype} Hq={args.heads} Hkv={args.kv_heads} "
+          f"D={args.head_dim} B={args.block_size} backends={backends}")
+    rows = []
+    for s in batches:
+        for ctx in contexts:
+            # Lengths ctx - [0, B): realistic ragged decode batches need the key mask.
+            g = torch.Generator().manual_seed(s * ctx)
+            k_lens = (ctx - torch.randint(0, args.block_size, (s,), generator=g)).tolist()
+            for r in run_case("decode", [1] * s, k_lens, args, device, backends, reps):
+                print(fmt(r), flush=True)
+                rows.append(r)
+    for s, n in prefills:
+        for r in run_case("prefill", [n] * s, [n] * s, args, device, backends, max(3, reps // 3)):
+            print(fmt(r), flush=True)
+            rows.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "peak_Bps": peak, "dtype": args.dtype, "rows": rows},
+                      f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
