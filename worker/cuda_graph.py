@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+
 from pagedserve.worker.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:

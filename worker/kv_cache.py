@@ -10,6 +10,7 @@ attention backend, in that order, before the forward.
 from __future__ import annotations
 
 import torch
+
 from pagedserve.kernels import AttentionBackend
 
 

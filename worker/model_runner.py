@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
+
 from pagedserve.kernels import build_varlen_metadata
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.cuda_graph import DecodeGraphRunner

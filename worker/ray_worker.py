@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.parallel import get_node_ip_and_free_port

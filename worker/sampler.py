@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
 from pagedserve.scheduler.outputs import SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ class Sampler:
     def forget(self, ids: Iterable[str]) -> None:
         """Drop state of finished or aborted requests (and of their forked sample ids)."""
         for rid in ids:
-            for sid in self._children.pop(rid, ()) | {rid}:
+            for sid in self._children.pop(rid, set()) | {rid}:
                 self._generators.pop(sid, None)
                 self._counts.pop(sid, None)
 

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import torch
+
 from pagedserve.kernels import get_backend
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import WorkerConfig

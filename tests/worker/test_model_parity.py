@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BlockAllocator, all_logits, load_hf, make_worker, plan, request, save_tiny_model
+
+from tests.worker.helpers import (
+    BlockAllocator,
+    all_logits,
+    load_hf,
+    make_worker,
+    plan,
+    request,
+    save_tiny_model,
+)
 
 CASES = {
     "llama_untied": dict(model_type="llama", tie_word_embeddings=False),

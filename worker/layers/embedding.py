@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.parallel import ParallelContext
-from torch import nn
 
 
 class VocabParallelEmbedding(nn.Module):

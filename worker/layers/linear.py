@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from pagedserve.worker.parallel import ParallelContext
 from torch import nn
+
+from pagedserve.worker.parallel import ParallelContext
 
 
 class LazyTensor(Protocol):

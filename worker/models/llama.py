@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pagedserve.kernels import AttentionBackend
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
@@ -28,7 +30,6 @@ from pagedserve.worker.layers.linear import (
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.parallel import ParallelContext
-from torch import nn
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
