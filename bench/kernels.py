@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 
 import torch
@@ -43,19 +42,25 @@ def device_peak(device: torch.device) -> tuple[str, float | None]:
     return name, None
 
 
-def timeit(fn, device: torch.device, reps: int) -> float:
-    """Median seconds per call after one warm-up call."""
-    fn()
-    times = []
+def time_interleaved(fns: dict, device: torch.device, reps: int) -> dict[str, float]:
+    """Seconds per call of each function: best of ``reps``, calls interleaved.
+
+    Interleaving and taking the minimum keep the comparison fair on a shared,
+    noisy machine: background load slows every candidate alike.
+    """
+    for fn in fns.values():
+        fn()  # warm-up: workspaces, Triton compilation
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for key, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[key].append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in times.items()}
 
 
 def naive_decode(q, ks, vs, hkv: int, scale: float):
@@ -91,48 +96,52 @@ def contiguous_kv(b, lens: list[int]):
 
 
 def run_case(kind: str, q_lens, k_lens, args, device, backends, reps) -> list[dict]:
+    """Time every backend (and on CPU the naive contiguous baseline) on one batch."""
     hq, hkv, d = args.heads, args.kv_heads, args.head_dim
     dtype = getattr(torch, args.dtype)
     scale = 1 / math.sqrt(d)
     kv_bytes = sum(k_lens) * hkv * d * 2 * torch.finfo(dtype).bits // 8
     _, peak = device_peak(device)
-    rows = []
-    cache = {}
+    batches, fns = {}, {}
     for name in backends:
         bsz = 256 if name == "flash" else args.block_size
-        if bsz not in cache:
-            cache[bsz] = make_paged_batch(q_lens, k_lens, hq, hkv, d, bsz, dtype=dtype,
-                                          device=device, extra_blocks=0, garbage=1.0)
-        b = cache[bsz]
+        if bsz not in batches:
+            batches[bsz] = make_paged_batch(q_lens, k_lens, hq, hkv, d, bsz, dtype=dtype,
+                                            device=device, extra_blocks=0, garbage=1.0)
+        b = batches[bsz]
         be = get_backend(name, device)
         if kind == "decode":
             lens = torch.tensor(k_lens, dtype=torch.int32, device=device)
-            fn = lambda be=be, b=b, lens=lens: be.decode_attention(  # noqa: E731
+            fns[name] = lambda be=be, b=b, lens=lens: be.decode_attention(
                 b.q, b.key_cache, b.value_cache, b.block_table, lens, scale)
         else:
             md = build_varlen_metadata(q_lens, k_lens, device=device)
-            fn = lambda be=be, b=b, md=md: be.varlen_attention(  # noqa: E731
+            fns[name] = lambda be=be, b=b, md=md: be.varlen_attention(
                 b.q, b.key_cache, b.value_cache, b.block_table, md, scale)
-        t = timeit(fn, device, reps)
-        rows.append({"kind": kind, "backend": name, "batch": len(q_lens),
-                     "context": max(k_lens), "ms": t * 1e3, "kv_GBps": kv_bytes / t / 1e9,
-                     "peak_frac": kv_bytes / t / peak if peak else None})
     if device.type == "cpu" and not args.no_baseline:
-        b = next(iter(cache.values()))
+        b = next(iter(batches.values()))
         ks, vs = contiguous_kv(b, k_lens)
         if kind == "decode":
-            t = timeit(lambda: naive_decode(b.q, ks, vs, hkv, scale), device, reps)
+            fns["baseline"] = lambda: naive_decode(b.q, ks, vs, hkv, scale)
         else:
-            t = timeit(lambda: naive_prefill(b.q, ks, vs, k_lens, scale), device, reps)
-        for r in rows:
-            r["baseline_ms"] = t * 1e3
-            r["ratio_vs_baseline"] = t * 1e3 / r["ms"]
-        del ks, vs
+            fns["baseline"] = lambda: naive_prefill(b.q, ks, vs, k_lens, scale)
+    times = time_interleaved(fns, device, reps)
+    rows = []
+    for name in backends:
+        t = times[name]
+        row = {"kind": kind, "backend": name, "batch": len(q_lens), "context": max(k_lens),
+               "ragged": min(k_lens) != max(k_lens), "ms": t * 1e3,
+               "kv_GBps": kv_bytes / t / 1e9, "peak_frac": kv_bytes / t / peak if peak else None}
+        if "baseline" in times:
+            row["baseline_ms"] = times["baseline"] * 1e3
+            row["ratio_vs_baseline"] = times["baseline"] / t
+        rows.append(row)
     return rows
 
 
 def fmt(r: dict) -> str:
-    s = (f"{r['kind']:7s} {r['backend']:6s} batch={r['batch']:4d} ctx={r['context']:5d} "
+    lens = "ragged " if r["ragged"] else "uniform"
+    s = (f"{r['kind']:7s} {r['backend']:6s} batch={r['batch']:4d} ctx<={r['context']:5d} {lens} "
          f"{r['ms']:9.3f} ms  {r['kv_GBps']:8.2f} GB/s")
     if r.get("peak_frac") is not None:
         s += f"  {100 * r['peak_frac']:5.1f}% of peak"
@@ -184,9 +193,14 @@ def main() -> None:
                 print(fmt(r), flush=True)
                 rows.append(r)
     for s, n in prefills:
-        for r in run_case("prefill", [n] * s, [n] * s, args, device, backends, max(3, reps // 3)):
-            print(fmt(r), flush=True)
-            rows.append(r)
+        # One uniform batch, and for s > 1 a ragged one (lengths in (n/2, n]).
+        g = torch.Generator().manual_seed(s * n)
+        ragged = (n - torch.randint(0, n // 2, (s,), generator=g)).tolist()
+        cases = [[n] * s] + ([ragged] if s > 1 else [])
+        for lens in cases:
+            for r in run_case("prefill", lens, lens, args, device, backends, max(3, reps // 3)):
+                print(fmt(r), flush=True)
+                rows.append(r)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "peak_Bps": peak, "dtype": args.dtype, "rows": rows},

@@ -226,7 +226,9 @@ class TorchBackend(AttentionBackend):
         else:
             qp = q.index_select(0, rows.clamp_max(q.shape[0] - 1).reshape(-1)).view(n, mq, hq, d)
         row_ok = None
-        if uniform and mq == mk:
+        if gq == gk:
+            # No context: right-padded rows/keys plus top-left causal is exact for
+            # the real rows (key j <= i < q_len never reaches padding), no mask needed.
             mask, causal = None, True
         else:
             causal = False
@@ -285,7 +287,10 @@ class TorchBackend(AttentionBackend):
                 scale,
             )
             out.index_copy_(0, rows, o.to(out.dtype))
-        for group in _plan_groups(rest, q_lens, k_lens):
+        # Group no-context prefills apart: they run maskless with is_causal.
+        no_ctx = [s for s in rest if q_lens[s] == k_lens[s]]
+        ctx = [s for s in rest if q_lens[s] != k_lens[s]]
+        for group in _plan_groups(no_ctx, q_lens, k_lens) + _plan_groups(ctx, q_lens, k_lens):
             self._prefill_group(
                 q, key_cache, value_cache, block_table, sorted(group), starts,
                 q_lens, k_lens, scale, out,

@@ -28,8 +28,8 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -41,7 +41,6 @@ def _paged_attention_kernel(
     k_len = tl.load(seq_lens_k_ptr + seq)
     shift = k_len - q_len  # bottom-right causal alignment
 
-    BLOCK_Q: tl.constexpr = BLOCK_M // G
     r = tl.arange(0, BLOCK_M)
     qi = qoff + r // G  # query index inside the sequence
     head = kvh * G + r % G

@@ -153,7 +153,7 @@ class TritonBackend(AttentionBackend):
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             bt.stride(0),
             G=group, HEAD_DIM=d, BLOCK_D=next_pow2(max(d, 16)),
-            BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
+            BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
             num_warps=4 if block_m <= 64 else 8,
         )
         if splits > 1:

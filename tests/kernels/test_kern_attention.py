@@ -96,6 +96,9 @@ def test_torch_uniform_prefill_and_padded_groups() -> None:
     be = get_backend("torch")
     b = make_paged_batch([20, 20, 20], [20, 20, 20], 4, 4, 64, block_size=16)
     check_against_oracle(be, b, FP32_TOL, decode=False)
+    ragged = [5, 17, 16, 33, 2]  # no context, different lengths: right-padded is_causal
+    b = make_paged_batch(ragged, ragged, 6, 2, 64, block_size=16, seed=2)
+    check_against_oracle(be, b, FP32_TOL, decode=False)
     q_lens = [200] + [3] * 10 + [1] * 10
     k_lens = [200] + [9] * 10 + [33] * 10
     b = make_paged_batch(q_lens, k_lens, 6, 2, 64, block_size=16, seed=3)

@@ -1,0 +1,86 @@
+"""Compile every Triton kernel for real NVIDIA targets, without a GPU.
+
+The CPU test suite runs the kernels in the interpreter, which accepts code the
+GPU compiler rejects (non power-of-two blocks, small tl.dot shapes, type
+changes in loop-carried values...). Triton can lower a kernel all the way to a
+cubin with its bundled ptxas without a device, so this script does that for
+the configurations TritonBackend launches. Run in a subprocess: TRITON_INTERPRET
+must be unset when the kernels are decorated.
+
+    python tests/kernels/_aot_compile.py [capability ...]   # default: 90 80
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler import compile as triton_compile
+
+from pagedserve.kernels.triton_attention import (
+    _combine_kernel,
+    _paged_attention_kernel,
+    next_pow2,
+)
+from pagedserve.kernels.triton_backend import TritonBackend
+from pagedserve.kernels.triton_cache import _copy_blocks_kernel, _store_kv_kernel
+
+
+def signature(fn, pointers: dict[str, str], consts: dict, floats: tuple[str, ...] = ()) -> dict:
+    """Triton signature: given pointer types, constexprs, fp32 scalars, i32 otherwise."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = "fp32" if name in floats else "i32"
+    return sig
+
+
+def build(fn, pointers, consts, target, floats=(), num_warps=4) -> None:
+    src = ASTSource(fn, signature(fn, pointers, consts, floats), consts)
+    triton_compile(src, target=target, options={"num_warps": num_warps})
+    print(f"ok sm_{target.arch} {fn.__name__} {consts}", flush=True)
+
+
+def attention_configs():
+    """(dtype, G, D, max_q, splits) the backend can launch, decode and prefill."""
+    for dt in ("fp16", "bf16", "fp32"):
+        yield dt, 3, 64, 1, 1
+        yield dt, 4, 128, 64, 4
+    yield "fp16", 8, 128, 1, 16
+
+
+def main(archs: list[int]) -> None:
+    for arch in archs:
+        target = GPUTarget("cuda", arch, 32)
+        for dt, g, d, max_q, splits in attention_configs():
+            block_m = TritonBackend._block_m(g, max_q)
+            consts = dict(
+                G=g, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_Q=block_m // g,
+                BLOCK_N=64 if d <= 64 else 32, NUM_SPLITS=splits, DOT_F32=dt == "fp32",
+            )
+            ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+            ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+            ptrs |= {n: "*i32" for n in ("block_table_ptr", "cu_q_ptr", "seq_lens_k_ptr",
+                                         "tile_seq_ptr", "tile_qoff_ptr")}
+            build(_paged_attention_kernel, ptrs, consts, target, ("scale_log2",),
+                  num_warps=4 if block_m <= 64 else 8)
+        build(_combine_kernel, {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
+              dict(HEAD_DIM=80, BLOCK_D=128, NUM_SPLITS=3, SPLITS_P2=4), target)
+        build(_store_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32",
+                                 "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
+                                 "slot_ptr": "*i64"}, dict(ROW=192, BLOCK=256), target)
+        build(_copy_blocks_kernel, {"cache_ptr": "*fp16", "pairs_ptr": "*i64"},
+              dict(CHUNK=4096), target)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [90, 80])
