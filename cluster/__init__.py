@@ -1,1 +1,8 @@
-"""pagedserve.cluster"""
+"""The serving side: engine, executors, offline ``LLM`` API, Ray Serve app and CLI."""
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.llm import LLM
+from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

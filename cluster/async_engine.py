@@ -1,0 +1,136 @@
+"""The async engine: a background step loop and one output stream per request.
+
+The loop runs ``schedule`` and ``process`` on the event loop thread and only
+the forward (``execute``) in a worker thread, so an abort (a client that went
+away, a cancelled Serve call) lands between phases: its blocks are freed at
+once, and the step already running simply has its result for it ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.engine import LLMEngine
+from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import configure_gc_for_serving
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's tensor-parallel group failed; requests on it cannot finish."""
+
+
+class AsyncEngine:
+    """Wraps :class:`LLMEngine` for concurrent callers on one asyncio loop."""
+
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None
+                 ) -> None:
+        self.engine = engine or LLMEngine(config or EngineConfig())
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        configure_gc_for_serving()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            plan = engine.schedule()
+            try:
+                output = await asyncio.to_thread(engine.execute, plan)
+                results = engine.process(plan, output)
+            except Exception as e:
+                logger.exception("engine step failed; failing every request")
+                err = EngineDeadError(str(e))
+                engine.fail_all(err)
+                for q in self._queues.values():
+                    q.put_nowait(err)
+                self._queues.clear()
+                return
+            for out in results:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+            await asyncio.sleep(0)  # let aborts and new requests in between steps
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a cumulative snapshot after every step that advanced the request.
+
+        Validation errors raise ``ValueError`` before the first yield. If the
+        consumer stops iterating or is cancelled, the request is aborted.
+        """
+        if self.engine.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self.engine.dead}")
+        rid = self.engine.add_request(prompt, params, request_id, cache_salt)
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[rid] = q
+        self._ensure_loop()
+        assert self._wakeup is not None
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort_request(request_id)
+
+    async def check_health(self) -> None:
+        """Raise unless the engine can still generate: a tiny greedy request end to end."""
+        if self.engine.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self.engine.dead}")
+        await asyncio.to_thread(self.engine.executor.check_health)
+        if self._loop_task is not None and self._loop_task.done():
+            exc = self._loop_task.exception() if not self._loop_task.cancelled() else None
+            raise EngineDeadError(f"engine loop ended: {exc}")
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.engine.get_stats()
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loop_task
+        self.engine.shutdown()

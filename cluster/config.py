@@ -1,0 +1,83 @@
+"""Engine settings: one frozen dataclass, validated on creation, that names the bad field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+EXECUTORS = ("auto", "local", "ray")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine replica needs: model, parallelism, KV pool and batching.
+
+    On CPU the KV pool is sized by ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
+    (default 512 MiB); on CUDA by ``gpu_memory_utilization`` after profiling.
+    ``swap_space_bytes`` sizes the CPU swap tier (0 disables swap: preemption
+    then always recomputes).
+    """
+
+    model: str | None = None
+    tensor_parallel_size: int = 1
+    executor: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space_bytes: int = 256 * 2**20
+    num_cpu_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "swap"
+    seed: int = 0
+    num_threads: int | None = None
+    worker_extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("block_size", "num_gpu_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(
+                f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_executor(self) -> str:
+        if self.executor != "auto":
+            return self.executor
+        return "local" if self.tensor_parallel_size == 1 else "ray"

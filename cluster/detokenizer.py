@@ -1,0 +1,90 @@
+"""Incremental detokenisation and stop strings, per sequence.
+
+Decoding the whole output every step is quadratic; decoding only the new
+token is wrong for byte-level BPE (a character can span tokens) and for
+tokenizers whose spacing depends on the previous token. So, like vLLM, each
+step decodes a short window ``[prefix_offset:]`` and emits what extends the
+already-read text, holding back an incomplete UTF-8 character (``\\ufffd``).
+Stop strings are searched only in the freshly extended tail; while a
+request streams, the last ``max_stop_len - 1`` characters are held back so
+a stop string split across steps is never shown to the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Text of one sequence's output tokens, grown one step at a time."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.stop = list(stop)
+        self.include_stop = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        self.stop_reason: str | None = None
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._sent = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str | None:
+        """Append tokens; return the stop string if one now appears in the text."""
+        for tok in token_ids:
+            self._ids.append(tok)
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                before = len(self.text)
+                self.text += full[len(prefix) :]
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._ids)
+                hit = self._find_stop(before)
+                if hit is not None:
+                    return hit
+        return None
+
+    def _find_stop(self, before: int) -> str | None:
+        if not self.stop:
+            return None
+        start = max(0, before - self._holdback)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.stop_reason = s
+        return s
+
+    def stream_delta(self, finished: bool) -> str:
+        """New text safe to show: all of it at the end, minus the holdback before."""
+        limit = len(self.text) if finished else max(self._sent, len(self.text) - self._holdback)
+        delta = self.text[self._sent : limit]
+        self._sent = limit
+        return delta
+
+    @property
+    def visible_text(self) -> str:
+        """Text shown so far to a streaming client (for cumulative snapshots)."""
+        return self.text[: self._sent]

@@ -1,0 +1,296 @@
+"""The engine: central scheduler + executor + detokenisation, one step at a time.
+
+A step is three phases so the async server can run the middle one in a
+thread while aborts and new requests keep arriving on the event loop:
+``schedule()`` (scheduler, loop thread) -> ``execute(plan)`` (the TP group)
+-> ``process(plan, output)`` (scheduler + detokeniser, loop thread).
+Every scheduler mutation happens on one thread, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.detokenizer import IncrementalDetokenizer
+from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
+from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
+from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.request import RequestStatus
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
+
+FLASH_BLOCK_SIZE = 256
+
+
+@dataclass
+class _Sequence:
+    detok: IncrementalDetokenizer
+    out: CompletionOutput
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence]
+    num_cached_tokens: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.out.finished for s in self.seqs)
+
+
+class LLMEngine:
+    """One engine replica's core, usable synchronously (``step``) or split in phases."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        resolved = resolve_model(config.model)
+        self.model_id = resolved.model_id
+        self.tokenizer = load_tokenizer(resolved)
+        block_size = config.block_size or self._default_block_size()
+        dtype = config.dtype if config.dtype != "auto" else (
+            "bfloat16" if self.device == "cuda" else "float32")
+        wcfg = WorkerConfig(
+            model=resolved.path,
+            dtype=dtype,
+            device=self.device,
+            block_size=block_size,
+            attention_backend=config.attention_backend,
+            tensor_parallel_size=config.tensor_parallel_size,
+            num_gpu_blocks=config.num_gpu_blocks,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes
+            if config.kv_cache_memory_bytes or config.num_gpu_blocks or self.device == "cuda"
+            else 512 * 2**20,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            seed=config.seed,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_cuda_graph=self.device == "cuda",
+            num_threads=config.num_threads,
+            extra=dict(config.worker_extra),
+        )
+        self.executor: Executor
+        if config.resolved_executor() == "ray":
+            self.executor = RayExecutor(wcfg, use_gpu=self.device == "cuda")
+        else:
+            self.executor = LocalExecutor(wcfg)
+        info = self.executor.model_info()
+        self.model_info = info
+        self.eos_token_ids = tuple(info["eos_token_ids"])
+        max_len = min(config.max_model_len or info["max_model_len"], info["max_model_len"])
+        self.max_model_len = max_len
+        num_gpu_blocks = self.executor.determine_num_blocks()
+        num_cpu_blocks = config.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = config.swap_space_bytes // int(info["bytes_per_block"])
+        if config.preemption_mode == "recompute":
+            num_cpu_blocks = 0
+        self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs)
+                if config.enable_chunked_prefill else max(config.max_num_batched_tokens, max_len),
+                max_model_len=max_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+            ),
+            CacheConfig(
+                num_gpu_blocks=num_gpu_blocks,
+                block_size=block_size,
+                num_cpu_blocks=num_cpu_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                model_id=self.model_id,
+            ),
+        )
+        self._groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, tuple[_Group, int]] = {}
+        self._ids = itertools.count()
+        self.dead: BaseException | None = None
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                      "finished_requests": 0, "aborted_requests": 0}
+
+    def _default_block_size(self) -> int:
+        from pagedserve.kernels import get_backend
+
+        backend = get_backend(self.config.attention_backend, self.device)
+        return 16 if backend.supports_block_size(16) else FLASH_BLOCK_SIZE
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not all(isinstance(t, int) and 0 <= t < self.model_info["vocab_size"]
+                   for t in prompt):
+            raise ValueError("prompt token ids must be integers within the vocabulary")
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ``ValueError`` naming the problem."""
+        if self.dead is not None:
+            raise RuntimeError(f"engine is dead: {self.dead}")
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if "#" in request_id:
+            raise ValueError("request_id must not contain '#'")
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
+                                          cache_salt)
+        self.scheduler.add_request(req)
+        group = _Group(request_id, prompt if isinstance(prompt, str) else None, ids, params, [])
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                           params.include_stop_str_in_output)
+            group.seqs.append(_Sequence(detok, CompletionOutput(
+                index=i, logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)))
+            self._seq_to_group[request_id if i == 0 else f"{request_id}#{i}"] = (group, i)
+        self._groups[request_id] = group
+        self.stats["prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request in any state; its blocks are free when this returns."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        self.scheduler.abort(request_id)
+        for i, _ in enumerate(group.seqs):
+            self._seq_to_group.pop(request_id if i == 0 else f"{request_id}#{i}", None)
+        self.stats["aborted_requests"] += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or self.scheduler.has_unfinished_requests()
+
+    def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None = None
+                            ) -> list[bytes]:
+        """The prefix-cache keys of a prompt, as the scheduler computes them."""
+        return hash_prompt_blocks(token_ids, self.scheduler.block_size,
+                                  make_extra_keys(self.model_id, cache_salt))
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        if plan.is_empty and not plan.finished_ids and not plan.aborted_ids:
+            return None
+        return self.executor.execute_model(plan)
+
+    def process(self, plan: SchedulerOutput, output: ModelRunnerOutput | None
+                ) -> list[RequestOutput]:
+        """Apply sampled tokens; returns a snapshot of every request that progressed."""
+        updates = self.scheduler.update_from_output(plan, output)
+        self.stats["steps"] += 1
+        touched: dict[str, _Group] = {}
+        now = time.monotonic()
+        for u in updates:
+            entry = self._seq_to_group.get(u.request_id)
+            if entry is None:
+                continue
+            group, i = entry
+            seq = group.seqs[i]
+            group.num_cached_tokens = max(group.num_cached_tokens, u.num_cached_tokens)
+            group.first_token_time = group.first_token_time or now
+            ids = [t.token_id for t in u.new_tokens]
+            self.stats["generation_tokens"] += len(ids)
+            seq.out.token_ids.extend(ids)
+            if seq.out.logprobs is not None:
+                for t in u.new_tokens:
+                    seq.out.logprobs.append(t.top_logprobs or {t.token_id: t.logprob or 0.0})
+                    seq.out.cumulative_logprob += t.logprob or 0.0
+            stop = seq.detok.add_tokens(ids)
+            if stop is not None and not u.finished:
+                self.scheduler.finish_request(u.request_id, RequestStatus.FINISHED_STOPPED)
+                seq.out.finish_reason, seq.out.stop_reason = "stop", stop
+            elif u.finished:
+                seq.out.finish_reason = u.finish_reason
+                if stop is not None:
+                    seq.out.finish_reason, seq.out.stop_reason = "stop", stop
+                elif u.finish_reason == "stop" and ids and ids[-1] not in self.eos_token_ids:
+                    seq.out.stop_reason = ids[-1]
+            seq.out.text = seq.detok.text
+            touched[group.request_id] = group
+        results = []
+        for rid, group in touched.items():
+            results.append(self._snapshot(group))
+            if group.finished:
+                self._groups.pop(rid, None)
+                for i, _ in enumerate(group.seqs):
+                    self._seq_to_group.pop(rid if i == 0 else f"{rid}#{i}", None)
+                self.stats["finished_requests"] += 1
+        return results
+
+    def _snapshot(self, group: _Group) -> RequestOutput:
+        outs = [CompletionOutput(s.out.index, s.out.text, list(s.out.token_ids),
+                                 s.out.cumulative_logprob,
+                                 list(s.out.logprobs) if s.out.logprobs is not None else None,
+                                 s.out.finish_reason, s.out.stop_reason) for s in group.seqs]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                             group.finished, group.num_cached_tokens)
+
+    def step(self) -> list[RequestOutput]:
+        """One synchronous step: schedule, run the TP group, apply the tokens."""
+        plan = self.schedule()
+        return self.process(plan, self.execute(plan))
+
+    # ---- health and teardown ----------------------------------------------------------
+
+    def fail_all(self, error: BaseException) -> list[str]:
+        """The TP group died: abort everything so the pool is back at baseline."""
+        self.dead = error
+        ids = list(self._groups)
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
+
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise RuntimeError(f"engine is dead: {self.dead}")
+        self.executor.check_health()
+
+    def get_stats(self) -> dict[str, Any]:
+        mem = self.scheduler.memory_stats().as_dict()
+        return {
+            **self.stats,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "num_preemptions": dict(self.scheduler.num_preemptions),
+            "prefix_cache_queries": self.scheduler.kv.prefix_queries,
+            "prefix_cache_hits": self.scheduler.kv.prefix_hits,
+            "memory": mem,
+            "model": self.model_id,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

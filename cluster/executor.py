@@ -1,0 +1,160 @@
+"""Executors run one step plan on every tensor-parallel rank and return rank 0's tokens.
+
+``LocalExecutor`` holds a single rank in-process (offline use, tests, TP=1
+serving); ``RayExecutor`` holds the ranks as Ray actors in one placement
+group. The engine talks to both through the same five calls.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class ExecutorDeadError(RuntimeError):
+    """A rank died or failed a step; the replica must be replaced."""
+
+
+class Executor(abc.ABC):
+    """The engine's view of its tensor-parallel group."""
+
+    @abc.abstractmethod
+    def model_info(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def determine_num_blocks(self) -> int: ...
+
+    @abc.abstractmethod
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    @abc.abstractmethod
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None: ...
+
+    @abc.abstractmethod
+    def check_health(self) -> None: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release the ranks; safe to call twice."""
+
+
+class LocalExecutor(Executor):
+    """One rank in this process."""
+
+    def __init__(self, worker_config: WorkerConfig) -> None:
+        self.worker = Worker(worker_config)
+        self.worker.load_model()
+
+    def model_info(self) -> dict[str, Any]:
+        return self.worker.get_model_info()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(plan)
+
+    def check_health(self) -> None:
+        self.worker.check_health()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class RayExecutor(Executor):
+    """TP ranks as Ray actors placed in one placement group.
+
+    Inside a Serve replica deployed with ``placement_group_bundles`` the
+    replica occupies bundle 0 and the ranks take bundles 1..TP; otherwise the
+    executor creates (and later removes) its own group. Rank 0 reports its
+    address and a free port, every rank then joins ``tcp://ip:port``.
+    """
+
+    def __init__(self, worker_config: WorkerConfig, use_gpu: bool,
+                 ready_timeout_s: float = 300.0) -> None:
+        import ray
+        from ray.util.placement_group import get_current_placement_group, placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pagedserve.worker.ray_worker import RayWorkerWrapper
+
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(include_dashboard=False, log_to_driver=False)
+        tp = worker_config.tensor_parallel_size
+        bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+        pg = get_current_placement_group()
+        self._own_pg = None
+        offset = 0
+        if pg is not None and len(pg.bundle_specs) >= tp + 1:
+            offset = 1
+        else:
+            pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
+            ray.get(pg.ready(), timeout=ready_timeout_s)
+            self._own_pg = pg
+        self._ray = ray
+        self.workers = []
+        for rank in range(tp):
+            actor_cls = ray.remote(RayWorkerWrapper).options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_concurrency=2,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=rank + offset,
+                    placement_group_capture_child_tasks=False,
+                ),
+            )
+            self.workers.append(actor_cls.remote(replace(worker_config, rank=rank)))
+        ip, port = self._get(self.workers[0].get_node_ip_and_free_port.remote(),
+                             timeout=ready_timeout_s)
+        init_method = f"tcp://{ip}:{port}"
+        self._get([w.load_model.remote(init_method) for w in self.workers],
+                  timeout=ready_timeout_s)
+
+    def _get(self, refs: Any, timeout: float | None = None) -> Any:
+        try:
+            return self._ray.get(refs, timeout=timeout)
+        except Exception as e:  # RayActorError, GetTimeoutError, a rank's own error
+            raise ExecutorDeadError(f"tensor-parallel group failed: {e}") from e
+
+    def model_info(self) -> dict[str, Any]:
+        return self._get(self.workers[0].get_model_info.remote())
+
+    def determine_num_blocks(self) -> int:
+        return min(self._get([w.determine_num_blocks.remote() for w in self.workers]))
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._get([w.init_kv_cache.remote(num_gpu_blocks, num_cpu_blocks)
+                   for w in self.workers])
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        ref = self._ray.put(plan)
+        return self._get([w.execute_model.remote(ref) for w in self.workers])[0]
+
+    def check_health(self) -> None:
+        self._get([w.check_health.remote() for w in self.workers], timeout=30)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                self._ray.kill(w)
+            except Exception:  # already dead
+                logger.debug("worker already gone", exc_info=True)
+        self.workers = []
+        if self._own_pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._own_pg)
+            self._own_pg = None

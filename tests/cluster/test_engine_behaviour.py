@@ -1,0 +1,163 @@
+"""Preemption, parallel sampling, abort and admission errors through the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.cluster.async_engine import AsyncEngine
+from pagedserve.cluster.config import EngineConfig
+from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+
+
+def assert_pool_at_baseline(llm: LLM) -> None:
+    sched = llm.engine.scheduler
+    mem = sched.memory_stats()
+    assert mem.num_free_blocks == mem.num_gpu_blocks
+    assert mem.num_swapped_blocks == 0
+    assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
+    assert not sched.requests and not llm.engine._groups
+    for h, b in sched.kv.pool.cached.items():
+        assert b.block_hash == h
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir) -> list[list[int]]:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=256)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts_of_mixed_lengths(), params)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_forced_preemption_gives_the_same_tokens(mode, tiny_llama_dir, reference) -> None:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=12, preemption_mode=mode,
+              num_cpu_blocks=64 if mode == "swap" else 0, max_num_batched_tokens=64)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outs = llm.generate(prompts_of_mixed_lengths(), params)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert llm.engine.scheduler.num_preemptions[mode] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_parallel_sampling_shares_prompt_blocks_and_matches_seeded_runs(tiny_llama_dir) -> None:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=128)
+    try:
+        prompt = [(13 * j) % 3000 + 50 for j in range(40)]  # 3 blocks, the last partial
+        params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+        engine = llm.engine
+        engine.add_request(prompt, params, request_id="g")
+        engine.step()  # the prompt prefill, then the fork
+        mem = engine.scheduler.memory_stats()
+        assert mem.num_used_blocks == 3 and mem.num_shared_blocks == 3
+        while engine.has_unfinished_requests():
+            engine.step()
+        first = llm.generate([prompt], params)[0]
+        again = llm.generate([prompt], params)[0]
+        samples = [c.token_ids for c in first.outputs]
+        assert samples == [c.token_ids for c in again.outputs]
+        assert len({tuple(s) for s in samples}) == 3
+        for i, s in enumerate(samples):
+            alone = llm.generate([prompt], SamplingParams(
+                temperature=1.0, seed=7 + i, max_tokens=10, ignore_eos=True))[0]
+            assert alone.outputs[0].token_ids == s
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_abort_mid_generation_frees_everything(tiny_llama_dir) -> None:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        engine = llm.engine
+        for i, p in enumerate(prompts_of_mixed_lengths(4)):
+            engine.add_request(p, SamplingParams(n=2, max_tokens=50, ignore_eos=True,
+                                                 temperature=0.5), request_id=f"r{i}")
+        for _ in range(3):
+            engine.step()
+        assert engine.scheduler.memory_stats().num_used_blocks > 0
+        for i in range(4):
+            assert engine.abort_request(f"r{i}")
+        assert_pool_at_baseline(llm)
+        plan = engine.schedule()
+        assert sorted(plan.aborted_ids) == sorted(
+            [f"r{i}" for i in range(4)] + [f"r{i}#1" for i in range(4)])
+        engine.process(plan, engine.execute(plan))
+    finally:
+        llm.shutdown()
+
+
+def test_requests_that_can_never_fit_and_bad_params_raise_value_error(tiny_llama_dir) -> None:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=4, max_model_len=256)
+    try:
+        with pytest.raises(ValueError, match="KV blocks"):
+            llm.generate([[5] * 60], SamplingParams(max_tokens=20))
+        with pytest.raises(ValueError, match="context"):
+            llm.generate([[5] * 300], SamplingParams(max_tokens=1))
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=-1)
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=0)
+        with pytest.raises(ValueError, match="max_tokens"):
+            SamplingParams(max_tokens=0)
+        with pytest.raises(ValueError, match="n must be"):
+            SamplingParams(n=0)
+        with pytest.raises(ValueError, match="vocabulary"):
+            llm.generate([[10**9]], SamplingParams(max_tokens=2))
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) <= 3
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_stop_strings_and_logprobs(smol_llm) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=30, stop=["Paris"], logprobs=2)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smol_llm.chat(msgs, params)[0].outputs[0]
+    assert out.text == "The capital of France is "
+    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
+    assert len(out.logprobs) == len(out.token_ids)
+    assert all(len(lp) >= 1 for lp in out.logprobs)
+    assert out.cumulative_logprob <= 0.0
+
+
+def test_async_engine_cancellation_aborts_and_frees(tiny_llama_dir) -> None:
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=tiny_llama_dir, num_gpu_blocks=64))
+        try:
+            params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+
+            async def consume(prompt: list[int], stop_after: int | None,
+                              p: SamplingParams = params) -> list[int]:
+                got: list[int] = []
+                async for out in engine.generate(prompt, p):
+                    got = out.outputs[0].token_ids
+                    if stop_after is not None and len(got) >= stop_after:
+                        break
+                return got
+
+            prompts = prompts_of_mixed_lengths(4)
+            long = SamplingParams(max_tokens=450, ignore_eos=True, temperature=0.0)
+            task = asyncio.create_task(consume(prompts[0], None, long))
+            res = await asyncio.gather(consume(prompts[1], 3), consume(prompts[2], 5),
+                                       consume(prompts[3], None))
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert len(res[2]) == 200
+            mem = engine.engine.scheduler.memory_stats()
+            assert mem.num_free_blocks == mem.num_gpu_blocks
+            assert not engine.engine._groups
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
