@@ -1,0 +1,141 @@
+"""ModelConfig / WorkerConfig validation, resolve_model inputs, loader failure modes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.layers.rotary import compute_inv_freq
+from pagedserve.worker.loaders import resolve_model
+from pagedserve.worker.loaders.gguf import reverse_permute
+from pagedserve.worker.parallel import ParallelContext, get_node_ip_and_free_port
+from tests.worker.helpers import TINY, make_worker, save_tiny_model
+
+BASE = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+
+
+def test_model_config_reads_both_rope_layouts():
+    v5 = ModelConfig.from_hf_dict({**BASE, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
+    v4 = ModelConfig.from_hf_dict({**BASE, "rope_theta": 5e5, "rope_scaling": {
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}})
+    assert v5 == v4
+    assert v5.rope_theta == 5e5 and v5.rope_scaling["rope_type"] == "llama3"
+    assert v5.head_dim == 16 and v5.max_model_len == 2048
+    q = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "eos_token_id": [5, 6]})
+    assert q.qkv_bias and not q.o_bias and q.eos_token_ids == (5, 6)
+    m = ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "sliding_window": 512})
+    assert m.max_model_len == 512
+
+
+def test_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    cfg = LlamaConfig(**{k: v for k, v in TINY.items()}, rope_theta=5e5, rope_scaling=scaling)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    ours = compute_inv_freq(16, 5e5, ModelConfig.from_hf_dict(cfg.to_dict()).rope_scaling)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"hidden_size": None}, "hidden_size"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "low_freq_factor"),
+])
+def test_model_config_errors_name_the_field(patch, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_dict({**BASE, **patch})
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(block_size=0), "block_size"), (dict(tensor_parallel_size=2, rank=2), "rank"),
+    (dict(dtype="int8"), "dtype"), (dict(num_gpu_blocks=0), "num_gpu_blocks"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+])
+def test_worker_config_errors_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        WorkerConfig(**kw)
+
+
+def test_resolve_model_inputs(tmp_path):
+    path = save_tiny_model(tmp_path / "m", "llama")
+    r = resolve_model(str(path))
+    assert r.path == str(path.resolve()) and r.model_id == "m" and r.gguf_file is None
+    with pytest.raises(FileNotFoundError, match="downloaded"):
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def test_missing_and_misshapen_weights_fail_loudly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model(tmp_path / "m", "llama")
+    # Collapse the shards into one file without one weight, and drop the index.
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        tensors.update(load_file(f))
+        f.unlink()
+    (path / "model.safetensors.index.json").unlink()
+    tensors.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing weights.*down_proj"):
+        make_worker(path)
+    tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="shape"):
+        make_worker(path)
+
+
+def test_reverse_permute_inverts_llama_cpp_permute():
+    """llama.cpp's converter permutes rows as below; we must undo it exactly."""
+    def permute(w, n_head):  # convert_hf_to_gguf.LlamaModel.permute
+        return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+                .swapaxes(1, 2).reshape(w.shape))
+
+    w = torch.randn(48, 8).numpy()
+    for heads in (1, 3, 6):
+        assert (reverse_permute(permute(w, heads), heads) == w).all()
+
+
+def test_world_size_one_never_touches_torch_distributed(tmp_path):
+    import torch.distributed as dist
+
+    ctx = ParallelContext()
+    x = torch.ones(3)
+    assert ctx.all_reduce(x) is x and ctx.gather_last_dim(x) is x
+    make_worker(save_tiny_model(tmp_path / "m", "llama"))
+    assert not dist.is_initialized()
+    ip, port = get_node_ip_and_free_port()
+    assert ip and 0 < port < 65536
+
+
+def test_model_info_and_kv_budget(tmp_path):
+    path = save_tiny_model(tmp_path / "m", "qwen2", eos_token_id=[2, 3])
+    w = make_worker(path, num_blocks=10, block_size=8)
+    info = w.get_model_info()
+    assert info["eos_token_ids"] == [2, 3] and info["max_model_len"] == TINY[
+        "max_position_embeddings"]
+    assert info["bytes_per_block"] == 2 * 2 * 8 * 2 * 16 * 4
+    assert info["num_kv_heads_per_rank"] == 2 and info["vocab_size"] == 101
+    w.config.num_gpu_blocks = None
+    w.config.kv_cache_memory_bytes = 10 * info["bytes_per_block"] + 5
+    assert w.determine_num_blocks() == 10
+    assert w.check_health()["ok"]
+    assert json.loads(json.dumps(info)) == info  # plain types only: crosses Ray
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
