@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
 from abc import ABC, abstractmethod
 
 import torch
@@ -120,6 +122,22 @@ def _has_module(name: str) -> bool:
         return False
 
 
+def _triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_imported_without_interpreter() -> bool:
+    """True when triton.language was imported before TRITON_INTERPRET was set.
+
+    ``@triton.jit`` picks compiled vs interpreted at decoration time, and
+    triton.language's own helpers (``tl.cdiv``...) were decorated at import;
+    interpreted kernels calling compiled helpers fail. ``torch._dynamo``
+    imports triton, so this happens when a test session sets the variable late.
+    """
+    std = sys.modules.get("triton.language.standard")
+    return std is not None and type(std.cdiv).__name__ == "JITFunction"
+
+
 def _unavailable_reason(name: str, device: torch.device) -> str | None:
     """Why backend ``name`` cannot run on ``device``, or None when it can."""
     if name == "torch":
@@ -127,13 +145,17 @@ def _unavailable_reason(name: str, device: torch.device) -> str | None:
     if name == "triton":
         if not _has_module("triton"):
             return "the 'triton' package is not installed (pip install 'pagedserve[triton]')"
-        if device.type != "cuda":
-            return (
-                f"Triton kernels need a CUDA device, got {device.type!r} "
-                "(set TRITON_INTERPRET=1 before importing triton to run them on CPU)"
-            )
-        if not torch.cuda.is_available():
-            return "Triton kernels need CUDA but torch.cuda.is_available() is False"
+        if device.type == "cpu":
+            if not _triton_interpreter_on():
+                return (
+                    "Triton kernels need a CUDA device, got 'cpu' (set TRITON_INTERPRET=1 "
+                    "before importing triton to run them in the interpreter)"
+                )
+            if _triton_imported_without_interpreter():
+                return "triton was imported before TRITON_INTERPRET=1 was set"
+            return None
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return f"Triton kernels need a CUDA device, got {device.type!r}"
         return None
     if name == "flash":
         if device.type != "cuda" or not torch.cuda.is_available():
@@ -144,27 +166,13 @@ def _unavailable_reason(name: str, device: torch.device) -> str | None:
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
 
 
-def _triton_interpreter_on() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Names of the backends that can run on ``device``, best first.
 
-    On CPU, triton is listed only when ``TRITON_INTERPRET=1`` (tests).
+    On CPU, triton is listed only under ``TRITON_INTERPRET=1`` (tests).
     """
     dev = torch.device(device)
-    names = []
-    for name in ("flash", "triton", "torch"):
-        reason = _unavailable_reason(name, dev)
-        if reason is None or (
-            name == "triton" and dev.type == "cpu" and _has_module("triton")
-            and _triton_interpreter_on()
-        ):
-            names.append(name)
-    return names
+    return [n for n in ("flash", "triton", "torch") if _unavailable_reason(n, dev) is None]
 
 
 def get_backend(
@@ -182,10 +190,7 @@ def get_backend(
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
     reason = _unavailable_reason(name, dev)
-    interp_ok = name == "triton" and dev.type == "cpu" and _has_module("triton") and (
-        _triton_interpreter_on()
-    )
-    if reason is not None and not interp_ok:
+    if reason is not None:
         raise RuntimeError(f"attention backend {name!r} is unavailable: {reason}")
     if name == "torch":
         from pagedserve.kernels.torch_ref import TorchBackend

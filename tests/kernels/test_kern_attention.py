@@ -117,3 +117,15 @@ def test_triton_split_k_matches_oracle(splits: int) -> None:
     check_against_oracle(be, b, FP32_TOL, decode=True)
     b = make_paged_batch([4, 1, 20], [40, 7, 20], 8, 2, 64, block_size=16, seed=splits)
     check_against_oracle(be, b, FP32_TOL, decode=False)
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_empty_batches(name: str) -> None:
+    be = get_backend(name, "cpu")
+    kc = torch.zeros(4, 16, 2, 64)
+    q = torch.zeros(0, 4, 64)
+    bt = torch.zeros(0, 2, dtype=torch.int32)
+    md = build_varlen_metadata([], [])
+    assert be.varlen_attention(q, kc, kc, bt, md, 0.1).shape == (0, 4, 64)
+    lens = torch.zeros(0, dtype=torch.int32)
+    assert be.decode_attention(q, kc, kc, bt, lens, 0.1).shape == (0, 4, 64)

@@ -123,3 +123,17 @@ def test_triton_on_cpu_without_interpreter_says_why(monkeypatch: pytest.MonkeyPa
     with pytest.raises(RuntimeError, match="need a CUDA device"):
         get_backend("triton", "cpu")
     assert "triton" not in available_backends("cpu")
+
+
+def test_triton_imported_before_interpreter_flag_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Interpreted kernels cannot call triton.language helpers compiled at import."""
+    from pagedserve.kernels import backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backend, "_has_module", lambda name: True)
+    monkeypatch.setattr(backend, "_triton_imported_without_interpreter", lambda: True)
+    assert "triton" not in available_backends("cpu")
+    with pytest.raises(RuntimeError, match="imported before TRITON_INTERPRET"):
+        get_backend("triton", "cpu")
