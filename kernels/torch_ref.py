@@ -147,7 +147,7 @@ class TorchBackend(AttentionBackend):
             if min_k == 0:
                 valid[:, 0] |= lens == 0  # keep softmax finite; row is zeroed below
             mask = valid[:, None, None, :]
-        qg = q.view(s, hkv, hq // hkv, d)
+        qg = q.reshape(s, hkv, hq // hkv, d)
         # On CPU, gather and attend a few sequences at a time so the gathered K/V
         # are still in the last-level cache when SDPA reads them.
         row_bytes = nb * bsz * hkv * d * key_cache.element_size() * 2

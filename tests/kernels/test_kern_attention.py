@@ -129,3 +129,25 @@ def test_empty_batches(name: str) -> None:
     assert be.varlen_attention(q, kc, kc, bt, md, 0.1).shape == (0, 4, 64)
     lens = torch.zeros(0, dtype=torch.int32)
     assert be.decode_attention(q, kc, kc, bt, lens, 0.1).shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_strided_qkv_views(name: str) -> None:
+    """q/k/v as column slices of one fused qkv projection, as the model produces them."""
+    be = get_backend(name, "cpu")
+    hq, hkv, d = 6, 2, 64
+    q_lens, k_lens = [3, 1, 5], [3, 9, 5]
+    b = make_paged_batch(q_lens, k_lens, hq, hkv, d, block_size=16, seed=11)
+    qkv = torch.cat([b.q.reshape(-1, hq * d), torch.zeros(b.q.shape[0], 2 * hkv * d)], dim=1)
+    q = qkv[:, : hq * d].view(-1, hq, d)
+    assert not q.is_contiguous()
+    b.q = q
+    check_against_oracle(be, b, FP32_TOL, decode=False)
+    # store_kv from strided views lands in the right slots
+    kc, vc = torch.zeros_like(b.key_cache), torch.zeros_like(b.value_cache)
+    fused = torch.cat([b.k.reshape(-1, hkv * d), b.v.reshape(-1, hkv * d)], dim=1)
+    k_view = fused[:, : hkv * d].view(-1, hkv, d)
+    v_view = fused[:, hkv * d :].view(-1, hkv, d)
+    be.store_kv(k_view, v_view, kc, vc, b.slot_mapping)
+    assert torch.equal(kc.view(-1, hkv, d)[b.slot_mapping], b.k)
+    assert torch.equal(vc.view(-1, hkv, d)[b.slot_mapping], b.v)
