@@ -1,0 +1,294 @@
+"""Prefix-affinity request routing between engine replicas.
+
+The ingress tokenises every prompt and computes its prefix-cache keys exactly as the
+scheduler does (``hash_prompt_blocks`` over full blocks, model id and cache salt mixed
+in). ``PrefixAffinityRouter`` runs inside the ingress's deployment handle: it remembers
+which replica was sent which block hashes and sends a request to the replica holding its
+deepest matching block, so a shared system prompt is prefilled once per replica instead of
+once per request. Without a match, or when the holder is busier than the least-loaded
+replica by more than ``imbalance_threshold`` ongoing requests, it picks the least-loaded
+replica (ties go to the replica owning the fewest cached blocks, which spreads distinct
+prompts). Replica capacity stays bounded by Serve's ``max_ongoing_requests``: a full
+replica is skipped by Serve's own rejection protocol, and the handle's
+``max_queued_requests`` turns a full cluster into ``BackPressureError``.
+
+The same router also addresses one replica by id (``ReplicaCall.target_replica``), which
+the ingress uses to collect every replica's stats and health; ``known_replicas`` reads the
+replica set from the routers living in this process.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+ROUTER_CLASS_PATH = "pagedserve.cluster.router:PrefixAffinityRouter"
+
+
+@dataclass
+class EngineRequest:
+    """A tokenised request on its way to an engine replica (the router reads the hashes)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_hashes: list[bytes] = field(default_factory=list)
+    cache_salt: str | None = None
+    exclude_replicas: tuple[str, ...] = ()
+
+
+@dataclass
+class ReplicaCall:
+    """A control call (stats, health probe) that must reach one named replica."""
+
+    target_replica: str
+    timeout_s: float = 30.0
+
+
+# ---- ingress <-> engine replica wire format --------------------------------------------
+
+
+@dataclass
+class SampleDelta:
+    """What one sample gained in one engine step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    sampled_logprobs: list[float | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class EngineChunk:
+    """One streamed item from an engine replica: deltas, or an error before any token.
+
+    ``retryable`` errors (a dead tensor-parallel group) are retried by the ingress on
+    another replica as long as nothing was sent to the client yet.
+    """
+
+    request_id: str
+    replica: str
+    deltas: list[SampleDelta] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finished: bool = False
+    error: str | None = None
+    status: int = 200
+    retryable: bool = False
+
+
+class DeltaTracker:
+    """Turns the engine's cumulative snapshots into per-sample deltas (sent once each)."""
+
+    def __init__(self, n: int) -> None:
+        self._sent_text = [0] * n
+        self._sent_tokens = [0] * n
+        self._cum = [0.0] * n
+        self._done = [False] * n
+
+    def deltas(self, out: RequestOutput) -> list[SampleDelta]:
+        result = []
+        for o in out.outputs:
+            i = o.index
+            if self._done[i]:
+                continue
+            k0 = self._sent_tokens[i]
+            new_ids = o.token_ids[k0:]
+            text = o.text[self._sent_text[i]:]
+            if not new_ids and not text and o.finish_reason is None:
+                continue
+            lps = sampled = None
+            if o.logprobs is not None:
+                lps = o.logprobs[k0:]
+                sampled = [d.get(t) for d, t in zip(lps, new_ids)]
+                if len(new_ids) == 1 and sampled[0] is None and o.cumulative_logprob is not None:
+                    sampled[0] = o.cumulative_logprob - self._cum[i]  # token outside the top-k
+                self._cum[i] = o.cumulative_logprob or 0.0
+            result.append(SampleDelta(i, text, list(new_ids), lps, sampled, o.finish_reason,
+                                      o.stop_reason))
+            self._sent_tokens[i] = len(o.token_ids)
+            self._sent_text[i] = len(o.text)
+            self._done[i] = o.finish_reason is not None
+        return result
+
+
+_routers: weakref.WeakSet[PrefixAffinityRouter] = weakref.WeakSet()
+_routers_lock = threading.Lock()
+
+
+def known_replicas(deployment_name: str, app_name: str | None = None) -> list[str]:
+    """Ids of the running replicas of a deployment, as seen by this process's routers."""
+    ids: set[str] = set()
+    with _routers_lock:
+        routers = list(_routers)
+    for r in routers:
+        dep = r._deployment_id
+        if dep.name == deployment_name and (app_name is None or dep.app_name == app_name):
+            ids.update(rid.unique_id for rid in list(r.curr_replicas))
+    return sorted(ids)
+
+
+def affinity_snapshot(deployment_name: str) -> dict[str, int]:
+    """Blocks each replica owns in this process's affinity tables (for stats and tests)."""
+    out: dict[str, int] = {}
+    with _routers_lock:
+        routers = list(_routers)
+    for r in routers:
+        if r._deployment_id.name == deployment_name:
+            for rid, n in r._owned.items():
+                out[rid] = out.get(rid, 0) + n
+    return out
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Route to the replica that already holds the prompt's prefix, else the least loaded."""
+
+    def initialize_state(self, max_table_blocks: int = 262_144, imbalance_threshold: int = 8,
+                         min_match_blocks: int = 1, **_: Any) -> None:
+        """Called by Serve with ``request_router_kwargs``.
+
+        ``max_table_blocks`` bounds the affinity table (LRU); ``min_match_blocks`` is the
+        shortest shared prefix (in blocks) worth following.
+        """
+        self._max_blocks = max_table_blocks
+        self._imbalance = imbalance_threshold
+        self._min_match = min_match_blocks
+        self._table: OrderedDict[bytes, str] = OrderedDict()  # block hash -> replica id
+        self._owned: dict[str, int] = {}
+        self.affinity_hits = 0
+        self.affinity_misses = 0
+        # Serve pickles this class by value, so this module's globals seen here are a copy;
+        # register in the real (imported) module, where ``known_replicas`` looks.
+        from pagedserve.cluster import router as home
+
+        with home._routers_lock:
+            home._routers.add(self)
+
+    # ---- Serve callbacks ---------------------------------------------------------------
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """Ranks of replicas, best first; Serve takes the least-loaded available in a rank."""
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        arg = _first_arg(pending_request)
+        target = getattr(arg, "target_replica", None)
+        if target is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+        excluded = set(getattr(arg, "exclude_replicas", ()) or ())
+        candidates = [r for r in candidate_replicas
+                      if r.replica_id.unique_id not in excluded] or list(candidate_replicas)
+        if not candidates:
+            return []
+        qlen = {r.replica_id.unique_id: self._queue_len(r) for r in candidates}
+        ranks: list[list[RunningReplica]] = []
+        owner = self._deepest_owner(getattr(arg, "block_hashes", None) or [])
+        least = min(qlen.values())
+        chosen = None
+        if owner is not None:
+            chosen = next((r for r in candidates if r.replica_id.unique_id == owner), None)
+            if chosen is not None and qlen[owner] - least <= self._imbalance:
+                ranks.append([chosen])
+                self.affinity_hits += 1
+            else:
+                chosen = None
+        if chosen is None:
+            self.affinity_misses += 1
+        rest = sorted((r for r in candidates if r is not chosen),
+                      key=lambda r: (qlen[r.replica_id.unique_id],
+                                     self._owned.get(r.replica_id.unique_id, 0),
+                                     random.random()))
+        ranks.extend([r] for r in rest)
+        return ranks
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any,
+                          result: Any) -> None:
+        """Record that the replica now holds (or soon will hold) the prompt's blocks."""
+        hashes = getattr(_first_arg(pending_request), "block_hashes", None)
+        if not hashes:
+            return
+        rid = replica_id.unique_id
+        table = self._table
+        for h in hashes:
+            prev = table.get(h)
+            if prev is not None:
+                if prev != rid:
+                    self._owned[prev] = self._owned.get(prev, 1) - 1
+                    self._owned[rid] = self._owned.get(rid, 0) + 1
+                table.move_to_end(h)
+            else:
+                self._owned[rid] = self._owned.get(rid, 0) + 1
+            table[h] = rid
+        while len(table) > self._max_blocks:
+            _, old = table.popitem(last=False)
+            self._owned[old] = self._owned.get(old, 1) - 1
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica,
+                                      request_metadata: Any = None) -> None:
+        """Hand ``replica`` to exactly the request it was chosen for.
+
+        Serve 2.60 matches by ``internal_request_id``, which every call made while serving
+        one HTTP request shares (a multi-prompt completion, the health fan-out). Two such
+        calls routed at once would swap replicas, and the second would never be assigned.
+        The metadata object itself is unique per call, so match on identity first.
+        """
+        if request_metadata is not None:
+            for pr in self._pending_requests_to_fulfill:
+                if pr.metadata is request_metadata and not pr.future.done():
+                    self._cancel_routing_task_for_pending_request(pr)
+                    self._record_queue_wait_time(pr)
+                    pr.future.set_result(replica)
+                    self._remove_pending_request_from_indices(pr)
+                    return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._forget_missing()
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget_missing()
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _forget_missing(self) -> None:
+        """Drop the blocks of replicas that are gone: their caches died with them."""
+        live = {rid.unique_id for rid in self.curr_replicas}
+        if all(rid in live for rid in self._owned):
+            return
+        self._table = OrderedDict((h, r) for h, r in self._table.items() if r in live)
+        self._owned = {r: n for r, n in self._owned.items() if r in live}
+
+    def _deepest_owner(self, hashes: list[bytes]) -> str | None:
+        """Owner of the longest cached prefix: hashes are chained, so the deepest hit wins."""
+        for depth in range(len(hashes) - 1, self._min_match - 2, -1):
+            owner = self._table.get(hashes[depth])
+            if owner is not None:
+                return owner
+        return None
+
+    def _queue_len(self, replica: RunningReplica) -> int:
+        q = self.replica_queue_len_cache.get(replica.replica_id)
+        return 0 if q is None else q
+
+
+def _first_arg(pending_request: PendingRequest | None) -> Any:
+    if pending_request is None or not pending_request.args:
+        return None
+    return pending_request.args[0]

@@ -1,0 +1,527 @@
+"""Ray Serve application: an OpenAI-compatible ingress in front of engine replicas.
+
+``OpenAIServer`` (FastAPI through ``serve.ingress``) validates, tokenises, applies the chat
+template and computes each prompt's prefix-cache block hashes; the ``PrefixAffinityRouter``
+of its handle picks an ``EngineServer`` replica from them. Each engine replica owns one
+``AsyncEngine`` (and, for tensor parallelism, its rank actors in the replica's placement
+group) and streams per-step deltas back. A client that goes away cancels the ingress task;
+Serve cascades the cancellation to the replica, whose generator ``finally`` aborts the
+request in the scheduler, so its blocks are free before the next step.
+
+``build_app`` serves the CLI; ``app_builder`` is the import path for ``serve run``.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI must see real types on the
+# ingress methods, which ``serve.ingress`` rewraps outside this module's namespace.
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.metrics import (
+    HttpMetrics,
+    RequestTimer,
+    ServerMetrics,
+    render_prometheus,
+)
+from pagedserve.cluster.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Formatter,
+    ResponseState,
+    error_body,
+    new_id,
+    now,
+    sse,
+)
+from pagedserve.cluster.router import (
+    ROUTER_CLASS_PATH,
+    DeltaTracker,
+    EngineChunk,
+    EngineRequest,
+    ReplicaCall,
+    affinity_snapshot,
+    known_replicas,
+)
+from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEPLOYMENT = "EngineServer"
+INGRESS_DEPLOYMENT = "OpenAIServer"
+MAX_ATTEMPTS = 3  # a request whose replica died before its first token moves on
+
+
+class ServeArgs(BaseModel):
+    """Everything ``build_app`` takes; the same keys work as ``args:`` in a Serve config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    num_replicas: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    engine_kwargs: dict[str, Any] = {}
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = 128
+    api_key: str | None = None
+    ingress_replicas: int = 1
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 60.0
+    replica_num_cpus: float = 1.0
+    placement_group_strategy: str = "PACK"
+    imbalance_threshold: int = 8
+
+
+@serve.deployment(name=ENGINE_DEPLOYMENT, graceful_shutdown_timeout_s=5)
+class EngineServer:
+    """One engine replica: an ``AsyncEngine`` and its per-replica metrics."""
+
+    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        from pagedserve.cluster.async_engine import AsyncEngine
+
+        self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.metrics = ServerMetrics()
+        self._probe_ids = list(self.engine.tokenizer.encode("ping")[:4]) or [0]
+
+    def info(self) -> dict[str, Any]:
+        core = self.engine.engine
+        return {"model_id": core.model_id, "block_size": core.scheduler.block_size,
+                "max_model_len": core.max_model_len,
+                "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id}
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Stream one request: an ack naming this replica, then per-step deltas."""
+        from pagedserve.cluster.async_engine import EngineDeadError
+
+        rid, timer, tracker = req.request_id, RequestTimer(), DeltaTracker(req.params.n)
+        reason = "abort"
+        self.metrics.in_flight += 1
+        yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
+        try:
+            async for out in self.engine.generate(req.prompt_token_ids, req.params, rid,
+                                                  req.cache_salt):
+                deltas = tracker.deltas(out)
+                self.metrics.on_tokens(timer, max((len(d.token_ids) for d in deltas),
+                                                  default=0))
+                if out.finished:
+                    reason = out.outputs[0].finish_reason or "stop"
+                yield EngineChunk(rid, self.replica_id, deltas, len(out.prompt_token_ids),
+                                  out.num_cached_tokens, out.finished)
+        except ValueError as e:
+            reason = "rejected"
+            yield EngineChunk(rid, self.replica_id, error=str(e), status=400)
+        except (EngineDeadError, RuntimeError) as e:
+            reason = "error"
+            logger.error("request %s failed on replica %s: %s", rid, self.replica_id, e)
+            yield EngineChunk(rid, self.replica_id, error=f"engine replica failed: {e}",
+                              status=503, retryable=True)
+        finally:
+            self.metrics.in_flight -= 1
+            self.metrics.on_end(timer, reason)
+
+    def stats(self, call: ReplicaCall | None = None) -> dict[str, Any]:
+        return {**self.engine.get_stats(), "replica": self.replica_id,
+                "server": self.metrics.snapshot()}
+
+    async def probe(self, call: ReplicaCall | None = None) -> dict[str, Any]:
+        """Prove this replica still generates: one greedy token through the whole engine."""
+        t0 = time.monotonic()
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        async def one() -> None:
+            async for _ in self.engine.generate(self._probe_ids, params,
+                                                f"probe-{uuid.uuid4().hex}", "__probe__"):
+                pass
+
+        await asyncio.wait_for(one(), call.timeout_s if call else 30.0)
+        return {"replica": self.replica_id, "ok": True, "latency_s": time.monotonic() - t0}
+
+    async def check_health(self) -> None:
+        """Serve's periodic check: a dead rank or engine loop gets this replica replaced."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.engine.engine.shutdown()
+
+
+api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+_http = HttpMetrics()
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: "
+                    f"{er.get('msg')}" for er in errs[:5])
+    return JSONResponse(error_body(msg or "invalid request", param=".".join(loc) or None,
+                                   code=400), status_code=400)
+
+
+@api.middleware("http")
+async def _count(request: Request, call_next: Any) -> Response:
+    _http.in_flight += 1
+    status = 500
+    try:
+        response = await call_next(request)
+        status = response.status_code
+        return response
+    finally:
+        _http.in_flight -= 1
+        _http.record(request.url.path, status)
+
+
+@serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
+                  ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class OpenAIServer:
+    """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
+
+    def __init__(self, engine: DeploymentHandle, model: str | None = None,
+                 served_model_name: str | None = None, api_key: str | None = None) -> None:
+        from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+        resolved = resolve_model(model)
+        self.tokenizer = load_tokenizer(resolved)
+        self.model_id = resolved.model_id
+        self.served_name = served_model_name or resolved.model_id
+        self.api_key = api_key
+        self.app_name = serve.get_replica_context().app_name
+        self._engine = engine
+        self._stream = engine.options(stream=True)
+        self._info: dict[str, Any] | None = None
+        self.fmt = Formatter(self.tokenizer, self.served_name)
+
+    # ---- plumbing -----------------------------------------------------------------------
+
+    def _authorize(self, raw: Request) -> None:
+        if self.api_key and raw.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError("invalid or missing API key", status=401,
+                           type="authentication_error", code="invalid_api_key")
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.served_name, self.model_id):
+            raise APIError(f"model {name!r} does not exist; this server serves "
+                           f"{self.served_name!r}", param="model", code="model_not_found")
+
+    async def _engine_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = await self._engine.info.remote()
+        return self._info
+
+    def _engine_request(self, rid: str, ids: list[int], params: SamplingParams,
+                        salt: str | None, info: dict[str, Any]) -> EngineRequest:
+        hashes = hash_prompt_blocks(ids, info["block_size"],
+                                    make_extra_keys(info["model_id"], salt))
+        return EngineRequest(rid, ids, params, hashes, salt)
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, info: dict[str, Any]) -> int:
+        limit = info["max_model_len"]
+        if prompt_len >= limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens; the "
+                           f"prompt has {prompt_len} tokens", param="messages",
+                           code="context_length_exceeded")
+        if requested is None:
+            return limit - prompt_len
+        if isinstance(requested, int) and requested > 0 and prompt_len + requested > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, "
+                           f"you requested {prompt_len + requested} tokens ({prompt_len} in "
+                           f"the prompt, {requested} for the completion)",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    async def _one(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """One engine stream; retried elsewhere if its replica dies before any token."""
+        exclude: list[str] = []
+        for attempt in range(MAX_ATTEMPTS):
+            r = replace(req, exclude_replicas=tuple(exclude)) if exclude else req
+            gen = self._stream.generate.remote(r)
+            replica, sent, retry = None, False, False
+            try:
+                async for chunk in gen:
+                    replica = chunk.replica
+                    if chunk.error is not None:
+                        if chunk.retryable and not sent and attempt + 1 < MAX_ATTEMPTS:
+                            retry = True
+                            break
+                        raise APIError(chunk.error, status=chunk.status,
+                                       type="invalid_request_error" if chunk.status == 400
+                                       else "service_unavailable")
+                    sent = sent or bool(chunk.deltas)
+                    yield chunk
+            except BackPressureError as e:
+                raise APIError(f"server overloaded, retry later ({e})", status=429,
+                               type="rate_limit_error", code="overloaded") from None
+            except (RayActorError, ActorUnavailableError) as e:
+                if sent or attempt + 1 >= MAX_ATTEMPTS:
+                    raise APIError(f"engine replica failed: {e}", status=503,
+                                   type="service_unavailable") from None
+                retry = True
+            finally:
+                gen.cancel()
+            if not retry:
+                return
+            logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
+            if replica is not None:
+                exclude.append(replica)
+
+    async def _merged(self, reqs: list[EngineRequest]
+                      ) -> AsyncIterator[tuple[int, EngineChunk]]:
+        """Chunks of several prompts' streams, interleaved as they come."""
+        if len(reqs) == 1:
+            async for c in self._one(reqs[0]):
+                yield 0, c
+            return
+        q: asyncio.Queue[tuple[int, EngineChunk | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, r: EngineRequest) -> None:
+            try:
+                async for c in self._one(r):
+                    q.put_nowait((i, c))
+                q.put_nowait((i, None))
+            except Exception as e:
+                q.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await q.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
+                       include_usage: bool, continuous_usage: bool, logprobs: bool
+                       ) -> Response:
+        state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
+                              logprobs)
+        chunks = self._merged(reqs)
+        if not stream:
+            async for i, c in chunks:
+                self.fmt.add(state, i, c)
+            return JSONResponse(self.fmt.full_response(state))
+        try:  # the first chunk is awaited here so an early error is a plain HTTP error
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await chunks.aclose()
+            raise
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if first is not None:
+                    for ev in self.fmt.stream_events(state, *first, continuous_usage):
+                        yield ev
+                async for i, c in chunks:
+                    for ev in self.fmt.stream_events(state, i, c, continuous_usage):
+                        yield ev
+                if include_usage:
+                    yield self.fmt.usage_event(state)
+            except APIError as e:
+                yield sse(e.body())
+            finally:
+                await chunks.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _replica_ids(self) -> list[str]:
+        ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
+        if not ids:  # the handle's router starts with the first call
+            await self._engine_info()
+            ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
+        return ids
+
+    async def _each_replica(self, method: str, timeout_s: float) -> list[dict[str, Any]]:
+        ids = await self._replica_ids()
+
+        async def call(rid: str) -> dict[str, Any]:
+            try:
+                res = await asyncio.wait_for(
+                    getattr(self._engine, method).remote(ReplicaCall(rid, timeout_s)),
+                    timeout_s + 5)
+                return {"replica": rid, "stats" if method == "stats" else "result": res}
+            except Exception as e:
+                return {"replica": rid, "error": f"{type(e).__name__}: {e}"}
+
+        return list(await asyncio.gather(*(call(r) for r in ids)))
+
+    # ---- endpoints ---------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self._authorize(raw)
+        body.check()
+        self._check_model(body.model)
+        info = await self._engine_info()
+        rid = new_id("cmpl")
+        reqs = []
+        for i, p in enumerate(body.prompts()):
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if any(not isinstance(t, int) or not 0 <= t < info["vocab_size"] for t in ids):
+                raise APIError("prompt token ids must be within the vocabulary",
+                               param="prompt")
+            params = body.sampling_params(self._max_tokens(body.max_tokens, len(ids), info),
+                                          body.logprobs)
+            reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info))
+        so = body.stream_options
+        return await self._respond(rid, reqs, "text_completion", body.stream,
+                                   bool(so and so.include_usage),
+                                   bool(so and so.continuous_usage_stats),
+                                   body.logprobs is not None)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self._authorize(raw)
+        body.check()
+        self._check_model(body.model)
+        info = await self._engine_info()
+        try:
+            ids = list(self.tokenizer.apply_chat_template(
+                [m.as_template_dict() for m in body.messages], tokenize=True,
+                add_generation_prompt=body.add_generation_prompt, return_dict=False))
+        except Exception as e:
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+        params = body.sampling_params(
+            self._max_tokens(body.requested_max_tokens(), len(ids), info),
+            body.engine_logprobs())
+        rid = new_id("chatcmpl")
+        req = self._engine_request(rid, ids, params, body.cache_salt, info)
+        so = body.stream_options
+        return await self._respond(rid, [req], "chat.completion", body.stream,
+                                   bool(so and so.include_usage),
+                                   bool(so and so.continuous_usage_stats), body.logprobs)
+
+    @api.get("/v1/models")
+    async def models(self, raw: Request) -> dict[str, Any]:
+        self._authorize(raw)
+        info = await self._engine_info()
+        return {"object": "list", "data": [{
+            "id": self.served_name, "object": "model", "created": now(),
+            "owned_by": "pagedserve", "root": self.model_id,
+            "max_model_len": info["max_model_len"]}]}
+
+    @api.get("/v1/stats")
+    async def stats(self, raw: Request) -> dict[str, Any]:
+        """Every engine replica's stats (pool, prefix cache, queues) and the router's table."""
+        self._authorize(raw)
+        replicas = await self._each_replica("stats", 10.0)
+        return {"model": self.served_name, "replicas": replicas,
+                "affinity_blocks": affinity_snapshot(ENGINE_DEPLOYMENT)}
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 only if every engine replica generates a token right now."""
+        results = await self._each_replica("probe", 30.0)
+        healthy = bool(results) and all("error" not in r for r in results)
+        return JSONResponse({"status": "ok" if healthy else "unhealthy", "replicas": results},
+                            status_code=200 if healthy else 503)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        replicas = await self._each_replica("stats", 10.0)
+        return Response(render_prometheus(replicas, _http),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _resolve_device(device: str) -> str:
+    """``auto`` means CUDA when the Ray cluster has GPUs (replicas see none until placed)."""
+    if device != "auto":
+        return device
+    import ray
+
+    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1:
+        return "cuda"
+    return "cpu"
+
+
+def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.Application:
+    """The Serve application for ``args`` (a ``ServeArgs``, a mapping or an argparse result)."""
+    if args is None:
+        a = ServeArgs()
+    elif isinstance(args, ServeArgs):
+        a = args
+    elif isinstance(args, Mapping):
+        a = ServeArgs(**args)
+    else:
+        a = ServeArgs(**{k: v for k, v in vars(args).items() if k in ServeArgs.model_fields})
+    device = _resolve_device(a.device)
+    engine_kwargs: dict[str, Any] = dict(
+        model=a.model, tensor_parallel_size=a.tensor_parallel_size, device=device,
+        num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        num_threads=a.num_threads, **a.engine_kwargs)
+    EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
+    opts: dict[str, Any] = dict(
+        num_replicas=a.num_replicas, max_ongoing_requests=a.max_ongoing_requests,
+        max_queued_requests=a.max_queued_requests,
+        health_check_period_s=a.health_check_period_s,
+        health_check_timeout_s=a.health_check_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER_CLASS_PATH,
+            request_router_kwargs={"imbalance_threshold": a.imbalance_threshold}),
+    )
+    gpu = device == "cuda"
+    if a.tensor_parallel_size > 1:
+        rank = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
+        opts["placement_group_bundles"] = [{"CPU": a.replica_num_cpus}] + [
+            dict(rank) for _ in range(a.tensor_parallel_size)]
+        opts["placement_group_strategy"] = a.placement_group_strategy
+        opts["ray_actor_options"] = {"num_cpus": a.replica_num_cpus}
+    else:
+        opts["ray_actor_options"] = {"num_cpus": a.replica_num_cpus,
+                                     "num_gpus": 1 if gpu else 0}
+    engine = EngineServer.options(**opts).bind(engine_kwargs)
+    api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
+    return OpenAIServer.options(num_replicas=a.ingress_replicas).bind(
+        engine, a.model, a.served_model_name, api_key)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Import path for ``serve run``/``serve deploy`` configs (``args:`` are ``ServeArgs``)."""
+    return build_app(ServeArgs(**(args or {})))
