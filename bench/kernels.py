@@ -162,7 +162,10 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     args.dtype = args.dtype or ("float16" if device.type == "cuda" else "float32")
     backends = args.backends or available_backends(device)
@@ -182,7 +185,8 @@ def main() -> None:
             prefills += [(1, 8192), (32, 1024)]
     name, peak = device_peak(device)
     print(f"device={name} peak={peak} dtype={args.dtype} Hq={args.heads} Hkv={args.kv_heads} "
-          f"D={args.head_dim} B={args.block_size} backends={backends}")
+          f"D={args.head_dim} B={args.block_size} threads={torch.get_num_threads()} "
+          f"backends={backends}")
     rows = []
     for s in batches:
         for ctx in contexts:
