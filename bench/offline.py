@@ -1,0 +1,142 @@
+"""Offline throughput: pagedserve ``LLM.generate`` vs Hugging Face ``generate``
+(static padded batches) vs Hugging Face ``generate_batch`` (its continuous
+batching), same machine, same model (SmolLM2-135M, fp32), same requests, one run.
+
+Also measures this CPU's GEMM roofline in the same run: peak fp32 matmul
+FLOP/s divided by the model's FLOPs per token (2 x parameters touched per
+token), i.e. the decode throughput a perfectly batched engine could reach.
+
+    python bench/offline.py                 # 64 prompts x 64 new tokens
+    python bench/offline.py --quick         # a smaller smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def make_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = ("the model serves many requests with paged attention while the scheduler "
+             "shares blocks across prompts and keeps memory waste small").split()
+    prompts = []
+    for _ in range(n):
+        k = rng.randint(8, 60)
+        prompts.append(tokenizer.encode(" ".join(rng.choice(words) for _ in range(k))))
+    return prompts
+
+
+def gemm_peak_flops(size: int = 1024, reps: int = 10) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(2):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * size**3 * reps / (time.perf_counter() - t0)
+
+
+def flops_per_token(model) -> float:
+    """2 x (non-embedding parameters + LM head): what one token's forward multiplies."""
+    emb = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return 2.0 * (total - emb + head if tied else total - emb)
+
+
+def run_pagedserve(prompts: list[list[int]], out_len: int) -> float:
+    from pagedserve.cluster import LLM, SamplingParams
+
+    llm = LLM(max_num_seqs=len(prompts), max_num_batched_tokens=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    llm.shutdown()
+    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+
+
+def run_hf_generate(model, prompts: list[list[int]], out_len: int, batch: int) -> float:
+    tokens, t0 = 0, time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i : i + batch]
+            width = max(map(len, chunk))
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, p in enumerate(chunk):  # left padding, as generation needs
+                ids[r, width - len(p):] = torch.tensor(p)
+                mask[r, width - len(p):] = 1
+            y = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=out_len,
+                               min_new_tokens=out_len, pad_token_id=0)
+            tokens += (y.shape[1] - width) * len(chunk)
+    return tokens / (time.perf_counter() - t0)
+
+
+def run_hf_generate_batch(model, prompts: list[list[int]], out_len: int) -> float:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1,
+                           pad_token_id=0)
+    model.generate_batch(prompts[:4], generation_config=cfg, max_new_tokens=4)
+    t0 = time.perf_counter()
+    res = model.generate_batch(prompts, generation_config=cfg)
+    dt = time.perf_counter() - t0
+    return sum(len(r.generated_tokens) for r in res.values()) / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-generate-batch", action="store_true")
+    ap.add_argument("--json", type=str, default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.output_len = 16, 16
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedserve.worker.loaders import resolve_model
+
+    path = resolve_model(None).path
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    prompts = make_prompts(tok, args.num_prompts, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    peak = gemm_peak_flops()
+    roofline = peak / flops_per_token(model)
+    results = {"pagedserve": run_pagedserve(prompts, args.output_len),
+               "hf_generate": run_hf_generate(model, prompts, args.output_len, args.hf_batch)}
+    if not args.skip_generate_batch:
+        try:
+            results["hf_generate_batch"] = run_hf_generate_batch(model, prompts, args.output_len)
+        except Exception as e:  # report, don't hide: the ratio row says n/a
+            print(f"hf generate_batch failed: {type(e).__name__}: {e}")
+    print(f"\n{args.num_prompts} prompts (8-60 words), {args.output_len} new tokens each, "
+          f"SmolLM2-135M fp32, {torch.get_num_threads()} threads")
+    print(f"GEMM peak {peak / 1e9:.1f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
+    print(f"{'engine':<20} {'tokens/s':>10} {'pagedserve x':>13} {'of roofline':>12}")
+    for name, tps in results.items():
+        ratio = results["pagedserve"] / tps
+        print(f"{name:<20} {tps:>10.1f} {ratio:>12.2f}x {100 * tps / roofline:>11.1f}%")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens_per_s": results, "gemm_flops": peak,
+                       "roofline_tokens_per_s": roofline, "args": vars(args)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
