@@ -27,9 +27,11 @@ class APIError(Exception):
     """An error the HTTP layer turns into ``{"error": {...}}`` with ``status``."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param = message, status, type, param
+        self.headers = headers
         self.code = code if code is not None else status
 
     def body(self) -> dict[str, Any]:

@@ -164,6 +164,10 @@ class EngineServer:
         await asyncio.wait_for(one(), call.timeout_s if call else 30.0)
         return {"replica": self.replica_id, "ok": True, "latency_s": time.monotonic() - t0}
 
+    def tp_workers(self) -> list[Any]:
+        """This replica's tensor-parallel rank actors (none in-process), for operators."""
+        return list(getattr(self.engine.engine.executor, "workers", []))
+
     async def check_health(self) -> None:
         """Serve's periodic check: a dead rank or engine loop gets this replica replaced."""
         await self.engine.check_health()
@@ -179,13 +183,17 @@ _http = HttpMetrics()
 
 @api.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 @api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
     errs = e.errors()
     first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        err = first.get("ctx", {}).get("error", "")
+        return JSONResponse(error_body(f"request body is not valid JSON: {err}", code=400),
+                            status_code=400)
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: "
                     f"{er.get('msg')}" for er in errs[:5])
@@ -225,6 +233,7 @@ class OpenAIServer:
         self._engine = engine
         self._stream = engine.options(stream=True)
         self._info: dict[str, Any] | None = None
+        self._info_lock = asyncio.Lock()
         self.fmt = Formatter(self.tokenizer, self.served_name)
 
     # ---- plumbing -----------------------------------------------------------------------
@@ -240,8 +249,16 @@ class OpenAIServer:
                            f"{self.served_name!r}", param="model", code="model_not_found")
 
     async def _engine_info(self) -> dict[str, Any]:
+        """Model facts from any replica, fetched once (a burst must not fan out to them)."""
         if self._info is None:
-            self._info = await self._engine.info.remote()
+            async with self._info_lock:
+                if self._info is None:
+                    try:
+                        self._info = await self._engine.info.remote()
+                    except BackPressureError:
+                        raise APIError("server overloaded, retry later", status=503,
+                                       type="server_overloaded", code="overloaded",
+                                       headers={"Retry-After": "1"}) from None
         return self._info
 
     def _engine_request(self, rid: str, ids: list[int], params: SamplingParams,
@@ -270,9 +287,10 @@ class OpenAIServer:
         exclude: list[str] = []
         for attempt in range(MAX_ATTEMPTS):
             r = replace(req, exclude_replicas=tuple(exclude)) if exclude else req
-            gen = self._stream.generate.remote(r)
-            replica, sent, retry = None, False, False
+            gen = None
+            replica, sent, retry, completed = None, False, False, False
             try:
+                gen = self._stream.generate.remote(r)
                 async for chunk in gen:
                     replica = chunk.replica
                     if chunk.error is not None:
@@ -284,16 +302,23 @@ class OpenAIServer:
                                        else "service_unavailable")
                     sent = sent or bool(chunk.deltas)
                     yield chunk
+                else:
+                    completed = True
             except BackPressureError as e:
-                raise APIError(f"server overloaded, retry later ({e})", status=429,
-                               type="rate_limit_error", code="overloaded") from None
+                raise APIError(f"server overloaded, retry later: {e.message}", status=503,
+                               type="server_overloaded", code="overloaded",
+                               headers={"Retry-After": "1"}) from None
             except (RayActorError, ActorUnavailableError) as e:
                 if sent or attempt + 1 >= MAX_ATTEMPTS:
                     raise APIError(f"engine replica failed: {e}", status=503,
                                    type="service_unavailable") from None
                 retry = True
             finally:
-                gen.cancel()
+                if gen is not None and not completed:
+                    # Cancels the assignment or the replica's task (-> abort in the
+                    # scheduler); it re-raises an assignment error already handled above.
+                    with contextlib.suppress(Exception):
+                        gen.cancel()
             if not retry:
                 return
             logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
@@ -386,7 +411,8 @@ class OpenAIServer:
                     timeout_s + 5)
                 return {"replica": rid, "stats" if method == "stats" else "result": res}
             except Exception as e:
-                return {"replica": rid, "error": f"{type(e).__name__}: {e}"}
+                last = (str(e).strip().splitlines() or [""])[-1][:300]
+                return {"replica": rid, "error": f"{type(e).__name__}: {last}"}
 
         return list(await asyncio.gather(*(call(r) for r in ids)))
 
