@@ -1,0 +1,174 @@
+"""The ``pagedserve`` command: ``generate`` offline, or ``serve`` an OpenAI-compatible API.
+
+``pagedserve`` with no arguments serves the embedded default model (SmolLM2-135M-Instruct)
+on http://127.0.0.1:8000. ``serve`` starts a fresh local Ray instance unless it is given
+``--address`` (or ``RAY_ADDRESS``; ``--address auto`` joins the cluster started on this
+machine with ``ray start``), deploys the Serve application, prints the URL and blocks until
+Ctrl-C or SIGTERM, then removes what it created: the application, and Serve and Ray too
+when it started them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV pool size in blocks (default: sized from memory)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per rank")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+
+    g = sub.add_parser("generate", help="generate text offline with the full engine")
+    g.add_argument("prompt", nargs="+", help="one or more prompts")
+    _engine_flags(g)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("-n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--raw", action="store_true",
+                   help="send the prompt as is, without the model's chat template")
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
+    _engine_flags(s)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--num-replicas", type=int, default=1, help="engine replicas")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    s.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS, else a new local one)")
+    s.add_argument("--name", default="pagedserve", help="Serve application name")
+    s.add_argument("--route-prefix", default="/")
+    s.add_argument("--max-ongoing-requests", type=int, default=64,
+                   help="requests one engine replica accepts at once")
+    s.add_argument("--max-queued-requests", type=int, default=128,
+                   help="requests waiting for a replica before new ones get 503")
+    s.add_argument("--ingress-replicas", type=int, default=1)
+    s.add_argument("--health-check-period-s", type=float, default=10.0)
+    s.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
+    s.add_argument("--num-gpus", type=int, default=None, help="GPUs of a new local Ray")
+    s.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
+    return parser
+
+
+def generate(args: argparse.Namespace) -> int:
+    from pagedserve.cluster.llm import LLM
+    from pagedserve.scheduler.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(n=args.n, max_tokens=args.max_tokens,
+                                temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except ValueError as e:
+        print(f"pagedserve generate: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
+              device=args.device, num_gpu_blocks=args.num_gpu_blocks,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              num_threads=args.num_threads)
+    try:
+        chat = not args.raw and getattr(llm.get_tokenizer(), "chat_template", None)
+        if chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outs = llm.generate(list(args.prompt), params)
+        for out in outs:
+            for sample in out.outputs:
+                print(sample.text, flush=True)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def serve_forever(args: argparse.Namespace) -> int:
+    """Deploy, print the URL, block until a signal, then undo what this process started."""
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        # A new single-user cluster: no token auth, so `--address` clients can join it.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from pagedserve.cluster.serve_app import build_app
+
+    app = build_app(args)  # validates the engine settings before anything starts
+    started_ray = address is None
+    if started_ray:
+        need = args.num_replicas * (args.tensor_parallel_size + 1)
+        ray.init(address="local", include_dashboard=args.dashboard,
+                 num_cpus=args.num_cpus or max(os.cpu_count() or 1, need),
+                 num_gpus=args.num_gpus)
+    else:
+        ray.init(address=address)
+    started_serve = started_ray or not _serve_running()
+    serve.start(http_options={"host": args.host, "port": args.port})
+    if not started_serve:
+        print("pagedserve: Serve already runs on this cluster; its HTTP host/port are kept",
+              file=sys.stderr)
+    app = build_app(args)  # again, now that Ray knows the cluster's GPUs (device auto)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.run(app, name=args.name, route_prefix=args.route_prefix, blocking=False)
+        prefix = args.route_prefix.rstrip("/")
+        url = f"http://{args.host}:{args.port}{prefix}"
+        print(f"pagedserve: serving {args.served_model_name or args.model or 'SmolLM2-135M'}"
+              f" at {url}/v1 (health: {url}/health, metrics: {url}/metrics)", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("pagedserve: shutting down", flush=True)
+    finally:
+        try:
+            if started_serve:
+                serve.shutdown()
+            else:
+                serve.delete(args.name)
+        finally:
+            ray.shutdown()
+    return 0
+
+
+def _serve_running() -> bool:
+    """Whether this cluster already runs a Serve controller (then we only add our app)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False) is not None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pagedserve`` script; no arguments means ``serve``."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    args: Any = parser.parse_args(argv)
+    if args.command == "generate":
+        return generate(args)
+    return serve_forever(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
