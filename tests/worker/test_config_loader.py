@@ -139,3 +139,50 @@ def test_model_info_and_kv_budget(tmp_path):
     assert w.check_health()["ok"]
     assert json.loads(json.dumps(info)) == info  # plain types only: crosses Ray
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def test_concurrent_conversions_do_the_work_once(tmp_path, monkeypatch):
+    """Racing converters serialise on the lock; the loser reuses the winner's copy."""
+    import threading
+    import time
+
+    from pagedserve.worker.loaders import gguf as gguf_mod
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "fake.gguf"
+    src.write_bytes(b"GGUF")
+    calls = []
+
+    def fake_convert(path, out):
+        calls.append(out)
+        time.sleep(0.3)
+        (out / "config.json").write_text("{}")
+        (out / gguf_mod._SOURCE_FILE).write_text("{}")
+
+    monkeypatch.setattr(gguf_mod, "_convert_into", fake_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(gguf_mod.convert_gguf_cached(src)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(results)) == 1
+    final = results[0]
+    assert (final / "config.json").is_file()
+    assert [p.name for p in final.parent.iterdir() if not p.name.endswith(".lock")] == [final.name]
+    # A new file version (mtime changes) gets a new cache entry.
+    os.utime(src, ns=(1, 1))
+    assert gguf_mod.cache_dir_for(src) != final
+
+
+def test_failed_conversion_leaves_no_partial_cache(tmp_path, monkeypatch):
+    from pagedserve.worker.loaders import gguf as gguf_mod
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "broken.gguf"
+    src.write_bytes(b"not a gguf")
+    with pytest.raises(Exception):  # noqa: B017 - whatever the gguf reader raises
+        gguf_mod.convert_gguf_cached(src)
+    leftovers = [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")]
+    assert leftovers == []

@@ -1,0 +1,62 @@
+"""The Ray actor wrapper: two actors form a gloo TP group and match an in-process TP=1 run."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from pagedserve.worker.config import WorkerConfig
+from tests.worker.helpers import BlockAllocator, make_worker, plan, request, save_tiny_model
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def test_two_ray_actors_tp2(tmp_path, ray_local):
+    from pagedserve.worker.ray_worker import RayWorker
+
+    ray = ray_local
+    path = save_tiny_model(tmp_path / "m", "llama", seed=8)
+    cfg = WorkerConfig(model=str(path), block_size=4, num_gpu_blocks=16, num_cpu_blocks=4,
+                       tensor_parallel_size=2, num_threads=1)
+    actors = [RayWorker.options(num_cpus=1).remote(replace(cfg, rank=r)) for r in range(2)]
+    try:
+        ip, port = ray.get(actors[0].get_node_ip_and_free_port.remote(), timeout=120)
+        ray.get([a.load_model.remote(f"tcp://{ip}:{port}") for a in actors], timeout=120)
+        info = ray.get(actors[0].get_model_info.remote())
+        assert info["tensor_parallel_size"] == 2 and info["num_kv_heads_per_rank"] == 1
+        n = min(ray.get([a.determine_num_blocks.remote() for a in actors]))
+        ray.get([a.init_kv_cache.remote(n, 4) for a in actors])
+        ref = make_worker(path, num_blocks=16, block_size=4)
+        prompt = [3, 14, 15, 92, 65, 35]
+        toks, ref_toks = [], []
+        alloc, ref_alloc = BlockAllocator(16, 4), BlockAllocator(16, 4)
+        for step in range(4):
+            computed = len(prompt) + len(toks) - (len(prompt) if step == 0 else 1)
+            new = prompt if step == 0 else toks[-1:]
+            p = plan(step, [request(alloc, "r", new, 0 if step == 0 else computed)])
+            outs = ray.get([a.execute_model.remote(p) for a in actors])
+            assert outs[1] is None
+            toks.append(outs[0].sampled["r"].token_id)
+            new_ref = prompt if step == 0 else ref_toks[-1:]
+            rp = plan(step, [request(ref_alloc, "r", new_ref, 0 if step == 0 else computed)])
+            ref_toks.append(ref.execute_model(rp).sampled["r"].token_id)
+        assert toks == ref_toks
+        assert all(h["ok"] for h in ray.get([a.check_health.remote() for a in actors]))
+        ray.get([a.shutdown.remote() for a in actors])
+    finally:
+        for a in actors:
+            ray.kill(a)
