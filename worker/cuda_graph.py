@@ -85,6 +85,8 @@ class DecodeGraphRunner:
             except Exception as exc:  # pragma: no cover - CUDA only
                 logger.warning("CUDA graph capture failed (%s); decoding eagerly", exc)
                 self.disabled = True
+                self.graphs.clear()
+                torch.cuda.synchronize(self.device)
                 return None
             self.graphs[b] = entry
         graph, out = entry

@@ -44,7 +44,9 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler(model.config.eos_token_ids)
         self.graphs: DecodeGraphRunner | None = None
-        if enable_cuda_graph and device.type == "cuda":
+        # The torch reference backend reads lengths back to the host, which graph
+        # capture forbids; the Triton and flash paths are sync-free.
+        if enable_cuda_graph and device.type == "cuda" and kv_cache.backend.name != "torch":
             max_blocks = -(-model.config.max_model_len // self.block_size)
             self.graphs = DecodeGraphRunner(model, kv_cache, device, max_num_seqs, max_blocks)
 
@@ -53,6 +55,8 @@ class ModelRunner:
         reqs = plan.scheduled
         bsz, dev = self.block_size, self.device
         q_lens = [len(r.token_ids) for r in reqs]
+        if 0 in q_lens:
+            raise ValueError(f"request {reqs[q_lens.index(0)].request_id} has no tokens to compute")
         starts = [r.num_computed_tokens for r in reqs]
         seq_lens = [s + q for s, q in zip(starts, q_lens)]
         num_tokens = sum(q_lens)

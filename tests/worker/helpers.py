@@ -22,15 +22,15 @@ TINY: dict[str, Any] = dict(
 
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                     **overrides: Any) -> Path:
-    """Write a random HF checkpoint (safetensors) of a tiny Llama or Qwen2 to ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Write a random HF checkpoint (safetensors) of a tiny Llama, Qwen2 or Mistral to ``path``."""
+    import transformers as tf
 
-    kw = {**TINY, **overrides}
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM")}
+    cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
-    if model_type == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kw))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**kw))
+    model = model_cls(cfg_cls(**{**TINY, **overrides}))
     # Random init leaves norms at 1 and biases at 0; perturb them so loading bugs show.
     with torch.no_grad():
         for name, p in model.named_parameters():

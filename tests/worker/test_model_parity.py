@@ -29,6 +29,7 @@ CASES = {
                           high_freq_factor=4.0, original_max_position_embeddings=16),
     ),
     "qwen2_qkv_bias": dict(model_type="qwen2", tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", sliding_window=None),
     "llama_mha_linear_rope": dict(
         model_type="llama", num_key_value_heads=4,
         rope_scaling=dict(rope_type="linear", factor=2.0),
