@@ -102,8 +102,14 @@ class _SamplingRequest(BaseModel):
             return SamplingParams(**kw)
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
-            raise APIError(str(e), param=first if first in type(self).model_fields
+            param = self.max_tokens_param if first == "max_tokens" else first
+            raise APIError(str(e), param=param if param in type(self).model_fields
                            else None) from None
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The request field that carried the token limit (for error messages)."""
+        return "max_tokens"
 
 
 class CompletionRequest(_SamplingRequest):
@@ -190,6 +196,11 @@ class ChatCompletionRequest(_SamplingRequest):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
                                param="top_logprobs")
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None \
+            else "max_tokens"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

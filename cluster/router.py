@@ -7,7 +7,7 @@ which replica was sent which block hashes and sends a request to the replica hol
 deepest matching block, so a shared system prompt is prefilled once per replica instead of
 once per request. Without a match, or when the holder is busier than the least-loaded
 replica by more than ``imbalance_threshold`` ongoing requests, it picks the least-loaded
-replica (ties go to the replica owning the fewest cached blocks, which spreads distinct
+replica (ties go to the replica that was routed to least recently, which spreads distinct
 prompts). Replica capacity stays bounded by Serve's ``max_ongoing_requests``: a full
 replica is skipped by Serve's own rejection protocol, and the handle's
 ``max_queued_requests`` turns a full cluster into ``BackPressureError``.
@@ -167,6 +167,8 @@ class PrefixAffinityRouter(RequestRouter):
         self._min_match = min_match_blocks
         self._table: OrderedDict[bytes, str] = OrderedDict()  # block hash -> replica id
         self._owned: dict[str, int] = {}
+        self._last_routed: dict[str, int] = {}  # replica id -> routing sequence number
+        self._routed = 0
         self.affinity_hits = 0
         self.affinity_misses = 0
         # Serve pickles this class by value, so this module's globals seen here are a copy;
@@ -211,7 +213,7 @@ class PrefixAffinityRouter(RequestRouter):
             self.affinity_misses += 1
         rest = sorted((r for r in candidates if r is not chosen),
                       key=lambda r: (qlen[r.replica_id.unique_id],
-                                     self._owned.get(r.replica_id.unique_id, 0),
+                                     self._last_routed.get(r.replica_id.unique_id, -1),
                                      random.random()))
         ranks.extend([r] for r in rest)
         return ranks
@@ -219,10 +221,15 @@ class PrefixAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any,
                           result: Any) -> None:
         """Record that the replica now holds (or soon will hold) the prompt's blocks."""
-        hashes = getattr(_first_arg(pending_request), "block_hashes", None)
+        arg = _first_arg(pending_request)
+        if getattr(arg, "target_replica", None) is not None:
+            return  # control calls neither move prefixes nor count as load
+        rid = replica_id.unique_id
+        self._routed += 1
+        self._last_routed[rid] = self._routed
+        hashes = getattr(arg, "block_hashes", None)
         if not hashes:
             return
-        rid = replica_id.unique_id
         table = self._table
         for h in hashes:
             prev = table.get(h)
@@ -270,10 +277,11 @@ class PrefixAffinityRouter(RequestRouter):
     def _forget_missing(self) -> None:
         """Drop the blocks of replicas that are gone: their caches died with them."""
         live = {rid.unique_id for rid in self.curr_replicas}
-        if all(rid in live for rid in self._owned):
+        if all(rid in live for rid in (*self._owned, *self._last_routed)):
             return
         self._table = OrderedDict((h, r) for h, r in self._table.items() if r in live)
         self._owned = {r: n for r, n in self._owned.items() if r in live}
+        self._last_routed = {r: n for r, n in self._last_routed.items() if r in live}
 
     def _deepest_owner(self, hashes: list[bytes]) -> str | None:
         """Owner of the longest cached prefix: hashes are chained, so the deepest hit wins."""

@@ -267,7 +267,8 @@ class OpenAIServer:
                                     make_extra_keys(info["model_id"], salt))
         return EngineRequest(rid, ids, params, hashes, salt)
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, info: dict[str, Any]) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, info: dict[str, Any],
+                    param: str = "max_tokens") -> int:
         limit = info["max_model_len"]
         if prompt_len >= limit:
             raise APIError(f"This model's maximum context length is {limit} tokens; the "
@@ -279,7 +280,7 @@ class OpenAIServer:
             raise APIError(f"This model's maximum context length is {limit} tokens. However, "
                            f"you requested {prompt_len + requested} tokens ({prompt_len} in "
                            f"the prompt, {requested} for the completion)",
-                           param="max_tokens", code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
         return requested
 
     async def _one(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -453,7 +454,8 @@ class OpenAIServer:
         except Exception as e:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         params = body.sampling_params(
-            self._max_tokens(body.requested_max_tokens(), len(ids), info),
+            self._max_tokens(body.requested_max_tokens(), len(ids), info,
+                             body.max_tokens_param),
             body.engine_logprobs())
         rid = new_id("chatcmpl")
         req = self._engine_request(rid, ids, params, body.cache_salt, info)

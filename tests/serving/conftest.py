@@ -1,0 +1,152 @@
+"""Serving fixtures: one Ray + Serve instance for the package, apps deployed into it.
+
+Everything runs on loopback with a free port. The package fixture starts its own local
+Ray (``address="local"``, never joining another one on this machine) and ends it with
+``serve.shutdown()`` and ``ray.shutdown()``; modules that deploy extra apps delete them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+SMOL_ARGS: dict[str, Any] = {"num_gpu_blocks": 192, "max_model_len": 1024, "num_threads": 2,
+                             "max_num_seqs": 32, "api_key": API_KEY}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class App:
+    """A deployed application: its base URL and helpers over its HTTP API."""
+
+    name: str
+    base: str
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def openai(self, **kw: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.api_key or "none",
+                             max_retries=0, timeout=kw.pop("timeout", 120), **kw)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Engine stats per replica id (every replica must answer)."""
+        r = httpx.get(f"{self.base}/v1/stats", headers=self.headers, timeout=60)
+        r.raise_for_status()
+        out = {}
+        for rep in r.json()["replicas"]:
+            assert "stats" in rep, rep
+            out[rep["replica"]] = rep["stats"]
+        return out
+
+    def wait_baseline(self, timeout: float = 20.0) -> dict[str, dict[str, Any]]:
+        """Wait until every replica's pool is back at baseline; returns the stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if all(at_baseline(s) for s in stats.values()):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pool not back at baseline: {stats}")
+            time.sleep(0.2)
+
+    def health(self, timeout: float = 60.0) -> httpx.Response:
+        return httpx.get(f"{self.base}/health", timeout=timeout)
+
+
+def at_baseline(s: dict[str, Any]) -> bool:
+    m = s["memory"]
+    return (s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_swapped"] == 0
+            and m["num_used_blocks"] == 0 and m["num_free_blocks"] == m["num_gpu_blocks"]
+            and m["num_shared_blocks"] == 0 and s["server"]["in_flight"] == 0)
+
+
+@dataclass
+class Cluster:
+    port: int
+
+    def deploy(self, name: str, args: dict[str, Any]) -> App:
+        from ray import serve
+
+        from pagedserve.cluster.serve_app import build_app
+
+        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+        return App(name, f"http://127.0.0.1:{self.port}/{name}", args.get("api_key"))
+
+    def delete(self, name: str) -> None:
+        from ray import serve
+
+        serve.delete(name)
+
+
+@pytest.fixture(scope="package")
+def cluster() -> Iterator[Cluster]:
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():  # a driver connection left behind by another package
+        ray.shutdown()
+    # Logical CPUs: the replicas and TP ranks reserve them; 2 physical cores do the work.
+    ray.init(address="local", include_dashboard=False, num_cpus=16, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield Cluster(port)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def smol(cluster: Cluster) -> Iterator[App]:
+    """The default model (SmolLM2-135M-Instruct), one replica, API key required."""
+    app = cluster.deploy("smol", SMOL_ARGS)
+    yield app
+    cluster.delete("smol")
+
+
+@pytest.fixture(scope="package")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama (4 heads, 2 KV heads: TP=2 divides it) with SmolLM2's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedserve.worker.loaders import resolve_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny-llama"
+    torch.manual_seed(0)
+    # A wide init makes logits peaked, so greedy choices are not near-ties between TP layouts.
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=True, initializer_range=0.2)
+    LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    src = Path(resolve_model(None).path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
+    return out

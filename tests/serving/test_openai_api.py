@@ -1,0 +1,239 @@
+"""The OpenAI-compatible API over HTTP with the official ``openai`` client, default model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.conftest import API_KEY, SMOL_ARGS, App
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def hf_greedy_chat(messages: list[dict[str, str]], max_new_tokens: int) -> str:
+    """Hugging Face's greedy answer on the same converted weights and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedserve.worker.loaders import resolve_model
+
+    path = resolve_model(None).path
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_chat_greedy_equals_hugging_face(smol: App) -> None:
+    r = smol.openai().chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                              max_tokens=24)
+    ours = r.choices[0].message.content
+    assert ours == hf_greedy_chat(FRANCE, 24)
+    assert ours == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.model == MODEL and r.object == "chat.completion"
+
+
+def test_streaming_equals_non_streaming_with_usage(smol: App) -> None:
+    client = smol.openai()
+    full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                          max_tokens=24)
+    parts, usage, roles, finish = [], None, [], None
+    for chunk in client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                                max_tokens=24, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            roles.append(c.delta.role)
+            finish = c.finish_reason or finish
+    assert "".join(parts) == full.choices[0].message.content
+    assert roles[0] == "assistant" and finish == "stop"
+    assert usage is not None
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    prompt = "The three primary colours are"
+    text = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=20, stream=True))
+    assert streamed == text.choices[0].text and len(streamed) > 0
+
+
+def test_usage_counts_and_cached_tokens(smol: App) -> None:
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 8},
+                {"role": "user", "content": "Name a colour."}]
+    n_prompt = len(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+    client = smol.openai()
+    first = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                           max_tokens=12, logprobs=True)
+    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=12, logprobs=True)
+    for r in (first, second):
+        assert r.usage.prompt_tokens == n_prompt
+        assert r.usage.completion_tokens == len(r.choices[0].logprobs.content)
+        assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+    # The second request finds every full block of the prompt in the prefix cache.
+    assert second.usage.prompt_tokens_details.cached_tokens == (n_prompt // 16) * 16
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+def test_n3_shares_the_prompt_blocks(smol: App) -> None:
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+    prompt = "Write a list of fruits. " * 12
+    full = len(load_tokenizer(resolve_model(None)).encode(prompt)) // 16
+    assert full >= 4
+    stream = smol.openai().completions.create(model=MODEL, prompt=prompt, n=3, temperature=1.0,
+                                              seed=7, max_tokens=48, stream=True,
+                                              extra_body={"ignore_eos": True})
+    texts = {0: "", 1: "", 2: ""}
+    during = None
+    for k, chunk in enumerate(stream):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        if k == 12:
+            (s,) = smol.stats().values()
+            during = s["memory"]
+    assert during is not None
+    # The 3 samples hold the prompt's full blocks once (refcount 3) and pay only for
+    # their own tails: a copy-on-write of the partial block and what they generated.
+    assert during["num_shared_blocks"] >= full
+    assert during["num_used_blocks"] <= full + 3 * 3
+    assert all(texts.values()) and len(set(texts.values())) > 1
+    smol.wait_baseline()
+
+
+def test_stop_sequences(smol: App) -> None:
+    client = smol.openai()
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                       max_tokens=24, stop=["Paris"])
+    c = r.choices[0]
+    assert c.message.content == "The capital of France is "
+    assert c.finish_reason == "stop" and c.model_extra.get("stop_reason") == "Paris"
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                       max_tokens=24, stop="France",
+                                       extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].message.content == "The capital of France"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=24, stop=["Paris"], stream=True)
+        if ch.choices)
+    assert streamed == "The capital of France is "
+
+
+def test_logprobs(smol: App) -> None:
+    client = smol.openai()
+    r = client.completions.create(model=MODEL, prompt="One, two, three,", temperature=0,
+                                  max_tokens=6, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 2 and tok_lp <= 0.0
+        assert tok_lp == pytest.approx(max(top.values()))  # greedy takes the top token
+    assert lp.text_offset[0] == 0
+    c = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                       max_tokens=8, logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    # The EOS token is sampled and counted too; its text is the special token itself.
+    assert "".join(t.token for t in content) == c.choices[0].message.content + "<|im_end|>"
+    assert c.usage.completion_tokens == len(content)
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+BAD: list[tuple[str, Any, str | None]] = [
+    ("/v1/completions", "{not json", None),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * (SMOL_ARGS["max_model_len"] + 10)}, None),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [10**7]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+    ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+    ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": FRANCE, "top_logprobs": 2}, "top_logprobs"),
+]
+
+
+def test_bad_inputs_get_400_and_the_server_keeps_serving(smol: App) -> None:
+    with httpx.Client(base_url=smol.base, headers=smol.headers, timeout=60) as http:
+        for path, body, param in BAD:
+            content = body if isinstance(body, str) else json.dumps(body)
+            r = http.post(path, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["message"], body
+            assert set(err) == {"message", "type", "param", "code"}
+            if param is not None:
+                assert err["param"] == param, (body, err)
+    with pytest.raises(openai.BadRequestError):
+        smol.openai().completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    r = smol.openai().chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                              max_tokens=24)
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    smol.wait_baseline()
+
+
+def test_api_key_is_required_on_the_api_only(smol: App) -> None:
+    anon = App(smol.name, smol.base, api_key=None)
+    with pytest.raises(openai.AuthenticationError):
+        App(smol.name, smol.base, api_key="wrong").openai().models.list()
+    r = httpx.post(f"{smol.base}/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    models = smol.openai().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert smol.health().status_code == 200  # probes need no key
+    assert API_KEY not in httpx.get(f"{smol.base}/metrics", timeout=30).text
+
+
+def test_health_metrics_and_stats(smol: App) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    smol.openai().completions.create(model=MODEL, prompt="Hello there", max_tokens=4)
+    h = smol.health()
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    (rep,) = h.json()["replicas"]
+    assert rep["result"]["ok"] is True
+    text = httpx.get(f"{smol.base}/metrics", timeout=30).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("pagedserve_time_to_first_token_seconds", "pagedserve_e2e_request_latency_seconds",
+                 "pagedserve_kv_blocks_used", "pagedserve_kv_blocks_free",
+                 "pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
+                 "pagedserve_prefix_cache_hits", "pagedserve_generation_tokens",
+                 "pagedserve_request_finished", "pagedserve_http_requests"):
+        assert name in fams, name
+    ttft_count = [s.value for s in fams["pagedserve_time_to_first_token_seconds"].samples
+                  if s.name.endswith("_count")]
+    assert ttft_count and ttft_count[0] >= 1
+    gen = [s.value for s in fams["pagedserve_generation_tokens"].samples]
+    assert gen and gen[0] > 0
+    stats = smol.wait_baseline()
+    (s,) = stats.values()
+    assert s["memory"]["num_gpu_blocks"] == SMOL_ARGS["num_gpu_blocks"]
+    assert s["finished_requests"] >= 1 and s["model"] == MODEL
