@@ -201,7 +201,6 @@ def test_bad_inputs_get_400_and_the_server_keeps_serving(smol: App) -> None:
 
 
 def test_api_key_is_required_on_the_api_only(smol: App) -> None:
-    anon = App(smol.name, smol.base, api_key=None)
     with pytest.raises(openai.AuthenticationError):
         App(smol.name, smol.base, api_key="wrong").openai().models.list()
     r = httpx.post(f"{smol.base}/v1/completions", json={"prompt": "hi"}, timeout=30)

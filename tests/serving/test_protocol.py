@@ -1,0 +1,160 @@
+"""Request models, engine deltas and response formatting, without Ray (milliseconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from pagedserve.cluster.metrics import RequestTimer, ServerMetrics, render_prometheus
+from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Formatter,
+    ResponseState,
+)
+from pagedserve.cluster.router import DeltaTracker, EngineChunk
+
+
+def test_completion_request_maps_to_sampling_params() -> None:
+    req = CompletionRequest(prompt="hi", n=2, temperature=0.5, top_p=0.9, top_k=5, seed=3,
+                            stop="END", max_tokens=7, logprobs=2)
+    req.check()
+    sp = req.sampling_params(req.max_tokens or 16, req.logprobs)
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (2, 0.5, 0.9, 5, 3)
+    assert sp.stop == ["END"] and sp.max_tokens == 7 and sp.logprobs == 2
+    assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "top_k": 0}, "top_k"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+])
+def test_bad_sampling_values_name_their_field(body: dict, param: str) -> None:
+    req = CompletionRequest(**body)
+    with pytest.raises(APIError) as e:
+        req.sampling_params(16, None)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_strict_types_and_unsupported_options() -> None:
+    for bad in ({"prompt": "x", "max_tokens": "5"}, {"prompt": "x", "n": True},
+                {"prompt": 5}, {"prompt": "x", "temperature": "hot"}):
+        with pytest.raises(ValidationError):
+            CompletionRequest(**bad)
+    with pytest.raises(APIError) as e:
+        CompletionRequest(prompt="x", presence_penalty=0.5).check()
+    assert e.value.param == "presence_penalty"
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[])
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                 max_completion_tokens=0)
+    with pytest.raises(APIError) as e:
+        chat.sampling_params(0, None)
+    assert e.value.param == "max_completion_tokens"
+    assert CompletionRequest(prompt="x", unknown_field=1).prompt == "x"  # ignored, as OpenAI
+
+
+def _out(texts: list[str], ids: list[list[int]], finish: list[str | None],
+         lps: list[list[dict[int, float]]] | None = None) -> RequestOutput:
+    outs = [CompletionOutput(i, t, list(x), None if lps is None else sum(
+        lp[tok] for lp, tok in zip(lps[i], x)), None if lps is None else lps[i], f)
+        for i, (t, x, f) in enumerate(zip(texts, ids, finish))]
+    return RequestOutput("r", None, [1, 2, 3], outs, all(finish), 2)
+
+
+def test_delta_tracker_sends_each_token_once() -> None:
+    tr = DeltaTracker(2)
+    d1 = tr.deltas(_out(["a", ""], [[5], []], [None, None]))
+    assert [(d.index, d.text, d.token_ids) for d in d1] == [(0, "a", [5])]
+    d2 = tr.deltas(_out(["ab", "x"], [[5, 6], [9]], ["length", None]))
+    assert [(d.index, d.text, d.token_ids, d.finish_reason) for d in d2] == [
+        (0, "b", [6], "length"), (1, "x", [9], None)]
+    d3 = tr.deltas(_out(["ab", "xy"], [[5, 6], [9, 4]], ["length", "stop"]))
+    assert [(d.index, d.text) for d in d3] == [(1, "y")]
+
+
+def test_delta_tracker_recovers_sampled_logprob_outside_top_k() -> None:
+    tr = DeltaTracker(1)
+    lp = [{7: -0.1}, {3: -0.5}]  # second sampled token (8) is not among the top-1
+    out = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [7], -0.1, lp[:1])])
+    assert tr.deltas(out)[0].sampled_logprobs == [-0.1]
+    out = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [7, 8], -2.1, lp)])
+    assert tr.deltas(out)[0].sampled_logprobs == [pytest.approx(-2.0)]
+
+
+class _Tok:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def _chunks() -> list[EngineChunk]:
+    tr = DeltaTracker(1)
+    lps = [[{0: -0.1, 1: -2.0}, {1: -0.2, 0: -1.5}]]
+    return [EngineChunk("r", "rep", prompt_tokens=3),
+            EngineChunk("r", "rep", tr.deltas(_out(["a"], [[0]], [None], [lps[0][:1]])), 3, 2),
+            EngineChunk("r", "rep", tr.deltas(_out(["ab"], [[0, 1]], ["stop"], lps)), 3, 2,
+                        True)]
+
+
+def test_formatter_full_and_streamed_responses_agree() -> None:
+    fmt = Formatter(_Tok(), "m")
+    for kind in ("text_completion", "chat.completion"):
+        full = ResponseState(kind, "id1", [(3, 1)], logprobs=True)
+        for c in _chunks():
+            fmt.add(full, 0, c)
+        body = fmt.full_response(full)
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                 "prompt_tokens_details": {"cached_tokens": 2}}
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        streamed = ResponseState(kind, "id2", [(3, 1)], logprobs=True)
+        events = [e for c in _chunks() for e in fmt.stream_events(streamed, 0, c, False)]
+        payloads = [json.loads(e[len("data: "):]) for e in events]
+        if kind == "chat.completion":
+            assert choice["message"]["content"] == "ab"
+            assert [t["token"] for t in choice["logprobs"]["content"]] == ["a", "b"]
+            assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
+            text = "".join(p["choices"][0]["delta"]["content"] for p in payloads)
+        else:
+            assert choice["text"] == "ab"
+            assert choice["logprobs"]["tokens"] == ["a", "b"]
+            assert choice["logprobs"]["text_offset"] == [0, 1]
+            assert choice["logprobs"]["token_logprobs"] == [-0.1, -0.2]
+            text = "".join(p["choices"][0]["text"] for p in payloads)
+        assert text == "ab" and payloads[-1]["choices"][0]["finish_reason"] == "stop"
+        usage = json.loads(fmt.usage_event(streamed)[len("data: "):])
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+
+
+def test_metrics_render_as_valid_prometheus_text() -> None:
+    m = ServerMetrics()
+    t = RequestTimer()
+    m.on_tokens(t, 1)
+    m.on_tokens(t, 2)
+    m.on_end(t, "stop")
+    stats = {"num_running": 1, "num_waiting": 2, "num_swapped": 0, "prompt_tokens": 10,
+             "generation_tokens": 3, "prefix_cache_queries": 10, "prefix_cache_hits": 4,
+             "steps": 3, "num_preemptions": {"swap": 1},
+             "memory": {"num_gpu_blocks": 8, "num_used_blocks": 2, "num_free_blocks": 6,
+                        "num_shared_blocks": 0, "num_cached_free_blocks": 1},
+             "server": m.snapshot()}
+    text = render_prometheus([{"replica": "a", "stats": stats}, {"replica": "b"}]).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    up = {s.labels["replica"]: s.value for s in fams["pagedserve_replica_up"].samples}
+    assert up == {"a": 1.0, "b": 0.0}
+    ttft = {s.name: s.value for s in fams["pagedserve_time_to_first_token_seconds"].samples
+            if not s.name.endswith("_bucket")}
+    assert ttft["pagedserve_time_to_first_token_seconds_count"] == 1
+    itl = [s for s in fams["pagedserve_inter_token_latency_seconds"].samples
+           if s.name.endswith("_count")]
+    assert itl[0].value == 2
+    usage = fams["pagedserve_kv_cache_usage_ratio"].samples[0].value
+    assert usage == pytest.approx(0.25)

@@ -1,0 +1,162 @@
+"""Tensor parallelism behind Serve, killed workers and replicas, and overload.
+
+A random tiny Llama (4 heads, 2 KV heads) runs as a TP=1 app and a TP=2 app whose replica
+reserves ``[{"CPU": 1}] * 3`` (itself + two gloo ranks). Greedy text must be identical.
+Killing a rank makes ``/health`` 503 until Serve replaces the replica; killing a replica
+gets it replaced; afterwards requests succeed with the same text. A replica that is full
+(``max_ongoing_requests``) with a full queue answers 503 with an OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.conftest import App, Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPTS = ["The capital of France is", "1, 2, 3,", "def fibonacci(n):", "Hello"]
+COMMON = {"num_gpu_blocks": 64, "max_model_len": 512, "num_threads": 1,
+          "health_check_period_s": 1.0, "health_check_timeout_s": 10.0}
+
+
+@pytest.fixture(scope="module")
+def apps(cluster: Cluster, tiny_model: Path) -> Iterator[dict[str, App]]:
+    model = str(tiny_model)
+    out = {
+        "tp1": cluster.deploy("tp1", {**COMMON, "model": model}),
+        "tp2": cluster.deploy("tp2", {**COMMON, "model": model, "tensor_parallel_size": 2}),
+        "ovl": cluster.deploy("ovl", {**COMMON, "model": model, "max_ongoing_requests": 1,
+                                      "max_queued_requests": 1}),
+    }
+    yield out
+    for name in out:
+        cluster.delete(name)
+
+
+def _greedy(app: App) -> list[tuple[str, list[float]]]:
+    client = app.openai()
+    res = []
+    for p in PROMPTS:
+        r = client.completions.create(model="tiny-llama", prompt=p, max_tokens=16,
+                                      temperature=0, logprobs=1)
+        res.append((r.choices[0].text, r.choices[0].logprobs.token_logprobs))
+    return res
+
+
+def _wait(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_tp2_serves_the_same_greedy_text_as_tp1(apps: dict[str, App]) -> None:
+    one, two = _greedy(apps["tp1"]), _greedy(apps["tp2"])
+    for (t1, lp1), (t2, lp2) in zip(one, two):
+        assert t1 == t2 and len(t1) > 0
+        assert lp2 == pytest.approx(lp1, abs=1e-3)
+    apps["tp2"].wait_baseline()
+
+
+def test_killed_tp_rank_makes_health_503_then_the_replica_is_replaced(
+        apps: dict[str, App]) -> None:
+    import ray
+    from ray import serve
+
+    app = apps["tp2"]
+    expected = _greedy(app)
+    (old,) = app.stats()
+    workers = serve.get_deployment_handle("EngineServer", "tp2").tp_workers.remote().result()
+    assert len(workers) == 2
+
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def long_stream() -> None:
+        try:
+            for k, _ in enumerate(app.openai().completions.create(
+                    model="tiny-llama", prompt="Count slowly:", max_tokens=400,
+                    stream=True, extra_body={"ignore_eos": True})):
+                if k == 2:
+                    started.set()
+                time.sleep(0.02)
+        except BaseException as e:  # the stream must fail, not hang
+            errors.append(e)
+        finally:
+            started.set()
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(60)
+    ray.kill(workers[1], no_restart=True)
+    t.join(60)
+    assert not t.is_alive() and errors and isinstance(errors[0], openai.APIError), errors
+
+    r = app.health()
+    assert r.status_code == 503 and r.json()["status"] == "unhealthy", r.text
+    _wait(lambda: app.health().status_code == 200, 120, "a healthy replacement replica")
+    (new,) = app.stats()
+    assert new != old
+    assert _greedy(app) == expected
+    app.wait_baseline()
+
+
+def test_killed_replica_is_replaced_and_requests_succeed(apps: dict[str, App]) -> None:
+    import ray
+
+    app = apps["tp1"]
+    expected = _greedy(app)
+    (old,) = app.stats()
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(f"#EngineServer#{old}")]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+
+    def ok() -> bool:
+        try:
+            return _greedy(app) == expected
+        except openai.APIError:
+            return False
+
+    _wait(ok, 120, "requests to succeed on a replacement replica")
+    assert app.health().status_code == 200
+    (new,) = app.stats()
+    assert new != old
+    app.wait_baseline()
+
+
+def test_overload_answers_503_with_an_error_body(apps: dict[str, App]) -> None:
+    app = apps["ovl"]
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(http.post(
+                f"{app.base}/v1/completions",
+                json={"prompt": f"Request {i}", "max_tokens": 200, "ignore_eos": True})
+                for i in range(10)))
+
+    responses = asyncio.run(flood())
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and set(codes) <= {200, 503}, codes
+    rejected = [r for r in responses if r.status_code == 503]
+    assert len(rejected) >= 5, codes
+    for r in rejected:
+        err = r.json()["error"]
+        assert err["type"] == "server_overloaded" and "backpressure" in err["message"]
+        assert r.headers.get("retry-after") == "1"
+    app.wait_baseline()
+    r = app.openai().completions.create(model="tiny-llama", prompt="Hello", max_tokens=4)
+    assert r.choices[0].finish_reason == "length"
