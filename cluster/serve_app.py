@@ -113,8 +113,10 @@ class EngineServer:
 
     def info(self) -> dict[str, Any]:
         core = self.engine.engine
+        blocks = int(core.get_stats()["memory"]["num_gpu_blocks"])
         return {"model_id": core.model_id, "block_size": core.scheduler.block_size,
                 "max_model_len": core.max_model_len,
+                "pool_tokens": blocks * core.scheduler.block_size,
                 "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id}
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -268,14 +270,19 @@ class OpenAIServer:
         return EngineRequest(rid, ids, params, hashes, salt)
 
     def _max_tokens(self, requested: int | None, prompt_len: int, info: dict[str, Any],
-                    param: str = "max_tokens") -> int:
+                    param: str = "max_tokens", n: int = 1) -> int:
         limit = info["max_model_len"]
         if prompt_len >= limit:
             raise APIError(f"This model's maximum context length is {limit} tokens; the "
                            f"prompt has {prompt_len} tokens", param="messages",
                            code="context_length_exceeded")
-        if requested is None:
-            return limit - prompt_len
+        if requested is None:  # as much as fits in the context and in the KV pool
+            room = (info["pool_tokens"] - prompt_len) // max(1, n)
+            if room < 1:
+                raise APIError(f"the prompt ({prompt_len} tokens) leaves no room in the KV "
+                               f"cache ({info['pool_tokens']} tokens)", param="messages",
+                               code="context_length_exceeded")
+            return min(limit - prompt_len, room)
         if isinstance(requested, int) and requested > 0 and prompt_len + requested > limit:
             raise APIError(f"This model's maximum context length is {limit} tokens. However, "
                            f"you requested {prompt_len + requested} tokens ({prompt_len} in "
@@ -432,8 +439,9 @@ class OpenAIServer:
             if any(not isinstance(t, int) or not 0 <= t < info["vocab_size"] for t in ids):
                 raise APIError("prompt token ids must be within the vocabulary",
                                param="prompt")
-            params = body.sampling_params(self._max_tokens(body.max_tokens, len(ids), info),
-                                          body.logprobs)
+            params = body.sampling_params(
+                self._max_tokens(body.max_tokens, len(ids), info, "max_tokens", body.n),
+                body.logprobs)
             reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info))
         so = body.stream_options
         return await self._respond(rid, reqs, "text_completion", body.stream,
@@ -455,7 +463,7 @@ class OpenAIServer:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         params = body.sampling_params(
             self._max_tokens(body.requested_max_tokens(), len(ids), info,
-                             body.max_tokens_param),
+                             body.max_tokens_param, body.n),
             body.engine_logprobs())
         rid = new_id("chatcmpl")
         req = self._engine_request(rid, ids, params, body.cache_salt, info)

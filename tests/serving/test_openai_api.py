@@ -42,6 +42,9 @@ def test_chat_greedy_equals_hugging_face(smol: App) -> None:
     assert ours == "The capital of France is Paris."
     assert r.choices[0].finish_reason == "stop"
     assert r.model == MODEL and r.object == "chat.completion"
+    # Without a limit the answer runs to EOS (the default fits the context and the pool).
+    r = smol.openai().chat.completions.create(model=MODEL, messages=FRANCE, temperature=0)
+    assert r.choices[0].message.content == ours
 
 
 def test_streaming_equals_non_streaming_with_usage(smol: App) -> None:
