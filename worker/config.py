@@ -176,11 +176,25 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
-        """Read ``config.json`` from a local HF directory."""
+        """Read ``config.json`` from a local HF directory.
+
+        EOS ids from ``generation_config.json`` are merged in: Llama 3 Instruct,
+        for one, lists its end-of-turn tokens only there, and HF ``generate``
+        stops on them.
+        """
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        return cls.from_hf_dict(json.loads(cfg_path.read_text()))
+        cfg = json.loads(cfg_path.read_text())
+        gen_path = Path(path) / "generation_config.json"
+        if gen_path.is_file():
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            if gen_eos is not None:
+                own = cfg.get("eos_token_id")
+                own = [] if own is None else (own if isinstance(own, list) else [own])
+                extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+                cfg["eos_token_id"] = own + [e for e in extra if e not in own]
+        return cls.from_hf_dict(cfg)
 
     @property
     def max_model_len(self) -> int:

@@ -138,6 +138,8 @@ def test_model_info_and_kv_budget(tmp_path):
     assert w.determine_num_blocks() == 10
     assert w.check_health()["ok"]
     assert json.loads(json.dumps(info)) == info  # plain types only: crosses Ray
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
+    assert ModelConfig.from_pretrained(path).eos_token_ids == (2, 3, 7)
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
 
 

@@ -103,3 +103,20 @@ def test_greedy_generation_matches_hf_generate(tmp_path):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
         assert out[r] == ref[0, len(p):].tolist()
+
+
+def test_bfloat16_runs_close_to_fp32(tmp_path):
+    """bf16 weights and KV cache: same code path, logits within bf16 error of HF fp32."""
+    path = save_tiny_model(tmp_path / "m", "qwen2", seed=3)
+    hf = load_hf(path)
+    worker = make_worker(path, num_blocks=16, block_size=4, dtype="bfloat16")
+    assert worker.kv_cache.key_caches[0].dtype == torch.bfloat16
+    alloc = BlockAllocator(16, 4)
+    prompt = [5, 9, 17, 33, 4, 12, 7, 40, 41]
+    got = all_logits(worker, plan(0, [request(alloc, "a", prompt, 0)]))
+    ref = _hf_logits(hf, prompt)
+    assert got.dtype == torch.bfloat16
+    scale = ref.abs().max().item()
+    assert (got.float() - ref).abs().max().item() < 0.05 * scale + 1e-2
+    out = worker.execute_model(plan(1, [request(alloc, "a", [3], len(prompt))]))
+    assert 0 <= out.sampled["a"].token_id < 101
