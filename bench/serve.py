@@ -1,0 +1,349 @@
+"""Serving benchmark: the HTTP/Ray Serve path against the in-process ``AsyncEngine``.
+
+Both backends get the same requests (random prompt token ids of ``--input-len``, exactly
+``--output-len`` generated tokens with ``ignore_eos``) on the same arrival schedule: Poisson
+at each ``--request-rate`` (``inf`` = all at once), optionally capped by
+``--max-concurrency``. The in-process engine is timed at its own ``generate`` iterator;
+the HTTP path at an OpenAI streaming client, so the ratio prices the whole serving stack
+(proxy, ingress, routing, Ray streaming, SSE). Metric names follow vLLM's ``bench serve``
+(``request_throughput``, ``output_throughput``, ``mean_ttft_ms``, ``p99_itl_ms``,
+``request_goodput`` ...); goodput counts requests meeting every ``--goodput`` SLO.
+
+    python bench/serve.py --num-prompts 48 --request-rate 1,2,4,inf
+    python bench/serve.py --max-concurrency 8 --request-rate inf --backends http
+    python bench/serve.py --url http://127.0.0.1:8000 --backends http   # a running server
+
+Writes ``serve_<timestamp>.json`` and PNG plots into ``--out`` (default bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str = ""
+
+
+def make_requests(n: int, input_len: int, output_len: int, seed: int) -> list[Req]:
+    """Random token ids in a plain-text id range, so no special token ends a prompt."""
+    rng = random.Random(seed)
+    return [Req([rng.randrange(1000, 40000) for _ in range(input_len)], output_len)
+            for _ in range(n)]
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return list(np.cumsum(rng.exponential(1.0 / rate, n)))
+
+
+async def run_schedule(reqs: list[Req], rate: float, max_concurrency: int | None, seed: int,
+                       send: Any) -> tuple[list[Result], float]:
+    """Send each request at its arrival time (bounded by the semaphore); wall time too."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    t0 = time.perf_counter()
+
+    async def one(at: float, r: Req) -> Result:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        if sem is None:
+            return await send(r)
+        async with sem:
+            return await send(r)
+
+    results = await asyncio.gather(*(one(at, r) for at, r in
+                                     zip(arrival_times(len(reqs), rate, seed), reqs)))
+    return list(results), time.perf_counter() - t0
+
+
+# ---- backends -------------------------------------------------------------------------
+
+
+class InProcess:
+    """The engine in this process: what the serving stack adds nothing to."""
+
+    name = "inproc"
+
+    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        from pagedserve.cluster.async_engine import AsyncEngine
+        from pagedserve.cluster.config import EngineConfig
+
+        self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
+        self._ids = 0
+
+    async def send(self, r: Req) -> Result:
+        from pagedserve.scheduler.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+        self._ids += 1
+        res, start, last, n = Result(prompt_tokens=len(r.prompt)), time.perf_counter(), 0.0, 0
+        try:
+            async for out in self.engine.generate(r.prompt, params, f"b{self._ids}"):
+                now, k = time.perf_counter(), len(out.outputs[0].token_ids)
+                if k > n:
+                    if n == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last, n = now, k
+            res.ok, res.e2el, res.output_tokens = True, time.perf_counter() - start, n
+        except Exception as e:
+            res.error = repr(e)
+        return res
+
+    async def close(self) -> None:
+        await self.engine.shutdown()
+
+
+class Http:
+    """An OpenAI streaming client against the Serve app (deployed here unless ``url``)."""
+
+    name = "http"
+
+    def __init__(self, serve_args: dict[str, Any], url: str | None, api_key: str | None
+                 ) -> None:
+        self.started = url is None
+        if url is None:
+            url = self._deploy(serve_args)
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client: Any = None
+
+    def _deploy(self, serve_args: dict[str, Any]) -> str:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        import ray
+        from ray import serve
+
+        from pagedserve.cluster.serve_app import build_app
+
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 num_cpus=max(4, os.cpu_count() or 1))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(serve_args), name="bench", route_prefix="/")
+        return f"http://127.0.0.1:{port}"
+
+    async def send(self, r: Req) -> Result:
+        import httpx
+
+        if self.client is None:
+            self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(
+                max_connections=4096, max_keepalive_connections=4096))
+        body = {"prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        res, start, last = Result(), time.perf_counter(), 0.0
+        try:
+            async with self.client.stream("POST", f"{self.url}/v1/completions", json=body,
+                                          headers=self.headers) as resp:
+                if resp.status_code != 200:
+                    res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                    return res
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        res.error = data["error"]["message"]
+                        return res
+                    now = time.perf_counter()
+                    if data.get("usage"):
+                        res.output_tokens = data["usage"]["completion_tokens"]
+                        res.prompt_tokens = data["usage"]["prompt_tokens"]
+                    if data.get("choices") and data["choices"][0]["text"]:
+                        if res.ttft == 0.0:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+            res.ok, res.e2el = True, time.perf_counter() - start
+        except Exception as e:
+            res.error = repr(e)
+        return res
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        if self.started:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+
+
+# ---- metrics --------------------------------------------------------------------------
+
+
+def _stats(name: str, xs: list[float], out: dict[str, float]) -> None:
+    ms = [x * 1000 for x in xs] or [float("nan")]
+    out[f"mean_{name}_ms"] = statistics.fmean(ms)
+    out[f"median_{name}_ms"] = float(np.median(ms))
+    out[f"std_{name}_ms"] = float(np.std(ms))
+    for p in (50, 90, 99):
+        out[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
+
+
+def summarize(results: list[Result], duration: float, slo_ms: dict[str, float]
+              ) -> dict[str, Any]:
+    """vLLM ``bench serve`` metrics of one run."""
+    ok = [r for r in results if r.ok]
+    tpot = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_tokens for r in ok)
+    m: dict[str, Any] = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
+        "total_token_throughput": (in_tok + out_tok) / duration,
+    }
+    _stats("ttft", [r.ttft for r in ok], m)
+    _stats("tpot", tpot, m)
+    _stats("itl", [x for r in ok for x in r.itl], m)
+    _stats("e2el", [r.e2el for r in ok], m)
+
+    def good(r: Result) -> bool:
+        per_tok = (r.e2el - r.ttft) / max(1, r.output_tokens - 1)
+        vals = {"ttft": r.ttft, "tpot": per_tok, "e2el": r.e2el}
+        return all(vals[k] * 1000 <= v for k, v in slo_ms.items())
+
+    m["request_goodput"] = sum(good(r) for r in ok) / duration
+    m["errors"] = sorted({r.error for r in results if r.error})[:5]
+    m["ttft_s"] = [r.ttft for r in ok]
+    m["e2el_s"] = [r.e2el for r in ok]
+    return m
+
+
+def parse_slo(items: list[str]) -> dict[str, float]:
+    slo = {}
+    for it in items:
+        k, v = it.split(":")
+        if k not in ("ttft", "tpot", "e2el"):
+            raise SystemExit(f"--goodput keys are ttft, tpot, e2el (ms), got {k!r}")
+        slo[k] = float(v)
+    return slo
+
+
+async def bench_backend(backend: Any, reqs: list[Req], rates: list[float],
+                        args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]:
+    out = {}
+    warm = make_requests(2, args.input_len, 4, args.seed + 1)
+    await run_schedule(warm, math.inf, None, 0, backend.send)  # first-call costs
+    for rate in rates:
+        results, dur = await run_schedule(reqs, rate, args.max_concurrency, args.seed,
+                                          backend.send)
+        m = summarize(results, dur, slo)
+        out[str(rate)] = m
+        print(f"  {backend.name:6s} rate={rate:<5} done={m['completed']}/{len(reqs)} "
+              f"out_tok/s={m['output_throughput']:.1f} req/s={m['request_throughput']:.2f} "
+              f"ttft p50/p99={m['median_ttft_ms']:.0f}/{m['p99_ttft_ms']:.0f} ms "
+              f"tpot p50={m['median_tpot_ms']:.1f} ms itl p99={m['p99_itl_ms']:.1f} ms "
+              f"goodput={m['request_goodput']:.2f}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--backends", default="inproc,http")
+    p.add_argument("--url", default=None, help="benchmark a running server instead")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--request-rate", default="inf", help="comma list, req/s; inf = burst")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--goodput", nargs="*", default=["ttft:2000", "tpot:250"],
+                   help="SLOs in ms, e.g. ttft:2000 tpot:250 e2el:20000")
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+    rates = [float(x) for x in args.request_rate.split(",")]
+    slo = parse_slo(args.goodput)
+    reqs = make_requests(args.num_prompts, args.input_len, args.output_len, args.seed)
+    engine_kwargs = dict(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
+                         max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
+                         tensor_parallel_size=args.tensor_parallel_size)
+    serve_args = {**engine_kwargs, "num_replicas": args.num_replicas,
+                  "max_ongoing_requests": max(64, args.num_prompts),
+                  "max_queued_requests": -1}
+    print(f"{len(reqs)} requests, input {args.input_len}, output {args.output_len} tokens, "
+          f"rates {rates}, concurrency {args.max_concurrency or 'unbounded'}, SLO {slo} ms")
+    report: dict[str, Any] = {"config": vars(args), "slo_ms": slo, "backends": {}}
+
+    async def run_all() -> None:
+        for name in args.backends.split(","):
+            backend: Any = InProcess(engine_kwargs) if name == "inproc" else Http(
+                serve_args, args.url, args.api_key)
+            try:
+                report["backends"][name] = await bench_backend(backend, reqs, rates, args, slo)
+            finally:
+                await backend.close()
+
+    asyncio.run(run_all())
+    b = report["backends"]
+    if "inproc" in b and "http" in b:
+        report["ratio_http_vs_inproc"] = {
+            rate: {"output_throughput": b["http"][rate]["output_throughput"]
+                   / b["inproc"][rate]["output_throughput"],
+                   "median_ttft": b["inproc"][rate]["median_ttft_ms"]
+                   / max(1e-9, b["http"][rate]["median_ttft_ms"])}
+            for rate in b["http"]}
+        for rate, r in report["ratio_http_vs_inproc"].items():
+            verdict = "ok" if r["output_throughput"] >= 0.9 else "BELOW GOAL"
+            print(f"rate={rate}: HTTP/Ray output throughput = {r['output_throughput']:.1%} of "
+                  f"in-process (goal >= 90%: {verdict})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = out / f"serve_{stamp}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    try:
+        from plots import plot_serve_report
+
+        for png in plot_serve_report(report, out / f"serve_{stamp}"):
+            print("wrote", png)
+    except ImportError as e:
+        print(f"plots skipped ({e})")
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
