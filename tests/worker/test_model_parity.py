@@ -120,3 +120,19 @@ def test_bfloat16_runs_close_to_fp32(tmp_path):
     assert (got.float() - ref).abs().max().item() < 0.05 * scale + 1e-2
     out = worker.execute_model(plan(1, [request(alloc, "a", [3], len(prompt))]))
     assert 0 <= out.sampled["a"].token_id < 101
+
+
+def test_packed_and_plain_weights_agree(tmp_path):
+    """The oneDNN-packed CPU path and plain F.linear give the same logits (tied head kept)."""
+    path = save_tiny_model(tmp_path / "m", "llama", seed=7, tie_word_embeddings=True)
+    packed = make_worker(path, num_blocks=16, block_size=4)
+    plain = make_worker(path, num_blocks=16, block_size=4, cpu_packed_weights=False)
+    assert packed.get_model_info()["packed_weights"]
+    assert not plain.get_model_info()["packed_weights"]
+    # The embedding still reads the shared weight; projections dropped their plain copy.
+    assert packed.model.embed_tokens.weight.numel() == 101 * 64
+    assert packed.model.layers[0].mlp.down_proj.weight.numel() == 0
+    prompt = [5, 9, 17, 33, 4, 12, 7, 40, 41]
+    got = [all_logits(w, plan(0, [request(BlockAllocator(16, 4), "a", prompt, 0)]))
+           for w in (packed, plain)]
+    torch.testing.assert_close(got[0], got[1], atol=2e-5, rtol=1e-4)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.worker.layers.linear import LazyTensor
+from pagedserve.worker.layers.packed import PackableLinear
 from pagedserve.worker.parallel import ParallelContext
 
 
@@ -49,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
             self.weight.data[:n].copy_(lazy[self.start:self.end])
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Vocab-parallel output projection; may share its weight with the embedding."""
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
@@ -57,7 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0, None on the other ranks."""
-        local = F.linear(hidden, self.weight)
+        local = self.matmul(hidden)
         full = self.ctx.gather_last_dim(local)
         if full is None:
             return None

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.worker.layers.packed import PackableLinear
 from pagedserve.worker.parallel import ParallelContext
 
 
@@ -54,7 +54,7 @@ def kv_head_range(num_kv_heads: int, ctx: ParallelContext) -> tuple[int, int]:
     return head, head + 1
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(PackableLinear):
     """Fused q/k/v projection, column-parallel by attention head."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
@@ -75,7 +75,7 @@ class QKVParallelLinear(nn.Module):
         self.bias = _param((out,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def load(self, shard: str, lazy: LazyTensor, is_bias: bool) -> None:
         """Copy this rank's heads of the full ``{q,k,v}_proj`` tensor into the fused param."""
@@ -93,7 +93,7 @@ class QKVParallelLinear(nn.Module):
         target.data[off:off + n * d].copy_(lazy[start * d:(start + n) * d])
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(PackableLinear):
     """Several column-parallel outputs in one matmul (gate and up projections)."""
 
     def __init__(self, in_features: int, out_features: list[int], ctx: ParallelContext,
@@ -109,7 +109,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.weight = _param((sum(self.local_sizes), in_features), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.matmul(x)
 
     def load(self, index: int, lazy: LazyTensor) -> None:
         _check_shape(f"merged[{index}]", lazy, (self.full_sizes[index], self.in_features))
@@ -118,7 +118,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.weight.data[off:off + n].copy_(lazy[self.rank * n:(self.rank + 1) * n])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """Input-dim-sharded linear whose partial sums are all-reduced across ranks.
 
     The bias is added once, after the reduction, so it is not counted
@@ -138,7 +138,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(F.linear(x, self.weight))
+        out = self.ctx.all_reduce(self.matmul(x))
         if self.bias is not None:
             out = out + self.bias
         return out
