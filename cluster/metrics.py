@@ -9,6 +9,7 @@ and a replica's counters restart (Prometheus handles resets) only when the repli
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import threading
 import time
@@ -212,6 +213,26 @@ def _dig(d: dict[str, Any], path: tuple[str, ...]) -> Any:
             return None
         d = d[k]
     return d
+
+
+async def call_each_replica(handle: Any, replica_ids: list[str], method: str,
+                            timeout_s: float) -> list[dict[str, Any]]:
+    """Call ``method`` on every engine replica by id; a failure is reported, not raised.
+
+    Used for ``/v1/stats``, ``/metrics`` (method ``stats``) and ``/health`` (``probe``).
+    """
+    from pagedserve.cluster.router import ReplicaCall
+
+    async def call(rid: str) -> dict[str, Any]:
+        try:
+            res = await asyncio.wait_for(
+                getattr(handle, method).remote(ReplicaCall(rid, timeout_s)), timeout_s + 5)
+            return {"replica": rid, "stats" if method == "stats" else "result": res}
+        except Exception as e:
+            last = (str(e).strip().splitlines() or [""])[-1][:300]
+            return {"replica": rid, "error": f"{type(e).__name__}: {last}"}
+
+    return list(await asyncio.gather(*(call(r) for r in replica_ids)))
 
 
 def render_prometheus(replicas: list[dict[str, Any]], http: HttpMetrics | None = None) -> bytes:

@@ -44,6 +44,20 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def validation_error_body(errors: list[Any]) -> dict[str, Any]:
+    """A 400 body for pydantic errors: every problem in the message, the first as ``param``."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        err = first.get("ctx", {}).get("error", "")
+        return error_body(f"request body is not valid JSON: {err}", code=400)
+
+    def where(er: Any) -> str:
+        return ".".join(str(x) for x in er.get("loc", ()) if x != "body")
+
+    msg = "; ".join(f"{where(er) or 'body'}: {er.get('msg')}" for er in errors[:5])
+    return error_body(msg or "invalid request", param=where(first) or None, code=400)
+
+
 # ---- requests -------------------------------------------------------------------------
 
 
@@ -208,6 +222,34 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def max_tokens_for(requested: int | None, prompt_len: int, info: dict[str, Any],
+               param: str = "max_tokens", n: int = 1) -> int:
+    """The token limit of a request, or a 400 if the prompt and limit cannot fit.
+
+    ``info`` holds the replica's ``max_model_len`` and ``pool_tokens``. Without an explicit
+    limit a request may run to the end of the context, but never past what the KV pool can
+    hold for its ``n`` samples (the engine rejects requests that could never finish).
+    """
+    limit = info["max_model_len"]
+    if prompt_len >= limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens; the "
+                       f"prompt has {prompt_len} tokens", param="messages",
+                       code="context_length_exceeded")
+    if requested is None:  # as much as fits in the context and in the KV pool
+        room = (info["pool_tokens"] - prompt_len) // max(1, n)
+        if room < 1:
+            raise APIError(f"the prompt ({prompt_len} tokens) leaves no room in the KV "
+                           f"cache ({info['pool_tokens']} tokens)", param="messages",
+                           code="context_length_exceeded")
+        return min(limit - prompt_len, room)
+    if isinstance(requested, int) and requested > 0 and prompt_len + requested > limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, "
+                       f"you requested {prompt_len + requested} tokens ({prompt_len} in "
+                       f"the prompt, {requested} for the completion)",
+                       param=param, code="context_length_exceeded")
+    return requested
 
 
 # ---- responses --------------------------------------------------------------------------

@@ -19,19 +19,29 @@ replica set from the routers living in this process.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import random
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.cluster.protocol import APIError
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 ROUTER_CLASS_PATH = "pagedserve.cluster.router:PrefixAffinityRouter"
+MAX_ATTEMPTS = 3  # a request whose replica died before its first token moves on
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,6 +132,94 @@ class DeltaTracker:
             self._sent_text[i] = len(o.text)
             self._done[i] = o.finish_reason is not None
         return result
+
+
+# ---- dispatch from the ingress -------------------------------------------------------
+
+
+async def stream_from_replicas(handle: Any, req: EngineRequest
+                               ) -> AsyncIterator[EngineChunk]:
+    """One engine stream through ``handle`` (``stream=True``), routed by the router above.
+
+    A replica that dies (or whose TP group fails) before sending a token gets the request
+    retried on another replica; after the first token the client sees the error. Leaving
+    early (the caller cancelled or stopped iterating) cancels the replica's task, which
+    aborts the request in its scheduler.
+    """
+    exclude: list[str] = []
+    for attempt in range(MAX_ATTEMPTS):
+        r = replace(req, exclude_replicas=tuple(exclude)) if exclude else req
+        gen = None
+        replica, sent, retry, completed = None, False, False, False
+        try:
+            gen = handle.generate.remote(r)
+            async for chunk in gen:
+                replica = chunk.replica
+                if chunk.error is not None:
+                    if chunk.retryable and not sent and attempt + 1 < MAX_ATTEMPTS:
+                        retry = True
+                        break
+                    raise APIError(chunk.error, status=chunk.status,
+                                   type="invalid_request_error" if chunk.status == 400
+                                   else "service_unavailable")
+                sent = sent or bool(chunk.deltas)
+                yield chunk
+            else:
+                completed = True
+        except BackPressureError as e:
+            raise APIError(f"server overloaded, retry later: {e.message}", status=503,
+                           type="server_overloaded", code="overloaded",
+                           headers={"Retry-After": "1"}) from None
+        except (RayActorError, ActorUnavailableError) as e:
+            if sent or attempt + 1 >= MAX_ATTEMPTS:
+                raise APIError(f"engine replica failed: {e}", status=503,
+                               type="service_unavailable") from None
+            retry = True
+        finally:
+            if gen is not None and not completed:
+                # Cancels the assignment or the replica's task (-> abort in the
+                # scheduler); it re-raises an assignment error already handled above.
+                with contextlib.suppress(Exception):
+                    gen.cancel()
+        if not retry:
+            return
+        logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
+        if replica is not None:
+            exclude.append(replica)
+
+
+async def merge_streams(handle: Any, reqs: list[EngineRequest]
+                        ) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """Chunks of several prompts' streams, interleaved as they come."""
+    if len(reqs) == 1:
+        async for c in stream_from_replicas(handle, reqs[0]):
+            yield 0, c
+        return
+    q: asyncio.Queue[tuple[int, EngineChunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, r: EngineRequest) -> None:
+        try:
+            async for c in stream_from_replicas(handle, r):
+                q.put_nowait((i, c))
+            q.put_nowait((i, None))
+        except Exception as e:
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 _routers: weakref.WeakSet[PrefixAffinityRouter] = weakref.WeakSet()

@@ -15,12 +15,12 @@ request in the scheduler, so its blocks are free before the next step.
 # ingress methods, which ``serve.ingress`` rewraps outside this module's namespace.
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -28,7 +28,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -38,6 +37,7 @@ from pagedserve.cluster.metrics import (
     HttpMetrics,
     RequestTimer,
     ServerMetrics,
+    call_each_replica,
     render_prometheus,
 )
 from pagedserve.cluster.protocol import (
@@ -46,10 +46,11 @@ from pagedserve.cluster.protocol import (
     CompletionRequest,
     Formatter,
     ResponseState,
-    error_body,
+    max_tokens_for,
     new_id,
     now,
     sse,
+    validation_error_body,
 )
 from pagedserve.cluster.router import (
     ROUTER_CLASS_PATH,
@@ -59,6 +60,7 @@ from pagedserve.cluster.router import (
     ReplicaCall,
     affinity_snapshot,
     known_replicas,
+    merge_streams,
 )
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -67,7 +69,6 @@ logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "EngineServer"
 INGRESS_DEPLOYMENT = "OpenAIServer"
-MAX_ATTEMPTS = 3  # a request whose replica died before its first token moves on
 
 
 class ServeArgs(BaseModel):
@@ -190,17 +191,7 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 
 @api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-    errs = e.errors()
-    first = errs[0] if errs else {}
-    if first.get("type") == "json_invalid":
-        err = first.get("ctx", {}).get("error", "")
-        return JSONResponse(error_body(f"request body is not valid JSON: {err}", code=400),
-                            status_code=400)
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: "
-                    f"{er.get('msg')}" for er in errs[:5])
-    return JSONResponse(error_body(msg or "invalid request", param=".".join(loc) or None,
-                                   code=400), status_code=400)
+    return JSONResponse(validation_error_body(e.errors()), status_code=400)
 
 
 @api.middleware("http")
@@ -241,7 +232,8 @@ class OpenAIServer:
     # ---- plumbing -----------------------------------------------------------------------
 
     def _authorize(self, raw: Request) -> None:
-        if self.api_key and raw.headers.get("authorization") != f"Bearer {self.api_key}":
+        given = raw.headers.get("authorization", "").encode()
+        if self.api_key and not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
             raise APIError("invalid or missing API key", status=401,
                            type="authentication_error", code="invalid_api_key")
 
@@ -269,109 +261,12 @@ class OpenAIServer:
                                     make_extra_keys(info["model_id"], salt))
         return EngineRequest(rid, ids, params, hashes, salt)
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, info: dict[str, Any],
-                    param: str = "max_tokens", n: int = 1) -> int:
-        limit = info["max_model_len"]
-        if prompt_len >= limit:
-            raise APIError(f"This model's maximum context length is {limit} tokens; the "
-                           f"prompt has {prompt_len} tokens", param="messages",
-                           code="context_length_exceeded")
-        if requested is None:  # as much as fits in the context and in the KV pool
-            room = (info["pool_tokens"] - prompt_len) // max(1, n)
-            if room < 1:
-                raise APIError(f"the prompt ({prompt_len} tokens) leaves no room in the KV "
-                               f"cache ({info['pool_tokens']} tokens)", param="messages",
-                               code="context_length_exceeded")
-            return min(limit - prompt_len, room)
-        if isinstance(requested, int) and requested > 0 and prompt_len + requested > limit:
-            raise APIError(f"This model's maximum context length is {limit} tokens. However, "
-                           f"you requested {prompt_len + requested} tokens ({prompt_len} in "
-                           f"the prompt, {requested} for the completion)",
-                           param=param, code="context_length_exceeded")
-        return requested
-
-    async def _one(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """One engine stream; retried elsewhere if its replica dies before any token."""
-        exclude: list[str] = []
-        for attempt in range(MAX_ATTEMPTS):
-            r = replace(req, exclude_replicas=tuple(exclude)) if exclude else req
-            gen = None
-            replica, sent, retry, completed = None, False, False, False
-            try:
-                gen = self._stream.generate.remote(r)
-                async for chunk in gen:
-                    replica = chunk.replica
-                    if chunk.error is not None:
-                        if chunk.retryable and not sent and attempt + 1 < MAX_ATTEMPTS:
-                            retry = True
-                            break
-                        raise APIError(chunk.error, status=chunk.status,
-                                       type="invalid_request_error" if chunk.status == 400
-                                       else "service_unavailable")
-                    sent = sent or bool(chunk.deltas)
-                    yield chunk
-                else:
-                    completed = True
-            except BackPressureError as e:
-                raise APIError(f"server overloaded, retry later: {e.message}", status=503,
-                               type="server_overloaded", code="overloaded",
-                               headers={"Retry-After": "1"}) from None
-            except (RayActorError, ActorUnavailableError) as e:
-                if sent or attempt + 1 >= MAX_ATTEMPTS:
-                    raise APIError(f"engine replica failed: {e}", status=503,
-                                   type="service_unavailable") from None
-                retry = True
-            finally:
-                if gen is not None and not completed:
-                    # Cancels the assignment or the replica's task (-> abort in the
-                    # scheduler); it re-raises an assignment error already handled above.
-                    with contextlib.suppress(Exception):
-                        gen.cancel()
-            if not retry:
-                return
-            logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
-            if replica is not None:
-                exclude.append(replica)
-
-    async def _merged(self, reqs: list[EngineRequest]
-                      ) -> AsyncIterator[tuple[int, EngineChunk]]:
-        """Chunks of several prompts' streams, interleaved as they come."""
-        if len(reqs) == 1:
-            async for c in self._one(reqs[0]):
-                yield 0, c
-            return
-        q: asyncio.Queue[tuple[int, EngineChunk | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, r: EngineRequest) -> None:
-            try:
-                async for c in self._one(r):
-                    q.put_nowait((i, c))
-                q.put_nowait((i, None))
-            except Exception as e:
-                q.put_nowait((i, e))
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await q.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
                        include_usage: bool, continuous_usage: bool, logprobs: bool
                        ) -> Response:
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
                               logprobs)
-        chunks = self._merged(reqs)
+        chunks = merge_streams(self._stream, reqs)
         if not stream:
             async for i, c in chunks:
                 self.fmt.add(state, i, c)
@@ -410,19 +305,8 @@ class OpenAIServer:
         return ids
 
     async def _each_replica(self, method: str, timeout_s: float) -> list[dict[str, Any]]:
-        ids = await self._replica_ids()
-
-        async def call(rid: str) -> dict[str, Any]:
-            try:
-                res = await asyncio.wait_for(
-                    getattr(self._engine, method).remote(ReplicaCall(rid, timeout_s)),
-                    timeout_s + 5)
-                return {"replica": rid, "stats" if method == "stats" else "result": res}
-            except Exception as e:
-                last = (str(e).strip().splitlines() or [""])[-1][:300]
-                return {"replica": rid, "error": f"{type(e).__name__}: {last}"}
-
-        return list(await asyncio.gather(*(call(r) for r in ids)))
+        return await call_each_replica(self._engine, await self._replica_ids(), method,
+                                       timeout_s)
 
     # ---- endpoints ---------------------------------------------------------------------
 
@@ -440,7 +324,7 @@ class OpenAIServer:
                 raise APIError("prompt token ids must be within the vocabulary",
                                param="prompt")
             params = body.sampling_params(
-                self._max_tokens(body.max_tokens, len(ids), info, "max_tokens", body.n),
+                max_tokens_for(body.max_tokens, len(ids), info, "max_tokens", body.n),
                 body.logprobs)
             reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info))
         so = body.stream_options
@@ -462,7 +346,7 @@ class OpenAIServer:
         except Exception as e:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         params = body.sampling_params(
-            self._max_tokens(body.requested_max_tokens(), len(ids), info,
+            max_tokens_for(body.requested_max_tokens(), len(ids), info,
                              body.max_tokens_param, body.n),
             body.engine_logprobs())
         rid = new_id("chatcmpl")
