@@ -2,9 +2,9 @@
 
 The engine drives every rank with the same calls in the same order
 (``load_model`` -> ``determine_num_blocks`` -> ``init_kv_cache`` ->
-``execute_model``...). Collective calls (process-group init, weight-free
-forwards, logits gather) happen inside these methods, so all ranks must
-receive each call, which the executor guarantees by broadcasting.
+``execute_model``...). Collective calls (process-group init, the all-reduces
+of every forward, the logits gather) happen inside these methods, so all ranks
+must receive each call, which the executor guarantees by broadcasting.
 """
 
 from __future__ import annotations
