@@ -239,3 +239,25 @@ def test_health_metrics_and_stats(smol: App) -> None:
     (s,) = stats.values()
     assert s["memory"]["num_gpu_blocks"] == SMOL_ARGS["num_gpu_blocks"]
     assert s["finished_requests"] >= 1 and s["model"] == MODEL
+
+
+def test_batched_prompts_with_n_fan_out_concurrently(smol: App) -> None:
+    """Several engine calls from one HTTP request: each gets its own replica assignment."""
+    client = smol.openai()
+    prompts = ["The sky is", "Two plus two is", "My favourite food is"]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+               for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == list(range(6))
+    for i, single in enumerate(singles):
+        assert r.choices[2 * i].text == r.choices[2 * i + 1].text == single.choices[0].text
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert r.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+    streamed = {i: "" for i in range(6)}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6,
+                                           temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(6)] == [c.text for c in r.choices]
+    smol.wait_baseline()
