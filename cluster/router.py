@@ -54,6 +54,7 @@ class EngineRequest:
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str | None = None
     exclude_replicas: tuple[str, ...] = ()
+    stream: bool = True  # False: the replica sends only the ack and the final chunk
 
 
 @dataclass
@@ -97,6 +98,26 @@ class EngineChunk:
     error: str | None = None
     status: int = 200
     retryable: bool = False
+
+
+def merge_deltas(acc: dict[int, SampleDelta], new: list[SampleDelta]) -> None:
+    """Fold step deltas into one delta per sample (for requests nobody streams)."""
+    for d in new:
+        a = acc.get(d.index)
+        if a is None:
+            acc[d.index] = SampleDelta(d.index, d.text, list(d.token_ids),
+                                       None if d.logprobs is None else list(d.logprobs),
+                                       None if d.sampled_logprobs is None
+                                       else list(d.sampled_logprobs),
+                                       d.finish_reason, d.stop_reason)
+            continue
+        a.text += d.text
+        a.token_ids.extend(d.token_ids)
+        if a.logprobs is not None and d.logprobs is not None:
+            a.logprobs.extend(d.logprobs)
+        if a.sampled_logprobs is not None and d.sampled_logprobs is not None:
+            a.sampled_logprobs.extend(d.sampled_logprobs)
+        a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
 
 
 class DeltaTracker:

@@ -58,8 +58,10 @@ from pagedserve.cluster.router import (
     EngineChunk,
     EngineRequest,
     ReplicaCall,
+    SampleDelta,
     affinity_snapshot,
     known_replicas,
+    merge_deltas,
     merge_streams,
 )
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
@@ -129,6 +131,7 @@ class EngineServer:
         self.metrics.in_flight += 1
         yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
         try:
+            pending: dict[int, SampleDelta] = {}
             async for out in self.engine.generate(req.prompt_token_ids, req.params, rid,
                                                   req.cache_salt):
                 deltas = tracker.deltas(out)
@@ -136,6 +139,12 @@ class EngineServer:
                                                   default=0))
                 if out.finished:
                     reason = out.outputs[0].finish_reason or "stop"
+                if not req.stream and not out.finished:
+                    merge_deltas(pending, deltas)  # one Ray message instead of one per step
+                    continue
+                if pending:
+                    merge_deltas(pending, deltas)
+                    deltas = [pending[i] for i in sorted(pending)]
                 yield EngineChunk(rid, self.replica_id, deltas, len(out.prompt_token_ids),
                                   out.num_cached_tokens, out.finished)
         except ValueError as e:
@@ -256,10 +265,11 @@ class OpenAIServer:
         return self._info
 
     def _engine_request(self, rid: str, ids: list[int], params: SamplingParams,
-                        salt: str | None, info: dict[str, Any]) -> EngineRequest:
+                        salt: str | None, info: dict[str, Any], stream: bool
+                        ) -> EngineRequest:
         hashes = hash_prompt_blocks(ids, info["block_size"],
                                     make_extra_keys(info["model_id"], salt))
-        return EngineRequest(rid, ids, params, hashes, salt)
+        return EngineRequest(rid, ids, params, hashes, salt, stream=stream)
 
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
                        include_usage: bool, continuous_usage: bool, logprobs: bool
@@ -326,7 +336,8 @@ class OpenAIServer:
             params = body.sampling_params(
                 max_tokens_for(body.max_tokens, len(ids), info, "max_tokens", body.n),
                 body.logprobs)
-            reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info))
+            reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
+                                             body.stream))
         so = body.stream_options
         return await self._respond(rid, reqs, "text_completion", body.stream,
                                    bool(so and so.include_usage),
@@ -350,7 +361,7 @@ class OpenAIServer:
                              body.max_tokens_param, body.n),
             body.engine_logprobs())
         rid = new_id("chatcmpl")
-        req = self._engine_request(rid, ids, params, body.cache_salt, info)
+        req = self._engine_request(rid, ids, params, body.cache_salt, info, body.stream)
         so = body.stream_options
         return await self._respond(rid, [req], "chat.completion", body.stream,
                                    bool(so and so.include_usage),

@@ -158,3 +158,15 @@ def test_metrics_render_as_valid_prometheus_text() -> None:
     assert itl[0].value == 2
     usage = fams["pagedserve_kv_cache_usage_ratio"].samples[0].value
     assert usage == pytest.approx(0.25)
+
+
+def test_merge_deltas_folds_steps_into_one_delta_per_sample() -> None:
+    from pagedserve.cluster.router import SampleDelta, merge_deltas
+
+    acc: dict[int, SampleDelta] = {}
+    merge_deltas(acc, [SampleDelta(0, "a", [1], [{1: -0.1}], [-0.1]), SampleDelta(1, "x", [7])])
+    merge_deltas(acc, [SampleDelta(0, "b", [2], [{2: -0.2}], [-0.2], "stop", "END")])
+    assert (acc[0].text, acc[0].token_ids, acc[0].sampled_logprobs) == ("ab", [1, 2],
+                                                                        [-0.1, -0.2])
+    assert (acc[0].finish_reason, acc[0].stop_reason) == ("stop", "END")
+    assert (acc[1].text, acc[1].token_ids, acc[1].finish_reason) == ("x", [7], None)
