@@ -117,7 +117,11 @@ class AsyncEngine:
         return self.engine.abort_request(request_id)
 
     async def check_health(self) -> None:
-        """Raise unless the engine can still generate: a tiny greedy request end to end."""
+        """Raise if the engine died, its step loop ended, or a rank fails its health call.
+
+        This is cheap enough to call every second; the Serve replica's probe
+        additionally generates one token end to end.
+        """
         if self.engine.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.engine.dead}")
         await asyncio.to_thread(self.engine.executor.check_health)

@@ -226,7 +226,10 @@ class LLMEngine:
             seq.out.token_ids.extend(ids)
             if seq.out.logprobs is not None:
                 for t in u.new_tokens:
-                    seq.out.logprobs.append(t.top_logprobs or {t.token_id: t.logprob or 0.0})
+                    # vLLM's shape: the top alternatives plus, always, the sampled token.
+                    entry = dict(t.top_logprobs or {})
+                    entry[t.token_id] = t.logprob if t.logprob is not None else 0.0
+                    seq.out.logprobs.append(entry)
                     seq.out.cumulative_logprob += t.logprob or 0.0
             stop = seq.detok.add_tokens(ids)
             if stop is not None and not u.finished:

@@ -126,7 +126,6 @@ class DeltaTracker:
     def __init__(self, n: int) -> None:
         self._sent_text = [0] * n
         self._sent_tokens = [0] * n
-        self._cum = [0.0] * n
         self._done = [False] * n
 
     def deltas(self, out: RequestOutput) -> list[SampleDelta]:
@@ -143,10 +142,7 @@ class DeltaTracker:
             lps = sampled = None
             if o.logprobs is not None:
                 lps = o.logprobs[k0:]
-                sampled = [d.get(t) for d, t in zip(lps, new_ids)]
-                if len(new_ids) == 1 and sampled[0] is None and o.cumulative_logprob is not None:
-                    sampled[0] = o.cumulative_logprob - self._cum[i]  # token outside the top-k
-                self._cum[i] = o.cumulative_logprob or 0.0
+                sampled = [d.get(t) for d, t in zip(lps, new_ids)]  # the engine always has it
             result.append(SampleDelta(i, text, list(new_ids), lps, sampled, o.finish_reason,
                                       o.stop_reason))
             self._sent_tokens[i] = len(o.token_ids)
