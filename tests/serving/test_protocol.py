@@ -81,13 +81,14 @@ def test_delta_tracker_sends_each_token_once() -> None:
     assert [(d.index, d.text) for d in d3] == [(1, "y")]
 
 
-def test_delta_tracker_recovers_sampled_logprob_outside_top_k() -> None:
+def test_delta_tracker_reads_each_sampled_logprob_from_its_step_dict() -> None:
+    """The engine's per-token dict always holds the sampled token, even outside the top-k."""
     tr = DeltaTracker(1)
-    lp = [{7: -0.1}, {3: -0.5}]  # second sampled token (8) is not among the top-1
+    lp = [{7: -0.1}, {3: -0.5, 8: -2.0}]  # second sampled token (8) is not the top-1
     out = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [7], -0.1, lp[:1])])
     assert tr.deltas(out)[0].sampled_logprobs == [-0.1]
     out = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [7, 8], -2.1, lp)])
-    assert tr.deltas(out)[0].sampled_logprobs == [pytest.approx(-2.0)]
+    assert tr.deltas(out)[0].sampled_logprobs == [-2.0]
 
 
 class _Tok:

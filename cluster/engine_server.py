@@ -1,0 +1,123 @@
+"""The engine replica deployment: one ``AsyncEngine`` per Serve replica.
+
+Each replica owns its engine (and, for tensor parallelism, its rank actors in
+the replica's placement group), streams per-step deltas to the ingress, and
+answers the ingress's stats and probe calls. A cancelled call (the client
+went away) closes the engine stream, which aborts the request in the
+scheduler before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.metrics import RequestTimer, ServerMetrics
+from pagedserve.cluster.router import (
+    DeltaTracker,
+    EngineChunk,
+    EngineRequest,
+    ReplicaCall,
+    SampleDelta,
+    merge_deltas,
+)
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEPLOYMENT = "EngineServer"
+
+
+@serve.deployment(name=ENGINE_DEPLOYMENT, graceful_shutdown_timeout_s=5)
+class EngineServer:
+    """One engine replica: an ``AsyncEngine`` and its per-replica metrics."""
+
+    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        from pagedserve.cluster.async_engine import AsyncEngine
+
+        self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.metrics = ServerMetrics()
+        self._probe_ids = list(self.engine.tokenizer.encode("ping")[:4]) or [0]
+
+    def info(self) -> dict[str, Any]:
+        core = self.engine.engine
+        blocks = int(core.get_stats()["memory"]["num_gpu_blocks"])
+        return {"model_id": core.model_id, "block_size": core.scheduler.block_size,
+                "max_model_len": core.max_model_len,
+                "pool_tokens": blocks * core.scheduler.block_size,
+                "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id}
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Stream one request: an ack naming this replica, then per-step deltas."""
+        from pagedserve.cluster.async_engine import EngineDeadError
+
+        rid, timer, tracker = req.request_id, RequestTimer(), DeltaTracker(req.params.n)
+        reason = "abort"
+        self.metrics.in_flight += 1
+        yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
+        try:
+            pending: dict[int, SampleDelta] = {}
+            async for out in self.engine.generate(req.prompt_token_ids, req.params, rid,
+                                                  req.cache_salt):
+                deltas = tracker.deltas(out)
+                self.metrics.on_tokens(timer, max((len(d.token_ids) for d in deltas),
+                                                  default=0))
+                if out.finished:
+                    reason = out.outputs[0].finish_reason or "stop"
+                if not req.stream and not out.finished:
+                    merge_deltas(pending, deltas)  # one Ray message instead of one per step
+                    continue
+                if pending:
+                    merge_deltas(pending, deltas)
+                    deltas = [pending[i] for i in sorted(pending)]
+                yield EngineChunk(rid, self.replica_id, deltas, len(out.prompt_token_ids),
+                                  out.num_cached_tokens, out.finished)
+        except ValueError as e:
+            reason = "rejected"
+            yield EngineChunk(rid, self.replica_id, error=str(e), status=400)
+        except (EngineDeadError, RuntimeError) as e:
+            reason = "error"
+            logger.error("request %s failed on replica %s: %s", rid, self.replica_id, e)
+            yield EngineChunk(rid, self.replica_id, error=f"engine replica failed: {e}",
+                              status=503, retryable=True)
+        finally:
+            self.metrics.in_flight -= 1
+            self.metrics.on_end(timer, reason)
+
+    def stats(self, call: ReplicaCall | None = None) -> dict[str, Any]:
+        return {**self.engine.get_stats(), "replica": self.replica_id,
+                "server": self.metrics.snapshot()}
+
+    async def probe(self, call: ReplicaCall | None = None) -> dict[str, Any]:
+        """Prove this replica still generates: one greedy token through the whole engine."""
+        t0 = time.monotonic()
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        async def one() -> None:
+            async for _ in self.engine.generate(self._probe_ids, params,
+                                                f"probe-{uuid.uuid4().hex}", "__probe__"):
+                pass
+
+        await asyncio.wait_for(one(), call.timeout_s if call else 30.0)
+        return {"replica": self.replica_id, "ok": True, "latency_s": time.monotonic() - t0}
+
+    def tp_workers(self) -> list[Any]:
+        """This replica's tensor-parallel rank actors (none in-process), for operators."""
+        return list(getattr(self.engine.engine.executor, "workers", []))
+
+    async def check_health(self) -> None:
+        """Serve's periodic check: a dead rank or engine loop gets this replica replaced."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.engine.engine.shutdown()
