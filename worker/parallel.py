@@ -121,6 +121,8 @@ def get_node_ip_and_free_port() -> tuple[str, int]:
 
 
 def _node_ip() -> str:
+    """Ray's address for this node when inside Ray (ranks may span nodes); otherwise
+    loopback, since ranks started without Ray are local processes."""
     try:
         import ray
 
@@ -128,9 +130,4 @@ def _node_ip() -> str:
             return ray.util.get_node_ip_address()
     except ImportError:  # pragma: no cover - ray is a dependency
         pass
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.254.254.254", 1))  # no packet is sent for UDP connect
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+    return "127.0.0.1"
