@@ -21,7 +21,7 @@ from ray import serve
 
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.metrics import RequestTimer, ServerMetrics
-from pagedserve.cluster.router import (
+from pagedserve.cluster.wire import (
     DeltaTracker,
     EngineChunk,
     EngineRequest,

@@ -221,7 +221,7 @@ async def call_each_replica(handle: Any, replica_ids: list[str], method: str,
 
     Used for ``/v1/stats``, ``/metrics`` (method ``stats``) and ``/health`` (``probe``).
     """
-    from pagedserve.cluster.router import ReplicaCall
+    from pagedserve.cluster.wire import ReplicaCall
 
     async def call(rid: str) -> dict[str, Any]:
         try:

@@ -27,128 +27,20 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.cluster.protocol import APIError
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.cluster.wire import EngineChunk, EngineRequest
 
 ROUTER_CLASS_PATH = "pagedserve.cluster.router:PrefixAffinityRouter"
 MAX_ATTEMPTS = 3  # a request whose replica died before its first token moves on
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineRequest:
-    """A tokenised request on its way to an engine replica (the router reads the hashes)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    block_hashes: list[bytes] = field(default_factory=list)
-    cache_salt: str | None = None
-    exclude_replicas: tuple[str, ...] = ()
-    stream: bool = True  # False: the replica sends only the ack and the final chunk
-
-
-@dataclass
-class ReplicaCall:
-    """A control call (stats, health probe) that must reach one named replica."""
-
-    target_replica: str
-    timeout_s: float = 30.0
-
-
-# ---- ingress <-> engine replica wire format --------------------------------------------
-
-
-@dataclass
-class SampleDelta:
-    """What one sample gained in one engine step."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
-    sampled_logprobs: list[float | None] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class EngineChunk:
-    """One streamed item from an engine replica: deltas, or an error before any token.
-
-    ``retryable`` errors (a dead tensor-parallel group) are retried by the ingress on
-    another replica as long as nothing was sent to the client yet.
-    """
-
-    request_id: str
-    replica: str
-    deltas: list[SampleDelta] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    finished: bool = False
-    error: str | None = None
-    status: int = 200
-    retryable: bool = False
-
-
-def merge_deltas(acc: dict[int, SampleDelta], new: list[SampleDelta]) -> None:
-    """Fold step deltas into one delta per sample (for requests nobody streams)."""
-    for d in new:
-        a = acc.get(d.index)
-        if a is None:
-            acc[d.index] = SampleDelta(d.index, d.text, list(d.token_ids),
-                                       None if d.logprobs is None else list(d.logprobs),
-                                       None if d.sampled_logprobs is None
-                                       else list(d.sampled_logprobs),
-                                       d.finish_reason, d.stop_reason)
-            continue
-        a.text += d.text
-        a.token_ids.extend(d.token_ids)
-        if a.logprobs is not None and d.logprobs is not None:
-            a.logprobs.extend(d.logprobs)
-        if a.sampled_logprobs is not None and d.sampled_logprobs is not None:
-            a.sampled_logprobs.extend(d.sampled_logprobs)
-        a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
-
-
-class DeltaTracker:
-    """Turns the engine's cumulative snapshots into per-sample deltas (sent once each)."""
-
-    def __init__(self, n: int) -> None:
-        self._sent_text = [0] * n
-        self._sent_tokens = [0] * n
-        self._done = [False] * n
-
-    def deltas(self, out: RequestOutput) -> list[SampleDelta]:
-        result = []
-        for o in out.outputs:
-            i = o.index
-            if self._done[i]:
-                continue
-            k0 = self._sent_tokens[i]
-            new_ids = o.token_ids[k0:]
-            text = o.text[self._sent_text[i]:]
-            if not new_ids and not text and o.finish_reason is None:
-                continue
-            lps = sampled = None
-            if o.logprobs is not None:
-                lps = o.logprobs[k0:]
-                sampled = [d.get(t) for d, t in zip(lps, new_ids)]  # the engine always has it
-            result.append(SampleDelta(i, text, list(new_ids), lps, sampled, o.finish_reason,
-                                      o.stop_reason))
-            self._sent_tokens[i] = len(o.token_ids)
-            self._sent_text[i] = len(o.text)
-            self._done[i] = o.finish_reason is not None
-        return result
 
 
 # ---- dispatch from the ingress -------------------------------------------------------

@@ -40,21 +40,17 @@ from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    Formatter,
-    ResponseState,
     max_tokens_for,
-    new_id,
-    now,
-    sse,
     validation_error_body,
 )
+from pagedserve.cluster.responses import Formatter, ResponseState, new_id, now, sse
 from pagedserve.cluster.router import (
     ROUTER_CLASS_PATH,
-    EngineRequest,
     affinity_snapshot,
     known_replicas,
     merge_streams,
 )
+from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.sampling_params import SamplingParams
 

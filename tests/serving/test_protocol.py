@@ -14,10 +14,9 @@ from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    Formatter,
-    ResponseState,
 )
-from pagedserve.cluster.router import DeltaTracker, EngineChunk
+from pagedserve.cluster.responses import Formatter, ResponseState
+from pagedserve.cluster.wire import DeltaTracker, EngineChunk
 
 
 def test_completion_request_maps_to_sampling_params() -> None:
@@ -162,7 +161,7 @@ def test_metrics_render_as_valid_prometheus_text() -> None:
 
 
 def test_merge_deltas_folds_steps_into_one_delta_per_sample() -> None:
-    from pagedserve.cluster.router import SampleDelta, merge_deltas
+    from pagedserve.cluster.wire import SampleDelta, merge_deltas
 
     acc: dict[int, SampleDelta] = {}
     merge_deltas(acc, [SampleDelta(0, "a", [1], [{1: -0.1}], [-0.1]), SampleDelta(1, "x", [7])])

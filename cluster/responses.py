@@ -1,0 +1,171 @@
+"""OpenAI-compatible responses: full JSON bodies and SSE events from engine chunks.
+
+``ResponseState`` accumulates one response's choices; ``Formatter`` folds each
+``EngineChunk`` into it and renders either the final body or one SSE event per
+step, including logprobs in the completions and chat shapes and ``usage``
+with ``prompt_tokens_details.cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: Any = None
+    started: bool = False
+
+
+class ResponseState:
+    """Everything a response accumulates; choice ``j`` of prompt ``i`` is ``i * n + j``."""
+
+    def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool
+                 ) -> None:
+        """``prompts``: ``(prompt_tokens, n)`` per prompt, in order."""
+        self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
+        self.n = [n for _, n in prompts]
+        self.prompt_tokens = [p for p, _ in prompts]
+        self.cached = [0] * len(prompts)
+        self.offsets = [sum(self.n[:i]) for i in range(len(prompts))]
+        self.choices = [_Choice() for _ in range(sum(self.n))]
+
+    def usage(self) -> dict[str, Any]:
+        return usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self.choices),
+                     sum(self.cached))
+
+
+class Formatter:
+    """Engine chunks to OpenAI JSON (full responses and SSE events); owns the tokenizer."""
+
+    def __init__(self, tokenizer: Any, model_name: str) -> None:
+        self.tok, self.model = tokenizer, model_name
+
+    def _text(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+    def _chat_logprobs(self, tokens: list[int], tops: list[dict[int, float]],
+                       sampled: list[float | None]) -> list[dict[str, Any]]:
+        out = []
+        for tid, top, lp in zip(tokens, tops, sampled):
+            s = self._text(tid)
+            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": self._text(t), "logprob": v,
+                                          "bytes": list(self._text(t).encode())}
+                                         for t, v in sorted(top.items(), key=lambda kv: -kv[1])]})
+        return out
+
+    def _completion_logprobs(self, tokens: list[int], tops: list[dict[int, float]],
+                             sampled: list[float | None], offset: int) -> dict[str, Any]:
+        strs, offsets = [], []
+        for tid in tokens:
+            s = self._text(tid)
+            strs.append(s)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": strs, "token_logprobs": list(sampled),
+                "top_logprobs": [{self._text(t): v for t, v in
+                                  sorted(top.items(), key=lambda kv: -kv[1])} for top in tops],
+                "text_offset": offsets}
+
+    def _apply(self, st: ResponseState, i: int, chunk: Any) -> list[tuple[int, Any, Any]]:
+        """Fold a chunk into ``st``; returns ``(choice index, delta, delta logprobs)``."""
+        st.cached[i] = max(st.cached[i], chunk.cached_tokens)
+        out = []
+        for d in chunk.deltas:
+            c_idx = st.offsets[i] + d.index
+            c = st.choices[c_idx]
+            lp = None
+            if st.logprobs and d.logprobs is not None:
+                sampled = d.sampled_logprobs or [None] * len(d.token_ids)
+                if st.kind == "chat.completion":
+                    lp = self._chat_logprobs(d.token_ids, d.logprobs, sampled)
+                    c.logprobs = (c.logprobs or []) + lp
+                else:
+                    lp = self._completion_logprobs(d.token_ids, d.logprobs, sampled,
+                                                   sum(len(t) for t in c.text))
+                    if c.logprobs is None:
+                        c.logprobs = {k: [] for k in lp}
+                    for k, v in lp.items():
+                        c.logprobs[k].extend(v)
+            c.text.append(d.text)
+            c.num_tokens += len(d.token_ids)
+            c.finish_reason = d.finish_reason or c.finish_reason
+            c.stop_reason = d.stop_reason if d.finish_reason else c.stop_reason
+            out.append((c_idx, d, lp))
+        return out
+
+    def add(self, st: ResponseState, i: int, chunk: Any) -> None:
+        self._apply(st, i, chunk)
+
+    def full_response(self, st: ResponseState) -> dict[str, Any]:
+        choices = []
+        for k, c in enumerate(st.choices):
+            text = "".join(c.text)
+            if st.kind == "chat.completion":
+                choices.append({"index": k, "message": {"role": "assistant", "content": text},
+                                "logprobs": {"content": c.logprobs or []} if st.logprobs
+                                else None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            else:
+                choices.append({"index": k, "text": text, "logprobs": c.logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": st.id, "object": st.kind, "created": st.created, "model": self.model,
+                "choices": choices, "usage": st.usage()}
+
+    def stream_events(self, st: ResponseState, i: int, chunk: Any, continuous_usage: bool
+                      ) -> list[str]:
+        events = []
+        obj = "chat.completion.chunk" if st.kind == "chat.completion" else "text_completion"
+        for c_idx, d, lp in self._apply(st, i, chunk):
+            c = st.choices[c_idx]
+            if st.kind == "chat.completion":
+                delta: dict[str, Any] = {"content": d.text}
+                if not c.started:
+                    delta["role"] = "assistant"
+                choice: dict[str, Any] = {"index": c_idx, "delta": delta,
+                                          "logprobs": {"content": lp} if lp is not None else None,
+                                          "finish_reason": d.finish_reason}
+            else:
+                choice = {"index": c_idx, "text": d.text, "logprobs": lp,
+                          "finish_reason": d.finish_reason}
+            if d.finish_reason:
+                choice["stop_reason"] = d.stop_reason
+            c.started = True
+            ev = {"id": st.id, "object": obj, "created": st.created, "model": self.model,
+                  "choices": [choice]}
+            if continuous_usage:
+                ev["usage"] = st.usage()
+            events.append(sse(ev))
+        return events
+
+    def usage_event(self, st: ResponseState) -> str:
+        obj = "chat.completion.chunk" if st.kind == "chat.completion" else "text_completion"
+        return sse({"id": st.id, "object": obj, "created": st.created, "model": self.model,
+                    "choices": [], "usage": st.usage()})
