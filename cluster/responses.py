@@ -46,10 +46,12 @@ class _Choice:
 class ResponseState:
     """Everything a response accumulates; choice ``j`` of prompt ``i`` is ``i * n + j``."""
 
-    def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool
-                 ) -> None:
-        """``prompts``: ``(prompt_tokens, n)`` per prompt, in order."""
+    def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool,
+                 top_n: int | None = None) -> None:
+        """``prompts``: ``(prompt_tokens, n)`` per prompt, in order; ``top_n``: alternatives
+        per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token)."""
         self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
+        self.top_n = top_n
         self.n = [n for _, n in prompts]
         self.prompt_tokens = [p for p, _ in prompts]
         self.cached = [0] * len(prompts)
@@ -71,14 +73,16 @@ class Formatter:
         return self.tok.decode([token_id])
 
     def _chat_logprobs(self, tokens: list[int], tops: list[dict[int, float]],
-                       sampled: list[float | None]) -> list[dict[str, Any]]:
+                       sampled: list[float | None], top_n: int | None = None
+                       ) -> list[dict[str, Any]]:
         out = []
         for tid, top, lp in zip(tokens, tops, sampled):
             s = self._text(tid)
             out.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
                         "top_logprobs": [{"token": self._text(t), "logprob": v,
                                           "bytes": list(self._text(t).encode())}
-                                         for t, v in sorted(top.items(), key=lambda kv: -kv[1])]})
+                                         for t, v in sorted(top.items(),
+                                                            key=lambda kv: -kv[1])[:top_n]]})
         return out
 
     def _completion_logprobs(self, tokens: list[int], tops: list[dict[int, float]],
@@ -105,7 +109,7 @@ class Formatter:
             if st.logprobs and d.logprobs is not None:
                 sampled = d.sampled_logprobs or [None] * len(d.token_ids)
                 if st.kind == "chat.completion":
-                    lp = self._chat_logprobs(d.token_ids, d.logprobs, sampled)
+                    lp = self._chat_logprobs(d.token_ids, d.logprobs, sampled, st.top_n)
                     c.logprobs = (c.logprobs or []) + lp
                 else:
                     lp = self._completion_logprobs(d.token_ids, d.logprobs, sampled,

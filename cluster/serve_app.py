@@ -174,7 +174,7 @@ class OpenAIServer:
                        include_usage: bool, continuous_usage: bool, logprobs: bool
                        ) -> Response:
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
-                              logprobs)
+                              logprobs, reqs[0].params.logprobs)
         chunks = merge_streams(self._stream, reqs)
         if not stream:
             async for i, c in chunks:

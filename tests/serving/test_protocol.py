@@ -134,6 +134,20 @@ def test_formatter_full_and_streamed_responses_agree() -> None:
         assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
 
 
+def test_chat_top_logprobs_has_exactly_the_requested_count() -> None:
+    """The engine's per-token dict adds the sampled token when it is outside the top-N;
+    chat ``top_logprobs`` still lists exactly N alternatives, and ``logprob`` is the sample's."""
+    tr = DeltaTracker(1)
+    lp = [{3: -0.1, 5: -2.5}]  # top-1 is token 3; token 5 was sampled
+    chunk = EngineChunk("r", "rep", tr.deltas(_out(["f"], [[5]], ["length"], [lp])), 3, 0, True)
+    fmt = Formatter(_Tok(), "m")
+    st = ResponseState("chat.completion", "id", [(3, 1)], logprobs=True, top_n=1)
+    fmt.add(st, 0, chunk)
+    (entry,) = fmt.full_response(st)["choices"][0]["logprobs"]["content"]
+    assert entry["logprob"] == -2.5
+    assert [t["token"] for t in entry["top_logprobs"]] == ["d"]
+
+
 def test_metrics_render_as_valid_prometheus_text() -> None:
     m = ServerMetrics()
     t = RequestTimer()
