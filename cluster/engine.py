@@ -22,7 +22,7 @@ from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedserve.scheduler.request import RequestStatus
+from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.config import WorkerConfig
@@ -171,7 +171,7 @@ class LLMEngine:
             group.seqs.append(_Sequence(detok, CompletionOutput(
                 index=i, logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)))
-            self._seq_to_group[request_id if i == 0 else f"{request_id}#{i}"] = (group, i)
+            self._seq_to_group[sequence_id(request_id, i)] = (group, i)
         self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids)
         return request_id
@@ -183,7 +183,7 @@ class LLMEngine:
             return False
         self.scheduler.abort(request_id)
         for i, _ in enumerate(group.seqs):
-            self._seq_to_group.pop(request_id if i == 0 else f"{request_id}#{i}", None)
+            self._seq_to_group.pop(sequence_id(request_id, i), None)
         self.stats["aborted_requests"] += 1
         return True
 
@@ -249,7 +249,7 @@ class LLMEngine:
             if group.finished:
                 self._groups.pop(rid, None)
                 for i, _ in enumerate(group.seqs):
-                    self._seq_to_group.pop(rid if i == 0 else f"{rid}#{i}", None)
+                    self._seq_to_group.pop(sequence_id(rid, i), None)
                 self.stats["finished_requests"] += 1
         return results
 

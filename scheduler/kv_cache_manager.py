@@ -120,15 +120,18 @@ class KVCacheManager:
         ids = self.req_block_ids.setdefault(rid, [])
         blocks.extend(computed_blocks)
         copies: list[tuple[int, int]] = []
+        ids.extend(b.block_id for b in computed_blocks)
         if cow is not None:
             old = blocks[cow]
             (new,) = self.pool.allocate(1)
             self.pool.free([old])
             blocks[cow] = new
+            ids[cow] = new.block_id
             copies.append((old.block_id, new.block_id))
             need -= 1
-        blocks.extend(self.pool.allocate(need))
-        ids[:] = [b.block_id for b in blocks]
+        fresh = self.pool.allocate(need)
+        blocks.extend(fresh)
+        ids.extend(b.block_id for b in fresh)
         return copies
 
     def _cow_index(

@@ -30,6 +30,11 @@ _FINISHED = {
 }
 
 
+def sequence_id(group_id: str, index: int) -> str:
+    """Id of sample ``index`` of a group: sample 0 keeps the group's id."""
+    return group_id if index == 0 else f"{group_id}#{index}"
+
+
 class Request:
     """A single sequence: a prompt plus the tokens sampled so far.
 
@@ -108,7 +113,7 @@ class Request:
     def make_child(self, index: int) -> Request:
         """Sibling ``index`` of an ``n > 1`` group (vLLM's seed + index rule)."""
         child = Request(
-            f"{self.group_id}#{index}",
+            sequence_id(self.group_id, index),
             self.prompt_token_ids,
             self.sampling_params.for_child(index),
             self.eos_token_ids,
