@@ -19,7 +19,7 @@ import torch
 
 from pagedserve.kernels.metadata import VarlenMetadata
 
-BACKEND_NAMES = ("torch", "triton", "flash")
+BACKEND_NAMES = ("torch", "cpu", "triton", "flash")
 
 
 class AttentionBackend(ABC):
@@ -142,6 +142,15 @@ def _unavailable_reason(name: str, device: torch.device) -> str | None:
     """Why backend ``name`` cannot run on ``device``, or None when it can."""
     if name == "torch":
         return None
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"the native CPU kernels run on 'cpu', got {device.type!r}"
+        from pagedserve.kernels import cpu_native
+
+        if cpu_native.load() is None:
+            return ("no C compiler, the kernel build failed, or PAGEDSERVE_NATIVE_KERNELS=0 "
+                    "(see the log)")
+        return None
     if name == "triton":
         if not _has_module("triton"):
             return "the 'triton' package is not installed (pip install 'pagedserve[triton]')"
@@ -172,20 +181,24 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     On CPU, triton is listed only under ``TRITON_INTERPRET=1`` (tests).
     """
     dev = torch.device(device)
-    return [n for n in ("flash", "triton", "torch") if _unavailable_reason(n, dev) is None]
+    return [n for n in ("flash", "triton", "cpu", "torch") if _unavailable_reason(n, dev) is None]
 
 
 def get_backend(
     name: str | None = None, device: torch.device | str = "cpu"
 ) -> AttentionBackend:
-    """Return a backend instance; ``None`` picks flash, then triton (CUDA), then torch.
+    """Return a backend instance; ``None`` picks flash, then triton on CUDA, and on
+    CPU the native kernels ("cpu") when they build, else torch.
 
     An explicit choice that cannot run raises ``RuntimeError`` with the reason,
     rather than silently falling back to a slower path.
     """
     dev = torch.device(device)
     if name is None:
-        name = available_backends(dev)[0] if dev.type == "cuda" else "torch"
+        if dev.type == "cuda":
+            name = available_backends(dev)[0]
+        else:
+            name = "cpu" if _unavailable_reason("cpu", dev) is None else "torch"
     name = name.lower()
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
@@ -196,6 +209,10 @@ def get_backend(
         from pagedserve.kernels.torch_ref import TorchBackend
 
         return TorchBackend(dev)
+    if name == "cpu":
+        from pagedserve.kernels.cpu_native import CpuNativeBackend
+
+        return CpuNativeBackend(dev)
     if name == "triton":
         mod = importlib.import_module("pagedserve.kernels.triton_backend")
         return mod.TritonBackend(dev)

@@ -1,0 +1,143 @@
+/*
+ * Paged decode attention for CPU, fp32: one query token per sequence reads
+ * its K/V straight out of the block pool, so nothing is gathered into a
+ * padded copy first (the torch path copies every context token once per
+ * layer and SDPA then reads the copy again).
+ *
+ * Layout (pagedserve.kernels): caches [num_blocks, B, Hkv, D]; q and out
+ * [S, Hq, D] with query head h*G + g served by KV head h (G = Hq / Hkv);
+ * block tables [S, table_stride] int32; lens [S] int32.
+ *
+ * Work is split over (sequence, KV head) pairs with OpenMP; the library links
+ * the libgomp torch has already loaded, so it shares torch's thread pool.
+ * Per pair: scores for all G query heads in one pass over K, a max-subtracted
+ * softmax, one pass over V. No value is ever -inf, so fast-math is safe.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for the max-subtracted scores (x <= 0): Cephes' expf polynomial,
+ * written so the compiler vectorises it (libm's expf is a scalar call). */
+static inline float exp_nonpos(float x)
+{
+    x = x < -87.f ? -87.f : x;
+    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* KV heads [h0, h1) of one sequence: all their query heads in one pass over
+ * each token's K (contiguous across heads), softmax, one pass over V. */
+static int attend(const float *q, const float *kc, const float *vc, const int32_t *table,
+                  int64_t L, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
+                  int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale,
+                  float *sc, float *out)
+{
+    const int64_t nq = (h1 - h0) * G;
+    const int64_t nb = (L + B - 1) / B;
+    for (int64_t j = 0; j < nb; j++)
+        if (table[j] < 0 || table[j] >= num_blocks)
+            return -2;
+    for (int64_t t = 0; t < L; t++) {
+        const float *k = kc + (int64_t)table[t / B] * blk_stride + (t % B) * tok_stride;
+        for (int64_t i = 0; i < nq; i++) {
+            const float *qi = q + (h0 * G + i) * D;
+            const float *kh = k + (h0 + i / G) * D;
+            float acc = 0.f;
+            for (int64_t d = 0; d < D; d++)
+                acc += qi[d] * kh[d];
+            sc[i * L + t] = acc * scale;
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        float *row = sc + i * L;
+        float mx = row[0];
+        for (int64_t t = 1; t < L; t++)
+            mx = row[t] > mx ? row[t] : mx;
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; t++) {
+            row[t] = exp_nonpos(row[t] - mx);
+            sum += row[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; t++)
+            row[t] *= inv;
+    }
+    float *o = out + h0 * G * D;
+    memset(o, 0, (size_t)(nq * D) * sizeof(float));
+    for (int64_t t = 0; t < L; t++) {
+        const float *v = vc + (int64_t)table[t / B] * blk_stride + (t % B) * tok_stride;
+        for (int64_t i = 0; i < nq; i++) {
+            const float w = sc[i * L + t];
+            const float *vh = v + (h0 + i / G) * D;
+            float *oi = o + i * D;
+            for (int64_t d = 0; d < D; d++)
+                oi[d] += w * vh[d];
+        }
+    }
+    return 0;
+}
+
+/*
+ * Returns 0; -1 when a scratch allocation failed; -2 when a block id a
+ * sequence needs is outside [0, num_blocks). On error out is undefined.
+ */
+int paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
+                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
+                     const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                     int64_t B, float scale, float *out, int nthreads)
+{
+    const int64_t G = Hq / Hkv;
+    const int64_t tok_stride = Hkv * D;
+    const int64_t blk_stride = B * tok_stride;
+    /* A task is a whole sequence (its K/V rows are read contiguously) unless
+     * there are too few sequences to keep every thread busy: then one KV head. */
+    const int64_t split = S >= 4 * (int64_t)nthreads ? 1 : Hkv;
+    const int64_t per = Hkv / split;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(min : failed)
+    {
+        float *sc = NULL;
+        int64_t cap = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < S * split; task++) {
+            const int64_t s = task / split;
+            const int64_t h0 = (task % split) * per;
+            const int64_t L = lens[s];
+            if (L <= 0 || failed < 0) {
+                memset(out + (s * Hq + h0 * G) * D, 0, (size_t)(per * G * D) * sizeof(float));
+                continue;
+            }
+            if (L * per * G > cap) {
+                free(sc);
+                cap = L * per * G;
+                sc = (float *)malloc((size_t)cap * sizeof(float));
+                if (sc == NULL) {
+                    cap = 0;
+                    failed = -1;
+                    continue;
+                }
+            }
+            const int rc = attend(q + s * Hq * D, key_cache, value_cache,
+                                  tables + s * table_stride, L, h0, h0 + per, G, D, B,
+                                  num_blocks, tok_stride, blk_stride, scale, sc,
+                                  out + s * Hq * D);
+            if (rc < failed)
+                failed = rc;
+        }
+        free(sc);
+    }
+    return failed;
+}

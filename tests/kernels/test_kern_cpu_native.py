@@ -1,0 +1,98 @@
+"""The compiled CPU decode kernel: against the oracle, at its edges, and its fallback.
+
+The oracle sweep over every CPU backend (test_kern_attention.py) already runs
+it through ``get_backend("cpu")``; these cover what that sweep cannot reach:
+the per-sequence vs per-head work split, long contexts that regrow the score
+buffer, bad block tables (an error, never a read outside the pool), and the
+build cache and the switch that turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import available_backends, cpu_native, get_backend
+from pagedserve.kernels.testing import check_against_oracle, make_paged_batch
+
+pytestmark = pytest.mark.skipif(
+    "cpu" not in available_backends("cpu"), reason="no C compiler for the native kernel"
+)
+FP32_TOL = 1e-5
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])  # per-head split below 4 x threads
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_native_decode_matches_oracle(num_seqs: int, block_size: int) -> None:
+    lens = [(7 * i) % 61 + 1 for i in range(num_seqs)]
+    b = make_paged_batch([1] * num_seqs, lens, 12, 4, 64, block_size, seed=num_seqs)
+    check_against_oracle(get_backend("cpu"), b, FP32_TOL, decode=True)
+
+
+def test_native_decode_long_context_regrows_scratch() -> None:
+    b = make_paged_batch([1, 1, 1], [17, 3000, 40], 9, 3, 64, 16, seed=3)
+    check_against_oracle(get_backend("cpu"), b, FP32_TOL, decode=True)
+
+
+def test_native_equals_torch_decode_with_empty_rows() -> None:
+    b = make_paged_batch([1] * 5, [9, 33, 1, 64, 20], 9, 3, 64, 16, seed=5)
+    lens = torch.tensor([9, 0, 1, 64, 0])
+    args = (b.q[:5], b.key_cache, b.value_cache, b.block_table, lens, 0.125)
+    native = get_backend("cpu").decode_attention(*args)
+    ref = get_backend("torch").decode_attention(*args)
+    torch.testing.assert_close(native, ref, atol=FP32_TOL, rtol=0)
+    assert native[1].abs().max() == 0 and native[4].abs().max() == 0
+
+
+def test_bad_block_table_raises_instead_of_reading_outside_the_pool() -> None:
+    b = make_paged_batch([1, 1], [20, 20], 9, 3, 64, 16)
+    lens = torch.tensor([20, 20])
+    bad = b.block_table.clone()
+    bad[1, 1] = b.key_cache.shape[0] + 5
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_native.paged_decode(b.q[:2], b.key_cache, b.value_cache, bad, lens, 20, 0.125)
+    bad[1, 1] = -1
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_native.paged_decode(b.q[:2], b.key_cache, b.value_cache, bad, lens, 20, 0.125)
+    with pytest.raises(ValueError, match="overruns its block table"):
+        cpu_native.paged_decode(b.q[:2], b.key_cache, b.value_cache, b.block_table,
+                                torch.tensor([20, 99]), 99, 0.125)
+
+
+def test_half_caches_take_the_torch_path() -> None:
+    b = make_paged_batch([1, 1], [20, 7], 8, 2, 64, 16, dtype=torch.bfloat16)
+    assert not cpu_native.supports(b.q, b.key_cache)
+    check_against_oracle(get_backend("cpu"), b, 2e-2, decode=True)
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """Forget the loaded library so load() runs again against a private cache dir."""
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_build_is_cached_per_source_and_cpu(fresh_loader) -> None:
+    assert cpu_native.load() is not None
+    built = list((fresh_loader / "native").glob("paged_decode_*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    cpu_native._tried = False
+    assert cpu_native.load() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_switch_off_falls_back_to_torch(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_NATIVE_KERNELS", "0")
+    assert "cpu" not in available_backends("cpu")
+    assert get_backend().name == "torch"
+    with pytest.raises(RuntimeError, match="PAGEDSERVE_NATIVE_KERNELS=0"):
+        get_backend("cpu")
+
+
+def test_missing_compiler_falls_back(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", str(fresh_loader / "no-such-cc"))
+    assert cpu_native.load() is None
+    assert get_backend().name == "torch"
