@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="engine replicas merge a stream's tokens over this interval "
+                        "(default: the server's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -303,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_args = {**engine_kwargs, "num_replicas": args.num_replicas,
                   "max_ongoing_requests": max(64, args.num_prompts),
                   "max_queued_requests": -1}
+    if args.stream_interval_ms is not None:
+        serve_args["stream_interval_ms"] = args.stream_interval_ms
     print(f"{len(reqs)} requests, input {args.input_len}, output {args.output_len} tokens, "
           f"rates {rates}, concurrency {args.max_concurrency or 'unbounded'}, SLO {slo} ms")
     report: dict[str, Any] = {"config": vars(args), "slo_ms": slo, "backends": {}}

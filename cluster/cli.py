@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-requests", type=int, default=128,
                    help="requests waiting for a replica before new ones get 503")
     s.add_argument("--ingress-replicas", type=int, default=1)
+    s.add_argument("--stream-interval-ms", type=float, default=50.0,
+                   help="send a stream's tokens at most once per interval, merged "
+                        "(0: every step; Ray Serve LLM's default is 50)")
     s.add_argument("--health-check-period-s", type=float, default=10.0)
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     s.add_argument("--num-gpus", type=int, default=None, help="GPUs of a new local Ray")
@@ -116,6 +119,8 @@ def serve_forever(args: argparse.Namespace) -> int:
     app = build_app(args)  # validates the engine settings before anything starts
     started_ray = address is None
     if started_ray:
+        # Every rank gets at least one logical CPU and a TP replica's scheduler one more,
+        # even on a machine with fewer cores (serve_app sizes threads by real cores).
         need = args.num_replicas * (args.tensor_parallel_size + 1)
         ray.init(address="local", include_dashboard=args.dashboard,
                  num_cpus=args.num_cpus or max(os.cpu_count() or 1, need),

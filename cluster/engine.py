@@ -123,8 +123,9 @@ class LLMEngine:
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
         self._ids = itertools.count()
         self.dead: BaseException | None = None
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
-                      "finished_requests": 0, "aborted_requests": 0}
+        self.stats: dict[str, float] = {
+            "steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
+            "aborted_requests": 0, "execute_seconds": 0.0}
 
     def _default_block_size(self) -> int:
         from pagedserve.kernels import get_backend
@@ -204,7 +205,11 @@ class LLMEngine:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         if plan.is_empty and not plan.finished_ids and not plan.aborted_ids:
             return None
-        return self.executor.execute_model(plan)
+        t0 = time.perf_counter()
+        try:
+            return self.executor.execute_model(plan)
+        finally:
+            self.stats["execute_seconds"] += time.perf_counter() - t0
 
     def process(self, plan: SchedulerOutput, output: ModelRunnerOutput | None
                 ) -> list[RequestOutput]:

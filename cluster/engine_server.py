@@ -2,7 +2,11 @@
 
 Each replica owns its engine (and, for tensor parallelism, its rank actors in
 the replica's placement group), streams per-step deltas to the ingress, and
-answers the ingress's stats and probe calls. A cancelled call (the client
+answers the ingress's stats and probe calls. With ``stream_interval_ms`` > 0
+(Ray Serve LLM's ``stream_batching_interval_ms``), the tokens of one request
+after its first are sent at most once per interval, merged: every streamed
+message costs CPU in the replica, the ingress, the proxy and the client, and
+at high concurrency that cost competes with the forward pass. A cancelled call (the client
 went away) closes the engine stream, which aborts the request in the
 scheduler before the next step.
 """
@@ -26,8 +30,7 @@ from pagedserve.cluster.wire import (
     EngineChunk,
     EngineRequest,
     ReplicaCall,
-    SampleDelta,
-    merge_deltas,
+    pace_deltas,
 )
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -40,9 +43,12 @@ ENGINE_DEPLOYMENT = "EngineServer"
 class EngineServer:
     """One engine replica: an ``AsyncEngine`` and its per-replica metrics."""
 
-    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(self, engine_kwargs: dict[str, Any], stream_interval_ms: float = 50.0) -> None:
         from pagedserve.cluster.async_engine import AsyncEngine
 
+        if stream_interval_ms < 0:
+            raise ValueError(f"stream_interval_ms must be >= 0, got {stream_interval_ms}")
+        self.stream_interval_s = stream_interval_ms / 1000.0
         self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = ServerMetrics()
@@ -65,22 +71,15 @@ class EngineServer:
         self.metrics.in_flight += 1
         yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
         try:
-            pending: dict[int, SampleDelta] = {}
-            async for out in self.engine.generate(req.prompt_token_ids, req.params, rid,
-                                                  req.cache_salt):
-                deltas = tracker.deltas(out)
-                self.metrics.on_tokens(timer, max((len(d.token_ids) for d in deltas),
-                                                  default=0))
-                if out.finished:
-                    reason = out.outputs[0].finish_reason or "stop"
-                if not req.stream and not out.finished:
-                    merge_deltas(pending, deltas)  # one Ray message instead of one per step
-                    continue
-                if pending:
-                    merge_deltas(pending, deltas)
-                    deltas = [pending[i] for i in sorted(pending)]
-                yield EngineChunk(rid, self.replica_id, deltas, len(out.prompt_token_ids),
-                                  out.num_cached_tokens, out.finished)
+            outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt)
+            interval = self.stream_interval_s if req.stream else None
+            async with contextlib.aclosing(pace_deltas(
+                    outs, tracker, interval, lambda n: self.metrics.on_tokens(timer, n))) as paced:
+                async for deltas, out in paced:
+                    if out.finished:
+                        reason = out.outputs[0].finish_reason or "stop"
+                    yield EngineChunk(rid, self.replica_id, deltas, len(out.prompt_token_ids),
+                                      out.num_cached_tokens, out.finished)
         except ValueError as e:
             reason = "rejected"
             yield EngineChunk(rid, self.replica_id, error=str(e), status=400)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
@@ -83,8 +83,9 @@ class ServeArgs(BaseModel):
     ingress_replicas: int = 1
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 60.0
-    replica_num_cpus: float = 1.0
+    replica_num_cpus: float | None = None
     placement_group_strategy: str = "PACK"
+    stream_interval_ms: float = Field(default=50.0, ge=0.0)
     imbalance_threshold: int = 8
 
 
@@ -298,6 +299,26 @@ class OpenAIServer:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _cpu_threads_per_rank(num_replicas: int, tp: int) -> int:
+    """Default torch threads per CPU rank: a node's cores shared by every rank.
+
+    Ray's CPU count is what the operator declared; on a one-node cluster it is
+    capped by this machine's cores, since tests and the CLI declare extra
+    logical CPUs so that placement groups fit on small machines. With TP > 1
+    each replica's scheduler bundle keeps one CPU of its own.
+    """
+    import ray
+
+    cores = os.cpu_count() or 1
+    if ray.is_initialized():
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        declared = max((int(n["Resources"].get("CPU", 0)) for n in nodes), default=0)
+        if declared:
+            cores = min(declared, cores) if len(nodes) == 1 else declared
+    reserved = num_replicas if tp > 1 else 0
+    return max(1, (cores - reserved) // max(1, num_replicas * tp))
+
+
 def _resolve_device(device: str) -> str:
     """``auto`` means CUDA when the Ray cluster has GPUs (replicas see none until placed)."""
     if device != "auto":
@@ -320,12 +341,15 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     else:
         a = ServeArgs(**{k: v for k, v in vars(args).items() if k in ServeArgs.model_fields})
     device = _resolve_device(a.device)
+    threads = a.num_threads
+    if device == "cpu" and threads is None:
+        threads = _cpu_threads_per_rank(a.num_replicas, a.tensor_parallel_size)
     engine_kwargs: dict[str, Any] = dict(
         model=a.model, tensor_parallel_size=a.tensor_parallel_size, device=device,
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        num_threads=a.num_threads, **a.engine_kwargs)
+        num_threads=threads, **a.engine_kwargs)
     EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
     opts: dict[str, Any] = dict(
         num_replicas=a.num_replicas, max_ongoing_requests=a.max_ongoing_requests,
@@ -337,16 +361,20 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
             request_router_kwargs={"imbalance_threshold": a.imbalance_threshold}),
     )
     gpu = device == "cuda"
+    # A CPU rank reserves the cores its torch threads use, so Ray neither packs other
+    # work onto them nor caps the rank's OpenMP pool at one thread (Ray's default).
+    rank_cpus = 1.0 if gpu else float(threads or 1)
     if a.tensor_parallel_size > 1:
-        rank = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
-        opts["placement_group_bundles"] = [{"CPU": a.replica_num_cpus}] + [
+        replica_cpus = a.replica_num_cpus if a.replica_num_cpus is not None else 1.0
+        rank = {"CPU": rank_cpus, "GPU": 1.0} if gpu else {"CPU": rank_cpus}
+        opts["placement_group_bundles"] = [{"CPU": replica_cpus}] + [
             dict(rank) for _ in range(a.tensor_parallel_size)]
         opts["placement_group_strategy"] = a.placement_group_strategy
-        opts["ray_actor_options"] = {"num_cpus": a.replica_num_cpus}
+        opts["ray_actor_options"] = {"num_cpus": replica_cpus}
     else:
-        opts["ray_actor_options"] = {"num_cpus": a.replica_num_cpus,
-                                     "num_gpus": 1 if gpu else 0}
-    engine = EngineServer.options(**opts).bind(engine_kwargs)
+        replica_cpus = a.replica_num_cpus if a.replica_num_cpus is not None else rank_cpus
+        opts["ray_actor_options"] = {"num_cpus": replica_cpus, "num_gpus": 1 if gpu else 0}
+    engine = EngineServer.options(**opts).bind(engine_kwargs, a.stream_interval_ms)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
     return OpenAIServer.options(num_replicas=a.ingress_replicas).bind(
         engine, a.model, a.served_model_name, api_key)

@@ -4,11 +4,16 @@
 hashes for the router); ``EngineChunk`` comes back once per step with one
 ``SampleDelta`` per sample that advanced. ``DeltaTracker`` turns the engine's
 cumulative snapshots into those deltas, and ``merge_deltas`` folds several
-steps into one message for non-streaming requests.
+steps into one message for non-streaming requests. ``pace_deltas`` decides
+when a replica sends: every step, once per stream interval, or once at the end.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.outputs import RequestOutput
@@ -120,3 +125,62 @@ class DeltaTracker:
             self._sent_text[i] = len(o.text)
             self._done[i] = o.finish_reason is not None
         return result
+
+
+async def pace_deltas(
+    outs: AsyncIterator[RequestOutput],
+    tracker: DeltaTracker,
+    interval_s: float | None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> AsyncIterator[tuple[list[SampleDelta], RequestOutput]]:
+    """What an engine replica sends, and when: (deltas, latest snapshot) per message.
+
+    ``interval_s`` None (nobody streams): one message at the end. Otherwise
+    the first tokens go at once, then at most one merged message per
+    interval (0: every step). Held tokens go out when the interval ends even
+    if the next step is slow (a long prefill in the same batch), not only with
+    the next token. Closing this generator closes ``outs``, which aborts the
+    request in the engine.
+    """
+    pending: dict[int, SampleDelta] = {}
+    latest: RequestOutput | None = None
+    sent_tokens, last_sent, deadline = False, 0.0, None
+    nxt: asyncio.Future[RequestOutput] | None = None
+    try:
+        while True:
+            if nxt is None:
+                nxt = asyncio.ensure_future(anext(outs))
+            if pending and deadline is not None:
+                done, _ = await asyncio.wait({nxt}, timeout=deadline - time.monotonic())
+                if not done and latest is not None:
+                    yield [pending[i] for i in sorted(pending)], latest
+                    pending, deadline = {}, None
+                    continue
+            try:
+                out = await nxt
+            except StopAsyncIteration:
+                return
+            nxt, latest = None, out
+            deltas = tracker.deltas(out)
+            if on_tokens is not None:
+                on_tokens(max((len(d.token_ids) for d in deltas), default=0))
+            if not out.finished and (interval_s is None or (
+                    sent_tokens and time.monotonic() < last_sent + interval_s)):
+                merge_deltas(pending, deltas)
+                if interval_s is not None and deadline is None:
+                    deadline = last_sent + interval_s
+                continue
+            if pending:
+                merge_deltas(pending, deltas)
+                deltas, pending, deadline = [pending[i] for i in sorted(pending)], {}, None
+            sent_tokens = sent_tokens or any(d.token_ids for d in deltas)
+            last_sent = time.monotonic()
+            yield deltas, out
+    finally:
+        if nxt is not None:
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
+        aclose = getattr(outs, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -32,6 +33,23 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
+_thread_state = threading.local()
+
+
+def _apply_threads_here(n: int) -> None:
+    """Give the calling thread an OpenMP team of ``n``.
+
+    OpenMP thread counts are per calling thread: a forward run from a thread
+    pool (the async engine) otherwise gets the process default, which Ray sets
+    to the actor's CPU count through OMP_NUM_THREADS, and MKL's small GEMMs
+    then run on one core. ``torch.set_num_threads`` skips a value equal to its
+    global one, hence the step through another value.
+    """
+    torch.set_num_threads(2 if n == 1 else 1)
+    torch.set_num_threads(n)
+    _thread_state.threads = n
+
+
 class Worker:
     """A rank of the TP group; constructing it is cheap and touches no device."""
 
@@ -48,6 +66,7 @@ class Worker:
         self.backend = None
         self.load_time_s = 0.0
         self.packed_weights = False
+        self.num_threads: int | None = None
 
     # ----- setup -------------------------------------------------------------------------
 
@@ -62,6 +81,7 @@ class Worker:
                 threads = max(1, len(os.sched_getaffinity(0)) // cfg.tensor_parallel_size)
             if threads:
                 torch.set_num_threads(threads)
+                self.num_threads = threads
         elif self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", 0)
@@ -159,6 +179,9 @@ class Worker:
         """Run one step plan; rank 0 returns the sampled tokens, other ranks None."""
         if self.runner is None:
             raise RuntimeError("init_kv_cache must be called before execute_model")
+        n = self.num_threads
+        if n is not None and getattr(_thread_state, "threads", None) != n:
+            _apply_threads_here(n)
         return self.runner.execute(plan)
 
     def check_health(self) -> dict[str, Any]:

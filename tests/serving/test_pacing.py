@@ -1,0 +1,91 @@
+"""When an engine replica sends a request's tokens (``pace_deltas``), without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.wire import DeltaTracker, SampleDelta, pace_deltas
+
+
+def _snap(k: int, total: int) -> RequestOutput:
+    """Cumulative snapshot after ``k`` of ``total`` tokens (token i has text chr(97+i))."""
+    ids = list(range(k))
+    text = "".join(chr(97 + i) for i in ids)
+    out = CompletionOutput(0, text, ids, finish_reason="length" if k == total else None)
+    return RequestOutput("r", None, [1, 2], [out], finished=k == total)
+
+
+async def _engine(total: int, gaps: dict[int, float] | None = None,
+                  log: list[str] | None = None) -> AsyncIterator[RequestOutput]:
+    try:
+        for k in range(1, total + 1):
+            await asyncio.sleep((gaps or {}).get(k, 0.0))
+            if log is not None:
+                log.append(f"step{k}")
+            yield _snap(k, total)
+    finally:
+        if log is not None:
+            log.append("closed")
+
+
+async def _collect(interval: float | None, total: int, gaps: dict[int, float] | None = None,
+                   log: list[str] | None = None) -> list[list[SampleDelta]]:
+    msgs = []
+    async for deltas, _ in pace_deltas(_engine(total, gaps, log), DeltaTracker(1), interval):
+        msgs.append(deltas)
+        if log is not None:
+            log.append(f"sent{sum(len(d.token_ids) for d in deltas)}")
+    return msgs
+
+
+def _tokens(msgs: list[list[SampleDelta]]) -> list[list[int]]:
+    return [[t for d in m for t in d.token_ids] for m in msgs]
+
+
+def test_every_step_when_interval_is_zero() -> None:
+    msgs = asyncio.run(_collect(0.0, 5))
+    assert _tokens(msgs) == [[0], [1], [2], [3], [4]]
+    assert msgs[-1][0].finish_reason == "length"
+
+
+def test_non_streaming_gets_one_message_at_the_end() -> None:
+    msgs = asyncio.run(_collect(None, 6))
+    assert _tokens(msgs) == [[0, 1, 2, 3, 4, 5]]
+    assert msgs[0][0].text == "abcdef" and msgs[0][0].finish_reason == "length"
+
+
+def test_long_interval_sends_first_token_then_merges_the_rest() -> None:
+    msgs = asyncio.run(_collect(60.0, 6))
+    assert _tokens(msgs) == [[0], [1, 2, 3, 4, 5]]
+    assert "".join(d.text for m in msgs for d in m) == "abcdef"
+
+
+def test_held_tokens_leave_when_the_interval_ends_not_with_the_next_step() -> None:
+    """Step 3 is slow (a long prefill in the batch): token 1 must not wait for it."""
+    log: list[str] = []
+    t0 = time.monotonic()
+    msgs = asyncio.run(_collect(0.05, 3, gaps={3: 0.5}, log=log))
+    assert _tokens(msgs) == [[0], [1], [2]]
+    assert log.index("sent1") < log.index("step3")  # the held token went out first
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_closing_early_closes_the_engine_stream() -> None:
+    """A client gone mid-stream: closing the pacer aborts the request (source closed)."""
+    log: list[str] = []
+
+    async def main() -> None:
+        gen = pace_deltas(_engine(10, {2: 0.2}, log), DeltaTracker(1), 0.0)
+        first = await anext(gen)
+        assert [t for d in first[0] for t in d.token_ids] == [0]
+        task = asyncio.ensure_future(anext(gen))  # waiting on the slow step 2
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await gen.aclose()
+
+    asyncio.run(main())
+    assert log[-1] == "closed" and "step2" not in log

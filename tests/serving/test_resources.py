@@ -1,0 +1,61 @@
+"""How ``build_app`` sizes CPU replicas: torch threads and the Ray CPUs that back them.
+
+Ray caps an actor's OpenMP pool at its ``num_cpus`` (OMP_NUM_THREADS), so a
+CPU engine replica that reserved one CPU used to run its forward on one core
+of however many the machine has. No Ray cluster is started here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.cluster import serve_app
+from pagedserve.cluster.serve_app import build_app
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Size from this machine even when another test left a Ray cluster up."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+def _engine_node(args: dict) -> object:
+    app = build_app({"device": "cpu", "num_gpu_blocks": 64, **args})
+    return app._bound_deployment.init_args[0]._bound_deployment
+
+
+@pytest.mark.parametrize("cores,replicas,tp,want", [
+    (2, 1, 1, 2), (16, 1, 1, 16), (16, 2, 1, 8), (16, 1, 2, 7), (2, 1, 2, 1), (3, 4, 1, 1),
+])
+def test_threads_share_the_cores(monkeypatch: pytest.MonkeyPatch, cores: int, replicas: int,
+                                 tp: int, want: int) -> None:
+    monkeypatch.setattr(serve_app.os, "cpu_count", lambda: cores)
+    assert serve_app._cpu_threads_per_rank(replicas, tp) == want
+
+
+def test_replica_reserves_the_cpus_its_threads_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve_app.os, "cpu_count", lambda: 8)
+    eng = _engine_node({})
+    assert eng.init_args[0]["num_threads"] == 8
+    assert eng.ray_actor_options["num_cpus"] == 8.0
+    assert eng.init_args[1] == 50.0  # stream interval default, Ray Serve LLM's
+
+
+def test_tensor_parallel_ranks_reserve_their_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve_app.os, "cpu_count", lambda: 8)
+    eng = _engine_node({"tensor_parallel_size": 2})
+    assert eng.init_args[0]["num_threads"] == 3
+    assert eng._replica_config.placement_group_bundles == [{"CPU": 1.0}, {"CPU": 3.0},
+                                                            {"CPU": 3.0}]
+
+
+def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve_app.os, "cpu_count", lambda: 8)
+    eng = _engine_node({"num_threads": 2, "replica_num_cpus": 0.5, "stream_interval_ms": 0})
+    assert eng.init_args[0]["num_threads"] == 2
+    assert eng.ray_actor_options["num_cpus"] == 0.5
+    assert eng.init_args[1] == 0.0
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        build_app({"device": "cpu", "stream_interval_ms": -1})
