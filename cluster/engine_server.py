@@ -30,6 +30,7 @@ from pagedserve.cluster.wire import (
     EngineChunk,
     EngineRequest,
     ReplicaCall,
+    chunk_to_wire,
     pace_deltas,
 )
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -62,8 +63,16 @@ class EngineServer:
                 "pool_tokens": blocks * core.scheduler.block_size,
                 "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id}
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Stream one request: an ack naming this replica, then per-step deltas."""
+    async def generate(self, req: EngineRequest) -> AsyncIterator[tuple]:
+        """Stream one request: an ack naming this replica, then per-step deltas.
+
+        Items are :func:`chunk_to_wire` tuples (cheap for Ray to serialise).
+        """
+        async with contextlib.aclosing(self._chunks(req)) as chunks:
+            async for chunk in chunks:
+                yield chunk_to_wire(chunk)
+
+    async def _chunks(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         from pagedserve.cluster.async_engine import EngineDeadError
 
         rid, timer, tracker = req.request_id, RequestTimer(), DeltaTracker(req.params.n)

@@ -35,7 +35,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from pagedserve.cluster.protocol import APIError
-from pagedserve.cluster.wire import EngineChunk, EngineRequest
+from pagedserve.cluster.wire import EngineChunk, EngineRequest, chunk_from_wire
 
 ROUTER_CLASS_PATH = "pagedserve.cluster.router:PrefixAffinityRouter"
 MAX_ATTEMPTS = 3  # a request whose replica died before its first token moves on
@@ -62,7 +62,8 @@ async def stream_from_replicas(handle: Any, req: EngineRequest
         replica, sent, retry, completed = None, False, False, False
         try:
             gen = handle.generate.remote(r)
-            async for chunk in gen:
+            async for raw in gen:
+                chunk = chunk_from_wire(raw)
                 replica = chunk.replica
                 if chunk.error is not None:
                     if chunk.retryable and not sent and attempt + 1 < MAX_ATTEMPTS:

@@ -76,6 +76,35 @@ class EngineChunk:
     retryable: bool = False
 
 
+def chunk_to_wire(c: EngineChunk) -> tuple:
+    """``EngineChunk`` as nested tuples of plain values, the only thing sent per step.
+
+    Ray serialises plain values with msgpack; a dataclass takes its cloudpickle
+    path, which per streamed token costs the replica GIL time its forward pass
+    needs (and the ingress as much again to load). Logprob dicts travel as
+    (token, logprob) pairs.
+    """
+    deltas = tuple(
+        (d.index, d.text, d.token_ids,
+         None if d.logprobs is None else [list(lp.items()) for lp in d.logprobs],
+         d.sampled_logprobs, d.finish_reason, d.stop_reason)
+        for d in c.deltas)
+    return (c.request_id, c.replica, deltas, c.prompt_tokens, c.cached_tokens, c.finished,
+            c.error, c.status, c.retryable)
+
+
+def chunk_from_wire(t: tuple | list) -> EngineChunk:
+    """Inverse of :func:`chunk_to_wire` (msgpack may hand back lists for tuples)."""
+    rid, replica, deltas, prompt_tokens, cached, finished, error, status, retryable = t
+    return EngineChunk(
+        rid, replica,
+        [SampleDelta(i, text, list(ids),
+                     None if lps is None else [{int(k): v for k, v in lp} for lp in lps],
+                     None if sampled is None else list(sampled), fr, sr)
+         for i, text, ids, lps, sampled, fr, sr in deltas],
+        prompt_tokens, cached, finished, error, status, retryable)
+
+
 def merge_deltas(acc: dict[int, SampleDelta], new: list[SampleDelta]) -> None:
     """Fold step deltas into one delta per sample (for requests nobody streams)."""
     for d in new:

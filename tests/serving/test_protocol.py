@@ -184,3 +184,19 @@ def test_merge_deltas_folds_steps_into_one_delta_per_sample() -> None:
                                                                         [-0.1, -0.2])
     assert (acc[0].finish_reason, acc[0].stop_reason) == ("stop", "END")
     assert (acc[1].text, acc[1].token_ids, acc[1].finish_reason) == ("x", [7], None)
+
+
+def test_chunk_wire_format_survives_msgpack() -> None:
+    """Replicas send chunks as plain tuples (Ray's msgpack path, no cloudpickle)."""
+    import msgpack
+
+    from pagedserve.cluster.wire import SampleDelta, chunk_from_wire, chunk_to_wire
+
+    chunk = EngineChunk("r", "rep", [
+        SampleDelta(0, "ab", [5, 6], [{5: -0.1, 9: -2.0}, {6: -0.3}], [-0.1, -0.3], "stop", "END"),
+        SampleDelta(1, "x", [7], None, None, None, 42)], 3, 2, True)
+    raw = msgpack.unpackb(msgpack.packb(chunk_to_wire(chunk)), strict_map_key=False)
+    assert isinstance(raw, list)
+    assert chunk_from_wire(raw) == chunk
+    err = EngineChunk("r", "rep", error="boom", status=503, retryable=True)
+    assert chunk_from_wire(msgpack.unpackb(msgpack.packb(chunk_to_wire(err)))) == err
