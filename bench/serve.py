@@ -255,17 +255,17 @@ def parse_slo(items: list[str]) -> dict[str, float]:
     return slo
 
 
-async def bench_backend(backend: Any, reqs: list[Req], rates: list[float],
+async def bench_backend(backend: Any, reqs: list[list[Req]], rates: list[float],
                         args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]:
     out = {}
     warm = make_requests(2, args.input_len, 4, args.seed + 1)
     await run_schedule(warm, math.inf, None, 0, backend.send)  # first-call costs
-    for rate in rates:
-        results, dur = await run_schedule(reqs, rate, args.max_concurrency, args.seed,
+    for rate, rate_reqs in zip(rates, reqs):
+        results, dur = await run_schedule(rate_reqs, rate, args.max_concurrency, args.seed,
                                           backend.send)
         m = summarize(results, dur, slo)
         out[str(rate)] = m
-        print(f"  {backend.name:6s} rate={rate:<5} done={m['completed']}/{len(reqs)} "
+        print(f"  {backend.name:6s} rate={rate:<5} done={m['completed']}/{len(rate_reqs)} "
               f"out_tok/s={m['output_throughput']:.1f} req/s={m['request_throughput']:.2f} "
               f"ttft p50/p99={m['median_ttft_ms']:.0f}/{m['p99_ttft_ms']:.0f} ms "
               f"tpot p50={m['median_tpot_ms']:.1f} ms itl p99={m['p99_itl_ms']:.1f} ms "
@@ -299,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rates = [float(x) for x in args.request_rate.split(",")]
     slo = parse_slo(args.goodput)
-    reqs = make_requests(args.num_prompts, args.input_len, args.output_len, args.seed)
+    # Fresh prompts per rate (the same for every backend): a rate must not find the
+    # previous rate's prompts in the prefix cache.
+    reqs = [make_requests(args.num_prompts, args.input_len, args.output_len, args.seed + 7919 * i)
+            for i in range(len(rates))]
     engine_kwargs = dict(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
                          max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
                          tensor_parallel_size=args.tensor_parallel_size)
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                   "max_queued_requests": -1}
     if args.stream_interval_ms is not None:
         serve_args["stream_interval_ms"] = args.stream_interval_ms
-    print(f"{len(reqs)} requests, input {args.input_len}, output {args.output_len} tokens, "
+    print(f"{args.num_prompts} requests per rate, input {args.input_len}, output {args.output_len} tokens, "
           f"rates {rates}, concurrency {args.max_concurrency or 'unbounded'}, SLO {slo} ms")
     report: dict[str, Any] = {"config": vars(args), "slo_ms": slo, "backends": {}}
 
