@@ -6,9 +6,9 @@ answers the ingress's stats and probe calls. With ``stream_interval_ms`` > 0
 (Ray Serve LLM's ``stream_batching_interval_ms``), the tokens of one request
 after its first are sent at most once per interval, merged: every streamed
 message costs CPU in the replica, the ingress, the proxy and the client, and
-at high concurrency that cost competes with the forward pass. A cancelled call (the client
-went away) closes the engine stream, which aborts the request in the
-scheduler before the next step.
+at high concurrency that cost competes with the forward pass. A cancelled
+call (the client went away) closes the engine stream, which aborts the
+request in the scheduler before the next step.
 """
 
 from __future__ import annotations

@@ -37,15 +37,13 @@ _thread_state = threading.local()
 
 
 def _apply_threads_here(n: int) -> None:
-    """Give the calling thread an OpenMP team of ``n``.
+    """Give the calling thread an OpenMP team of ``n`` (once per thread).
 
     OpenMP thread counts are per calling thread: a forward run from a thread
     pool (the async engine) otherwise gets the process default, which Ray sets
-    to the actor's CPU count through OMP_NUM_THREADS, and MKL's small GEMMs
-    then run on one core. ``torch.set_num_threads`` skips a value equal to its
-    global one, hence the step through another value.
+    to the actor's CPU count through OMP_NUM_THREADS, so MKL's small GEMMs ran
+    on one core even after ``torch.set_num_threads`` in the main thread.
     """
-    torch.set_num_threads(2 if n == 1 else 1)
     torch.set_num_threads(n)
     _thread_state.threads = n
 
