@@ -113,12 +113,16 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
-def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the native kernel handles these tensors (CPU fp32, GQA-divisible heads)."""
+def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the native kernel handles these tensors: CPU, fp32, contiguous caches,
+    query heads a multiple of KV heads."""
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
         and key_cache.dtype == torch.float32
+        and value_cache.dtype == torch.float32
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
         and q.shape[1] % key_cache.shape[2] == 0
         and load() is not None
     )
@@ -140,7 +144,8 @@ def paged_decode(
     so -1 padding there is fine; a needed entry out of range raises.
     """
     lib = load()
-    assert lib is not None, "call supports() first"
+    if lib is None:
+        raise RuntimeError("the native CPU kernel is unavailable; check supports() first")
     s, hq, d = q.shape
     _, bsz, hkv, _ = key_cache.shape
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -189,6 +194,6 @@ class CpuNativeBackend(TorchBackend):
         lens_host: list[int],
         scale: float,
     ) -> torch.Tensor:
-        if not supports(q, key_cache):
+        if not supports(q, key_cache, value_cache):
             return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host, scale)
         return paged_decode(q, key_cache, value_cache, block_table, lens, max(lens_host), scale)

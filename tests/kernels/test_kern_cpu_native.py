@@ -61,8 +61,19 @@ def test_bad_block_table_raises_instead_of_reading_outside_the_pool() -> None:
 
 def test_half_caches_take_the_torch_path() -> None:
     b = make_paged_batch([1, 1], [20, 7], 8, 2, 64, 16, dtype=torch.bfloat16)
-    assert not cpu_native.supports(b.q, b.key_cache)
+    assert not cpu_native.supports(b.q, b.key_cache, b.value_cache)
     check_against_oracle(get_backend("cpu"), b, 2e-2, decode=True)
+
+
+def test_non_contiguous_caches_take_the_torch_path() -> None:
+    b = make_paged_batch([1, 1], [20, 7], 8, 2, 64, 16)
+    wide_k = torch.cat([b.key_cache, b.key_cache], dim=-1)[..., :64]  # same values, strided
+    wide_v = torch.cat([b.value_cache, b.value_cache], dim=-1)[..., :64]
+    assert not cpu_native.supports(b.q, wide_k, wide_v)
+    lens = torch.tensor([20, 7])
+    args = (b.q[:2], wide_k, wide_v, b.block_table, lens, 0.125)
+    torch.testing.assert_close(get_backend("cpu").decode_attention(*args),
+                               get_backend("torch").decode_attention(*args))
 
 
 @pytest.fixture
