@@ -36,6 +36,11 @@ from pagedserve.cluster.metrics import (
     call_each_replica,
     render_prometheus,
 )
+from pagedserve.cluster.placement import (
+    cpu_threads_per_rank,
+    engine_replica_options,
+    replica_runtime_env,
+)
 from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -299,26 +304,6 @@ class OpenAIServer:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _cpu_threads_per_rank(num_replicas: int, tp: int) -> int:
-    """Default torch threads per CPU rank: a node's cores shared by every rank.
-
-    Ray's CPU count is what the operator declared; on a one-node cluster it is
-    capped by this machine's cores, since tests and the CLI declare extra
-    logical CPUs so that placement groups fit on small machines. With TP > 1
-    each replica's scheduler bundle keeps one CPU of its own.
-    """
-    import ray
-
-    cores = os.cpu_count() or 1
-    if ray.is_initialized():
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        declared = max((int(n["Resources"].get("CPU", 0)) for n in nodes), default=0)
-        if declared:
-            cores = min(declared, cores) if len(nodes) == 1 else declared
-    reserved = num_replicas if tp > 1 else 0
-    return max(1, (cores - reserved) // max(1, num_replicas * tp))
-
-
 def _resolve_device(device: str) -> str:
     """``auto`` means CUDA when the Ray cluster has GPUs (replicas see none until placed)."""
     if device != "auto":
@@ -343,7 +328,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     device = _resolve_device(a.device)
     threads = a.num_threads
     if device == "cpu" and threads is None:
-        threads = _cpu_threads_per_rank(a.num_replicas, a.tensor_parallel_size)
+        threads = cpu_threads_per_rank(a.num_replicas, a.tensor_parallel_size)
     engine_kwargs: dict[str, Any] = dict(
         model=a.model, tensor_parallel_size=a.tensor_parallel_size, device=device,
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
@@ -360,24 +345,14 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
             request_router_class=ROUTER_CLASS_PATH,
             request_router_kwargs={"imbalance_threshold": a.imbalance_threshold}),
     )
-    gpu = device == "cuda"
-    # A CPU rank reserves the cores its torch threads use, so Ray neither packs other
-    # work onto them nor caps the rank's OpenMP pool at one thread (Ray's default).
-    rank_cpus = 1.0 if gpu else float(threads or 1)
-    if a.tensor_parallel_size > 1:
-        replica_cpus = a.replica_num_cpus if a.replica_num_cpus is not None else 1.0
-        rank = {"CPU": rank_cpus, "GPU": 1.0} if gpu else {"CPU": rank_cpus}
-        opts["placement_group_bundles"] = [{"CPU": replica_cpus}] + [
-            dict(rank) for _ in range(a.tensor_parallel_size)]
-        opts["placement_group_strategy"] = a.placement_group_strategy
-        opts["ray_actor_options"] = {"num_cpus": replica_cpus}
-    else:
-        replica_cpus = a.replica_num_cpus if a.replica_num_cpus is not None else rank_cpus
-        opts["ray_actor_options"] = {"num_cpus": replica_cpus, "num_gpus": 1 if gpu else 0}
+    opts.update(engine_replica_options(device == "cuda", threads, a.tensor_parallel_size,
+                                       a.replica_num_cpus, a.placement_group_strategy))
     engine = EngineServer.options(**opts).bind(engine_kwargs, a.stream_interval_ms)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
-    return OpenAIServer.options(num_replicas=a.ingress_replicas).bind(
-        engine, a.model, a.served_model_name, api_key)
+    return OpenAIServer.options(
+        num_replicas=a.ingress_replicas,
+        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
+    ).bind(engine, a.model, a.served_model_name, api_key)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.cluster import serve_app
+from pagedserve.cluster import placement
 from pagedserve.cluster.serve_app import build_app
 
 
@@ -31,12 +31,12 @@ def _engine_node(args: dict) -> object:
 ])
 def test_threads_share_the_cores(monkeypatch: pytest.MonkeyPatch, cores: int, replicas: int,
                                  tp: int, want: int) -> None:
-    monkeypatch.setattr(serve_app.os, "cpu_count", lambda: cores)
-    assert serve_app._cpu_threads_per_rank(replicas, tp) == want
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: cores)
+    assert placement.cpu_threads_per_rank(replicas, tp) == want
 
 
 def test_replica_reserves_the_cpus_its_threads_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serve_app.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
     eng = _engine_node({})
     assert eng.init_args[0]["num_threads"] == 8
     assert eng.ray_actor_options["num_cpus"] == 8.0
@@ -44,15 +44,17 @@ def test_replica_reserves_the_cpus_its_threads_use(monkeypatch: pytest.MonkeyPat
 
 
 def test_tensor_parallel_ranks_reserve_their_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serve_app.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
     eng = _engine_node({"tensor_parallel_size": 2})
     assert eng.init_args[0]["num_threads"] == 3
     assert eng._replica_config.placement_group_bundles == [{"CPU": 1.0}, {"CPU": 3.0},
                                                             {"CPU": 3.0}]
+    env = eng.ray_actor_options["runtime_env"]["env_vars"]
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
 
 
 def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serve_app.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
     eng = _engine_node({"num_threads": 2, "replica_num_cpus": 0.5, "stream_interval_ms": 0})
     assert eng.init_args[0]["num_threads"] == 2
     assert eng.ray_actor_options["num_cpus"] == 0.5
