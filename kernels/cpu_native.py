@@ -150,6 +150,9 @@ def paged_decode(
     _, bsz, hkv, _ = key_cache.shape
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("native paged decode needs contiguous K/V caches")
+    if value_cache.shape != key_cache.shape or key_cache.shape[3] != d:
+        raise ValueError(f"K/V caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} "
+                         f"do not fit queries of head size {d}")
     q = q.contiguous()
     tables = block_table.to(torch.int32).contiguous()
     lens32 = lens.to(torch.int32).contiguous()
@@ -164,9 +167,8 @@ def paged_decode(
     out = torch.empty_like(q)
     rc = lib.paged_decode_f32(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0],
-        tables.data_ptr(),
-        tables.stride(0), lens32.data_ptr(), s, hq, hkv, d, bsz, float(scale),
-        out.data_ptr(), torch.get_num_threads(),
+        tables.data_ptr(), tables.stride(0), lens32.data_ptr(), s, hq, hkv, d, bsz,
+        float(scale), out.data_ptr(), torch.get_num_threads(),
     )
     if rc == -2:
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")

@@ -54,6 +54,9 @@ def test_bad_block_table_raises_instead_of_reading_outside_the_pool() -> None:
     bad[1, 1] = -1
     with pytest.raises(ValueError, match="block id outside"):
         cpu_native.paged_decode(b.q[:2], b.key_cache, b.value_cache, bad, lens, 20, 0.125)
+    with pytest.raises(ValueError, match="do not fit queries"):
+        cpu_native.paged_decode(b.q[:2, :, :32], b.key_cache, b.value_cache, b.block_table,
+                                lens, 20, 0.125)
     with pytest.raises(ValueError, match="overruns its block table"):
         cpu_native.paged_decode(b.q[:2], b.key_cache, b.value_cache, b.block_table,
                                 torch.tensor([20, 99]), 99, 0.125)
