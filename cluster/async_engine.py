@@ -4,8 +4,6 @@ The loop runs ``schedule`` and ``process`` on the event loop thread and only
 the forward (``execute``) in a worker thread, so an abort (a client that went
 away, a cancelled Serve call) lands between phases: its blocks are freed at
 once, and the step already running simply has its result for it ignored.
-A step's outputs are handed to their streams once the next forward has
-started, so the consumers' work overlaps it rather than sitting between steps.
 """
 
 from __future__ import annotations
@@ -56,22 +54,14 @@ class AsyncEngine:
     async def _run(self) -> None:
         assert self._wakeup is not None
         engine = self.engine
-        results: list[RequestOutput] = []
         while True:
             if not engine.has_unfinished_requests():
-                self._deliver(results)
-                results = []
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             plan = engine.schedule()
-            step = asyncio.ensure_future(asyncio.to_thread(engine.execute, plan))
-            # The previous step's outputs reach their streams while this forward runs:
-            # consumers (serialising, Ray sends, SSE) overlap the model instead of
-            # delaying the next step.
-            self._deliver(results)
             try:
-                output = await step
+                output = await asyncio.to_thread(engine.execute, plan)
                 results = engine.process(plan, output)
             except Exception as e:
                 logger.exception("engine step failed; failing every request")
@@ -81,13 +71,11 @@ class AsyncEngine:
                     q.put_nowait(err)
                 self._queues.clear()
                 return
+            for out in results:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
             await asyncio.sleep(0)  # let aborts and new requests in between steps
-
-    def _deliver(self, results: list[RequestOutput]) -> None:
-        for out in results:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
 
     async def generate(
         self,

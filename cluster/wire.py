@@ -177,16 +177,17 @@ async def pace_deltas(
     nxt: asyncio.Future[RequestOutput] | None = None
     try:
         while True:
-            if nxt is None:
-                nxt = asyncio.ensure_future(anext(outs))
             if pending and deadline is not None:
+                # Only a held message needs a timed wait (and so a task for the next step).
+                if nxt is None:
+                    nxt = asyncio.ensure_future(anext(outs))
                 done, _ = await asyncio.wait({nxt}, timeout=deadline - time.monotonic())
                 if not done and latest is not None:
                     yield [pending[i] for i in sorted(pending)], latest
                     pending, deadline = {}, None
                     continue
             try:
-                out = await nxt
+                out = await (nxt if nxt is not None else anext(outs))
             except StopAsyncIteration:
                 return
             nxt, latest = None, out

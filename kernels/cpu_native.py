@@ -22,6 +22,7 @@ on SDPA, which is already GEMM-bound there.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -56,13 +57,11 @@ def _cache_dir() -> Path:
 def _cpu_fingerprint() -> str:
     """Machine + CPU feature flags: what ``-march=native`` code depends on."""
     flags = ""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 flags = line
                 break
-    except OSError:
-        pass
     return f"{platform.machine()}|{flags}"
 
 
