@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="engine replicas merge a stream's tokens over this interval "
                         "(default: the server's)")
+    p.add_argument("--stream-messages-per-s", type=float, default=None,
+                   help="a replica's streamed-message budget (default: the server's; "
+                        "0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -311,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                   "max_queued_requests": -1}
     if args.stream_interval_ms is not None:
         serve_args["stream_interval_ms"] = args.stream_interval_ms
+    if args.stream_messages_per_s is not None:
+        serve_args["stream_messages_per_s"] = args.stream_messages_per_s
     print(f"{args.num_prompts} requests per rate, input {args.input_len}, output {args.output_len} tokens, "
           f"rates {rates}, concurrency {args.max_concurrency or 'unbounded'}, SLO {slo} ms")
     report: dict[str, Any] = {"config": vars(args), "slo_ms": slo, "backends": {}}

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedserve.cluster.config import EngineConfig
@@ -36,6 +37,10 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        # One dedicated thread for every forward: OpenMP teams belong to the calling
+        # thread, so a forward hopping between pool threads would start a second team
+        # whose idle threads spin against the running one on the same cores.
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
         configure_gc_for_serving()
 
     @property
@@ -61,7 +66,8 @@ class AsyncEngine:
                 continue
             plan = engine.schedule()
             try:
-                output = await asyncio.to_thread(engine.execute, plan)
+                output = await asyncio.get_running_loop().run_in_executor(
+                    self._step_thread, engine.execute, plan)
                 results = engine.process(plan, output)
             except Exception as e:
                 logger.exception("engine step failed; failing every request")
@@ -137,4 +143,5 @@ class AsyncEngine:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
+        self._step_thread.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()

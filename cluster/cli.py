@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-interval-ms", type=float, default=50.0,
                    help="send a stream's tokens at most once per interval, merged "
                         "(0: every step; Ray Serve LLM's default is 50)")
+    s.add_argument("--stream-messages-per-s", type=float, default=None,
+                   help="streamed messages per second one engine replica may send in all; "
+                        "stretches the interval when many streams are open "
+                        "(default: 25 per core, 0: no budget)")
     s.add_argument("--health-check-period-s", type=float, default=10.0)
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     s.add_argument("--num-gpus", type=int, default=None, help="GPUs of a new local Ray")

@@ -4,11 +4,13 @@ Each replica owns its engine (and, for tensor parallelism, its rank actors in
 the replica's placement group), streams per-step deltas to the ingress, and
 answers the ingress's stats and probe calls. With ``stream_interval_ms`` > 0
 (Ray Serve LLM's ``stream_batching_interval_ms``), the tokens of one request
-after its first are sent at most once per interval, merged: every streamed
-message costs CPU in the replica, the ingress, the proxy and the client, and
-at high concurrency that cost competes with the forward pass. A cancelled
-call (the client went away) closes the engine stream, which aborts the
-request in the scheduler before the next step.
+after its first are sent at most once per interval, merged, and the interval
+stretches so that all of the replica's streams together stay within
+``stream_messages_per_s`` (see ``StreamPacer``): every streamed message costs
+CPU in the replica, the ingress, the proxy and the client, and at high
+concurrency that cost competes with the forward pass. A cancelled call (the
+client went away) closes the engine stream, which aborts the request in the
+scheduler before the next step.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from ray import serve
 
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.metrics import RequestTimer, ServerMetrics
+from pagedserve.cluster.placement import stream_message_budget
 from pagedserve.cluster.wire import (
     DeltaTracker,
     EngineChunk,
     EngineRequest,
     ReplicaCall,
+    StreamPacer,
     chunk_to_wire,
     pace_deltas,
 )
@@ -44,12 +48,14 @@ ENGINE_DEPLOYMENT = "EngineServer"
 class EngineServer:
     """One engine replica: an ``AsyncEngine`` and its per-replica metrics."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], stream_interval_ms: float = 50.0) -> None:
+    def __init__(self, engine_kwargs: dict[str, Any], stream_interval_ms: float = 50.0,
+                 stream_messages_per_s: float | None = None) -> None:
         from pagedserve.cluster.async_engine import AsyncEngine
 
         if stream_interval_ms < 0:
             raise ValueError(f"stream_interval_ms must be >= 0, got {stream_interval_ms}")
-        self.stream_interval_s = stream_interval_ms / 1000.0
+        self.pacer = StreamPacer(stream_interval_ms / 1000.0,
+                                 stream_message_budget(stream_messages_per_s))
         self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = ServerMetrics()
@@ -81,9 +87,10 @@ class EngineServer:
         yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
         try:
             outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt)
-            interval = self.stream_interval_s if req.stream else None
-            async with contextlib.aclosing(pace_deltas(
-                    outs, tracker, interval, lambda n: self.metrics.on_tokens(timer, n))) as paced:
+            async with contextlib.AsyncExitStack() as stack:
+                interval = stack.enter_context(self.pacer.streaming()) if req.stream else None
+                paced = await stack.enter_async_context(contextlib.aclosing(pace_deltas(
+                    outs, tracker, interval, lambda n: self.metrics.on_tokens(timer, n))))
                 async for deltas, out in paced:
                     if out.finished:
                         reason = out.outputs[0].finish_reason or "stop"
@@ -102,8 +109,11 @@ class EngineServer:
             self.metrics.on_end(timer, reason)
 
     def stats(self, call: ReplicaCall | None = None) -> dict[str, Any]:
+        pacer = self.pacer
         return {**self.engine.get_stats(), "replica": self.replica_id,
-                "server": self.metrics.snapshot()}
+                "server": self.metrics.snapshot(),
+                "streams": {"open": pacer.active, "interval_ms": 1000 * pacer.interval(),
+                            "messages_per_s_budget": pacer.budget_per_s}}
 
     async def probe(self, call: ReplicaCall | None = None) -> dict[str, Any]:
         """Prove this replica still generates: one greedy token through the whole engine."""

@@ -91,6 +91,7 @@ class ServeArgs(BaseModel):
     replica_num_cpus: float | None = None
     placement_group_strategy: str = "PACK"
     stream_interval_ms: float = Field(default=50.0, ge=0.0)
+    stream_messages_per_s: float | None = Field(default=None, ge=0.0)
     imbalance_threshold: int = 8
 
 
@@ -347,7 +348,8 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     )
     opts.update(engine_replica_options(device == "cuda", threads, a.tensor_parallel_size,
                                        a.replica_num_cpus, a.placement_group_strategy))
-    engine = EngineServer.options(**opts).bind(engine_kwargs, a.stream_interval_ms)
+    engine = EngineServer.options(**opts).bind(engine_kwargs, a.stream_interval_ms,
+                                               a.stream_messages_per_s)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
     return OpenAIServer.options(
         num_replicas=a.ingress_replicas,

@@ -5,7 +5,8 @@ hashes for the router); ``EngineChunk`` comes back once per step with one
 ``SampleDelta`` per sample that advanced. ``DeltaTracker`` turns the engine's
 cumulative snapshots into those deltas, and ``merge_deltas`` folds several
 steps into one message for non-streaming requests. ``pace_deltas`` decides
-when a replica sends: every step, once per stream interval, or once at the end.
+when a replica sends: every step, once per stream interval, or once at the end;
+``StreamPacer`` sets that interval from how many streams the replica serves.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.outputs import RequestOutput
@@ -156,21 +157,68 @@ class DeltaTracker:
         return result
 
 
+MAX_STREAM_INTERVAL_S = 1.0
+
+
+class StreamPacer:
+    """One replica's stream interval: a floor, stretched to keep a message budget.
+
+    Every streamed message costs CPU in the replica, the ingress, the HTTP
+    proxy and the client, about a millisecond in all. With many concurrent
+    streams that cost grows with the stream count while the forward's does
+    not, and on a CPU node it runs on the cores the forward needs. So beside
+    the per-stream floor (``floor_s``, Ray Serve LLM's 50 ms batching
+    interval) a replica keeps a budget of ``budget_per_s`` messages a second
+    across all its streams: each stream's interval is ``active /
+    budget_per_s``, never under the floor nor over ``MAX_STREAM_INTERVAL_S``
+    (unless the floor is). First and final tokens are never held. A budget of
+    0 turns the stretch off.
+    """
+
+    def __init__(self, floor_s: float, budget_per_s: float) -> None:
+        if floor_s < 0:
+            raise ValueError(f"stream interval must be >= 0, got {floor_s}")
+        if budget_per_s < 0:
+            raise ValueError(f"stream message budget must be >= 0, got {budget_per_s}")
+        self.floor_s = floor_s
+        self.budget_per_s = budget_per_s
+        self.active = 0
+
+    def interval(self) -> float:
+        if self.budget_per_s <= 0:
+            return self.floor_s
+        stretched = min(MAX_STREAM_INTERVAL_S, self.active / self.budget_per_s)
+        return max(self.floor_s, stretched)
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[Callable[[], float]]:
+        """Count one stream while it is open; yields the interval to pace it by."""
+        self.active += 1
+        try:
+            yield self.interval
+        finally:
+            self.active -= 1
+
+
 async def pace_deltas(
     outs: AsyncIterator[RequestOutput],
     tracker: DeltaTracker,
-    interval_s: float | None,
+    interval_s: float | Callable[[], float] | None,
     on_tokens: Callable[[int], None] | None = None,
 ) -> AsyncIterator[tuple[list[SampleDelta], RequestOutput]]:
     """What an engine replica sends, and when: (deltas, latest snapshot) per message.
 
     ``interval_s`` None (nobody streams): one message at the end. Otherwise
     the first tokens go at once, then at most one merged message per
-    interval (0: every step). Held tokens go out when the interval ends even
-    if the next step is slow (a long prefill in the same batch), not only with
-    the next token. Closing this generator closes ``outs``, which aborts the
-    request in the engine.
+    interval (0: every step; a callable is asked afresh at each decision, so
+    the interval follows the replica's load). Held tokens go out when the
+    interval ends even if the next step is slow (a long prefill in the same
+    batch), not only with the next token. Closing this generator closes
+    ``outs``, which aborts the request in the engine.
     """
+    current: Callable[[], float] | None = (
+        None if interval_s is None else interval_s if callable(interval_s)
+        else (lambda: interval_s))
     pending: dict[int, SampleDelta] = {}
     latest: RequestOutput | None = None
     sent_tokens, last_sent, deadline = False, 0.0, None
@@ -194,11 +242,12 @@ async def pace_deltas(
             deltas = tracker.deltas(out)
             if on_tokens is not None:
                 on_tokens(max((len(d.token_ids) for d in deltas), default=0))
-            if not out.finished and (interval_s is None or (
-                    sent_tokens and time.monotonic() < last_sent + interval_s)):
+            gap = None if current is None else current()
+            if not out.finished and (gap is None or (
+                    sent_tokens and time.monotonic() < last_sent + gap)):
                 merge_deltas(pending, deltas)
-                if interval_s is not None and deadline is None:
-                    deadline = last_sent + interval_s
+                if gap is not None and deadline is None:
+                    deadline = last_sent + gap
                 continue
             if pending:
                 merge_deltas(pending, deltas)

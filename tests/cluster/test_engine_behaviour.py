@@ -161,3 +161,34 @@ def test_async_engine_cancellation_aborts_and_frees(tiny_llama_dir) -> None:
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_async_engine_runs_every_forward_on_one_thread(tiny_llama_dir) -> None:
+    """OpenMP teams are per calling thread: forwards must not hop between pool threads."""
+    import threading
+
+    async def scenario() -> set[int]:
+        engine = AsyncEngine(EngineConfig(model=tiny_llama_dir, num_gpu_blocks=64))
+        seen: set[int] = set()
+        execute = engine.engine.execute
+
+        def spy(plan):  # noqa: ANN001, ANN202 - a pass-through
+            seen.add(threading.get_ident())
+            return execute(plan)
+
+        engine.engine.execute = spy  # type: ignore[method-assign]
+        try:
+            params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+
+            async def consume(prompt: list[int]) -> None:
+                async for _ in engine.generate(prompt, params):
+                    await asyncio.to_thread(lambda: None)  # keep the default pool busy too
+
+            for _ in range(3):
+                await asyncio.gather(*(consume(p) for p in prompts_of_mixed_lengths(3)))
+        finally:
+            await engine.shutdown()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert len(seen) == 1 and threading.get_ident() not in seen

@@ -72,6 +72,7 @@ def test_disconnected_streams_are_aborted_and_survivors_unchanged(smol: App) -> 
     (a,) = after.values()
     assert a["aborted_requests"] - b["aborted_requests"] == 2
     assert a["server"]["finished"].get("abort", 0) - b["server"]["finished"].get("abort", 0) == 2
+    assert a["streams"]["open"] == 0  # the replica's stream pacing forgot them too
     # Nothing kept generating for the two clients that left: each got 3 tokens, and at
     # most a couple of steps ran for it before the abort landed.
     generated = a["generation_tokens"] - b["generation_tokens"]

@@ -6,8 +6,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import pytest
+
 from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
-from pagedserve.cluster.wire import DeltaTracker, SampleDelta, pace_deltas
+from pagedserve.cluster.wire import (
+    MAX_STREAM_INTERVAL_S,
+    DeltaTracker,
+    SampleDelta,
+    StreamPacer,
+    pace_deltas,
+)
 
 
 def _snap(k: int, total: int) -> RequestOutput:
@@ -89,3 +97,53 @@ def test_closing_early_closes_the_engine_stream() -> None:
 
     asyncio.run(main())
     assert log[-1] == "closed" and "step2" not in log
+
+
+def test_pacer_stretches_the_interval_to_keep_the_replica_budget() -> None:
+    pacer = StreamPacer(0.05, budget_per_s=100.0)
+    assert pacer.interval() == 0.05  # no stream open: the floor
+    with pacer.streaming() as interval:
+        assert pacer.active == 1 and interval() == 0.05
+        opened = [pacer.streaming() for _ in range(31)]
+        for cm in opened:
+            cm.__enter__()
+        assert interval() == pytest.approx(0.32)  # 32 streams share 100 messages/s
+        for cm in opened:
+            cm.__exit__(None, None, None)
+        assert interval() == 0.05
+    assert pacer.active == 0
+
+
+def test_pacer_caps_the_stretch_and_can_be_switched_off() -> None:
+    busy = StreamPacer(0.05, budget_per_s=10.0)
+    busy.active = 1000
+    assert busy.interval() == MAX_STREAM_INTERVAL_S  # streams still move once a second
+    slow_floor = StreamPacer(2.0, budget_per_s=10.0)
+    slow_floor.active = 1000
+    assert slow_floor.interval() == 2.0  # an operator's floor above the cap wins
+    off = StreamPacer(0.05, budget_per_s=0.0)
+    off.active = 1000
+    assert off.interval() == 0.05
+    with pytest.raises(ValueError, match="budget"):
+        StreamPacer(0.05, -1.0)
+    with pytest.raises(ValueError, match="interval"):
+        StreamPacer(-0.05, 1.0)
+
+
+def test_interval_is_read_afresh_so_pacing_follows_load() -> None:
+    """A callable interval: long while busy (tokens merge), zero once load drops."""
+    current = [60.0]
+
+    async def engine() -> AsyncIterator[RequestOutput]:
+        async for out in _engine(8):
+            if len(out.outputs[0].token_ids) == 4:
+                current[0] = 0.0  # the other streams closed while step 4 ran
+            yield out
+
+    async def main() -> list[list[SampleDelta]]:
+        return [d async for d, _ in pace_deltas(engine(), DeltaTracker(1), lambda: current[0])]
+
+    msgs = asyncio.run(main())
+    # Tokens 1-3 are held under the long interval; once it drops, step 4 flushes them
+    # and every later step goes out on its own.
+    assert _tokens(msgs) == [[0], [1, 2, 3], [4], [5], [6], [7]]

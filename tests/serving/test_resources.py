@@ -41,6 +41,7 @@ def test_replica_reserves_the_cpus_its_threads_use(monkeypatch: pytest.MonkeyPat
     assert eng.init_args[0]["num_threads"] == 8
     assert eng.ray_actor_options["num_cpus"] == 8.0
     assert eng.init_args[1] == 50.0  # stream interval default, Ray Serve LLM's
+    assert eng.init_args[2] is None  # message budget: the replica's node decides
 
 
 def test_tensor_parallel_ranks_reserve_their_threads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,3 +62,14 @@ def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     assert eng.init_args[1] == 0.0
     with pytest.raises(ValueError, match="stream_interval_ms"):
         build_app({"device": "cpu", "stream_interval_ms": -1})
+    with pytest.raises(ValueError, match="stream_messages_per_s"):
+        build_app({"device": "cpu", "stream_messages_per_s": -5})
+
+
+def test_stream_message_budget_scales_with_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 4)
+    assert placement.stream_message_budget(None) == 4 * placement.STREAM_MESSAGES_PER_CORE
+    assert placement.stream_message_budget(0) == 0.0
+    assert placement.stream_message_budget(12.5) == 12.5
+    with pytest.raises(ValueError, match="stream_messages_per_s"):
+        placement.stream_message_budget(-1)
