@@ -172,7 +172,7 @@ def test_async_engine_runs_every_forward_on_one_thread(tiny_llama_dir) -> None:
         seen: set[int] = set()
         execute = engine.engine.execute
 
-        def spy(plan):  # noqa: ANN001, ANN202 - a pass-through
+        def spy(plan: object) -> object:
             seen.add(threading.get_ident())
             return execute(plan)
 
