@@ -1,9 +1,12 @@
-"""Native CPU paged decode: a small C kernel compiled on first use, called through ctypes.
+"""Native CPU kernels: paged decode and fused row ops, compiled on first use, called
+through ctypes.
 
 Why: on CPU the torch path copies every context token of every decoding
 sequence into a padded workspace once per layer, then SDPA reads the copy
 again; at serving batch sizes that is about a fifth of the forward. The C
-kernel (``cpu_paged_decode.c``) reads K/V straight from the block pool.
+kernel (``cpu_paged_decode.c``) reads K/V straight from the block pool. The
+same library carries RMSNorm-with-residual and SiLU-and-multiply
+(``cpu_fused_ops.c``), each one pass where torch makes several.
 
 Why C + ctypes rather than a torch C++ extension: the kernel needs no torch
 headers, so it compiles in well under a second with the system C compiler and
@@ -40,7 +43,9 @@ from pagedserve.kernels.torch_ref import TorchBackend
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("cpu_paged_decode.c")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "cpu_paged_decode.c", _HERE / "cpu_fused_ops.c"]
+_HEADERS = [_HERE / "cpu_math.h"]
 # Associative math lets the dot products vectorise; the kernel never forms inf/nan.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
@@ -71,7 +76,8 @@ def _build(cc: str, out: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         tmp_path = Path(tmp.name)
     try:
-        subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp_path), "-lm"],
+        subprocess.run([cc, *_FLAGS, f"-I{_HERE}", *map(str, _SOURCES), "-o", str(tmp_path),
+                        "-lm"],
                        check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp_path, out)
     finally:
@@ -88,13 +94,14 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("PAGEDSERVE_NATIVE_KERNELS", "1") in ("0", "false", "no"):
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None or not _SRC.exists():
+        if cc is None or not all(p.exists() for p in _SOURCES + _HEADERS):
             logger.info("native CPU kernels off: no C compiler found")
             return None
         key = hashlib.sha256(
-            _SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_fingerprint().encode()
+            b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+            + " ".join(_FLAGS).encode() + _cpu_fingerprint().encode()
         ).hexdigest()[:16]
-        path = _cache_dir() / f"paged_decode_{key}.so"
+        path = _cache_dir() / f"cpu_kernels_{key}.so"
         try:
             if not path.exists():
                 _build(cc, path)
@@ -108,6 +115,11 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
                        ctypes.c_float, ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
+        lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,
+                                     ctypes.c_int]
+        lib.rms_norm_f32.restype = None
+        lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int]
+        lib.silu_and_mul_f32.restype = None
         _lib = lib
         return _lib
 
@@ -173,6 +185,55 @@ def paged_decode(
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")
     if rc != 0:
         raise MemoryError("native paged decode could not allocate its score buffer")
+    return out
+
+
+def _fused_ok(*ts: torch.Tensor | None) -> bool:
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
+               for t in ts) and load() is not None
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(norm(x + residual) * weight, x + residual)`` in one pass per row.
+
+    None when these tensors are not for the native op (not CPU fp32 2-D, or
+    no library): the caller runs its torch path. Row sums are fp32, as in
+    transformers' LlamaRMSNorm.
+    """
+    if x.dim() != 2 or x.stride(1) != 1 or not _fused_ok(x, residual, weight):
+        return None
+    m, h = x.shape
+    if weight.shape != (h,) or (residual is not None and residual.shape != x.shape):
+        return None
+    lib = load()
+    assert lib is not None
+    weight = weight.contiguous()
+    out = torch.empty((m, h), dtype=x.dtype)
+    new_res = x
+    res_ptr = res_out_ptr = None
+    if residual is not None:
+        residual = residual.contiguous()
+        new_res = torch.empty((m, h), dtype=x.dtype)
+        res_ptr, res_out_ptr = residual.data_ptr(), new_res.data_ptr()
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), res_ptr, res_out_ptr, weight.data_ptr(),
+                     out.data_ptr(), m, h, float(eps), torch.get_num_threads())
+    return out, new_res
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` rows, in one pass; None if not
+    for the native op (the caller runs its torch path)."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+        return None
+    if not _fused_ok(gate_up):
+        return None
+    lib = load()
+    assert lib is not None
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((m, i), dtype=gate_up.dtype)
+    lib.silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, i,
+                         torch.get_num_threads())
     return out
 
 

@@ -18,25 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) for the max-subtracted scores (x <= 0): Cephes' expf polynomial,
- * written so the compiler vectorises it (libm's expf is a scalar call). */
-static inline float exp_nonpos(float x)
-{
-    x = x < -87.f ? -87.f : x;
-    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
+#include "cpu_math.h"
 
 /* KV heads [h0, h1) of one sequence: all their query heads in one pass over
  * each token's K (contiguous across heads), softmax, one pass over V. */

@@ -90,7 +90,7 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path):
 
 def test_build_is_cached_per_source_and_cpu(fresh_loader) -> None:
     assert cpu_native.load() is not None
-    built = list((fresh_loader / "native").glob("paged_decode_*.so"))
+    built = list((fresh_loader / "native").glob("cpu_kernels_*.so"))
     assert len(built) == 1
     mtime = built[0].stat().st_mtime_ns
     cpu_native._tried = False

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import AttentionBackend
+from pagedserve.kernels import AttentionBackend, cpu_native
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -73,8 +73,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        h = F.silu(gu[:, : self.local_i])
-        h.mul_(gu[:, self.local_i:])
+        h = cpu_native.silu_and_mul(gu)  # one pass on CPU fp32, else None
+        if h is None:
+            h = F.silu(gu[:, : self.local_i])
+            h.mul_(gu[:, self.local_i:])
         return self.down_proj(h)
 
 

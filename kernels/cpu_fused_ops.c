@@ -1,0 +1,58 @@
+/*
+ * Row-wise fused ops for the CPU forward, fp32, built into the same library
+ * as the paged decode kernel.
+ *
+ * Each op does in one pass over memory what the torch path does in several
+ * (with a fresh temporary per step): RMSNorm with its residual add is seven
+ * torch ops, SiLU-and-multiply two. At prefill batch sizes these passes
+ * are memory-bound; at decode sizes the op dispatch costs more than the
+ * arithmetic.
+ *
+ * Rows are split over OpenMP threads, and each row is summed in fp32, as
+ * transformers' LlamaRMSNorm does.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_math.h"
+
+/* out[m] = w * r / sqrt(mean(r^2) + eps), where r = x[m] + res[m] (or x[m]).
+ * When res is given, r is also written to res_out[m] (the next residual). */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *res, float *res_out,
+                  const float *w, float *out, int64_t M, int64_t H, float eps, int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H >= 32768)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * x_stride;
+        const float *r = xr;
+        if (res != 0) {
+            const float *rr = res + m * H;
+            float *ro = res_out + m * H;
+            for (int64_t j = 0; j < H; j++)
+                ro[j] = xr[j] + rr[j];
+            r = ro;
+        }
+        float ss = 0.f;
+        for (int64_t j = 0; j < H; j++)
+            ss += r[j] * r[j];
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        float *o = out + m * H;
+        for (int64_t j = 0; j < H; j++)
+            o[j] = w[j] * (r[j] * inv);
+    }
+}
+
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: the gate and up halves of one
+ * merged projection. */
+void silu_and_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t M, int64_t I,
+                      int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * I >= 32768)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * gu_stride;
+        const float *u = g + I;
+        float *o = out + m * I;
+        for (int64_t i = 0; i < I; i++)
+            o[i] = silu_f32(g[i]) * u[i];
+    }
+}

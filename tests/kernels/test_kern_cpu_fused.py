@@ -1,0 +1,79 @@
+"""The native fused row ops (RMSNorm with residual, SiLU-and-multiply) against torch.
+
+The model calls them on CPU fp32 and falls back to torch ops when they answer
+None; greedy parity with transformers (tests/cluster) covers them end to end.
+These pin the numerics per op, strided rows, empty batches and the fallbacks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler")
+RTOL = 2e-6  # fp32, only the summation order and the exp polynomial differ
+
+
+def _norm_ref(x: torch.Tensor, res: torch.Tensor | None, w: torch.Tensor, eps: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + res if res is not None else x
+    return w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)), s
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(rows: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * 3
+    res = torch.randn(rows, 576, generator=g) if with_residual else None
+    w = torch.rand(576, generator=g) + 0.5
+    got = cpu_native.rms_norm(x, res, w, 1e-5)
+    assert got is not None
+    ref_out, ref_res = _norm_ref(x, res, w, 1e-5)
+    torch.testing.assert_close(got[0], ref_out, rtol=RTOL, atol=1e-6)
+    torch.testing.assert_close(got[1], ref_res, rtol=0, atol=0)
+    if res is None:
+        assert got[1] is x  # nothing to add: the input is the next residual
+
+
+def test_rms_norm_reads_strided_rows_and_leaves_inputs_alone() -> None:
+    big = torch.randn(5, 1000)
+    x = big[:, 100:164]  # rows 1000 floats apart
+    res = torch.randn(5, 64)
+    x0, res0 = x.clone(), res.clone()
+    w = torch.rand(64) + 0.5
+    out, new_res = cpu_native.rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(out, _norm_ref(x0, res0, w, 1e-6)[0], rtol=RTOL, atol=1e-6)
+    assert torch.equal(x, x0) and torch.equal(res, res0) and new_res.data_ptr() != res.data_ptr()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 64, 257])
+def test_silu_and_mul_matches_torch(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    gu = torch.randn(rows, 2 * 384, generator=g) * 6  # deep into both tails of the sigmoid
+    got = cpu_native.silu_and_mul(gu)
+    assert got is not None
+    ref = F.silu(gu[:, :384]) * gu[:, 384:]
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-6)
+    strided = torch.randn(3, 1000)[:, :768]
+    torch.testing.assert_close(cpu_native.silu_and_mul(strided),
+                               F.silu(strided[:, :384]) * strided[:, 384:],
+                               rtol=RTOL, atol=1e-6)
+
+
+def test_other_tensors_get_none_so_the_caller_uses_torch(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    w = torch.ones(8)
+    assert cpu_native.rms_norm(torch.randn(2, 8, dtype=torch.float16), None,
+                               w.half(), 1e-5) is None
+    assert cpu_native.rms_norm(torch.randn(8, 2).t(), None, w.view(2, 4)[0], 1e-5) is None
+    assert cpu_native.rms_norm(torch.randn(2, 8), torch.randn(2, 4), w, 1e-5) is None
+    assert cpu_native.silu_and_mul(torch.randn(2, 7)) is None  # no even split
+    assert cpu_native.silu_and_mul(torch.randn(2, 8, dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    monkeypatch.setattr(cpu_native, "_lib", None)  # no library (switched off, no compiler)
+    assert cpu_native.rms_norm(torch.randn(2, 8), None, w, 1e-5) is None
+    assert cpu_native.silu_and_mul(torch.randn(2, 8)) is None
