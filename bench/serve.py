@@ -12,6 +12,7 @@ the HTTP path at an OpenAI streaming client, so the ratio prices the whole servi
     python bench/serve.py --num-prompts 48 --request-rate 1,2,4,inf
     python bench/serve.py --max-concurrency 8 --request-rate inf --backends http
     python bench/serve.py --url http://127.0.0.1:8000 --backends http   # a running server
+    python bench/serve.py --no-stream    # HTTP without SSE: the per-request cost alone
 
 Writes ``serve_<timestamp>.json`` and PNG plots into ``--out`` (default bench/results/).
 """
@@ -130,8 +131,9 @@ class Http:
 
     name = "http"
 
-    def __init__(self, serve_args: dict[str, Any], url: str | None, api_key: str | None
-                 ) -> None:
+    def __init__(self, serve_args: dict[str, Any], url: str | None, api_key: str | None,
+                 stream: bool = True) -> None:
+        self.stream = stream
         self.started = url is None
         if url is None:
             url = self._deploy(serve_args)
@@ -162,7 +164,10 @@ class Http:
             self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(
                 max_connections=4096, max_keepalive_connections=4096))
         body = {"prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                "ignore_eos": True}
+        if not self.stream:
+            return await self._send_whole(body)
+        body.update(stream=True, stream_options={"include_usage": True})
         res, start, last = Result(), time.perf_counter(), 0.0
         try:
             async with self.client.stream("POST", f"{self.url}/v1/completions", json=body,
@@ -188,6 +193,23 @@ class Http:
                             res.itl.append(now - last)
                         last = now
             res.ok, res.e2el = True, time.perf_counter() - start
+        except Exception as e:
+            res.error = repr(e)
+        return res
+
+    async def _send_whole(self, body: dict[str, Any]) -> Result:
+        """One non-streaming request: TTFT is the whole latency, no ITL."""
+        res, start = Result(), time.perf_counter()
+        try:
+            resp = await self.client.post(f"{self.url}/v1/completions", json=body,
+                                          headers=self.headers)
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {resp.text[:200]!r}"
+                return res
+            usage = resp.json()["usage"]
+            res.output_tokens, res.prompt_tokens = usage["completion_tokens"], usage["prompt_tokens"]
+            res.ok, res.ttft = True, time.perf_counter() - start
+            res.e2el = res.ttft
         except Exception as e:
             res.error = repr(e)
         return res
@@ -297,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-messages-per-s", type=float, default=None,
                    help="a replica's streamed-message budget (default: the server's; "
                         "0: none)")
+    p.add_argument("--no-stream", action="store_true",
+                   help="HTTP requests without streaming (prices the per-request path alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -323,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run_all() -> None:
         for name in args.backends.split(","):
             backend: Any = InProcess(engine_kwargs) if name == "inproc" else Http(
-                serve_args, args.url, args.api_key)
+                serve_args, args.url, args.api_key, stream=not args.no_stream)
             try:
                 report["backends"][name] = await bench_backend(backend, reqs, rates, args, slo)
             finally:
