@@ -52,8 +52,6 @@ class EngineServer:
                  stream_messages_per_s: float | None = None) -> None:
         from pagedserve.cluster.async_engine import AsyncEngine
 
-        if stream_interval_ms < 0:
-            raise ValueError(f"stream_interval_ms must be >= 0, got {stream_interval_ms}")
         self.pacer = StreamPacer(stream_interval_ms / 1000.0,
                                  stream_message_budget(stream_messages_per_s))
         self.engine = AsyncEngine(EngineConfig(**engine_kwargs))

@@ -124,6 +124,11 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
+def _loaded() -> ctypes.CDLL | None:
+    """``load()`` without its lock once it has run: the row ops call this per layer."""
+    return _lib if _tried else load()
+
+
 def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether the native kernel handles these tensors: CPU, fp32, contiguous caches,
     query heads a multiple of KV heads."""
@@ -135,7 +140,7 @@ def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
         and q.shape[1] % key_cache.shape[2] == 0
-        and load() is not None
+        and _loaded() is not None
     )
 
 
@@ -154,7 +159,7 @@ def paged_decode(
     on the host. Block-table entries past a sequence's length are never read,
     so -1 padding there is fine; a needed entry out of range raises.
     """
-    lib = load()
+    lib = _loaded()
     if lib is None:
         raise RuntimeError("the native CPU kernel is unavailable; check supports() first")
     s, hq, d = q.shape
@@ -188,9 +193,11 @@ def paged_decode(
     return out
 
 
-def _fused_ok(*ts: torch.Tensor | None) -> bool:
-    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
-               for t in ts) and load() is not None
+def _fused_lib(*ts: torch.Tensor | None) -> ctypes.CDLL | None:
+    """The library when every given tensor is CPU fp32 and it is built, else None."""
+    if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in ts):
+        return _loaded()
+    return None
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -201,13 +208,14 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     no library): the caller runs its torch path. Row sums are fp32, as in
     transformers' LlamaRMSNorm.
     """
-    if x.dim() != 2 or x.stride(1) != 1 or not _fused_ok(x, residual, weight):
+    if x.dim() != 2 or x.stride(1) != 1:
         return None
     m, h = x.shape
     if weight.shape != (h,) or (residual is not None and residual.shape != x.shape):
         return None
-    lib = load()
-    assert lib is not None
+    lib = _fused_lib(x, residual, weight)
+    if lib is None:
+        return None
     weight = weight.contiguous()
     out = torch.empty((m, h), dtype=x.dtype)
     new_res = x
@@ -226,10 +234,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     for the native op (the caller runs its torch path)."""
     if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
         return None
-    if not _fused_ok(gate_up):
+    lib = _fused_lib(gate_up)
+    if lib is None:
         return None
-    lib = load()
-    assert lib is not None
     m, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((m, i), dtype=gate_up.dtype)
     lib.silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, i,
