@@ -33,14 +33,20 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None
                  ) -> None:
-        self.engine = engine or LLMEngine(config or EngineConfig())
+        # One dedicated thread for every forward, and for building the engine too.
+        # OpenMP thread pools belong to the thread that opens a parallel region:
+        # a forward hopping between pool threads starts a second team whose idle
+        # threads spin against the running one, and once libgomp manages more
+        # threads than there are cores (a pool left behind by loading the model
+        # on the caller's thread is enough) it throttles every team's spin-wait,
+        # so the forward's workers sleep between ops and wake late: 5-10% of a
+        # CPU decode step.
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
+        self.engine = engine or self._step_thread.submit(
+            LLMEngine, config or EngineConfig()).result()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
-        # One dedicated thread for every forward: OpenMP teams belong to the calling
-        # thread, so a forward hopping between pool threads would start a second team
-        # whose idle threads spin against the running one on the same cores.
-        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
         configure_gc_for_serving()
 
     @property

@@ -163,9 +163,21 @@ def test_async_engine_cancellation_aborts_and_frees(tiny_llama_dir) -> None:
     asyncio.run(scenario())
 
 
-def test_async_engine_runs_every_forward_on_one_thread(tiny_llama_dir) -> None:
-    """OpenMP teams are per calling thread: forwards must not hop between pool threads."""
+def test_async_engine_runs_every_forward_on_one_thread(tiny_llama_dir, monkeypatch) -> None:
+    """OpenMP pools are per calling thread: the engine is built, and every forward runs, on
+    one thread, never the caller's nor a default-pool thread."""
     import threading
+
+    from pagedserve.cluster import async_engine
+
+    built: set[int] = set()
+
+    class SpyEngine(async_engine.LLMEngine):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            built.add(threading.get_ident())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", SpyEngine)
 
     async def scenario() -> set[int]:
         engine = AsyncEngine(EngineConfig(model=tiny_llama_dir, num_gpu_blocks=64))
@@ -192,3 +204,4 @@ def test_async_engine_runs_every_forward_on_one_thread(tiny_llama_dir) -> None:
 
     seen = asyncio.run(scenario())
     assert len(seen) == 1 and threading.get_ident() not in seen
+    assert built == seen
