@@ -111,6 +111,39 @@ class HttpMetrics:
             self.responses[(route, status)] = self.responses.get((route, status), 0) + 1
 
 
+class HttpMetricsMiddleware:
+    """Plain ASGI middleware feeding :class:`HttpMetrics`.
+
+    Starlette's ``BaseHTTPMiddleware`` would pipe every chunk of a streamed
+    response through an extra task and memory stream, a cost paid per SSE
+    event on the ingress's event loop. This one only watches the
+    ``http.response.start`` message, and counts a request in flight until its
+    last byte is sent, not just until its handler returns.
+    """
+
+    def __init__(self, app: Any, metrics: HttpMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def watch(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight += 1
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            self.metrics.in_flight -= 1
+            self.metrics.record(scope["path"], status)
+
+
 def _hist_family(name: str, doc: str, replicas: list[dict[str, Any]], key: str
                  ) -> HistogramMetricFamily:
     fam = HistogramMetricFamily(name, doc, labels=["replica"])

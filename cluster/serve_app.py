@@ -33,6 +33,7 @@ from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.metrics import (
     HttpMetrics,
+    HttpMetricsMiddleware,
     call_each_replica,
     render_prometheus,
 )
@@ -109,17 +110,7 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
     return JSONResponse(validation_error_body(e.errors()), status_code=400)
 
 
-@api.middleware("http")
-async def _count(request: Request, call_next: Any) -> Response:
-    _http.in_flight += 1
-    status = 500
-    try:
-        response = await call_next(request)
-        status = response.status_code
-        return response
-    finally:
-        _http.in_flight -= 1
-        _http.record(request.url.path, status)
+api.add_middleware(HttpMetricsMiddleware, metrics=_http)
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
