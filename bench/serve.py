@@ -146,8 +146,10 @@ class Http:
         import ray
         from ray import serve
 
+        from pagedserve.cluster.placement import local_cluster_env
         from pagedserve.cluster.serve_app import build_app
 
+        os.environ.update(local_cluster_env())  # what `pagedserve serve` starts Ray with
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  num_cpus=max(4, os.cpu_count() or 1))
         with socket.socket() as s:

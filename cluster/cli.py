@@ -118,6 +118,7 @@ def serve_forever(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from pagedserve.cluster.placement import local_cluster_env
     from pagedserve.cluster.serve_app import build_app
 
     app = build_app(args)  # validates the engine settings before anything starts
@@ -126,6 +127,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         # Every rank gets at least one logical CPU and a TP replica's scheduler one more,
         # even on a machine with fewer cores (serve_app sizes threads by real cores).
         need = args.num_replicas * (args.tensor_parallel_size + 1)
+        os.environ.update(local_cluster_env(args.dashboard))
         ray.init(address="local", include_dashboard=args.dashboard,
                  num_cpus=args.num_cpus or max(os.cpu_count() or 1, need),
                  num_gpus=args.num_gpus)

@@ -52,6 +52,7 @@ def test_tensor_parallel_ranks_reserve_their_threads(monkeypatch: pytest.MonkeyP
                                                             {"CPU": 3.0}]
     env = eng.ray_actor_options["runtime_env"]["env_vars"]
     assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
 
 
 def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,3 +74,17 @@ def test_stream_message_budget_scales_with_the_node(monkeypatch: pytest.MonkeyPa
     assert placement.stream_message_budget(12.5) == 12.5
     with pytest.raises(ValueError, match="stream_messages_per_s"):
         placement.stream_message_budget(-1)
+
+
+def test_local_cluster_env_quiets_serve_unless_the_operator_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
+              "RAY_enable_metrics_collection"):
+        monkeypatch.delenv(k, raising=False)
+    env = placement.local_cluster_env()
+    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
+                   "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+                   "RAY_enable_metrics_collection": "0"}
+    assert "RAY_enable_metrics_collection" not in placement.local_cluster_env(dashboard=True)
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
+    assert placement.local_cluster_env()["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
