@@ -5,11 +5,18 @@ The cluster package creates the placement group and the actors
 this wrapper only forwards calls, so a Worker behaves the same in-process and
 inside an actor. Rank 0's actor reports its address for the
 ``tcp://ip:port`` init method that every rank then passes to ``load_model``.
+
+The actor runs with two threads (so a health check answers during a long
+forward), but every call that computes runs on one thread of the wrapper's
+own: OpenMP pools belong to the thread that opens a parallel region, and a
+second pool on a CPU rank makes libgomp throttle the forward's spin-wait.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import ray
 
@@ -18,28 +25,34 @@ from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.parallel import get_node_ip_and_free_port
 from pagedserve.worker.worker import Worker
 
+T = TypeVar("T")
+
 
 class RayWorkerWrapper:
     """Holds one Worker inside an actor process."""
 
     def __init__(self, config: WorkerConfig):
-        self.worker = Worker(config)
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-rank")
+        self.worker = self._on_compute_thread(Worker, config)
+
+    def _on_compute_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._compute.submit(fn, *args).result()
 
     def get_node_ip_and_free_port(self) -> tuple[str, int]:
         """This actor's node IP and a free port (called on rank 0 before ``load_model``)."""
         return get_node_ip_and_free_port()
 
     def load_model(self, dist_init_method: str | None = None) -> None:
-        self.worker.load_model(dist_init_method)
+        self._on_compute_thread(self.worker.load_model, dist_init_method)
 
     def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
+        return self._on_compute_thread(self.worker.determine_num_blocks)
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None) -> None:
-        self.worker.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        self._on_compute_thread(self.worker.init_kv_cache, num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(plan)
+        return self._on_compute_thread(self.worker.execute_model, plan)
 
     def check_health(self) -> dict[str, Any]:
         return self.worker.check_health()
@@ -48,6 +61,7 @@ class RayWorkerWrapper:
         return self.worker.get_model_info()
 
     def shutdown(self) -> None:
+        """Runs on the calling thread, so it never waits behind a forward stuck on a dead peer."""
         self.worker.shutdown()
 
     def ping(self) -> str:

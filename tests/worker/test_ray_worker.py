@@ -60,3 +60,45 @@ def test_two_ray_actors_tp2(tmp_path, ray_local):
     finally:
         for a in actors:
             ray.kill(a)
+
+
+def test_wrapper_computes_on_one_thread_whichever_actor_thread_calls(tmp_path, monkeypatch):
+    """The actor has two threads; OpenMP pools are per thread, so every call that computes
+    (building the worker included) must land on the wrapper's one compute thread."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedserve.worker import ray_worker
+
+    seen: dict[str, set[int]] = {}
+
+    class SpyWorker(ray_worker.Worker):
+        def __init__(self, *a, **kw):
+            seen.setdefault("__init__", set()).add(threading.get_ident())
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(ray_worker, "Worker", SpyWorker)
+    path = save_tiny_model(tmp_path / "m", "llama", seed=3)
+    callers = ThreadPoolExecutor(2)  # what max_concurrency=2 gives an actor
+    w = callers.submit(ray_worker.RayWorkerWrapper,
+                       WorkerConfig(model=str(path), block_size=4, num_gpu_blocks=16)).result()
+    for name in ("load_model", "determine_num_blocks", "init_kv_cache", "execute_model"):
+        real = getattr(w.worker, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            seen.setdefault(_name, set()).add(threading.get_ident())
+            return _real(*a, **kw)
+
+        setattr(w.worker, name, spy)
+    callers.submit(w.load_model).result()
+    n = callers.submit(w.determine_num_blocks).result()
+    callers.submit(w.init_kv_cache, n, 0).result()
+    alloc = BlockAllocator(16, 4)
+    futs = [callers.submit(w.execute_model, plan(0, [request(alloc, "r", [3, 14, 15], 0)]))]
+    futs.append(callers.submit(w.check_health))
+    assert futs[0].result().sampled["r"].token_id >= 0 and futs[1].result()["ok"]
+    threads = set().union(*seen.values())
+    assert len(seen) == 5 and len(threads) == 1
+    assert threading.get_ident() not in threads
+    callers.shutdown()
+    w.shutdown()
