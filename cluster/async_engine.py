@@ -42,8 +42,12 @@ class AsyncEngine:
         # so the forward's workers sleep between ops and wake late: 5-10% of a
         # CPU decode step.
         self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
-        self.engine = engine or self._step_thread.submit(
-            LLMEngine, config or EngineConfig()).result()
+        try:
+            self.engine = engine or self._step_thread.submit(
+                LLMEngine, config or EngineConfig()).result()
+        except BaseException:
+            self._step_thread.shutdown(wait=False)
+            raise
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None

@@ -73,7 +73,7 @@ def local_cluster_env(dashboard: bool = False) -> dict[str, str]:
     of the forward: every wakeup preempts one of its OpenMP threads and the
     other waits at the next barrier. These settings brought the idle app to
     about 1,160 wakeups and 0.05 of a core, and a 32-stream burst served
-    4-7% faster in paired runs. Ray's own metrics stay on when the dashboard
+    4-7% faster in alternating runs. Ray's own metrics stay on when the dashboard
     is asked for; whatever the operator already set wins.
     """
     env = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
