@@ -30,7 +30,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +38,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from serve_metrics import Result, parse_slo, summarize
+
 
 @dataclass
 class Req:
     prompt: list[int]
     output_len: int
-
-
-@dataclass
-class Result:
-    ok: bool = False
-    ttft: float = 0.0
-    e2el: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    error: str = ""
 
 
 def make_requests(n: int, input_len: int, output_len: int, seed: int) -> list[Req]:
@@ -228,58 +219,6 @@ class Http:
             ray.shutdown()
 
 
-# ---- metrics --------------------------------------------------------------------------
-
-
-def _stats(name: str, xs: list[float], out: dict[str, float]) -> None:
-    ms = [x * 1000 for x in xs] or [float("nan")]
-    out[f"mean_{name}_ms"] = statistics.fmean(ms)
-    out[f"median_{name}_ms"] = float(np.median(ms))
-    out[f"std_{name}_ms"] = float(np.std(ms))
-    for p in (50, 90, 99):
-        out[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
-
-
-def summarize(results: list[Result], duration: float, slo_ms: dict[str, float]
-              ) -> dict[str, Any]:
-    """vLLM ``bench serve`` metrics of one run."""
-    ok = [r for r in results if r.ok]
-    tpot = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    out_tok = sum(r.output_tokens for r in ok)
-    in_tok = sum(r.prompt_tokens for r in ok)
-    m: dict[str, Any] = {
-        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
-        "total_token_throughput": (in_tok + out_tok) / duration,
-    }
-    _stats("ttft", [r.ttft for r in ok], m)
-    _stats("tpot", tpot, m)
-    _stats("itl", [x for r in ok for x in r.itl], m)
-    _stats("e2el", [r.e2el for r in ok], m)
-
-    def good(r: Result) -> bool:
-        per_tok = (r.e2el - r.ttft) / max(1, r.output_tokens - 1)
-        vals = {"ttft": r.ttft, "tpot": per_tok, "e2el": r.e2el}
-        return all(vals[k] * 1000 <= v for k, v in slo_ms.items())
-
-    m["request_goodput"] = sum(good(r) for r in ok) / duration
-    m["errors"] = sorted({r.error for r in results if r.error})[:5]
-    m["ttft_s"] = [r.ttft for r in ok]
-    m["e2el_s"] = [r.e2el for r in ok]
-    return m
-
-
-def parse_slo(items: list[str]) -> dict[str, float]:
-    slo = {}
-    for it in items:
-        k, v = it.split(":")
-        if k not in ("ttft", "tpot", "e2el"):
-            raise SystemExit(f"--goodput keys are ttft, tpot, e2el (ms), got {k!r}")
-        slo[k] = float(v)
-    return slo
-
-
 async def bench_backend(backend: Any, reqs: list[list[Req]], rates: list[float],
                         args: argparse.Namespace, slo: dict[str, float]) -> dict[str, Any]:
     out = {}
@@ -350,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_args["stream_messages_per_s"] = args.stream_messages_per_s
     print(f"{args.num_prompts} requests per rate, input {args.input_len}, output {args.output_len} tokens, "
           f"rates {rates}, concurrency {args.max_concurrency or 'unbounded'}, SLO {slo} ms")
-    report: dict[str, Any] = {"config": vars(args), "slo_ms": slo, "backends": {}}
+    report: dict[str, Any] = {"config": vars(args), "slo_ms": slo, "repeats": []}
 
     async def run_all() -> None:
         for _ in range(args.repeat):
@@ -364,7 +303,6 @@ def main(argv: list[str] | None = None) -> int:
                     await backend.close()
             report["repeats"].append(runs)
 
-    report["repeats"] = []
     asyncio.run(run_all())
     report["backends"] = report["repeats"][-1]
     b = report["backends"]
