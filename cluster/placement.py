@@ -38,10 +38,11 @@ STREAM_MESSAGES_PER_CORE = 25.0
 def stream_message_budget(configured: float | None) -> float:
     """Streamed messages per second one engine replica may send (0: no budget).
 
-    Unset: 25 a second per core of this node. At about a millisecond of CPU
-    per message across replica, ingress, proxy and client, that keeps the
-    serving stack's share of the node's CPU near 3% however many streams are
-    open, so on a CPU node it cannot starve the forward it shares cores with.
+    Unset: 25 a second per core of this node. At one to two milliseconds of
+    CPU per message across replica, ingress, proxy and client (about 2 ms
+    measured on a 2-core node), that keeps the serving stack's share of the
+    node's CPU within about 5% however many streams are open, so on a CPU node
+    it cannot starve the forward it shares cores with.
     """
     if configured is not None:
         if configured < 0:

@@ -164,7 +164,7 @@ class StreamPacer:
     """One replica's stream interval: a floor, stretched to keep a message budget.
 
     Every streamed message costs CPU in the replica, the ingress, the HTTP
-    proxy and the client, about a millisecond in all. With many concurrent
+    proxy and the client, one to two milliseconds in all. With many concurrent
     streams that cost grows with the stream count while the forward's does
     not, and on a CPU node it runs on the cores the forward needs. So beside
     the per-stream floor (``floor_s``, Ray Serve LLM's 50 ms batching
