@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine's tensor-parallel group failed; requests on it cannot finish."""
+    """A step failed (a tensor-parallel rank died, or the engine raised); requests on it
+    cannot finish, and the replica's health check reports it so Serve replaces it."""
 
 
 class AsyncEngine:
@@ -74,24 +75,34 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            plan = engine.schedule()
             try:
+                # Every phase is inside: an error in scheduling or detokenising must fail
+                # the waiting callers too, not end this task and leave them hanging.
+                plan = engine.schedule()
                 output = await asyncio.get_running_loop().run_in_executor(
                     self._step_thread, engine.execute, plan)
                 results = engine.process(plan, output)
             except Exception as e:
-                logger.exception("engine step failed; failing every request")
-                err = EngineDeadError(str(e))
-                engine.fail_all(err)
-                for q in self._queues.values():
-                    q.put_nowait(err)
-                self._queues.clear()
+                self._fail_everyone(e)
                 return
             for out in results:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put_nowait(out)
             await asyncio.sleep(0)  # let aborts and new requests in between steps
+
+    def _fail_everyone(self, e: Exception) -> None:
+        """A step raised: the engine is dead, every request fails and frees its blocks."""
+        logger.exception("engine step failed; failing every request")
+        err = EngineDeadError(f"{type(e).__name__}: {e}")
+        for q in self._queues.values():
+            q.put_nowait(err)
+        self._queues.clear()
+        try:
+            self.engine.fail_all(err)
+        except Exception:  # the scheduler itself may be what broke; callers know already
+            self.engine.dead = err
+            logger.exception("could not abort the requests of a failed engine")
 
     async def generate(
         self,

@@ -205,3 +205,53 @@ def test_async_engine_runs_every_forward_on_one_thread(tiny_llama_dir, monkeypat
     seen = asyncio.run(scenario())
     assert len(seen) == 1 and threading.get_ident() not in seen
     assert built == seen
+
+
+@pytest.mark.parametrize("phase", ["schedule", "process"])
+def test_async_engine_error_outside_the_forward_fails_callers_instead_of_hanging(
+        tiny_llama_dir, phase) -> None:
+    """A scheduler or detokeniser error fails every open request at once, frees the pool,
+    marks the engine dead for the health check, and rejects later requests."""
+    from pagedserve.cluster.async_engine import EngineDeadError
+
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=tiny_llama_dir, num_gpu_blocks=64))
+        core = engine.engine
+        real = getattr(core, phase)
+        calls = 0
+
+        def broken(*args: object) -> object:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise KeyError("scheduler bug")
+            return real(*args)
+
+        setattr(core, phase, broken)
+        try:
+            params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.0)
+
+            async def consume(prompt: list[int]) -> BaseException | None:
+                try:
+                    async for _ in engine.generate(prompt, params):
+                        pass
+                except EngineDeadError as e:
+                    return e
+                return None
+
+            errors = await asyncio.wait_for(asyncio.gather(
+                *(consume(p) for p in prompts_of_mixed_lengths(3))), timeout=60)
+            assert all(isinstance(e, EngineDeadError) and "scheduler bug" in str(e)
+                       for e in errors), errors
+            mem = core.scheduler.memory_stats()
+            assert mem.num_free_blocks == mem.num_gpu_blocks
+            assert not core._groups
+            with pytest.raises(EngineDeadError):
+                await engine.check_health()
+            with pytest.raises(EngineDeadError):
+                async for _ in engine.generate(prompts_of_mixed_lengths(1)[0], params):
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
