@@ -1,16 +1,18 @@
 """The engine replica deployment: one ``AsyncEngine`` per Serve replica.
 
 Each replica owns its engine (and, for tensor parallelism, its rank actors in
-the replica's placement group), streams per-step deltas to the ingress, and
-answers the ingress's stats and probe calls. With ``stream_interval_ms`` > 0
+the replica's placement group), sends per-step deltas to the ingress over its
+channel (``run`` and ``subscribe``; see ``channel``), and answers the
+ingress's stats and probe calls. With ``stream_interval_ms`` > 0
 (Ray Serve LLM's ``stream_batching_interval_ms``), the tokens of one request
 after its first are sent at most once per interval, merged, and the interval
 stretches so that all of the replica's streams together stay within
 ``stream_messages_per_s`` (see ``StreamPacer``): every streamed message costs
 CPU in the replica, the ingress, the proxy and the client, and at high
-concurrency that cost competes with the forward pass. A cancelled call (the
-client went away) closes the engine stream, which aborts the request in the
-scheduler before the next step.
+concurrency that cost competes with the forward pass (the channel makes the
+replica-to-ingress leg one message per step; the ingress, proxy and client
+still pay per stream). A cancelled call (the client went away) closes the
+engine stream, which aborts the request in the scheduler before the next step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from ray import serve
 
+from pagedserve.cluster.channel import Outboxes
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.metrics import RequestTimer, ServerMetrics
 from pagedserve.cluster.placement import stream_message_budget
@@ -54,6 +57,7 @@ class EngineServer:
 
         self.pacer = StreamPacer(stream_interval_ms / 1000.0,
                                  stream_message_budget(stream_messages_per_s))
+        self.outboxes = Outboxes()
         self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = ServerMetrics()
@@ -67,10 +71,37 @@ class EngineServer:
                 "pool_tokens": blocks * core.scheduler.block_size,
                 "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id}
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[tuple]:
-        """Stream one request: an ack naming this replica, then per-step deltas.
+    async def run(self, req: EngineRequest) -> int:
+        """Serve one request whose chunks go to the caller's channel; returns how many.
 
-        Items are :func:`chunk_to_wire` tuples (cheap for Ray to serialise).
+        The ingress's path (see ``channel``): an ack naming this replica, then the paced
+        deltas, as :func:`chunk_to_wire` tuples. Cancelling this call aborts the request.
+        """
+        if req.channel is None:
+            raise ValueError("EngineServer.run needs EngineRequest.channel")
+        sent, terminal = 0, False
+        with self.outboxes.sending(req.channel) as send:
+            async with contextlib.aclosing(self._chunks(req)) as chunks:
+                async for chunk in chunks:
+                    send(chunk_to_wire(chunk))
+                    sent += 1
+                    terminal = chunk.finished or chunk.error is not None
+            if not terminal:  # never leave the ingress waiting for an end that won't come
+                send(chunk_to_wire(EngineChunk(req.request_id, self.replica_id,
+                                               error="engine stream ended early",
+                                               status=500)))
+                sent += 1
+        return sent
+
+    async def subscribe(self, call: ReplicaCall, channel: str) -> AsyncIterator[list[tuple]]:
+        """One ingress's chunks from this replica, a list per message (see ``channel``)."""
+        async for batch in self.outboxes.subscribe(channel):
+            yield batch
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[tuple]:
+        """Stream one request on its own (``stream=True`` handle): ack, then deltas.
+
+        For other deployments composing this one; items are :func:`chunk_to_wire` tuples.
         """
         async with contextlib.aclosing(self._chunks(req)) as chunks:
             async for chunk in chunks:
@@ -111,7 +142,8 @@ class EngineServer:
         return {**self.engine.get_stats(), "replica": self.replica_id,
                 "server": self.metrics.snapshot(),
                 "streams": {"open": pacer.active, "interval_ms": 1000 * pacer.interval(),
-                            "messages_per_s_budget": pacer.budget_per_s}}
+                            "messages_per_s_budget": pacer.budget_per_s,
+                            **self.outboxes.stats()}}
 
     async def probe(self, call: ReplicaCall | None = None) -> dict[str, Any]:
         """Prove this replica still generates: one greedy token through the whole engine."""

@@ -27,18 +27,20 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.protocol import APIError
-from pagedserve.cluster.wire import EngineChunk, EngineRequest, chunk_from_wire
+from pagedserve.cluster.wire import EngineChunk, EngineRequest
 
 ROUTER_CLASS_PATH = "pagedserve.cluster.router:PrefixAffinityRouter"
 MAX_ATTEMPTS = 3  # a request whose replica died before its first token moves on
+CHANNEL_GRACE_S = 30.0  # after its call returned, a request's last chunks must arrive by then
 
 logger = logging.getLogger(__name__)
 
@@ -46,51 +48,90 @@ logger = logging.getLogger(__name__)
 # ---- dispatch from the ingress -------------------------------------------------------
 
 
-async def stream_from_replicas(handle: Any, req: EngineRequest
-                               ) -> AsyncIterator[EngineChunk]:
-    """One engine stream through ``handle`` (``stream=True``), routed by the router above.
+@dataclass
+class _CallEnded:
+    """The request's ``run`` call returned (``error`` None) or failed."""
 
-    A replica that dies (or whose TP group fails) before sending a token gets the request
-    retried on another replica; after the first token the client sees the error. Leaving
-    early (the caller cancelled or stopped iterating) cancels the replica's task, which
-    aborts the request in its scheduler.
+    error: BaseException | None = None
+
+
+async def _watch(response: Any, q: asyncio.Queue[Any]) -> None:
+    try:
+        await response
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the reader decides what each failure means
+        q.put_nowait(_CallEnded(e))
+    else:
+        q.put_nowait(_CallEnded())
+
+
+async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRequest
+                               ) -> AsyncIterator[EngineChunk]:
+    """One request's chunks: routed by the router below, received on ``client``'s channel.
+
+    The ``run`` call carries routing, load accounting and cancellation; its chunks arrive
+    through the channel (see ``channel``). A replica that dies (or whose TP group fails)
+    before sending a token gets the request retried on another replica; after the first
+    token the client sees the error. Leaving early (the caller cancelled or stopped
+    iterating) cancels the call, which aborts the request in the replica's scheduler.
     """
     exclude: list[str] = []
     for attempt in range(MAX_ATTEMPTS):
-        r = replace(req, exclude_replicas=tuple(exclude)) if exclude else req
-        gen = None
-        replica, sent, retry, completed = None, False, False, False
-        try:
-            gen = handle.generate.remote(r)
-            async for raw in gen:
-                chunk = chunk_from_wire(raw)
-                replica = chunk.replica
-                if chunk.error is not None:
-                    if chunk.retryable and not sent and attempt + 1 < MAX_ATTEMPTS:
-                        retry = True
+        r = replace(req, channel=client.channel, exclude_replicas=tuple(exclude))
+        replica, sent, retry, done = None, False, False, False
+        with client.receiving(req.request_id) as q:
+            client.ensure_subscribed()
+            response = handle.run.remote(r)
+            watcher = asyncio.ensure_future(_watch(response, q))
+            deadline: float | None = None
+            try:
+                while True:
+                    if deadline is None:
+                        item = await client.next_chunk(q)
+                    else:  # every chunk is sent: it is on its way, or it is lost
+                        try:
+                            async with asyncio.timeout_at(deadline):
+                                item = await client.next_chunk(q)
+                        except TimeoutError:
+                            raise APIError("engine replica's stream was lost", status=503,
+                                           type="service_unavailable") from None
+                    if isinstance(item, _CallEnded):
+                        if item.error is not None:
+                            raise item.error
+                        deadline = asyncio.get_running_loop().time() + CHANNEL_GRACE_S
+                        continue
+                    if item.replica in exclude:
+                        continue  # a late chunk of an attempt already given up
+                    replica = item.replica
+                    if item.error is not None:
+                        if item.retryable and not sent and attempt + 1 < MAX_ATTEMPTS:
+                            retry = done = True
+                            break
+                        raise APIError(item.error, status=item.status,
+                                       type="invalid_request_error" if item.status == 400
+                                       else "service_unavailable")
+                    sent = sent or bool(item.deltas)
+                    yield item
+                    if item.finished:
+                        done = True
                         break
-                    raise APIError(chunk.error, status=chunk.status,
-                                   type="invalid_request_error" if chunk.status == 400
-                                   else "service_unavailable")
-                sent = sent or bool(chunk.deltas)
-                yield chunk
-            else:
-                completed = True
-        except BackPressureError as e:
-            raise APIError(f"server overloaded, retry later: {e.message}", status=503,
-                           type="server_overloaded", code="overloaded",
-                           headers={"Retry-After": "1"}) from None
-        except (RayActorError, ActorUnavailableError) as e:
-            if sent or attempt + 1 >= MAX_ATTEMPTS:
-                raise APIError(f"engine replica failed: {e}", status=503,
-                               type="service_unavailable") from None
-            retry = True
-        finally:
-            if gen is not None and not completed:
-                # Cancels the assignment or the replica's task (-> abort in the
-                # scheduler); it re-raises an assignment error already handled above.
-                with contextlib.suppress(Exception):
-                    gen.cancel()
+            except BackPressureError as e:
+                raise APIError(f"server overloaded, retry later: {e.message}", status=503,
+                               type="server_overloaded", code="overloaded",
+                               headers={"Retry-After": "1"}) from None
+            except (RayActorError, ActorUnavailableError) as e:
+                if sent or attempt + 1 >= MAX_ATTEMPTS:
+                    raise APIError(f"engine replica failed: {e}", status=503,
+                                   type="service_unavailable") from None
+                retry = True
+            finally:
+                if not done:
+                    # Cancels the assignment or the replica's task (-> abort in the
+                    # scheduler).
+                    with contextlib.suppress(Exception):
+                        response.cancel()
+                    watcher.cancel()
         if not retry:
             return
         logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
@@ -98,18 +139,18 @@ async def stream_from_replicas(handle: Any, req: EngineRequest
             exclude.append(replica)
 
 
-async def merge_streams(handle: Any, reqs: list[EngineRequest]
+async def merge_streams(client: ChannelClient, handle: Any, reqs: list[EngineRequest]
                         ) -> AsyncIterator[tuple[int, EngineChunk]]:
     """Chunks of several prompts' streams, interleaved as they come."""
     if len(reqs) == 1:
-        async for c in stream_from_replicas(handle, reqs[0]):
+        async for c in stream_from_replicas(client, handle, reqs[0]):
             yield 0, c
         return
     q: asyncio.Queue[tuple[int, EngineChunk | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, r: EngineRequest) -> None:
         try:
-            async for c in stream_from_replicas(handle, r):
+            async for c in stream_from_replicas(client, handle, r):
                 q.put_nowait((i, c))
             q.put_nowait((i, None))
         except Exception as e:

@@ -4,9 +4,11 @@
 template and computes each prompt's prefix-cache block hashes; the ``PrefixAffinityRouter``
 of its handle picks an ``EngineServer`` replica from them. Each engine replica owns one
 ``AsyncEngine`` (and, for tensor parallelism, its rank actors in the replica's placement
-group) and streams per-step deltas back. A client that goes away cancels the ingress task;
-Serve cascades the cancellation to the replica, whose generator ``finally`` aborts the
-request in the scheduler, so its blocks are free before the next step.
+group). A request is one ``EngineServer.run`` call; its per-step deltas come back on the
+ingress's channel, one multiplexed stream per replica (``channel``). A client that goes
+away cancels the ingress task, which cancels the call; Serve cancels the replica's task,
+whose ``finally`` aborts the request in the scheduler, so its blocks are free before the
+next step.
 
 ``build_app`` serves the CLI; ``app_builder`` is the import path for ``serve run``.
 """
@@ -29,6 +31,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.metrics import (
@@ -130,7 +133,8 @@ class OpenAIServer:
         self.api_key = api_key
         self.app_name = serve.get_replica_context().app_name
         self._engine = engine
-        self._stream = engine.options(stream=True)
+        self._channel = ChannelClient(
+            engine, lambda: known_replicas(ENGINE_DEPLOYMENT, self.app_name))
         self._info: dict[str, Any] | None = None
         self._info_lock = asyncio.Lock()
         self.fmt = Formatter(self.tokenizer, self.served_name)
@@ -173,7 +177,7 @@ class OpenAIServer:
                        ) -> Response:
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
                               logprobs, reqs[0].params.logprobs)
-        chunks = merge_streams(self._stream, reqs)
+        chunks = merge_streams(self._channel, self._engine, reqs)
         if not stream:
             async for i, c in chunks:
                 self.fmt.add(state, i, c)
@@ -329,7 +333,10 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         num_threads=threads, **a.engine_kwargs)
     EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
     opts: dict[str, Any] = dict(
-        num_replicas=a.num_replicas, max_ongoing_requests=a.max_ongoing_requests,
+        # Each ingress replica holds one channel subscription per engine replica, and
+        # Serve counts it as an ongoing request: room for it on top of the user's bound.
+        num_replicas=a.num_replicas,
+        max_ongoing_requests=a.max_ongoing_requests + a.ingress_replicas,
         max_queued_requests=a.max_queued_requests,
         health_check_period_s=a.health_check_period_s,
         health_check_timeout_s=a.health_check_timeout_s,

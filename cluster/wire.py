@@ -32,6 +32,7 @@ class EngineRequest:
     cache_salt: str | None = None
     exclude_replicas: tuple[str, ...] = ()
     stream: bool = True  # False: the replica sends only the ack and the final chunk
+    channel: str | None = None  # the ingress channel its chunks go to (``EngineServer.run``)
 
 
 @dataclass
