@@ -1,0 +1,87 @@
+"""Where the serving stack's CPU goes: milliseconds of CPU per request in each process.
+
+Deploys the app as ``bench/serve.py`` does, sends ``--num-requests`` short requests
+(``--max-tokens`` each, ``--concurrency`` at a time) and reads every Serve process's CPU
+time from /proc before and after: engine replica, ingress, HTTP proxy, controller, and
+this client. On a CPU node all of it shares the cores with the forward, so this is the
+budget the serving stack takes from the engine. Linux only.
+
+    python bench/serve_cpu.py                      # one-token requests, streamed
+    python bench/serve_cpu.py --no-stream
+    python bench/serve_cpu.py --max-tokens 64 --stream-interval-ms 0 --stream-messages-per-s 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve import Http, make_requests, run_schedule
+
+PROCESSES = {"engine replica": "ServeReplica:bench:EngineServer",
+             "ingress": "ServeReplica:bench:OpenAIServer",
+             "http proxy": "ray::ProxyActor", "controller": "ray::ServeController"}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def find_pids() -> dict[str, int]:
+    pids = {"client": os.getpid()}
+    for name, pattern in PROCESSES.items():
+        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        if out.split():
+            pids[name] = int(out.split()[0])
+    return pids
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--stream-interval-ms", type=float, default=None)
+    p.add_argument("--stream-messages-per-s", type=float, default=None)
+    args = p.parse_args(argv)
+    serve_args: dict[str, object] = {"num_gpu_blocks": 1024, "max_num_seqs": 64,
+                                     "max_ongoing_requests": 64, "max_queued_requests": -1}
+    if args.stream_interval_ms is not None:
+        serve_args["stream_interval_ms"] = args.stream_interval_ms
+    if args.stream_messages_per_s is not None:
+        serve_args["stream_messages_per_s"] = args.stream_messages_per_s
+    http = Http(serve_args, None, None, stream=not args.no_stream)
+
+    async def run() -> None:
+        try:
+            await run_schedule(make_requests(4, args.input_len, 1, 1), float("inf"), None, 0,
+                               http.send)  # first-call costs
+            pids = find_pids()
+            before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+            reqs = make_requests(args.num_requests, args.input_len, args.max_tokens, 5)
+            results, dur = await run_schedule(reqs, float("inf"), args.concurrency, 0,
+                                              http.send)
+            after = {k: cpu_seconds(pid) for k, pid in pids.items()}
+            ok = sum(r.ok for r in results)
+            print(f"{ok}/{len(reqs)} requests in {dur:.2f} s, {args.max_tokens} tokens each, "
+                  f"{'non-' if args.no_stream else ''}streamed; CPU ms per request:")
+            for k in pids:
+                print(f"  {k:15s} {1000 * (after[k] - before[k]) / len(reqs):7.2f}")
+        finally:
+            await http.close()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
