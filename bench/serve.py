@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--burst-wait-ms", type=float, default=None,
+                   help="an idle engine's wait for the rest of a burst, both backends "
+                        "(default: the engine's, 0)")
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--stream-interval-ms", type=float, default=None,
@@ -264,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-stream", action="store_true",
                    help="HTTP requests without streaming (prices the per-request path alone)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="run every backend this many times, alternating, and report the "
-                        "median HTTP / in-process ratio (this box's runs vary by several %%)")
+                   help="run every backend this many times, in A B / B A order, and report "
+                        "the median HTTP / in-process ratio (this box's runs vary by several "
+                        "%%)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -279,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(len(rates))]
     engine_kwargs = dict(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
                          max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
+                         burst_wait_ms=args.burst_wait_ms or 0.0,
                          tensor_parallel_size=args.tensor_parallel_size)
     serve_args = {**engine_kwargs, "num_replicas": args.num_replicas,
                   "max_ongoing_requests": max(64, args.num_prompts),
@@ -292,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"config": vars(args), "slo_ms": slo, "repeats": []}
 
     async def run_all() -> None:
-        for _ in range(args.repeat):
+        names = args.backends.split(",")
+        for i in range(args.repeat):
             runs: dict[str, Any] = {}
-            for name in args.backends.split(","):
+            # Every other repeat runs the backends in reverse (A B, B A, A B ...): this box
+            # drifts by several % over minutes, and a fixed order would hand that drift to
+            # every pair in the same direction.
+            for name in (names if i % 2 == 0 else names[::-1]):
                 backend: Any = InProcess(engine_kwargs) if name == "inproc" else Http(
                     serve_args, args.url, args.api_key, stream=not args.no_stream)
                 try:

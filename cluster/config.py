@@ -15,7 +15,8 @@ class EngineConfig:
     On CPU the KV pool is sized by ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
     (default 512 MiB); on CUDA by ``gpu_memory_utilization`` after profiling.
     ``swap_space_bytes`` sizes the CPU swap tier (0 disables swap: preemption
-    then always recomputes).
+    then always recomputes). ``burst_wait_ms`` > 0 lets an idle async engine,
+    woken by a request, wait for the rest of its burst (see ``AsyncEngine``).
     """
 
     model: str | None = None
@@ -38,6 +39,7 @@ class EngineConfig:
     preemption_mode: str = "swap"
     seed: int = 0
     num_threads: int | None = None
+    burst_wait_ms: float = 0.0
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,6 +59,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not 0.0 <= self.burst_wait_ms <= 1000.0:
+            raise ValueError(f"burst_wait_ms must be in [0, 1000], got {self.burst_wait_ms}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:

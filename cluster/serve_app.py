@@ -85,6 +85,7 @@ class ServeArgs(BaseModel):
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     num_threads: int | None = None
+    burst_wait_ms: float = Field(default=0.0, ge=0.0, le=1000.0)
     engine_kwargs: dict[str, Any] = {}
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
@@ -330,7 +331,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        num_threads=threads, **a.engine_kwargs)
+        num_threads=threads, burst_wait_ms=a.burst_wait_ms, **a.engine_kwargs)
     EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
     opts: dict[str, Any] = dict(
         # Each ingress replica holds one channel subscription per engine replica, and

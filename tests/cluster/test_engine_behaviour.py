@@ -255,3 +255,51 @@ def test_async_engine_error_outside_the_forward_fails_callers_instead_of_hanging
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("burst_wait_ms", [0.0, 150.0])
+def test_idle_async_engine_gathers_a_burst_into_its_first_step(tiny_llama_dir,
+                                                                burst_wait_ms) -> None:
+    """Requests arriving a few ms apart at an idle engine start as one batch when it waits
+    for the burst, and the first one alone starts a step when it does not."""
+
+    async def scenario() -> tuple[list[int], list[str]]:
+        engine = AsyncEngine(EngineConfig(model=tiny_llama_dir, num_gpu_blocks=64,
+                                          burst_wait_ms=burst_wait_ms))
+        sizes: list[int] = []
+        execute = engine.engine.execute
+
+        def spy(plan: object) -> object:
+            sizes.append(len(plan.scheduled))  # type: ignore[attr-defined]
+            return execute(plan)
+
+        engine.engine.execute = spy  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+
+        async def consume(prompt: list[int], delay: float) -> str:
+            await asyncio.sleep(delay)
+            text = ""
+            async for out in engine.generate(prompt, params):
+                text = out.outputs[0].text
+            return text
+
+        try:
+            prompts = prompts_of_mixed_lengths(4)
+            texts = await asyncio.gather(*(consume(p, 0.02 * i) for i, p in enumerate(prompts)))
+        finally:
+            await engine.shutdown()
+        return sizes, list(texts)
+
+    sizes, texts = asyncio.run(scenario())
+    assert all(texts)
+    if burst_wait_ms:
+        assert sizes[0] == 4, sizes
+    else:
+        assert sizes[0] == 1, sizes
+
+
+def test_burst_wait_is_off_by_default_and_rejects_bad_values() -> None:
+    assert EngineConfig().burst_wait_ms == 0.0
+    for bad in (-1.0, 5000.0):
+        with pytest.raises(ValueError, match="burst_wait_ms"):
+            EngineConfig(burst_wait_ms=bad)
