@@ -99,16 +99,20 @@ class InProcess:
 
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
         self._ids += 1
-        res, start, last, n = Result(prompt_tokens=len(r.prompt)), time.perf_counter(), 0.0, 0
+        res, start, last = Result(prompt_tokens=len(r.prompt)), time.perf_counter(), 0.0
+        shown, n = 0, 0
         try:
             async for out in self.engine.generate(r.prompt, params, f"b{self._ids}"):
-                now, k = time.perf_counter(), len(out.outputs[0].token_ids)
-                if k > n:
-                    if n == 0:
+                # Timed like the HTTP client (and vLLM's bench): when new text shows, so a
+                # token that decodes to nothing yet (part of a character) counts later.
+                now, n, k = time.perf_counter(), len(out.outputs[0].token_ids), len(
+                    out.outputs[0].text)
+                if k > shown:
+                    if shown == 0:
                         res.ttft = now - start
                     else:
                         res.itl.append(now - last)
-                    last, n = now, k
+                    last, shown = now, k
             res.ok, res.e2el, res.output_tokens = True, time.perf_counter() - start, n
         except Exception as e:
             res.error = repr(e)
