@@ -59,8 +59,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not 0.0 <= self.burst_wait_ms <= 1000.0:
-            raise ValueError(f"burst_wait_ms must be in [0, 1000], got {self.burst_wait_ms}")
+        wait = self.burst_wait_ms
+        if not isinstance(wait, (int, float)) or not 0.0 <= wait <= 1000.0:
+            raise ValueError(f"burst_wait_ms must be in [0, 1000], got {self.burst_wait_ms!r}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
