@@ -257,9 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--burst-wait-ms", type=float, default=None,
-                   help="an idle engine's wait for the rest of a burst, both backends "
-                        "(default: the engine's, 0)")
+    p.add_argument("--burst-wait-ms", type=float, default=0.0,
+                   help="an idle engine's wait for the rest of a burst, both backends")
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--stream-interval-ms", type=float, default=None,
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(len(rates))]
     engine_kwargs = dict(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
                          max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
-                         burst_wait_ms=args.burst_wait_ms or 0.0,
+                         burst_wait_ms=args.burst_wait_ms,
                          tensor_parallel_size=args.tensor_parallel_size)
     serve_args = {**engine_kwargs, "num_replicas": args.num_replicas,
                   "max_ongoing_requests": max(64, args.num_prompts),

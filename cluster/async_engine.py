@@ -91,8 +91,9 @@ class AsyncEngine:
                 continue
             if idle:
                 idle = False
-                await self._gather_burst()
-                continue  # the burst's requests may all have been aborted meanwhile
+                if self.burst_wait_s > 0:
+                    await self._gather_burst()
+                    continue  # the burst's requests may all have been aborted meanwhile
             try:
                 # Every phase is inside: an error in scheduling or detokenising must fail
                 # the waiting callers too, not end this task and leave them hanging.
@@ -112,8 +113,6 @@ class AsyncEngine:
     async def _gather_burst(self) -> None:
         """Wait while requests keep arriving, each within ``burst_wait_s`` of the last."""
         assert self._wakeup is not None
-        if self.burst_wait_s <= 0:
-            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BURST_WAIT_CAP * self.burst_wait_s
         while (left := deadline - loop.time()) > 0:
