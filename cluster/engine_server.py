@@ -25,6 +25,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
 from pagedserve.cluster.channel import Outboxes
@@ -60,6 +61,7 @@ class EngineServer:
         self.outboxes = Outboxes()
         self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()  # which node, for operators
         self.metrics = ServerMetrics()
         self._probe_ids = list(self.engine.tokenizer.encode("ping")[:4]) or [0]
 
@@ -69,7 +71,8 @@ class EngineServer:
         return {"model_id": core.model_id, "block_size": core.scheduler.block_size,
                 "max_model_len": core.max_model_len,
                 "pool_tokens": blocks * core.scheduler.block_size,
-                "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id}
+                "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id,
+                "node_id": self.node_id}
 
     async def run(self, req: EngineRequest) -> int:
         """Serve one request whose chunks go to the caller's channel; returns how many.
@@ -139,7 +142,7 @@ class EngineServer:
 
     def stats(self, call: ReplicaCall | None = None) -> dict[str, Any]:
         pacer = self.pacer
-        return {**self.engine.get_stats(), "replica": self.replica_id,
+        return {**self.engine.get_stats(), "replica": self.replica_id, "node_id": self.node_id,
                 "server": self.metrics.snapshot(),
                 "streams": {"open": pacer.active, "interval_ms": 1000 * pacer.interval(),
                             "messages_per_s_budget": pacer.budget_per_s,

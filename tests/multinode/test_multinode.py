@@ -1,0 +1,108 @@
+"""Serving across nodes: replicas on two worker nodes, a lost node, TP ranks on three nodes.
+
+The expected text is the in-process engine's greedy answer on the same random tiny Llama
+(``LLM``, no Ray): whatever node serves a request, it must give that answer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.multinode.conftest import (
+    COMMON,
+    PROMPTS,
+    WORKER_CPUS,
+    Nodes,
+    complete_all,
+    complete_one,
+    replica_nodes,
+)
+from tests.serving.conftest import App
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+@pytest.fixture(scope="module")
+def two_nodes_app(nodes: Nodes, tiny_model: Path) -> Iterator[App]:
+    from ray import serve
+
+    # Each replica reserves a worker node's two CPUs: one replica per worker node.
+    app = nodes.deploy("spread", {**COMMON, "model": str(tiny_model), "num_replicas": 2,
+                                  "num_threads": WORKER_CPUS})
+    yield app
+    serve.delete("spread")
+
+
+def _wait(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            v = cond()
+        except (openai.APIError, AssertionError, KeyError):
+            v = None
+        if v:
+            return v
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_replicas_on_two_worker_nodes_give_the_in_process_answers(
+        nodes: Nodes, two_nodes_app: App, expected: dict[str, str]) -> None:
+    app = two_nodes_app
+    placed = replica_nodes(app)
+    workers = {n.node_id for n in nodes.workers}
+    assert len(placed) == 2 and set(placed.values()) == workers, (placed, workers)
+
+    assert complete_all(app) == expected
+    served = {rid: sum(s["server"]["finished"].values()) for rid, s in app.stats().items()}
+    assert all(n > 0 for n in served.values()), served  # both nodes took requests
+    app.wait_baseline()
+
+
+def test_a_lost_node_fails_its_streams_and_a_new_node_gets_a_replica(
+        nodes: Nodes, two_nodes_app: App, expected: dict[str, str]) -> None:
+    app = two_nodes_app
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        try:
+            for k, _ in enumerate(app.openai().completions.create(
+                    model="tiny-llama", prompt="Count slowly:", max_tokens=400, stream=True,
+                    extra_body={"ignore_eos": True})):
+                if k == 2:
+                    started.set()
+                time.sleep(0.02)
+        except BaseException as e:  # the stream must fail, not hang
+            errors.append(e)
+        finally:
+            started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    busy = [rid for rid, s in app.stats().items() if s["server"]["in_flight"] > 0]
+    assert len(busy) == 1, busy
+    lost = replica_nodes(app)[busy[0]]
+    nodes.remove_worker(lost)
+
+    t.join(60)
+    assert not t.is_alive() and errors and isinstance(errors[0], openai.APIError), errors
+    # The surviving node keeps serving while the lost one is replaced.
+    _wait(lambda: complete_one(app, PROMPTS[0]) == expected[PROMPTS[0]], 60,
+          "the surviving replica to answer")
+
+    new = nodes.add_worker()
+    placed = _wait(lambda: (lambda p: p if len(p) == 2 and new.node_id in p.values()
+                            else None)(replica_nodes(app)), 120,
+                   "a replacement replica on the new node")
+    assert lost not in placed.values()
+    assert app.health().status_code == 200
+    assert _wait(lambda: complete_all(app) == expected, 60, "every answer from both nodes")
+    app.wait_baseline()
