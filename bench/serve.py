@@ -128,8 +128,9 @@ class Http:
     name = "http"
 
     def __init__(self, serve_args: dict[str, Any], url: str | None, api_key: str | None,
-                 stream: bool = True) -> None:
+                 stream: bool = True, direct_ingress: bool = False) -> None:
         self.stream = stream
+        self.direct_ingress = direct_ingress
         self.started = url is None
         if url is None:
             url = self._deploy(serve_args)
@@ -146,6 +147,10 @@ class Http:
         from pagedserve.cluster.serve_app import build_app
 
         os.environ.update(local_cluster_env())  # what `pagedserve serve` starts Ray with
+        if self.direct_ingress:
+            from pagedserve.cluster.direct_ingress import direct_ingress_env
+
+            os.environ.update(direct_ingress_env())
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  num_cpus=max(4, os.cpu_count() or 1))
         with socket.socket() as s:
@@ -153,6 +158,10 @@ class Http:
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(serve_args), name="bench", route_prefix="/")
+        if self.direct_ingress:
+            from pagedserve.cluster.direct_ingress import direct_ingress_urls
+
+            return direct_ingress_urls("bench", "127.0.0.1")[0]
         return f"http://127.0.0.1:{port}"
 
     async def send(self, r: Req) -> Result:
@@ -269,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                         "0: none)")
     p.add_argument("--no-stream", action="store_true",
                    help="HTTP requests without streaming (prices the per-request path alone)")
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="clients talk to the ingress replica's own HTTP port, not Serve's "
+                        "proxy (see pagedserve.cluster.direct_ingress)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every backend this many times, in A B / B A order, and report "
                         "the median HTTP / in-process ratio (this box's runs vary by several "
@@ -308,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             # every pair in the same direction.
             for name in (names if i % 2 == 0 else names[::-1]):
                 backend: Any = InProcess(engine_kwargs) if name == "inproc" else Http(
-                    serve_args, args.url, args.api_key, stream=not args.no_stream)
+                    serve_args, args.url, args.api_key, stream=not args.no_stream,
+                    direct_ingress=args.direct_ingress)
                 try:
                     runs[name] = await bench_backend(backend, reqs, rates, args, slo)
                 finally:

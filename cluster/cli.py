@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     s.add_argument("--num-gpus", type=int, default=None, help="GPUs of a new local Ray")
     s.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
+    s.add_argument("--direct-ingress", action="store_true",
+                   help="the ingress replica also serves HTTP on its own port, without "
+                        "Serve's proxy hop (a new local Ray only; printed at start)")
     return parser
 
 
@@ -123,6 +126,7 @@ def serve_forever(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from pagedserve.cluster.direct_ingress import direct_ingress_env, direct_ingress_urls
     from pagedserve.cluster.placement import local_cluster_env
     from pagedserve.cluster.serve_app import build_app
 
@@ -133,10 +137,15 @@ def serve_forever(args: argparse.Namespace) -> int:
         # even on a machine with fewer cores (serve_app sizes threads by real cores).
         need = args.num_replicas * (args.tensor_parallel_size + 1)
         os.environ.update(local_cluster_env(args.dashboard))
+        if args.direct_ingress:
+            os.environ.update(direct_ingress_env())
         ray.init(address="local", include_dashboard=args.dashboard,
                  num_cpus=args.num_cpus or max(os.cpu_count() or 1, need),
                  num_gpus=args.num_gpus)
     else:
+        if args.direct_ingress:
+            print("pagedserve: --direct-ingress applies to a Ray that pagedserve starts; "
+                  "this cluster's own setting is kept", file=sys.stderr)
         ray.init(address=address)
     started_serve = started_ray or not _serve_running()
     serve.start(http_options={"host": args.host, "port": args.port})
@@ -153,6 +162,8 @@ def serve_forever(args: argparse.Namespace) -> int:
         url = f"http://{args.host}:{args.port}{prefix}"
         print(f"pagedserve: serving {args.served_model_name or args.model or 'SmolLM2-135M'}"
               f" at {url}/v1 (health: {url}/health, metrics: {url}/metrics)", flush=True)
+        for direct in direct_ingress_urls(args.name, args.host):
+            print(f"pagedserve: direct ingress at {direct}/v1", flush=True)
         while not stop.wait(1.0):
             pass
         print("pagedserve: shutting down", flush=True)
