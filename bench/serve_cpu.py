@@ -9,6 +9,7 @@ budget the serving stack takes from the engine. Linux only.
     python bench/serve_cpu.py                      # one-token requests, streamed
     python bench/serve_cpu.py --no-stream
     python bench/serve_cpu.py --max-tokens 64 --stream-interval-ms 0 --stream-messages-per-s 0
+    python bench/serve_cpu.py --direct-ingress     # without the proxy hop
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="requests go to the ingress replica's own port, not the proxy")
     p.add_argument("--stream-interval-ms", type=float, default=None)
     p.add_argument("--stream-messages-per-s", type=float, default=None)
     args = p.parse_args(argv)
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_args["stream_interval_ms"] = args.stream_interval_ms
     if args.stream_messages_per_s is not None:
         serve_args["stream_messages_per_s"] = args.stream_messages_per_s
-    http = Http(serve_args, None, None, stream=not args.no_stream)
+    http = Http(serve_args, None, None, stream=not args.no_stream,
+                direct_ingress=args.direct_ingress)
 
     async def run() -> None:
         try:
