@@ -6,7 +6,6 @@ The expected text is the in-process engine's greedy answer on the same random ti
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from tests.multinode.conftest import (
     complete_one,
     replica_nodes,
 )
-from tests.serving.conftest import App
+from tests.serving.conftest import App, long_stream
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -68,25 +67,7 @@ def test_replicas_on_two_worker_nodes_give_the_in_process_answers(
 def test_a_lost_node_fails_its_streams_and_a_new_node_gets_a_replica(
         nodes: Nodes, two_nodes_app: App, expected: dict[str, str]) -> None:
     app = two_nodes_app
-    errors: list[BaseException] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        try:
-            for k, _ in enumerate(app.openai().completions.create(
-                    model="tiny-llama", prompt="Count slowly:", max_tokens=400, stream=True,
-                    extra_body={"ignore_eos": True})):
-                if k == 2:
-                    started.set()
-                time.sleep(0.02)
-        except BaseException as e:  # the stream must fail, not hang
-            errors.append(e)
-        finally:
-            started.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
+    t, errors = long_stream(app)
     busy = [rid for rid, s in app.stats().items() if s["server"]["in_flight"] > 0]
     assert len(busy) == 1, busy
     lost = replica_nodes(app)[busy[0]]

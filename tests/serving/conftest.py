@@ -15,6 +15,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -150,3 +151,31 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if (src / f).exists():
             shutil.copy(src / f, out / f)
     return out
+
+
+def long_stream(app: App) -> tuple[threading.Thread, list[BaseException]]:
+    """A 400-token stream in a thread, returned once its first chunks arrived.
+
+    The list gets the exception the stream ended with (a killed replica or node must
+    fail it, not hang it).
+    """
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def run() -> None:
+        try:
+            for k, _ in enumerate(app.openai().completions.create(
+                    model="tiny-llama", prompt="Count slowly:", max_tokens=400,
+                    stream=True, extra_body={"ignore_eos": True})):
+                if k == 2:
+                    started.set()
+                time.sleep(0.02)
+        except BaseException as e:  # the stream must fail, not hang
+            errors.append(e)
+        finally:
+            started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(60)
+    return t, errors

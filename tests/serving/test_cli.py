@@ -70,6 +70,14 @@ def _printed_urls(proc: subprocess.Popen[str], kinds: tuple[str, ...]) -> dict[s
     return urls
 
 
+def _terminates(proc: subprocess.Popen[str], url: str) -> None:
+    """SIGTERM ends the server cleanly, and ``url`` no longer answers."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url, timeout=5)
+
+
 def _stop(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -86,10 +94,7 @@ def test_serve_starts_a_local_ray_serves_and_stops_on_sigterm(tiny_model: Path) 
         r = client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=5)
         assert r.usage.completion_tokens == 5
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
-        with pytest.raises(httpx.TransportError):
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        _terminates(proc, f"http://127.0.0.1:{port}/health")
     finally:
         _stop(proc)
 
@@ -130,10 +135,7 @@ def test_serve_direct_ingress_answers_on_the_replica_port_and_cancels(tiny_model
         while not at_baseline():
             assert time.monotonic() < deadline, "the disconnected stream was not aborted"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
-        with pytest.raises(httpx.TransportError):
-            httpx.get(f"{direct}/models", timeout=5)
+        _terminates(proc, f"{direct}/models")
     finally:
         _stop(proc)
 

@@ -11,7 +11,6 @@ queue answers 503 with an OpenAI error body.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import App, Cluster
+from tests.serving.conftest import App, Cluster, long_stream
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -64,30 +63,6 @@ def _wait(cond: Any, timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _long_stream(app: App) -> tuple[threading.Thread, list[BaseException]]:
-    """A 400-token stream in a thread, returned once its first chunks arrived."""
-    errors: list[BaseException] = []
-    started = threading.Event()
-
-    def run() -> None:
-        try:
-            for k, _ in enumerate(app.openai().completions.create(
-                    model="tiny-llama", prompt="Count slowly:", max_tokens=400,
-                    stream=True, extra_body={"ignore_eos": True})):
-                if k == 2:
-                    started.set()
-                time.sleep(0.02)
-        except BaseException as e:  # the stream must fail, not hang
-            errors.append(e)
-        finally:
-            started.set()
-
-    t = threading.Thread(target=run)
-    t.start()
-    assert started.wait(60)
-    return t, errors
-
-
 def test_tp2_serves_the_same_greedy_text_as_tp1(apps: dict[str, App]) -> None:
     one, two = _greedy(apps["tp1"]), _greedy(apps["tp2"])
     for (t1, lp1), (t2, lp2) in zip(one, two):
@@ -107,7 +82,7 @@ def test_killed_tp_rank_makes_health_503_then_the_replica_is_replaced(
     workers = serve.get_deployment_handle("EngineServer", "tp2").tp_workers.remote().result()
     assert len(workers) == 2
 
-    t, errors = _long_stream(app)
+    t, errors = long_stream(app)
     ray.kill(workers[1], no_restart=True)
     t.join(60)
     assert not t.is_alive() and errors and isinstance(errors[0], openai.APIError), errors
@@ -130,7 +105,7 @@ def test_killed_replica_is_replaced_and_requests_succeed(apps: dict[str, App]) -
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].endswith(f"#EngineServer#{old}")]
     assert len(names) == 1, names
-    t, errors = _long_stream(app)  # mid-stream when its replica dies: an error, not a hang
+    t, errors = long_stream(app)  # mid-stream when its replica dies: an error, not a hang
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
     t.join(60)
     assert not t.is_alive() and errors and isinstance(errors[0], openai.APIError), errors
