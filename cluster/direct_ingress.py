@@ -6,11 +6,11 @@ response (each SSE event of a stream) goes back as one item of a Ray stream,
 about 0.9 ms of CPU across the two processes here. With direct ingress (Ray's
 ``RAY_SERVE_ENABLE_DIRECT_INGRESS``) the ingress replica runs its own HTTP
 server on a port of its own and writes responses straight to the socket. On a
-CPU node that CPU comes out of the forward. On the 2-core development box, a
-32-stream burst kept 94.9% of the in-process engine's throughput through the
-replica's port against 91.8% through the proxy (medians of 4 A B / B A pairs
-each, ``bench/serve.py --request-rate inf --repeat 4`` with and without
-``--direct-ingress``, one after the other; this box's pairs vary by several %).
+CPU node that CPU comes out of the forward: on the 2-core development box a
+32-stream burst kept 92.1% of the in-process engine's throughput through the
+replica's port (mean of 14 paired runs, ``bench/serve.py --request-rate inf
+--direct-ingress``) against 89.9% through the proxy (9 pairs the same
+morning); single pairs there scatter by about 15 points (README, Serving).
 The proxy keeps serving too, on the usual port.
 
 It is a cluster-wide setting read by Serve's controller when it starts, so it
