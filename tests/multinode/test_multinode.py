@@ -27,6 +27,7 @@ from tests.serving.conftest import App, long_stream
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
+
 @pytest.fixture(scope="module")
 def two_nodes_app(nodes: Nodes, tiny_model: Path) -> Iterator[App]:
     from ray import serve
