@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.serving.conftest import App, free_port, tiny_model  # noqa: F401  (fixture)
+from tests.serving.conftest import App, Cluster, free_port, tiny_model  # noqa: F401  (fixture)
 
 WORKER_CPUS = 2
 PROMPTS = ["The capital of France is", "1, 2, 3,", "def fibonacci(n):", "Hello",
@@ -82,23 +82,18 @@ class Nodes:
         self.workers.remove(node)
 
     def deploy(self, name: str, args: dict[str, Any]) -> App:
-        from ray import serve
-
-        from pagedserve.cluster.serve_app import build_app
-
-        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-        return App(name, f"http://127.0.0.1:{self.port}/{name}", args.get("api_key"))
+        return Cluster(self.port).deploy(name, args)
 
 
 @pytest.fixture(scope="package")
 def nodes() -> Iterator[Nodes]:
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
+    from ray.cluster_utils import Cluster as RayCluster
 
     if ray.is_initialized():  # a driver connection left behind by another package
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
+    cluster = RayCluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False,
         "_system_config": {"health_check_period_ms": 1000,
                            "health_check_failure_threshold": 3}})
