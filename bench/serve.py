@@ -128,9 +128,9 @@ class Http:
     name = "http"
 
     def __init__(self, serve_args: dict[str, Any], url: str | None, api_key: str | None,
-                 stream: bool = True, direct_ingress: bool = False) -> None:
+                 stream: bool = True, ingress: str = "proxy") -> None:
         self.stream = stream
-        self.direct_ingress = direct_ingress
+        self.ingress = ingress
         self.started = url is None
         if url is None:
             url = self._deploy(serve_args)
@@ -147,10 +147,10 @@ class Http:
         from pagedserve.cluster.serve_app import build_app
 
         os.environ.update(local_cluster_env())  # what `pagedserve serve` starts Ray with
-        if self.direct_ingress:
-            from pagedserve.cluster.direct_ingress import direct_ingress_env
+        from pagedserve.cluster import http_front
 
-            os.environ.update(direct_ingress_env())
+        self.ingress = http_front.resolve_ingress(self.ingress)
+        os.environ.update(http_front.ingress_env(self.ingress))
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  num_cpus=max(4, os.cpu_count() or 1))
         with socket.socket() as s:
@@ -158,10 +158,8 @@ class Http:
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(serve_args), name="bench", route_prefix="/")
-        if self.direct_ingress:
-            from pagedserve.cluster.direct_ingress import direct_ingress_urls
-
-            return direct_ingress_urls("bench", "127.0.0.1")[0]
+        if self.ingress == "direct":
+            return http_front.direct_ingress_urls("bench", "127.0.0.1")[0]
         return f"http://127.0.0.1:{port}"
 
     async def send(self, r: Req) -> Result:
@@ -234,8 +232,12 @@ class Http:
             import ray
             from ray import serve
 
+            from pagedserve.cluster.http_front import stop_leftover_haproxy
+
+            node_id = ray.get_runtime_context().get_node_id()
             serve.shutdown()
             ray.shutdown()
+            stop_leftover_haproxy(node_id)
 
 
 async def bench_backend(backend: Any, reqs: list[list[Req]], rates: list[float],
@@ -284,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                         "0: none)")
     p.add_argument("--no-stream", action="store_true",
                    help="HTTP requests without streaming (prices the per-request path alone)")
-    p.add_argument("--direct-ingress", action="store_true",
-                   help="clients talk to the ingress replica's own HTTP port, not Serve's "
-                        "proxy (see pagedserve.cluster.direct_ingress)")
+    p.add_argument("--ingress", choices=("auto", "proxy", "direct", "haproxy"), default="auto",
+                   help="the HTTP front clients talk to: HAProxy in front of the ingress "
+                        "replica's own port, Serve's Python proxy, or that port itself; "
+                        "auto: as `pagedserve serve` (see pagedserve.cluster.http_front)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every backend this many times, in A B / B A order, and report "
                         "the median HTTP / in-process ratio (this box's runs vary by several "
@@ -327,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in (names if i % 2 == 0 else names[::-1]):
                 backend: Any = InProcess(engine_kwargs) if name == "inproc" else Http(
                     serve_args, args.url, args.api_key, stream=not args.no_stream,
-                    direct_ingress=args.direct_ingress)
+                    ingress=args.ingress)
                 try:
                     runs[name] = await bench_backend(backend, reqs, rates, args, slo)
                 finally:

