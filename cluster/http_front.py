@@ -40,9 +40,11 @@ from pathlib import Path
 
 ENABLE = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 HAPROXY = "RAY_SERVE_ENABLE_HA_PROXY"
-# HAProxy's stats page and Prometheus endpoint: fixed ports (8404, 9101) by default, which
-# a second cluster on the same machine could not bind, and then HAProxy does not start.
-HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# HAProxy's stats page and Prometheus endpoint, and the fallback Python proxy behind it:
+# fixed ports (8404, 9101, 8500, 9500) by default, which a second cluster on the same
+# machine could not bind (HAProxy then does not start at all).
+HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 REPLICA_TARGET = "SERVE_REPLICA::"
 INGRESS_MODES = ("auto", "proxy", "direct", "haproxy")
@@ -75,7 +77,8 @@ def resolve_ingress(mode: str) -> str:
 def ingress_env(mode: str) -> dict[str, str]:
     """Environment for a new Ray cluster whose HTTP front is ``mode`` (resolved first).
 
-    ``haproxy`` also gets free ports for HAProxy's stats and metrics unless they are set.
+    ``haproxy`` also gets free ports for HAProxy's stats and metrics and for the fallback
+    proxy, unless they are set.
     """
     mode = resolve_ingress(mode)
     if mode == "proxy":

@@ -32,7 +32,7 @@ def test_haproxy_env_takes_free_ports_unless_the_operator_set_them(
     env = http_front.ingress_env("haproxy")
     assert env[http_front.HAPROXY] == "1" and env[http_front.ENABLE] == "1"
     ports = {int(env[v]) for v in http_front.HAPROXY_PORTS}
-    assert len(ports) == 2 and not ports & {8404, 9101}
+    assert len(ports) == 4 and not ports & {8404, 9101, 8500, 9500}
     monkeypatch.setenv(http_front.HAPROXY_PORTS[0], "18404")
     assert http_front.ingress_env("haproxy")[http_front.HAPROXY_PORTS[0]] == "18404"
 
