@@ -319,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.num_prompts} requests per rate, input {args.input_len}, output {args.output_len} tokens, "
           f"rates {rates}, concurrency {args.max_concurrency or 'unbounded'}, SLO {slo} ms")
     report: dict[str, Any] = {"config": vars(args), "slo_ms": slo, "repeats": []}
+    if args.url is None and "http" in args.backends.split(","):
+        from pagedserve.cluster.http_front import resolve_ingress
+
+        report["http_front"] = resolve_ingress(args.ingress)  # what auto chose
 
     async def run_all() -> None:
         names = args.backends.split(",")
