@@ -16,9 +16,11 @@ of the Python proxy and balances over the replicas' own ports, so clients keep
 one URL at direct ingress's cost. This is the front Ray's high-throughput guide
 recommends, and the default (``auto``) when ``pagedserve`` starts its own Ray
 and the binary is there. On a CPU node the front's CPU comes out of the
-forward: on the 2-core development box a 32-stream burst kept a median
-96.4% of the in-process engine's throughput through HAProxy against 87-92%
-through the proxy (README, Serving; ``bench/serve.py --ingress``).
+forward: on the 2-core development box the serving stack took 37 ms of CPU
+per 64-token stream of a 32-stream burst outside the engine through HAProxy,
+against 50 ms through the proxy (``bench/serve_cpu.py --ingress``), and six
+alternating burst pairs each kept a mean of 89.4% of the in-process engine's
+throughput through HAProxy against 86.9% through the proxy (README, Serving).
 
 All three are cluster-wide settings that Serve's controller reads when it
 starts: they apply to a Ray that ``pagedserve serve`` (or the benchmark)

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.cluster import http_front
 from tests.serving.conftest import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -80,6 +81,8 @@ def _printed_urls(proc: subprocess.Popen[str], kinds: tuple[str, ...]) -> dict[s
         for kind in kinds:
             if line.startswith(f"pagedserve: {kind} "):
                 urls[kind] = line.split(" at ", 1)[1].split(" ", 1)[0].strip()
+        if line.startswith("pagedserve: serving ") and "; front: " in line:
+            proc.front = line.rsplit("; front: ", 1)[1].rstrip(")\n")  # type: ignore[attr-defined]
     return urls
 
 
@@ -109,6 +112,8 @@ def test_serve_starts_a_local_ray_serves_and_stops_on_sigterm(tiny_model: Path) 
     try:
         url = _printed_urls(proc, ("serving",))["serving"]
         assert url == f"http://127.0.0.1:{port}/v1", url
+        # The default front: HAProxy, which ray[serve] bundles on Linux.
+        assert proc.front == http_front.resolve_ingress("auto")  # type: ignore[attr-defined]
         client = openai.OpenAI(base_url=url, api_key="k3y", max_retries=0, timeout=120)
         r = client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=5)
         assert r.usage.completion_tokens == 5
