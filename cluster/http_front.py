@@ -33,6 +33,7 @@ off it (Ray's default is 30 s; 2 s here unless the operator sets it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -143,19 +144,16 @@ def stop_leftover_haproxy(node_id: str) -> int:
     not one of Ray's workers: if the controller dies first, it stays, holding Serve's port.
     Its command line names its config under a directory per node id.
     """
-    count = 0
+    mark, count = f"/{node_id}/".encode(), 0
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+        except OSError:  # it exited meanwhile
             continue
-        if cmd and cmd[0].endswith(b"haproxy") and any(
-                f"/{node_id}/".encode() in arg for arg in cmd):
-            try:
+        if cmd[0].endswith(b"haproxy") and any(mark in arg for arg in cmd):
+            with contextlib.suppress(OSError):  # it exited meanwhile
                 os.kill(int(proc.name), signal.SIGTERM)
                 count += 1
-            except OSError:
-                pass
     return count
