@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_metrics import Result, parse_slo, summarize
+from serve_metrics import Result, burst_phases, parse_slo, summarize
 
 
 @dataclass
@@ -353,6 +353,18 @@ def main(argv: list[str] | None = None) -> int:
                    "median_ttft": b["inproc"][rate]["median_ttft_ms"]
                    / max(1e-9, b["http"][rate]["median_ttft_ms"])}
             for rate in b["http"]}
+        if "inf" in b["http"]:
+            # Where a burst's gap comes from: the wait for every first token, or the decodes.
+            pairs = [(burst_phases(r["inproc"]["inf"]), burst_phases(r["http"]["inf"]))
+                     for r in report["repeats"]]
+            split = {f"{name}_s": {"inproc": statistics.median(a[i] for a, _ in pairs),
+                                   "http": statistics.median(h[i] for _, h in pairs),
+                                   "http_extra": statistics.median(h[i] - a[i] for a, h in pairs)}
+                     for i, name in enumerate(("until_last_first_token", "decode_after_it"))}
+            report["ratio_http_vs_inproc"]["inf"]["burst_phases"] = split
+            print("burst phases, medians over the pairs: " + "; ".join(
+                f"{k[:-2].replace('_', ' ')} {v['inproc']:.2f} s in-process, {v['http']:.2f} s "
+                f"HTTP ({v['http_extra']:+.2f} s)" for k, v in split.items()))
         for rate, r in report["ratio_http_vs_inproc"].items():
             verdict = "ok" if r["output_throughput"] >= 0.9 else "BELOW GOAL"
             each = ", ".join(f"{x:.1%}" for x in r["output_throughput_each_repeat"])

@@ -73,3 +73,15 @@ def parse_slo(items: list[str]) -> dict[str, float]:
             raise SystemExit(f"--goodput keys are ttft, tpot, e2el (ms), got {k!r}")
         slo[k] = float(v)
     return slo
+
+
+def burst_phases(m: dict[str, Any]) -> tuple[float, float]:
+    """Split a burst run's duration (s) at its last first token: (prefill, decode).
+
+    With every request sent at once, the first part is how long the last
+    request waited for its first token (arrival, queueing, prefill steps) and
+    the second how long the decodes ran after it, so a gap between two
+    backends shows in the phase it comes from.
+    """
+    last_first = max(m["ttft_s"]) if m["ttft_s"] else 0.0
+    return last_first, m["duration"] - last_first
