@@ -8,6 +8,8 @@ the HTTP path at an OpenAI streaming client, so the ratio prices the whole servi
 (proxy, ingress, routing, Ray streaming, SSE). Metric names follow vLLM's ``bench serve``
 (``request_throughput``, ``output_throughput``, ``mean_ttft_ms``, ``p99_itl_ms``,
 ``request_goodput`` ...); goodput counts requests meeting every ``--goodput`` SLO.
+For a burst it also splits each run at its last first token and prints how much longer
+HTTP took before it (arrival, the first steps) and after it (the decodes).
 
     python bench/serve.py --num-prompts 48 --request-rate 1,2,4,inf
     python bench/serve.py --max-concurrency 8 --request-rate inf --backends http
