@@ -37,17 +37,27 @@ PROCESSES = {"engine replica": "ServeReplica:bench:EngineServer",
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """CPU time of ``pid`` so far; 0 if it exited (HAProxy is replaced on every reload)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def find_pids() -> dict[str, int]:
-    pids = {"client": os.getpid()}
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds of every matching process of each kind, and of this client.
+
+    Looked up afresh at each call: a process that started in between (a reloaded
+    HAProxy) counts whole, one that exited in between loses its last stretch.
+    """
+    out = {"client": cpu_seconds(os.getpid())}
     for name, pattern in PROCESSES.items():
-        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        if out.split():
-            pids[name] = int(out.split()[0])
-    return pids
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        pids = [int(x) for x in found.split()]
+        if pids:
+            out[name] = sum(cpu_seconds(pid) for pid in pids)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,16 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             await run_schedule(make_requests(4, args.input_len, 1, 1), float("inf"), None, 0,
                                http.send)  # first-call costs
-            pids = find_pids()
-            before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+            before = cpu_by_process()
             reqs = make_requests(args.num_requests, args.input_len, args.max_tokens, 5)
             results, dur = await run_schedule(reqs, float("inf"), args.concurrency, 0,
                                               http.send)
-            after = {k: cpu_seconds(pid) for k, pid in pids.items()}
+            after = cpu_by_process()
             ok = sum(r.ok for r in results)
             print(f"{ok}/{len(reqs)} requests in {dur:.2f} s, {args.max_tokens} tokens each, "
                   f"{'non-' if args.no_stream else ''}streamed; CPU ms per request:")
-            ms = {k: 1000 * (after[k] - before[k]) / len(reqs) for k in pids}
+            ms = {k: 1000 * (after[k] - before.get(k, 0.0)) / len(reqs) for k in after}
             for k, v in ms.items():
                 print(f"  {k:17s} {v:7.2f}")
             print(f"  {'all but engine':17s} {sum(ms.values()) - ms['engine replica']:7.2f}")
