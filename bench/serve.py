@@ -276,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--burst-wait-ms", type=float, default=0.0,
-                   help="an idle engine's wait for the rest of a burst, both backends")
+    p.add_argument("--burst-wait-ms", type=float, default=None,
+                   help="an idle engine's wait for the rest of a burst, both backends "
+                        "(default: the engine's own, sized from its steps; 0: off)")
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--stream-interval-ms", type=float, default=None,

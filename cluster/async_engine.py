@@ -5,14 +5,10 @@ the forward (``execute``) in a worker thread, so an abort (a client that went
 away, a cancelled Serve call) lands between phases: its blocks are freed at
 once, and the step already running simply has its result for it ignored.
 
-With ``burst_wait_ms`` > 0, an idle engine woken by a request first gathers
-the rest of its burst: it waits until no request has arrived for that long
-(at most ``BURST_WAIT_CAP`` times it). Requests sent together reach an HTTP
-replica spread over about 100 ms here (the ingress handles them one at a
-time); starting at once runs a first step for the one that is there, and on
-CPU that step is a few hundred ms that the others wait through. A busy engine
-never waits: new requests join its next step as usual. Off by default, like
-vLLM's ``scheduler_delay_factor``: a lone request pays the whole wait.
+An idle engine woken by a request first waits for the rest of its burst, for
+as long as ``BurstPolicy`` says (see ``burst``): a share of the step it would
+otherwise start, unless ``burst_wait_ms`` sets it. A busy engine never waits:
+new requests join its next step as usual.
 """
 
 from __future__ import annotations
@@ -20,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pagedserve.cluster.burst import GAPS_CAP, BurstPolicy
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
 from pagedserve.cluster.outputs import RequestOutput
@@ -31,8 +29,6 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import configure_gc_for_serving
 
 logger = logging.getLogger(__name__)
-
-BURST_WAIT_CAP = 5  # a burst is gathered for at most this many quiet gaps
 
 
 class EngineDeadError(RuntimeError):
@@ -63,7 +59,8 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
-        self.burst_wait_s = self.engine.config.burst_wait_ms / 1000.0
+        self.burst = BurstPolicy(self.engine.config.burst_wait_ms,
+                                 self.engine.config.max_num_batched_tokens)
         configure_gc_for_serving()
 
     @property
@@ -91,15 +88,17 @@ class AsyncEngine:
                 continue
             if idle:
                 idle = False
-                if self.burst_wait_s > 0:
-                    await self._gather_burst()
+                if self.burst.enabled and await self._gather_burst():
                     continue  # the burst's requests may all have been aborted meanwhile
             try:
                 # Every phase is inside: an error in scheduling or detokenising must fail
                 # the waiting callers too, not end this task and leave them hanging.
                 plan = engine.schedule()
+                started = time.perf_counter()
                 output = await asyncio.get_running_loop().run_in_executor(
                     self._step_thread, engine.execute, plan)
+                self.burst.observe_step(plan.num_scheduled_tokens,
+                                        time.perf_counter() - started)
                 results = engine.process(plan, output)
             except Exception as e:
                 self._fail_everyone(e)
@@ -110,18 +109,27 @@ class AsyncEngine:
                     q.put_nowait(out)
             await asyncio.sleep(0)  # let aborts and new requests in between steps
 
-    async def _gather_burst(self) -> None:
-        """Wait while requests keep arriving, each within ``burst_wait_s`` of the last."""
+    async def _gather_burst(self) -> bool:
+        """Wait while requests keep arriving within the policy's quiet gap; True if it waited.
+
+        The gap is asked afresh after each arrival (auto: it grows with the waiting
+        tokens), and the whole wait ends after ``GAPS_CAP`` gaps of the current size.
+        """
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + BURST_WAIT_CAP * self.burst_wait_s
-        while (left := deadline - loop.time()) > 0:
+        start, waited = loop.time(), False
+        while True:
+            gap = self.burst.quiet_gap(self.engine.num_waiting_tokens())
+            left = start + GAPS_CAP * gap - loop.time()
+            if gap <= 0 or left <= 0:
+                return waited
+            waited = True
             self._wakeup.clear()
             try:
-                async with asyncio.timeout(min(self.burst_wait_s, left)):
+                async with asyncio.timeout(min(gap, left)):
                     await self._wakeup.wait()
             except TimeoutError:
-                return
+                return waited
 
     def _fail_everyone(self, e: Exception) -> None:
         """A step raised: the engine is dead, every request fails and frees its blocks."""

@@ -74,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streamed messages per second one engine replica may send in all; "
                         "stretches the interval when many streams are open "
                         "(default: 25 per core, 0: no budget)")
-    s.add_argument("--burst-wait-ms", type=float, default=0.0,
+    s.add_argument("--burst-wait-ms", type=float, default=None,
                    help="an idle engine woken by a request waits until none has arrived "
-                        "for this long (at most 5 times it), so a burst starts as one "
-                        "batch; every request reaching an idle engine pays it (default 0; "
-                        "50 gathers a 32-request burst on a 2-core CPU node)")
+                        "for this long (at most 5 times it, and no longer once a step is "
+                        "full), so a burst starts as one batch (default: 5%% of the step "
+                        "it would start, at most 20 ms; 0: off)")
     s.add_argument("--health-check-period-s", type=float, default=10.0)
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     s.add_argument("--num-gpus", type=int, default=None, help="GPUs of a new local Ray")

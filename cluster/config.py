@@ -15,8 +15,9 @@ class EngineConfig:
     On CPU the KV pool is sized by ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
     (default 512 MiB); on CUDA by ``gpu_memory_utilization`` after profiling.
     ``swap_space_bytes`` sizes the CPU swap tier (0 disables swap: preemption
-    then always recomputes). ``burst_wait_ms`` > 0 lets an idle async engine,
-    woken by a request, wait for the rest of its burst (see ``AsyncEngine``).
+    then always recomputes). ``burst_wait_ms`` is how long an idle async engine,
+    woken by a request, waits for the rest of its burst: None sizes it from
+    the engine's measured steps, 0 turns it off (see ``cluster.burst``).
     """
 
     model: str | None = None
@@ -39,7 +40,7 @@ class EngineConfig:
     preemption_mode: str = "swap"
     seed: int = 0
     num_threads: int | None = None
-    burst_wait_ms: float = 0.0
+    burst_wait_ms: float | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,8 +61,9 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         wait = self.burst_wait_ms
-        if not isinstance(wait, (int, float)) or not 0.0 <= wait <= 1000.0:
-            raise ValueError(f"burst_wait_ms must be in [0, 1000], got {self.burst_wait_ms!r}")
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                 or not 0.0 <= wait <= 1000.0):
+            raise ValueError(f"burst_wait_ms must be None (auto) or in [0, 1000], got {wait!r}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:

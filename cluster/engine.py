@@ -191,6 +191,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self.scheduler.has_unfinished_requests()
 
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens queued for the next steps (what an idle engine's first step would run)."""
+        return self.scheduler.num_waiting_tokens()
+
     def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None = None
                             ) -> list[bytes]:
         """The prefix-cache keys of a prompt, as the scheduler computes them."""

@@ -85,7 +85,7 @@ class ServeArgs(BaseModel):
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     num_threads: int | None = None
-    burst_wait_ms: float = Field(default=0.0, ge=0.0, le=1000.0)
+    burst_wait_ms: float | None = Field(default=None, ge=0.0, le=1000.0)
     engine_kwargs: dict[str, Any] = {}
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128

@@ -362,6 +362,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute (prefix-cache hits not known yet)."""
+        return sum(len(r.all_token_ids) - r.num_computed_tokens for r in self.waiting)
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
