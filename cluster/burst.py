@@ -6,7 +6,8 @@ ingress takes them one at a time, about 3 ms each on the 2-core CPU box, so
 step for the one or two already there. On CPU that step takes 0.3-0.5 s, the
 rest wait through it, and their prompts then take two more steps: a 32-stream
 burst's prompt phase took three steps through HTTP where the in-process
-engine, which sees all 32 at once, took two (step timelines, `bench/serve.py`).
+engine, which sees all 32 at once, took two (step timelines of `bench/serve.py`'s
+burst, logged by a probe).
 
 ``BurstPolicy`` sets the quiet gap: the engine waits until no request has
 arrived for that long, at most ``GAPS_CAP`` gaps in all, and stops as soon as
