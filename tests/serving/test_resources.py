@@ -79,11 +79,12 @@ def test_stream_message_budget_scales_with_the_node(monkeypatch: pytest.MonkeyPa
 def test_local_cluster_env_quiets_serve_unless_the_operator_says_otherwise(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for k in ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
-              "RAY_enable_metrics_collection"):
+              "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "RAY_enable_metrics_collection"):
         monkeypatch.delenv(k, raising=False)
     env = placement.local_cluster_env()
     assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
                    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+                   "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
                    "RAY_enable_metrics_collection": "0"}
     assert "RAY_enable_metrics_collection" not in placement.local_cluster_env(dashboard=True)
     monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
