@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from idle_cluster import pgrep
 from serve import Http, make_requests, run_schedule
 
 PROCESSES = {"engine replica": "ServeReplica:bench:EngineServer",
@@ -53,8 +53,7 @@ def cpu_by_process() -> dict[str, float]:
     """
     out = {"client": cpu_seconds(os.getpid())}
     for name, pattern in PROCESSES.items():
-        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        pids = [int(x) for x in found.split()]
+        pids = pgrep((pattern,))
         if pids:
             out[name] = sum(cpu_seconds(pid) for pid in pids)
     return out
