@@ -2,12 +2,18 @@
 (static padded batches) vs Hugging Face ``generate_batch`` (its continuous
 batching), same machine, same model (SmolLM2-135M, fp32), same requests, one run.
 
-Also measures this CPU's GEMM roofline in the same run: peak fp32 matmul
+Also measures the device's GEMM roofline in the same run: peak matmul
 FLOP/s divided by the model's FLOPs per token (2 x parameters touched per
 token), i.e. the decode throughput a perfectly batched engine could reach.
 
     python bench/offline.py                 # 64 prompts x 64 new tokens
     python bench/offline.py --quick         # a smaller smoke run
+    python bench/offline.py --random-weights --num-prompts 128   # on a GPU box (bf16)
+
+``--random-weights`` writes a random checkpoint of SmolLM2-135M's exact shape
+with a made-up tokenizer (for machines without the default model installed);
+throughput does not depend on the weights' values, since every request
+generates exactly ``--output-len`` tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import tempfile
 import time
 
 import torch
@@ -25,7 +32,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def make_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    """8-60 words of English each; random token ids of the same lengths without a tokenizer."""
     rng = random.Random(seed)
+    if tokenizer is None:
+        return [[rng.randrange(3, 49152) for _ in range(rng.randint(10, 75))] for _ in range(n)]
     words = ("the model serves many requests with paged attention while the scheduler "
              "shares blocks across prompts and keeps memory waste small").split()
     prompts = []
@@ -35,14 +45,23 @@ def make_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def gemm_peak_flops(size: int = 1024, reps: int = 10) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(2):
+def gemm_peak_flops(device: str, dtype: torch.dtype, reps: int = 10) -> float:
+    size = 8192 if device == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
         a @ b
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
+    _sync(device)
     return 2 * size**3 * reps / (time.perf_counter() - t0)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def flops_per_token(model) -> float:
@@ -54,10 +73,12 @@ def flops_per_token(model) -> float:
     return 2.0 * (total - emb + head if tied else total - emb)
 
 
-def run_pagedserve(prompts: list[list[int]], out_len: int) -> float:
+def run_pagedserve(path: str, prompts: list[list[int]], out_len: int, device: str,
+                   dtype: str) -> float:
     from pagedserve.cluster import LLM, SamplingParams
 
-    llm = LLM(max_num_seqs=len(prompts), max_num_batched_tokens=4096)
+    llm = LLM(model=path, device=device, dtype=dtype, max_num_seqs=len(prompts),
+              max_num_batched_tokens=4096)
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     t0 = time.perf_counter()
@@ -68,6 +89,9 @@ def run_pagedserve(prompts: list[list[int]], out_len: int) -> float:
 
 
 def run_hf_generate(model, prompts: list[list[int]], out_len: int, batch: int) -> float:
+    dev = model.device
+    model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=4, do_sample=False,
+                   pad_token_id=0)  # warm-up (CUDA context, kernels)
     tokens, t0 = 0, time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
@@ -78,6 +102,7 @@ def run_hf_generate(model, prompts: list[list[int]], out_len: int, batch: int) -
             for r, p in enumerate(chunk):  # left padding, as generation needs
                 ids[r, width - len(p):] = torch.tensor(p)
                 mask[r, width - len(p):] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
             y = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=out_len,
                                min_new_tokens=out_len, pad_token_id=0)
             tokens += (y.shape[1] - width) * len(chunk)
@@ -104,29 +129,48 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-generate-batch", action="store_true")
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--dtype", default=None, help="default float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="a random SmolLM2-135M-shaped checkpoint instead of the default model")
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.output_len = 16, 16
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype = getattr(torch, args.dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedserve.worker.loaders import resolve_model
+    if args.random_weights:
+        from pagedserve.worker.testing import SMOLLM2_135M, write_random_checkpoint
 
-    path = resolve_model(None).path
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        path = write_random_checkpoint(tempfile.mkdtemp(prefix="smollm2_random_"),
+                                       weight_scale=1.0, **SMOLLM2_135M)
+        tok = None
+    else:
+        from pagedserve.worker.loaders import resolve_model
+
+        path = resolve_model(None).path
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     prompts = make_prompts(tok, args.num_prompts, seed=0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
 
-    peak = gemm_peak_flops()
+    peak = gemm_peak_flops(args.device, dtype)
     roofline = peak / flops_per_token(model)
-    results = {"pagedserve": run_pagedserve(prompts, args.output_len),
+    results = {"pagedserve": run_pagedserve(path, prompts, args.output_len, args.device,
+                                            args.dtype),
                "hf_generate": run_hf_generate(model, prompts, args.output_len, args.hf_batch)}
     if not args.skip_generate_batch:
         try:
             results["hf_generate_batch"] = run_hf_generate_batch(model, prompts, args.output_len)
         except Exception as e:  # report, don't hide: the ratio row says n/a
             print(f"hf generate_batch failed: {type(e).__name__}: {e}")
+    where = (torch.cuda.get_device_name() if args.device == "cuda"
+             else f"{torch.get_num_threads()} CPU threads")
+    weights = "random weights" if args.random_weights else "its weights"
     print(f"\n{args.num_prompts} prompts (8-60 words), {args.output_len} new tokens each, "
-          f"SmolLM2-135M fp32, {torch.get_num_threads()} threads")
+          f"SmolLM2-135M ({weights}) {args.dtype}, {where}")
     print(f"GEMM peak {peak / 1e9:.1f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
     print(f"{'engine':<20} {'tokens/s':>10} {'pagedserve x':>13} {'of roofline':>12}")
     for name, tps in results.items():

@@ -32,6 +32,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per rank")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of each GPU for weights, activations and KV pool (CUDA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (CUDA)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,21 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from pagedserve.cluster.config import EngineConfig
     from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
 
+    engine_kwargs = dict(
+        model=args.model, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+        num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.num_threads, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager)
     try:
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens,
                                 temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
+        EngineConfig(**engine_kwargs)  # a bad setting fails here, before the model loads
     except ValueError as e:
         print(f"pagedserve generate: {e}", file=sys.stderr)
         return 2
-    llm = LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
-              device=args.device, num_gpu_blocks=args.num_gpu_blocks,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              num_threads=args.num_threads)
+    llm = LLM(**engine_kwargs)
     try:
         chat = not args.raw and getattr(llm.get_tokenizer(), "chat_template", None)
         if chat:

@@ -18,6 +18,7 @@ class EngineConfig:
     then always recomputes). ``burst_wait_ms`` is how long an idle async engine,
     woken by a request, waits for the rest of its burst: None sizes it from
     the engine's measured steps, 0 turns it off (see ``cluster.burst``).
+    On CUDA, decode steps replay captured CUDA graphs unless ``enforce_eager``.
     """
 
     model: str | None = None
@@ -41,6 +42,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     burst_wait_ms: float | None = None
+    enforce_eager: bool = False
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -67,6 +67,11 @@ class LLMEngine:
         block_size = config.block_size or self._default_block_size()
         dtype = config.dtype if config.dtype != "auto" else (
             "bfloat16" if self.device == "cuda" else "float32")
+        # The largest step the scheduler may plan: the CUDA profiling forward runs it.
+        step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        if not config.enable_chunked_prefill:
+            # A whole prompt is one step; the worker caps this at the model's length.
+            step_tokens = max(step_tokens, config.max_model_len or 2**31 - 1)
         wcfg = WorkerConfig(
             model=resolved.path,
             dtype=dtype,
@@ -80,8 +85,9 @@ class LLMEngine:
             else 512 * 2**20,
             gpu_memory_utilization=config.gpu_memory_utilization,
             seed=config.seed,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_cuda_graph=self.device == "cuda",
+            max_num_batched_tokens=step_tokens,
+            enable_cuda_graph=self.device == "cuda" and not config.enforce_eager,
+            max_num_seqs=config.max_num_seqs,
             num_threads=config.num_threads,
             extra=dict(config.worker_extra),
         )

@@ -81,6 +81,7 @@ class ServeArgs(BaseModel):
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -329,7 +330,8 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     engine_kwargs: dict[str, Any] = dict(
         model=a.model, tensor_parallel_size=a.tensor_parallel_size, device=device,
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-        gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
+        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+        max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         num_threads=threads, burst_wait_ms=a.burst_wait_ms, **a.engine_kwargs)
     EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field

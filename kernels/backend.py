@@ -108,7 +108,10 @@ class AttentionBackend(ABC):
                 raise ValueError(f"block shapes differ: {tuple(src.shape)} vs {tuple(dst.shape)}")
             s_idx = pairs_cpu[:, 0].to(src.device)
             d_idx = pairs_cpu[:, 1].to(dst.device)
-            blocks = src.index_select(0, s_idx).to(dst.device, non_blocking=True)
+            # Host-to-device may be asynchronous (stream order covers it); device-to-host
+            # must not be: index_copy_ on the CPU reads the blocks at once.
+            blocks = src.index_select(0, s_idx).to(dst.device,
+                                                   non_blocking=dst.device.type != "cpu")
             dst.index_copy_(0, d_idx, blocks)
 
     def __repr__(self) -> str:

@@ -246,6 +246,7 @@ class WorkerConfig:
     seed: int = 0
     max_num_batched_tokens: int = 8192
     enable_cuda_graph: bool = False
+    max_num_seqs: int = 256
     cpu_packed_weights: bool = True
     num_threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -271,6 +272,8 @@ class WorkerConfig:
             )
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         parse_dtype(self.dtype)
 
     @property

@@ -48,6 +48,28 @@ def _apply_threads_here(n: int) -> None:
     _thread_state.threads = n
 
 
+def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int
+                 ) -> tuple[SchedulerOutput, int]:
+    """A step of ``num_tokens`` prompt tokens over as many sequences as may run at once.
+
+    Every sequence samples with top-k/top-p, so the logits rows and the
+    sampler's sort are as large as a real step's. Returns the plan and the
+    number of blocks its sequences use (numbered from 0).
+    """
+    k = max(1, min(max_num_seqs, num_tokens))
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
+    scheduled, next_block = [], 0
+    for i in range(k):
+        n = num_tokens // k + (i < num_tokens % k)
+        need = -(-n // block_size)
+        rid = f"profile-{i}"
+        scheduled.append(ScheduledRequest(rid, [0] * n, 0,
+                                          list(range(next_block, next_block + need)),
+                                          [rid], {rid: params}))
+        next_block += need
+    return SchedulerOutput(step_id=-1, scheduled=scheduled), next_block
+
+
 class Worker:
     """A rank of the TP group; constructing it is cheap and touches no device."""
 
@@ -140,21 +162,27 @@ class Worker:
             )
         return int(num)
 
+    def profile_forward(self) -> None:
+        """Run the largest step the engine may plan, on a throwaway cache just big enough.
+
+        The CUDA budget subtracts this step's peak; on CPU it only checks the plan runs.
+        """
+        assert self.model_config is not None
+        n_tok = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
+        plan, blocks = profile_plan(n_tok, self.config.max_num_seqs, self.config.block_size)
+        self.init_kv_cache(blocks, 0)
+        try:
+            self.execute_model(plan)
+        finally:
+            self.kv_cache = self.runner = None
+
     def _profile_cuda_budget(self) -> int:  # pragma: no cover - CUDA only
         """``total * gpu_memory_utilization`` minus what a max-size forward peaks at."""
-        assert self.model_config is not None
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        n_tok = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
-        blocks = -(-n_tok // self.config.block_size)
-        self.init_kv_cache(blocks, 0)
-        plan = SchedulerOutput(step_id=-1, scheduled=[ScheduledRequest(
-            "profile", [0] * n_tok, 0, list(range(blocks)), ["profile"],
-            {"profile": SamplingParams(temperature=0.0)})])
-        self.execute_model(plan)
+        self.profile_forward()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_cache = self.runner = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
@@ -169,7 +197,8 @@ class Worker:
                                 self.model_config.head_dim, self.dtype, self.device,
                                 self.backend, cpu_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device,
-                                  enable_cuda_graph=self.config.enable_cuda_graph)
+                                  enable_cuda_graph=self.config.enable_cuda_graph,
+                                  max_num_seqs=self.config.max_num_seqs)
 
     # ----- steps -------------------------------------------------------------------------
 

@@ -44,10 +44,15 @@ def test_generate_prints_the_completion(tiny_model: Path) -> None:
     assert out.stdout.rstrip("\n") == ref.outputs[0].text
 
 
-def test_generate_rejects_bad_settings() -> None:
-    out = subprocess.run([*CLI, "generate", "--temperature", "-3", "hi"], capture_output=True,
+@pytest.mark.parametrize(("flag", "value", "field"), [
+    ("--temperature", "-3", "temperature"),
+    ("--gpu-memory-utilization", "1.5", "gpu_memory_utilization"),
+])
+def test_generate_rejects_bad_settings(flag: str, value: str, field: str) -> None:
+    out = subprocess.run([*CLI, "generate", flag, value, "hi"], capture_output=True,
                          text=True, timeout=300, env=_env())
-    assert out.returncode == 2 and "temperature" in out.stderr
+    assert out.returncode == 2 and field in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def _start_serve(tiny_model: Path, port: int, *extra: str) -> subprocess.Popen[str]:

@@ -13,6 +13,7 @@ from pagedserve.worker.layers.rotary import compute_inv_freq
 from pagedserve.worker.loaders import resolve_model
 from pagedserve.worker.loaders.gguf import reverse_permute
 from pagedserve.worker.parallel import ParallelContext, get_node_ip_and_free_port
+from pagedserve.worker.worker import profile_plan
 from tests.worker.helpers import TINY, make_worker, save_tiny_model
 
 BASE = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=96,
@@ -141,6 +142,29 @@ def test_model_info_and_kv_budget(tmp_path):
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
     assert ModelConfig.from_pretrained(path).eos_token_ids == (2, 3, 7)
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+@pytest.mark.parametrize(("tokens", "seqs", "block_size"), [(100, 8, 16), (5, 8, 4), (64, 1, 16)])
+def test_profile_plan_spreads_the_step_over_max_num_seqs(tokens, seqs, block_size):
+    plan, blocks = profile_plan(tokens, seqs, block_size)
+    lens = [r.num_tokens for r in plan.scheduled]
+    assert sum(lens) == tokens and len(lens) == min(seqs, tokens)
+    assert max(lens) - min(lens) <= 1
+    tables = [b for r in plan.scheduled for b in r.block_table]
+    assert sorted(tables) == list(range(blocks))  # each block used once, none missing
+    for r in plan.scheduled:
+        assert len(r.block_table) == -(-r.num_tokens // block_size)
+        assert r.sample_ids == [r.request_id] and r.num_computed_tokens == 0
+
+
+def test_profile_forward_runs_the_largest_step_and_drops_its_cache(tmp_path):
+    """The step the CUDA budget measures runs here too; afterwards no cache is held."""
+    w = make_worker(save_tiny_model(tmp_path / "m", "llama"), num_blocks=4, block_size=8,
+                    max_num_batched_tokens=300, max_num_seqs=7)
+    w.profile_forward()
+    assert w.kv_cache is None and w.runner is None
+    w.init_kv_cache(4, 0)
+    assert w.check_health()["ok"]
 
 
 def test_concurrent_conversions_do_the_work_once(tmp_path, monkeypatch):

@@ -1,0 +1,193 @@
+"""The engine on a CUDA device: Hugging Face parity, CUDA-graph decode, memory profiling, swap.
+
+The ``gpu`` tests skip without CUDA; ``bash bench/gpu_check.sh`` runs them in a
+GPU window. The default model's 98 MB GGUF does not travel to the GPU box, so
+the models are random checkpoints written here with a word-level tokenizer made
+on the spot: one shaped like SmolLM2-135M's layers (hidden 576, 9 query and 3
+KV heads of 64, tied head) but 4 layers deep, and the tiny Llama of the CPU
+tests. The first test runs the same parity check on CPU, so the fixtures and
+the check itself are exercised by every CI run.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.worker.cuda_graph import DecodeGraphRunner
+from pagedserve.worker.testing import SMOLLM2_135M, write_random_checkpoint
+from tests.cluster.conftest import hf_greedy
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+
+
+def cuda_only(fn: Callable[..., None]) -> Callable[..., None]:
+    """Mark a test ``gpu`` and skip it without CUDA."""
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn)
+    return pytest.mark.gpu(fn)
+
+
+SMOL_SHAPED = {**SMOLLM2_135M, "num_hidden_layers": 4, "max_position_embeddings": 2048}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    """Mixed lengths, one past several blocks and one past a Triton split (256 keys)."""
+    return [*prompts_of_mixed_lengths(), [(7 * j) % 40000 + 100 for j in range(300)]]
+
+
+@pytest.fixture(scope="module")
+def smol_shaped_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_random_checkpoint(tmp_path_factory.mktemp("smol_shaped"), "llama", None,
+                                   **SMOL_SHAPED)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_wordlevel"), "llama", None)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLM]]:
+    """Shut every engine a test made and give its device memory back before the next."""
+    made: list[LLM] = []
+    yield made
+    for llm in made:
+        llm.shutdown()
+    made.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _graphs(llm: LLM) -> DecodeGraphRunner | None:
+    """The local worker's decode-graph runner (None when graphs are off)."""
+    return llm.engine.executor.worker.runner.graphs
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
+            ) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_smol_shaped_checkpoint_equals_hugging_face_on_cpu(smol_shaped_dir, engines) -> None:
+    prompts = _prompts()
+    llm = LLM(model=smol_shaped_dir, device="cpu", num_gpu_blocks=64)
+    engines.append(llm)
+    assert _greedy(llm, prompts) == hf_greedy(smol_shaped_dir, prompts, 16)
+    text = llm.generate(prompts[0], GREEDY)[0].outputs[0].text
+    assert text.split() == [f"t{i}" for i in _greedy(llm, prompts[:1])[0]]
+
+
+@pytest.mark.parametrize(("kw", "step_tokens"), [
+    (dict(max_num_batched_tokens=64), 64),
+    (dict(max_num_batched_tokens=64, enable_chunked_prefill=False, max_model_len=200), 200),
+    (dict(max_num_batched_tokens=2, enforce_eager=True), 5),
+])
+def test_worker_gets_the_step_size_and_seq_limit(tiny_dir, engines, kw, step_tokens) -> None:
+    """What the CUDA profiling step and the graph runner are sized from (checked on CPU)."""
+    llm = LLM(model=tiny_dir, device="cpu", num_gpu_blocks=16, max_num_seqs=5, **kw)
+    engines.append(llm)
+    wcfg = llm.engine.executor.worker.config
+    assert wcfg.max_num_seqs == 5 and wcfg.max_num_batched_tokens == step_tokens
+    assert wcfg.enable_cuda_graph is False  # never on CPU
+
+
+@cuda_only
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_cuda_greedy_equals_hugging_face(smol_shaped_dir, engines, chunked: bool) -> None:
+    prompts = _prompts()
+    ref = hf_greedy(smol_shaped_dir, prompts, 16, device="cuda")
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=4) if chunked else {}
+    llm = LLM(model=smol_shaped_dir, device="cuda", dtype="float32",
+              attention_backend="triton", num_gpu_blocks=512, **kw)
+    engines.append(llm)
+    assert _greedy(llm, prompts) == ref
+    hits = llm.engine.scheduler.kv.prefix_hits
+    assert _greedy(llm, prompts) == ref  # full prompt blocks now come from the prefix cache
+    assert llm.engine.scheduler.kv.prefix_hits > hits
+    graphs = _graphs(llm)
+    assert graphs is not None and graphs.graphs and not graphs.disabled
+
+
+@cuda_only
+def test_cuda_defaults_bf16_graphs_and_enforce_eager(smol_shaped_dir, engines) -> None:
+    """Default settings on CUDA: bf16, the best backend, graphs; ``enforce_eager`` has none.
+
+    Both runs prefill eagerly through the same kernels, so the first tokens are equal
+    bit for bit; later bf16 tokens may legitimately part (graph batches are padded).
+    """
+    prompts = _prompts()
+    llm = LLM(model=smol_shaped_dir, device="cuda", num_gpu_blocks=512)
+    engines.append(llm)
+    info = llm.engine.model_info
+    assert info["dtype"] == "bfloat16" and info["attention_backend"] in ("flash", "triton")
+    graphed = _greedy(llm, prompts)
+    assert _graphs(llm) is not None and _graphs(llm).graphs
+    eager_llm = LLM(model=smol_shaped_dir, device="cuda", num_gpu_blocks=512,
+                    enforce_eager=True)
+    engines.append(eager_llm)
+    assert _graphs(eager_llm) is None
+    eager = _greedy(eager_llm, prompts)
+    assert [len(t) for t in graphed] == [16] * len(prompts)
+    assert [t[0] for t in graphed] == [t[0] for t in eager]
+
+
+@cuda_only
+def test_gpu_memory_utilization_sizes_the_pool(smol_shaped_dir, engines) -> None:
+    """The pool fills what the share leaves after weights and a max-size step, no more."""
+    total = torch.cuda.mem_get_info()[1]
+    blocks = {}
+    for share in (0.25, 0.125):
+        llm = LLM(model=smol_shaped_dir, device="cuda", gpu_memory_utilization=share,
+                  swap_space_bytes=0, enforce_eager=True)
+        engines.append(llm)
+        free = torch.cuda.mem_get_info()[0]
+        used = total - free
+        assert used <= share * total + 256 * 2**20, (share, used / total)
+        assert used >= 0.8 * share * total, (share, used / total)
+        blocks[share] = llm.engine.scheduler.memory_stats().num_gpu_blocks
+        assert len(_greedy(llm, _prompts()[:2])[0]) == 16
+        llm.shutdown()
+        engines.remove(llm)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert 0.4 < blocks[0.125] / blocks[0.25] < 0.5 + 1e-9, blocks
+
+
+@cuda_only
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_cuda_preemption_gives_the_same_tokens(tiny_dir, engines, mode: str) -> None:
+    prompts = prompts_of_mixed_lengths()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = LLM(model=tiny_dir, device="cuda", dtype="float32", num_gpu_blocks=256)
+    engines.append(roomy)
+    ref = _greedy(roomy, prompts, params)
+    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", num_gpu_blocks=12,
+              preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0,
+              max_num_batched_tokens=64)
+    engines.append(llm)
+    assert _greedy(llm, prompts, params) == ref
+    assert llm.engine.scheduler.num_preemptions[mode] > 0
+    assert_pool_at_baseline(llm)
+
+
+@cuda_only
+def test_cuda_seeded_parallel_sampling_is_reproducible(tiny_dir, engines) -> None:
+    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", num_gpu_blocks=128)
+    engines.append(llm)
+    prompt = [(13 * j) % 3000 + 50 for j in range(40)]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    samples = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
+    assert samples == [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
+    assert len({tuple(s) for s in samples}) == 3
+    for i, s in enumerate(samples):
+        alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=7 + i,
+                                                      max_tokens=10, ignore_eos=True))[0]
+        assert alone.outputs[0].token_ids == s
+    assert_pool_at_baseline(llm)

@@ -1,0 +1,127 @@
+"""Decode through ``DecodeGraphRunner`` equals eager decode, and padding writes nothing.
+
+The runner copies each decode batch into static buffers padded to a captured
+size: padded rows get slot -1 (skipped by store-KV), a block table of block 0
+and one key. On CUDA the captured graphs replay for real (``gpu`` test). On
+CPU, where CUDA graphs do not exist, the capture is replaced by a stand-in
+whose ``replay`` reruns the forward over the same static buffers: replay's
+semantics, so the padding and buffer logic is still tested on every CI run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.worker.cuda_graph import DecodeGraphRunner
+from pagedserve.worker.worker import Worker
+from tests.worker.helpers import (
+    BlockAllocator,
+    all_logits,
+    make_worker,
+    plan,
+    request,
+    save_tiny_model,
+)
+
+PROMPT_LENS = (3, 7, 4, 9, 1)
+DECODE_BATCHES = (5, 5, 3, 2, 1, 4)  # padded sizes 8, 8, 4, 2, 1, 4
+BLOCK_SIZE = 4
+
+
+class _ReplayOnCpu:
+    """Stands in for ``torch.cuda.CUDAGraph``: replay recomputes into the static output."""
+
+    def __init__(self, runner: DecodeGraphRunner, b: int, out: torch.Tensor):
+        self.runner, self.b, self.out = runner, b, out
+
+    def replay(self) -> None:
+        r, b = self.runner, self.b
+        self.out.copy_(r.model(r.ids[:b], r.pos[:b], r.kv_cache.layers, r._md(b)))
+
+
+def _capture_on_cpu(self: DecodeGraphRunner, b: int) -> tuple[_ReplayOnCpu, torch.Tensor]:
+    out = torch.full((b, self.model.config.hidden_size), float("nan"))
+    return _ReplayOnCpu(self, b, out), out
+
+
+def _caches(w: Worker) -> list[torch.Tensor]:
+    assert w.kv_cache is not None
+    return [c.clone() for c in (*w.kv_cache.key_caches, *w.kv_cache.value_caches)]
+
+
+def assert_graph_decode_matches_eager(w: Worker, atol: float, rtol: float) -> None:
+    """Per decode step: eager logits, then the same step through the graph runner.
+
+    The second pass rewrites the step's own K/V slots (same values up to rounding);
+    every other slot of the pool must be bit-identical, so padded rows wrote nothing.
+    """
+    runner = w.runner
+    assert runner is not None and runner.graphs is not None
+    graphs = runner.graphs
+    alloc = BlockAllocator(w.kv_cache.num_blocks, BLOCK_SIZE, seed=3)
+    g = torch.Generator().manual_seed(0)
+    vocab = w.model_config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    runner.graphs = None
+    logits = all_logits(w, plan(0, [request(alloc, f"r{i}", p, 0)
+                                     for i, p in enumerate(prompts)]))
+    ends = torch.cumsum(torch.tensor(PROMPT_LENS), 0) - 1
+    nxt = logits[ends].argmax(-1).tolist()
+    computed = list(PROMPT_LENS)
+    for step, active in enumerate(DECODE_BATCHES, start=1):
+        p = plan(step, [request(alloc, f"r{i}", [nxt[i]], computed[i]) for i in range(active)])
+        runner.graphs = None
+        eager = all_logits(w, p)
+        before = _caches(w)
+        runner.graphs = graphs
+        replayed = all_logits(w, p)
+        torch.testing.assert_close(replayed, eager, atol=atol, rtol=rtol)
+        touched = torch.tensor([alloc.tables[f"r{i}"][c // BLOCK_SIZE] * BLOCK_SIZE
+                                + c % BLOCK_SIZE for i, c in enumerate(computed[:active])])
+        for old, new in zip(before, _caches(w)):
+            flat_old, flat_new = old.flatten(0, 1), new.flatten(0, 1)
+            keep = torch.ones(flat_old.shape[0], dtype=torch.bool, device=flat_old.device)
+            keep[touched.to(keep.device)] = False
+            assert torch.equal(flat_old[keep], flat_new[keep]), f"step {step}: stray KV write"
+            torch.testing.assert_close(flat_new[~keep], flat_old[~keep], atol=atol, rtol=rtol)
+        for i in range(active):
+            computed[i] += 1
+            nxt[i] = int(eager[i].argmax())
+    assert not graphs.disabled
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+
+
+def test_graph_runner_padding_on_cpu(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(DecodeGraphRunner, "_capture", _capture_on_cpu)
+    w = make_worker(save_tiny_model(tmp_path), num_blocks=64, block_size=BLOCK_SIZE)
+    assert w.runner is not None and w.runner.graphs is None  # CPU never builds one itself
+    w.runner.graphs = DecodeGraphRunner(w.model, w.kv_cache, w.device, max_num_seqs=8,
+                                        max_blocks=16)
+    assert_graph_decode_matches_eager(w, atol=1e-5, rtol=1e-5)
+
+
+def test_graph_runner_falls_back_beyond_its_sizes(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(DecodeGraphRunner, "_capture", _capture_on_cpu)
+    w = make_worker(save_tiny_model(tmp_path), num_blocks=64, block_size=BLOCK_SIZE)
+    gr = DecodeGraphRunner(w.model, w.kv_cache, w.device, max_num_seqs=2, max_blocks=2)
+    alloc = BlockAllocator(64, BLOCK_SIZE)
+    ids = torch.tensor([5, 6, 7])
+    md = w.runner.prepare_inputs(plan(0, [request(alloc, f"r{i}", [5], 3)
+                                          for i in range(3)])).md
+    assert gr.run(ids, torch.tensor([3, 3, 3]), md) is None  # 3 rows > the largest size, 2
+    md = w.runner.prepare_inputs(plan(0, [request(alloc, "long", [5], 12)])).md
+    assert md.block_table.shape[1] == 4
+    assert gr.run(ids[:1], torch.tensor([12]), md) is None  # 4 blocks wide > max_blocks 2
+    assert not gr.graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-4), ("bfloat16", 6e-2)])
+def test_cuda_graph_decode_matches_eager(tmp_path, dtype: str, atol: float) -> None:
+    w = make_worker(save_tiny_model(tmp_path), num_blocks=64, block_size=BLOCK_SIZE,
+                    device="cuda", dtype=dtype, attention_backend="triton",
+                    enable_cuda_graph=True, max_num_seqs=8)
+    assert w.runner is not None and w.runner.graphs is not None
+    assert_graph_decode_matches_eager(w, atol=atol, rtol=atol)

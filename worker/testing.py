@@ -1,0 +1,77 @@
+"""Random Llama-family checkpoints with a made-up tokenizer, for tests and benchmarks.
+
+They go through the real loaders like any Hugging Face directory. Their point
+is machines where the default model is not installed (the GPU box gets no
+package index and its 98 MB GGUF does not travel there): shapes, kernels and
+speed do not depend on the weights' values. Needs ``transformers``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+# SmolLM2-135M-Instruct's architecture (the default model), from its config.json.
+SMOLLM2_135M: dict[str, Any] = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+
+
+def write_wordlevel_tokenizer(dest: str | Path, vocab_size: int) -> None:
+    """A real tokenizer made on the spot: word ``t<i>`` is token ``i`` (``t2`` is EOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                   eos_token="t2", pad_token="t0")
+    fast.save_pretrained(str(dest))
+
+
+def write_random_checkpoint(dest: str | Path, kind: str = "llama",
+                            tokenizer_dir: str | Path | None = None, seed: int = 1234,
+                            weight_scale: float = 4.0, **overrides: Any) -> str:
+    """Save a random ``kind`` ("llama" or "qwen2") model to ``dest``; return its path.
+
+    The defaults are a 2-layer, 64-wide model; ``overrides`` are config fields.
+    Matrices are scaled by ``weight_scale`` so logits are sharper than the
+    default init's, leaving fewer argmax near-ties between implementations.
+    The tokenizer is copied from ``tokenizer_dir``, or made up when None.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    if kind not in classes:
+        raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
+    config_cls, model_cls = classes[kind]
+    cfg: dict[str, Any] = dict(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=512,
+                               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(weight_scale)
+    dest = Path(dest)
+    model.save_pretrained(dest, safe_serialization=True)
+    if tokenizer_dir is None:
+        write_wordlevel_tokenizer(dest, int(cfg["vocab_size"]))
+    else:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.exists():
+                shutil.copy(src, dest / name)
+    return str(dest)
