@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One-shot GPU window: every `gpu` test (compiled Triton and flash-attn kernels against the
 # oracle; the engine's Hugging Face parity, CUDA-graph decode, gpu_memory_utilization
-# profiling and swap preemption), then the kernel benchmark.
+# profiling and swap preemption), then the kernel benchmark, then offline throughput
+# against Hugging Face generate / generate_batch on a random SmolLM2-135M-shaped model.
 #
-# Usage: bash bench/gpu_check.sh [--quick]   (writes bench/results/kernels_gpu.json, and a
-# copy of it and of the test log under $OUT when that is set)
+# Usage: bash bench/gpu_check.sh [--quick]   (the kernel benchmark's flag; default --quick)
+# Writes bench/results/{kernels_gpu,offline_gpu}.json, and copies them and the test log
+# to $OUT when that is set. The three steps' time limits add up to 570 s, under the
+# device tool's 600 s for one command; each step's output survives a later one's timeout.
 #
 # The GPU box has torch, triton, transformers and pytest but no package index and none of
 # pagedserve's serving dependencies (Ray, FastAPI, gguf): the package is put on the path
@@ -24,12 +27,17 @@ out=${OUT:-bench/results}
 mkdir -p bench/results "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', t.__version__)"
-timeout 400 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
+timeout 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
     tests/kernels/test_kern_gpu.py tests/worker/test_cuda_graph_runner.py \
     tests/cluster/test_engine_gpu.py 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout 200 "$PY" bench/kernels.py "${@:---quick}" --json bench/results/kernels_gpu.json
+timeout 150 "$PY" bench/kernels.py "${@:---quick}" --json bench/results/kernels_gpu.json
 bench_rc=$?
-[ "$out" != bench/results ] && cp bench/results/kernels_gpu.json "$out/" 2>/dev/null
-echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+timeout 120 "$PY" bench/offline.py --random-weights --num-prompts 128 --output-len 64 \
+    --json bench/results/offline_gpu.json
+offline_rc=$?
+if [ "$out" != bench/results ]; then
+    cp bench/results/kernels_gpu.json bench/results/offline_gpu.json "$out/" 2>/dev/null
+fi
+echo "gpu tests rc=$tests_rc kernel bench rc=$bench_rc offline bench rc=$offline_rc"
+exit $(( tests_rc != 0 || bench_rc != 0 || offline_rc != 0 ))

@@ -158,18 +158,25 @@ def main() -> None:
 
     peak = gemm_peak_flops(args.device, dtype)
     roofline = peak / flops_per_token(model)
-    results = {"pagedserve": run_pagedserve(path, prompts, args.output_len, args.device,
-                                            args.dtype),
-               "hf_generate": run_hf_generate(model, prompts, args.output_len, args.hf_batch)}
+    results: dict[str, float] = {}
+
+    def record(name: str, tps: float) -> None:  # printed at once: a killed run keeps them
+        results[name] = tps
+        print(f"{name}: {tps:.1f} tokens/s", flush=True)
+
+    record("pagedserve", run_pagedserve(path, prompts, args.output_len, args.device,
+                                        args.dtype))
+    record("hf_generate", run_hf_generate(model, prompts, args.output_len, args.hf_batch))
     if not args.skip_generate_batch:
         try:
-            results["hf_generate_batch"] = run_hf_generate_batch(model, prompts, args.output_len)
+            record("hf_generate_batch", run_hf_generate_batch(model, prompts, args.output_len))
         except Exception as e:  # report, don't hide: the ratio row says n/a
             print(f"hf generate_batch failed: {type(e).__name__}: {e}")
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"{torch.get_num_threads()} CPU threads")
     weights = "random weights" if args.random_weights else "its weights"
-    print(f"\n{args.num_prompts} prompts (8-60 words), {args.output_len} new tokens each, "
+    lengths = "10-75 random token ids" if args.random_weights else "8-60 words"
+    print(f"\n{args.num_prompts} prompts ({lengths}), {args.output_len} new tokens each, "
           f"SmolLM2-135M ({weights}) {args.dtype}, {where}")
     print(f"GEMM peak {peak / 1e9:.1f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
     print(f"{'engine':<20} {'tokens/s':>10} {'pagedserve x':>13} {'of roofline':>12}")

@@ -1,8 +1,9 @@
 """CUDA graph capture of the decode forward (CUDA only, off by default).
 
 Decode steps are small and launch-bound on a GPU, so replaying a captured
-graph removes most CPU overhead. Graphs are captured lazily per padded batch
-size over static input buffers; padded rows write to slot -1 (skipped) and
+graph removes most CPU overhead. Graphs are captured per padded batch size
+over static input buffers, all of them when the KV cache is built
+(``capture_all``), else on first use; padded rows write to slot -1 (skipped) and
 attend to one key of block 0, whose result is discarded. Any capture failure
 (e.g. a backend that synchronises with the host) disables graphs and falls
 back to eager execution instead of failing the step. Untested on CPU hosts.
@@ -11,6 +12,7 @@ back to eager execution instead of failing the step. Untested on CPU hosts.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +34,8 @@ class DecodeGraphRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_num_seqs: int, max_blocks: int):
         self.model, self.kv_cache, self.device = model, kv_cache, device
-        self.sizes = [b for b in _BATCH_SIZES if b <= max_num_seqs] or [max_num_seqs]
+        # Every batch up to max_num_seqs has a graph: the last size is max_num_seqs itself.
+        self.sizes = [b for b in _BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
         n = self.sizes[-1]
         self.max_blocks = max_blocks
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -78,8 +81,27 @@ class DecodeGraphRunner:
         self.bt[s:b].fill_(0)
         self.lens[:s].copy_(md.seq_lens)
         self.lens[s:b].fill_(1)
-        entry = self.graphs.get(b)
+        entry = self._graph(b)
         if entry is None:
+            return None
+        graph, out = entry
+        graph.replay()
+        return out[:s]
+
+    def capture_all(self) -> None:
+        """Capture every size now, largest first (smaller graphs then reuse its memory pool),
+        so no serving step pays for a capture."""
+        t0 = time.perf_counter()
+        for b in reversed(self.sizes):
+            if self._graph(b) is None:
+                return
+        logger.info("captured %d decode graphs (batch <= %d) in %.1fs", len(self.graphs),
+                    self.sizes[-1], time.perf_counter() - t0)
+
+    def _graph(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """The graph of padded size ``b``, captured on first use; None once graphs are off."""
+        entry = self.graphs.get(b)
+        if entry is None and not self.disabled:
             try:
                 entry = self._capture(b)
             except Exception as exc:  # pragma: no cover - CUDA only
@@ -89,6 +111,4 @@ class DecodeGraphRunner:
                 torch.cuda.synchronize(self.device)
                 return None
             self.graphs[b] = entry
-        graph, out = entry
-        graph.replay()
-        return out[:s]
+        return entry

@@ -49,6 +49,8 @@ class ModelRunner:
         if enable_cuda_graph and device.type == "cuda" and kv_cache.backend.name != "torch":
             max_blocks = -(-model.config.max_model_len // self.block_size)
             self.graphs = DecodeGraphRunner(model, kv_cache, device, max_num_seqs, max_blocks)
+            with torch.inference_mode():
+                self.graphs.capture_all()
 
     def prepare_inputs(self, plan: SchedulerOutput) -> ModelInputs:
         """Build input ids, positions, slot mapping, -1 padded block tables and metadata."""

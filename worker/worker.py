@@ -170,7 +170,7 @@ class Worker:
         assert self.model_config is not None
         n_tok = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
         plan, blocks = profile_plan(n_tok, self.config.max_num_seqs, self.config.block_size)
-        self.init_kv_cache(blocks, 0)
+        self.init_kv_cache(blocks, 0, cuda_graphs=False)
         try:
             self.execute_model(plan)
         finally:
@@ -188,8 +188,10 @@ class Worker:
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
         return int(total * self.config.gpu_memory_utilization - peak - max(non_torch, 0))
 
-    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None) -> None:
-        """Allocate the KV pool shard and CPU swap shard, and build the model runner."""
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None,
+                      cuda_graphs: bool = True) -> None:
+        """Allocate the KV pool shard and CPU swap shard, and build the model runner
+        (capturing its decode graphs when the config enables them and ``cuda_graphs``)."""
         assert self.model is not None and self.model_config is not None and self.ctx
         cpu_blocks = self.config.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks
         self.kv_cache = KVCache(self.model_config.num_layers, num_gpu_blocks,
@@ -197,7 +199,7 @@ class Worker:
                                 self.model_config.head_dim, self.dtype, self.device,
                                 self.backend, cpu_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device,
-                                  enable_cuda_graph=self.config.enable_cuda_graph,
+                                  enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
                                   max_num_seqs=self.config.max_num_seqs)
 
     # ----- steps -------------------------------------------------------------------------

@@ -41,7 +41,8 @@ class _ReplayOnCpu:
 
 
 def _capture_on_cpu(self: DecodeGraphRunner, b: int) -> tuple[_ReplayOnCpu, torch.Tensor]:
-    out = torch.full((b, self.model.config.hidden_size), float("nan"))
+    """Like the real capture: a warm-up forward over the buffers as they are, then a graph."""
+    out = self.model(self.ids[:b], self.pos[:b], self.kv_cache.layers, self._md(b))
     return _ReplayOnCpu(self, b, out), out
 
 
@@ -99,6 +100,24 @@ def test_graph_runner_padding_on_cpu(tmp_path, monkeypatch) -> None:
     w.runner.graphs = DecodeGraphRunner(w.model, w.kv_cache, w.device, max_num_seqs=8,
                                         max_blocks=16)
     assert_graph_decode_matches_eager(w, atol=1e-5, rtol=1e-5)
+
+
+def test_capture_all_takes_every_size_and_writes_no_kv(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(DecodeGraphRunner, "_capture", _capture_on_cpu)
+    w = make_worker(save_tiny_model(tmp_path), num_blocks=64, block_size=BLOCK_SIZE)
+    order: list[int] = []
+    real = DecodeGraphRunner._capture
+    monkeypatch.setattr(DecodeGraphRunner, "_capture",
+                        lambda self, b: order.append(b) or real(self, b))
+    for c in (*w.kv_cache.key_caches, *w.kv_cache.value_caches):
+        c.normal_()
+    before = _caches(w)
+    gr = DecodeGraphRunner(w.model, w.kv_cache, w.device, max_num_seqs=20, max_blocks=16)
+    with torch.inference_mode():
+        gr.capture_all()
+    assert order == [20, 16, 8, 4, 2, 1]  # up to max_num_seqs, largest first
+    assert sorted(gr.graphs) == sorted(order)
+    assert all(torch.equal(a, b) for a, b in zip(before, _caches(w)))  # dummy rows: slot -1
 
 
 def test_graph_runner_falls_back_beyond_its_sizes(tmp_path, monkeypatch) -> None:
