@@ -2,9 +2,9 @@
 
 Request models are strict (``"5"`` is not an integer, ``true`` is not a number) so a client
 with a type bug gets a 400 naming the field instead of a silently coerced request. Fields
-that OpenAI defines but this server cannot honour (penalties, ``logit_bias``, tools) are
-rejected when set to a non-default value rather than ignored: a caller relying on them must
-learn that they did nothing. Unknown extra fields are ignored, as OpenAI does.
+that OpenAI defines but this server cannot honour (tools, for one) are rejected when set to
+a non-default value rather than ignored: a caller relying on them must learn that they did
+nothing. Unknown extra fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -83,30 +83,39 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = None
 
     def _check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(f"{name} is not supported by this server (use 0)", param=name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Build the engine's params; a ``ValueError`` becomes a 400 naming the field."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        vocab_size: int | None = None) -> SamplingParams:
+        """Build the engine's params; a ``ValueError`` becomes a 400 naming the field.
+
+        With ``vocab_size``, token ids in ``stop_token_ids`` and ``logit_bias`` must be
+        below it (the engine checks again; here the error names the field).
+        """
         kw: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self._token_bias())
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
+        if vocab_size is not None:
+            for name in ("stop_token_ids", "logit_bias"):
+                bad = [t for t in kw[name] or () if isinstance(t, int) and t >= vocab_size]
+                if bad:
+                    raise APIError(f"{name} must be token ids below the vocabulary size "
+                                   f"{vocab_size}, got {bad[0]}", param=name)
         try:
             return SamplingParams(**kw)
         except ValueError as e:
@@ -114,6 +123,15 @@ class _SamplingRequest(BaseModel):
             param = self.max_tokens_param if first == "max_tokens" else first
             raise APIError(str(e), param=param if param in type(self).model_fields
                            else None) from None
+
+    def _token_bias(self) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias`` keys are token ids written as strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise APIError("logit_bias keys must be token ids", param="logit_bias") from None
 
     @property
     def max_tokens_param(self) -> str:

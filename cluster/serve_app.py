@@ -238,7 +238,7 @@ class OpenAIServer:
                                param="prompt")
             params = body.sampling_params(
                 max_tokens_for(body.max_tokens, len(ids), info, "max_tokens", body.n),
-                body.logprobs)
+                body.logprobs, info["vocab_size"])
             reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
                                              body.stream))
         so = body.stream_options
@@ -262,7 +262,7 @@ class OpenAIServer:
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                              body.max_tokens_param, body.n),
-            body.engine_logprobs())
+            body.engine_logprobs(), info["vocab_size"])
         rid = new_id("chatcmpl")
         req = self._engine_request(rid, ids, params, body.cache_salt, info, body.stream)
         so = body.stream_options

@@ -22,6 +22,8 @@ class ScheduledRequest:
     for an ordinary request at the end of its prompt or in decode, every
     sibling's id when an ``n > 1`` request finishes its shared prompt, and
     ``[]`` for a prefill chunk that is not the last.
+    ``output_token_ids`` (per sample id) and ``prompt_token_ids`` travel only
+    for sequences whose params use penalties, which need the token history.
     """
 
     request_id: str
@@ -31,6 +33,7 @@ class ScheduledRequest:
     sample_ids: list[str]
     sampling_params: dict[str, SamplingParams] = field(default_factory=dict)
     output_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    prompt_token_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

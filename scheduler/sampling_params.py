@@ -14,7 +14,15 @@ MAX_LOGPROBS = 20
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample one request; ``n`` parallel samples share the prompt's blocks."""
+    """How to sample one request; ``n`` parallel samples share the prompt's blocks.
+
+    Penalties follow vLLM: ``repetition_penalty`` (HF's) divides positive and
+    multiplies negative logits of every token in the prompt or the output;
+    ``frequency_penalty`` and ``presence_penalty`` (OpenAI's) subtract per
+    occurrence and once for tokens in the output. ``logit_bias`` maps token
+    ids to a bias in [-100, 100] added to the logits. Logprobs stay those of
+    the raw model distribution.
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -28,6 +36,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +72,26 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        if self.logit_bias:
+            bias = {}
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias", t, lo=0)
+                _check_float("logit_bias", b, -100.0, 100.0)
+                bias[t] = float(b)
+            self.logit_bias = bias
+        else:
+            self.logit_bias = None
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Presence, frequency or repetition penalties: the sampler needs the history."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +106,13 @@ class SamplingParams:
         """
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _check_float(name: str, value: object, lo: float, hi: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not lo <= float(value) <= hi:
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:

@@ -202,7 +202,7 @@ class Scheduler:
             family = [req, *req.pending_children]
             sample_ids = [r.request_id for r in family]
             params = {r.request_id: r.sampling_params for r in family}
-        return ScheduledRequest(
+        sched = ScheduledRequest(
             rid,
             req.all_token_ids[start : start + num_new],
             start,
@@ -210,6 +210,13 @@ class Scheduler:
             sample_ids,
             params,
         )
+        if sample_ids and req.sampling_params.uses_penalties:
+            # Siblings share the params; at the prompt's end none has an output yet.
+            outputs = req.output_token_ids
+            sched.output_token_ids = {sid: outputs if sid == rid else [] for sid in sample_ids}
+            if req.sampling_params.repetition_penalty != 1.0:
+                sched.prompt_token_ids = req.prompt_token_ids
+        return sched
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap to CPU when the mode and the CPU tier allow; otherwise recompute.

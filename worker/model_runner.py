@@ -111,7 +111,8 @@ class ModelRunner:
                     raise ValueError(f"request {r.request_id}: no sampling params for {sid!r}")
                 out = r.output_token_ids.get(sid)
                 sample_reqs.append(SampleRequest(sid, r.request_id, row, params,
-                                                 None if out is None else len(out)))
+                                                 None if out is None else len(out),
+                                                 out, r.prompt_token_ids))
         return ModelInputs(
             input_ids=input_ids.to(dev),
             positions=positions.to(dev),

@@ -1,4 +1,5 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeds, logprobs,
+``min_tokens``, ``logit_bias`` and presence / frequency / repetition penalties.
 
 The tensor math lives in :mod:`sampling_ops`; this class owns the per-request
 state. A draw is an inverse-CDF lookup (one uniform per row, a cumulative sum
@@ -19,7 +20,7 @@ import torch
 
 from pagedserve.scheduler.outputs import SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.sampling_ops import sample_rows
+from pagedserve.worker.sampling_ops import penalize_row, sample_rows
 
 
 @dataclass(slots=True)
@@ -31,6 +32,8 @@ class SampleRequest:
     row: int
     params: SamplingParams
     num_output_tokens: int | None = None
+    output_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Sampler:
@@ -74,7 +77,7 @@ class Sampler:
         for r in reqs:
             if r.request_id != r.sample_id:
                 self._children.setdefault(r.request_id, set()).add(r.sample_id)
-        x = self._apply_min_tokens(raw, reqs)
+        x = self._process_logits(raw, reqs)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             tokens = x.argmax(dim=-1)
@@ -90,24 +93,43 @@ class Sampler:
         assert len(out) == n, "duplicate sample ids in one step"
         return out
 
-    def _apply_min_tokens(self, raw: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
-        """Forbid EOS and stop tokens for sequences that have not reached ``min_tokens``."""
+    def _process_logits(self, raw: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
+        """vLLM's order: forbid EOS and stop tokens before ``min_tokens``, add
+        ``logit_bias``, then the repetition, frequency and presence penalties.
+
+        Rows without any of these are left alone (and ``raw`` is not copied).
+        """
         x = raw
         for i, r in enumerate(reqs):
             p = r.params
-            if p.min_tokens <= 0:
+            banned = self._banned(r)
+            if not (banned or p.logit_bias or p.uses_penalties):
                 continue
-            done = r.num_output_tokens
-            if done is None:
-                done = self._counts.get(r.sample_id, 0)
-            if done >= p.min_tokens:
-                continue
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+            if x is raw:
+                x = raw.clone()
+            row = x[i]
             if banned:
-                if x is raw:
-                    x = raw.clone()
-                x[i, torch.tensor(banned, device=x.device)] = float("-inf")
+                row[torch.tensor(banned, device=x.device)] = float("-inf")
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=x.device)
+                row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()),
+                                                    device=x.device, dtype=x.dtype))
+            if p.uses_penalties:
+                penalize_row(row, r.output_token_ids or [], r.prompt_token_ids or [],
+                             p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
         return x
+
+    def _banned(self, r: SampleRequest) -> list[int]:
+        """Tokens a sequence may not draw yet: EOS and stop ids before ``min_tokens``."""
+        p = r.params
+        if p.min_tokens <= 0:
+            return []
+        done = r.num_output_tokens
+        if done is None:
+            done = self._counts.get(r.sample_id, 0)
+        if done >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
     def _sample_random(self, x: torch.Tensor, reqs: list[SampleRequest], greedy: list[bool]
                        ) -> torch.Tensor:

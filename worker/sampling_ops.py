@@ -143,3 +143,25 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, in_place: bool = False) ->
     total = cdf[:, -1].clone()
     point = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, point.unsqueeze(1), right=True).squeeze(1)
+
+
+def penalize_row(row: torch.Tensor, output_ids: list[int], prompt_ids: list[int],
+                 presence: float, frequency: float, repetition: float) -> None:
+    """Apply the penalties to one row of logits in place, with vLLM's semantics.
+
+    Repetition (as in HF and vLLM) covers prompt and output tokens: a positive
+    logit is divided by the penalty, a negative one multiplied. Frequency and
+    presence (as in OpenAI) cover output tokens only: minus ``frequency`` per
+    occurrence and ``presence`` once. Row-wise, so seeded draws stay batch-free.
+    """
+    v, dev = row.shape[0], row.device
+    out_t = torch.tensor(output_ids, dtype=torch.long, device=dev)
+    if repetition != 1.0 and (output_ids or prompt_ids):
+        seen = torch.zeros(v, dtype=torch.bool, device=dev)
+        seen[torch.tensor(prompt_ids, dtype=torch.long, device=dev)] = True
+        seen[out_t] = True
+        row.copy_(torch.where(seen, torch.where(row > 0, row / repetition, row * repetition),
+                              row))
+    if output_ids and (presence or frequency):
+        counts = torch.bincount(out_t, minlength=v)[:v].to(row.dtype)
+        row.sub_(counts * frequency + (counts > 0).to(row.dtype) * presence)

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -36,8 +37,13 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
-              ignore_eos: bool = True, device: str = "cpu") -> list[list[int]]:
-    """Hugging Face ``generate`` (greedy, one prompt at a time: no padding effects)."""
+              ignore_eos: bool = True, device: str = "cpu",
+              processors: Callable[[int], list[Any]] | None = None,
+              **generate_kwargs: Any) -> list[list[int]]:
+    """Hugging Face ``generate`` (greedy, one prompt at a time: no padding effects).
+
+    ``processors(prompt_len)`` gives extra logits processors per prompt.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
@@ -49,7 +55,9 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                max_new_tokens=max_new_tokens,
                                min_new_tokens=max_new_tokens if ignore_eos else 0,
-                               pad_token_id=0)
+                               pad_token_id=0,
+                               logits_processor=processors(len(ids)) if processors else None,
+                               **generate_kwargs)
             outs.append(y[0, len(ids):].tolist())
     return outs
 

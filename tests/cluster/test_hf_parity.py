@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve.cluster import LLM, SamplingParams
 from tests.cluster.conftest import hf_greedy
@@ -64,5 +65,60 @@ def test_chunked_prefill_equals_hugging_face(tiny_llama_dir) -> None:
     try:
         outs = llm.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == ref
+    finally:
+        llm.shutdown()
+
+
+class _OpenAIPenalties:
+    """Frequency and presence penalties over the generated tokens, as a HF logits processor."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for b in range(scores.shape[0]):
+            counts = torch.bincount(input_ids[b, self.prompt_len:],
+                                    minlength=scores.shape[1])[: scores.shape[1]].float()
+            scores[b] -= self.frequency * counts + self.presence * (counts > 0).float()
+        return scores
+
+
+@pytest.mark.parametrize("setup", ["whole", "chunked", "preempted"])
+def test_penalties_equal_hugging_face(tiny_llama_dir, setup: str) -> None:
+    """Repetition (HF's own processor) with frequency and presence on top, through
+    chunked prefill and recompute preemption, which re-send the history."""
+    prompts = prompts_of_mixed_lengths()
+    ref = hf_greedy(tiny_llama_dir, prompts, 16, repetition_penalty=1.3,
+                    processors=lambda n: [_OpenAIPenalties(n, 0.4, 0.6)])
+    plain = hf_greedy(tiny_llama_dir, prompts, 16)
+    assert ref != plain  # the penalties change the greedy tokens
+    kw = {"whole": {}, "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4),
+          "preempted": dict(num_gpu_blocks=12, preemption_mode="recompute",
+                            max_num_batched_tokens=64)}[setup]
+    llm = LLM(model=tiny_llama_dir, **{"num_gpu_blocks": 128, **kw})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                repetition_penalty=1.3, presence_penalty=0.4,
+                                frequency_penalty=0.6)
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        if setup == "preempted":
+            assert llm.engine.scheduler.num_preemptions["recompute"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_out_of_vocabulary_token_settings_are_rejected(tiny_llama_dir) -> None:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=32)
+    try:
+        for field, params in [
+            ("stop_token_ids", SamplingParams(min_tokens=1, stop_token_ids=[10**6])),
+            ("logit_bias", SamplingParams(logit_bias={10**6: 1.0})),
+        ]:
+            with pytest.raises(ValueError, match=field):
+                llm.generate([[5, 6, 7]], params)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, logit_bias={42: 100}))
+        assert out[0].outputs[0].token_ids == [42, 42, 42]
+        assert not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.worker.loaders import load_tokenizer, resolve_model
 from tests.serving.conftest import API_KEY, SMOL_ARGS, App
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -173,7 +174,10 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [10**7]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"10000000": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [10**7]},
+     "stop_token_ids"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
@@ -200,6 +204,21 @@ def test_bad_inputs_get_400_and_the_server_keeps_serving(smol: App) -> None:
     r = smol.openai().chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
                                               max_tokens=24)
     assert r.choices[0].message.content == "The capital of France is Paris."
+    smol.wait_baseline()
+
+
+def test_penalties_and_logit_bias_are_honoured(smol: App) -> None:
+    client = smol.openai()
+    forced = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=4,
+                                       temperature=0, logit_bias={"42": 100})
+    tok = load_tokenizer(resolve_model(SMOL_ARGS.get("model")))
+    assert forced.choices[0].text == tok.decode([42] * 4)
+    plain = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                           max_tokens=24)
+    penalised = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=24, frequency_penalty=2.0,
+        presence_penalty=2.0, extra_body={"repetition_penalty": 1.5})
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
     smol.wait_baseline()
 
 

@@ -43,14 +43,33 @@ def test_bad_sampling_values_name_their_field(body: dict, param: str) -> None:
     assert e.value.param == param and e.value.status == 400
 
 
+def test_penalties_and_logit_bias_reach_the_params() -> None:
+    req = CompletionRequest(prompt="x", presence_penalty=0.5, frequency_penalty=-1.0,
+                            repetition_penalty=1.2, logit_bias={"7": -100, "12": 2.5})
+    p = req.sampling_params(16, None, vocab_size=50)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert p.logit_bias == {7: -100.0, 12: 2.5} and p.uses_penalties
+    assert not CompletionRequest(prompt="x").sampling_params(16, None).uses_penalties
+    for body, param in [({"presence_penalty": 2.5}, "presence_penalty"),
+                        ({"frequency_penalty": -3}, "frequency_penalty"),
+                        ({"repetition_penalty": 0}, "repetition_penalty"),
+                        ({"logit_bias": {"seven": 1}}, "logit_bias"),
+                        ({"logit_bias": {"7": 101}}, "logit_bias"),
+                        ({"logit_bias": {"50": 1}}, "logit_bias"),
+                        ({"stop_token_ids": [3, 50]}, "stop_token_ids")]:
+        with pytest.raises(APIError) as e:
+            CompletionRequest(prompt="x", **body).sampling_params(16, None, vocab_size=50)
+        assert e.value.param == param and e.value.status == 400, body
+
+
 def test_strict_types_and_unsupported_options() -> None:
     for bad in ({"prompt": "x", "max_tokens": "5"}, {"prompt": "x", "n": True},
                 {"prompt": 5}, {"prompt": "x", "temperature": "hot"}):
         with pytest.raises(ValidationError):
             CompletionRequest(**bad)
     with pytest.raises(APIError) as e:
-        CompletionRequest(prompt="x", presence_penalty=0.5).check()
-    assert e.value.param == "presence_penalty"
+        CompletionRequest(prompt="x", echo=True).check()
+    assert e.value.param == "echo"
     with pytest.raises(ValidationError):
         ChatCompletionRequest(messages=[])
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
