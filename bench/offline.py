@@ -1,6 +1,7 @@
 """Offline throughput: pagedserve ``LLM.generate`` vs Hugging Face ``generate``
 (static padded batches) vs Hugging Face ``generate_batch`` (its continuous
-batching), same machine, same model (SmolLM2-135M, fp32), same requests, one run.
+batching), same machine, same model (SmolLM2-135M; fp32 on CPU, bf16 on CUDA), same
+requests, one run.
 
 Also measures the device's GEMM roofline in the same run: peak matmul
 FLOP/s divided by the model's FLOPs per token (2 x parameters touched per
@@ -145,8 +146,8 @@ def main() -> None:
     if args.random_weights:
         from pagedserve.worker.testing import SMOLLM2_135M, write_random_checkpoint
 
-        path = write_random_checkpoint(tempfile.mkdtemp(prefix="smollm2_random_"),
-                                       weight_scale=1.0, **SMOLLM2_135M)
+        scratch = tempfile.TemporaryDirectory(prefix="smollm2_random_")  # removed at exit
+        path = write_random_checkpoint(scratch.name, weight_scale=1.0, **SMOLLM2_135M)
         tok = None
     else:
         from pagedserve.worker.loaders import resolve_model
