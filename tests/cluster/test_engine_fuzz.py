@@ -1,0 +1,140 @@
+"""Random batches of requests, valid and not, through one engine under memory pressure.
+
+Each example adds a few requests with random sampling settings (penalties,
+``logit_bias``, ``min_tokens``, stop ids, seeds, logprobs, ``n``), some with
+out-of-range values or token ids, may abort one mid-generation, and runs the
+engine dry. A bad setting must fail as a ``ValueError`` that names its field
+before anything is queued; every other request must finish within its limits;
+and after each example the pool must be back at baseline, so nothing leaks
+across the examples that share the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from pagedserve.cluster import LLM, SamplingParams
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+
+VOCAB = 49152  # the tiny checkpoints' vocabulary (SmolLM2's tokenizer)
+MAX_LEN = 512  # their max_position_embeddings
+
+
+@pytest.fixture(scope="module", params=["swap", "recompute"])
+def llm(request: pytest.FixtureRequest, tiny_llama_dir: str) -> Iterator[LLM]:
+    """A pool of 8 blocks (128 tokens) for up to 4 sequences: preemption happens."""
+    engine = LLM(model=tiny_llama_dir, num_gpu_blocks=8, preemption_mode=request.param,
+                 num_cpu_blocks=6 if request.param == "swap" else 0,
+                 max_num_batched_tokens=32, max_num_seqs=4)
+    yield engine
+    engine.shutdown()
+
+
+def _maybe(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(st.none(), strategy)
+
+
+def _mostly(valid: list[Any], bad: Any) -> st.SearchStrategy[Any]:
+    """One of ``valid``, or (about one time in eight) the out-of-range ``bad``."""
+    return st.sampled_from([*(valid * 7)[:7], bad])
+
+
+SETTINGS = st.fixed_dictionaries({}, optional={
+    "n": _mostly([1, 2, 3], 0),
+    "temperature": _mostly([0.0, 0.7, 1.0], -1.0),
+    "top_p": _mostly([1.0, 0.5], 0.0),
+    "top_k": _mostly([-1, 1, 5], 0),
+    "seed": _mostly([None, 0, 7, 2**31], -1),
+    "min_tokens": st.integers(0, 6),
+    "stop_token_ids": st.lists(_mostly([2, 7, 300], VOCAB + 5), max_size=2),
+    "logprobs": _mostly([None, 0, 3], 50),
+    "presence_penalty": _mostly([0.0, 1.5, -0.5], 2.5),
+    "frequency_penalty": _mostly([0.0, 0.7, -2.0], 3.0),
+    "repetition_penalty": _mostly([1.0, 1.3, 0.8], 0.0),
+    "logit_bias": st.dictionaries(_mostly([5, 42, 300], VOCAB), _mostly([-100.0, 3.0, 100.0],
+                                                                           250.0), max_size=2),
+})
+REQUEST = st.tuples(
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=60) | st.just([VOCAB + 1]),
+    st.integers(1, 40),
+    SETTINGS,
+)
+
+
+def _named_field(message: str, fields: set[str]) -> bool:
+    return any(message.startswith(f) or f" {f}" in message for f in fields)
+
+
+HEAVY = [  # more than the pool holds: forces preemption with penalties and forks in flight
+    (list(range(100, 160)), 40, {"presence_penalty": 1.0, "repetition_penalty": 1.3}),
+    (list(range(200, 250)), 40, {"n": 2, "temperature": 1.0, "seed": 3,
+                                 "frequency_penalty": 0.5}),
+    (list(range(300, 340)), 40, {}),
+    (list(range(400, 455)), 30, {"logit_bias": {42: 3.0}, "min_tokens": 5}),
+]
+
+
+@example(requests=HEAVY, abort_at=None)
+@example(requests=HEAVY, abort_at=12)
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(requests=st.lists(REQUEST, min_size=1, max_size=6), abort_at=_maybe(st.integers(0, 30)))
+def test_random_requests_finish_or_fail_cleanly(llm: LLM, requests, abort_at) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    try:
+        _run_example(llm, requests, abort_at)
+    finally:  # a failing example must not leave requests behind for the next one
+        for rid in list(engine._groups):
+            engine.abort_request(rid)
+
+
+def _run_example(llm: LLM, requests, abort_at) -> None:
+    engine = llm.engine
+    added: dict[str, tuple[SamplingParams, int]] = {}
+    for i, (prompt, max_tokens, kw) in enumerate(requests):
+        try:
+            params = SamplingParams(max_tokens=max_tokens, **kw)
+        except ValueError as e:
+            assert _named_field(str(e), set(kw)), e
+            continue
+        try:
+            rid = engine.add_request(prompt, params, request_id=f"fuzz-{i}")
+        except ValueError as e:
+            assert _named_field(str(e), {"stop_token_ids", "logit_bias", "prompt"}), e
+            continue
+        added[rid] = (params, len(prompt))
+    aborted: set[str] = set()
+    finished = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        running = sorted(set(added) - set(finished))
+        if steps == abort_at and running:
+            assert engine.abort_request(running[0])
+            aborted.add(running[0])
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        assert steps < 500, "the engine stopped making progress"
+    assert set(finished) == set(added) - aborted
+    for rid, out in finished.items():
+        params, prompt_len = added[rid]
+        assert len(out.outputs) == params.n and len(out.prompt_token_ids) == prompt_len
+        for sample in out.outputs:
+            n_out = len(sample.token_ids)
+            assert sample.finish_reason in ("stop", "length"), sample
+            assert n_out <= params.max_tokens
+            if sample.finish_reason == "length":
+                assert n_out == params.max_tokens
+            if params.min_tokens and sample.finish_reason == "stop":
+                assert n_out >= params.min_tokens
+            if params.logprobs is not None:
+                assert sample.logprobs is not None and len(sample.logprobs) == n_out
+            assert all(0 <= t < VOCAB for t in sample.token_ids)
+    assert_pool_at_baseline(llm)
