@@ -47,6 +47,7 @@ class _Group:
     params: SamplingParams
     seqs: list[_Sequence]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -179,6 +180,8 @@ class LLMEngine:
                                           cache_salt)
         self.scheduler.add_request(req)
         group = _Group(request_id, prompt if isinstance(prompt, str) else None, ids, params, [])
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
         for i in range(params.n):
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                            params.include_stop_str_in_output)
@@ -233,6 +236,10 @@ class LLMEngine:
         """Apply sampled tokens; returns a snapshot of every request that progressed."""
         updates = self.scheduler.update_from_output(plan, output)
         self.stats["steps"] += 1
+        for rid, (first, entries) in (output.prompt_logprobs if output else {}).items():
+            group = self._groups.get(rid)
+            if group is not None and group.prompt_logprobs is not None:
+                group.prompt_logprobs[first : first + len(entries)] = entries
         touched: dict[str, _Group] = {}
         now = time.monotonic()
         for u in updates:
@@ -281,7 +288,8 @@ class LLMEngine:
                                  list(s.out.logprobs) if s.out.logprobs is not None else None,
                                  s.out.finish_reason, s.out.stop_reason) for s in group.seqs]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.finished, group.num_cached_tokens)
+                             group.finished, group.num_cached_tokens,
+                             None if group.prompt_logprobs is None else list(group.prompt_logprobs))
 
     def step(self) -> list[RequestOutput]:
         """One synchronous step: schedule, run the TP group, apply the tokens."""

@@ -24,7 +24,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A snapshot of a request after a step (or at the end, for ``LLM.generate``)."""
+    """A snapshot of a request after a step (or at the end, for ``LLM.generate``).
+
+    ``prompt_logprobs`` (when asked for) has one entry per prompt token, the
+    first None: the token's logprob plus the top alternatives, as in vLLM.
+    """
 
     request_id: str
     prompt: str | None
@@ -32,3 +36,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -24,6 +24,9 @@ class ScheduledRequest:
     ``[]`` for a prefill chunk that is not the last.
     ``output_token_ids`` (per sample id) and ``prompt_token_ids`` travel only
     for sequences whose params use penalties, which need the token history.
+    ``prompt_logprob_targets`` (only for requests that asked for prompt
+    logprobs) are the prompt tokens this chunk's rows predict: row ``i`` gives
+    the logprob of prompt position ``num_computed_tokens + 1 + i``.
     """
 
     request_id: str
@@ -34,6 +37,7 @@ class ScheduledRequest:
     sampling_params: dict[str, SamplingParams] = field(default_factory=dict)
     output_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_token_ids: list[int] | None = None
+    prompt_logprob_targets: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,10 +89,14 @@ class SampledToken:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Rank 0's answer: one sampled token per sequence id in any ``sample_ids``."""
+    """Rank 0's answer: one sampled token per sequence id in any ``sample_ids``, and
+    per request that asked for them, the prompt logprobs of this step's rows as
+    ``(first prompt position, [{token: logprob}, ...])``."""
 
     step_id: int
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(
+        default_factory=dict)
 
 
 @dataclass(slots=True)

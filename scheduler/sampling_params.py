@@ -21,7 +21,10 @@ class SamplingParams:
     ``frequency_penalty`` and ``presence_penalty`` (OpenAI's) subtract per
     occurrence and once for tokens in the output. ``logit_bias`` maps token
     ids to a bias in [-100, 100] added to the logits. Logprobs stay those of
-    the raw model distribution.
+    the raw model distribution. ``prompt_logprobs=k`` returns, for every
+    prompt token after the first, its logprob given the tokens before it and
+    the ``k`` likeliest alternatives (vLLM's shape); such a prompt is computed
+    in full, not read from the prefix cache.
     """
 
     n: int = 1
@@ -40,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +76,8 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0)

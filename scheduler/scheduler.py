@@ -172,7 +172,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is None:
+                hits, num_hit = self.kv.get_computed_blocks(req)
+            else:  # every prompt position's logits are wanted: compute them all
+                hits, num_hit = [], 0
             num_new = req.num_tokens - num_hit
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -216,6 +219,11 @@ class Scheduler:
             sched.output_token_ids = {sid: outputs if sid == rid else [] for sid in sample_ids}
             if req.sampling_params.repetition_penalty != 1.0:
                 sched.prompt_token_ids = req.prompt_token_ids
+        n_prompt = req.num_prompt_tokens
+        if req.sampling_params.prompt_logprobs is not None and start < n_prompt - 1:
+            sched.prompt_logprob_targets = req.prompt_token_ids[
+                start + 1 : min(start + num_new + 1, n_prompt)]
+            sched.sampling_params.setdefault(rid, req.sampling_params)  # for its top-k
         return sched
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

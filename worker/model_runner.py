@@ -20,6 +20,7 @@ from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.prompt_logprobs import PromptLogprobJob, compute_prompt_logprobs
 from pagedserve.worker.sampler import Sampler, SampleRequest
 
 
@@ -32,6 +33,7 @@ class ModelInputs:
     md: AttentionMetadata
     logits_indices: torch.Tensor
     sample_reqs: list[SampleRequest]
+    prompt_logprob_jobs: list[PromptLogprobJob]
 
 
 class ModelRunner:
@@ -98,8 +100,14 @@ class ModelRunner:
         )
         rows: list[int] = []
         sample_reqs: list[SampleRequest] = []
+        jobs: list[PromptLogprobJob] = []
         end = 0
         for r, q in zip(reqs, q_lens):
+            if r.prompt_logprob_targets:
+                params = r.sampling_params[r.request_id]
+                k = params.prompt_logprobs or 0
+                jobs.append(PromptLogprobJob(r.request_id, end, r.num_computed_tokens + 1,
+                                             r.prompt_logprob_targets, k))
             end += q
             if not r.sample_ids:
                 continue
@@ -119,6 +127,7 @@ class ModelRunner:
             md=md,
             logits_indices=torch.tensor(rows, dtype=torch.long, device=dev),
             sample_reqs=sample_reqs,
+            prompt_logprob_jobs=jobs,
         )
 
     def forward_hidden(self, inputs: ModelInputs) -> torch.Tensor:
@@ -147,6 +156,10 @@ class ModelRunner:
             return out
         inputs = self.prepare_inputs(plan)
         hidden = self.forward_hidden(inputs)
+        if inputs.prompt_logprob_jobs:
+            prompt_lps = compute_prompt_logprobs(self.model, hidden, inputs.prompt_logprob_jobs)
+            if out is not None and prompt_lps is not None:
+                out.prompt_logprobs = prompt_lps
         if inputs.logits_indices.numel() == 0:
             return out
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

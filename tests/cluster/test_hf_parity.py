@@ -122,3 +122,33 @@ def test_out_of_vocabulary_token_settings_are_rejected(tiny_llama_dir) -> None:
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_prompt_logprobs_equal_hugging_face(tiny_llama_dir, chunked: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts = prompts_of_mixed_lengths(4)[1:]  # 12, 21 and 30 tokens
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    kw = dict(max_num_batched_tokens=8, max_num_seqs=4) if chunked else {}
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64, **kw)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3, n=2)
+        for _ in range(2):  # the second time the prompts' blocks are cached: still computed
+            outs = llm.generate(prompts, params)
+            for ids, out in zip(prompts, outs):
+                with torch.inference_mode():
+                    ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+                lps = out.prompt_logprobs
+                assert lps is not None and len(lps) == len(ids) and lps[0] is None
+                for pos in range(1, len(ids)):
+                    entry = lps[pos]
+                    top = ref[pos - 1].topk(3)
+                    assert set(entry) == set(top.indices.tolist()) | {ids[pos]}
+                    for tok, lp in entry.items():
+                        assert lp == pytest.approx(ref[pos - 1, tok].item(), abs=1e-4)
+        plain = llm.generate(prompts[:1], SamplingParams(max_tokens=1))[0]
+        assert plain.prompt_logprobs is None
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
