@@ -26,6 +26,7 @@ from pagedserve.scheduler.outputs import (
 )
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.step_plan import scheduled_request
 
 
 class Scheduler:
@@ -195,36 +196,7 @@ class Scheduler:
         return out
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        rid = req.request_id
-        if start + num_new != len(req.all_token_ids):
-            sample_ids, params = [], {}
-        elif not req.pending_children:
-            sample_ids, params = [rid], {rid: req.sampling_params}
-        else:
-            family = [req, *req.pending_children]
-            sample_ids = [r.request_id for r in family]
-            params = {r.request_id: r.sampling_params for r in family}
-        sched = ScheduledRequest(
-            rid,
-            req.all_token_ids[start : start + num_new],
-            start,
-            self.kv.block_ids(rid),
-            sample_ids,
-            params,
-        )
-        if sample_ids and req.sampling_params.uses_penalties:
-            # Siblings share the params; at the prompt's end none has an output yet.
-            outputs = req.output_token_ids
-            sched.output_token_ids = {sid: outputs if sid == rid else [] for sid in sample_ids}
-            if req.sampling_params.repetition_penalty != 1.0:
-                sched.prompt_token_ids = req.prompt_token_ids
-        n_prompt = req.num_prompt_tokens
-        if req.sampling_params.prompt_logprobs is not None and start < n_prompt - 1:
-            sched.prompt_logprob_targets = req.prompt_token_ids[
-                start + 1 : min(start + num_new + 1, n_prompt)]
-            sched.sampling_params.setdefault(rid, req.sampling_params)  # for its top-k
-        return sched
+        return scheduled_request(req, num_new, self.kv.block_ids(req.request_id))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap to CPU when the mode and the CPU tier allow; otherwise recompute.

@@ -1,0 +1,45 @@
+"""One request's row of a step plan: the tokens to compute and what its sampling needs.
+
+Kept apart from the batching policy in :mod:`scheduler`: this decides only
+what travels to the workers for a request the policy already scheduled.
+"""
+
+from __future__ import annotations
+
+from pagedserve.scheduler.outputs import ScheduledRequest
+from pagedserve.scheduler.request import Request
+
+
+def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    """Tokens ``num_computed_tokens .. + num_new`` of ``req`` over its ``block_ids``.
+
+    The row samples only when it reaches the end of the sequence: for the
+    sequence itself, or at a group's prompt end for every sibling waiting to
+    fork. The token history goes along only when penalties need it, and the
+    prompt tokens to score only for requests that asked for prompt logprobs.
+    """
+    start = req.num_computed_tokens
+    rid = req.request_id
+    if start + num_new != len(req.all_token_ids):
+        sample_ids, params = [], {}
+    elif not req.pending_children:
+        sample_ids, params = [rid], {rid: req.sampling_params}
+    else:
+        family = [req, *req.pending_children]
+        sample_ids = [r.request_id for r in family]
+        params = {r.request_id: r.sampling_params for r in family}
+    sched = ScheduledRequest(rid, req.all_token_ids[start : start + num_new], start, block_ids,
+                             sample_ids, params)
+    sp = req.sampling_params
+    if sample_ids and sp.uses_penalties:
+        # Siblings share the params; at the prompt's end none has an output yet.
+        outputs = req.output_token_ids
+        sched.output_token_ids = {sid: outputs if sid == rid else [] for sid in sample_ids}
+        if sp.repetition_penalty != 1.0:
+            sched.prompt_token_ids = req.prompt_token_ids
+    n_prompt = req.num_prompt_tokens
+    if sp.prompt_logprobs is not None and start < n_prompt - 1:
+        sched.prompt_logprob_targets = req.prompt_token_ids[
+            start + 1 : min(start + num_new + 1, n_prompt)]
+        sched.sampling_params.setdefault(rid, sp)  # the worker reads its top-k there
+    return sched
