@@ -25,11 +25,19 @@
 
 #include "cpu_math.h"
 
-/* Ask for the cache lines of n floats at p. */
-static inline void prefetch_floats(const float *p, int64_t n)
+/* Token t's row (n floats from KV head h0 on) in cache c, after asking for the
+ * same row of the sequence's next block, which the loop reaches B tokens later. */
+static inline const float *token_row(const float *c, const int32_t *table, int64_t t,
+                                     int64_t L, int64_t B, int64_t blk_stride,
+                                     int64_t tok_stride, int64_t h0, int64_t D, int64_t n)
 {
-    for (int64_t off = 0; off < n; off += 16)
-        __builtin_prefetch(p + off);
+    const int64_t row = (t % B) * tok_stride + h0 * D;
+    if (t + B < L) {
+        const float *next = c + (int64_t)table[t / B + 1] * blk_stride + row;
+        for (int64_t off = 0; off < n; off += 16)
+            __builtin_prefetch(next + off);
+    }
+    return c + (int64_t)table[t / B] * blk_stride + row;
 }
 
 /* KV heads [h0, h1) of one sequence: all their query heads in one pass over
@@ -45,10 +53,8 @@ attend_impl(const float *q, const float *kc, const float *vc, const int32_t *tab
         if (table[j] < 0 || table[j] >= num_blocks)
             return -2;
     for (int64_t t = 0; t < L; t++) {
-        const int64_t row = (t % B) * tok_stride + h0 * D;
-        const float *k = kc + (int64_t)table[t / B] * blk_stride + row;
-        if (t + B < L)
-            prefetch_floats(kc + (int64_t)table[t / B + 1] * blk_stride + row, (h1 - h0) * D);
+        const float *k = token_row(kc, table, t, L, B, blk_stride, tok_stride, h0, D,
+                                   (h1 - h0) * D);
         for (int64_t h = 0; h < h1 - h0; h++) {
             const float *kh = k + h * D;
             for (int64_t g = 0; g < G; g++) {
@@ -77,10 +83,8 @@ attend_impl(const float *q, const float *kc, const float *vc, const int32_t *tab
     float *o = out + h0 * G * D;
     memset(o, 0, (size_t)(nq * D) * sizeof(float));
     for (int64_t t = 0; t < L; t++) {
-        const int64_t row = (t % B) * tok_stride + h0 * D;
-        const float *v = vc + (int64_t)table[t / B] * blk_stride + row;
-        if (t + B < L)
-            prefetch_floats(vc + (int64_t)table[t / B + 1] * blk_stride + row, (h1 - h0) * D);
+        const float *v = token_row(vc, table, t, L, B, blk_stride, tok_stride, h0, D,
+                                   (h1 - h0) * D);
         for (int64_t h = 0; h < h1 - h0; h++) {
             const float *vh = v + h * D;
             for (int64_t g = 0; g < G; g++) {
