@@ -127,7 +127,9 @@ class EngineServer:
                     if out.finished:
                         reason = out.outputs[0].finish_reason or "stop"
                     yield EngineChunk(rid, self.replica_id, deltas, len(out.prompt_token_ids),
-                                      out.num_cached_tokens, out.finished)
+                                      out.num_cached_tokens, out.finished,
+                                      prompt_logprobs=out.prompt_logprobs if out.finished
+                                      else None)
         except ValueError as e:
             reason = "rejected"
             yield EngineChunk(rid, self.replica_id, error=str(e), status=400)

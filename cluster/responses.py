@@ -41,17 +41,20 @@ class _Choice:
     stop_reason: str | int | None = None
     logprobs: Any = None
     started: bool = False
+    echoed: bool = False
 
 
 class ResponseState:
     """Everything a response accumulates; choice ``j`` of prompt ``i`` is ``i * n + j``."""
 
     def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool,
-                 top_n: int | None = None) -> None:
+                 top_n: int | None = None, echo: list[tuple[str, list[int]]] | None = None
+                 ) -> None:
         """``prompts``: ``(prompt_tokens, n)`` per prompt, in order; ``top_n``: alternatives
-        per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token)."""
+        per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token);
+        ``echo``: each prompt's text and ids, which lead its choices (completions ``echo``)."""
         self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
-        self.top_n = top_n
+        self.top_n, self.echo = top_n, echo
         self.n = [n for _, n in prompts]
         self.prompt_tokens = [p for p, _ in prompts]
         self.cached = [0] * len(prompts)
@@ -105,6 +108,8 @@ class Formatter:
         for d in chunk.deltas:
             c_idx = st.offsets[i] + d.index
             c = st.choices[c_idx]
+            if st.echo is not None and not c.echoed:
+                self._echo(st, c, *st.echo[i], chunk.prompt_logprobs)
             lp = None
             if st.logprobs and d.logprobs is not None:
                 sampled = d.sampled_logprobs or [None] * len(d.token_ids)
@@ -124,6 +129,22 @@ class Formatter:
             c.stop_reason = d.stop_reason if d.finish_reason else c.stop_reason
             out.append((c_idx, d, lp))
         return out
+
+    def _echo(self, st: ResponseState, c: _Choice, text: str, ids: list[int],
+              prompt_lps: list[dict[int, float] | None] | None) -> None:
+        """Lead the choice with its prompt: the text and, with logprobs, each prompt
+        token's logprob given the ones before it (None for the first, as OpenAI)."""
+        c.echoed = True
+        c.text.append(text)
+        if not st.logprobs:
+            return
+        entries = prompt_lps if prompt_lps is not None else [None] * len(ids)
+        lp = self._completion_logprobs(ids, [e or {} for e in entries],
+                                       [None if e is None else e.get(t)
+                                        for e, t in zip(entries, ids)], 0)
+        lp["top_logprobs"] = [None if e is None else top
+                              for e, top in zip(entries, lp["top_logprobs"])]
+        c.logprobs = lp
 
     def add(self, st: ResponseState, i: int, chunk: Any) -> None:
         self._apply(st, i, chunk)

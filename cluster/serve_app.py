@@ -16,6 +16,7 @@ next step.
 # No ``from __future__ import annotations`` here: FastAPI must see real types on the
 # ingress methods, which ``serve.ingress`` rewraps outside this module's namespace.
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -175,10 +176,10 @@ class OpenAIServer:
         return EngineRequest(rid, ids, params, hashes, salt, stream=stream)
 
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
-                       include_usage: bool, continuous_usage: bool, logprobs: bool
-                       ) -> Response:
+                       include_usage: bool, continuous_usage: bool, logprobs: bool,
+                       echo: list[tuple[str, list[int]]] | None = None) -> Response:
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
-                              logprobs, reqs[0].params.logprobs)
+                              logprobs, reqs[0].params.logprobs, echo)
         chunks = merge_streams(self._channel, self._engine, reqs)
         if not stream:
             async for i, c in chunks:
@@ -230,7 +231,7 @@ class OpenAIServer:
         self._check_model(body.model)
         info = await self._engine_info()
         rid = new_id("cmpl")
-        reqs = []
+        reqs, echo = [], []
         for i, p in enumerate(body.prompts()):
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             if any(not isinstance(t, int) or not 0 <= t < info["vocab_size"] for t in ids):
@@ -239,13 +240,16 @@ class OpenAIServer:
             params = body.sampling_params(
                 max_tokens_for(body.max_tokens, len(ids), info, "max_tokens", body.n),
                 body.logprobs, info["vocab_size"])
+            if body.echo:  # the prompt's own logprobs lead the choice's when both are asked
+                echo.append((p if isinstance(p, str) else self.tokenizer.decode(ids), ids))
+                params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
                                              body.stream))
         so = body.stream_options
         return await self._respond(rid, reqs, "text_completion", body.stream,
                                    bool(so and so.include_usage),
                                    bool(so and so.continuous_usage_stats),
-                                   body.logprobs is not None)
+                                   body.logprobs is not None, echo if body.echo else None)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:

@@ -76,6 +76,7 @@ class EngineChunk:
     error: str | None = None
     status: int = 200
     retryable: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the final chunk
 
 
 def chunk_to_wire(c: EngineChunk) -> tuple:
@@ -91,20 +92,24 @@ def chunk_to_wire(c: EngineChunk) -> tuple:
          None if d.logprobs is None else [list(lp.items()) for lp in d.logprobs],
          d.sampled_logprobs, d.finish_reason, d.stop_reason)
         for d in c.deltas)
+    prompt_lps = None if c.prompt_logprobs is None else [
+        None if lp is None else list(lp.items()) for lp in c.prompt_logprobs]
     return (c.request_id, c.replica, deltas, c.prompt_tokens, c.cached_tokens, c.finished,
-            c.error, c.status, c.retryable)
+            c.error, c.status, c.retryable, prompt_lps)
 
 
 def chunk_from_wire(t: tuple | list) -> EngineChunk:
     """Inverse of :func:`chunk_to_wire` (msgpack may hand back lists for tuples)."""
-    rid, replica, deltas, prompt_tokens, cached, finished, error, status, retryable = t
+    rid, replica, deltas, prompt_tokens, cached, finished, error, status, retryable, plps = t
     return EngineChunk(
         rid, replica,
         [SampleDelta(i, text, list(ids),
                      None if lps is None else [{int(k): v for k, v in lp} for lp in lps],
                      None if sampled is None else list(sampled), fr, sr)
          for i, text, ids, lps, sampled, fr, sr in deltas],
-        prompt_tokens, cached, finished, error, status, retryable)
+        prompt_tokens, cached, finished, error, status, retryable,
+        None if plps is None else [None if lp is None else {int(k): v for k, v in lp}
+                                   for lp in plps])
 
 
 def merge_deltas(acc: dict[int, SampleDelta], new: list[SampleDelta]) -> None:

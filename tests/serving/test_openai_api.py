@@ -222,6 +222,37 @@ def test_penalties_and_logit_bias_are_honoured(smol: App) -> None:
     smol.wait_baseline()
 
 
+def test_completion_echo_leads_with_the_prompt_and_its_logprobs(smol: App) -> None:
+    """lm-eval-harness's log-likelihood request: echo, logprobs=1, one new token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The capital of France is"
+    r = smol.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                         temperature=0, logprobs=1, echo=True)
+    c = r.choices[0]
+    assert c.text.startswith(prompt) and len(c.text) > len(prompt)
+    path = resolve_model(SMOL_ARGS.get("model")).path
+    ids = load_tokenizer(path).encode(prompt)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and r.usage.prompt_tokens == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] >= len(prompt) - 1
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-3)
+        assert 1 <= len(lp.top_logprobs[pos]) <= 2  # the top token, and the prompt's own
+    assert lp.token_logprobs[-1] == pytest.approx(ref[-1].max().item(), abs=1e-3)
+    plain = smol.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                             temperature=0)
+    assert c.text == prompt + plain.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        smol.openai().completions.create(model=MODEL, prompt=prompt, echo=True, stream=True)
+    smol.wait_baseline()
+
+
 def test_api_key_is_required_on_the_api_only(smol: App) -> None:
     with pytest.raises(openai.AuthenticationError):
         App(smol.name, smol.base, api_key="wrong").openai().models.list()

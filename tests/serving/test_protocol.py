@@ -68,7 +68,7 @@ def test_strict_types_and_unsupported_options() -> None:
         with pytest.raises(ValidationError):
             CompletionRequest(**bad)
     with pytest.raises(APIError) as e:
-        CompletionRequest(prompt="x", echo=True).check()
+        CompletionRequest(prompt="x", echo=True, stream=True).check()
     assert e.value.param == "echo"
     with pytest.raises(ValidationError):
         ChatCompletionRequest(messages=[])
