@@ -123,13 +123,16 @@ class EngineServer:
                 interval = stack.enter_context(self.pacer.streaming()) if req.stream else None
                 paced = await stack.enter_async_context(contextlib.aclosing(pace_deltas(
                     outs, tracker, interval, lambda n: self.metrics.on_tokens(timer, n))))
+                lps_sent = False  # prompt logprobs are complete once a token is out
                 async for deltas, out in paced:
                     if out.finished:
                         reason = out.outputs[0].finish_reason or "stop"
+                    first_lps = None
+                    if deltas and not lps_sent:
+                        first_lps, lps_sent = out.prompt_logprobs, True
                     yield EngineChunk(rid, self.replica_id, deltas, len(out.prompt_token_ids),
                                       out.num_cached_tokens, out.finished,
-                                      prompt_logprobs=out.prompt_logprobs if out.finished
-                                      else None)
+                                      prompt_logprobs=first_lps)
         except ValueError as e:
             reason = "rejected"
             yield EngineChunk(rid, self.replica_id, error=str(e), status=400)

@@ -151,8 +151,6 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self._check_unsupported()
-        if self.echo and self.stream:
-            raise APIError("echo is supported without stream only", param="echo")
         if self.suffix:
             raise APIError("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -101,15 +101,18 @@ class Formatter:
                                   sorted(top.items(), key=lambda kv: -kv[1])} for top in tops],
                 "text_offset": offsets}
 
-    def _apply(self, st: ResponseState, i: int, chunk: Any) -> list[tuple[int, Any, Any]]:
-        """Fold a chunk into ``st``; returns ``(choice index, delta, delta logprobs)``."""
+    def _apply(self, st: ResponseState, i: int, chunk: Any
+               ) -> list[tuple[int, Any, Any, str]]:
+        """Fold a chunk into ``st``; returns ``(choice index, delta, delta logprobs, delta
+        text)`` (the text and logprobs lead with the echoed prompt on a choice's first)."""
         st.cached[i] = max(st.cached[i], chunk.cached_tokens)
         out = []
         for d in chunk.deltas:
             c_idx = st.offsets[i] + d.index
             c = st.choices[c_idx]
+            echo_text, echo_lp = "", None
             if st.echo is not None and not c.echoed:
-                self._echo(st, c, *st.echo[i], chunk.prompt_logprobs)
+                echo_text, echo_lp = self._echo(st, c, *st.echo[i], chunk.prompt_logprobs)
             lp = None
             if st.logprobs and d.logprobs is not None:
                 sampled = d.sampled_logprobs or [None] * len(d.token_ids)
@@ -127,24 +130,29 @@ class Formatter:
             c.num_tokens += len(d.token_ids)
             c.finish_reason = d.finish_reason or c.finish_reason
             c.stop_reason = d.stop_reason if d.finish_reason else c.stop_reason
-            out.append((c_idx, d, lp))
+            if echo_lp is not None:
+                lp = echo_lp if lp is None else {k: echo_lp[k] + v for k, v in lp.items()}
+            out.append((c_idx, d, lp, echo_text + d.text))
         return out
 
     def _echo(self, st: ResponseState, c: _Choice, text: str, ids: list[int],
-              prompt_lps: list[dict[int, float] | None] | None) -> None:
+              prompt_lps: list[dict[int, float] | None] | None
+              ) -> tuple[str, dict[str, list[Any]] | None]:
         """Lead the choice with its prompt: the text and, with logprobs, each prompt
-        token's logprob given the ones before it (None for the first, as OpenAI)."""
+        token's logprob given the ones before it (None for the first, as OpenAI).
+        Returns the text and logprobs it added."""
         c.echoed = True
         c.text.append(text)
         if not st.logprobs:
-            return
+            return text, None
         entries = prompt_lps if prompt_lps is not None else [None] * len(ids)
         lp = self._completion_logprobs(ids, [e or {} for e in entries],
                                        [None if e is None else e.get(t)
                                         for e, t in zip(entries, ids)], 0)
         lp["top_logprobs"] = [None if e is None else top
                               for e, top in zip(entries, lp["top_logprobs"])]
-        c.logprobs = lp
+        c.logprobs = {k: list(v) for k, v in lp.items()}
+        return text, lp
 
     def add(self, st: ResponseState, i: int, chunk: Any) -> None:
         self._apply(st, i, chunk)
@@ -168,7 +176,7 @@ class Formatter:
                       ) -> list[str]:
         events = []
         obj = "chat.completion.chunk" if st.kind == "chat.completion" else "text_completion"
-        for c_idx, d, lp in self._apply(st, i, chunk):
+        for c_idx, d, lp, text in self._apply(st, i, chunk):
             c = st.choices[c_idx]
             if st.kind == "chat.completion":
                 delta: dict[str, Any] = {"content": d.text}
@@ -178,7 +186,7 @@ class Formatter:
                                           "logprobs": {"content": lp} if lp is not None else None,
                                           "finish_reason": d.finish_reason}
             else:
-                choice = {"index": c_idx, "text": d.text, "logprobs": lp,
+                choice = {"index": c_idx, "text": text, "logprobs": lp,
                           "finish_reason": d.finish_reason}
             if d.finish_reason:
                 choice["stop_reason"] = d.stop_reason

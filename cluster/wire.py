@@ -76,7 +76,7 @@ class EngineChunk:
     error: str | None = None
     status: int = 200
     retryable: bool = False
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the final chunk
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first tokens
 
 
 def chunk_to_wire(c: EngineChunk) -> tuple:

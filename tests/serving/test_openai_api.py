@@ -223,7 +223,8 @@ def test_penalties_and_logit_bias_are_honoured(smol: App) -> None:
 
 
 def test_completion_echo_leads_with_the_prompt_and_its_logprobs(smol: App) -> None:
-    """lm-eval-harness's log-likelihood request: echo, logprobs=1, one new token."""
+    """lm-eval-harness's log-likelihood request: echo, logprobs=1, one new token; and
+    the same echo streamed."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -248,8 +249,16 @@ def test_completion_echo_leads_with_the_prompt_and_its_logprobs(smol: App) -> No
     plain = smol.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=1,
                                              temperature=0)
     assert c.text == prompt + plain.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        smol.openai().completions.create(model=MODEL, prompt=prompt, echo=True, stream=True)
+    events = list(smol.openai().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True,
+        stream=True))
+    first = events[0].choices[0]
+    assert first.text.startswith(prompt) and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.token_logprobs[1:len(ids)] == lp.token_logprobs[1:len(ids)]
+    streamed = "".join(e.choices[0].text for e in events if e.choices)
+    whole = smol.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=3,
+                                             temperature=0, echo=True)
+    assert streamed == whole.choices[0].text and streamed.startswith(prompt)
     smol.wait_baseline()
 
 

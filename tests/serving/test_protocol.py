@@ -68,8 +68,8 @@ def test_strict_types_and_unsupported_options() -> None:
         with pytest.raises(ValidationError):
             CompletionRequest(**bad)
     with pytest.raises(APIError) as e:
-        CompletionRequest(prompt="x", echo=True, stream=True).check()
-    assert e.value.param == "echo"
+        CompletionRequest(prompt="x", suffix="!").check()
+    assert e.value.param == "suffix"
     with pytest.raises(ValidationError):
         ChatCompletionRequest(messages=[])
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
