@@ -166,13 +166,7 @@ class LLMEngine:
             raise ValueError("request_id must not contain '#'")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        vocab = self.model_info["vocab_size"]
-        for name, tokens in (("stop_token_ids", params.stop_token_ids),
-                             ("logit_bias", params.logit_bias or ())):
-            bad = [t for t in tokens if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} must be token ids below the vocabulary size "
-                                 f"{vocab}, got {bad[0]}")
+        params.check_token_ids(self.model_info["vocab_size"])
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")

@@ -110,14 +110,11 @@ class _SamplingRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
-        if vocab_size is not None:
-            for name in ("stop_token_ids", "logit_bias"):
-                bad = [t for t in kw[name] or () if isinstance(t, int) and t >= vocab_size]
-                if bad:
-                    raise APIError(f"{name} must be token ids below the vocabulary size "
-                                   f"{vocab_size}, got {bad[0]}", param=name)
         try:
-            return SamplingParams(**kw)
+            params = SamplingParams(**kw)
+            if vocab_size is not None:
+                params.check_token_ids(vocab_size)
+            return params
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             param = self.max_tokens_param if first == "max_tokens" else first

@@ -93,6 +93,16 @@ class SamplingParams:
         else:
             self.logit_bias = None
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the field when a token id is outside the vocabulary
+        (only the model knows its size, so this is not part of construction)."""
+        for name, tokens in (("stop_token_ids", self.stop_token_ids),
+                             ("logit_bias", self.logit_bias or ())):
+            bad = [t for t in tokens if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be token ids below the vocabulary size "
+                                 f"{vocab_size}, got {bad[0]}")
+
     @property
     def uses_penalties(self) -> bool:
         """Presence, frequency or repetition penalties: the sampler needs the history."""
