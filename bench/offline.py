@@ -6,6 +6,9 @@ requests, one run.
 Also measures the device's GEMM roofline in the same run: peak matmul
 FLOP/s divided by the model's FLOPs per token (2 x parameters touched per
 token), i.e. the decode throughput a perfectly batched engine could reach.
+That roofline ignores the prompts, so each engine also gets the share of the
+GEMM peak it sustains over the whole workload (prompt and output tokens' FLOPs
+divided by its run time): the headroom any engine has left on this device.
 
     python bench/offline.py                 # 64 prompts x 64 new tokens
     python bench/offline.py --quick         # a smaller smoke run
@@ -65,13 +68,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def flops_per_token(model) -> float:
-    """2 x (non-embedding parameters + LM head): what one token's forward multiplies."""
+def flops_split(model) -> tuple[float, float]:
+    """(body, head): 2 x the parameters one token multiplies below the LM head, and in it."""
     emb = model.get_input_embeddings().weight.numel()
     total = sum(p.numel() for p in model.parameters())
     head = model.get_output_embeddings().weight.numel()
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    return 2.0 * (total - emb + head if tied else total - emb)
+    return 2.0 * (total - emb - (0 if tied else head)), 2.0 * head
+
+
+def workload_flops(model, prompts: list[list[int]], out_len: int) -> float:
+    """The GEMM FLOPs any engine must spend: every prompt token and every generated
+    token but the last goes through the body, and each generated token needs the head.
+
+    The output-token roofline ignores the prompts; this is the figure that says how
+    close to the device's peak an engine runs on this workload.
+    """
+    body, head = flops_split(model)
+    body_tokens = sum(len(p) + out_len - 1 for p in prompts)
+    return body_tokens * body + len(prompts) * out_len * head
 
 
 def run_pagedserve(path: str, prompts: list[list[int]], out_len: int, device: str,
@@ -158,7 +173,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
 
     peak = gemm_peak_flops(args.device, dtype)
-    roofline = peak / flops_per_token(model)
+    roofline = peak / sum(flops_split(model))
+    total_tokens = len(prompts) * args.output_len
+    work = workload_flops(model, prompts, args.output_len)
     results: dict[str, float] = {}
 
     def record(name: str, tps: float) -> None:  # printed at once: a killed run keeps them
@@ -179,15 +196,20 @@ def main() -> None:
     lengths = "10-75 random token ids" if args.random_weights else "8-60 words"
     print(f"\n{args.num_prompts} prompts ({lengths}), {args.output_len} new tokens each, "
           f"SmolLM2-135M ({weights}) {args.dtype}, {where}")
-    print(f"GEMM peak {peak / 1e9:.1f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
-    print(f"{'engine':<20} {'tokens/s':>10} {'pagedserve x':>13} {'of roofline':>12}")
+    print(f"GEMM peak {peak / 1e9:.1f} GFLOP/s -> roofline {roofline:.0f} tokens/s; "
+          f"the workload is {work / 1e12:.2f} TFLOP (prompts included)")
+    print(f"{'engine':<20} {'tokens/s':>10} {'pagedserve x':>13} {'of roofline':>12} "
+          f"{'of GEMM peak':>13}")
     for name, tps in results.items():
         ratio = results["pagedserve"] / tps
-        print(f"{name:<20} {tps:>10.1f} {ratio:>12.2f}x {100 * tps / roofline:>11.1f}%")
+        busy = work / (total_tokens / tps) / peak  # all FLOPs over the run's time
+        print(f"{name:<20} {tps:>10.1f} {ratio:>12.2f}x {100 * tps / roofline:>11.1f}% "
+              f"{100 * busy:>12.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tokens_per_s": results, "gemm_flops": peak,
-                       "roofline_tokens_per_s": roofline, "args": vars(args)}, f, indent=2)
+                       "roofline_tokens_per_s": roofline, "workload_flops": work,
+                       "args": vars(args)}, f, indent=2)
 
 
 if __name__ == "__main__":
