@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -57,7 +57,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture facts of a Llama-family checkpoint (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Architecture facts of a Llama-family checkpoint (Llama 2/3, Mistral, Qwen2/3, SmolLM2)."""
 
     model_type: str
     num_layers: int
@@ -73,6 +73,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
+    qk_norm: bool
     max_position_embeddings: int
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
@@ -128,12 +129,17 @@ class ModelConfig:
         if rope_type != "default":
             scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
             scaling["rope_type"] = rope_type
-            if "factor" not in scaling:
-                raise ValueError("model config field 'rope_scaling.factor' is required")
+            factor = scaling.get("factor")
+            if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+                raise ValueError(
+                    f"model config field 'rope_scaling.factor' must be a positive number, "
+                    f"got {factor!r}"
+                )
             if rope_type == "llama3":
                 for key in ("low_freq_factor", "high_freq_factor"):
                     if key not in scaling:
                         raise ValueError(f"model config field 'rope_scaling.{key}' is required")
+            if rope_type in ("llama3", "yarn"):
                 scaling.setdefault(
                     "original_max_position_embeddings", cfg.get("max_position_embeddings")
                 )
@@ -146,7 +152,7 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             window = None
         return cls(
             model_type=model_type,
@@ -165,6 +171,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
+            qk_norm=model_type == "qwen3",
             max_position_embeddings=_positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
             ),
@@ -202,11 +209,19 @@ class ModelConfig:
 
         We run full attention, so a sliding-window model (Mistral v0.1) is
         capped at its window: beyond it our outputs would differ from the
-        reference implementation.
+        reference implementation. YaRN stretches the pre-training length by
+        its factor (Qwen2.5's recipe adds ``factor: 4`` over 32768 positions
+        and keeps ``max_position_embeddings`` at 32768), so the longer of the
+        two counts, as vLLM does.
         """
+        longest = self.max_position_embeddings
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "yarn":
+            stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+            longest = max(longest, stretched)
         if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+            return min(longest, self.sliding_window)
+        return longest
 
     def kv_bytes_per_block(self, block_size: int, num_kv_heads_per_rank: int,
                            dtype: torch.dtype) -> int:

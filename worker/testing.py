@@ -41,16 +41,18 @@ def write_wordlevel_tokenizer(dest: str | Path, vocab_size: int) -> None:
 def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                             tokenizer_dir: str | Path | None = None, seed: int = 1234,
                             weight_scale: float = 4.0, **overrides: Any) -> str:
-    """Save a random ``kind`` ("llama" or "qwen2") model to ``dest``; return its path.
+    """Save a random ``kind`` ("llama", "qwen2" or "qwen3") model to ``dest``; return its path.
 
     The defaults are a 2-layer, 64-wide model; ``overrides`` are config fields.
     Matrices are scaled by ``weight_scale`` so logits are sharper than the
     default init's, leaving fewer argmax near-ties between implementations.
     The tokenizer is copied from ``tokenizer_dir``, or made up when None.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers as tf
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, model_cls = classes[kind]

@@ -36,6 +36,15 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
                                    default_model_dir, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_yarn_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Qwen3 (per-head q/k norms) with YaRN over a 32-position "pre-training" length,
+    so most positions in a test are stretched ones."""
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", default_model_dir, head_dim=32,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
               ignore_eos: bool = True, device: str = "cpu",
               processors: Callable[[int], list[Any]] | None = None,

@@ -22,11 +22,12 @@ TINY: dict[str, Any] = dict(
 
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                     **overrides: Any) -> Path:
-    """Write a random HF checkpoint (safetensors) of a tiny Llama, Qwen2 or Mistral to ``path``."""
+    """Write a random HF checkpoint (safetensors) of a tiny Llama, Qwen2/3 or Mistral to ``path``."""
     import transformers as tf
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "mistral": ("MistralConfig", "MistralForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.worker.config import ModelConfig, WorkerConfig
-from pagedserve.worker.layers.rotary import compute_inv_freq
+from pagedserve.worker.layers.rotary import attention_factor, compute_inv_freq
 from pagedserve.worker.loaders import resolve_model
 from pagedserve.worker.loaders.gguf import reverse_permute
 from pagedserve.worker.parallel import ParallelContext, get_node_ip_and_free_port
@@ -48,13 +48,51 @@ def test_rope_scaling_matches_transformers():
     assert torch.equal(ours, ref)
 
 
+@pytest.mark.parametrize("extra", [
+    dict(factor=4.0, original_max_position_embeddings=32),
+    dict(factor=4.0),  # the original length defaults to max_position_embeddings
+    dict(factor=40.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=2,
+         mscale=1.0, mscale_all_dim=0.5),
+    dict(factor=2.0, original_max_position_embeddings=64, attention_factor=1.5,
+         truncate=False),
+])
+def test_yarn_matches_transformers(extra):
+    """Inverse frequencies and the cos/sin scale equal transformers' YaRN for Qwen2 configs."""
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_extra = {"original_max_position_embeddings": TINY["max_position_embeddings"], **extra}
+    cfg = Qwen2Config(**TINY, rope_parameters=dict(rope_type="yarn", rope_theta=1e4, **hf_extra))
+    ref, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    ours_cfg = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "rope_theta": 1e4,
+                                         "max_position_embeddings": 256,
+                                         "rope_scaling": {"type": "yarn", **extra}})
+    torch.testing.assert_close(compute_inv_freq(16, 1e4, ours_cfg.rope_scaling), ref,
+                               atol=0, rtol=1e-6)
+    assert attention_factor(ours_cfg.rope_scaling) == pytest.approx(ref_scale, rel=1e-12)
+
+
+def test_yarn_and_qwen3_config_fields():
+    qwen25 = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2",
+                                       "max_position_embeddings": 32768, "rope_scaling": {
+                                           "type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 32768}})
+    assert qwen25.max_model_len == 131072  # Qwen2.5's long-context recipe, as vLLM reads it
+    q3 = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen3", "head_dim": 32,
+                                   "sliding_window": 4096, "use_sliding_window": False})
+    assert q3.qk_norm and not q3.qkv_bias and q3.head_dim == 32 and q3.sliding_window is None
+    assert not ModelConfig.from_hf_dict(BASE).qk_norm
+
+
 @pytest.mark.parametrize("patch,field", [
     ({"model_type": "gpt2"}, "model_type"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"hidden_size": None}, "hidden_size"),
     ({"num_hidden_layers": 0}, "num_hidden_layers"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "factor"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -1}}, "factor"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "low_freq_factor"),
 ])
 def test_model_config_errors_name_the_field(patch, field):

@@ -30,6 +30,13 @@ CASES = {
     ),
     "qwen2_qkv_bias": dict(model_type="qwen2", tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", sliding_window=None),
+    # Qwen3: per-head q/k RMSNorm, head_dim wider than hidden / heads.
+    "qwen3_qk_norm_tied": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32),
+    # YaRN over a 16-position "pre-training" length, so the test's positions are stretched.
+    "qwen2_yarn_rope": dict(
+        model_type="qwen2",
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    ),
     "llama_mha_linear_rope": dict(
         model_type="llama", num_key_value_heads=4,
         rope_scaling=dict(rope_type="linear", factor=2.0),

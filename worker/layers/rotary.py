@@ -1,8 +1,9 @@
 """Rotary position embedding (NeoX / Hugging Face "rotate half" layout).
 
-Supports the default schedule plus ``linear`` and ``llama3`` scaling, with the
-same inverse-frequency formulas as transformers, so positions far past the
-original context give identical angles. cos/sin are computed once per forward
+Supports the default schedule plus ``linear``, ``llama3`` and ``yarn`` scaling,
+with the same inverse-frequency formulas as transformers, so positions far past
+the original context give identical angles. YaRN also scales cos and sin by
+its attention factor (the paper's temperature), as transformers does. cos/sin are computed once per forward
 for the batch's positions instead of caching a ``max_position`` table: that is
 a few thousand ``cos`` calls, and it works for any position.
 """
@@ -36,7 +37,48 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
         smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, inv_l)
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, factor, scaling)
     raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, factor: float,
+                   scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: dimensions rotating fast within the original context keep their
+    frequency, slow ones are interpolated by ``factor``, with a linear ramp between."""
+    old_len = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def dim_for(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_for(beta_fast), dim_for(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: 1, except YaRN's ``0.1 ln(factor) + 1``."""
+    if not scaling or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 class RotaryEmbedding:
@@ -46,12 +88,16 @@ class RotaryEmbedding:
                  device: torch.device):
         self.head_dim = head_dim
         self.inv_freq = compute_inv_freq(head_dim, theta, scaling).to(device)
+        self.scale = attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, D/2]`` cos and sin for ``positions`` (angles in fp32, then cast)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

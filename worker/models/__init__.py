@@ -8,6 +8,7 @@ MODEL_REGISTRY = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY", "LlamaForCausalLM"]

@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) with tensor parallelism.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2) with tensor parallelism.
 
 The differences between these architectures are config flags (q/k/v bias,
-rope scaling, tied head, GQA ratio), so one implementation covers them. The
+Qwen3's per-head q/k RMSNorm, rope scaling, tied head, GQA ratio), so one
+implementation covers them. The
 forward runs over a flat, mixed batch of tokens (any mix of prefill chunks and
 decodes) and returns hidden states; the runner picks the rows that need
 logits, so the LM head is never computed on prompt tokens that are not
@@ -45,6 +46,11 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.local_heads
         self.num_kv_heads = self.qkv_proj.local_kv_heads
         self.head_dim = cfg.head_dim
+        # Qwen3 normalises each head of q and k before RoPE; one weight shared by all heads.
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -53,9 +59,14 @@ class LlamaAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
         hq, hkv = self.num_heads, self.num_kv_heads
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(t * hq, d))[0].view(t, hq, d)
+            k = self.k_norm(k.reshape(t * hkv, d))[0].view(t, hkv, d)
         # Rotating q and k separately yields contiguous tensors, which kernels view freely.
-        q = RotaryEmbedding.apply(qkv[:, : hq * d].view(t, hq, d), cos, sin)
-        k = RotaryEmbedding.apply(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d), cos, sin)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         out = self.attn(q, k, v, kv_cache, md)
         return self.o_proj(out)
@@ -173,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
                 names |= {p + f"self_attn.{m}_proj.bias" for m in ("q", "k", "v")}
             if cfg.o_bias:
                 names.add(p + "self_attn.o_proj.bias")
+            if cfg.qk_norm:
+                names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         return names
 
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
@@ -194,6 +207,9 @@ class LlamaForCausalLM(nn.Module):
         is_bias = kind == "bias"
         if module in ("input_layernorm", "post_attention_layernorm") and not is_bias:
             _copy_full(name, getattr(layer, module).weight, lazy)
+        elif module in ("self_attn.q_norm", "self_attn.k_norm") and self.config.qk_norm \
+                and not is_bias:
+            _copy_full(name, getattr(layer.self_attn, module[10:]).weight, lazy)
         elif module.startswith("self_attn.") and module[10:] in _QKV:
             layer.self_attn.qkv_proj.load(_QKV[module[10:]], lazy, is_bias)
         elif module == "self_attn.o_proj":
