@@ -41,6 +41,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -103,16 +105,35 @@ def read_gguf_tensors(gguf_path: str | Path, num_heads: int, num_kv_heads: int
     return out
 
 
+def gguf_head_dim(gguf_path: str | Path) -> int | None:
+    """``<arch>.attention.key_length``, the head size, when the file records it.
+
+    transformers' GGUF config mapping drops it, so a model whose heads are not
+    ``hidden / num_heads`` wide (Qwen3-0.6B: 1024 / 16 with 128-wide heads,
+    Mistral Nemo) would otherwise come back with the wrong head size.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    arch = str(fields["general.architecture"].contents())
+    field = fields.get(f"{arch}.attention.key_length")
+    return None if field is None else int(field.contents())
+
+
 def _convert_into(gguf_path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     folder, fname = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+    head_dim = gguf_head_dim(gguf_path)
+    if head_dim is not None:
+        config.head_dim = head_dim
     tensors = read_gguf_tensors(gguf_path, config.num_attention_heads,
                                 config.num_key_value_heads)
-    if "lm_head.weight" in tensors:
-        config.tie_word_embeddings = False
+    # llama.cpp omits ``output.weight`` exactly when the head is tied to the embedding;
+    # the config transformers derives may say otherwise (Qwen3's default is untied).
+    config.tie_word_embeddings = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
