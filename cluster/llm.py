@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
+
+# vLLM's prompt forms: text, token ids, or a TextPrompt / TokensPrompt dict.
+PromptType = str | list[int] | Mapping[str, Any]
+
+
+def _unwrap(prompt: PromptType) -> str | list[int]:
+    """Text or token ids from any of vLLM's prompt forms."""
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids', "
+                         f"got keys {sorted(prompt)}")
+    return prompt
 
 
 class LLM:
@@ -27,14 +42,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[list[int]],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of ``prompts``."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        A bad prompt or setting anywhere in the batch raises before anything runs,
+        and the batch's requests added before it are withdrawn: none of them is
+        left queued to run (and hold blocks) during a later call.
+        """
+        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        prompts = [_unwrap(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -43,13 +63,20 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts"
                 )
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 16)
 
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:

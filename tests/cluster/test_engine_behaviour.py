@@ -111,9 +111,29 @@ def test_requests_that_can_never_fit_and_bad_params_raise_value_error(tiny_llama
             SamplingParams(n=0)
         with pytest.raises(ValueError, match="vocabulary"):
             llm.generate([[10**9]], SamplingParams(max_tokens=2))
+        # A bad prompt late in a batch: the batch's earlier requests are withdrawn too.
+        with pytest.raises(ValueError, match="context"):
+            llm.generate([[5, 6], [7, 8], [5] * 300], SamplingParams(max_tokens=2))
+        assert not llm.engine.has_unfinished_requests()
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            llm.generate([{"text": "t5"}])
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(out[0].outputs[0].token_ids) <= 3
         assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_vllm_prompt_dicts_equal_plain_prompts(tiny_llama_dir) -> None:
+    """vLLM's TokensPrompt / TextPrompt dicts give what token lists and text give."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=4)
+        plain = llm.generate([[5, 6, 7], "t9 t10 t11"], greedy)
+        dicts = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt": "t9 t10 t11"}], greedy)
+        assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+        single = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy)
+        assert single[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     finally:
         llm.shutdown()
 
