@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("-n", type=int, default=1, help="samples per prompt")
     g.add_argument("--raw", action="store_true",
@@ -109,7 +110,7 @@ def generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens,
                                 temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed)
         EngineConfig(**engine_kwargs)  # a bad setting fails here, before the model loads
     except ValueError as e:
         print(f"pagedserve generate: {e}", file=sys.stderr)

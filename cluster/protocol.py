@@ -73,6 +73,7 @@ class _SamplingRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     min_tokens: int = 0
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -107,7 +108,7 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._token_bias())
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         try:

@@ -24,13 +24,16 @@ class SamplingParams:
     the raw model distribution. ``prompt_logprobs=k`` returns, for every
     prompt token after the first, its logprob given the tokens before it and
     the ``k`` likeliest alternatives (vLLM's shape); such a prompt is computed
-    in full, not read from the prefix cache.
+    in full, not read from the prefix cache. ``min_p`` (vLLM's) drops tokens
+    whose probability, after temperature, is below ``min_p`` times the likeliest
+    token's, before top-k and top-p.
     """
 
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -60,6 +63,7 @@ class SamplingParams:
         _check_int("top_k", self.top_k, lo=-1)
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
         if self.max_tokens is not None:

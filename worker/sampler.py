@@ -1,4 +1,4 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeds, logprobs,
+"""Token sampling on rank 0: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs,
 ``min_tokens``, ``logit_bias`` and presence / frequency / repetition penalties.
 
 The tensor math lives in :mod:`sampling_ops`; this class owns the per-request
@@ -20,7 +20,7 @@ import torch
 
 from pagedserve.scheduler.outputs import SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.sampling_ops import penalize_row, sample_rows
+from pagedserve.worker.sampling_ops import apply_min_p, penalize_row, sample_rows
 
 
 @dataclass(slots=True)
@@ -145,8 +145,12 @@ class Sampler:
             if own_row[j]:
                 g = self._generator(r.sample_id, r.params.seed, dev)  # type: ignore[arg-type]
                 u[j] = torch.rand(1, generator=g, device=dev)[0]
-        drawn = sample_rows(z / temps.unsqueeze(1), [r.params.top_k for r in sub],
-                            [r.params.top_p for r in sub], u, own_row)
+        z = z / temps.unsqueeze(1)
+        min_p = [r.params.min_p for r in sub]
+        if any(min_p):
+            z = apply_min_p(z, min_p)
+        drawn = sample_rows(z, [r.params.top_k for r in sub], [r.params.top_p for r in sub],
+                            u, own_row)
         if len(idx) == len(reqs):
             return drawn
         tokens = x.argmax(dim=-1)

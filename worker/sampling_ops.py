@@ -16,6 +16,8 @@ tokens tied with the k-th are not all kept (HF keeps ties; vLLM does not).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # Top-p rows first look for their nucleus among this many top tokens.
@@ -143,6 +145,19 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, in_place: bool = False) ->
     total = cdf[:, -1].clone()
     point = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, point.unsqueeze(1), right=True).squeeze(1)
+
+
+def apply_min_p(z: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times their row's largest.
+
+    ``p_i >= min_p * p_max`` is ``z_i >= z_max + log(min_p)`` for softmax
+    probabilities, so no softmax is needed, and a row's max is the same alone
+    or batched. The likeliest token always survives. Returns a new tensor.
+    """
+    log_p = torch.tensor([math.log(p) if p > 0 else -math.inf for p in min_p],
+                         device=z.device, dtype=z.dtype)
+    floor = z.amax(dim=-1) + log_p
+    return z.masked_fill(z < floor[:, None], float("-inf"))
 
 
 def penalize_row(row: torch.Tensor, output_ids: list[int], prompt_ids: list[int],

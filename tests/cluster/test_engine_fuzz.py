@@ -49,6 +49,7 @@ SETTINGS = st.fixed_dictionaries({}, optional={
     "temperature": _mostly([0.0, 0.7, 1.0], -1.0),
     "top_p": _mostly([1.0, 0.5], 0.0),
     "top_k": _mostly([-1, 1, 5], 0),
+    "min_p": _mostly([0.0, 0.1, 1.0], 1.5),
     "seed": _mostly([None, 0, 7, 2**31], -1),
     "min_tokens": st.integers(0, 6),
     "stop_token_ids": st.lists(_mostly([2, 7, 300], VOCAB + 5), max_size=2),

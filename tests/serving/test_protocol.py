@@ -21,10 +21,11 @@ from pagedserve.cluster.wire import DeltaTracker, EngineChunk
 
 def test_completion_request_maps_to_sampling_params() -> None:
     req = CompletionRequest(prompt="hi", n=2, temperature=0.5, top_p=0.9, top_k=5, seed=3,
-                            stop="END", max_tokens=7, logprobs=2)
+                            stop="END", max_tokens=7, logprobs=2, min_p=0.1)
     req.check()
     sp = req.sampling_params(req.max_tokens or 16, req.logprobs)
     assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (2, 0.5, 0.9, 5, 3)
+    assert sp.min_p == 0.1 and CompletionRequest(prompt="x").sampling_params(4, None).min_p == 0
     assert sp.stop == ["END"] and sp.max_tokens == 7 and sp.logprobs == 2
     assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
@@ -35,6 +36,8 @@ def test_completion_request_maps_to_sampling_params() -> None:
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "top_k": 0}, "top_k"),
     ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p"),
 ])
 def test_bad_sampling_values_name_their_field(body: dict, param: str) -> None:
     req = CompletionRequest(**body)

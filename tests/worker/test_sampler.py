@@ -107,9 +107,35 @@ def test_unseeded_frequencies_follow_probabilities():
     assert torch.allclose(counts / n, p, atol=0.03)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_min_p_frequencies_follow_the_renormalised_survivors(temperature):
+    """vLLM's min_p: after temperature, tokens under min_p x the top probability are
+    dropped and the rest keep their relative odds."""
+    p = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    n = 8000
+    x = p.log().repeat(n, 1)
+    scaled = torch.softmax(p.log() / temperature, dim=-1)
+    kept = scaled >= 0.2 * scaled.max()
+    want = torch.where(kept, scaled, 0.0)
+    want /= want.sum()
+    torch.manual_seed(0)
+    out = Sampler().sample(x, [_req(f"s{i}", i, temperature=temperature, min_p=0.2)
+                               for i in range(n)])
+    counts = torch.bincount(torch.tensor([t.token_id for t in out.values()]), minlength=5)
+    assert (counts[~kept] == 0).all()
+    assert torch.allclose(counts / n, want, atol=0.03)
+    # min_p applies before top-p, which then sees the survivors renormalised (as vLLM):
+    # 0.5 / 0.9 = 0.56 >= 0.55 leaves token 0 alone; over the raw distribution (0.5 < 0.55)
+    # token 1 would be in the nucleus too.
+    out = Sampler().sample(x[:400], [_req(f"s{i}", i, min_p=0.25, top_p=0.55)
+                                     for i in range(400)])
+    assert {t.token_id for t in out.values()} == {0}
+
+
 NEIGHBOURS = [dict(temperature=0.9), dict(temperature=0.7, top_k=20, seed=5),
               dict(temperature=1.1, top_p=0.8), dict(temperature=0.5, top_k=300, top_p=0.95),
-              dict(temperature=0.0), dict(temperature=1.0, top_k=5000, seed=9)]
+              dict(temperature=0.0), dict(temperature=1.0, top_k=5000, seed=9),
+              dict(temperature=0.8, min_p=0.05)]
 
 
 def _run_seeded(mine: dict, batch_extra: int, steps: int = 12) -> list[int]:
@@ -129,7 +155,9 @@ def _run_seeded(mine: dict, batch_extra: int, steps: int = 12) -> list[int]:
 
 @pytest.mark.parametrize("mine", [dict(temperature=0.8, top_p=0.9, seed=1234),
                                   dict(temperature=1.2, top_k=40, seed=7),
-                                  dict(temperature=1.0, seed=3)], ids=["top_p", "top_k", "plain"])
+                                  dict(temperature=1.0, seed=3),
+                                  dict(temperature=1.0, min_p=0.02, top_p=0.95, seed=11)],
+                         ids=["top_p", "top_k", "plain", "min_p"])
 def test_seeded_request_is_batch_invariant(mine):
     alone = _run_seeded(mine, 0)
     assert _run_seeded(mine, 7) == alone
