@@ -4,7 +4,8 @@
  *
  * Each op does in one pass over memory what the torch path does in several
  * (with a fresh temporary per step): RMSNorm with its residual add is seven
- * torch ops, SiLU-and-multiply two. At prefill batch sizes these passes
+ * torch ops, SiLU-and-multiply two, rotary embedding of q or k seven (views,
+ * four multiplies, an add, a subtract and a cat). At prefill batch sizes these passes
  * are memory-bound; at decode sizes the op dispatch costs more than the
  * arithmetic.
  *
@@ -54,5 +55,30 @@ void silu_and_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t M,
         float *o = out + m * I;
         for (int64_t i = 0; i < I; i++)
             o[i] = silu_f32(g[i]) * u[i];
+    }
+}
+
+/* Rotary embedding, "rotate half" layout: for token m and head h of x (rows of
+ * x_stride floats, heads D apart), out = [x1*c - x2*s, x2*c + x1*s] with
+ * x1, x2 the head's halves and c, s = cos[m], sin[m] (D/2 each). out is
+ * contiguous [M, H, D]. */
+void rope_f32(const float *x, int64_t x_stride, const float *cos_t, const float *sin_t,
+              float *out, int64_t M, int64_t H, int64_t D, int nthreads)
+{
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H * D >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos_t + m * half;
+        const float *s = sin_t + m * half;
+        for (int64_t h = 0; h < H; h++) {
+            const float *x1 = x + m * x_stride + h * D;
+            const float *x2 = x1 + half;
+            float *o1 = out + (m * H + h) * D;
+            float *o2 = o1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                o2[i] = x2[i] * c[i] + x1[i] * s[i];
+            }
+        }
     }
 }

@@ -120,6 +120,8 @@ def load() -> ctypes.CDLL | None:
         lib.rms_norm_f32.restype = None
         lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int]
         lib.silu_and_mul_f32.restype = None
+        lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        lib.rope_f32.restype = None
         _lib = lib
         return _lib
 
@@ -241,6 +243,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty((m, i), dtype=gate_up.dtype)
     lib.silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, i,
                          torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding of ``x [T, H, D]`` (heads contiguous within a token, tokens any
+    stride) with ``cos``/``sin`` ``[T, 1, D/2]``, into a new contiguous tensor; None if
+    not for the native op (the caller runs its torch path)."""
+    if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] % 2:
+        return None
+    t, h, d = x.shape
+    if cos.shape != (t, 1, d // 2) or sin.shape != cos.shape:
+        return None
+    lib = _fused_lib(x, cos, sin)
+    if lib is None:
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((t, h, d), dtype=x.dtype)
+    lib.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                 t, h, d, torch.get_num_threads())
     return out
 
 

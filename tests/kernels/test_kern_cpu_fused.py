@@ -1,4 +1,5 @@
-"""The native fused row ops (RMSNorm with residual, SiLU-and-multiply) against torch.
+"""The native fused row ops (RMSNorm with residual, SiLU-and-multiply, rotary
+embedding) against torch.
 
 The model calls them on CPU fp32 and falls back to torch ops when they answer
 None; greedy parity with transformers (tests/cluster) covers them end to end.
@@ -64,6 +65,33 @@ def test_silu_and_mul_matches_torch(rows: int) -> None:
                                rtol=RTOL, atol=1e-6)
 
 
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``q * cos + rotate_half(q) * sin`` with full-width cos/sin."""
+    c, s = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    half = x.shape[-1] // 2
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), -1) * s
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 64, 300])
+def test_rope_matches_torch_on_strided_qkv_rows(tokens: int) -> None:
+    """q and k are views into one fused qkv row per token (the model's case)."""
+    from pagedserve.worker.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(tokens)
+    hq, hkv, d = 9, 3, 64
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g) * 4
+    rot = RotaryEmbedding(d, 1e5, None, torch.device("cpu"))
+    cos, sin = rot.cos_sin(torch.randint(0, 8192, (tokens,), generator=g), torch.float32)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    before = qkv.clone()
+    for x in (q, k):
+        got = cpu_native.rope(x, cos, sin)
+        assert got is not None and got.is_contiguous()
+        torch.testing.assert_close(got, _rope_ref(x, cos, sin), rtol=RTOL, atol=1e-5)
+    assert torch.equal(qkv, before)
+
+
 def test_other_tensors_get_none_so_the_caller_uses_torch(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     w = torch.ones(8)
@@ -73,7 +101,12 @@ def test_other_tensors_get_none_so_the_caller_uses_torch(monkeypatch: pytest.Mon
     assert cpu_native.rms_norm(torch.randn(2, 8), torch.randn(2, 4), w, 1e-5) is None
     assert cpu_native.silu_and_mul(torch.randn(2, 7)) is None  # no even split
     assert cpu_native.silu_and_mul(torch.randn(2, 8, dtype=torch.bfloat16)) is None
+    cs = torch.randn(2, 1, 4)
+    assert cpu_native.rope(torch.randn(2, 3, 8).transpose(0, 1), cs, cs) is None  # odd strides
+    assert cpu_native.rope(torch.randn(2, 3, 8).half(), cs.half(), cs.half()) is None
+    assert cpu_native.rope(torch.randn(2, 3, 8), torch.randn(2, 1, 3), cs) is None
     monkeypatch.setattr(cpu_native, "_tried", True)
     monkeypatch.setattr(cpu_native, "_lib", None)  # no library (switched off, no compiler)
     assert cpu_native.rms_norm(torch.randn(2, 8), None, w, 1e-5) is None
     assert cpu_native.silu_and_mul(torch.randn(2, 8)) is None
+    assert cpu_native.rope(torch.randn(2, 3, 8), cs, cs) is None

@@ -49,8 +49,14 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_paged_forward_matches_hf(tmp_path, case):
+@pytest.mark.parametrize("case", [*CASES, "qwen3_torch_ops"])
+def test_paged_forward_matches_hf(tmp_path, case, monkeypatch):
+    if case == "qwen3_torch_ops":  # no native library: the torch ops that GPUs also run
+        from pagedserve.kernels import cpu_native
+
+        monkeypatch.setattr(cpu_native, "_tried", True)
+        monkeypatch.setattr(cpu_native, "_lib", None)
+        case = "qwen3_qk_norm_tied"
     kw = dict(CASES[case])
     model_type = kw.pop("model_type")
     path = save_tiny_model(tmp_path / case, model_type, seed=1, **kw)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.kernels import cpu_native
+
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim/2]`` (float32), scaled as transformers does."""
@@ -101,7 +103,13 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x[T, H, D]``: ``x*cos + rotate_half(x)*sin`` without building rotate_half."""
+        """Rotate ``x[T, H, D]``: ``x*cos + rotate_half(x)*sin`` without building rotate_half.
+
+        Returns a new contiguous tensor; on CPU fp32 one native pass does it.
+        """
+        fused = cpu_native.rope(x, cos, sin)
+        if fused is not None:
+            return fused
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
