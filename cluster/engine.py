@@ -178,7 +178,8 @@ class LLMEngine:
             group.prompt_logprobs = [None] * len(ids)
         for i in range(params.n):
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                           params.include_stop_str_in_output)
+                                           params.include_stop_str_in_output,
+                                           params.skip_special_tokens)
             group.seqs.append(_Sequence(detok, CompletionOutput(
                 index=i, logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)))

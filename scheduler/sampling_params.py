@@ -24,7 +24,8 @@ class SamplingParams:
     the raw model distribution. ``prompt_logprobs=k`` returns, for every
     prompt token after the first, its logprob given the tokens before it and
     the ``k`` likeliest alternatives (vLLM's shape); such a prompt is computed
-    in full, not read from the prefix cache. ``min_p`` (vLLM's) drops tokens
+    in full, not read from the prefix cache. ``skip_special_tokens=False`` keeps
+    special tokens (``<|im_end|>``, ...) in the text. ``min_p`` (vLLM's) drops tokens
     whose probability, after temperature, is below ``min_p`` times the likeliest
     token's, before top-k and top-p.
     """
@@ -47,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +66,9 @@ class SamplingParams:
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
         _check_float("min_p", self.min_p, 0.0, 1.0)
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(
+                f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
         if self.max_tokens is not None:

@@ -124,6 +124,25 @@ def test_requests_that_can_never_fit_and_bad_params_raise_value_error(tiny_llama
         llm.shutdown()
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(tiny_llama_dir) -> None:
+    """The tiny model has SmolLM2's tokenizer; logit_bias makes it say <|im_start|>."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        tok = llm.get_tokenizer()
+        special = tok.convert_tokens_to_ids("<|im_start|>")
+        forced = dict(max_tokens=3, temperature=0.0, logit_bias={special: 100.0},
+                      ignore_eos=True)
+        out = llm.generate([[5, 6, 7]] * 2, [SamplingParams(**forced),
+                                             SamplingParams(**forced, skip_special_tokens=False)])
+        assert [o.outputs[0].token_ids for o in out] == [[special] * 3] * 2
+        assert out[0].outputs[0].text == ""
+        assert out[1].outputs[0].text == "<|im_start|>" * 3
+        with pytest.raises(ValueError, match="skip_special_tokens"):
+            SamplingParams(skip_special_tokens="no")
+    finally:
+        llm.shutdown()
+
+
 def test_vllm_prompt_dicts_equal_plain_prompts(tiny_llama_dir) -> None:
     """vLLM's TokensPrompt / TextPrompt dicts give what token lists and text give."""
     llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)

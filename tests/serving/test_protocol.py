@@ -26,6 +26,9 @@ def test_completion_request_maps_to_sampling_params() -> None:
     sp = req.sampling_params(req.max_tokens or 16, req.logprobs)
     assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (2, 0.5, 0.9, 5, 3)
     assert sp.min_p == 0.1 and CompletionRequest(prompt="x").sampling_params(4, None).min_p == 0
+    assert sp.skip_special_tokens
+    raw = CompletionRequest(prompt="x", skip_special_tokens=False).sampling_params(4, None)
+    assert raw.skip_special_tokens is False
     assert sp.stop == ["END"] and sp.max_tokens == 7 and sp.logprobs == 2
     assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
