@@ -11,6 +11,10 @@
  *
  * Rows are split over OpenMP threads, and each row is summed in fp32, as
  * transformers' LlamaRMSNorm does.
+ *
+ * The bf16 variants compute in fp32 and round where the torch path rounds:
+ * RMSNorm's residual sum, its normalised row (before the weight, as
+ * transformers casts it) and its output; RoPE only its output.
  */
 #include <math.h>
 #include <stdint.h>
@@ -78,6 +82,60 @@ void rope_f32(const float *x, int64_t x_stride, const float *cos_t, const float 
             for (int64_t i = 0; i < half; i++) {
                 o1[i] = x1[i] * c[i] - x2[i] * s[i];
                 o2[i] = x2[i] * c[i] + x1[i] * s[i];
+            }
+        }
+    }
+}
+
+/* rms_norm_f32 over bf16 rows (x, res, w, out, res_out all bf16). */
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *res, uint16_t *res_out,
+                   const uint16_t *w, uint16_t *out, int64_t M, int64_t H, float eps,
+                   int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H >= 32768)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *r = x + m * x_stride;
+        if (res != 0) {
+            const uint16_t *rr = res + m * H;
+            uint16_t *ro = res_out + m * H;
+            for (int64_t j = 0; j < H; j++)
+                ro[j] = f32_to_bf16(bf16_to_f32(r[j]) + bf16_to_f32(rr[j]));
+            r = ro;
+        }
+        float ss = 0.f;
+        for (int64_t j = 0; j < H; j++) {
+            const float v = bf16_to_f32(r[j]);
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        uint16_t *o = out + m * H;
+        for (int64_t j = 0; j < H; j++) {
+            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(r[j]) * inv));
+            o[j] = f32_to_bf16(bf16_to_f32(w[j]) * normed);
+        }
+    }
+}
+
+/* rope_f32 over bf16 x and out, with bf16 cos/sin. */
+void rope_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos_t,
+               const uint16_t *sin_t, uint16_t *out, int64_t M, int64_t H, int64_t D,
+               int nthreads)
+{
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H * D >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *c = cos_t + m * half;
+        const uint16_t *s = sin_t + m * half;
+        for (int64_t h = 0; h < H; h++) {
+            const uint16_t *x1 = x + m * x_stride + h * D;
+            const uint16_t *x2 = x1 + half;
+            uint16_t *o1 = out + (m * H + h) * D;
+            uint16_t *o2 = o1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                const float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
+                o1[i] = f32_to_bf16(a * ci - b * si);
+                o2[i] = f32_to_bf16(b * ci + a * si);
             }
         }
     }

@@ -34,4 +34,22 @@ static inline float silu_f32(float x)
     return x * s;
 }
 
+/* bf16 <-> fp32: widening is exact; narrowing rounds to nearest even, as
+ * torch does (no value here is nan). */
+static inline float bf16_to_f32(uint16_t h)
+{
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
 #endif

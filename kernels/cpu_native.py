@@ -4,7 +4,7 @@ through ctypes.
 Why: on CPU the torch path copies every context token of every decoding
 sequence into a padded workspace once per layer, then SDPA reads the copy
 again; at serving batch sizes that is about a fifth of the forward. The C
-kernel (``cpu_paged_decode.c``) reads K/V straight from the block pool. The
+kernel (``cpu_paged_decode.c``) reads K/V (fp32 or bf16) straight from the block pool. The
 same library carries RMSNorm-with-residual and SiLU-and-multiply
 (``cpu_fused_ops.c``), each one pass where torch makes several.
 
@@ -49,6 +49,8 @@ _HEADERS = [_HERE / "cpu_math.h"]
 # Associative math lets the dot products vectorise; the kernel never forms inf/nan.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
+# Cache dtypes the decode kernel reads (bf16 is widened to fp32 as it is loaded).
+_DECODE_DTYPES = (torch.float32, torch.bfloat16)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -110,18 +112,21 @@ def load() -> ctypes.CDLL | None:
             detail = getattr(e, "stderr", "") or str(e)
             logger.warning("native CPU kernels off: build failed: %s", detail.strip()[:500])
             return None
-        fn = lib.paged_decode_f32
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                       ctypes.c_float, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,
-                                     ctypes.c_int]
-        lib.rms_norm_f32.restype = None
+        for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
+            fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                           ctypes.c_float, ptr, ctypes.c_int]
+            fn.restype = ctypes.c_int
         lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int]
         lib.silu_and_mul_f32.restype = None
-        lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        lib.rope_f32.restype = None
+        for name in ("rms_norm_f32", "rms_norm_bf16"):
+            getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
+                                           ctypes.c_float, ctypes.c_int]
+            getattr(lib, name).restype = None
+        for name in ("rope_f32", "rope_bf16"):
+            getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64,
+                                           ctypes.c_int]
+            getattr(lib, name).restype = None
         _lib = lib
         return _lib
 
@@ -132,13 +137,13 @@ def _loaded() -> ctypes.CDLL | None:
 
 
 def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the native kernel handles these tensors: CPU, fp32, contiguous caches,
-    query heads a multiple of KV heads."""
+    """Whether the native kernel handles these tensors: CPU, fp32 or bf16 contiguous
+    caches, query heads a multiple of KV heads."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and key_cache.dtype == torch.float32
-        and value_cache.dtype == torch.float32
+        and q.dtype in _DECODE_DTYPES
+        and key_cache.dtype in _DECODE_DTYPES
+        and value_cache.dtype == key_cache.dtype
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
         and q.shape[1] % key_cache.shape[2] == 0
@@ -171,7 +176,7 @@ def paged_decode(
     if value_cache.shape != key_cache.shape or key_cache.shape[3] != d:
         raise ValueError(f"K/V caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} "
                          f"do not fit queries of head size {d}")
-    q = q.contiguous()
+    q32 = q.float().contiguous()  # bf16 caches too: the math is fp32
     tables = block_table.to(torch.int32).contiguous()
     lens32 = lens.to(torch.int32).contiguous()
     if tables.dim() != 2 or tables.shape[0] != s or lens32.numel() != s:
@@ -182,9 +187,10 @@ def paged_decode(
     if max_len > tables.shape[1] * bsz:
         raise ValueError(f"a sequence of {max_len} tokens overruns its block table "
                          f"({tables.shape[1]} blocks of {bsz})")
-    out = torch.empty_like(q)
-    rc = lib.paged_decode_f32(
-        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0],
+    out = torch.empty_like(q32)
+    fn = lib.paged_decode_bf16 if key_cache.dtype == torch.bfloat16 else lib.paged_decode_f32
+    rc = fn(
+        q32.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0],
         tables.data_ptr(), tables.stride(0), lens32.data_ptr(), s, hq, hkv, d, bsz,
         float(scale), out.data_ptr(), torch.get_num_threads(),
     )
@@ -192,30 +198,37 @@ def paged_decode(
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")
     if rc != 0:
         raise MemoryError("native paged decode could not allocate its score buffer")
-    return out
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def _fused_lib(*ts: torch.Tensor | None) -> ctypes.CDLL | None:
-    """The library when every given tensor is CPU fp32 and it is built, else None."""
-    if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in ts):
+def _fused_lib(*ts: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+               ) -> ctypes.CDLL | None:
+    """The library when every given tensor is on the CPU with one dtype among ``dtypes``
+    and it is built, else None."""
+    given = [t for t in ts if t is not None]
+    dtype = given[0].dtype if given else None
+    if dtype in dtypes and all(t.device.type == "cpu" and t.dtype == dtype for t in given):
         return _loaded()
     return None
+
+
+_ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(norm(x + residual) * weight, x + residual)`` in one pass per row.
 
-    None when these tensors are not for the native op (not CPU fp32 2-D, or
-    no library): the caller runs its torch path. Row sums are fp32, as in
-    transformers' LlamaRMSNorm.
+    None when these tensors are not for the native op (not CPU fp32 or bf16
+    2-D, or no library): the caller runs its torch path. Row sums are fp32, as
+    in transformers' LlamaRMSNorm.
     """
     if x.dim() != 2 or x.stride(1) != 1:
         return None
     m, h = x.shape
     if weight.shape != (h,) or (residual is not None and residual.shape != x.shape):
         return None
-    lib = _fused_lib(x, residual, weight)
+    lib = _fused_lib(x, residual, weight, dtypes=_ROW_DTYPES)
     if lib is None:
         return None
     weight = weight.contiguous()
@@ -226,8 +239,9 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         residual = residual.contiguous()
         new_res = torch.empty((m, h), dtype=x.dtype)
         res_ptr, res_out_ptr = residual.data_ptr(), new_res.data_ptr()
-    lib.rms_norm_f32(x.data_ptr(), x.stride(0), res_ptr, res_out_ptr, weight.data_ptr(),
-                     out.data_ptr(), m, h, float(eps), torch.get_num_threads())
+    fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
+    fn(x.data_ptr(), x.stride(0), res_ptr, res_out_ptr, weight.data_ptr(), out.data_ptr(), m,
+       h, float(eps), torch.get_num_threads())
     return out, new_res
 
 
@@ -248,28 +262,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """Rotary embedding of ``x [T, H, D]`` (heads contiguous within a token, tokens any
-    stride) with ``cos``/``sin`` ``[T, 1, D/2]``, into a new contiguous tensor; None if
-    not for the native op (the caller runs its torch path)."""
+    stride) with ``cos``/``sin`` ``[T, 1, D/2]``, into a new contiguous tensor (fp32 or
+    bf16, computed in fp32); None if not for the native op (the caller runs its torch
+    path)."""
     if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] % 2:
         return None
     t, h, d = x.shape
     if cos.shape != (t, 1, d // 2) or sin.shape != cos.shape:
         return None
-    lib = _fused_lib(x, cos, sin)
+    lib = _fused_lib(x, cos, sin, dtypes=_ROW_DTYPES)
     if lib is None:
         return None
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((t, h, d), dtype=x.dtype)
-    lib.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                 t, h, d, torch.get_num_threads())
+    fn = lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope_f32
+    fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d,
+       torch.get_num_threads())
     return out
 
 
 class CpuNativeBackend(TorchBackend):
-    """The torch backend with decode rows on the native kernel (CPU, fp32 caches).
+    """The torch backend with decode rows on the native kernel (CPU, fp32 or bf16 caches).
 
-    Other dtypes (half caches) take the inherited torch path, so every cache
-    the torch backend accepts works here too.
+    fp16 caches take the inherited torch path, so every cache the torch
+    backend accepts works here too.
     """
 
     name = "cpu"

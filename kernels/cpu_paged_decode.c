@@ -17,6 +17,10 @@
  * stream at every block boundary: each token's row asks for the same row of
  * the sequence's next block in advance (1.3-1.5x on batches whose K/V do not
  * fit in cache). The body is compiled for head sizes 64 and 128 as constants.
+ *
+ * Caches are fp32 or bf16 (paged_decode_bf16): a bf16 element is widened to
+ * fp32 exactly (a 16-bit shift) as it is loaded, so the math is the fp32
+ * kernel's and a bf16 pool is read at half the bytes. q and out stay fp32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,43 +29,52 @@
 
 #include "cpu_math.h"
 
-/* Token t's row (n floats from KV head h0 on) in cache c, after asking for the
- * same row of the sequence's next block, which the loop reaches B tokens later. */
-static inline const float *token_row(const float *c, const int32_t *table, int64_t t,
-                                     int64_t L, int64_t B, int64_t blk_stride,
-                                     int64_t tok_stride, int64_t h0, int64_t D, int64_t n)
+/* Element i of a cache row as float: fp32 as is, bf16 widened (exact). */
+static inline __attribute__((always_inline)) float ld(const void *row, int64_t i, int bf16)
 {
-    const int64_t row = (t % B) * tok_stride + h0 * D;
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* Token t's row (n elements of es bytes from KV head h0 on) in cache c, after
+ * asking for the same row of the sequence's next block, which the loop
+ * reaches B tokens later. */
+static inline const char *token_row(const char *c, const int32_t *table, int64_t t, int64_t L,
+                                    int64_t B, int64_t blk_stride, int64_t tok_stride,
+                                    int64_t h0, int64_t D, int64_t n, int64_t es)
+{
+    const int64_t row = ((t % B) * tok_stride + h0 * D) * es;
     if (t + B < L) {
-        const float *next = c + (int64_t)table[t / B + 1] * blk_stride + row;
-        for (int64_t off = 0; off < n; off += 16)
+        const char *next = c + (int64_t)table[t / B + 1] * blk_stride * es + row;
+        for (int64_t off = 0; off < n * es; off += 64)
             __builtin_prefetch(next + off);
     }
-    return c + (int64_t)table[t / B] * blk_stride + row;
+    return c + (int64_t)table[t / B] * blk_stride * es + row;
 }
 
 /* KV heads [h0, h1) of one sequence: all their query heads in one pass over
  * each token's K (contiguous across heads), softmax, one pass over V. */
 static inline __attribute__((always_inline)) int
-attend_impl(const float *q, const float *kc, const float *vc, const int32_t *table, int64_t L,
+attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
             int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
-            int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out)
+            int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
+            int bf16)
 {
+    const int64_t es = bf16 ? 2 : 4;
     const int64_t nq = (h1 - h0) * G;
     const int64_t nb = (L + B - 1) / B;
     for (int64_t j = 0; j < nb; j++)
         if (table[j] < 0 || table[j] >= num_blocks)
             return -2;
     for (int64_t t = 0; t < L; t++) {
-        const float *k = token_row(kc, table, t, L, B, blk_stride, tok_stride, h0, D,
-                                   (h1 - h0) * D);
+        const char *k = token_row(kc, table, t, L, B, blk_stride, tok_stride, h0, D,
+                                  (h1 - h0) * D, es);
         for (int64_t h = 0; h < h1 - h0; h++) {
-            const float *kh = k + h * D;
+            const char *kh = k + h * D * es;
             for (int64_t g = 0; g < G; g++) {
                 const float *qi = q + ((h0 + h) * G + g) * D;
                 float acc = 0.f;
                 for (int64_t d = 0; d < D; d++)
-                    acc += qi[d] * kh[d];
+                    acc += qi[d] * ld(kh, d, bf16);
                 sc[(h * G + g) * L + t] = acc * scale;
             }
         }
@@ -83,45 +96,51 @@ attend_impl(const float *q, const float *kc, const float *vc, const int32_t *tab
     float *o = out + h0 * G * D;
     memset(o, 0, (size_t)(nq * D) * sizeof(float));
     for (int64_t t = 0; t < L; t++) {
-        const float *v = token_row(vc, table, t, L, B, blk_stride, tok_stride, h0, D,
-                                   (h1 - h0) * D);
+        const char *v = token_row(vc, table, t, L, B, blk_stride, tok_stride, h0, D,
+                                  (h1 - h0) * D, es);
         for (int64_t h = 0; h < h1 - h0; h++) {
-            const float *vh = v + h * D;
+            const char *vh = v + h * D * es;
             for (int64_t g = 0; g < G; g++) {
                 const float w = sc[(h * G + g) * L + t];
                 float *oi = o + (h * G + g) * D;
                 for (int64_t d = 0; d < D; d++)
-                    oi[d] += w * vh[d];
+                    oi[d] += w * ld(vh, d, bf16);
             }
         }
     }
     return 0;
 }
 
-/* attend_impl with the common head sizes as compile-time constants. */
-static int attend(const float *q, const float *kc, const float *vc, const int32_t *table,
+/* attend_impl with the common head sizes and each cache type as constants. */
+#define ATTEND_ARGS q, kc, vc, table, L, h0, h1, G
+#define ATTEND_TAIL B, num_blocks, tok_stride, blk_stride, scale, sc, out
+static int attend(const float *q, const char *kc, const char *vc, const int32_t *table,
                   int64_t L, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
                   int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale,
-                  float *sc, float *out)
+                  float *sc, float *out, int bf16)
 {
+    if (bf16) {
+        if (D == 64)
+            return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, 1);
+        if (D == 128)
+            return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, 1);
+        return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, 1);
+    }
     if (D == 64)
-        return attend_impl(q, kc, vc, table, L, h0, h1, G, 64, B, num_blocks, tok_stride,
-                           blk_stride, scale, sc, out);
+        return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, 0);
     if (D == 128)
-        return attend_impl(q, kc, vc, table, L, h0, h1, G, 128, B, num_blocks, tok_stride,
-                           blk_stride, scale, sc, out);
-    return attend_impl(q, kc, vc, table, L, h0, h1, G, D, B, num_blocks, tok_stride,
-                       blk_stride, scale, sc, out);
+        return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, 0);
+    return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, 0);
 }
 
 /*
  * Returns 0; -1 when a scratch allocation failed; -2 when a block id a
  * sequence needs is outside [0, num_blocks). On error out is undefined.
  */
-int paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
-                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
-                     const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                     int64_t B, float scale, float *out, int nthreads)
+static int paged_decode(const float *q, const char *key_cache, const char *value_cache,
+                        int64_t num_blocks, const int32_t *tables, int64_t table_stride,
+                        const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t B, float scale, float *out, int nthreads, int bf16)
 {
     const int64_t G = Hq / Hkv;
     const int64_t tok_stride = Hkv * D;
@@ -157,11 +176,30 @@ int paged_decode_f32(const float *q, const float *key_cache, const float *value_
             const int rc = attend(q + s * Hq * D, key_cache, value_cache,
                                   tables + s * table_stride, L, h0, h0 + per, G, D, B,
                                   num_blocks, tok_stride, blk_stride, scale, sc,
-                                  out + s * Hq * D);
+                                  out + s * Hq * D, bf16);
             if (rc < failed)
                 failed = rc;
         }
         free(sc);
     }
     return failed;
+}
+
+int paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
+                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
+                     const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                     int64_t B, float scale, float *out, int nthreads)
+{
+    return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
+                        tables, table_stride, lens, S, Hq, Hkv, D, B, scale, out, nthreads, 0);
+}
+
+/* The same over bf16 caches (raw 16-bit words); q and out are fp32. */
+int paged_decode_bf16(const float *q, const uint16_t *key_cache, const uint16_t *value_cache,
+                      int64_t num_blocks, const int32_t *tables, int64_t table_stride,
+                      const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                      int64_t B, float scale, float *out, int nthreads)
+{
+    return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
+                        tables, table_stride, lens, S, Hq, Hkv, D, B, scale, out, nthreads, 1);
 }

@@ -92,6 +92,44 @@ def test_rope_matches_torch_on_strided_qkv_rows(tokens: int) -> None:
     assert torch.equal(qkv, before)
 
 
+BF16_ULP = 2.0 ** -7  # bf16 keeps 8 significant bits: one unit in the last place, relative
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_rms_norm_rounds_where_the_torch_path_does(with_residual: bool) -> None:
+    """Residual sum, normalised row and output rounded to bf16 like RMSNorm's torch path
+    (transformers' order): equal to it within one bf16 step (only the fp32 sum order
+    differs)."""
+    from pagedserve.worker.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(70, 576, generator=g) * 3).bfloat16()
+    res = torch.randn(70, 576, generator=g).bfloat16() if with_residual else None
+    norm = RMSNorm(576, 1e-5, torch.bfloat16, torch.device("cpu"))
+    norm.weight.data = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    got_out, got_res = cpu_native.rms_norm(x, res, norm.weight, 1e-5)
+    assert got_out.dtype == got_res.dtype == torch.bfloat16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_native, "rms_norm", lambda *a: None)  # the module's torch path
+        ref_out, ref_res = norm(x, res)
+    assert torch.equal(got_res, ref_res)
+    torch.testing.assert_close(got_out.float(), ref_out.float(), rtol=BF16_ULP, atol=1e-6)
+
+
+def test_bf16_rope_matches_the_fp32_math_rounded_once() -> None:
+    from pagedserve.worker.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(12)
+    qkv = (torch.randn(33, 15 * 64, generator=g) * 4).bfloat16()
+    q = qkv[:, : 9 * 64].view(33, 9, 64)
+    rot = RotaryEmbedding(64, 1e5, None, torch.device("cpu"))
+    cos, sin = rot.cos_sin(torch.randint(0, 8192, (33,), generator=g), torch.bfloat16)
+    got = cpu_native.rope(q, cos, sin)
+    assert got is not None and got.dtype == torch.bfloat16
+    want = _rope_ref(q.float(), cos.float(), sin.float()).bfloat16()
+    torch.testing.assert_close(got.float(), want.float(), rtol=BF16_ULP, atol=1e-6)
+
+
 def test_other_tensors_get_none_so_the_caller_uses_torch(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     w = torch.ones(8)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import available_backends, cpu_native, get_backend
+from pagedserve.kernels.reference import dense_causal_attention
 from pagedserve.kernels.testing import check_against_oracle, make_paged_batch
 
 pytestmark = pytest.mark.skipif(
@@ -62,8 +63,25 @@ def test_bad_block_table_raises_instead_of_reading_outside_the_pool() -> None:
                                 torch.tensor([20, 99]), 99, 0.125)
 
 
-def test_half_caches_take_the_torch_path() -> None:
-    b = make_paged_batch([1, 1], [20, 7], 8, 2, 64, 16, dtype=torch.bfloat16)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_bf16_caches_are_widened_exactly(head_dim: int) -> None:
+    """bf16 K/V read by the native kernel: with fp32 queries the result is the fp32
+    math on the bf16 values (fp32 tolerance against the fp64 oracle on those values)."""
+    lens = [20, 7, 130, 1]
+    b = make_paged_batch([1] * 4, lens, 8, 2, head_dim, 16, dtype=torch.bfloat16, seed=head_dim)
+    assert cpu_native.supports(b.q, b.key_cache, b.value_cache)
+    scale = head_dim ** -0.5
+    out = cpu_native.paged_decode(b.q.float(), b.key_cache, b.value_cache, b.block_table,
+                                  torch.tensor(lens), max(lens), scale)
+    assert out.dtype == torch.float32
+    ref = dense_causal_attention(b.q.double(), b.k.double(), b.v.double(), b.query_lens,
+                                 b.key_lens, scale)
+    torch.testing.assert_close(out.double(), ref, atol=FP32_TOL, rtol=0)
+    check_against_oracle(get_backend("cpu"), b, 2e-2, decode=True)  # bf16 in, bf16 out
+
+
+def test_fp16_caches_take_the_torch_path() -> None:
+    b = make_paged_batch([1, 1], [20, 7], 8, 2, 64, 16, dtype=torch.float16)
     assert not cpu_native.supports(b.q, b.key_cache, b.value_cache)
     check_against_oracle(get_backend("cpu"), b, 2e-2, decode=True)
 

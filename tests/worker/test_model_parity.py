@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.worker.layers.packed import can_pack
 from tests.worker.helpers import (
     BlockAllocator,
     all_logits,
@@ -119,11 +120,14 @@ def test_greedy_generation_matches_hf_generate(tmp_path):
 
 
 def test_bfloat16_runs_close_to_fp32(tmp_path):
-    """bf16 weights and KV cache: same code path, logits within bf16 error of HF fp32."""
+    """bf16 weights and KV cache (native decode and row ops on CPU): logits within bf16
+    error of HF fp32."""
     path = save_tiny_model(tmp_path / "m", "qwen2", seed=3)
     hf = load_hf(path)
     worker = make_worker(path, num_blocks=16, block_size=4, dtype="bfloat16")
     assert worker.kv_cache.key_caches[0].dtype == torch.bfloat16
+    # Where the CPU has bf16 dot products the projections are oneDNN-packed in bf16 too.
+    assert worker.packed_weights == can_pack(torch.device("cpu"), torch.bfloat16)
     alloc = BlockAllocator(16, 4)
     prompt = [5, 9, 17, 33, 4, 12, 7, 40, 41]
     got = all_logits(worker, plan(0, [request(alloc, "a", prompt, 0)]))
