@@ -26,6 +26,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help="weights, activations and KV cache: auto (bf16 on CUDA, fp32 on CPU), "
+                        "float32, bfloat16 or float16")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -103,7 +106,7 @@ def generate(args: argparse.Namespace) -> int:
 
     engine_kwargs = dict(
         model=args.model, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
-        num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
+        dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.num_threads, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager)

@@ -19,6 +19,8 @@ class EngineConfig:
     woken by a request, waits for the rest of its burst: None sizes it from
     the engine's measured steps, 0 turns it off (see ``cluster.burst``).
     On CUDA, decode steps replay captured CUDA graphs unless ``enforce_eager``.
+    ``dtype`` "auto" is bf16 on CUDA and fp32 on CPU (where fp32 equals Hugging
+    Face token for token; bf16 is ~1.7x faster on CPUs with bf16 dot products).
     """
 
     model: str | None = None
@@ -54,6 +56,10 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype != "auto":
+            from pagedserve.worker.config import parse_dtype
+
+            parse_dtype(self.dtype)  # raises naming the field and the accepted names
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

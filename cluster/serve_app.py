@@ -79,6 +79,7 @@ class ServeArgs(BaseModel):
     tensor_parallel_size: int = 1
     num_replicas: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: str = "auto"
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -333,7 +334,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         threads = cpu_threads_per_rank(a.num_replicas, a.tensor_parallel_size)
     engine_kwargs: dict[str, Any] = dict(
         model=a.model, tensor_parallel_size=a.tensor_parallel_size, device=device,
-        num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        dtype=a.dtype, num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,

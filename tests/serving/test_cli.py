@@ -47,6 +47,7 @@ def test_generate_prints_the_completion(tiny_model: Path) -> None:
 @pytest.mark.parametrize(("flag", "value", "field"), [
     ("--temperature", "-3", "temperature"),
     ("--min-p", "2", "min_p"),
+    ("--dtype", "int8", "dtype"),
     ("--gpu-memory-utilization", "1.5", "gpu_memory_utilization"),
 ])
 def test_generate_rejects_bad_settings(flag: str, value: str, field: str) -> None:

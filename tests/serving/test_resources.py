@@ -57,14 +57,17 @@ def test_tensor_parallel_ranks_reserve_their_threads(monkeypatch: pytest.MonkeyP
 
 def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
-    eng = _engine_node({"num_threads": 2, "replica_num_cpus": 0.5, "stream_interval_ms": 0})
-    assert eng.init_args[0]["num_threads"] == 2
+    eng = _engine_node({"num_threads": 2, "replica_num_cpus": 0.5, "stream_interval_ms": 0,
+                        "dtype": "bfloat16"})
+    assert eng.init_args[0]["num_threads"] == 2 and eng.init_args[0]["dtype"] == "bfloat16"
     assert eng.ray_actor_options["num_cpus"] == 0.5
     assert eng.init_args[1] == 0.0
     with pytest.raises(ValueError, match="stream_interval_ms"):
         build_app({"device": "cpu", "stream_interval_ms": -1})
     with pytest.raises(ValueError, match="stream_messages_per_s"):
         build_app({"device": "cpu", "stream_messages_per_s": -5})
+    with pytest.raises(ValueError, match="dtype"):
+        build_app({"device": "cpu", "dtype": "int8"})
 
 
 def test_stream_message_budget_scales_with_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
