@@ -52,4 +52,26 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)(bits >> 16);
 }
 
+/* Element i of an fp32 or (bf16 != 0) bf16 array, as float. With bf16 a
+ * compile-time constant in an always-inline caller, the branch folds away. */
+static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int bf16)
+{
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Store v as element i of an fp32 or bf16 array (rounded for bf16). */
+static inline __attribute__((always_inline)) void st(void *p, int64_t i, float v, int bf16)
+{
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* v as the array type holds it: rounded to bf16 and back, or as is. */
+static inline __attribute__((always_inline)) float rnd(float v, int bf16)
+{
+    return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
 #endif

@@ -29,12 +29,6 @@
 
 #include "cpu_math.h"
 
-/* Element i of a cache row as float: fp32 as is, bf16 widened (exact). */
-static inline __attribute__((always_inline)) float ld(const void *row, int64_t i, int bf16)
-{
-    return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
-}
-
 /* Token t's row (n elements of es bytes from KV head h0 on) in cache c, after
  * asking for the same row of the sequence's next block, which the loop
  * reaches B tokens later. */
