@@ -170,6 +170,8 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
                                           cache_salt)
         self.scheduler.add_request(req)

@@ -81,6 +81,8 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -108,6 +110,8 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._token_bias())
         for name in ("temperature", "top_p", "top_k", "min_p"):
@@ -123,6 +127,16 @@ class _SamplingRequest(BaseModel):
             param = self.max_tokens_param if first == "max_tokens" else first
             raise APIError(str(e), param=param if param in type(self).model_fields
                            else None) from None
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM's left truncation)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k < 1:
+            raise APIError(f"truncate_prompt_tokens must be >= 1, got {k}",
+                           param="truncate_prompt_tokens")
+        return ids[-k:]
 
     def _token_bias(self) -> dict[int, float] | None:
         """OpenAI's ``logit_bias`` keys are token ids written as strings."""

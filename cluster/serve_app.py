@@ -238,11 +238,13 @@ class OpenAIServer:
             if any(not isinstance(t, int) or not 0 <= t < info["vocab_size"] for t in ids):
                 raise APIError("prompt token ids must be within the vocabulary",
                                param="prompt")
+            ids = body.truncate(ids)
             params = body.sampling_params(
                 max_tokens_for(body.max_tokens, len(ids), info, "max_tokens", body.n),
                 body.logprobs, info["vocab_size"])
             if body.echo:  # the prompt's own logprobs lead the choice's when both are asked
-                echo.append((p if isinstance(p, str) else self.tokenizer.decode(ids), ids))
+                whole = isinstance(p, str) and body.truncate_prompt_tokens is None
+                echo.append((p if whole else self.tokenizer.decode(ids), ids))
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
                                              body.stream))
@@ -264,6 +266,7 @@ class OpenAIServer:
                 add_generation_prompt=body.add_generation_prompt, return_dict=False))
         except Exception as e:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+        ids = body.truncate(ids)
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                              body.max_tokens_param, body.n),

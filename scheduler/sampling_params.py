@@ -27,7 +27,10 @@ class SamplingParams:
     in full, not read from the prefix cache. ``skip_special_tokens=False`` keeps
     special tokens (``<|im_end|>``, ...) in the text. ``min_p`` (vLLM's) drops tokens
     whose probability, after temperature, is below ``min_p`` times the likeliest
-    token's, before top-k and top-p.
+    token's, before top-k and top-p. ``allowed_token_ids`` restricts every draw
+    to those tokens (they win over ``min_tokens``' ban on EOS and stop ids when
+    nothing else would be left). ``truncate_prompt_tokens=k`` keeps the prompt's
+    last ``k`` tokens.
     """
 
     n: int = 1
@@ -49,6 +52,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +71,14 @@ class SamplingParams:
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
         _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, lo=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1)
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(
                 f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
@@ -106,7 +119,8 @@ class SamplingParams:
         """Raise ``ValueError`` naming the field when a token id is outside the vocabulary
         (only the model knows its size, so this is not part of construction)."""
         for name, tokens in (("stop_token_ids", self.stop_token_ids),
-                             ("logit_bias", self.logit_bias or ())):
+                             ("logit_bias", self.logit_bias or ()),
+                             ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = [t for t in tokens if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} must be token ids below the vocabulary size "

@@ -1,5 +1,6 @@
 """Token sampling on rank 0: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs,
-``min_tokens``, ``logit_bias`` and presence / frequency / repetition penalties.
+``allowed_token_ids``, ``min_tokens``, ``logit_bias`` and presence / frequency / repetition
+penalties.
 
 The tensor math lives in :mod:`sampling_ops`; this class owns the per-request
 state. A draw is an inverse-CDF lookup (one uniform per row, a cumulative sum
@@ -94,8 +95,9 @@ class Sampler:
         return out
 
     def _process_logits(self, raw: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
-        """vLLM's order: forbid EOS and stop tokens before ``min_tokens``, add
-        ``logit_bias``, then the repetition, frequency and presence penalties.
+        """vLLM's order: keep only ``allowed_token_ids``, forbid EOS and stop tokens
+        before ``min_tokens``, add ``logit_bias``, then the repetition, frequency and
+        presence penalties.
 
         Rows without any of these are left alone (and ``raw`` is not copied).
         """
@@ -103,11 +105,19 @@ class Sampler:
         for i, r in enumerate(reqs):
             p = r.params
             banned = self._banned(r)
-            if not (banned or p.logit_bias or p.uses_penalties):
+            allowed = p.allowed_token_ids
+            if allowed is not None and banned and set(allowed) <= set(banned):
+                banned = []  # the ban would leave nothing to draw: the allowed set wins
+            if not (banned or allowed or p.logit_bias or p.uses_penalties):
                 continue
             if x is raw:
                 x = raw.clone()
             row = x[i]
+            if allowed is not None:
+                keep = torch.full_like(row, float("-inf"))
+                ids = torch.tensor(allowed, device=x.device)
+                keep[ids] = row[ids]
+                row.copy_(keep)
             if banned:
                 row[torch.tensor(banned, device=x.device)] = float("-inf")
             if p.logit_bias:

@@ -143,6 +143,24 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(tiny_llama_dir) -> Non
         llm.shutdown()
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_tail(tiny_llama_dir) -> None:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        prompt = list(range(100, 140))
+        greedy = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+        cut = llm.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=12))[0]
+        tail = llm.generate([prompt[-12:]], SamplingParams(**greedy))[0]
+        assert cut.prompt_token_ids == prompt[-12:]
+        assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=0)
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            llm.generate([prompt], SamplingParams(allowed_token_ids=[10**7]))
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+
+
 def test_vllm_prompt_dicts_equal_plain_prompts(tiny_llama_dir) -> None:
     """vLLM's TokensPrompt / TextPrompt dicts give what token lists and text give."""
     llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)

@@ -50,6 +50,8 @@ SETTINGS = st.fixed_dictionaries({}, optional={
     "top_p": _mostly([1.0, 0.5], 0.0),
     "top_k": _mostly([-1, 1, 5], 0),
     "min_p": _mostly([0.0, 0.1, 1.0], 1.5),
+    "allowed_token_ids": _mostly([None, [5, 42], [2, 300]], [VOCAB]),
+    "truncate_prompt_tokens": _mostly([None, 5, 40], 0),
     "seed": _mostly([None, 0, 7, 2**31], -1),
     "min_tokens": st.integers(0, 6),
     "stop_token_ids": st.lists(_mostly([2, 7, 300], VOCAB + 5), max_size=2),
@@ -107,9 +109,10 @@ def _run_example(llm: LLM, requests, abort_at) -> None:
         try:
             rid = engine.add_request(prompt, params, request_id=f"fuzz-{i}")
         except ValueError as e:
-            assert _named_field(str(e), {"stop_token_ids", "logit_bias", "prompt"}), e
+            assert _named_field(str(e), {"stop_token_ids", "logit_bias", "allowed_token_ids",
+                                         "prompt"}), e
             continue
-        added[rid] = (params, len(prompt))
+        added[rid] = (params, min(len(prompt), params.truncate_prompt_tokens or len(prompt)))
     aborted: set[str] = set()
     finished = {}
     steps = 0
@@ -133,8 +136,12 @@ def _run_example(llm: LLM, requests, abort_at) -> None:
             assert n_out <= params.max_tokens
             if sample.finish_reason == "length":
                 assert n_out == params.max_tokens
-            if params.min_tokens and sample.finish_reason == "stop":
-                assert n_out >= params.min_tokens
+            stops = set(params.stop_token_ids) | set(engine.eos_token_ids)
+            only_stops = params.allowed_token_ids and set(params.allowed_token_ids) <= stops
+            if params.min_tokens and sample.finish_reason == "stop" and not only_stops:
+                assert n_out >= params.min_tokens  # (allowed ids that all stop win over it)
+            if params.allowed_token_ids:
+                assert set(sample.token_ids) <= set(params.allowed_token_ids)
             if params.logprobs is not None:
                 assert sample.logprobs is not None and len(sample.logprobs) == n_out
             assert all(0 <= t < VOCAB for t in sample.token_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -219,6 +220,17 @@ def test_penalties_and_logit_bias_are_honoured(smol: App) -> None:
         model=MODEL, messages=FRANCE, temperature=0, max_tokens=24, frequency_penalty=2.0,
         presence_penalty=2.0, extra_body={"repetition_penalty": 1.5})
     assert penalised.choices[0].message.content != plain.choices[0].message.content
+    # vLLM's allowed_token_ids and truncate_prompt_tokens (echo shows what the model saw).
+    allowed = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=6,
+                                        temperature=1.0, seed=3,
+                                        extra_body={"allowed_token_ids": [42, 43]})
+    pieces = "|".join(re.escape(tok.decode([t])) for t in (42, 43))
+    assert re.fullmatch(f"(?:{pieces}){{6}}", allowed.choices[0].text)
+    ids = tok.encode("one two three four five six seven")
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                    echo=True, extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3
+    assert cut.choices[0].text.startswith(tok.decode(ids[-3:]))
     smol.wait_baseline()
 
 

@@ -29,6 +29,16 @@ def test_completion_request_maps_to_sampling_params() -> None:
     assert sp.skip_special_tokens
     raw = CompletionRequest(prompt="x", skip_special_tokens=False).sampling_params(4, None)
     assert raw.skip_special_tokens is False
+    req = CompletionRequest(prompt="x", allowed_token_ids=[4, 9], truncate_prompt_tokens=3)
+    extra = req.sampling_params(4, None)
+    assert extra.allowed_token_ids == [4, 9] and extra.truncate_prompt_tokens == 3
+    assert req.truncate([1, 2, 3, 4, 5]) == [3, 4, 5]
+    with pytest.raises(APIError) as e:
+        CompletionRequest(prompt="x", allowed_token_ids=[70]).sampling_params(4, None, 50)
+    assert e.value.param == "allowed_token_ids"
+    with pytest.raises(APIError) as e:
+        CompletionRequest(prompt="x", truncate_prompt_tokens=-1).truncate([1, 2])
+    assert e.value.param == "truncate_prompt_tokens"
     assert sp.stop == ["END"] and sp.max_tokens == 7 and sp.logprobs == 2
     assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
@@ -40,6 +50,8 @@ def test_completion_request_maps_to_sampling_params() -> None:
     ({"prompt": "x", "top_k": 0}, "top_k"),
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": "x", "min_p": -0.1}, "min_p"),
 ])
 def test_bad_sampling_values_name_their_field(body: dict, param: str) -> None:

@@ -132,6 +132,27 @@ def test_min_p_frequencies_follow_the_renormalised_survivors(temperature):
     assert {t.token_id for t in out.values()} == {0}
 
 
+def test_allowed_token_ids_restrict_draws_and_keep_relative_odds() -> None:
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    n = 6000
+    x = p.log().repeat(n, 1)
+    torch.manual_seed(1)
+    out = Sampler().sample(x, [_req(f"s{i}", i, allowed_token_ids=[1, 3]) for i in range(n)])
+    counts = torch.bincount(torch.tensor([t.token_id for t in out.values()]), minlength=4)
+    assert counts[0] == counts[2] == 0
+    assert abs(counts[1] / n - 0.75) < 0.03  # 0.3 / (0.3 + 0.1)
+    greedy = Sampler().sample(x[:1], [_req("g", 0, temperature=0.0, allowed_token_ids=[2, 3])])
+    assert greedy["g"].token_id == 2
+    # min_tokens bans EOS (id 2 here); with only EOS allowed the allowed set wins.
+    s = Sampler(eos_token_ids=[2])
+    only_eos = s.sample(x[:1], [_req("e", 0, temperature=0.0, min_tokens=3,
+                                     allowed_token_ids=[2])])
+    assert only_eos["e"].token_id == 2
+    mixed = s.sample(x[:1], [_req("m", 0, temperature=0.0, min_tokens=3,
+                                  allowed_token_ids=[2, 3])])
+    assert mixed["m"].token_id == 3  # EOS is banned, 3 remains
+
+
 NEIGHBOURS = [dict(temperature=0.9), dict(temperature=0.7, top_k=20, seed=5),
               dict(temperature=1.1, top_p=0.8), dict(temperature=0.5, top_k=300, top_p=0.95),
               dict(temperature=0.0), dict(temperature=1.0, top_k=5000, seed=9),
