@@ -2,12 +2,14 @@
 # One-shot GPU window: every `gpu` test (compiled Triton and flash-attn kernels against the
 # oracle; the engine's Hugging Face parity, CUDA-graph decode, gpu_memory_utilization
 # profiling and swap preemption), then the kernel benchmark, then offline throughput
-# against Hugging Face generate / generate_batch on a random SmolLM2-135M-shaped model.
+# against Hugging Face generate / generate_batch on a random SmolLM2-135M-shaped model,
+# then (last, least needed) the Triton decode launch-setting sweep at 8192-token contexts.
 #
 # Usage: bash bench/gpu_check.sh [--quick]   (the kernel benchmark's flag; default --quick)
-# Writes bench/results/{kernels_gpu,offline_gpu}.json, and copies them and the test log
-# to $OUT when that is set. The three steps' time limits add up to 570 s, under the
-# device tool's 600 s for one command; each step's output survives a later one's timeout.
+# Writes bench/results/{kernels_gpu,offline_gpu,sweep_gpu}.json, and copies them and the
+# logs to $OUT when that is set. The four steps' time limits add up to 570 s, under the
+# device tool's 600 s for one command; each step's output survives a later one's timeout
+# (the sweep prints each setting as it is timed).
 #
 # The GPU box has torch, triton, transformers and pytest but no package index and none of
 # pagedserve's serving dependencies (Ray, FastAPI, gguf): the package is put on the path
@@ -31,13 +33,18 @@ timeout 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
     tests/kernels/test_kern_gpu.py tests/worker/test_cuda_graph_runner.py \
     tests/cluster/test_engine_gpu.py 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout 150 "$PY" bench/kernels.py "${@:---quick}" --json bench/results/kernels_gpu.json
+timeout 140 "$PY" bench/kernels.py "${@:---quick}" --json bench/results/kernels_gpu.json
 bench_rc=$?
-timeout 120 "$PY" bench/offline.py --random-weights --num-prompts 128 --output-len 64 \
+timeout 100 "$PY" bench/offline.py --random-weights --num-prompts 128 --output-len 64 \
     --json bench/results/offline_gpu.json
 offline_rc=$?
+timeout 30 "$PY" bench/kernels.py --sweep --json bench/results/sweep_gpu.json \
+    2>&1 | tee "$out/sweep_gpu.log"
+sweep_rc=${PIPESTATUS[0]}
 if [ "$out" != bench/results ]; then
-    cp bench/results/kernels_gpu.json bench/results/offline_gpu.json "$out/" 2>/dev/null
+    cp bench/results/kernels_gpu.json bench/results/offline_gpu.json \
+        bench/results/sweep_gpu.json "$out/" 2>/dev/null
 fi
-echo "gpu tests rc=$tests_rc kernel bench rc=$bench_rc offline bench rc=$offline_rc"
+echo "gpu tests rc=$tests_rc kernel bench rc=$bench_rc offline bench rc=$offline_rc" \
+    "sweep rc=$sweep_rc (124: cut short, see the log)"
 exit $(( tests_rc != 0 || bench_rc != 0 || offline_rc != 0 ))

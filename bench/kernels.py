@@ -11,6 +11,11 @@ GPU the bandwidth is also printed as a fraction of the device's peak.
 
     python bench/kernels.py --quick
     python bench/kernels.py --json bench/results/kernels.json
+    python bench/kernels.py --sweep          # GPU: Triton decode launch settings
+
+``--sweep`` times Triton decode at long contexts for every launch setting in
+``LAUNCH_SWEEP`` (keys per step, warps, pipeline stages) and names the fastest,
+so one GPU window tells which defaults reach the HBM goal.
 """
 
 from __future__ import annotations
@@ -147,6 +152,53 @@ def run_case(kind: str, q_lens, k_lens, args, device, backends, reps) -> list[di
     return rows
 
 
+def sweep(args, device: torch.device, reps: int) -> list[dict]:
+    """Triton decode for every ``LAUNCH_SWEEP`` setting, long contexts (tiny ones on CPU,
+    where only the interpreter runs: a plumbing check, not a measurement).
+
+    Each setting is printed as soon as it is timed (a time limit keeps what ran), and
+    its output is checked against the default launch's, so a fast wrong one shows.
+    """
+    from pagedserve.kernels.triton_backend import LAUNCH_SWEEP, TritonBackend
+
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    dtype = getattr(torch, args.dtype)
+    scale = 1 / math.sqrt(d)
+    _, peak = device_peak(device)
+    shapes = ((256, 8192), (64, 8192)) if device.type == "cuda" else ((2, 40),)
+    settings = LAUNCH_SWEEP if device.type == "cuda" else LAUNCH_SWEEP[:2]
+    rows = []
+    for s, ctx in shapes:
+        g = torch.Generator().manual_seed(s * ctx)
+        k_lens = (ctx - torch.randint(0, args.block_size, (s,), generator=g)).tolist()
+        b = make_paged_batch([1] * s, k_lens, hq, hkv, d, args.block_size, dtype=dtype,
+                             device=device, extra_blocks=0, garbage=1.0)
+        lens = torch.tensor(k_lens, dtype=torch.int32, device=device)
+        kv_bytes = sum(k_lens) * hkv * d * 2 * torch.finfo(dtype).bits // 8
+        args_ = (b.q, b.key_cache, b.value_cache, b.block_table, lens, scale)
+        ref = TritonBackend(device).decode_attention(*args_).float()
+        best = None
+        for n, w, st in settings:
+            be = TritonBackend(device, block_n=n, num_warps=w, num_stages=st)
+            ok = torch.allclose(be.decode_attention(*args_).float(), ref, atol=2e-2, rtol=0)
+            t = time_interleaved({"t": lambda be=be, a=args_: be.decode_attention(*a)}, device,
+                                 reps)["t"]
+            row = {"kind": "sweep", "batch": s, "context": ctx, "block_n": n, "num_warps": w,
+                   "num_stages": st, "ms": t * 1e3, "kv_GBps": kv_bytes / t / 1e9,
+                   "peak_frac": kv_bytes / t / peak if peak else None, "matches": ok}
+            frac = f"  {100 * row['peak_frac']:5.1f}% of peak" if peak else ""
+            print(f"sweep batch={s:4d} ctx={ctx:5d} block_n={n:3d} warps={w} stages={st} "
+                  f"{row['ms']:8.3f} ms {row['kv_GBps']:8.1f} GB/s{frac}"
+                  f"{'' if ok else '  WRONG OUTPUT'}", flush=True)
+            rows.append(row)
+            if ok and (best is None or t < best[0]):
+                best = (t, n, w, st)
+        if best is not None:
+            print(f"sweep batch={s} ctx={ctx}: fastest block_n={best[1]} num_warps={best[2]} "
+                  f"num_stages={best[3]}", flush=True)
+    return rows
+
+
 def fmt(r: dict) -> str:
     lens = "ragged " if r["ragged"] else "uniform"
     s = (f"{r['kind']:7s} {r['backend']:6s} batch={r['batch']:4d} ctx<={r['context']:5d} {lens} "
@@ -171,6 +223,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only time the Triton decode launch settings (LAUNCH_SWEEP)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -195,7 +249,11 @@ def main() -> None:
     print(f"device={name} peak={peak} dtype={args.dtype} Hq={args.heads} Hkv={args.kv_heads} "
           f"D={args.head_dim} B={args.block_size} threads={torch.get_num_threads()} "
           f"backends={backends}")
-    rows = []
+    if args.sweep:
+        rows = sweep(args, device, 10 if gpu else 1)
+        batches, prefills = [], []
+    else:
+        rows = []
     for s in batches:
         for ctx in contexts:
             # Lengths ctx - [0, B): realistic ragged decode batches need the key mask.

@@ -26,6 +26,10 @@ from pagedserve.kernels.triton_cache import _copy_blocks_kernel, _store_kv_kerne
 
 _LOG2E = 1.4426950408889634
 _MIN_KEYS_PER_SPLIT = 256
+# Launch settings ``bench/kernels.py --sweep`` times on a GPU, as (block_n, num_warps,
+# num_stages), likelier winners for bandwidth-bound decode first (a time limit may cut
+# the sweep short); every one compiles for sm_90 (tests/kernels/_aot_compile.py).
+LAUNCH_SWEEP = tuple((n, w, s) for n in (64, 128, 32) for w in (4, 8) for s in (3, 4, 2))
 
 
 def _interpreting() -> bool:
@@ -37,13 +41,26 @@ class TritonBackend(AttentionBackend):
 
     ``num_splits`` forces the split-K factor (tests use it to exercise the
     combine path); ``None`` picks it from the grid size and context length.
+    ``block_n`` (keys per loop step), ``num_warps`` and ``num_stages`` (software
+    pipelining depth) override the launch defaults: ``bench/kernels.py --sweep``
+    times the candidates on a GPU.
     """
 
     name = "triton"
 
-    def __init__(self, device: torch.device | str = "cuda", num_splits: int | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cuda", num_splits: int | None = None,
+                 block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> None:
         super().__init__(device)
         self.num_splits = num_splits
+        for name, v in (("block_n", block_n), ("num_warps", num_warps)):
+            if v is not None and (v < 1 or v & (v - 1)):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if block_n is not None and block_n < 16:
+            raise ValueError(f"block_n must be >= 16 (tl.dot's minimum), got {block_n}")
+        if num_stages is not None and num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        self.block_n, self.num_warps, self.num_stages = block_n, num_warps, num_stages
         self._num_sms: int | None = None
 
     # ---------------------------------------------------------------- cache ops
@@ -137,7 +154,7 @@ class TritonBackend(AttentionBackend):
         splits = self._splits(n_tiles * hkv, max_k)
         interp = _interpreting()
         dot_f32 = interp or q.dtype == torch.float32 or key_cache.dtype == torch.float32
-        block_n = 32 if interp or d > 64 else 64
+        block_n = self.block_n or (32 if interp or d > 64 else 64)
         if splits > 1:
             part_acc = torch.empty(tq * hq * splits * d, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(tq * hq * splits * 2, dtype=torch.float32, device=q.device)
@@ -154,7 +171,8 @@ class TritonBackend(AttentionBackend):
             bt.stride(0),
             G=group, HEAD_DIM=d, BLOCK_D=next_pow2(max(d, 16)),
             BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
-            num_warps=4 if block_m <= 64 else 8,
+            num_warps=self.num_warps or (4 if block_m <= 64 else 8),
+            **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )
         if splits > 1:
             _combine_kernel[(tq, hq)](

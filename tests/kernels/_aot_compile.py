@@ -27,7 +27,7 @@ from pagedserve.kernels.triton_attention import (
     _paged_attention_kernel,
     next_pow2,
 )
-from pagedserve.kernels.triton_backend import TritonBackend
+from pagedserve.kernels.triton_backend import LAUNCH_SWEEP, TritonBackend
 from pagedserve.kernels.triton_cache import _copy_blocks_kernel, _store_kv_kernel
 
 
@@ -44,10 +44,21 @@ def signature(fn, pointers: dict[str, str], consts: dict, floats: tuple[str, ...
     return sig
 
 
-def build(fn, pointers, consts, target, floats=(), num_warps=4) -> None:
+# Shared memory one block may use on sm_90 (227 KB) and sm_80 (163 KB).
+SMEM_LIMIT = {90: 232448, 80: 166912}
+
+
+def build(fn, pointers, consts, target, floats=(), num_warps=4, num_stages=None) -> None:
     src = ASTSource(fn, signature(fn, pointers, consts, floats), consts)
-    triton_compile(src, target=target, options={"num_warps": num_warps})
-    print(f"ok sm_{target.arch} {fn.__name__} {consts}", flush=True)
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    kernel = triton_compile(src, target=target, options=options)
+    shared = kernel.metadata.shared
+    if shared > SMEM_LIMIT.get(target.arch, shared):
+        raise SystemExit(f"{fn.__name__} {consts} {options}: {shared} B of shared memory "
+                         f"exceeds sm_{target.arch}'s {SMEM_LIMIT[target.arch]}")
+    print(f"ok sm_{target.arch} {fn.__name__} {consts} {options} shared={shared}", flush=True)
 
 
 def attention_configs():
@@ -58,21 +69,32 @@ def attention_configs():
     yield "fp16", 8, 128, 1, 16
 
 
+def build_attention(target, dt: str, g: int, d: int, max_q: int, splits: int,
+                    block_n: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None) -> None:
+    """One attention launch configuration, with the backend's defaults where not given."""
+    block_m = TritonBackend._block_m(g, max_q)
+    consts = dict(
+        G=g, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_Q=block_m // g,
+        BLOCK_N=block_n or (64 if d <= 64 else 32), NUM_SPLITS=splits, DOT_F32=dt == "fp32",
+    )
+    ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    ptrs |= {n: "*i32" for n in ("block_table_ptr", "cu_q_ptr", "seq_lens_k_ptr",
+                                 "tile_seq_ptr", "tile_qoff_ptr")}
+    build(_paged_attention_kernel, ptrs, consts, target, ("scale_log2",),
+          num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages)
+
+
 def main(archs: list[int]) -> None:
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
         for dt, g, d, max_q, splits in attention_configs():
-            block_m = TritonBackend._block_m(g, max_q)
-            consts = dict(
-                G=g, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_Q=block_m // g,
-                BLOCK_N=64 if d <= 64 else 32, NUM_SPLITS=splits, DOT_F32=dt == "fp32",
-            )
-            ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-            ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
-            ptrs |= {n: "*i32" for n in ("block_table_ptr", "cu_q_ptr", "seq_lens_k_ptr",
-                                         "tile_seq_ptr", "tile_qoff_ptr")}
-            build(_paged_attention_kernel, ptrs, consts, target, ("scale_log2",),
-                  num_warps=4 if block_m <= 64 else 8)
+            build_attention(target, dt, g, d, max_q, splits)
+        if arch == 90:  # what bench/kernels.py --sweep launches on an H100/H200 (decode)
+            for dt, g, d in (("fp16", 3, 64), ("bf16", 4, 128)):
+                for block_n, warps, stages in LAUNCH_SWEEP:
+                    build_attention(target, dt, g, d, 1, 1, block_n, warps, stages)
         build(_combine_kernel, {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
               dict(HEAD_DIM=80, BLOCK_D=128, NUM_SPLITS=3, SPLITS_P2=4), target)
         build(_store_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32",

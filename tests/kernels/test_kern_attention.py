@@ -119,6 +119,24 @@ def test_triton_split_k_matches_oracle(splits: int) -> None:
     check_against_oracle(be, b, FP32_TOL, decode=False)
 
 
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton (interpreter)")
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_triton_launch_overrides_keep_results(block_n: int) -> None:
+    """The tile sizes ``bench/kernels.py --sweep`` tries: keys per step smaller and
+    larger than a block (ragged lengths cross tile and block edges)."""
+    from pagedserve.kernels.triton_backend import TritonBackend
+
+    be = TritonBackend("cpu", block_n=block_n, num_warps=8, num_stages=2)
+    b = make_paged_batch([1] * 4, [1, 17, 130, 64], 6, 2, 64, block_size=16, seed=block_n)
+    check_against_oracle(be, b, FP32_TOL, decode=True)
+    b = make_paged_batch([5, 20], [40, 20], 6, 2, 64, block_size=16, seed=block_n + 1)
+    check_against_oracle(be, b, FP32_TOL, decode=False)
+    with pytest.raises(ValueError, match="block_n"):
+        TritonBackend("cpu", block_n=48)
+    with pytest.raises(ValueError, match="num_stages"):
+        TritonBackend("cpu", num_stages=0)
+
+
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_empty_batches(name: str) -> None:
     be = get_backend(name, "cpu")

@@ -1,4 +1,5 @@
-"""The Triton kernels compile to cubins for sm_90 and sm_80 (no GPU needed)."""
+"""The Triton kernels compile to cubins for sm_90 and sm_80 (no GPU needed), within
+each target's shared memory, including every launch setting the GPU sweep tries."""
 
 import importlib.util
 import os
@@ -23,4 +24,7 @@ def test_kernels_compile_for_nvidia_targets() -> None:
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("triton's bundled ptxas is missing")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok sm_") == 2 * 10
+    from pagedserve.kernels.triton_backend import LAUNCH_SWEEP
+
+    # Ten default launches per target, and the --sweep grid for two shapes on sm_90.
+    assert proc.stdout.count("ok sm_") == 2 * 10 + 2 * len(LAUNCH_SWEEP)
