@@ -337,7 +337,8 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         threads = cpu_threads_per_rank(a.num_replicas, a.tensor_parallel_size)
     engine_kwargs: dict[str, Any] = dict(
         model=a.model, tensor_parallel_size=a.tensor_parallel_size, device=device,
-        dtype=a.dtype, num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        dtype=a.dtype, num_gpu_blocks=a.num_gpu_blocks,
+        kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,

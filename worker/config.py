@@ -139,10 +139,10 @@ class ModelConfig:
                 for key in ("low_freq_factor", "high_freq_factor"):
                     if key not in scaling:
                         raise ValueError(f"model config field 'rope_scaling.{key}' is required")
-            if rope_type in ("llama3", "yarn"):
-                scaling.setdefault(
-                    "original_max_position_embeddings", cfg.get("max_position_embeddings")
-                )
+            if rope_type in ("llama3", "yarn") and not scaling.get(
+                    "original_max_position_embeddings"):
+                scaling["original_max_position_embeddings"] = (
+                    cfg.get("max_position_embeddings") or 2048)
 
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
