@@ -78,6 +78,9 @@ def test_yarn_and_qwen3_config_fields():
                                            "type": "yarn", "factor": 4.0,
                                            "original_max_position_embeddings": 32768}})
     assert qwen25.max_model_len == 131072  # Qwen2.5's long-context recipe, as vLLM reads it
+    bare = ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    assert bare.rope_scaling["original_max_position_embeddings"] == 2048  # the HF default
+    assert bare.max_model_len == 8192
     q3 = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen3", "head_dim": 32,
                                    "sliding_window": 4096, "use_sliding_window": False})
     assert q3.qk_norm and not q3.qkv_bias and q3.head_dim == 32 and q3.sliding_window is None
