@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+# "freq_factors": one divisor per rotary frequency, llama.cpp's rope_freqs (from GGUF files).
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "freq_factors")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -53,6 +54,14 @@ def _positive_int(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"model config field {name!r} must be a positive integer, got {value!r}")
     return value
+
+
+def _check_freq_factors(factors: Any, head_dim: int) -> None:
+    ok = isinstance(factors, list) and len(factors) == head_dim // 2 and all(
+        isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)
+    if not ok:
+        raise ValueError(f"model config field 'rope_scaling.freq_factors' must be "
+                         f"{head_dim // 2} positive numbers (one per rotary frequency)")
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,10 @@ class ModelConfig:
             scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
             scaling["rope_type"] = rope_type
             factor = scaling.get("factor")
-            if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            if rope_type == "freq_factors":
+                _check_freq_factors(scaling.get("freq_factors"), head_dim)
+            elif (not isinstance(factor, (int, float)) or isinstance(factor, bool)
+                  or factor <= 0):
                 raise ValueError(
                     f"model config field 'rope_scaling.factor' must be a positive number, "
                     f"got {factor!r}"

@@ -96,6 +96,7 @@ def test_yarn_and_qwen3_config_fields():
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
     ({"rope_scaling": {"rope_type": "yarn"}}, "factor"),
     ({"rope_scaling": {"rope_type": "linear", "factor": -1}}, "factor"),
+    ({"rope_scaling": {"rope_type": "freq_factors", "freq_factors": [1.0] * 3}}, "freq_factors"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "low_freq_factor"),
 ])
 def test_model_config_errors_name_the_field(patch, field):

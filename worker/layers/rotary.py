@@ -2,7 +2,8 @@
 
 Supports the default schedule plus ``linear``, ``llama3`` and ``yarn`` scaling,
 with the same inverse-frequency formulas as transformers, so positions far past
-the original context give identical angles. YaRN also scales cos and sin by
+the original context give identical angles, and ``freq_factors`` (llama.cpp's
+per-frequency divisors, kept from GGUF files). YaRN also scales cos and sin by
 its attention factor (the paper's temperature), as transformers does. cos/sin are computed once per forward
 for the batch's positions instead of caching a ``max_position`` table: that is
 a few thousand ``cos`` calls, and it works for any position.
@@ -24,6 +25,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     if not scaling:
         return inv
     kind = scaling["rope_type"]
+    if kind == "freq_factors":  # llama.cpp's rope_freqs: each frequency divided by its own
+        return inv / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor

@@ -10,6 +10,11 @@ llama.cpp's converter permutes the Q and K projections of ``llama``
 architecture files (to its interleaved RoPE layout); we undo it with exactly
 the reshape transformers' GGUF loader uses, so the weights equal what
 ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` produces.
+
+Llama 3.1+ files carry their RoPE scaling only as a ``rope_freqs`` tensor
+(llama.cpp divides each dimension's frequency by it); transformers drops it,
+which silently turns the model's llama3 scaling off. We keep it as the
+``freq_factors`` rope type in the converted config.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: llama.cpp's rope_freqs kept as rope "freq_factors"
 _SOURCE_FILE = "pagedserve_source.json"
 
+_ROPE_FREQS = "rope_freqs.weight"
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -49,7 +55,7 @@ _BLOCK_NAMES = {
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors llama.cpp adds that have no HF counterpart (transformers skips them too).
-_SKIPPED = ("rope_freqs.weight",)
+_SKIPPED = (_ROPE_FREQS,)
 
 
 def cache_root() -> Path:
@@ -105,19 +111,26 @@ def read_gguf_tensors(gguf_path: str | Path, num_heads: int, num_kv_heads: int
     return out
 
 
-def gguf_head_dim(gguf_path: str | Path) -> int | None:
-    """``<arch>.attention.key_length``, the head size, when the file records it.
+def gguf_extras(gguf_path: str | Path) -> tuple[int | None, list[float] | None]:
+    """What transformers' GGUF config mapping drops: the head size and the RoPE factors.
 
-    transformers' GGUF config mapping drops it, so a model whose heads are not
-    ``hidden / num_heads`` wide (Qwen3-0.6B: 1024 / 16 with 128-wide heads,
-    Mistral Nemo) would otherwise come back with the wrong head size.
+    ``<arch>.attention.key_length`` is the head size: without it a model whose
+    heads are not ``hidden / num_heads`` wide (Qwen3-0.6B: 1024 / 16 with
+    128-wide heads, Mistral Nemo) would come back with the wrong one.
+    ``rope_freqs`` holds one divisor per rotary frequency (Llama 3.1's llama3
+    scaling, as llama.cpp's converter computes it).
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader, dequantize
 
-    fields = GGUFReader(str(gguf_path)).fields
-    arch = str(fields["general.architecture"].contents())
-    field = fields.get(f"{arch}.attention.key_length")
-    return None if field is None else int(field.contents())
+    reader = GGUFReader(str(gguf_path))
+    arch = str(reader.fields["general.architecture"].contents())
+    field = reader.fields.get(f"{arch}.attention.key_length")
+    head_dim = None if field is None else int(field.contents())
+    factors = None
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            factors = [float(f) for f in np.asarray(dequantize(t.data, t.tensor_type)).ravel()]
+    return head_dim, factors
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:
@@ -126,7 +139,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     folder, fname = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
-    head_dim = gguf_head_dim(gguf_path)
+    head_dim, rope_factors = gguf_extras(gguf_path)
     if head_dim is not None:
         config.head_dim = head_dim
     tensors = read_gguf_tensors(gguf_path, config.num_attention_heads,
@@ -136,6 +149,17 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     config.tie_word_embeddings = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
+    if rope_factors is not None:
+        # Written into the saved JSON: transformers' own rope validation has no such type.
+        cfg_path = out / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+        cfg.pop("rope_scaling", None)
+        rope = {"rope_type": "freq_factors", "freq_factors": rope_factors}
+        if theta is not None:
+            rope["rope_theta"] = theta
+        cfg["rope_parameters"] = rope
+        cfg_path.write_text(json.dumps(cfg, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
     tokenizer.save_pretrained(str(out))
     st = gguf_path.stat()

@@ -1,0 +1,176 @@
+"""GGUF files written here the way llama.cpp's converter writes them convert back to
+models whose logits equal the Hugging Face models they were written from.
+
+What transformers' GGUF loading gets wrong or drops, and these check: Qwen3's per-head
+norms (``attn_q_norm`` / ``attn_k_norm``) and its head size, recorded only as
+``qwen3.attention.key_length``; a tied head; and Llama 3.1's RoPE scaling, which a
+``llama`` file carries only as the ``rope_freqs`` tensor (with Q/K permuted to
+llama.cpp's interleaved layout). The tokenizer fields are copied from the default
+model's GGUF, so the converted directories also get a working tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.worker.loaders import default_gguf_path, load_tokenizer, resolve_model
+from tests.worker.helpers import BlockAllocator, all_logits, make_worker, plan, request
+
+pytestmark = pytest.mark.slow
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_NAMES[module]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation for ``llama`` files (the loader undoes it)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _llama3_rope_freqs(cfg) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter computes for llama3 rope scaling."""
+    rope = cfg.rope_parameters
+    dim = cfg.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _write_gguf(model, dest: Path, arch: str) -> Path:
+    """What llama.cpp's converter writes (F32 tensors): a tied head has no ``output.weight``;
+    ``llama`` files have Q/K permuted and, with llama3 scaling, a ``rope_freqs`` tensor."""
+    from gguf import GGUFReader, GGUFWriter
+
+    cfg = model.config
+    path = dest / f"tiny-{arch}.gguf"
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    src = GGUFReader(str(default_gguf_path())).fields
+    w.add_tokenizer_model(str(src["tokenizer.ggml.model"].contents()))
+    w.add_tokenizer_pre(str(src["tokenizer.ggml.pre"].contents()))
+    w.add_token_list(src["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(src["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(src["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(str(src["tokenizer.chat_template"].contents()))
+    tied = cfg.tie_word_embeddings
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            if not tied:
+                w.add_tensor("output.weight", tensor.float().numpy().astype(np.float32))
+            continue
+        data = tensor.float().numpy().astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            data = _permute(data, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = _permute(data, cfg.num_key_value_heads)
+        w.add_tensor(_gguf_name(name), data)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_qwen3_gguf_converts_and_runs(tmp_path, pagedserve_cache):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(7)
+    cfg = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at 1: perturb them so a misplaced norm shows
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    gguf_path = _write_gguf(model, tmp_path, "qwen3")
+
+    resolved = resolve_model(str(gguf_path))
+    tok = load_tokenizer(resolved)
+    prompt = tok.encode("the capital of France is")
+    assert tok.decode(prompt) == "the capital of France is"
+    worker = make_worker(resolved.path, num_blocks=16, block_size=4)
+    info = worker.get_model_info()
+    assert info["num_layers"] == 2 and info["num_kv_heads"] == 2
+    assert worker.model_config.head_dim == 32 and worker.model_config.tie_word_embeddings
+    got = all_logits(worker, plan(0, [request(BlockAllocator(16, 4), "a", prompt, 0)]))
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_llama3_rope_scaling_survives_a_llama_gguf(tmp_path, pagedserve_cache):
+    """Llama 3.1-style scaling over a 16-token original context, so most rotary
+    frequencies are divided: dropping ``rope_freqs`` (as transformers does) fails this."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(8)
+    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=16)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, rms_norm_eps=1e-5, rope_parameters=rope,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    resolved = resolve_model(str(_write_gguf(model, tmp_path, "llama")))
+    worker = make_worker(resolved.path, num_blocks=24, block_size=4)
+    assert worker.model_config.rope_scaling["rope_type"] == "freq_factors"
+    prompt = list(range(300, 340))
+    got = all_logits(worker, plan(0, [request(BlockAllocator(24, 4), "a", prompt, 0)]))
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
