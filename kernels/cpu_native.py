@@ -4,9 +4,9 @@ through ctypes.
 Why: on CPU the torch path copies every context token of every decoding
 sequence into a padded workspace once per layer, then SDPA reads the copy
 again; at serving batch sizes that is about a fifth of the forward. The C
-kernel (``cpu_paged_decode.c``) reads K/V (fp32 or bf16) straight from the block pool. The
-same library carries RMSNorm-with-residual and SiLU-and-multiply
-(``cpu_fused_ops.c``), each one pass where torch makes several.
+kernel (``cpu_paged_decode.c``) reads K/V (fp32 or bf16) straight from the
+block pool. The same library carries RMSNorm-with-residual, SiLU-and-multiply
+and RoPE (``cpu_fused_ops.c``), each one pass where torch makes several.
 
 Why C + ctypes rather than a torch C++ extension: the kernel needs no torch
 headers, so it compiles in well under a second with the system C compiler and

@@ -22,7 +22,7 @@ TINY: dict[str, Any] = dict(
 
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                     **overrides: Any) -> Path:
-    """Write a random HF checkpoint (safetensors) of a tiny Llama, Qwen2/3 or Mistral to ``path``."""
+    """Write a random tiny Llama, Qwen2/3 or Mistral HF checkpoint (safetensors) to ``path``."""
     import transformers as tf
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),

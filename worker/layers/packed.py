@@ -6,9 +6,10 @@ into its blocked layout runs these shapes 15-25% faster than the MKL path of
 loading, every projection keeps a packed copy and, unless the plain weight is
 still needed (a tied embedding), drops the plain one. bf16 weights pack too
 where the CPU has native bf16 dot products (AVX512-BF16, AMX): 10-25% faster
-than bf16 ``F.linear`` at SmolLM2's shapes on a Zen 4, with identical results. Packing uses internal
-``torch.ops.mkldnn`` ops (the ones inductor's CPU freezing pass emits);
-anything unexpected at pack time leaves the plain ``F.linear`` path in place.
+than bf16 ``F.linear`` at SmolLM2's shapes on a Zen 4, with identical results.
+Packing uses internal ``torch.ops.mkldnn`` ops (the ones inductor's CPU
+freezing pass emits); anything unexpected at pack time leaves the plain
+``F.linear`` path in place.
 """
 
 from __future__ import annotations

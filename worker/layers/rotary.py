@@ -4,9 +4,10 @@ Supports the default schedule plus ``linear``, ``llama3`` and ``yarn`` scaling,
 with the same inverse-frequency formulas as transformers, so positions far past
 the original context give identical angles, and ``freq_factors`` (llama.cpp's
 per-frequency divisors, kept from GGUF files). YaRN also scales cos and sin by
-its attention factor (the paper's temperature), as transformers does. cos/sin are computed once per forward
-for the batch's positions instead of caching a ``max_position`` table: that is
-a few thousand ``cos`` calls, and it works for any position.
+its attention factor (the paper's temperature), as transformers does. cos/sin
+are computed once per forward for the batch's positions instead of caching a
+``max_position`` table: that is a few thousand ``cos`` calls, and it works for
+any position.
 """
 
 from __future__ import annotations
