@@ -167,6 +167,10 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.check_token_ids(self.model_info["vocab_size"])
+        if params.structured_outputs is not None:
+            from pagedserve.worker.structured import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")

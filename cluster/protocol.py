@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 MAX_PROMPTS = 16  # prompts per /v1/completions call (each also bounded by n)
 
@@ -83,6 +83,11 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -112,6 +117,7 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self._structured(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._token_bias())
         for name in ("temperature", "top_p", "top_k", "min_p"):
@@ -127,6 +133,45 @@ class _SamplingRequest(BaseModel):
             param = self.max_tokens_param if first == "max_tokens" else first
             raise APIError(str(e), param=param if param in type(self).model_fields
                            else None) from None
+
+    def _structured(self) -> StructuredOutputs | None:
+        """The output constraint, from OpenAI's ``response_format`` or vLLM's
+        ``structured_outputs`` / ``guided_*`` fields (one of them at most)."""
+        specs: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                specs.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise APIError("response_format json_schema needs json_schema.schema, "
+                                   "a JSON schema object", param="response_format")
+                specs.append(("response_format", {"json": schema}))
+            elif kind != "text":
+                raise APIError("response_format type must be text, json_object or "
+                               f"json_schema, got {kind!r}", param="response_format")
+        if self.structured_outputs is not None:
+            specs.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice")):
+            if getattr(self, name) is not None:
+                specs.append((name, {key: getattr(self, name)}))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise APIError("give at most one of response_format (json), structured_outputs, "
+                           "guided_json, guided_regex, guided_choice", param=specs[1][0])
+        param, kw = specs[0]
+        try:
+            spec = StructuredOutputs(**kw)
+            from pagedserve.worker.structured import check_structured_outputs
+
+            check_structured_outputs(spec)
+        except (TypeError, ValueError) as e:
+            raise APIError(str(e), param=param) from None
+        return spec
 
     def truncate(self, ids: list[int]) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM's left truncation)."""
@@ -219,15 +264,11 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self._check_unsupported()
         if self.tools:
             raise APIError("tools are not supported by this server", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("only response_format type 'text' is supported",
-                           param="response_format")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs requires logprobs to be true",

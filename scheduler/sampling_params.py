@@ -6,10 +6,54 @@ with a ``ValueError`` that names the field, never deep inside a step.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain the output to one of: a JSON schema (``json``, a dict or its text), any
+    JSON object (``json_object``), a regular expression, or one of ``choice``'s strings.
+
+    vLLM's names. The sampler masks every token that cannot continue a valid output
+    (xgrammar), and once the output is complete only end-of-sequence tokens remain.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("structured_outputs.choice must be non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (dict or text)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        given = [self.json is not None, bool(self.json_object), self.regex is not None,
+                 self.choice is not None]
+        if sum(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, "
+                             "regex, choice")
+
+    def key(self) -> str:
+        """A stable text naming the constraint (compiled grammars are cached by it)."""
+        schema = self.json if isinstance(self.json, str) or self.json is None else json.dumps(
+            self.json, sort_keys=True)
+        return json.dumps([schema, self.json_object, self.regex, self.choice])
 
 
 @dataclass(slots=True)
@@ -30,7 +74,8 @@ class SamplingParams:
     token's, before top-k and top-p. ``allowed_token_ids`` restricts every draw
     to those tokens (they win over ``min_tokens``' ban on EOS and stop ids when
     nothing else would be left). ``truncate_prompt_tokens=k`` keeps the prompt's
-    last ``k`` tokens.
+    last ``k`` tokens. ``structured_outputs`` constrains the text (see
+    :class:`StructuredOutputs`).
     """
 
     n: int = 1
@@ -54,6 +99,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +125,9 @@ class SamplingParams:
                 _check_int("allowed_token_ids", t, lo=0)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(
                 f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
@@ -131,6 +180,12 @@ class SamplingParams:
         """Presence, frequency or repetition penalties: the sampler needs the history."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether the sampler needs the sequence's output tokens in each step plan:
+        penalties count them, and a grammar replays them after a restart."""
+        return self.uses_penalties or self.structured_outputs is not None
 
     @property
     def greedy(self) -> bool:

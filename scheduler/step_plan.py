@@ -31,7 +31,7 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
     sched = ScheduledRequest(rid, req.all_token_ids[start : start + num_new], start, block_ids,
                              sample_ids, params)
     sp = req.sampling_params
-    if sample_ids and sp.uses_penalties:
+    if sample_ids and sp.needs_output_history:
         # Siblings share the params; at the prompt's end none has an output yet.
         outputs = req.output_token_ids
         sched.output_token_ids = {sid: outputs if sid == rid else [] for sid in sample_ids}

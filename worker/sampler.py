@@ -1,6 +1,6 @@
 """Token sampling on rank 0: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs,
-``allowed_token_ids``, ``min_tokens``, ``logit_bias`` and presence / frequency / repetition
-penalties.
+``allowed_token_ids``, ``min_tokens``, ``logit_bias``, presence / frequency / repetition
+penalties, and structured outputs (grammar masks, :mod:`structured`).
 
 The tensor math lives in :mod:`sampling_ops`; this class owns the per-request
 state. A draw is an inverse-CDF lookup (one uniform per row, a cumulative sum
@@ -14,14 +14,18 @@ before temperature or truncation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.scheduler.outputs import SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.sampling_ops import apply_min_p, penalize_row, sample_rows
+
+if TYPE_CHECKING:
+    from pagedserve.worker.structured import GrammarBook
 
 
 @dataclass(slots=True)
@@ -40,11 +44,16 @@ class SampleRequest:
 class Sampler:
     """Stateful only for seeded generators and output counts, both dropped on finish/abort."""
 
-    def __init__(self, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, eos_token_ids: Iterable[int] = (),
+                 grammar_book: Callable[[], GrammarBook] | None = None):
+        """``grammar_book`` builds the structured-output state on the first constrained
+        request (it loads the tokenizer); without it such requests are refused."""
         self.eos_token_ids = tuple(eos_token_ids)
         self._generators: dict[str, torch.Generator] = {}
         self._counts: dict[str, int] = {}
         self._children: dict[str, set[str]] = {}
+        self._make_book = grammar_book
+        self._book: GrammarBook | None = None
 
     def forget(self, ids: Iterable[str]) -> None:
         """Drop state of finished or aborted requests (and of their forked sample ids)."""
@@ -52,10 +61,13 @@ class Sampler:
             for sid in self._children.pop(rid, set()) | {rid}:
                 self._generators.pop(sid, None)
                 self._counts.pop(sid, None)
+                if self._book is not None:
+                    self._book.forget(sid)
 
     @property
     def num_tracked(self) -> int:
-        return len(self._generators) + len(self._counts)
+        book = 0 if self._book is None else self._book.num_tracked
+        return len(self._generators) + len(self._counts) + book
 
     def _generator(self, sid: str, seed: int, device: torch.device) -> torch.Generator:
         g = self._generators.get(sid)
@@ -79,6 +91,9 @@ class Sampler:
             if r.request_id != r.sample_id:
                 self._children.setdefault(r.request_id, set()).add(r.sample_id)
         x = self._process_logits(raw, reqs)
+        constrained = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
+        if constrained:
+            x = self._apply_grammars(raw, x, reqs, constrained)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             tokens = x.argmax(dim=-1)
@@ -87,6 +102,9 @@ class Sampler:
         token_list = tokens.tolist()
         for r in reqs:
             self._counts[r.sample_id] = self._counts.get(r.sample_id, 0) + 1
+        for i in constrained:
+            assert self._book is not None
+            self._book.accept(reqs[i].sample_id, token_list[i])
         logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         out = {r.sample_id: SampledToken(token_list[i]) for i, r in enumerate(reqs)}
         if logprob_rows:
@@ -127,6 +145,30 @@ class Sampler:
             if p.uses_penalties:
                 penalize_row(row, r.output_token_ids or [], r.prompt_token_ids or [],
                              p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        return x
+
+    def _apply_grammars(self, raw: torch.Tensor, x: torch.Tensor, reqs: list[SampleRequest],
+                        rows: list[int]) -> torch.Tensor:
+        """Mask what each constrained row's grammar forbids. A row left with nothing
+        (``min_tokens`` banning the end a complete output needs, ``allowed_token_ids``
+        the grammar cannot use) keeps only the grammar's mask: the output stays valid."""
+        if self._book is None:
+            if self._make_book is None:
+                raise ValueError("structured_outputs: this worker has no tokenizer for grammars")
+            self._book = self._make_book()
+        matchers = []
+        for i in rows:
+            r = reqs[i]
+            for_row = r.params.structured_outputs
+            assert for_row is not None
+            matchers.append(self._book.sync(r.sample_id, for_row, r.output_token_ids))
+        if x is raw:
+            x = raw.clone()
+        self._book.mask_rows(x, rows, matchers)
+        empty = [i for i in rows if not torch.isfinite(x[i]).any()]
+        if empty:
+            x[empty] = raw[empty]
+            self._book.mask_rows(x, empty, [matchers[rows.index(i)] for i in empty])
         return x
 
     def _banned(self, r: SampleRequest) -> list[int]:

@@ -23,10 +23,16 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.packed import can_pack, pack_model
-from pagedserve.worker.loaders import ResolvedModel, iter_safetensors, resolve_model
+from pagedserve.worker.loaders import (
+    ResolvedModel,
+    iter_safetensors,
+    load_tokenizer,
+    resolve_model,
+)
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
+from pagedserve.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -198,9 +204,19 @@ class Worker:
                                 self.config.block_size, self.model.num_kv_heads_per_rank,
                                 self.model_config.head_dim, self.dtype, self.device,
                                 self.backend, cpu_blocks)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device,
+        sampler = Sampler(self.model_config.eos_token_ids, grammar_book=self._grammar_book)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
                                   max_num_seqs=self.config.max_num_seqs)
+
+    def _grammar_book(self) -> Any:
+        """Structured-output state, built on the first constrained request (rank 0 only
+        samples, so only rank 0 loads the tokenizer)."""
+        from pagedserve.worker.structured import GrammarBook
+
+        assert self.resolved is not None and self.model_config is not None
+        mc = self.model_config
+        return GrammarBook(load_tokenizer(self.resolved), mc.vocab_size, list(mc.eos_token_ids))
 
     # ----- steps -------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ across the examples that share the engine.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,9 +20,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.scheduler.sampling_params import StructuredOutputs
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
 VOCAB = 49152  # the tiny checkpoints' vocabulary (SmolLM2's tokenizer)
+DIGITS = "[0-9]{2,5}"
 MAX_LEN = 512  # their max_position_embeddings
 
 
@@ -52,6 +55,9 @@ SETTINGS = st.fixed_dictionaries({}, optional={
     "min_p": _mostly([0.0, 0.1, 1.0], 1.5),
     "allowed_token_ids": _mostly([None, [5, 42], [2, 300]], [VOCAB]),
     "truncate_prompt_tokens": _mostly([None, 5, 40], 0),
+    "structured_outputs": _mostly([None, None, StructuredOutputs(regex=DIGITS),
+                                   StructuredOutputs(choice=("yes", "no"))],
+                                  StructuredOutputs(regex="(unclosed")),
     "seed": _mostly([None, 0, 7, 2**31], -1),
     "min_tokens": st.integers(0, 6),
     "stop_token_ids": st.lists(_mostly([2, 7, 300], VOCAB + 5), max_size=2),
@@ -110,7 +116,7 @@ def _run_example(llm: LLM, requests, abort_at) -> None:
             rid = engine.add_request(prompt, params, request_id=f"fuzz-{i}")
         except ValueError as e:
             assert _named_field(str(e), {"stop_token_ids", "logit_bias", "allowed_token_ids",
-                                         "prompt"}), e
+                                         "structured_outputs", "prompt"}), e
             continue
         added[rid] = (params, min(len(prompt), params.truncate_prompt_tokens or len(prompt)))
     aborted: set[str] = set()
@@ -140,8 +146,17 @@ def _run_example(llm: LLM, requests, abort_at) -> None:
             only_stops = params.allowed_token_ids and set(params.allowed_token_ids) <= stops
             if params.min_tokens and sample.finish_reason == "stop" and not only_stops:
                 assert n_out >= params.min_tokens  # (allowed ids that all stop win over it)
-            if params.allowed_token_ids:
+            if params.allowed_token_ids and params.structured_outputs is None:
+                # (with a grammar that allows none of them, the grammar wins)
                 assert set(sample.token_ids) <= set(params.allowed_token_ids)
+            spec = params.structured_outputs
+            if spec is not None and not params.allowed_token_ids and not params.stop_token_ids:
+                text = sample.text  # a prefix of a valid output, whole when it stopped
+                if spec.regex is not None:
+                    assert re.fullmatch(r"[0-9]{0,5}", text), text
+                    assert sample.finish_reason == "length" or len(text) >= 2, text
+                else:
+                    assert any(c.startswith(text) for c in spec.choice), text
             if params.logprobs is not None:
                 assert sample.logprobs is not None and len(sample.logprobs) == n_out
             assert all(0 <= t < VOCAB for t in sample.token_ids)

@@ -234,6 +234,29 @@ def test_penalties_and_logit_bias_are_honoured(smol: App) -> None:
     smol.wait_baseline()
 
 
+def test_structured_outputs_over_http(smol: App) -> None:
+    """OpenAI's response_format json_schema, vLLM's guided_choice, and a bad schema."""
+    client = smol.openai()
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}},
+              "required": ["city"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=30,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert json.loads(r.choices[0].message.content) == {"city": "Paris"}
+    assert r.choices[0].finish_reason == "stop"
+    picked = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                       max_tokens=5, temperature=0,
+                                       extra_body={"guided_choice": ["Rome", "Paris"]})
+    assert picked.choices[0].text in ("Rome", "Paris")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=FRANCE, max_tokens=5,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "a", "schema": {"type": "no-such"}}})
+    assert e.value.body["param"] == "response_format"
+    smol.wait_baseline()
+
+
 def test_completion_echo_leads_with_the_prompt_and_its_logprobs(smol: App) -> None:
     """lm-eval-harness's log-likelihood request: echo, logprobs=1, one new token; and
     the same echo streamed."""

@@ -1,0 +1,134 @@
+"""Structured outputs through the engine: regex, choice, JSON schema and JSON object
+constraints hold for every sample, including seeded ``n > 1``, preemption and a
+restarted sampler; bad constraints are a ``ValueError`` naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.scheduler.sampling_params import StructuredOutputs
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object",
+          "properties": {"answer": {"enum": ["yes", "no"]}, "count": {"type": "integer"}},
+          "required": ["answer", "count"], "additionalProperties": False}
+
+
+def _check_schema(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) == {"answer", "count"} and obj["answer"] in ("yes", "no")
+    assert isinstance(obj["count"], int)
+
+
+def test_constraints_hold_for_every_sample(tiny_llama_dir) -> None:
+    """A random model (SmolLM2's tokenizer) would write anything: the masks decide."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=96)
+    try:
+        regex = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=12,
+                               structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[a-c]"))
+        choice = SamplingParams(temperature=1.0, seed=4, n=4, max_tokens=8,
+                                structured_outputs=StructuredOutputs(
+                                    choice=("Paris", "London", "New York")))
+        schema = SamplingParams(temperature=0.7, seed=5, max_tokens=64,
+                                structured_outputs=StructuredOutputs(json=SCHEMA))
+        greedy = SamplingParams(temperature=0.0, max_tokens=12,
+                                structured_outputs=StructuredOutputs(regex=r"(ab|cd)+!"))
+        outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]],
+                            [regex, choice, schema, greedy])
+        for sample in outs[0].outputs:
+            assert re.fullmatch(r"[0-9]{3}-[a-c]", sample.text), sample.text
+            assert sample.finish_reason == "stop"
+        assert {s.text for s in outs[1].outputs} <= {"Paris", "London", "New York"}
+        _check_schema(outs[2].outputs[0].text)
+        assert re.fullmatch(r"(ab|cd)+!", outs[3].outputs[0].text) or (
+            outs[3].outputs[0].finish_reason == "length")
+        # A seeded constrained sample is the same alone as in that batch.
+        alone = llm.generate([[5, 6, 7]], regex)[0]
+        assert [s.text for s in alone.outputs] == [s.text for s in outs[0].outputs]
+        # Finished ids reach the worker with the next plan: then every matcher is gone.
+        llm.generate([[3, 4]], SamplingParams(max_tokens=2))
+        assert llm.engine.executor.worker.runner.sampler._book.num_tracked == 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_constraints_survive_preemption(tiny_llama_dir, mode: str) -> None:
+    """A tiny pool preempts mid-output; the grammar state follows the kept tokens."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=10, block_size=4, preemption_mode=mode,
+              max_num_seqs=4)
+    try:
+        params = SamplingParams(temperature=0.8, seed=11, max_tokens=30,
+                                structured_outputs=StructuredOutputs(regex=r"[a-z]{4,20}\."))
+        prompts = [[20 + i] * (3 + i) for i in range(4)]
+        outs = llm.generate(prompts, params)
+        assert sum(llm.engine.scheduler.num_preemptions.values()) > 0
+        for o in outs:
+            sample = o.outputs[0]
+            assert re.fullmatch(r"[a-z]{4,20}\.", sample.text) or sample.finish_reason == "length"
+            assert re.fullmatch(r"[a-z]{0,20}\.?", sample.text), sample.text
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_new_sampler_replays_the_history(tiny_llama_dir) -> None:
+    """After a worker restart the plan's output history brings a fresh matcher up to date."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        params = SamplingParams(temperature=1.0, seed=21, max_tokens=16,
+                                structured_outputs=StructuredOutputs(regex=r"[0-9]{6}"))
+        rid = llm.engine.add_request([5, 6, 7], params)
+        for _ in range(3):
+            llm.engine.step()
+        runner = llm.engine.executor.worker.runner
+        runner.sampler._book = None  # as if rank 0 had been restarted
+        runner.sampler._generators.clear()
+        done = {}
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert re.fullmatch(r"[0-9]{6}", done[rid].outputs[0].text), done[rid].outputs[0].text
+    finally:
+        llm.shutdown()
+
+
+def test_default_model_answers_in_the_schema(smol_llm) -> None:
+    messages = [{"role": "user", "content": "Is Paris the capital of France? Answer in JSON."}]
+    params = SamplingParams(temperature=0.0, max_tokens=40,
+                            structured_outputs=StructuredOutputs(json=SCHEMA))
+    out = smol_llm.chat(messages, params)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    _check_schema(out.text)
+    obj = smol_llm.chat(messages, SamplingParams(
+        temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputs(json_object=True)))
+    assert obj[0].outputs[0].finish_reason == "length" or isinstance(
+        json.loads(obj[0].outputs[0].text), dict)
+
+
+def test_bad_constraints_raise_value_error(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=("b",))
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputs(choice=())
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputs(json="{nope")
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=16)
+    try:
+        for spec in (StructuredOutputs(regex="(unclosed"),
+                     StructuredOutputs(json={"type": "no-such-type"})):
+            with pytest.raises(ValueError, match="structured_outputs"):
+                llm.generate([[5, 6]], SamplingParams(structured_outputs=spec))
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()

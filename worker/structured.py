@@ -1,0 +1,110 @@
+"""Structured outputs on rank 0: xgrammar token masks for JSON schemas, JSON objects,
+regular expressions and fixed choices.
+
+Each constrained sample has a grammar matcher that has accepted exactly its output
+tokens. Before a draw the matcher's bitmask sends every token that cannot continue
+a valid output to -inf; after it, the drawn token is accepted. Once the output is
+complete only the model's end-of-sequence tokens stay allowed, so generation stops
+there. JSON is written with xgrammar's fixed spacing (``any_whitespace=False``):
+free whitespace lets a small model pad a value until ``max_tokens``. Compiled grammars are cached by constraint, the tokenizer's vocabulary table
+is built once per worker (~0.2 s for a 49k vocabulary).
+
+A matcher that is behind its sample's history (a restarted worker, or a sample
+first seen mid-generation) replays the missing tokens, so the scheduler's plan is
+the only source of truth: it sends the output history for constrained requests.
+xgrammar is imported only when a constrained request arrives.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from pagedserve.scheduler.sampling_params import StructuredOutputs
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as e:  # pragma: no cover - it is a dependency
+        raise ValueError(f"structured_outputs needs the xgrammar package ({e})") from None
+    return xgrammar
+
+
+def _grammar(xgr: Any, spec: StructuredOutputs) -> Any:
+    """The uncompiled grammar of ``spec`` (raises on a bad schema or regex)."""
+    if spec.json is not None or spec.json_object:
+        schema = spec.json if spec.json is not None else {"type": "object"}
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        # One fixed spacing: free whitespace lets small models pad a value forever.
+        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    if spec.regex is not None:
+        return xgr.Grammar.from_regex(spec.regex)
+    alternatives = " | ".join(json.dumps(c) for c in spec.choice or ())
+    return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+
+
+def check_structured_outputs(spec: StructuredOutputs) -> None:
+    """Raise ``ValueError`` naming ``structured_outputs`` when the schema or regex does
+    not compile (no tokenizer needed: the front and the engine call this)."""
+    xgr = _xgrammar()
+    try:
+        _grammar(xgr, spec)
+    except Exception as e:
+        raise ValueError(f"structured_outputs: {type(e).__name__}: {e}") from None
+
+
+class GrammarBook:
+    """Compiled grammars and per-sample matchers for one worker's tokenizer."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        xgr = _xgrammar()
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=eos_token_ids or None)
+        self._compiler = xgr.GrammarCompiler(info)
+        self._compiled: dict[str, Any] = {}
+        self._matchers: dict[str, tuple[Any, int]] = {}  # sample id -> (matcher, accepted)
+        self.vocab_size = vocab_size
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
+        key = spec.key()
+        grammar = self._compiled.get(key)
+        if grammar is None:
+            grammar = self._compiler.compile_grammar(_grammar(self._xgr, spec))
+            self._compiled[key] = grammar
+        return grammar
+
+    def sync(self, sample_id: str, spec: StructuredOutputs, history: list[int] | None) -> Any:
+        """The sample's matcher, caught up with ``history`` (its output tokens so far)."""
+        matcher, accepted = self._matchers.get(sample_id, (None, 0))
+        if matcher is None:
+            matcher = self._xgr.GrammarMatcher(self._compile(spec))
+        for tok in (history or [])[accepted:]:
+            matcher.accept_token(tok)
+            accepted += 1
+        self._matchers[sample_id] = (matcher, accepted)
+        return matcher
+
+    def mask_rows(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+        """Send the tokens each matcher forbids to -inf in its row of ``logits`` (in place)."""
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+        sub = logits[rows].float()
+        self._xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device))
+        logits[rows] = sub.to(logits.dtype)
+
+    def accept(self, sample_id: str, token: int) -> None:
+        matcher, accepted = self._matchers[sample_id]
+        matcher.accept_token(token)
+        self._matchers[sample_id] = (matcher, accepted + 1)
+
+    def forget(self, sample_id: str) -> None:
+        self._matchers.pop(sample_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._matchers)
