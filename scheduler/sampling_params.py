@@ -21,6 +21,8 @@ class StructuredOutputs:
 
     vLLM's names. The sampler masks every token that cannot continue a valid output
     (xgrammar), and once the output is complete only end-of-sequence tokens remain.
+    Where other settings (``min_tokens``, ``allowed_token_ids``) leave no token the
+    grammar allows, the grammar wins. ``max_tokens`` can still cut an output short.
     """
 
     json: dict[str, Any] | str | None = None
