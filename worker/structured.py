@@ -68,6 +68,7 @@ class GrammarBook:
         self._compiled: dict[str, Any] = {}
         self._matchers: dict[str, tuple[Any, int]] = {}  # sample id -> (matcher, accepted)
         self.vocab_size = vocab_size
+        self._eos = torch.tensor(eos_token_ids or [], dtype=torch.long)
 
     def _compile(self, spec: StructuredOutputs) -> Any:
         key = spec.key()
@@ -83,23 +84,34 @@ class GrammarBook:
         if matcher is None:
             matcher = self._xgr.GrammarMatcher(self._compile(spec))
         for tok in (history or [])[accepted:]:
-            matcher.accept_token(tok)
+            if not matcher.is_terminated():
+                matcher.accept_token(tok)
             accepted += 1
         self._matchers[sample_id] = (matcher, accepted)
         return matcher
 
     def mask_rows(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
         """Send the tokens each matcher forbids to -inf in its row of ``logits`` (in place)."""
-        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
-        sub = logits[rows].float()
-        self._xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device))
-        logits[rows] = sub.to(logits.dtype)
+        live = [(row, m) for row, m in zip(rows, matchers) if not m.is_terminated()]
+        done = [row for row, m in zip(rows, matchers) if m.is_terminated()]
+        if live:
+            bitmask = self._xgr.allocate_token_bitmask(len(live), self.vocab_size)
+            for i, (_, m) in enumerate(live):
+                m.fill_next_token_bitmask(bitmask, i)
+            idx = [row for row, _ in live]
+            sub = logits[idx].float()
+            self._xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device))
+            logits[idx] = sub.to(logits.dtype)
+        if done and self._eos.numel():
+            # A complete output that goes on (ignore_eos): only end-of-sequence tokens.
+            keep = logits[done][:, self._eos.to(logits.device)]
+            logits[done] = float("-inf")
+            logits[torch.tensor(done)[:, None], self._eos.to(logits.device)[None, :]] = keep
 
     def accept(self, sample_id: str, token: int) -> None:
         matcher, accepted = self._matchers[sample_id]
-        matcher.accept_token(token)
+        if not matcher.is_terminated():
+            matcher.accept_token(token)
         self._matchers[sample_id] = (matcher, accepted + 1)
 
     def forget(self, sample_id: str) -> None:

@@ -59,6 +59,20 @@ def test_constraints_hold_for_every_sample(tiny_llama_dir) -> None:
         llm.shutdown()
 
 
+def test_ignore_eos_after_a_complete_output_keeps_emitting_eos(tiny_llama_dir) -> None:
+    """A finished grammar must not crash the step (xgrammar refuses a terminated matcher)."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=32)
+    try:
+        params = SamplingParams(temperature=1.0, seed=2, max_tokens=10, ignore_eos=True,
+                                structured_outputs=StructuredOutputs(regex="[0-9]{3}"))
+        out = llm.generate([[5, 6, 7]], params)[0].outputs[0]
+        eos = set(llm.engine.eos_token_ids)
+        assert re.fullmatch("[0-9]{3}", out.text) and out.finish_reason == "length"
+        assert set(out.token_ids[3:]) <= eos and len(out.token_ids) == 10
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_constraints_survive_preemption(tiny_llama_dir, mode: str) -> None:
     """A tiny pool preempts mid-output; the grammar state follows the kept tokens."""
