@@ -104,9 +104,11 @@ class GrammarBook:
             logits[idx] = sub.to(logits.dtype)
         if done and self._eos.numel():
             # A complete output that goes on (ignore_eos): only end-of-sequence tokens.
-            keep = logits[done][:, self._eos.to(logits.device)]
-            logits[done] = float("-inf")
-            logits[torch.tensor(done)[:, None], self._eos.to(logits.device)[None, :]] = keep
+            eos = self._eos.to(logits.device)
+            done_t = torch.tensor(done, device=logits.device)
+            keep = logits[done_t][:, eos]
+            logits[done_t] = float("-inf")
+            logits[done_t[:, None], eos[None, :]] = keep
 
     def accept(self, sample_id: str, token: int) -> None:
         matcher, accepted = self._matchers[sample_id]
