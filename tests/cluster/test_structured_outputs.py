@@ -46,8 +46,9 @@ def test_constraints_hold_for_every_sample(tiny_llama_dir) -> None:
             assert sample.finish_reason == "stop"
         assert {s.text for s in outs[1].outputs} <= {"Paris", "London", "New York"}
         _check_schema(outs[2].outputs[0].text)
-        assert re.fullmatch(r"(ab|cd)+!", outs[3].outputs[0].text) or (
-            outs[3].outputs[0].finish_reason == "length")
+        text = outs[3].outputs[0].text  # whole, or a prefix of one when cut at max_tokens
+        assert re.fullmatch(r"(ab|cd)+!", text) or (
+            outs[3].outputs[0].finish_reason == "length" and re.fullmatch(r"(ab|cd)*[ac]?", text))
         # A seeded constrained sample is the same alone as in that batch.
         alone = llm.generate([[5, 6, 7]], regex)[0]
         assert [s.text for s in alone.outputs] == [s.text for s in outs[0].outputs]
