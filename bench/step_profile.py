@@ -73,7 +73,9 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
+    t0 = time.perf_counter()
     engine.step()  # the prefill
+    prefill_s = time.perf_counter() - t0
     engine.step()  # first decode: workspaces
     spent: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
@@ -82,8 +84,10 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     step_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    print(f"{args.num_seqs} sequences, {args.dtype}, contexts {min(map(len, prompts))}-"
-          f"{max(map(len, prompts)) + args.steps + 2} tokens: {step_ms:.1f} ms per decode step")
+    print(f"{args.num_seqs} sequences, {args.dtype}: prefill of {sum(map(len, prompts))} "
+          f"prompt tokens {prefill_s:.2f} s (one step)")
+    print(f"contexts {min(map(len, prompts))}-{max(map(len, prompts)) + args.steps + 2} "
+          f"tokens: {step_ms:.1f} ms per decode step")
     for _, _, label in PARTS:
         ms = spent[label] / args.steps * 1e3
         print(f"  {label:36s} {ms:7.2f} ms  {100 * ms / step_ms:5.1f}%  "
