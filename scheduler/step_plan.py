@@ -15,8 +15,9 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
 
     The row samples only when it reaches the end of the sequence: for the
     sequence itself, or at a group's prompt end for every sibling waiting to
-    fork. The token history goes along only when penalties need it, and the
-    prompt tokens to score only for requests that asked for prompt logprobs.
+    fork. The token history goes along only when penalties or a grammar need it
+    (``SamplingParams.needs_output_history``), and the prompt tokens to score only
+    for requests that asked for prompt logprobs.
     """
     start = req.num_computed_tokens
     rid = req.request_id
