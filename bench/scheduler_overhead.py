@@ -13,10 +13,11 @@ import argparse
 import gc
 import time
 
+from pagedserve.cluster.engine import configure_gc_for_serving
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler, configure_gc_for_serving
+from pagedserve.scheduler.scheduler import Scheduler
 
 
 def measure(num_running: int, steps: int) -> float:

@@ -23,10 +23,9 @@ from typing import Any
 
 from pagedserve.cluster.burst import GAPS_CAP, BurstPolicy
 from pagedserve.cluster.config import EngineConfig
-from pagedserve.cluster.engine import LLMEngine
+from pagedserve.cluster.engine import LLMEngine, configure_gc_for_serving
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import configure_gc_for_serving
 
 logger = logging.getLogger(__name__)
 

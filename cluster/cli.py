@@ -11,6 +11,7 @@ when it started them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -39,6 +40,20 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="share of each GPU for weights, activations and KV pool (CUDA)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (CUDA)")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='n-gram speculative decoding, vLLM\'s JSON: '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object from the command line, or argparse's usage error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +124,7 @@ def generate(args: argparse.Namespace) -> int:
         dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.num_threads, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
     try:
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens,
                                 temperature=args.temperature, top_p=args.top_p,

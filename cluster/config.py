@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.scheduler.spec_decode import SpeculativeConfig
+
 EXECUTORS = ("auto", "local", "ray")
 
 
@@ -21,6 +23,8 @@ class EngineConfig:
     On CUDA, decode steps replay captured CUDA graphs unless ``enforce_eager``.
     ``dtype`` "auto" is bf16 on CUDA and fp32 on CPU (where fp32 equals Hugging
     Face token for token; bf16 is ~1.7x faster on CPUs with bf16 dot products).
+    ``speculative_config`` turns on n-gram speculative decoding
+    (``scheduler.spec_decode``); a dict is parsed into a ``SpeculativeConfig``.
     """
 
     model: str | None = None
@@ -45,9 +49,13 @@ class EngineConfig:
     num_threads: int | None = None
     burst_wait_ms: float | None = None
     enforce_eager: bool = False
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # vLLM's dict form (``{"method": "ngram", "num_speculative_tokens": 4}``), parsed.
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.from_dict(self.speculative_config))
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -41,13 +41,21 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self._sent = 0
+        self.num_consumed = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: Sequence[int]) -> str | None:
-        """Append tokens; return the stop string if one now appears in the text."""
+        """Append tokens; return the stop string if one now appears in the text.
+
+        Tokens after the one that completed a stop string are not read:
+        ``num_consumed`` says how many of ``token_ids`` were (a step that
+        accepted several speculated tokens may run past a stop string).
+        """
+        self.num_consumed = 0
         for tok in token_ids:
+            self.num_consumed += 1
             self._ids.append(tok)
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
             full = self._decode(self._ids[self._prefix_offset :])

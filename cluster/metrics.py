@@ -204,6 +204,12 @@ class _Collector:
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
              ("prefix_cache_hits",)),
             ("engine_steps", "Engine steps run", ("steps",)),
+            ("spec_decode_num_drafts", "Decode rows that carried draft tokens",
+             ("spec_decode", "num_drafts")),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed",
+             ("spec_decode", "num_draft_tokens")),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted",
+             ("spec_decode", "num_accepted_tokens")),
         ]
         for name, doc, path in counters:
             fam = CounterMetricFamily(f"{p}_{name}", doc, labels=["replica"])

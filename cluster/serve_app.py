@@ -84,6 +84,7 @@ class ServeArgs(BaseModel):
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    speculative_config: dict[str, Any] | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -340,7 +341,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         dtype=a.dtype, num_gpu_blocks=a.num_gpu_blocks,
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-        max_num_seqs=a.max_num_seqs,
+        speculative_config=a.speculative_config, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         num_threads=threads, burst_wait_ms=a.burst_wait_ms, **a.engine_kwargs)
     EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field

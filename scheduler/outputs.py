@@ -38,6 +38,7 @@ class ScheduledRequest:
     output_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_token_ids: list[int] | None = None
     prompt_logprob_targets: list[int] | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -91,10 +92,16 @@ class SampledToken:
 class ModelRunnerOutput:
     """Rank 0's answer: one sampled token per sequence id in any ``sample_ids``, and
     per request that asked for them, the prompt logprobs of this step's rows as
-    ``(first prompt position, [{token: logprob}, ...])``."""
+    ``(first prompt position, [{token: logprob}, ...])``.
+
+    Rows with draft tokens answer in ``spec_tokens`` instead of ``sampled``:
+    the drafts the sampler accepted, then the token it drew itself (a
+    correction, or one past the last draft when all were accepted).
+    """
 
     step_id: int
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    spec_tokens: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(
         default_factory=dict)
 

@@ -11,7 +11,6 @@ parallel samples and frees finished sequences at once.
 
 from __future__ import annotations
 
-import gc
 from collections import deque
 
 from pagedserve.scheduler.block_hash import make_extra_keys
@@ -21,18 +20,21 @@ from pagedserve.scheduler.memory import MemoryStats, memory_stats
 from pagedserve.scheduler.outputs import (
     ModelRunnerOutput,
     RequestUpdate,
+    SampledToken,
     ScheduledRequest,
     SchedulerOutput,
 )
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.spec_decode import Drafter, SpeculativeConfig
 from pagedserve.scheduler.step_plan import scheduled_request
 
 
 class Scheduler:
     """The single owner of every block decision of one engine replica."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -51,6 +53,8 @@ class Scheduler:
         self._aborted_ids: list[str] = []
         self._step_id = 0
         self.num_preemptions = {"swap": 0, "recompute": 0}
+        self.drafter = (Drafter(speculative_config, scheduler_config.max_model_len)
+                        if speculative_config is not None else None)
 
     # ---- admission -------------------------------------------------------------
 
@@ -123,11 +127,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
 
+        drafter = self.drafter if self.drafter and self.drafter.active(len(self.running)) else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            req.spec_token_ids = drafter.propose(req, budget - 1) if drafter else []
+            num_new += len(req.spec_token_ids)
             copies = self.kv.allocate_slots(req, num_new)
+            if copies is None and req.spec_token_ids:
+                # Guesses never preempt anyone: try the plain decode step first.
+                req.spec_token_ids = []
+                num_new = 1
+                copies = self.kv.allocate_slots(req, num_new)
             while copies is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -224,11 +236,15 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Advance every scheduled sequence; sequences aborted mid-step are skipped."""
         sampled = output.sampled if output is not None else {}
+        spec = output.spec_tokens if output is not None else {}
         updates: list[RequestUpdate] = []
         block_size = self.block_size
         for sr in plan.scheduled:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if sr.draft_token_ids:
+                self._apply_drafts(req, sr.draft_token_ids, spec.get(req.request_id), updates)
                 continue
             req.num_computed_tokens += len(sr.token_ids)
             if req.num_computed_tokens // block_size > req.num_hashed_blocks:
@@ -262,6 +278,35 @@ class Scheduler:
                     )
                 )
         return updates
+
+    def _apply_drafts(self, req: Request, drafts: list[int], toks: list[SampledToken] | None,
+                      updates: list[RequestUpdate]) -> None:
+        """A drafted row: only the accepted guesses' KV counts as computed; the
+        rejected ones' slots are overwritten by the next step. Tokens after a stop
+        (EOS, a stop id, ``max_tokens``) are dropped."""
+        assert self.drafter is not None
+        toks = toks or []
+        accepted = self.drafter.count(req, drafts, [t.token_id for t in toks])
+        req.spec_token_ids = []
+        new: list[SampledToken] = []
+        reason = None
+        for tok in toks:
+            req.all_token_ids.append(tok.token_id)
+            new.append(tok)
+            reason = self._stop_reason(req, tok.token_id)
+            if reason is not None:
+                break
+        # The row computed its first token and the accepted guesses; a stop inside
+        # the guesses leaves fewer tokens than that.
+        req.num_computed_tokens = min(req.num_computed_tokens + 1 + accepted, req.num_tokens)
+        if req.num_computed_tokens // self.block_size > req.num_hashed_blocks:
+            self.kv.cache_blocks(req)
+        if reason is not None:
+            self._finish(req, reason)
+        updates.append(RequestUpdate(req.request_id, req.group_id, req.index, new,
+                                     reason is not None,
+                                     reason.value if reason is not None else None,
+                                     req.num_prompt_tokens, req.num_cached_tokens))
 
     def _fork(self, parent: Request, child: Request) -> None:
         self.kv.fork(parent, child)
@@ -357,18 +402,13 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    @property
+    def spec_stats(self) -> dict[str, int]:
+        """Speculative decoding counters: drafted rows, guesses sent, guesses accepted."""
+        if self.drafter is None:
+            return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        return dict(self.drafter.stats)
+
     def memory_stats(self) -> MemoryStats:
         return memory_stats(self)
 
-
-def configure_gc_for_serving() -> None:
-    """Freeze start-up objects and raise the young-generation threshold.
-
-    A step allocates thousands of small objects (plans, updates); with the
-    default threshold CPython's collector runs several times per step and
-    walks every live request, which doubles scheduler time at 1024 running
-    sequences. The engine calls this once after start-up.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)

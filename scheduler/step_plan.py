@@ -17,11 +17,18 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
     sequence itself, or at a group's prompt end for every sibling waiting to
     fork. The token history goes along only when penalties or a grammar need it
     (``SamplingParams.needs_output_history``), and the prompt tokens to score only
-    for requests that asked for prompt logprobs.
+    for requests that asked for prompt logprobs. Draft tokens the scheduler
+    proposed (``req.spec_token_ids``) follow a decode row's token.
     """
     start = req.num_computed_tokens
     rid = req.request_id
-    if start + num_new != len(req.all_token_ids):
+    drafts = req.spec_token_ids
+    if drafts:  # a decode row: the last token, then the guesses that may follow it
+        token_ids = [req.all_token_ids[start], *drafts]
+        assert num_new == len(token_ids) and start + 1 == len(req.all_token_ids)
+    else:
+        token_ids = req.all_token_ids[start : start + num_new]
+    if start + num_new - len(drafts) != len(req.all_token_ids):
         sample_ids, params = [], {}
     elif not req.pending_children:
         sample_ids, params = [rid], {rid: req.sampling_params}
@@ -29,8 +36,9 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
         family = [req, *req.pending_children]
         sample_ids = [r.request_id for r in family]
         params = {r.request_id: r.sampling_params for r in family}
-    sched = ScheduledRequest(rid, req.all_token_ids[start : start + num_new], start, block_ids,
-                             sample_ids, params)
+    sched = ScheduledRequest(rid, token_ids, start, block_ids, sample_ids, params)
+    if drafts:
+        sched.draft_token_ids = list(drafts)
     sp = req.sampling_params
     if sample_ids and sp.needs_output_history:
         # Siblings share the params; at the prompt's end none has an output yet.

@@ -255,7 +255,8 @@ class WorkerConfig:
 
     KV sizing: on CPU give ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
     (there is nothing to profile against); on CUDA, when neither is given,
-    ``gpu_memory_utilization`` of the device is used after a profiling forward.
+    ``gpu_memory_utilization`` of the device is used after a profiling forward,
+    whose logits rows include ``num_speculative_tokens`` per sequence.
     """
 
     model: str | None = None
@@ -274,6 +275,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 8192
     enable_cuda_graph: bool = False
     max_num_seqs: int = 256
+    num_speculative_tokens: int = 0
     cpu_packed_weights: bool = True
     num_threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -301,6 +303,9 @@ class WorkerConfig:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         parse_dtype(self.dtype)
 
     @property

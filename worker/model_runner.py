@@ -3,7 +3,8 @@
 This is the per-step hot path (hundreds of sequences every few tens of
 milliseconds), so inputs are built with a handful of list concatenations and
 vectorised tensor ops rather than per-token Python loops, and the LM head runs
-only on the last token of rows that sample.
+only on the last token of rows that sample (on every token of rows that verify
+draft tokens).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class ModelInputs:
     logits_indices: torch.Tensor
     sample_reqs: list[SampleRequest]
     prompt_logprob_jobs: list[PromptLogprobJob]
+    drafted_reqs: list[SampleRequest]
 
 
 class ModelRunner:
@@ -100,6 +102,7 @@ class ModelRunner:
         )
         rows: list[int] = []
         sample_reqs: list[SampleRequest] = []
+        drafted: list[SampleRequest] = []
         jobs: list[PromptLogprobJob] = []
         end = 0
         for r, q in zip(reqs, q_lens):
@@ -110,6 +113,14 @@ class ModelRunner:
                                              r.prompt_logprob_targets, k))
             end += q
             if not r.sample_ids:
+                continue
+            if r.draft_token_ids:  # every position verifies a guess (or follows the last)
+                rid = r.request_id
+                out = r.output_token_ids.get(rid)
+                drafted.append(SampleRequest(rid, rid, len(rows), r.sampling_params[rid],
+                                             None if out is None else len(out), out,
+                                             r.prompt_token_ids, list(r.draft_token_ids)))
+                rows.extend(range(end - q, end))
                 continue
             row = len(rows)
             rows.append(end - 1)
@@ -128,6 +139,7 @@ class ModelRunner:
             logits_indices=torch.tensor(rows, dtype=torch.long, device=dev),
             sample_reqs=sample_reqs,
             prompt_logprob_jobs=jobs,
+            drafted_reqs=drafted,
         )
 
     def forward_hidden(self, inputs: ModelInputs) -> torch.Tensor:
@@ -166,4 +178,6 @@ class ModelRunner:
         if out is None or logits is None:
             return None
         out.sampled = self.sampler.sample(logits, inputs.sample_reqs)
+        if inputs.drafted_reqs:
+            out.spec_tokens = self.sampler.sample_drafted(logits, inputs.drafted_reqs)
         return out

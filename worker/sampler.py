@@ -39,6 +39,8 @@ class SampleRequest:
     num_output_tokens: int | None = None
     output_token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    # Speculative decoding: guesses verified on rows ``row .. row + len(drafts)``.
+    draft_token_ids: list[int] | None = None
 
 
 class Sampler:
@@ -81,7 +83,59 @@ class Sampler:
         """Draw one token per entry of ``reqs`` from ``logits[row]``; several may share a row."""
         if not reqs:
             return {}
-        n = len(reqs)
+        tokens = self._draw(logits, reqs)
+        for r, t in zip(reqs, tokens):
+            self._counts[r.sample_id] = self._counts.get(r.sample_id, 0) + 1
+            if r.params.structured_outputs is not None:
+                assert self._book is not None
+                self._book.accept(r.sample_id, t.token_id)
+        out = {r.sample_id: t for r, t in zip(reqs, tokens)}
+        assert len(out) == len(reqs), "duplicate sample ids in one step"
+        return out
+
+    def sample_drafted(self, logits: torch.Tensor, reqs: list[SampleRequest]
+                       ) -> dict[str, list[SampledToken]]:
+        """Verify draft tokens: entry ``r`` draws a token at each of its rows
+        ``r.row + j`` as if the drafts before ``j`` were its output, keeps the
+        drafts up to the first draw that differs, and ends with that draw.
+
+        For a draft that is one fixed token (n-gram lookup), this is exactly
+        speculative sampling's rule: the draft survives with the target
+        probability of drawing it, and a rejected position's draw, conditioned
+        on differing, comes from the target distribution with the draft taken
+        out, i.e. the residual ``max(0, p - q)`` normalised. So outputs follow
+        the same distribution as decoding one token per step (greedy: the same
+        tokens). Grammar-constrained entries never carry drafts.
+        """
+        expanded: list[SampleRequest] = []
+        for r in reqs:
+            drafts = r.draft_token_ids or []
+            if r.params.structured_outputs is not None:
+                raise ValueError(f"{r.sample_id}: structured outputs take no draft tokens")
+            done = r.num_output_tokens
+            if done is None:
+                done = self._counts.get(r.sample_id, 0)
+            hist = r.output_token_ids
+            for j in range(len(drafts) + 1):
+                expanded.append(SampleRequest(
+                    r.sample_id, r.request_id, r.row + j, r.params, done + j,
+                    None if hist is None else hist + drafts[:j], r.prompt_token_ids))
+        tokens = self._draw(logits, expanded) if expanded else []
+        out: dict[str, list[SampledToken]] = {}
+        at = 0
+        for r in reqs:
+            drafts = r.draft_token_ids or []
+            mine = tokens[at:at + len(drafts) + 1]
+            at += len(drafts) + 1
+            keep = 0
+            while keep < len(drafts) and mine[keep].token_id == drafts[keep]:
+                keep += 1
+            out[r.sample_id] = mine[:keep + 1]
+            self._counts[r.sample_id] = self._counts.get(r.sample_id, 0) + keep + 1
+        return out
+
+    def _draw(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
+        """One token per entry; no per-request state changes but seeded generators."""
         rows = [r.row for r in reqs]
         if rows == list(range(logits.shape[0])):
             raw = logits.float()
@@ -99,17 +153,10 @@ class Sampler:
             tokens = x.argmax(dim=-1)
         else:
             tokens = self._sample_random(x, reqs, greedy)
-        token_list = tokens.tolist()
-        for r in reqs:
-            self._counts[r.sample_id] = self._counts.get(r.sample_id, 0) + 1
-        for i in constrained:
-            assert self._book is not None
-            self._book.accept(reqs[i].sample_id, token_list[i])
+        out = [SampledToken(t) for t in tokens.tolist()]
         logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        out = {r.sample_id: SampledToken(token_list[i]) for i, r in enumerate(reqs)}
         if logprob_rows:
             self._add_logprobs(raw, tokens, reqs, logprob_rows, out)
-        assert len(out) == n, "duplicate sample ids in one step"
         return out
 
     def _process_logits(self, raw: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
@@ -211,7 +258,7 @@ class Sampler:
 
     @staticmethod
     def _add_logprobs(raw: torch.Tensor, tokens: torch.Tensor, reqs: list[SampleRequest],
-                      rows: list[int], out: dict[str, SampledToken]) -> None:
+                      rows: list[int], out: list[SampledToken]) -> None:
         rows_t = torch.tensor(rows, device=raw.device)
         lp = torch.log_softmax(raw.index_select(0, rows_t), dim=-1)
         chosen = lp.gather(1, tokens.index_select(0, rows_t).unsqueeze(1)).squeeze(1).tolist()
@@ -221,7 +268,7 @@ class Sampler:
             tv, ti = lp.topk(k, dim=-1)
             top_v, top_i = tv.tolist(), ti.tolist()
         for j, i in enumerate(rows):
-            st = out[reqs[i].sample_id]
+            st = out[i]
             st.logprob = chosen[j]
             n_top = reqs[i].params.logprobs or 0
             st.top_logprobs = (

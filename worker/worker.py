@@ -175,7 +175,9 @@ class Worker:
         """
         assert self.model_config is not None
         n_tok = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
-        plan, blocks = profile_plan(n_tok, self.config.max_num_seqs, self.config.block_size)
+        # Rows that verify draft tokens need logits at every position.
+        rows = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
+        plan, blocks = profile_plan(n_tok, rows, self.config.block_size)
         self.init_kv_cache(blocks, 0, cuda_graphs=False)
         try:
             self.execute_model(plan)

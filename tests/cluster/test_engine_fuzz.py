@@ -4,7 +4,8 @@ Each example adds a few requests with random sampling settings (penalties,
 ``logit_bias``, ``min_tokens``, stop ids, seeds, logprobs, ``n``), some with
 out-of-range values or token ids, may abort one mid-generation, and runs the
 engine dry. A bad setting must fail as a ``ValueError`` that names its field
-before anything is queued; every other request must finish within its limits;
+before anything is queued; every other request must finish within its limits
+(with and without speculative decoding);
 and after each example the pool must be back at baseline, so nothing leaks
 across the examples that share the engine.
 """
@@ -28,12 +29,16 @@ DIGITS = "[0-9]{2,5}"
 MAX_LEN = 512  # their max_position_embeddings
 
 
-@pytest.fixture(scope="module", params=["swap", "recompute"])
+@pytest.fixture(scope="module", params=["swap", "recompute", "swap+ngram", "recompute+ngram"])
 def llm(request: pytest.FixtureRequest, tiny_llama_dir: str) -> Iterator[LLM]:
-    """A pool of 8 blocks (128 tokens) for up to 4 sequences: preemption happens."""
-    engine = LLM(model=tiny_llama_dir, num_gpu_blocks=8, preemption_mode=request.param,
-                 num_cpu_blocks=6 if request.param == "swap" else 0,
-                 max_num_batched_tokens=32, max_num_seqs=4)
+    """A pool of 8 blocks (128 tokens) for up to 4 sequences: preemption happens.
+    ``+ngram``: with speculative decoding (drafted rows, rejected guesses' slots)."""
+    mode, _, spec = request.param.partition("+")
+    engine = LLM(model=tiny_llama_dir, num_gpu_blocks=8, preemption_mode=mode,
+                 num_cpu_blocks=6 if mode == "swap" else 0,
+                 max_num_batched_tokens=32, max_num_seqs=4,
+                 speculative_config={"method": spec, "num_speculative_tokens": 3}
+                 if spec else None)
     yield engine
     engine.shutdown()
 
@@ -144,8 +149,10 @@ def _run_example(llm: LLM, requests, abort_at) -> None:
                 assert n_out == params.max_tokens
             stops = set(params.stop_token_ids) | set(engine.eos_token_ids)
             only_stops = params.allowed_token_ids and set(params.allowed_token_ids) <= stops
-            if params.min_tokens and sample.finish_reason == "stop" and not only_stops:
-                assert n_out >= params.min_tokens  # (allowed ids that all stop win over it)
+            if (params.min_tokens and sample.finish_reason == "stop" and not only_stops
+                    and params.structured_outputs is None):
+                # (allowed ids that all stop win over it, and so does a complete grammar)
+                assert n_out >= params.min_tokens
             if params.allowed_token_ids and params.structured_outputs is None:
                 # (with a grammar that allows none of them, the grammar wins)
                 assert set(sample.token_ids) <= set(params.allowed_token_ids)

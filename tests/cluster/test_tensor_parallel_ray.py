@@ -8,6 +8,7 @@ import os
 import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
+from tests.cluster.conftest import hf_greedy
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 
@@ -44,6 +45,22 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         assert_pool_at_baseline(tp2)
     finally:
         tp2.shutdown()
+
+
+def test_tp2_with_speculative_decoding_equals_hugging_face(ray_cluster, tiny_llama_dir) -> None:
+    """Drafted rows travel in the broadcast plan; only rank 0 verifies them."""
+    prompts = [list(range(100 + 9 * i, 108 + 9 * i)) * (2 + i) for i in range(3)]
+    prompts += prompts_of_mixed_lengths(3)
+    llm = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64, num_threads=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                    ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama_dir, prompts, 16)
+        assert llm.engine.get_stats()["spec_decode"]["num_drafts"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_killed_rank_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir) -> None:

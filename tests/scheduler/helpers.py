@@ -8,6 +8,7 @@ from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.spec_decode import SpeculativeConfig
 from tests.scheduler.kv_sim import KVSim
 
 
@@ -20,6 +21,8 @@ def make_scheduler(
     max_model_len: int = 256,
     preemption_mode: str = "swap",
     enable_prefix_caching: bool = True,
+    speculative_config: SpeculativeConfig | None = None,
+    copy_period: int | None = None,
 ) -> tuple[Scheduler, KVSim]:
     sched = Scheduler(
         SchedulerConfig(
@@ -35,8 +38,9 @@ def make_scheduler(
             enable_prefix_caching=enable_prefix_caching,
             model_id="test-model",
         ),
+        speculative_config,
     )
-    return sched, KVSim(num_gpu_blocks, num_cpu_blocks, block_size)
+    return sched, KVSim(num_gpu_blocks, num_cpu_blocks, block_size, copy_period)
 
 
 def req(

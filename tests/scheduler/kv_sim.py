@@ -15,10 +15,28 @@ VOCAB = 1000
 
 
 class KVSim:
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    """``copy_period``: the "model" mostly repeats the token that many places back
+    (3 times in 4, chosen by the context hash), so n-gram drafts are often right
+    and speculative decoding's accept and reject paths both run."""
+
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 copy_period: int | None = None) -> None:
         self.B = block_size
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.copy_period = copy_period
+
+    def _next(self, sr, end: int, index: int) -> int:
+        """The token after the first ``end`` positions, read back through the block table."""
+        context = [self.gpu[sr.block_table[p // self.B]][p % self.B] for p in range(end)]
+        assert None not in context, f"{sr.request_id} read an unwritten slot"
+        h = 0
+        for t in context:
+            h = (h * 31 + t + 1) % 1_000_003
+        p = self.copy_period
+        if p is not None and len(context) >= p and h % 4:
+            return context[-p]
+        return (h + 7 * index) % VOCAB
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for dev, cpu in plan.blocks_to_swap_out:
@@ -33,12 +51,20 @@ class KVSim:
                 p = sr.num_computed_tokens + i
                 self.gpu[sr.block_table[p // self.B]][p % self.B] = tok
             end = sr.num_computed_tokens + len(sr.token_ids)
-            context = [self.gpu[sr.block_table[p // self.B]][p % self.B] for p in range(end)]
-            assert None not in context, f"{sr.request_id} read an unwritten slot"
-            h = 0
-            for t in context:
-                h = (h * 31 + t + 1) % 1_000_003
+            if sr.draft_token_ids:  # the sampler's rule: keep guesses up to a differing draw
+                drafts, toks = sr.draft_token_ids, []
+                index = _index(sr.request_id)
+                for j in range(len(drafts) + 1):
+                    toks.append(SampledToken(self._next(sr, end - len(drafts) + j, index)))
+                    if j == len(drafts) or toks[-1].token_id != drafts[j]:
+                        break
+                out.spec_tokens[sr.request_id] = toks
+                continue
             for sid in sr.sample_ids:
-                index = int(sid.rsplit("#", 1)[1]) if "#" in sid else 0
-                out.sampled[sid] = SampledToken((h + 7 * index) % VOCAB)
+                out.sampled[sid] = SampledToken(self._next(sr, end, _index(sid)))
         return out
+
+
+def _index(sample_id: str) -> int:
+    """A sibling's index in its group (siblings must draw differently)."""
+    return int(sample_id.rsplit("#", 1)[1]) if "#" in sample_id else 0

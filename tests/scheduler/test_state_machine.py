@@ -1,4 +1,6 @@
-"""Random add / step / finish / abort sequences under memory pressure.
+"""Random add / step / finish / abort sequences under memory pressure, with and
+without speculative decoding (n-gram drafts against a simulated model that
+often repeats itself, so guesses are both accepted and rejected).
 
 After every rule: refcounts equal block-table membership, no block is both
 free and referenced, every hash names the tokens its block holds (checked
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedserve.scheduler.request import RequestStatus
+from pagedserve.scheduler.spec_decode import SpeculativeConfig
 from tests.scheduler.helpers import (
     assert_baseline,
     check_invariants,
@@ -35,9 +38,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         cpu_blocks=st.integers(0, 12),
         mode=st.sampled_from(["swap", "recompute"]),
         budget=st.integers(2, 24),
+        spec=st.sampled_from([None, None, 1, 3]),
+        copy_period=st.sampled_from([None, 2, 5]),
     )
     @precondition(lambda self: self.sched is None)
-    def init(self, gpu_blocks: int, cpu_blocks: int, mode: str, budget: int) -> None:
+    def init(self, gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
+             spec: int | None, copy_period: int | None) -> None:
         self.sched, self.sim = make_scheduler(
             num_gpu_blocks=gpu_blocks,
             block_size=4,
@@ -45,6 +51,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             preemption_mode=mode,
             max_num_batched_tokens=budget,
             max_num_seqs=6,
+            speculative_config=None if spec is None else SpeculativeConfig(
+                num_speculative_tokens=spec, prompt_lookup_max=3),
+            copy_period=copy_period,
         )
 
     @rule(

@@ -30,10 +30,12 @@ def _env() -> dict[str, str]:
 
 
 def test_generate_prints_the_completion(tiny_model: Path) -> None:
+    """With n-gram speculative decoding on: greedy text equals a plain engine's."""
     from pagedserve.cluster import LLM, SamplingParams
 
     out = subprocess.run([*CLI, "generate", "--model", str(tiny_model), "--raw",
-                          "--max-tokens", "8", "--num-gpu-blocks", "32", "Hello world"],
+                          "--max-tokens", "8", "--num-gpu-blocks", "32",
+                          "--speculative-config", '{"method": "ngram"}', "Hello world"],
                          capture_output=True, text=True, timeout=300, env=_env())
     assert out.returncode == 0, out.stderr[-2000:]
     llm = LLM(model=str(tiny_model), num_gpu_blocks=32)
@@ -49,6 +51,8 @@ def test_generate_prints_the_completion(tiny_model: Path) -> None:
     ("--min-p", "2", "min_p"),
     ("--dtype", "int8", "dtype"),
     ("--gpu-memory-utilization", "1.5", "gpu_memory_utilization"),
+    ("--speculative-config", '{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ("--speculative-config", "ngram", "--speculative-config: not JSON"),
 ])
 def test_generate_rejects_bad_settings(flag: str, value: str, field: str) -> None:
     out = subprocess.run([*CLI, "generate", flag, value, "hi"], capture_output=True,

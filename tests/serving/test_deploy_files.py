@@ -49,6 +49,7 @@ def _emitted_metric_names() -> set[str]:
     stats = {"num_running": 0, "num_waiting": 0, "num_swapped": 0, "prompt_tokens": 1,
              "generation_tokens": 2, "prefix_cache_queries": 1, "prefix_cache_hits": 0,
              "steps": 2, "num_preemptions": {"swap": 0},
+             "spec_decode": {"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 2},
              "memory": {"num_gpu_blocks": 4, "num_used_blocks": 0, "num_free_blocks": 4,
                         "num_shared_blocks": 0, "num_cached_free_blocks": 0},
              "server": m.snapshot()}

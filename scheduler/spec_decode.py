@@ -1,0 +1,170 @@
+"""Speculative decoding by n-gram lookup (vLLM's ``method="ngram"``, HF's prompt lookup).
+
+The proposer guesses a sequence's next tokens by finding the most recent
+earlier occurrence of its last ``n`` tokens (``prompt_lookup_max`` down to
+``prompt_lookup_min``) and proposing the tokens that followed it. The guesses
+cost no model: the scheduler computes them as one step of ``1 + k`` positions,
+and the sampler keeps the longest prefix it would have drawn anyway, plus one
+token of its own. Outputs that quote their input (summaries, code edits,
+extraction, RAG answers) advance several tokens per step; a batch-1 decode
+step on a CPU or GPU reads every weight once whatever its width, so the extra
+positions cost little there. Pure Python: the scheduler imports no torch.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.scheduler.request import Request
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` for ``method="ngram"``.
+
+    ``disable_by_batch_size``: steps with at least this many running sequences
+    propose nothing (a wide batch is compute bound, where rejected guesses cost
+    real work); None never disables.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:
+                raise ValueError(f"speculative_config.{name} must be an integer in [1, 64], "
+                                 f"got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError("speculative_config.disable_by_batch_size must be None or a "
+                             f"positive integer, got {b!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | SpeculativeConfig | None
+                  ) -> SpeculativeConfig | None:
+        """Parse vLLM's dict form; unknown keys are an error naming them."""
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} "
+                             f"(known: {sorted(known)})")
+        return cls(**dict(d))
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request's sampling allows guessed tokens.
+
+    A grammar's matcher advances token by token on rank 0 and cannot be
+    checked against guesses without rollback, so constrained requests decode
+    one token per step. Everything else (penalties, ``min_tokens``, seeds,
+    logprobs) is evaluated per position by the sampler.
+    """
+    return params.structured_outputs is None
+
+
+class NgramProposer:
+    """Finds draft tokens in a request's own tokens (prompt and output so far)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        """Up to ``min(k, max_tokens)`` tokens after the latest earlier match of the
+        longest suffix n-gram; ``[]`` when no suffix of at least the minimum
+        length occurred before."""
+        k = min(self.config.num_speculative_tokens, max_tokens)
+        if k <= 0:
+            return []
+        tokens = _token_array(req)
+        n_tok = len(tokens)
+        hay = tokens.tobytes()
+        width = tokens.itemsize
+        for n in range(min(self.config.prompt_lookup_max, n_tok - 1),
+                       self.config.prompt_lookup_min - 1, -1):
+            needle = hay[(n_tok - n) * width:]
+            # Search all but the suffix itself; a byte match must also be token aligned.
+            end = (n_tok - 1) * width
+            while True:
+                at = hay.rfind(needle, 0, end)
+                if at < 0:
+                    break
+                if at % width == 0:
+                    start = at // width + n
+                    return tokens[start:start + k].tolist()
+                end = at + len(needle) - 1
+        return []
+
+
+class Drafter:
+    """The scheduler's side of speculative decoding: which rows get guesses, how
+    many fit, and the acceptance counters (vLLM's ``spec_decode`` metrics)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config)
+        self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+
+    def active(self, num_running: int) -> bool:
+        """Whether this step proposes at all (``disable_by_batch_size``)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running < limit
+
+    def propose(self, req: Request, budget: int) -> list[int]:
+        """Guesses for a running sequence in decode, within ``budget`` extra tokens,
+        its ``max_tokens`` and the model's length: every guess, if accepted, plus
+        the sampler's own token must still fit."""
+        if req.num_tokens - req.num_computed_tokens != 1 or not can_speculate(
+                req.sampling_params):
+            return []
+        room = self.max_model_len - req.num_tokens - 1
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return self.proposer.propose(req, min(room, budget))
+
+    def count(self, req: Request, drafts: list[int], tokens: list[int]) -> int:
+        """Check the runner's answer for a drafted row (accepted guesses, then its own
+        token) and count it; returns the number of accepted guesses."""
+        accepted = len(tokens) - 1
+        if accepted < 0 or accepted > len(drafts) or tokens[:accepted] != drafts[:accepted]:
+            raise RuntimeError(f"runner answered {tokens} to the drafts {drafts} of "
+                               f"{req.request_id}")
+        self.stats["num_drafts"] += 1
+        self.stats["num_draft_tokens"] += len(drafts)
+        self.stats["num_accepted_tokens"] += accepted
+        return accepted
+
+
+def _token_array(req: Request) -> array:
+    """The request's tokens as a C int array, extended in place as tokens arrive
+    (``all_token_ids`` only ever grows), so a step copies only the new ones."""
+    arr = req.token_array
+    if arr is None:
+        arr = req.token_array = array("i")
+    n = len(arr)
+    if n < len(req.all_token_ids):
+        arr.extend(req.all_token_ids[n:])
+    return arr

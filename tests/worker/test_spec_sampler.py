@@ -1,0 +1,123 @@
+"""Verifying draft tokens in the sampler: the same tokens as sampling one position at a
+time (greedy, seeded, with penalties, ``min_tokens``, bias, allowed ids), the target
+distribution for unseeded draws, and per-position logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.sampler import Sampler, SampleRequest
+
+V = 32
+EOS = 0
+
+PARAMS = [
+    dict(temperature=0.0),
+    dict(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5),
+    dict(temperature=0.0, repetition_penalty=1.8),
+    dict(temperature=0.0, min_tokens=3),
+    dict(temperature=0.0, logit_bias={5: 3.0}, allowed_token_ids=[0, 3, 5, 7, 9, 11]),
+    dict(temperature=0.8, top_k=6, top_p=0.9, min_p=0.02, seed=11),
+    dict(temperature=1.0, seed=5, frequency_penalty=1.0, min_tokens=2, logprobs=2),
+]
+
+
+def _sequential(logits: torch.Tensor, params: SamplingParams, drafts: list[int],
+                history: list[int] | None) -> list[int]:
+    """Plain decoding: one position per call, the history growing by what was drawn;
+    stop at the first draw that differs from the draft (or after the last draft)."""
+    s = Sampler(eos_token_ids=[EOS])
+    hist = None if history is None else list(history)
+    out = []
+    for j in range(len(drafts) + 1):
+        n_out = None if hist is None else len(hist)
+        tok = s.sample(logits[j:j + 1], [SampleRequest("a", "a", 0, params, n_out, hist,
+                                                        [1, 2, 3])])["a"].token_id
+        out.append(tok)
+        if hist is not None:
+            hist.append(tok)
+        if j == len(drafts) or tok != drafts[j]:
+            break
+    return out
+
+
+@pytest.mark.parametrize("kw", PARAMS)
+@pytest.mark.parametrize("trial", range(6))
+def test_drafted_rows_equal_one_position_at_a_time(kw: dict, trial: int) -> None:
+    g = torch.Generator().manual_seed(100 * trial + len(str(kw)))
+    k = 4
+    logits = torch.randn(k + 1, V, generator=g) * 3
+    logits[:, EOS] += 4.0  # EOS is often the argmax: min_tokens must ban it per position
+    params = SamplingParams(**kw)
+    history = [4, 5, 5] if params.uses_penalties else None
+    # Drafts equal to what plain decoding draws, with one wrong guess at position `bad`
+    # (bad == k: every guess right, the last token is the one past them).
+    plain_all = []
+    hist = None if history is None else list(history)
+    s = Sampler(eos_token_ids=[EOS])
+    for j in range(k + 1):
+        n_out = None if hist is None else len(hist)
+        tok = s.sample(logits[j:j + 1], [SampleRequest("a", "a", 0, params, n_out, hist,
+                                                        [1, 2, 3])])["a"].token_id
+        plain_all.append(tok)
+        if hist is not None:
+            hist.append(tok)
+    bad = trial % (k + 1)
+    drafts = [t if j != bad else (t + 1) % V for j, t in enumerate(plain_all[:k])]
+    expected = _sequential(logits, params, drafts, history)
+    assert expected == plain_all[:bad + 1]
+    got = Sampler(eos_token_ids=[EOS]).sample_drafted(
+        logits, [SampleRequest("a", "a", 0, params, None if history is None else len(history),
+                               history, [1, 2, 3], drafts)])["a"]
+    assert [t.token_id for t in got] == expected
+    if params.logprobs is not None:
+        lp = torch.log_softmax(logits.float(), -1)
+        for j, t in enumerate(got):
+            assert t.logprob == pytest.approx(lp[j, t.token_id].item(), abs=1e-5)
+            assert len(t.top_logprobs) == params.logprobs
+
+
+def test_min_tokens_counts_the_drafts_before_each_position() -> None:
+    logits = torch.zeros(3, V)
+    logits[:, EOS] = 10.0
+    logits[0, 7], logits[1, 8], logits[2, 9] = 5.0, 5.0, 5.0
+    params = SamplingParams(temperature=0.0, min_tokens=3)
+    s = Sampler(eos_token_ids=[EOS])
+    # One output token so far: positions 0 and 1 are outputs 2 and 3 (EOS banned),
+    # position 2 is output 4 (EOS allowed, and drawn).
+    got = s.sample_drafted(logits, [SampleRequest("a", "a", 0, params, 1, None, None, [7, 8])])
+    assert [t.token_id for t in got["a"]] == [7, 8, EOS]
+
+
+def test_unseeded_drafts_keep_the_target_distribution() -> None:
+    """Draft d0 survives with p0(d0); the first token follows p0 whatever the draft; after
+    an accepted d0 the next token follows p1 (statistical, 40k draws, 4 sigma)."""
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1],
+                                     [0.25, 0.25, 0.25, 0.25]]))
+    p0, p1 = logits.softmax(-1)[0], logits.softmax(-1)[1]
+    n = 40_000
+    params = SamplingParams(temperature=1.0)
+    reqs = [SampleRequest(f"s{i}", f"s{i}", 0, params, 0, None, None, [1, 1]) for i in range(n)]
+    out = Sampler().sample_drafted(logits, reqs)
+    first = torch.tensor([out[f"s{i}"][0].token_id for i in range(n)])
+    freq0 = torch.bincount(first, minlength=4).float() / n
+    tol = 4 * (0.25 / n) ** 0.5
+    assert torch.allclose(freq0, p0, atol=tol), freq0
+    accepted = [out[f"s{i}"] for i in range(n) if out[f"s{i}"][0].token_id == 1]
+    assert len(accepted) / n == pytest.approx(p0[1].item(), abs=tol)
+    second = torch.tensor([a[1].token_id for a in accepted])
+    freq1 = torch.bincount(second, minlength=4).float() / len(accepted)
+    assert torch.allclose(freq1, p1, atol=4 * (0.25 / len(accepted)) ** 0.5), freq1
+    assert all(len(out[f"s{i}"]) <= 3 for i in range(n))
+
+
+def test_structured_requests_refuse_drafts() -> None:
+    from pagedserve.scheduler.sampling_params import StructuredOutputs
+
+    params = SamplingParams(structured_outputs=StructuredOutputs(regex="a+"))
+    with pytest.raises(ValueError, match="structured"):
+        Sampler().sample_drafted(torch.zeros(2, V),
+                                 [SampleRequest("a", "a", 0, params, 0, None, None, [1])])
