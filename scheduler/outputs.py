@@ -38,7 +38,7 @@ class ScheduledRequest:
     output_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_token_ids: list[int] | None = None
     prompt_logprob_targets: list[int] | None = None
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

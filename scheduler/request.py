@@ -76,7 +76,7 @@ class Request:
         self.pending_children: list[Request] = []
         # Speculative decoding: this step's guessed tokens, and the token ids as a
         # C array for the n-gram search (see ``spec_decode``).
-        self.spec_token_ids: list[int] = []
+        self.spec_token_ids: tuple[int, ...] = ()
         self.token_array: array | None = None
 
     @property

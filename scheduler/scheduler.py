@@ -132,12 +132,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            req.spec_token_ids = drafter.propose(req, budget - 1) if drafter else []
-            num_new += len(req.spec_token_ids)
+            req.spec_token_ids = drafter.propose(req, budget - 1) if drafter else ()
+            if req.spec_token_ids:
+                num_new += len(req.spec_token_ids)
             copies = self.kv.allocate_slots(req, num_new)
             if copies is None and req.spec_token_ids:
                 # Guesses never preempt anyone: try the plain decode step first.
-                req.spec_token_ids = []
+                req.spec_token_ids = ()
                 num_new = 1
                 copies = self.kv.allocate_slots(req, num_new)
             while copies is None:
@@ -279,7 +280,8 @@ class Scheduler:
                 )
         return updates
 
-    def _apply_drafts(self, req: Request, drafts: list[int], toks: list[SampledToken] | None,
+    def _apply_drafts(self, req: Request, drafts: tuple[int, ...],
+                      toks: list[SampledToken] | None,
                       updates: list[RequestUpdate]) -> None:
         """A drafted row: only the accepted guesses' KV counts as computed; the
         rejected ones' slots are overwritten by the next step. Tokens after a stop
@@ -287,7 +289,7 @@ class Scheduler:
         assert self.drafter is not None
         toks = toks or []
         accepted = self.drafter.count(req, drafts, [t.token_id for t in toks])
-        req.spec_token_ids = []
+        req.spec_token_ids = ()
         new: list[SampledToken] = []
         reason = None
         for tok in toks:

@@ -38,7 +38,7 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
         params = {r.request_id: r.sampling_params for r in family}
     sched = ScheduledRequest(rid, token_ids, start, block_ids, sample_ids, params)
     if drafts:
-        sched.draft_token_ids = list(drafts)
+        sched.draft_token_ids = drafts
     sp = req.sampling_params
     if sample_ids and sp.needs_output_history:
         # Siblings share the params; at the prompt's end none has an output yet.

@@ -52,7 +52,8 @@ def test_tp2_with_speculative_decoding_equals_hugging_face(ray_cluster, tiny_lla
     prompts = [list(range(100 + 9 * i, 108 + 9 * i)) * (2 + i) for i in range(3)]
     prompts += prompts_of_mixed_lengths(3)
     llm = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64, num_threads=1,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1})
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
                                                     ignore_eos=True))

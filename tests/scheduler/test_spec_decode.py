@@ -26,15 +26,16 @@ def naive_propose(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
 
 
 def test_proposer_takes_the_longest_suffix_and_its_latest_occurrence() -> None:
-    prop = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3))
+    prop = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                           prompt_lookup_max=3))
     r = Request("a", [1, 2, 3, 9, 9, 2, 3, 7, 8, 1, 2, 3], SamplingParams())
     # "1 2 3" occurred at the start (followed by 9 9 2); "2 3" later, but shorter.
-    assert prop.propose(r, 10) == [9, 9, 2]
-    assert prop.propose(r, 2) == [9, 9]
+    assert prop.propose(r, 10) == (9, 9, 2)
+    assert prop.propose(r, 2) == (9, 9)
     r.all_token_ids += [5]  # no earlier 5: nothing to propose
-    assert prop.propose(r, 10) == []
+    assert prop.propose(r, 10) == ()
     r.all_token_ids += [4, 5]  # "5" occurred once, followed by 4
-    assert prop.propose(r, 10) == [4, 5]
+    assert prop.propose(r, 10) == (4, 5)
 
 
 def test_proposer_equals_the_definition_on_random_sequences() -> None:
@@ -52,7 +53,8 @@ def test_proposer_equals_the_definition_on_random_sequences() -> None:
         r = Request("a", tokens[:1], SamplingParams())
         for t in tokens[1:]:  # grown token by token, as a request is
             r.all_token_ids.append(t)
-            assert prop.propose(r, k) == naive_propose(r.all_token_ids, k, lo, hi), (trial, r)
+            assert list(prop.propose(r, k)) == naive_propose(r.all_token_ids, k, lo, hi), (
+                trial, r)
 
 
 @pytest.mark.parametrize("bad,field", [
