@@ -355,3 +355,33 @@ def test_batched_prompts_with_n_fan_out_concurrently(smol: App) -> None:
             streamed[c.index] += c.text
     assert [streamed[i] for i in range(6)] == [c.text for c in r.choices]
     smol.wait_baseline()
+
+
+def test_speculative_decoding_over_http(smol: App, cluster) -> None:
+    """A replica with n-gram drafts streams the same greedy text as a plain one, with
+    its acceptance in /metrics, and ends at baseline."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    passage = ("The quick brown fox jumps over the lazy dog. Paged attention stores the key "
+               "value cache in fixed size blocks so that memory waste stays below four "
+               "percent, and the scheduler shares blocks between requests that have the "
+               "same prefix.")
+    msgs = [{"role": "user", "content": f"Repeat this text exactly:\n{passage}"}]
+    plain = smol.openai().chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                                  max_tokens=60).choices[0].message.content
+    args = {**SMOL_ARGS, "api_key": None,
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
+    app = cluster.deploy("spec", args)
+    try:
+        parts = [c.choices[0].delta.content or "" for c in app.openai().chat.completions.create(
+            model=MODEL, messages=msgs, temperature=0, max_tokens=60, stream=True)
+            if c.choices]
+        assert "".join(parts) == plain and "lazy dog" in plain
+        text = httpx.get(f"{app.base}/metrics", timeout=30).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        accepted = [s.value for s in fams["pagedserve_spec_decode_num_accepted_tokens"].samples]
+        assert accepted and accepted[0] > 10
+        (s,) = app.wait_baseline().values()
+        assert s["spec_decode"]["num_drafts"] > 0
+    finally:
+        cluster.delete("spec")
