@@ -3,9 +3,9 @@ models whose logits equal the Hugging Face models they were written from.
 
 What transformers' GGUF loading gets wrong or drops, and these check: Qwen3's per-head
 norms (``attn_q_norm`` / ``attn_k_norm``) and its head size, recorded only as
-``qwen3.attention.key_length``; a tied head; and Llama 3.1's RoPE scaling, which a
+``qwen3.attention.key_length``; a tied head; Llama 3.1's RoPE scaling, which a
 ``llama`` file carries only as the ``rope_freqs`` tensor (with Q/K permuted to
-llama.cpp's interleaved layout). The tokenizer fields are copied from the default
+llama.cpp's interleaved layout); and linear or YaRN scaling in ``rope.scaling.*``. The tokenizer fields are copied from the default
 model's GGUF, so the converted directories also get a working tokenizer.
 """
 
@@ -71,7 +71,7 @@ def _llama3_rope_freqs(cfg) -> np.ndarray:
 def _write_gguf(model, dest: Path, arch: str) -> Path:
     """What llama.cpp's converter writes (F32 tensors): a tied head has no ``output.weight``;
     ``llama`` files have Q/K permuted and, with llama3 scaling, a ``rope_freqs`` tensor."""
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFReader, GGUFWriter, RopeScalingType
 
     cfg = model.config
     path = dest / f"tiny-{arch}.gguf"
@@ -82,8 +82,9 @@ def _write_gguf(model, dest: Path, arch: str) -> Path:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     src = GGUFReader(str(default_gguf_path())).fields
@@ -107,8 +108,14 @@ def _write_gguf(model, dest: Path, arch: str) -> Path:
         elif arch == "llama" and ".k_proj." in name:
             data = _permute(data, cfg.num_key_value_heads)
         w.add_tensor(_gguf_name(name), data)
-    if cfg.rope_parameters.get("rope_type") == "llama3":
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
+    elif rope.get("rope_type") in ("linear", "yarn"):  # as convert_hf_to_gguf.py writes them
+        w.add_rope_scaling_type(RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -174,3 +181,59 @@ def test_llama3_rope_scaling_survives_a_llama_gguf(tmp_path, pagedserve_cache):
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch,rope", [
+    ("qwen2", dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                   original_max_position_embeddings=16)),
+    ("llama", dict(rope_type="linear", rope_theta=10000.0, factor=3.0)),
+])
+def test_rope_scaling_keys_survive_a_gguf(tmp_path, pagedserve_cache, arch, rope):
+    """YaRN over a 16-token original context (Qwen2.5's recipe, as llama.cpp writes it)
+    and linear scaling: transformers' GGUF config drops both, and so did we."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(9)
+    cfg = AutoConfig.for_model(arch, vocab_size=49152, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=64,
+                               rms_norm_eps=1e-6, rope_parameters=rope,
+                               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+            elif p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    resolved = resolve_model(str(_write_gguf(model, tmp_path, arch)))
+    worker = make_worker(resolved.path, num_blocks=24, block_size=4)
+    assert worker.model_config.rope_scaling["rope_type"] == rope["rope_type"]
+    prompt = list(range(300, 350))  # well past the 16-token original context
+    got = all_logits(worker, plan(0, [request(BlockAllocator(24, 4), "a", prompt, 0)]))
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0}, "scaling.type"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+      "rope.scaling.yarn_log_multiplier": 0.1}, "yarn_log_multiplier"),
+    ({"rope.scaling.type": "yarn"}, "scaling.factor"),
+])
+def test_rope_scaling_we_cannot_run_is_refused_naming_the_key(fields, match) -> None:
+    from pagedserve.worker.loaders.gguf import _rope_scaling
+
+    class Field:
+        def __init__(self, v) -> None:
+            self.v = v
+
+        def contents(self):
+            return self.v
+
+    with pytest.raises(ValueError, match=match):
+        _rope_scaling({f"qwen2.{k}": Field(v) for k, v in fields.items()}, "qwen2")
+    assert _rope_scaling({"qwen2.rope.scaling.type": Field("none")}, "qwen2") is None
+    assert _rope_scaling({"qwen2.rope.scale_linear": Field(2.0)}, "qwen2") == {
+        "rope_type": "linear", "factor": 2.0}

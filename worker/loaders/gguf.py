@@ -14,7 +14,9 @@ the reshape transformers' GGUF loader uses, so the weights equal what
 Llama 3.1+ files carry their RoPE scaling only as a ``rope_freqs`` tensor
 (llama.cpp divides each dimension's frequency by it); transformers drops it,
 which silently turns the model's llama3 scaling off. We keep it as the
-``freq_factors`` rope type in the converted config.
+``freq_factors`` rope type in the converted config. Likewise the
+``<arch>.rope.scaling.*`` keys (linear, or YaRN as in Qwen2.5's long-context
+GGUFs), which transformers' mapping also drops.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-CACHE_FORMAT_VERSION = 2  # 2: llama.cpp's rope_freqs kept as rope "freq_factors"
+# 2: llama.cpp's rope_freqs kept as rope "freq_factors"; 3: rope.scaling.* keys read
+CACHE_FORMAT_VERSION = 3
 _SOURCE_FILE = "pagedserve_source.json"
 
 _ROPE_FREQS = "rope_freqs.weight"
@@ -111,15 +116,66 @@ def read_gguf_tensors(gguf_path: str | Path, num_heads: int, num_kv_heads: int
     return out
 
 
-def gguf_extras(gguf_path: str | Path) -> tuple[int | None, list[float] | None]:
-    """What transformers' GGUF config mapping drops: the head size and the RoPE factors.
+@dataclass(frozen=True)
+class GGUFExtras:
+    """What transformers' GGUF config mapping drops.
 
-    ``<arch>.attention.key_length`` is the head size: without it a model whose
+    ``head_dim``: ``<arch>.attention.key_length``; without it a model whose
     heads are not ``hidden / num_heads`` wide (Qwen3-0.6B: 1024 / 16 with
     128-wide heads, Mistral Nemo) would come back with the wrong one.
-    ``rope_freqs`` holds one divisor per rotary frequency (Llama 3.1's llama3
-    scaling, as llama.cpp's converter computes it).
+    ``rope_factors``: the ``rope_freqs`` tensor, one divisor per rotary
+    frequency (Llama 3.1's llama3 scaling, as llama.cpp's converter computes it).
+    ``rope_scaling``: ``<arch>.rope.scaling.*`` as an HF rope dict (linear, or
+    YaRN as llama.cpp's converter writes Qwen2.5's long-context recipe).
     """
+
+    head_dim: int | None = None
+    rope_factors: list[float] | None = None
+    rope_scaling: dict[str, Any] | None = None
+
+
+def _rope_scaling(fields: Any, arch: str) -> dict[str, Any] | None:
+    """``<arch>.rope.scaling.*`` as HF's rope parameters; a setting we would get wrong
+    is a ``ValueError`` naming the GGUF key rather than a silently different model."""
+    def get(key: str) -> Any:
+        f = fields.get(f"{arch}.rope.{key}")
+        return None if f is None else f.contents()
+
+    kind, factor = get("scaling.type"), get("scaling.factor")
+    if kind is None:  # older files: only a linear scale
+        scale = get("scale_linear")
+        return None if scale in (None, 1.0) else {"rope_type": "linear", "factor": float(scale)}
+    kind = str(kind)
+    if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if factor is None:
+        raise ValueError(f"GGUF key {arch}.rope.scaling.factor is missing for {kind} scaling")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind != "yarn":
+        raise ValueError(f"GGUF key {arch}.rope.scaling.type: {kind!r} scaling is not "
+                         "supported (linear and yarn are)")
+    for key, neutral in (("scaling.yarn_log_multiplier", (0.0,)),
+                         ("scaling.yarn_ext_factor", (1.0, -1.0)),
+                         ("scaling.yarn_attn_factor", (1.0,))):
+        v = get(key)
+        if v is not None and float(v) not in neutral:
+            raise ValueError(f"GGUF key {arch}.rope.{key} = {v} is not supported")
+    rope: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+    orig = get("scaling.original_context_length")
+    if orig:
+        rope["original_max_position_embeddings"] = int(orig)
+    for key, hf in (("scaling.yarn_beta_fast", "beta_fast"),
+                    ("scaling.yarn_beta_slow", "beta_slow"),
+                    ("scaling.attn_factor", "attention_factor")):
+        v = get(key)
+        if v is not None:
+            rope[hf] = float(v)
+    return rope
+
+
+def gguf_extras(gguf_path: str | Path) -> GGUFExtras:
+    """The head size and RoPE settings transformers' GGUF loading drops (see ``GGUFExtras``)."""
     from gguf import GGUFReader, dequantize
 
     reader = GGUFReader(str(gguf_path))
@@ -130,7 +186,7 @@ def gguf_extras(gguf_path: str | Path) -> tuple[int | None, list[float] | None]:
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             factors = [float(f) for f in np.asarray(dequantize(t.data, t.tensor_type)).ravel()]
-    return head_dim, factors
+    return GGUFExtras(head_dim, factors, _rope_scaling(reader.fields, arch))
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:
@@ -139,9 +195,9 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     folder, fname = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
-    head_dim, rope_factors = gguf_extras(gguf_path)
-    if head_dim is not None:
-        config.head_dim = head_dim
+    extras = gguf_extras(gguf_path)
+    if extras.head_dim is not None:
+        config.head_dim = extras.head_dim
     tensors = read_gguf_tensors(gguf_path, config.num_attention_heads,
                                 config.num_key_value_heads)
     # llama.cpp omits ``output.weight`` exactly when the head is tied to the embedding;
@@ -149,13 +205,18 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     config.tie_word_embeddings = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
-    if rope_factors is not None:
-        # Written into the saved JSON: transformers' own rope validation has no such type.
+    rope = None
+    if extras.rope_factors is not None:
+        rope = {"rope_type": "freq_factors", "freq_factors": extras.rope_factors}
+    elif extras.rope_scaling is not None:
+        rope = dict(extras.rope_scaling)
+    if rope is not None:
+        # Written into the saved JSON: transformers' own rope validation has no
+        # ``freq_factors`` type, and its GGUF mapping kept no scaling at all.
         cfg_path = out / "config.json"
         cfg = json.loads(cfg_path.read_text())
         theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
         cfg.pop("rope_scaling", None)
-        rope = {"rope_type": "freq_factors", "freq_factors": rope_factors}
         if theta is not None:
             rope["rope_theta"] = theta
         cfg["rope_parameters"] = rope
