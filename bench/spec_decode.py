@@ -14,6 +14,7 @@ share of pagedserve's drafts accepted, and whether the greedy tokens agree.
 
     python bench/spec_decode.py                 # 64 new tokens per prompt at most
     python bench/spec_decode.py --max-tokens 128 --json bench/figures/spec_decode.json
+    python bench/spec_decode.py --prompt-lookup-min 1   # single-token matches too
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -104,7 +106,8 @@ def main() -> None:
     k = args.num_speculative_tokens
     plain = LLM(dtype=args.dtype, num_gpu_blocks=512)
     spec = LLM(dtype=args.dtype, num_gpu_blocks=512,
-               speculative_config={"method": "ngram", "num_speculative_tokens": k})
+               speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                   "prompt_lookup_min": args.prompt_lookup_min})
     eos = list(plain.engine.eos_token_ids)
     warm = chat_ids(tok, ["Hi"])
     for engine in (plain, spec):
@@ -142,7 +145,7 @@ def main() -> None:
         results[name] = row
 
     print(f"\nSmolLM2-135M-Instruct, {args.dtype}, greedy, <= {args.max_tokens} new tokens, "
-          f"k = {k}, {os.cpu_count()} CPUs")
+          f"k = {k}, n-grams of {args.prompt_lookup_min}-4 tokens, {os.cpu_count()} CPUs")
     print(f"{'workload':9s} {'ngram/plain':>11s} {'HF lookup/HF':>12s} {'ngram/HF lookup':>15s}"
           f" {'batch ngram/plain':>17s} {'accepted':>8s}")
     for name, r in results.items():

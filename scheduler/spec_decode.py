@@ -140,8 +140,9 @@ class Drafter:
         """Guesses for a running sequence in decode, within ``budget`` extra tokens,
         its ``max_tokens`` and the model's length: every guess, if accepted, plus
         the sampler's own token must still fit."""
-        if req.num_tokens - req.num_computed_tokens != 1 or not can_speculate(
-                req.sampling_params):
+        if (req.num_tokens - req.num_computed_tokens != 1 or req.pending_children
+                or not can_speculate(req.sampling_params)):
+            # (A row that ends an n > 1 prompt samples for every sibling and forks them.)
             return ()
         room = self.max_model_len - req.num_tokens - 1
         max_tokens = req.sampling_params.max_tokens

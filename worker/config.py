@@ -139,6 +139,13 @@ class ModelConfig:
             scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
             scaling["rope_type"] = rope_type
             factor = scaling.get("factor")
+            orig = scaling.get("original_max_position_embeddings")
+            if rope_type == "yarn" and factor is None and orig:
+                # DeepSeek-V3 style: the stretch is the served over the pre-trained length
+                # (transformers' rule).
+                factor = scaling["factor"] = (
+                    _positive_int("max_position_embeddings",
+                                  cfg.get("max_position_embeddings", 2048)) / orig)
             if rope_type == "freq_factors":
                 _check_freq_factors(scaling.get("freq_factors"), head_dim)
             elif (not isinstance(factor, (int, float)) or isinstance(factor, bool)

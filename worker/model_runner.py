@@ -116,6 +116,9 @@ class ModelRunner:
                 continue
             if r.draft_token_ids:  # every position verifies a guess (or follows the last)
                 rid = r.request_id
+                if r.sample_ids != [rid]:
+                    raise ValueError(f"request {rid}: draft tokens on a row that samples "
+                                     f"for {r.sample_ids}")
                 out = r.output_token_ids.get(rid)
                 drafted.append(SampleRequest(rid, rid, len(rows), r.sampling_params[rid],
                                              None if out is None else len(out), out,

@@ -158,3 +158,17 @@ def test_a_short_pool_drops_the_drafts_before_preempting_anyone() -> None:
         # Four guesses after the 9-token prompts would need a seventh block.
         assert sched.num_preemptions == {"swap": 0, "recompute": 0}
     assert outs[0] == outs[1]
+
+
+def test_a_last_prompt_chunk_of_one_token_with_siblings_to_fork_gets_no_drafts() -> None:
+    """The row that ends an n > 1 prompt samples for every sibling and forks them."""
+    prompt = [5, 6, 7, 8] * 2 + [5, 6]  # "5 6" occurred before: the lookup would guess
+    outs = []
+    for spec in (None, SPEC):
+        sched, sim = make_scheduler(max_num_batched_tokens=9, speculative_config=spec,
+                                    copy_period=4)
+        sched.add_request(req("r", prompt, max_tokens=6, n=3, sched=sched))
+        outs.append(run_to_completion(sched, sim))
+        sched.schedule()
+        assert_baseline(sched)
+    assert outs[0] == outs[1] and len(outs[1]) == 3

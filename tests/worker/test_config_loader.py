@@ -55,6 +55,7 @@ def test_rope_scaling_matches_transformers():
          mscale=1.0, mscale_all_dim=0.5),
     dict(factor=2.0, original_max_position_embeddings=64, attention_factor=1.5,
          truncate=False),
+    dict(factor=None, original_max_position_embeddings=32),  # DeepSeek style: 256 / 32
 ])
 def test_yarn_matches_transformers(extra):
     """Inverse frequencies and the cos/sin scale equal transformers' YaRN for Qwen2 configs."""
