@@ -2,9 +2,9 @@
 
 Request models are strict (``"5"`` is not an integer, ``true`` is not a number) so a client
 with a type bug gets a 400 naming the field instead of a silently coerced request. Fields
-that OpenAI defines but this server cannot honour (tools, for one) are rejected when set to
-a non-default value rather than ignored: a caller relying on them must learn that they did
-nothing. Unknown extra fields are ignored, as OpenAI does.
+that OpenAI defines but this server cannot honour are rejected when set to a non-default
+value rather than ignored: a caller relying on them must learn that they did nothing.
+Tools are honoured (see ``tools``). Unknown extra fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -103,12 +103,22 @@ class _SamplingRequest(BaseModel):
                            param="stream_options")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        vocab_size: int | None = None) -> SamplingParams:
+                        vocab_size: int | None = None,
+                        tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
         """Build the engine's params; a ``ValueError`` becomes a 400 naming the field.
 
         With ``vocab_size``, token ids in ``stop_token_ids`` and ``logit_bias`` must be
         below it (the engine checks again; here the error names the field).
+        ``tool_constraint`` is the output format a ``tool_choice`` imposes; it cannot
+        be combined with another output constraint.
         """
+        structured = self._structured()
+        if tool_constraint is not None:
+            if structured is not None:
+                raise APIError("tool_choice required or a named function already constrains "
+                               "the output; drop response_format / structured outputs",
+                               param="tool_choice")
+            structured = tool_constraint
         kw: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -117,7 +127,7 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            structured_outputs=self._structured(),
+            structured_outputs=structured,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._token_bias())
         for name in ("temperature", "top_p", "top_k", "min_p"):
@@ -248,11 +258,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         text = self.content if isinstance(self.content, str) else "".join(
             part.text for part in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -264,11 +284,11 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         self._check_unsupported()
-        if self.tools:
-            raise APIError("tools are not supported by this server", param="tools")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs requires logprobs to be true",

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.cluster.tools import ToolContext, ToolStream
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -42,19 +44,21 @@ class _Choice:
     logprobs: Any = None
     started: bool = False
     echoed: bool = False
+    tool_stream: ToolStream | None = None
 
 
 class ResponseState:
     """Everything a response accumulates; choice ``j`` of prompt ``i`` is ``i * n + j``."""
 
     def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool,
-                 top_n: int | None = None, echo: list[tuple[str, list[int]]] | None = None
-                 ) -> None:
+                 top_n: int | None = None, echo: list[tuple[str, list[int]]] | None = None,
+                 tools: ToolContext | None = None) -> None:
         """``prompts``: ``(prompt_tokens, n)`` per prompt, in order; ``top_n``: alternatives
         per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token);
-        ``echo``: each prompt's text and ids, which lead its choices (completions ``echo``)."""
+        ``echo``: each prompt's text and ids, which lead its choices (completions ``echo``);
+        ``tools``: how a chat output turns into tool calls."""
         self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
-        self.top_n, self.echo = top_n, echo
+        self.top_n, self.echo, self.tools = top_n, echo, tools
         self.n = [n for _, n in prompts]
         self.prompt_tokens = [p for p, _ in prompts]
         self.cached = [0] * len(prompts)
@@ -162,10 +166,17 @@ class Formatter:
         for k, c in enumerate(st.choices):
             text = "".join(c.text)
             if st.kind == "chat.completion":
-                choices.append({"index": k, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if st.tools is not None:
+                    message["content"], calls = st.tools.parse(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                    finish = st.tools.finish_reason(calls, finish)
+                choices.append({"index": k, "message": message,
                                 "logprobs": {"content": c.logprobs or []} if st.logprobs
                                 else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "finish_reason": finish, "stop_reason": c.stop_reason})
             else:
                 choices.append({"index": k, "text": text, "logprobs": c.logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -180,11 +191,15 @@ class Formatter:
             c = st.choices[c_idx]
             if st.kind == "chat.completion":
                 delta: dict[str, Any] = {"content": d.text}
+                finish = d.finish_reason
+                if st.tools is not None:
+                    delta["content"], finish = self._tool_delta(st.tools, c, d.text, delta,
+                                                                finish)
                 if not c.started:
                     delta["role"] = "assistant"
                 choice: dict[str, Any] = {"index": c_idx, "delta": delta,
                                           "logprobs": {"content": lp} if lp is not None else None,
-                                          "finish_reason": d.finish_reason}
+                                          "finish_reason": finish}
             else:
                 choice = {"index": c_idx, "text": text, "logprobs": lp,
                           "finish_reason": d.finish_reason}
@@ -197,6 +212,21 @@ class Formatter:
                 ev["usage"] = st.usage()
             events.append(sse(ev))
         return events
+
+    @staticmethod
+    def _tool_delta(tools: ToolContext, c: _Choice, text: str, delta: dict[str, Any],
+                    finish: str | None) -> tuple[str, str | None]:
+        """The content a tool-using choice may show now; at its end, its calls go into
+        ``delta`` (whole, one entry each) and the finish reason says so."""
+        if c.tool_stream is None:
+            c.tool_stream = ToolStream(tools)
+        content = c.tool_stream.feed(text)
+        if not finish:
+            return content, finish
+        rest, calls = c.tool_stream.finish()
+        if calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        return content + rest, tools.finish_reason(calls, finish)
 
     def usage_event(self, st: ResponseState) -> str:
         obj = "chat.completion.chunk" if st.kind == "chat.completion" else "text_completion"

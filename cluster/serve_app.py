@@ -60,6 +60,7 @@ from pagedserve.cluster.router import (
     known_replicas,
     merge_streams,
 )
+from pagedserve.cluster.tools import ToolContext, template_messages
 from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -179,9 +180,10 @@ class OpenAIServer:
 
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
                        include_usage: bool, continuous_usage: bool, logprobs: bool,
-                       echo: list[tuple[str, list[int]]] | None = None) -> Response:
+                       echo: list[tuple[str, list[int]]] | None = None,
+                       tools: ToolContext | None = None) -> Response:
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
-                              logprobs, reqs[0].params.logprobs, echo)
+                              logprobs, reqs[0].params.logprobs, echo, tools)
         chunks = merge_streams(self._channel, self._engine, reqs)
         if not stream:
             async for i, c in chunks:
@@ -261,23 +263,28 @@ class OpenAIServer:
         body.check()
         self._check_model(body.model)
         info = await self._engine_info()
+        tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        extra = {"tools": body.tools} if body.tools else {}
         try:
             ids = list(self.tokenizer.apply_chat_template(
-                [m.as_template_dict() for m in body.messages], tokenize=True,
-                add_generation_prompt=body.add_generation_prompt, return_dict=False))
+                template_messages([m.as_template_dict() for m in body.messages]),
+                tokenize=True, add_generation_prompt=body.add_generation_prompt,
+                return_dict=False, **extra))
         except Exception as e:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         ids = body.truncate(ids)
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                              body.max_tokens_param, body.n),
-            body.engine_logprobs(), info["vocab_size"])
+            body.engine_logprobs(), info["vocab_size"],
+            tools.structured() if tools is not None else None)
         rid = new_id("chatcmpl")
         req = self._engine_request(rid, ids, params, body.cache_salt, info, body.stream)
         so = body.stream_options
         return await self._respond(rid, [req], "chat.completion", body.stream,
                                    bool(so and so.include_usage),
-                                   bool(so and so.continuous_usage_stats), body.logprobs)
+                                   bool(so and so.continuous_usage_stats), body.logprobs,
+                                   tools=tools)
 
     @api.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:

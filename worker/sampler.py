@@ -9,7 +9,10 @@ exponential race ``argmax(p / E)`` over a 49k vocabulary. A seeded request
 takes its uniform from its own ``torch.Generator`` and is drawn on its own row
 with row-wise kernels only, so its tokens depend only on its own logits and
 seed: the same alone or in any batch. Logprobs are those of the raw model distribution (vLLM's default),
-before temperature or truncation.
+before temperature or truncation. ``sample_drafted`` verifies speculative
+decoding's guesses (every position of a drafted row is drawn; a seeded request
+then consumes one uniform per position, so its tokens differ from plain
+decoding's while following the same distribution).
 """
 
 from __future__ import annotations
@@ -135,7 +138,9 @@ class Sampler:
         return out
 
     def _draw(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
-        """One token per entry; no per-request state changes but seeded generators."""
+        """One token per entry. Only seeded generators advance here; counting the
+        tokens and feeding them to grammars is the caller's (a drafted row keeps
+        only some of its draws)."""
         rows = [r.row for r in reqs]
         if rows == list(range(logits.shape[0])):
             raw = logits.float()

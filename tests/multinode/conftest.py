@@ -27,7 +27,11 @@ from tests.serving.conftest import App, Cluster, free_port, tiny_model  # noqa: 
 WORKER_CPUS = 2
 PROMPTS = ["The capital of France is", "1, 2, 3,", "def fibonacci(n):", "Hello",
            "Once upon a time", "The quick brown fox", "import numpy as np", "Dear Sir,"]
-COMMON = {"num_gpu_blocks": 64, "max_model_len": 512, "health_check_period_s": 1.0,
+# Room for ``long_stream(app, LONG)``: 4000 tokens take the tiny model 5 s or more
+# (1.3 ms a token in-process on the 2-core box; 400 took 0.5 s, and a lost node
+# sometimes came too late to fail the stream).
+LONG = 4000
+COMMON = {"num_gpu_blocks": 320, "max_model_len": 4096, "health_check_period_s": 1.0,
           "health_check_timeout_s": 10.0}
 MAX_TOKENS = 12
 

@@ -16,6 +16,7 @@ import pytest
 
 from tests.multinode.conftest import (
     COMMON,
+    LONG,
     PROMPTS,
     WORKER_CPUS,
     Nodes,
@@ -68,7 +69,7 @@ def test_replicas_on_two_worker_nodes_give_the_in_process_answers(
 def test_a_lost_node_fails_its_streams_and_a_new_node_gets_a_replica(
         nodes: Nodes, two_nodes_app: App, expected: dict[str, str]) -> None:
     app = two_nodes_app
-    t, errors = long_stream(app)
+    t, errors = long_stream(app, LONG)
     busy = [rid for rid, s in app.stats().items() if s["server"]["in_flight"] > 0]
     assert len(busy) == 1, busy
     lost = replica_nodes(app)[busy[0]]

@@ -143,7 +143,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A wide init makes logits peaked, so greedy choices are not near-ties between TP layouts.
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                      max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
                       tie_word_embeddings=True, initializer_range=0.2)
     LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
     src = Path(resolve_model(None).path)
@@ -153,11 +153,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def long_stream(app: App) -> tuple[threading.Thread, list[BaseException]]:
-    """A 400-token stream in a thread, returned once its first chunks arrived.
+def long_stream(app: App, max_tokens: int = 400
+                ) -> tuple[threading.Thread, list[BaseException]]:
+    """A ``max_tokens`` stream in a thread, returned once its first chunks arrived.
 
     The list gets the exception the stream ended with (a killed replica or node must
-    fail it, not hang it).
+    fail it, not hang it). The tiny model decodes a token in a few milliseconds, so a
+    test that kills something under the stream asks for enough tokens to still be
+    generating when the kill lands.
     """
     errors: list[BaseException] = []
     started = threading.Event()
@@ -165,7 +168,7 @@ def long_stream(app: App) -> tuple[threading.Thread, list[BaseException]]:
     def run() -> None:
         try:
             for k, _ in enumerate(app.openai().completions.create(
-                    model="tiny-llama", prompt="Count slowly:", max_tokens=400,
+                    model="tiny-llama", prompt="Count slowly:", max_tokens=max_tokens,
                     stream=True, extra_body={"ignore_eos": True})):
                 if k == 2:
                     started.set()

@@ -385,3 +385,86 @@ def test_speculative_decoding_over_http(smol: App, cluster) -> None:
         assert s["spec_decode"]["num_drafts"] > 0
     finally:
         cluster.delete("spec")
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "London", "Rome"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+WEATHER_Q = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def test_tool_choice_named_and_required_give_valid_calls(smol: App) -> None:
+    client = smol.openai()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=WEATHER_Q, temperature=0,
+                                       max_tokens=60, tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice=named)
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.type == "function"
+    assert args["city"] in ("Paris", "London", "Rome") and args["unit"] in ("celsius",
+                                                                           "fahrenheit")
+    assert r.choices[0].finish_reason == "stop"  # a forced call, as OpenAI reports it
+    # Streamed: the same call, arriving as tool_calls deltas.
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=WEATHER_Q, temperature=0, max_tokens=60,
+            tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert finish == "stop"
+
+    r = client.chat.completions.create(model=MODEL, messages=WEATHER_Q, temperature=0,
+                                       max_tokens=80, tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice="required", parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_time":
+        assert args["zone"] in ("UTC", "CET")
+    else:
+        assert call.function.name == "get_weather" and args["city"] in ("Paris", "London",
+                                                                        "Rome")
+    smol.wait_baseline()
+
+
+def test_tools_conversation_and_bad_tool_requests(smol: App) -> None:
+    client = smol.openai()
+    history = [
+        *WEATHER_Q,
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather",
+                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, temperature=0,
+                                       max_tokens=30, tools=[WEATHER_TOOL])
+    assert r.choices[0].message.content  # "auto": this model answers in text
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r = client.chat.completions.create(model=MODEL, messages=WEATHER_Q, temperature=0,
+                                       max_tokens=8, tools=[WEATHER_TOOL], tool_choice="none")
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    for kw, param in (
+            ({"tools": [WEATHER_TOOL],
+              "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+             "tool_choice"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+             "tools"),
+            ({"tools": [WEATHER_TOOL], "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=4,
+                                           **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)

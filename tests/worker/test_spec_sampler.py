@@ -24,22 +24,20 @@ PARAMS = [
 ]
 
 
-def _sequential(logits: torch.Tensor, params: SamplingParams, drafts: list[int],
-                history: list[int] | None) -> list[int]:
-    """Plain decoding: one position per call, the history growing by what was drawn;
-    stop at the first draw that differs from the draft (or after the last draft)."""
+def _one_at_a_time(logits: torch.Tensor, params: SamplingParams, history: list[int] | None,
+                   n: int) -> list[int]:
+    """Plain decoding: ``n`` draws, one position per call, the history growing by what
+    was drawn (a fresh sampler: seeded draws use the seed's first uniforms)."""
     s = Sampler(eos_token_ids=[EOS])
     hist = None if history is None else list(history)
     out = []
-    for j in range(len(drafts) + 1):
+    for j in range(n):
         n_out = None if hist is None else len(hist)
         tok = s.sample(logits[j:j + 1], [SampleRequest("a", "a", 0, params, n_out, hist,
                                                         [1, 2, 3])])["a"].token_id
         out.append(tok)
         if hist is not None:
             hist.append(tok)
-        if j == len(drafts) or tok != drafts[j]:
-            break
     return out
 
 
@@ -53,21 +51,12 @@ def test_drafted_rows_equal_one_position_at_a_time(kw: dict, trial: int) -> None
     params = SamplingParams(**kw)
     history = [4, 5, 5] if params.uses_penalties else None
     # Drafts equal to what plain decoding draws, with one wrong guess at position `bad`
-    # (bad == k: every guess right, the last token is the one past them).
-    plain_all = []
-    hist = None if history is None else list(history)
-    s = Sampler(eos_token_ids=[EOS])
-    for j in range(k + 1):
-        n_out = None if hist is None else len(hist)
-        tok = s.sample(logits[j:j + 1], [SampleRequest("a", "a", 0, params, n_out, hist,
-                                                        [1, 2, 3])])["a"].token_id
-        plain_all.append(tok)
-        if hist is not None:
-            hist.append(tok)
+    # (bad == k: every guess right). Plain decoding keeps its draws up to and including
+    # the first that differs from the guess; later ones never happen.
+    plain = _one_at_a_time(logits, params, history, k + 1)
     bad = trial % (k + 1)
-    drafts = [t if j != bad else (t + 1) % V for j, t in enumerate(plain_all[:k])]
-    expected = _sequential(logits, params, drafts, history)
-    assert expected == plain_all[:bad + 1]
+    drafts = [t if j != bad else (t + 1) % V for j, t in enumerate(plain[:k])]
+    expected = plain[:bad + 1]
     got = Sampler(eos_token_ids=[EOS]).sample_drafted(
         logits, [SampleRequest("a", "a", 0, params, None if history is None else len(history),
                                history, [1, 2, 3], drafts)])["a"]

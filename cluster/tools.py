@@ -1,0 +1,220 @@
+"""Tool calling for chat completions: OpenAI's ``tools`` and ``tool_choice``.
+
+How each choice is honoured (vLLM's approach):
+
+- a named function (``{"type": "function", "function": {"name": ...}}``): the
+  output is constrained to that function's ``parameters`` JSON schema and
+  becomes the call's ``arguments``;
+- ``"required"``: the output is constrained to a JSON array of
+  ``{"name": ..., "parameters": ...}`` objects, one schema per tool (a single
+  item when ``parallel_tool_calls`` is false), each item becoming a call;
+- ``"auto"`` (the default when tools are given): the model writes freely and
+  ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks in its text
+  (the Hermes format that Qwen2.5 / Qwen3 chat templates teach) become calls,
+  the text before them the message content;
+- ``"none"``: plain text (the tools still reach the chat template).
+
+Streams carry content as it comes; calls go out as one ``tool_calls`` delta
+when the choice ends (OpenAI's clients accumulate deltas, so a whole call in
+one delta is valid). Under ``auto`` the text from ``<tool_call>`` on is held
+back, and so is a tail that could be the start of that tag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.cluster.protocol import APIError
+from pagedserve.scheduler.sampling_params import StructuredOutputs
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE),
+                     re.DOTALL)
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": args}}
+
+
+def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Function name -> its ``parameters`` schema; a 400 naming ``tools`` otherwise."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(
+                fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': "
+                           "{'name': ..., 'parameters': {...}}}", param="tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise APIError(f"tools[{i}].function.parameters must be a JSON schema object",
+                           param="tools")
+        if fn["name"] in out:
+            raise APIError(f"tools: function {fn['name']!r} is defined twice", param="tools")
+        out[fn["name"]] = params
+    return out
+
+
+@dataclass
+class ToolContext:
+    """One request's tools and how the output must call them."""
+
+    mode: str  # "none" | "auto" | "required" | "named"
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    name: str | None = None
+    parallel: bool = True
+
+    @classmethod
+    def from_request(cls, tools: list[dict[str, Any]] | None, tool_choice: Any,
+                     parallel: bool | None) -> ToolContext | None:
+        """None when the request has no tools (``tool_choice`` is then an error unless
+        it is ``"none"``)."""
+        if not tools:
+            if tool_choice not in (None, "none"):
+                raise APIError("tool_choice needs tools", param="tool_choice")
+            return None
+        schemas = check_tools(tools)
+        parallel = True if parallel is None else parallel
+        if tool_choice is None or tool_choice in ("auto", "none", "required"):
+            return cls(tool_choice or "auto", schemas, None, parallel)
+        fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
+            raise APIError("tool_choice must be none, auto, required or {'type': 'function', "
+                           "'function': {'name': ...}}", param="tool_choice")
+        if name not in schemas:
+            raise APIError(f"tool_choice names {name!r}, which is not in tools",
+                           param="tool_choice")
+        return cls("named", schemas, name, parallel)
+
+    def structured(self) -> StructuredOutputs | None:
+        """The output constraint for ``named`` and ``required``."""
+        if self.mode == "named":
+            assert self.name is not None
+            return StructuredOutputs(json=self.schemas[self.name])
+        if self.mode != "required":
+            return None
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]},
+                                                   "parameters": s},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for n, s in self.schemas.items()]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputs(json=schema)
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """``(content, tool_calls)`` of a finished output. Output that does not parse (cut
+        by ``max_tokens``) stays content with no calls."""
+        if self.mode == "none":
+            return text, []
+        if self.mode == "named":
+            try:
+                json.loads(text)
+            except ValueError:
+                return text, []
+            assert self.name is not None
+            return None, [_call(self.name, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                return None, [_call(it["name"], it["parameters"]) for it in items]
+            except (ValueError, TypeError, KeyError):
+                return text, []
+        return parse_hermes(text, set(self.schemas))
+
+    def finish_reason(self, calls: list[dict[str, Any]], engine_reason: str | None
+                      ) -> str | None:
+        """OpenAI's: ``tool_calls`` when the model chose to call (auto, required); a
+        forced function keeps the engine's reason."""
+        if calls and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return engine_reason
+
+
+def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes-style ``<tool_call>`` blocks of known functions become calls; the text
+    before the first block is the content. A block that is not a JSON call of a
+    known function leaves the whole text as content."""
+    calls = []
+    for m in _HERMES.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+        except (ValueError, TypeError, KeyError):
+            return text, []
+        if name not in names:
+            return text, []
+        calls.append(_call(name, args))
+    if not calls:
+        return text, []
+    content = text[: text.index(TOOL_CALL_OPEN)].strip()
+    return content or None, calls
+
+
+class ToolStream:
+    """Splits one streamed choice into content deltas now and tool calls at its end."""
+
+    def __init__(self, ctx: ToolContext) -> None:
+        self.ctx = ctx
+        self.text = ""  # everything generated so far
+        self.sent = 0  # characters already emitted as content
+
+    def feed(self, delta: str) -> str:
+        """The content that can be shown now."""
+        self.text += delta
+        if self.ctx.mode in ("named", "required"):
+            return ""  # the whole output is the call
+        if self.ctx.mode == "none":
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out
+        at = self.text.find(TOOL_CALL_OPEN)
+        limit = at if at >= 0 else len(self.text)
+        if at < 0:  # hold back a tail that may be the tag's beginning
+            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text)), 0, -1):
+                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
+                    limit = len(self.text) - k
+                    break
+        out = self.text[self.sent:limit] if limit > self.sent else ""
+        self.sent = max(self.sent, limit)
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """``(content not yet shown, tool_calls)`` once the choice has ended."""
+        _, calls = self.ctx.parse(self.text)
+        if not calls:
+            rest, self.sent = self.text[self.sent:], len(self.text)
+            return rest, []
+        if self.ctx.mode != "auto":
+            return "", calls
+        # (content is what came before the first call, right-stripped as ``parse`` does)
+        return self.text[self.sent:self.text.index(TOOL_CALL_OPEN)].rstrip(), calls
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant ``tool_calls`` with their JSON ``arguments`` strings as objects, as chat
+    templates (Qwen2.5's, Llama 3.1's) expect them."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = dict(m)
+            fixed = []
+            for c in calls:
+                c = json.loads(json.dumps(c))
+                fn = c.get("function") or {}
+                if isinstance(fn.get("arguments"), str):
+                    with contextlib.suppress(ValueError):  # else rendered as the string
+                        fn["arguments"] = json.loads(fn["arguments"])
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out

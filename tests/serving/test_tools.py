@@ -1,0 +1,123 @@
+"""Tool calling without a server: request checks, the output constraints each
+``tool_choice`` imposes, parsing finished outputs, and streaming (content shown at once,
+``<tool_call>`` blocks held back, even when the tag is split across deltas)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.cluster.protocol import APIError
+from pagedserve.cluster.tools import ToolContext, ToolStream, parse_hermes, template_messages
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("tools,choice,param", [
+    (None, "required", "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    ([WEATHER], "sometimes", "tool_choice"),
+    ([{"type": "function", "function": {}}], None, "tools"),
+    ([WEATHER, WEATHER], None, "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "tools"),
+])
+def test_bad_tools_or_choice_name_the_field(tools, choice, param) -> None:
+    with pytest.raises(APIError) as e:
+        ToolContext.from_request(tools, choice, None)
+    assert e.value.body()["error"]["param"] == param
+
+
+def test_each_choice_constrains_the_output_with_a_schema_xgrammar_accepts() -> None:
+    from pagedserve.worker.structured import check_structured_outputs
+
+    assert ToolContext.from_request(None, None, None) is None
+    auto = ToolContext.from_request([WEATHER], None, None)
+    assert auto.mode == "auto" and auto.structured() is None
+    assert ToolContext.from_request([WEATHER], "none", None).structured() is None
+    named = ToolContext.from_request([WEATHER, TIME], {"type": "function",
+                                                       "function": {"name": "get_time"}}, None)
+    assert named.structured().json == TIME["function"]["parameters"]
+    req = ToolContext.from_request([WEATHER, TIME], "required", False).structured()
+    assert req.json["maxItems"] == 1 and len(req.json["items"]["anyOf"]) == 2
+    for spec in (named.structured(), req):
+        check_structured_outputs(spec)
+
+
+def test_finished_outputs_become_calls() -> None:
+    named = ToolContext.from_request([WEATHER], {"type": "function",
+                                                 "function": {"name": "get_weather"}}, None)
+    content, calls = named.parse('{"city": "Paris"}')
+    assert content is None and calls[0]["function"] == {"name": "get_weather",
+                                                        "arguments": '{"city": "Paris"}'}
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert named.finish_reason(calls, "stop") == "stop"  # forced: the engine's reason
+    assert named.parse('{"city": "Pa') == ('{"city": "Pa', [])  # cut by max_tokens
+
+    req = ToolContext.from_request([WEATHER, TIME], "required", None)
+    content, calls = req.parse('[{"name": "get_time", "parameters": {"zone": "UTC"}}, '
+                               '{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time",
+                                                                          "get_weather"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo"}
+    assert req.finish_reason(calls, "stop") == "tool_calls"
+
+
+def test_hermes_blocks_of_known_functions_become_calls() -> None:
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call>\n<tool_call>{"name": "get_time", '
+            '"arguments": {"zone": "CET"}}</tool_call>')
+    content, calls = parse_hermes(text, {"get_weather", "get_time"})
+    assert content == "Let me check."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"},
+                                                                       {"zone": "CET"}]
+    assert parse_hermes("no calls here", {"get_weather"}) == ("no calls here", [])
+    bad = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert parse_hermes(bad, {"get_weather"}) == (bad, [])  # unknown function: text
+    broken = "<tool_call>{not json}</tool_call>"
+    assert parse_hermes(broken, {"get_weather"}) == (broken, [])
+
+
+def _stream(ctx: ToolContext, text: str, size: int) -> tuple[str, list[dict]]:
+    ts = ToolStream(ctx)
+    shown = "".join(ts.feed(text[i:i + size]) for i in range(0, len(text), size))
+    rest, calls = ts.finish()
+    return shown + rest, calls
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_streaming_holds_back_the_call_and_shows_the_rest(size: int) -> None:
+    auto = ToolContext.from_request([WEATHER], "auto", None)
+    text = ('Sure, one moment <tool_call>{"name": "get_weather", "arguments": '
+            '{"city": "Rome"}}</tool_call>')
+    ts = ToolStream(auto)
+    shown = ""
+    for i in range(0, len(text), size):
+        shown += ts.feed(text[i:i + size])
+        assert "<" not in shown  # never a piece of the tag
+    rest, calls = ts.finish()
+    assert (shown + rest).strip() == "Sure, one moment"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    # No call: everything is content, including a '<' that only looked like the tag.
+    assert _stream(auto, "a < b and <tool", size) == ("a < b and <tool", [])
+    named = ToolContext.from_request([WEATHER], {"type": "function",
+                                                 "function": {"name": "get_weather"}}, None)
+    shown, calls = _stream(named, '{"city": "Rome"}', size)
+    assert shown == "" and calls[0]["function"]["arguments"] == '{"city": "Rome"}'
+
+
+def test_template_messages_give_templates_arguments_as_objects() -> None:
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    out = template_messages(msgs)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'  # untouched
+    assert out[1] == msgs[1]
