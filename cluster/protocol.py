@@ -310,6 +310,32 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise APIError("messages must not be empty", param="messages")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 def max_tokens_for(requested: int | None, prompt_len: int, info: dict[str, Any],
                param: str = "max_tokens", n: int = 1) -> int:
     """The token limit of a request, or a 400 if the prompt and limit cannot fit.

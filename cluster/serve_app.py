@@ -49,7 +49,10 @@ from pagedserve.cluster.placement import (
 from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     max_tokens_for,
     validation_error_body,
 )
@@ -264,15 +267,8 @@ class OpenAIServer:
         self._check_model(body.model)
         info = await self._engine_info()
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-        extra = {"tools": body.tools} if body.tools else {}
-        try:
-            ids = list(self.tokenizer.apply_chat_template(
-                template_messages([m.as_template_dict() for m in body.messages]),
-                tokenize=True, add_generation_prompt=body.add_generation_prompt,
-                return_dict=False, **extra))
-        except Exception as e:
-            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
-        ids = body.truncate(ids)
+        ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
+                                           body.tools))
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                              body.max_tokens_param, body.n),
@@ -285,6 +281,39 @@ class OpenAIServer:
                                    bool(so and so.include_usage),
                                    bool(so and so.continuous_usage_stats), body.logprobs,
                                    tools=tools)
+
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                  tools: list[dict[str, Any]] | None) -> list[int]:
+        """The prompt the chat template makes of ``messages`` (and ``tools``)."""
+        extra = {"tools": tools} if tools else {}
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                template_messages([m.as_template_dict() for m in messages]), tokenize=True,
+                add_generation_prompt=add_generation_prompt, return_dict=False, **extra))
+        except Exception as e:
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest, raw: Request) -> dict[str, Any]:
+        """vLLM's: the token ids a completions prompt or a chat would start from."""
+        self._authorize(raw)
+        body.check()
+        self._check_model(body.model)
+        info = await self._engine_info()
+        if body.messages is not None:
+            ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools)
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": info["max_model_len"]}
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
+        self._authorize(raw)
+        self._check_model(body.model)
+        info = await self._engine_info()
+        if any(not 0 <= t < info["vocab_size"] for t in body.tokens):
+            raise APIError("tokens must be within the vocabulary", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     @api.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:

@@ -468,3 +468,29 @@ def test_tools_conversation_and_bad_tool_requests(smol: App) -> None:
             client.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=4,
                                            **kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_tokenize_and_detokenize(smol: App) -> None:
+    """vLLM's /tokenize (a prompt, or messages through the chat template: the prompt a chat
+    completion runs on) and /detokenize; API key required like /v1."""
+    tok = load_tokenizer(resolve_model(None))
+    h = smol.headers
+
+    def post(path: str, body: dict[str, Any], headers: dict[str, str] = h) -> httpx.Response:
+        return httpx.post(f"{smol.base}{path}", json=body, headers=headers, timeout=60)
+
+    r = post("/tokenize", {"prompt": "Hello world"}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == SMOL_ARGS["max_model_len"]
+    chat = post("/tokenize", {"messages": FRANCE}).json()
+    usage = smol.openai().chat.completions.create(model=MODEL, messages=FRANCE,
+                                                  max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens
+    assert post("/detokenize", {"tokens": chat["tokens"]}).json()["prompt"] == tok.decode(
+        chat["tokens"])
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": FRANCE}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens")):
+        bad = post(path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+    assert post("/tokenize", {"prompt": "a"}, headers={}).status_code == 401
