@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.scheduler.request import Request
-from pagedserve.scheduler.sampling_params import SamplingParams
 
 SPEC_METHODS = ("ngram",)
 
@@ -77,17 +76,6 @@ class SpeculativeConfig:
         return cls(**dict(d))
 
 
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's sampling allows guessed tokens.
-
-    A grammar's matcher advances token by token on rank 0 and cannot be
-    checked against guesses without rollback, so constrained requests decode
-    one token per step. Everything else (penalties, ``min_tokens``, seeds,
-    logprobs) is evaluated per position by the sampler.
-    """
-    return params.structured_outputs is None
-
-
 class NgramProposer:
     """Finds draft tokens in a request's own tokens (prompt and output so far)."""
 
@@ -140,8 +128,7 @@ class Drafter:
         """Guesses for a running sequence in decode, within ``budget`` extra tokens,
         its ``max_tokens`` and the model's length: every guess, if accepted, plus
         the sampler's own token must still fit."""
-        if (req.num_tokens - req.num_computed_tokens != 1 or req.pending_children
-                or not can_speculate(req.sampling_params)):
+        if req.num_tokens - req.num_computed_tokens != 1 or req.pending_children:
             # (A row that ends an n > 1 prompt samples for every sibling and forks them.)
             return ()
         room = self.max_model_len - req.num_tokens - 1

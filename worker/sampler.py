@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ class SampleRequest:
     prompt_token_ids: list[int] | None = None
     # Speculative decoding: guesses verified on rows ``row .. row + len(drafts)``.
     draft_token_ids: list[int] | None = None
+    # (set by the sampler on a drafted row's positions: the guesses before this one,
+    # already at the end of ``output_token_ids``; a grammar takes them tentatively)
+    draft_prefix: list[int] | None = None
 
 
 class Sampler:
@@ -108,13 +111,12 @@ class Sampler:
         on differing, comes from the target distribution with the draft taken
         out, i.e. the residual ``max(0, p - q)`` normalised. So outputs follow
         the same distribution as decoding one token per step (greedy: the same
-        tokens). Grammar-constrained entries never carry drafts.
+        tokens). A grammar masks each position in the state the guesses before it
+        lead to (taken tentatively and rolled back), then accepts the kept tokens.
         """
         expanded: list[SampleRequest] = []
         for r in reqs:
             drafts = r.draft_token_ids or []
-            if r.params.structured_outputs is not None:
-                raise ValueError(f"{r.sample_id}: structured outputs take no draft tokens")
             done = r.num_output_tokens
             if done is None:
                 done = self._counts.get(r.sample_id, 0)
@@ -122,7 +124,8 @@ class Sampler:
             for j in range(len(drafts) + 1):
                 expanded.append(SampleRequest(
                     r.sample_id, r.request_id, r.row + j, r.params, done + j,
-                    None if hist is None else hist + drafts[:j], r.prompt_token_ids))
+                    None if hist is None else hist + drafts[:j], r.prompt_token_ids,
+                    draft_prefix=drafts[:j] or None))
         tokens = self._draw(logits, expanded) if expanded else []
         out: dict[str, list[SampledToken]] = {}
         at = 0
@@ -135,6 +138,10 @@ class Sampler:
                 keep += 1
             out[r.sample_id] = mine[:keep + 1]
             self._counts[r.sample_id] = self._counts.get(r.sample_id, 0) + keep + 1
+            if r.params.structured_outputs is not None:
+                assert self._book is not None
+                for t in out[r.sample_id]:
+                    self._book.accept(r.sample_id, t.token_id)
         return out
 
     def _draw(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
@@ -208,20 +215,37 @@ class Sampler:
             if self._make_book is None:
                 raise ValueError("structured_outputs: this worker has no tokenizer for grammars")
             self._book = self._make_book()
-        matchers = []
-        for i in rows:
-            r = reqs[i]
-            for_row = r.params.structured_outputs
-            assert for_row is not None
-            matchers.append(self._book.sync(r.sample_id, for_row, r.output_token_ids))
         if x is raw:
             x = raw.clone()
+        plain = [i for i in rows if not reqs[i].draft_prefix]
+        matchers = []
+        for i in plain:
+            r = reqs[i]
+            assert r.params.structured_outputs is not None
+            matchers.append(self._book.sync(r.sample_id, r.params.structured_outputs,
+                                            r.output_token_ids))
+        self._mask(raw, x, plain, matchers)
+        for i in rows:  # positions after guesses: the matcher in the state they lead to
+            r = reqs[i]
+            if not r.draft_prefix:
+                continue
+            assert r.params.structured_outputs is not None and r.output_token_ids is not None
+            base = r.output_token_ids[: len(r.output_token_ids) - len(r.draft_prefix)]
+            m = self._book.sync(r.sample_id, r.params.structured_outputs, base)
+            taken = self._book.advance(m, r.draft_prefix)
+            self._mask(raw, x, [i], [m])
+            if taken:
+                m.rollback(taken)
+        return x
+
+    def _mask(self, raw: torch.Tensor, x: torch.Tensor, rows: list[int], matchers: list[Any]
+              ) -> None:
+        assert self._book is not None
         self._book.mask_rows(x, rows, matchers)
         empty = [i for i in rows if not torch.isfinite(x[i]).any()]
         if empty:
             x[empty] = raw[empty]
             self._book.mask_rows(x, empty, [matchers[rows.index(i)] for i in empty])
-        return x
 
     def _banned(self, r: SampleRequest) -> list[int]:
         """Tokens a sequence may not draw yet: EOS and stop ids before ``min_tokens``."""

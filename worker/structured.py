@@ -110,6 +110,17 @@ class GrammarBook:
             logits[done_t] = float("-inf")
             logits[done_t[:, None], eos[None, :]] = keep
 
+    @staticmethod
+    def advance(matcher: Any, tokens: list[int]) -> int:
+        """Accept ``tokens`` while the grammar allows them (speculative guesses);
+        returns how many were taken, for ``matcher.rollback``."""
+        n = 0
+        for tok in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(tok):
+                break
+            n += 1
+        return n
+
     def accept(self, sample_id: str, token: int) -> None:
         matcher, accepted = self._matchers[sample_id]
         if not matcher.is_terminated():

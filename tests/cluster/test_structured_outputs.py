@@ -26,9 +26,14 @@ def _check_schema(text: str) -> None:
     assert isinstance(obj["count"], int)
 
 
-def test_constraints_hold_for_every_sample(tiny_llama_dir) -> None:
-    """A random model (SmolLM2's tokenizer) would write anything: the masks decide."""
-    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=96)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM])
+def test_constraints_hold_for_every_sample(tiny_llama_dir, spec) -> None:
+    """A random model (SmolLM2's tokenizer) would write anything: the masks decide,
+    also on positions after speculative guesses."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=96, speculative_config=spec)
     try:
         regex = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=12,
                                structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[a-c]"))
@@ -45,7 +50,11 @@ def test_constraints_hold_for_every_sample(tiny_llama_dir) -> None:
             assert re.fullmatch(r"[0-9]{3}-[a-c]", sample.text), sample.text
             assert sample.finish_reason == "stop"
         assert {s.text for s in outs[1].outputs} <= {"Paris", "London", "New York"}
-        _check_schema(outs[2].outputs[0].text)
+        sample = outs[2].outputs[0]
+        if sample.finish_reason == "length":  # a random model's integer can run that long
+            assert re.fullmatch(r'\{"answer": "(yes|no)", "count": -?[0-9]*', sample.text)
+        else:
+            _check_schema(sample.text)
         text = outs[3].outputs[0].text  # whole, or a prefix of one when cut at max_tokens
         assert re.fullmatch(r"(ab|cd)+!", text) or (
             outs[3].outputs[0].finish_reason == "length" and re.fullmatch(r"(ab|cd)*[ac]?", text))
@@ -56,6 +65,8 @@ def test_constraints_hold_for_every_sample(tiny_llama_dir) -> None:
         llm.generate([[3, 4]], SamplingParams(max_tokens=2))
         assert llm.engine.executor.worker.runner.sampler._book.num_tracked == 0
         assert_pool_at_baseline(llm)
+        if spec is not None:
+            assert llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
     finally:
         llm.shutdown()
 
@@ -74,11 +85,11 @@ def test_ignore_eos_after_a_complete_output_keeps_emitting_eos(tiny_llama_dir) -
         llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_constraints_survive_preemption(tiny_llama_dir, mode: str) -> None:
+@pytest.mark.parametrize("mode,spec", [("swap", None), ("recompute", None), ("swap", NGRAM)])
+def test_constraints_survive_preemption(tiny_llama_dir, mode: str, spec) -> None:
     """A tiny pool preempts mid-output; the grammar state follows the kept tokens."""
     llm = LLM(model=tiny_llama_dir, num_gpu_blocks=10, block_size=4, preemption_mode=mode,
-              max_num_seqs=4)
+              max_num_seqs=4, speculative_config=spec)
     try:
         params = SamplingParams(temperature=0.8, seed=11, max_tokens=30,
                                 structured_outputs=StructuredOutputs(regex=r"[a-z]{4,20}\."))
@@ -127,6 +138,30 @@ def test_default_model_answers_in_the_schema(smol_llm) -> None:
         temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputs(json_object=True)))
     assert obj[0].outputs[0].finish_reason == "length" or isinstance(
         json.loads(obj[0].outputs[0].text), dict)
+
+
+def test_greedy_constrained_output_is_the_same_with_guesses(smol_llm) -> None:
+    """Extraction quotes the prompt: guesses are accepted inside the grammar, and the
+    greedy JSON equals plain decoding's."""
+    schema = {"type": "object", "properties": {"quote": {"type": "string"},
+                                               "author": {"type": "string"}},
+              "required": ["quote", "author"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Return JSON with the sentence in 'quote' and "
+                 "who said it in 'author': Albert Einstein said that imagination is more "
+                 "important than knowledge."}]
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_outputs=StructuredOutputs(json=schema))
+    plain = smol_llm.chat(messages, params)[0].outputs[0]
+    llm = LLM(num_gpu_blocks=64, speculative_config={"method": "ngram",
+                                                     "num_speculative_tokens": 4})
+    try:
+        spec = llm.chat(messages, params)[0].outputs[0]
+        assert spec.token_ids == plain.token_ids and spec.text == plain.text
+        assert set(json.loads(spec.text)) == {"quote", "author"}
+        assert llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_bad_constraints_raise_value_error(tiny_llama_dir) -> None:

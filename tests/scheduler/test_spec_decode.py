@@ -130,13 +130,13 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_sequence_there() -> None:
     assert_baseline(sched)
 
 
-def test_constrained_requests_and_wide_batches_get_no_drafts() -> None:
+def test_constrained_requests_get_drafts_and_wide_batches_none() -> None:
     sched, sim = make_scheduler(speculative_config=SPEC, copy_period=6)
     params = SamplingParams(max_tokens=12, temperature=0.0,
                             structured_outputs=StructuredOutputs(regex="[a-z]+"))
     sched.add_request(sched.make_request("g", _prompts()[0], params))
     run_to_completion(sched, sim)
-    assert sched.spec_stats["num_drafts"] == 0
+    assert sched.spec_stats["num_drafts"] > 0  # the sampler masks each guessed position
 
     wide = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=3)
     _, stats = _run(wide)  # six running sequences: never below the limit

@@ -103,10 +103,41 @@ def test_unseeded_drafts_keep_the_target_distribution() -> None:
     assert all(len(out[f"s{i}"]) <= 3 for i in range(n))
 
 
-def test_structured_requests_refuse_drafts() -> None:
+@pytest.mark.parametrize("bad", [0, 1, 2, 3])
+def test_grammar_rows_with_drafts_equal_one_position_at_a_time(bad: int) -> None:
+    """Each position is masked in the state the guesses before it lead to; the matcher
+    ends having accepted exactly the kept tokens (checked by the next plain step)."""
+    pytest.importorskip("xgrammar")
     from pagedserve.scheduler.sampling_params import StructuredOutputs
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+    from pagedserve.worker.structured import GrammarBook
 
-    params = SamplingParams(structured_outputs=StructuredOutputs(regex="a+"))
-    with pytest.raises(ValueError, match="structured"):
-        Sampler().sample_drafted(torch.zeros(2, V),
-                                 [SampleRequest("a", "a", 0, params, 0, None, None, [1])])
+    tok = load_tokenizer(resolve_model(None))
+    vocab = len(tok)
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+
+    def sampler() -> Sampler:
+        return Sampler(eos_token_ids=[EOS], grammar_book=lambda: GrammarBook(tok, vocab, [EOS]))
+
+    params = SamplingParams(temperature=0.0,
+                            structured_outputs=StructuredOutputs(regex="[0-9]{2}-[0-9]{2}"))
+    g = torch.Generator().manual_seed(bad)
+    k = 3
+    logits = torch.randn(k + 2, vocab, generator=g)
+    logits[:, digits] += 5.0  # digits lead wherever the grammar allows them
+
+    plain, s1 = [], sampler()
+    for j in range(k + 2):
+        hist = list(plain)
+        plain.append(s1.sample(logits[j:j + 1], [SampleRequest("a", "a", 0, params, len(hist),
+                                                              hist)])["a"].token_id)
+    drafts = [t if j != bad else digits[(digits.index(t) + 1) % 10] if t in digits else t + 1
+              for j, t in enumerate(plain[:k])]
+    s2 = sampler()
+    got = s2.sample_drafted(logits, [SampleRequest("a", "a", 0, params, 0, [], None, drafts)])
+    kept = [t.token_id for t in got["a"]]
+    assert kept == plain[:bad + 1] if bad < k else kept == plain[:k + 1]
+    # The next step continues from exactly the kept tokens.
+    nxt = s2.sample(logits[len(kept):len(kept) + 1],
+                    [SampleRequest("a", "a", 0, params, len(kept), kept)])["a"].token_id
+    assert nxt == plain[len(kept)]
