@@ -215,11 +215,16 @@ class Formatter:
 
     @staticmethod
     def _tool_delta(tools: ToolContext, c: _Choice, text: str, delta: dict[str, Any],
-                    finish: str | None) -> tuple[str, str | None]:
-        """The content a tool-using choice may show now; at its end, its calls go into
-        ``delta`` (whole, one entry each) and the finish reason says so."""
+                    finish: str | None) -> tuple[str | None, str | None]:
+        """The content a tool-using choice may show now; a named function's argument
+        fragments, or at the end the other calls whole, go into ``delta``."""
         if c.tool_stream is None:
             c.tool_stream = ToolStream(tools)
+        if tools.mode == "named":
+            fragment = c.tool_stream.named_fragment(text)
+            if fragment is not None:
+                delta["tool_calls"] = [fragment]
+            return None, finish
         content = c.tool_stream.feed(text)
         if not finish:
             return content, finish

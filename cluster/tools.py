@@ -14,10 +14,12 @@ How each choice is honoured (vLLM's approach):
   the text before them the message content;
 - ``"none"``: plain text (the tools still reach the chat template).
 
-Streams carry content as it comes; calls go out as one ``tool_calls`` delta
-when the choice ends (OpenAI's clients accumulate deltas, so a whole call in
-one delta is valid). Under ``auto`` the text from ``<tool_call>`` on is held
-back, and so is a tail that could be the start of that tag.
+Streams carry content as it comes. A named function's arguments stream as
+``tool_calls`` fragments while they are written (the first carries the id and
+name); other calls go out whole in one ``tool_calls`` delta when the choice
+ends (OpenAI's clients accumulate deltas, so both are valid). Under ``auto``
+the text from ``<tool_call>`` on is held back, and so is a tail that could be
+the start of that tag.
 """
 
 from __future__ import annotations
@@ -167,6 +169,18 @@ class ToolStream:
         self.ctx = ctx
         self.text = ""  # everything generated so far
         self.sent = 0  # characters already emitted as content
+        self._named: dict[str, Any] | None = None  # the named call, once announced
+
+    def named_fragment(self, delta: str) -> dict[str, Any] | None:
+        """A named function's arguments as they are written: a ``tool_calls`` delta
+        entry (the first one carries the call's id and name), or None for nothing new."""
+        assert self.ctx.mode == "named" and self.ctx.name is not None
+        self.text += delta
+        if self._named is None:
+            self._named = _call(self.ctx.name, "")
+            return {"index": 0, "id": self._named["id"], "type": "function",
+                    "function": {"name": self.ctx.name, "arguments": delta}}
+        return {"index": 0, "function": {"arguments": delta}} if delta else None
 
     def feed(self, delta: str) -> str:
         """The content that can be shown now."""

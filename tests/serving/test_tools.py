@@ -108,8 +108,12 @@ def test_streaming_holds_back_the_call_and_shows_the_rest(size: int) -> None:
     assert _stream(auto, "a < b and <tool", size) == ("a < b and <tool", [])
     named = ToolContext.from_request([WEATHER], {"type": "function",
                                                  "function": {"name": "get_weather"}}, None)
-    shown, calls = _stream(named, '{"city": "Rome"}', size)
-    assert shown == "" and calls[0]["function"]["arguments"] == '{"city": "Rome"}'
+    ts, text = ToolStream(named), '{"city": "Rome"}'
+    frags = [ts.named_fragment(text[i:i + size]) for i in range(0, len(text), size)]
+    assert frags[0]["id"].startswith("call_") and frags[0]["function"]["name"] == "get_weather"
+    assert all("id" not in f and "name" not in f["function"] for f in frags[1:])
+    assert "".join(f["function"]["arguments"] for f in frags) == text
+    assert ts.named_fragment("") is None
 
 
 def test_template_messages_give_templates_arguments_as_objects() -> None:
