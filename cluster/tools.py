@@ -11,7 +11,9 @@ How each choice is honoured (vLLM's approach):
 - ``"auto"`` (the default when tools are given): the model writes freely and
   ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks in its text
   (the Hermes format that Qwen2.5 / Qwen3 chat templates teach) become calls,
-  the text before them the message content;
+  the text before them the message content; an output that is as a whole a JSON
+  call or list of calls (Llama 3.x's ``{"name": ..., "parameters": ...}``,
+  maybe after ``<|python_tag|>``) becomes calls too;
 - ``"none"``: plain text (the tools still reach the chat template).
 
 Streams carry content as it comes. A named function's arguments stream as
@@ -19,7 +21,7 @@ Streams carry content as it comes. A named function's arguments stream as
 name); other calls go out whole in one ``tool_calls`` delta when the choice
 ends (OpenAI's clients accumulate deltas, so both are valid). Under ``auto``
 the text from ``<tool_call>`` on is held back, and so is a tail that could be
-the start of that tag.
+the start of that tag, and an output that starts like a JSON call.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pagedserve.cluster.protocol import APIError
 from pagedserve.scheduler.sampling_params import StructuredOutputs
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 _HERMES = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE),
                      re.DOTALL)
 
@@ -131,7 +134,12 @@ class ToolContext:
                 return None, [_call(it["name"], it["parameters"]) for it in items]
             except (ValueError, TypeError, KeyError):
                 return text, []
-        return parse_hermes(text, set(self.schemas))
+        content, calls = parse_hermes(text, set(self.schemas))
+        if not calls:
+            calls = parse_json_calls(text, set(self.schemas))
+            if calls:
+                content = None
+        return content, calls
 
     def finish_reason(self, calls: list[dict[str, Any]], engine_reason: str | None
                       ) -> str | None:
@@ -162,6 +170,29 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str,
     return content or None, calls
 
 
+def parse_json_calls(text: str, names: set[str]) -> list[dict[str, Any]]:
+    """Llama 3.x's format: the whole output is a JSON call (``{"name": ...,
+    "parameters": ...}``, optionally after ``<|python_tag|>``), or a list of them,
+    of known functions; anything else is no call."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return []
+    items = obj if isinstance(obj, list) else [obj]
+    calls = []
+    for it in items:
+        if not isinstance(it, dict) or it.get("name") not in names:
+            return []
+        args = it.get("parameters", it.get("arguments", {}))
+        if not isinstance(args, dict):
+            return []
+        calls.append(_call(it["name"], args))
+    return calls
+
+
 class ToolStream:
     """Splits one streamed choice into content deltas now and tool calls at its end."""
 
@@ -190,6 +221,9 @@ class ToolStream:
         if self.ctx.mode == "none":
             out, self.sent = self.text[self.sent:], len(self.text)
             return out
+        head = self.text.lstrip()
+        if head[:1] in ("{", "[") or (head and PYTHON_TAG.startswith(head[:len(PYTHON_TAG)])):
+            return ""  # may be a whole-output JSON call: decided at the end
         at = self.text.find(TOOL_CALL_OPEN)
         limit = at if at >= 0 else len(self.text)
         if at < 0:  # hold back a tail that may be the tag's beginning
@@ -207,10 +241,11 @@ class ToolStream:
         if not calls:
             rest, self.sent = self.text[self.sent:], len(self.text)
             return rest, []
-        if self.ctx.mode != "auto":
+        at = self.text.find(TOOL_CALL_OPEN)
+        if self.ctx.mode != "auto" or at < 0:  # (a whole-output JSON call has no content)
             return "", calls
         # (content is what came before the first call, right-stripped as ``parse`` does)
-        return self.text[self.sent:self.text.index(TOOL_CALL_OPEN)].rstrip(), calls
+        return self.text[self.sent:at].rstrip(), calls
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

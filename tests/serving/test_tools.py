@@ -9,7 +9,13 @@ import json
 import pytest
 
 from pagedserve.cluster.protocol import APIError
-from pagedserve.cluster.tools import ToolContext, ToolStream, parse_hermes, template_messages
+from pagedserve.cluster.tools import (
+    ToolContext,
+    ToolStream,
+    parse_hermes,
+    parse_json_calls,
+    template_messages,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -125,3 +131,23 @@ def test_template_messages_give_templates_arguments_as_objects() -> None:
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'  # untouched
     assert out[1] == msgs[1]
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_llama3_json_calls_in_auto(size: int) -> None:
+    """Llama 3.x writes the call as the whole output (maybe after <|python_tag|>)."""
+    auto = ToolContext.from_request([WEATHER, TIME], "auto", None)
+    one = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    for text in (one, "<|python_tag|>" + one, f"[{one}, " + '{"name": "get_time", '
+                 '"parameters": {"zone": "UTC"}}]'):
+        content, calls = auto.parse(text)
+        assert content is None and calls[0]["function"]["name"] == "get_weather"
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+        shown, streamed = _stream(auto, text, size)  # nothing shown: it was a call
+        assert shown == "" and [c["function"] for c in streamed] == [
+            c["function"] for c in calls]
+    assert parse_json_calls('{"name": "unknown", "parameters": {}}', {"get_weather"}) == []
+    assert parse_json_calls('{"city": "Oslo"}', {"get_weather"}) == []
+    # JSON that is no call is content after all, streamed whole at the end.
+    assert _stream(auto, '{"answer": 42}', size) == ('{"answer": 42}', [])
+    assert _stream(auto, "<|im_start|> hi", size) == ("<|im_start|> hi", [])
