@@ -6,7 +6,9 @@ greedy.
 
 Two workloads: prompts whose answers quote their input (repeat, correct,
 reformat, edit code: where n-gram drafts pay), and open questions (where they
-mostly miss; what speculation costs when it does not help). Requests run one
+mostly miss; what speculation costs when it does not help). A third, JSON
+under a schema (quote extraction), runs pagedserve alone with and without
+guesses: the grammar masks every guessed position. Requests run one
 at a time (latency: HF's prompt lookup only takes batch 1); pagedserve also
 runs each workload as one batch. Prints output tokens/s, the speed-up of each
 engine's speculation over its own plain decoding, pagedserve's over HF's, the
@@ -43,6 +45,17 @@ GROUNDED = [
     f"Rename the variable 'total' to 'acc' in this code:\n{CODE}",
     "Convert this list to JSON with keys name and age: Alice 31, Bob 27, Carol 45, Dan 19.",
 ]
+QUOTES = [  # JSON under a schema: structured outputs, guesses masked by the grammar
+    ("Albert Einstein", "imagination is more important than knowledge"),
+    ("Marie Curie", "nothing in life is to be feared, it is only to be understood"),
+    ("Ada Lovelace", "the analytical engine weaves algebraic patterns just as the loom "
+                     "weaves flowers and leaves"),
+    ("Alan Turing", "we can only see a short distance ahead, but we can see plenty there "
+                    "that needs to be done"),
+]
+QUOTE_SCHEMA = {"type": "object", "properties": {"quote": {"type": "string"},
+                                                 "author": {"type": "string"}},
+                "required": ["quote", "author"], "additionalProperties": False}
 OPEN = [
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -70,6 +83,33 @@ def run_pagedserve(llm, prompts: list[list[int]], max_tokens: int, batched: bool
         outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
                 for p in prompts]
     return sum(map(len, outs)) / (time.perf_counter() - t0), outs
+
+
+def run_structured(plain, spec, tok, max_tokens: int) -> dict[str, float]:
+    """Quote extraction under a JSON schema, one request at a time, with and without
+    guesses (HF ``generate`` has no grammar, so no peer here)."""
+    from pagedserve.cluster import SamplingParams
+    from pagedserve.scheduler.sampling_params import StructuredOutputs
+
+    prompts = chat_ids(tok, [f"Return JSON with the sentence in 'quote' and who said it in "
+                             f"'author': {who} said that {what}." for who, what in QUOTES])
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            structured_outputs=StructuredOutputs(json=QUOTE_SCHEMA))
+    before = spec.engine.get_stats()["spec_decode"]
+    row: dict[str, float] = {}
+    outs = {}
+    for label, engine in (("pagedserve", plain), ("pagedserve_ngram", spec)):
+        t0 = time.perf_counter()
+        outs[label] = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+                       for p in prompts]
+        row[label] = sum(map(len, outs[label])) / (time.perf_counter() - t0)
+        print(f"{'json':9s} {label:24s} {row[label]:7.1f} tokens/s", flush=True)
+    after = spec.engine.get_stats()["spec_decode"]
+    row["draft_acceptance"] = ((after["num_accepted_tokens"] - before["num_accepted_tokens"])
+                               / max(1, after["num_draft_tokens"] - before["num_draft_tokens"]))
+    row["ngram_speedup"] = row["pagedserve_ngram"] / row["pagedserve"]
+    row["same_tokens"] = float(outs["pagedserve"] == outs["pagedserve_ngram"])
+    return row
 
 
 def run_hf(model, prompts: list[list[int]], max_tokens: int, lookup: int | None,
@@ -112,6 +152,7 @@ def main() -> None:
     warm = chat_ids(tok, ["Hi"])
     for engine in (plain, spec):
         run_pagedserve(engine, warm, 4, batched=False)
+    run_structured(plain, spec, tok, 4)  # compiles the schema's grammar once
     run_hf(model, warm, 4, None, eos)
     run_hf(model, warm, 4, k, eos)
 
@@ -153,6 +194,9 @@ def main() -> None:
               f"{r['ngram_vs_hf_lookup']:14.2f}x {r['ngram_batch_speedup']:16.2f}x "
               f"{r['draft_acceptance']:8.0%}")
         print(f"          same greedy tokens as pagedserve: {r['same_tokens']}")
+    results["json"] = r = run_structured(plain, spec, tok, args.max_tokens)
+    print(f"json (schema) ngram/plain {r['ngram_speedup']:.2f}x, {r['draft_acceptance']:.0%} "
+          f"accepted, same tokens: {bool(r['same_tokens'])}")
     plain.shutdown()
     spec.shutdown()
     if args.json:
