@@ -84,7 +84,7 @@ class NgramProposer:
 
     def propose(self, req: Request, max_tokens: int) -> tuple[int, ...]:
         """Up to ``min(k, max_tokens)`` tokens after the latest earlier match of the
-        longest suffix n-gram; ``[]`` when no suffix of at least the minimum
+        longest suffix n-gram; ``()`` when no suffix of at least the minimum
         length occurred before."""
         k = min(self.config.num_speculative_tokens, max_tokens)
         if k <= 0:
