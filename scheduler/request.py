@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from array import array
 from collections.abc import Sequence
 
 from pagedserve.scheduler.block_hash import BlockHash, hash_prompt_blocks
@@ -74,10 +73,10 @@ class Request:
         # Leading blocks of the current table already offered to the prefix cache.
         self.num_hashed_blocks = 0
         self.pending_children: list[Request] = []
-        # Speculative decoding: this step's guessed tokens, and the token ids as a
-        # C array for the n-gram search (see ``spec_decode``).
+        # Speculative decoding: this step's guessed tokens, and the token ids as C
+        # ints for the n-gram search (see ``spec_decode``).
         self.spec_token_ids: tuple[int, ...] = ()
-        self.token_array: array | None = None
+        self.token_bytes: bytearray | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 from pagedserve.scheduler.request import Request
 
 SPEC_METHODS = ("ngram",)
+_WIDTH = array("i").itemsize  # bytes per token in the search buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +90,9 @@ class NgramProposer:
         k = min(self.config.num_speculative_tokens, max_tokens)
         if k <= 0:
             return ()
-        tokens = _token_array(req)
-        n_tok = len(tokens)
-        hay = tokens.tobytes()
-        width = tokens.itemsize
+        hay = _token_bytes(req)
+        width = _WIDTH
+        n_tok = len(hay) // width
         for n in range(min(self.config.prompt_lookup_max, n_tok - 1),
                        self.config.prompt_lookup_min - 1, -1):
             needle = hay[(n_tok - n) * width:]
@@ -103,8 +103,8 @@ class NgramProposer:
                 if at < 0:
                     break
                 if at % width == 0:
-                    start = at // width + n
-                    return tuple(tokens[start:start + k])
+                    start = (at // width + n) * width
+                    return tuple(array("i", hay[start:start + k * width]))
                 end = at + len(needle) - 1
         return ()
 
@@ -150,13 +150,14 @@ class Drafter:
         return accepted
 
 
-def _token_array(req: Request) -> array:
-    """The request's tokens as a C int array, extended in place as tokens arrive
-    (``all_token_ids`` only ever grows), so a step copies only the new ones."""
-    arr = req.token_array
-    if arr is None:
-        arr = req.token_array = array("i")
-    n = len(arr)
+def _token_bytes(req: Request) -> bytearray:
+    """The request's tokens as C ints in a ``bytearray`` (searched in place by
+    ``rfind``), extended as tokens arrive (``all_token_ids`` only ever grows), so a
+    step converts only the new ones and never copies the whole sequence."""
+    buf = req.token_bytes
+    if buf is None:
+        buf = req.token_bytes = bytearray()
+    n = len(buf) // _WIDTH
     if n < len(req.all_token_ids):
-        arr.extend(req.all_token_ids[n:])
-    return arr
+        buf += array("i", req.all_token_ids[n:]).tobytes()
+    return buf
