@@ -3,6 +3,8 @@
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.llm import LLM
 from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput",
+           "SamplingParams"]

@@ -25,6 +25,8 @@ class EngineConfig:
     Face token for token; bf16 is ~1.7x faster on CPUs with bf16 dot products).
     ``speculative_config`` turns on n-gram speculative decoding
     (``scheduler.spec_decode``); a dict is parsed into a ``SpeculativeConfig``.
+    ``enable_lora`` serves PEFT LoRA adapters of rank <= ``max_lora_rank`` next to the
+    base model, at most ``max_loras`` different ones in a step (vLLM's names).
     """
 
     model: str | None = None
@@ -50,6 +52,9 @@ class EngineConfig:
     burst_wait_ms: float | None = None
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -68,7 +73,7 @@ class EngineConfig:
             from pagedserve.worker.config import parse_dtype
 
             parse_dtype(self.dtype)  # raises naming the field and the accepted names
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

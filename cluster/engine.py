@@ -19,9 +19,11 @@ from typing import Any
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
+from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -94,6 +96,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             num_threads=config.num_threads,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
             extra=dict(config.worker_extra),
         )
         self.executor: Executor
@@ -121,6 +124,7 @@ class LLMEngine:
                 max_model_len=max_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             CacheConfig(
                 num_gpu_blocks=num_gpu_blocks,
@@ -131,6 +135,7 @@ class LLMEngine:
             ),
             spec,
         )
+        self.loras = LoRARegistry(self.executor, config.enable_lora)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
         self._ids = itertools.count()
@@ -161,8 +166,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Validate and queue a request; raises ``ValueError`` naming the problem."""
+        """Validate and queue a request; raises ``ValueError`` naming the problem.
+
+        A ``lora_request`` the engine has not loaded yet is loaded first, on every
+        rank (``add_lora``).
+        """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
         params = params or SamplingParams()
@@ -181,8 +191,10 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
+        if lora_request is not None:
+            self.loras.add(lora_request)
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
-                                          cache_salt)
+                                          cache_salt, lora_request)
         self.scheduler.add_request(req)
         group = _Group(request_id, prompt if isinstance(prompt, str) else None, ids, params, [])
         if params.prompt_logprobs is not None:
@@ -198,6 +210,18 @@ class LLMEngine:
         self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids)
         return request_id
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on every rank; False if already loaded (``ValueError`` if bad)."""
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload an adapter no unfinished request uses; False if it is not loaded."""
+        return self.loras.remove(lora_name, lambda lora_id: sum(
+            1 for r in self.scheduler.requests.values() if r.lora_id == lora_id))
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.list()
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request in any state; its blocks are free when this returns."""
@@ -217,11 +241,12 @@ class LLMEngine:
         """Prompt tokens queued for the next steps (what an idle engine's first step would run)."""
         return self.scheduler.num_waiting_tokens()
 
-    def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None = None
-                            ) -> list[bytes]:
+    def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None = None,
+                            lora_request: LoRARequest | None = None) -> list[bytes]:
         """The prefix-cache keys of a prompt, as the scheduler computes them."""
+        lora_key = lora_request.cache_key if lora_request is not None else None
         return hash_prompt_blocks(token_ids, self.scheduler.block_size,
-                                  make_extra_keys(self.model_id, cache_salt))
+                                  make_extra_keys(self.model_id, cache_salt, lora_key))
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -332,6 +357,7 @@ class LLMEngine:
             "prefix_cache_queries": self.scheduler.kv.prefix_queries,
             "prefix_cache_hits": self.scheduler.kv.prefix_hits,
             "spec_decode": dict(self.scheduler.spec_stats),
+            "lora_adapters": [r.lora_name for r in self.loras.list()],
             "memory": mem,
             "model": self.model_id,
         }

@@ -40,6 +40,13 @@ class Executor(abc.ABC):
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None: ...
 
     @abc.abstractmethod
+    def add_lora(self, lora_id: int, path: str) -> None:
+        """Load an adapter on every rank; ``ValueError`` if any rank cannot serve it."""
+
+    @abc.abstractmethod
+    def remove_lora(self, lora_id: int) -> None: ...
+
+    @abc.abstractmethod
     def check_health(self) -> None: ...
 
     @abc.abstractmethod
@@ -65,6 +72,12 @@ class LocalExecutor(Executor):
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(plan)
+
+    def add_lora(self, lora_id: int, path: str) -> None:
+        self.worker.add_lora(lora_id, path)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.worker.remove_lora(lora_id)
 
     def check_health(self) -> None:
         self.worker.check_health()
@@ -142,6 +155,20 @@ class RayExecutor(Executor):
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         ref = self._ray.put(plan)
         return self._get([w.execute_model.remote(ref) for w in self.workers])[0]
+
+    def add_lora(self, lora_id: int, path: str) -> None:
+        try:
+            self._ray.get([w.add_lora.remote(lora_id, path) for w in self.workers])
+        except ValueError as e:  # a rank refused the adapter: the group itself is fine
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ValueError):
+                raise ValueError(str(cause)) from None
+            raise
+        except Exception as e:
+            raise ExecutorDeadError(f"tensor-parallel group failed: {e}") from e
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._get([w.remove_lora.remote(lora_id) for w in self.workers])
 
     def check_health(self) -> None:
         self._get([w.check_health.remote() for w in self.workers], timeout=30)

@@ -8,6 +8,7 @@ from typing import Any
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
 from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 # vLLM's prompt forms: text, token ids, or a TextPrompt / TokensPrompt dict.
@@ -45,8 +46,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        ``lora_request`` runs every prompt with one LoRA adapter, or (a list) each
+        prompt with its own (None: the base model); prompts of different adapters
+        share the batch.
 
         A bad prompt or setting anywhere in the batch raises before anything runs,
         and the batch's requests added before it are withdrawn: none of them is
@@ -63,10 +69,16 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, lora in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(p, sp, lora_request=lora))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -79,6 +91,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -88,7 +101,7 @@ class LLM:
                                          tokenize=True, return_dict=False))
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -18,13 +18,16 @@ BlockHash = bytes
 _ROOT = b"pagedserve-root-v1"
 
 
-def make_extra_keys(model_id: str, cache_salt: str | None = None) -> tuple[str, ...]:
-    """Keys mixed into every block hash: the model and an optional tenant salt.
+def make_extra_keys(model_id: str, cache_salt: str | None = None,
+                    lora_key: str | None = None) -> tuple[str, ...]:
+    """Keys mixed into every block hash: the model, an optional tenant salt and LoRA.
 
     A ``cache_salt`` isolates tenants: the same prompt under two salts never
     shares a block, so one tenant cannot probe another's prompts by timing.
+    A LoRA adapter changes every layer's K/V, so its blocks are its own.
     """
-    return (model_id,) if cache_salt is None else (model_id, f"salt:{cache_salt}")
+    keys = (model_id,) if cache_salt is None else (model_id, f"salt:{cache_salt}")
+    return keys if lora_key is None else (*keys, lora_key)
 
 
 def hash_block_tokens(

@@ -12,7 +12,8 @@ class SchedulerConfig:
     """Batching policy.
 
     ``max_num_batched_tokens`` is the per-step token budget shared by decodes
-    and prefill chunks; ``max_num_seqs`` caps running sequences.
+    and prefill chunks; ``max_num_seqs`` caps running sequences; ``max_loras``
+    caps the distinct LoRA adapters among them (0: no cap).
     """
 
     max_num_seqs: int = 256
@@ -20,8 +21,11 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     preemption_mode: str = "swap"
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be a non-negative integer, got {self.max_loras!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:

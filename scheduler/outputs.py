@@ -27,6 +27,7 @@ class ScheduledRequest:
     ``prompt_logprob_targets`` (only for requests that asked for prompt
     logprobs) are the prompt tokens this chunk's rows predict: row ``i`` gives
     the logprob of prompt position ``num_computed_tokens + 1 + i``.
+    ``lora_id`` names the LoRA adapter the row runs with (0: none).
     """
 
     request_id: str
@@ -39,6 +40,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] | None = None
     prompt_logprob_targets: list[int] | None = None
     draft_token_ids: tuple[int, ...] = ()
+    lora_id: int = 0
 
     @property
     def num_tokens(self) -> int:

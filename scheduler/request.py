@@ -53,6 +53,7 @@ class Request:
         group_id: str | None = None,
         index: int = 0,
         arrival_time: float | None = None,
+        lora_id: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -64,6 +65,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
         self.extra_keys = tuple(extra_keys)
+        # The LoRA adapter this sequence runs with (0: the base model).
+        self.lora_id = lora_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -125,6 +128,7 @@ class Request:
             group_id=self.group_id,
             index=index,
             arrival_time=self.arrival_time,
+            lora_id=self.lora_id,
         )
         return child
 

@@ -16,6 +16,7 @@ from collections import deque
 from pagedserve.scheduler.block_hash import make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.memory import MemoryStats, memory_stats
 from pagedserve.scheduler.outputs import (
     ModelRunnerOutput,
@@ -65,14 +66,17 @@ class Scheduler:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        """Build a request with this replica's hash keys (model id, salt)."""
+        """Build a request with this replica's hash keys (model id, salt, adapter)."""
+        lora_key = lora_request.cache_key if lora_request is not None else None
         return Request(
             request_id,
             prompt_token_ids,
             params,
             eos_token_ids,
-            make_extra_keys(self.cache_config.model_id, cache_salt),
+            make_extra_keys(self.cache_config.model_id, cache_salt, lora_key),
+            lora_id=lora_request.lora_int_id if lora_request is not None else 0,
         )
 
     def check_fits(self, request: Request) -> None:
@@ -155,6 +159,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        active = {r.lora_id for r in self.running if r.lora_id} if self.config.max_loras else set()
         while (
             not preempted
             and self.swapped
@@ -162,6 +167,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.swapped[0]
+            if not self._lora_fits(req, active):
+                break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             blocks_after = cdiv(req.num_computed_tokens + num_new, self.block_size)
             extra = max(0, blocks_after - len(self.kv.swapped[req.request_id].cpu_block_ids))
@@ -178,6 +185,7 @@ class Scheduler:
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
 
+        skipped: list[Request] = []  # over the adapter cap this step; keep their places
         while (
             not preempted
             and not self.swapped
@@ -186,6 +194,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if not self._lora_fits(req, active):
+                skipped.append(self.waiting.popleft())
+                continue
             if req.sampling_params.prompt_logprobs is None:
                 hits, num_hit = self.kv.get_computed_blocks(req)
             else:  # every prompt position's logits are wanted: compute them all
@@ -206,7 +217,19 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _lora_fits(self, req: Request, active: set[int]) -> bool:
+        """Whether running ``req`` keeps the distinct adapters of ``active`` (the
+        running ones) at most ``max_loras``; if so, its adapter joins ``active``."""
+        cap = self.config.max_loras
+        if not cap or not req.lora_id or req.lora_id in active:
+            return True
+        if len(active) >= cap:
+            return False
+        active.add(req.lora_id)
+        return True
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return scheduled_request(req, num_new, self.kv.block_ids(req.request_id))

@@ -39,6 +39,7 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
     sched = ScheduledRequest(rid, token_ids, start, block_ids, sample_ids, params)
     if drafts:
         sched.draft_token_ids = drafts
+    sched.lora_id = req.lora_id
     sp = req.sampling_params
     if sample_ids and sp.needs_output_history:
         # Siblings share the params; at the prompt's end none has an output yet.

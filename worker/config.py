@@ -264,6 +264,9 @@ class WorkerConfig:
     (there is nothing to profile against); on CUDA, when neither is given,
     ``gpu_memory_utilization`` of the device is used after a profiling forward,
     whose logits rows include ``num_speculative_tokens`` per sequence.
+
+    ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
+    (``layers.lora``); 0 serves the base model only.
     """
 
     model: str | None = None
@@ -285,9 +288,12 @@ class WorkerConfig:
     num_speculative_tokens: int = 0
     cpu_packed_weights: bool = True
     num_threads: int | None = None
+    max_lora_rank: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.max_lora_rank < 0:
+            raise ValueError(f"max_lora_rank must be >= 0, got {self.max_lora_rank}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:

@@ -19,6 +19,7 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.cuda_graph import DecodeGraphRunner
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
+from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.prompt_logprobs import PromptLogprobJob, compute_prompt_logprobs
@@ -43,8 +44,10 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, ctx: ParallelContext,
                  device: torch.device, sampler: Sampler | None = None,
-                 enable_cuda_graph: bool = False, max_num_seqs: int = 256):
+                 enable_cuda_graph: bool = False, max_num_seqs: int = 256,
+                 lora: LoRAManager | None = None):
         self.model, self.kv_cache, self.ctx, self.device = model, kv_cache, ctx, device
+        self.lora = lora
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler(model.config.eos_token_ids)
         self.graphs: DecodeGraphRunner | None = None
@@ -146,12 +149,23 @@ class ModelRunner:
         )
 
     def forward_hidden(self, inputs: ModelInputs) -> torch.Tensor:
-        """Final hidden states for every token of the step (CUDA graph for decode if captured)."""
-        if self.graphs is not None and inputs.md.is_decode:
+        """Final hidden states for every token of the step (CUDA graph for decode if
+        captured; steps with LoRA rows run eagerly, since their grouping varies)."""
+        lora_rows = self.lora is not None and self.lora.batch.groups
+        if self.graphs is not None and inputs.md.is_decode and not lora_rows:
             out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.md)
             if out is not None:
                 return out
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.md)
+
+    def _set_lora_batch(self, plan: SchedulerOutput) -> None:
+        """Tell the projections which rows run with which LoRA adapter this step."""
+        ids = [r.lora_id for r in plan.scheduled]
+        if self.lora is None:
+            if any(ids):
+                raise ValueError("a request asks for a LoRA adapter, but LoRA is not enabled")
+            return
+        self.lora.set_batch(ids, [len(r.token_ids) for r in plan.scheduled])
 
     def apply_cache_ops(self, plan: SchedulerOutput) -> None:
         """Swap-out, swap-in, then copy: the order the scheduler's block reuse relies on."""
@@ -170,7 +184,12 @@ class ModelRunner:
         if not plan.scheduled:
             return out
         inputs = self.prepare_inputs(plan)
-        hidden = self.forward_hidden(inputs)
+        self._set_lora_batch(plan)
+        try:
+            hidden = self.forward_hidden(inputs)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_batch()
         if inputs.prompt_logprob_jobs:
             prompt_lps = compute_prompt_logprobs(self.model, hidden, inputs.prompt_logprob_jobs)
             if out is not None and prompt_lps is not None:

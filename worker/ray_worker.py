@@ -54,6 +54,12 @@ class RayWorkerWrapper:
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         return self._on_compute_thread(self.worker.execute_model, plan)
 
+    def add_lora(self, lora_id: int, path: str) -> None:
+        self._on_compute_thread(self.worker.add_lora, lora_id, path)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._on_compute_thread(self.worker.remove_lora, lora_id)
+
     def check_health(self) -> dict[str, Any]:
         return self.worker.check_health()
 

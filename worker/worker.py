@@ -22,6 +22,7 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, Sc
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
+from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.packed import can_pack, pack_model
 from pagedserve.worker.loaders import (
     ResolvedModel,
@@ -93,6 +94,7 @@ class Worker:
         self.load_time_s = 0.0
         self.packed_weights = False
         self.num_threads: int | None = None
+        self.lora: LoRAManager | None = None
 
     # ----- setup -------------------------------------------------------------------------
 
@@ -136,6 +138,9 @@ class Worker:
         self.packed_weights = False
         if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
             self.packed_weights = pack_model(self.model, {id(self.model.embed_tokens.weight)})
+        if self.config.max_lora_rank:
+            self.lora = LoRAManager(self.model, self.config.max_lora_rank, self.dtype,
+                                    self.device)
         self.load_time_s = time.perf_counter() - t0
         logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
                     self.load_time_s)
@@ -209,7 +214,7 @@ class Worker:
         sampler = Sampler(self.model_config.eos_token_ids, grammar_book=self._grammar_book)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
-                                  max_num_seqs=self.config.max_num_seqs)
+                                  max_num_seqs=self.config.max_num_seqs, lora=self.lora)
 
     def _grammar_book(self) -> Any:
         """Structured-output state, built on the first constrained request (rank 0 only
@@ -230,6 +235,15 @@ class Worker:
         if n is not None and getattr(_thread_state, "threads", None) != n:
             _apply_threads_here(n)
         return self.runner.execute(plan)
+
+    def add_lora(self, lora_id: int, path: str) -> None:
+        """Load a LoRA adapter's shard for this rank (``ValueError`` if it cannot serve it)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora / max_lora_rank)")
+        self.lora.add(lora_id, path)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.lora is not None and self.lora.remove(lora_id)
 
     def check_health(self) -> dict[str, Any]:
         """Raise if this rank cannot serve; otherwise a small status dict."""

@@ -75,16 +75,34 @@ class QKVParallelLinear(PackableLinear):
         self.bias = _param((out,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.with_lora(self.matmul(x, self.bias), x)
+
+    @property
+    def weight_out_features(self) -> int:
+        return self.q_size + 2 * self.kv_size
+
+    def _piece_rows(self, shard: str) -> tuple[int, int, int, int]:
+        """(full heads, first local head, local heads, output offset) of ``q``/``k``/``v``."""
+        if shard == "q":
+            return self.num_heads, self.q_start, self.local_heads, 0
+        off = self.q_size + (0 if shard == "k" else self.kv_size)
+        return self.num_kv_heads, self.kv_start, self.local_kv_heads, off
+
+    def lora_full_shape(self, shard: str) -> tuple[int, int]:
+        """(in, out) of the unsharded ``{shard}_proj`` an adapter's A and B must match."""
+        return self.hidden, self._piece_rows(shard)[0] * self.head_dim
+
+    def lora_piece(self, shard: str, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's share of an adapter's ``{shard}_proj``: A whole, B's local heads."""
+        _, start, n, off = self._piece_rows(shard)
+        d = self.head_dim
+        return a, b[start * d:(start + n) * d], off
 
     def load(self, shard: str, lazy: LazyTensor, is_bias: bool) -> None:
         """Copy this rank's heads of the full ``{q,k,v}_proj`` tensor into the fused param."""
         d = self.head_dim
-        if shard == "q":
-            full, start, n, off = self.num_heads, self.q_start, self.local_heads, 0
-        else:
-            full, start, n = self.num_kv_heads, self.kv_start, self.local_kv_heads
-            off = self.q_size + (0 if shard == "k" else self.kv_size)
+        full, start, n, off = self._piece_rows(shard)
         target = self.bias if is_bias else self.weight
         if target is None:
             raise ValueError(f"checkpoint has a {shard}_proj bias but the config says no bias")
@@ -109,7 +127,20 @@ class MergedColumnParallelLinear(PackableLinear):
         self.weight = _param((sum(self.local_sizes), in_features), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        return self.with_lora(self.matmul(x), x)
+
+    @property
+    def weight_out_features(self) -> int:
+        return sum(self.local_sizes)
+
+    def lora_full_shape(self, index: int) -> tuple[int, int]:
+        return self.in_features, self.full_sizes[index]
+
+    def lora_piece(self, index: int, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's share of output ``index``'s adapter: A whole, B's local rows."""
+        n = self.local_sizes[index]
+        return a, b[self.rank * n:(self.rank + 1) * n], sum(self.local_sizes[:index])
 
     def load(self, index: int, lazy: LazyTensor) -> None:
         _check_shape(f"merged[{index}]", lazy, (self.full_sizes[index], self.in_features))
@@ -138,10 +169,24 @@ class RowParallelLinear(PackableLinear):
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(self.matmul(x))
+        out = self.ctx.all_reduce(self.with_lora(self.matmul(x), x))
         if self.bias is not None:
             out = out + self.bias
         return out
+
+    @property
+    def weight_out_features(self) -> int:
+        return self.out_features
+
+    def lora_full_shape(self, piece: None) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    def lora_piece(self, piece: None, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's share of an adapter: A's local input columns, B whole; the
+        partial deltas add up in the all-reduce like the base matmul's."""
+        r = self.ctx.rank
+        return a[:, r * self.local_in:(r + 1) * self.local_in], b, 0
 
     def load(self, lazy: LazyTensor, is_bias: bool = False) -> None:
         if is_bias:

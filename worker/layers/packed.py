@@ -15,10 +15,14 @@ freezing pass emits); anything unexpected at pack time leaves the plain
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedserve.worker.layers.lora import LoRAWeights
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,14 @@ class PackableLinear(nn.Module):
     """Base for projections: ``self.weight`` (+ optional ``self.bias``) or a packed copy."""
 
     packed: torch.Tensor | None = None
+    # Set when the engine serves LoRA adapters (``worker.layers.lora``).
+    lora: LoRAWeights | None = None
+
+    def with_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` (this module's matmul of ``x``) plus the step's adapter deltas."""
+        if self.lora is not None and self.lora.batch.groups:
+            self.lora.apply(y, x)
+        return y
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:

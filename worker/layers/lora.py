@@ -1,0 +1,158 @@
+"""Multi-LoRA in one batch: each row of a step may run with a different adapter.
+
+Every attention and MLP projection carries a :class:`LoRAWeights`: per loaded
+adapter, one ``A [R, in]`` and one ``B [out, R]`` for the whole fused matmul
+(q/k/v, gate/up). A fused module's pieces stack their A's, and B is block
+diagonal, so ``(x @ A.T) @ B.T`` adds each piece's delta to its own output
+columns only (a piece the adapter does not target has no rows at all). The
+LoRA scale is folded into B at load.
+
+A step groups its rows by adapter (:class:`LoRABatch`, set by the runner):
+rows of one adapter are gathered, pass through its two thin matmuls and are
+added back (``index_add_``); when every row uses the same adapter, no gather
+at all. This is the segmented form of Punica's SGMV in plain torch: the cost
+is the adapters' rank, never ``max_loras`` times it.
+
+Tensor parallel: column-parallel modules hold their rank's rows of B (A
+whole); row-parallel ones their rank's columns of A (B whole). The partial
+deltas of a row-parallel module are added before its all-reduce, which sums
+them exactly as it sums the base matmul's partial products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.worker.loaders.lora import LoRAAdapter, load_lora_adapter
+
+# Adapter module -> (attribute path of the fused projection, piece of it).
+_TARGETS: dict[str, tuple[str, str, str | int | None]] = {
+    "q_proj": ("self_attn", "qkv_proj", "q"),
+    "k_proj": ("self_attn", "qkv_proj", "k"),
+    "v_proj": ("self_attn", "qkv_proj", "v"),
+    "o_proj": ("self_attn", "o_proj", None),
+    "gate_proj": ("mlp", "gate_up_proj", 0),
+    "up_proj": ("mlp", "gate_up_proj", 1),
+    "down_proj": ("mlp", "down_proj", None),
+}
+
+
+@dataclass
+class LoRABatch:
+    """This step's rows per adapter: ``(lora_id, rows)``, rows None for all of them."""
+
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+
+class LoRAWeights:
+    """One projection's adapters: ``lora_id -> (A [R, in_local], B [out_local, R])``."""
+
+    def __init__(self, batch: LoRABatch) -> None:
+        self.batch = batch
+        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """Add every adapted row's ``x @ A.T @ B.T`` to ``y`` in place."""
+        for lora_id, rows in self.batch.groups:
+            ab = self.adapters.get(lora_id)
+            if ab is None:
+                continue
+            a, b = ab
+            if rows is None:
+                y.addmm_(x @ a.t(), b.t())
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+
+
+def _fuse(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], out_size: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack the pieces' A's; place each (scaled) B at its output offset, block diagonal."""
+    a = torch.cat([p[0] for p in pieces])
+    b = a.new_zeros(out_size, a.shape[0])
+    col = 0
+    for pa, pb, off in pieces:
+        b[off:off + pb.shape[0], col:col + pa.shape[0]] = pb
+        col += pa.shape[0]
+    return a, b
+
+
+class LoRAManager:
+    """Attaches :class:`LoRAWeights` to a Llama-family model and loads adapters into it."""
+
+    def __init__(self, model: torch.nn.Module, max_lora_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model, self.max_lora_rank = model, max_lora_rank
+        self.dtype, self.device = dtype, device
+        self.batch = LoRABatch()
+        self.paths: dict[int, str] = {}
+        for layer in model.layers:
+            for parent, attr, _ in _TARGETS.values():
+                module = getattr(getattr(layer, parent), attr)
+                if module.lora is None:
+                    module.lora = LoRAWeights(self.batch)
+
+    def add(self, lora_id: int, path: str) -> None:
+        """Load an adapter for this rank; loading the same id and path again is a no-op."""
+        if lora_id in self.paths:
+            if self.paths[lora_id] != path:
+                raise ValueError(f"lora_int_id {lora_id} is already loaded from "
+                                 f"{self.paths[lora_id]!r}")
+            return
+        adapter = load_lora_adapter_for(self.model, path, self.max_lora_rank, self.dtype)
+        fused: dict[int, tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]]]
+        fused = {}
+        for (layer_idx, name), (a, b, scale) in adapter.weights.items():
+            parent, attr, piece = _TARGETS[name]
+            module = getattr(getattr(self.model.layers[layer_idx], parent), attr)
+            pa, pb, off = module.lora_piece(piece, a, b * scale)
+            fused.setdefault(id(module), (module, []))[1].append((pa, pb, off))
+        for module, pieces in fused.values():
+            a, b = _fuse(pieces, module.weight_out_features)
+            module.lora.adapters[lora_id] = (a.to(self.device).contiguous(),
+                                             b.to(self.device).contiguous())
+        self.paths[lora_id] = path
+
+    def remove(self, lora_id: int) -> bool:
+        """Drop an adapter's weights from every projection; False if it was not loaded."""
+        if self.paths.pop(lora_id, None) is None:
+            return False
+        for layer in self.model.layers:
+            for parent, attr, _ in _TARGETS.values():
+                getattr(getattr(layer, parent), attr).lora.adapters.pop(lora_id, None)
+        return True
+
+    def set_batch(self, lora_ids: list[int], q_lens: list[int]) -> None:
+        """Group this step's token rows by adapter (``lora_ids[i]`` for ``q_lens[i]`` rows)."""
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        distinct = set(lora_ids)
+        missing = distinct - set(self.paths) - {0}
+        if missing:
+            raise ValueError(f"LoRA adapters {sorted(missing)} are not loaded on this rank")
+        if len(distinct) == 1 and 0 not in distinct:
+            groups.append((lora_ids[0], None))
+        elif len(distinct) > 1:
+            per_row = torch.repeat_interleave(torch.tensor(lora_ids), torch.tensor(q_lens))
+            for lora_id in sorted(distinct - {0}):
+                rows = (per_row == lora_id).nonzero().squeeze(1).to(self.device)
+                groups.append((lora_id, rows))
+        self.batch.groups = groups
+
+    def clear_batch(self) -> None:
+        self.batch.groups = []
+
+
+def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int,
+                          dtype: torch.dtype) -> LoRAAdapter:
+    """The adapter's full weights, checked against the model's projection shapes."""
+    adapter = load_lora_adapter(path, len(model.layers), max_lora_rank, dtype)
+    for (layer_idx, name), (a, b, _) in adapter.weights.items():
+        parent, attr, piece = _TARGETS[name]
+        module = getattr(getattr(model.layers[layer_idx], parent), attr)
+        want_in, want_out = module.lora_full_shape(piece)
+        if a.shape[1] != want_in or b.shape[0] != want_out:
+            raise ValueError(
+                f"{path}: layer {layer_idx} {name}: lora_A {tuple(a.shape)} / lora_B "
+                f"{tuple(b.shape)} do not fit the model's {want_out} x {want_in} projection")
+    return adapter
