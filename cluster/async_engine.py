@@ -25,6 +25,7 @@ from pagedserve.cluster.burst import GAPS_CAP, BurstPolicy
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine, configure_gc_for_serving
 from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -149,15 +150,20 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative snapshot after every step that advanced the request.
 
         Validation errors raise ``ValueError`` before the first yield. If the
-        consumer stops iterating or is cancelled, the request is aborted.
+        consumer stops iterating or is cancelled, the request is aborted. A LoRA
+        adapter not loaded yet is loaded first, on the step thread (between forwards).
         """
         if self.engine.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.engine.dead}")
-        rid = self.engine.add_request(prompt, params, request_id, cache_salt)
+        if lora_request is not None and not self.engine.loras.contains(lora_request):
+            await asyncio.get_running_loop().run_in_executor(
+                self._step_thread, self.engine.add_lora, lora_request)
+        rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()

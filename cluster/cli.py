@@ -72,10 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-n", type=int, default=1, help="samples per prompt")
     g.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template")
+    g.add_argument("--lora", default=None, metavar="PATH",
+                   help="generate with this PEFT LoRA adapter")
+    g.add_argument("--max-lora-rank", type=int, default=16)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
     _engine_flags(s)
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (on by itself with --lora-modules/--lora-dir)")
+    s.add_argument("--max-loras", type=int, default=1,
+                   help="different LoRA adapters in one batch")
+    s.add_argument("--max-lora-rank", type=int, default=16)
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT adapters loaded at start; requests name them in 'model'")
+    s.add_argument("--lora-dir", default=None,
+                   help="adapters loaded on first use: 'model': NAME serves LORA_DIR/NAME")
     s.add_argument("--num-replicas", type=int, default=1, help="engine replicas")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -117,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace) -> int:
     from pagedserve.cluster.config import EngineConfig
     from pagedserve.cluster.llm import LLM
+    from pagedserve.scheduler.lora_request import LoRARequest
     from pagedserve.scheduler.sampling_params import SamplingParams
 
     engine_kwargs = dict(
@@ -124,8 +137,13 @@ def generate(args: argparse.Namespace) -> int:
         dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.num_threads, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
+        enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
+        enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank)
+    lora = None
     try:
+        if args.lora is not None:
+            lora = LoRARequest(os.path.basename(os.path.normpath(args.lora)) or "lora", 1,
+                               os.path.abspath(args.lora))
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens,
                                 temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.seed)
@@ -135,11 +153,18 @@ def generate(args: argparse.Namespace) -> int:
         return 2
     llm = LLM(**engine_kwargs)
     try:
+        if lora is not None:
+            try:
+                llm.engine.add_lora(lora)
+            except ValueError as e:
+                print(f"pagedserve generate: {e}", file=sys.stderr)
+                return 2
         chat = not args.raw and getattr(llm.get_tokenizer(), "chat_template", None)
         if chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                            lora_request=lora)
         else:
-            outs = llm.generate(list(args.prompt), params)
+            outs = llm.generate(list(args.prompt), params, lora_request=lora)
         for out in outs:
             for sample in out.outputs:
                 print(sample.text, flush=True)

@@ -26,7 +26,8 @@ class EngineConfig:
     ``speculative_config`` turns on n-gram speculative decoding
     (``scheduler.spec_decode``); a dict is parsed into a ``SpeculativeConfig``.
     ``enable_lora`` serves PEFT LoRA adapters of rank <= ``max_lora_rank`` next to the
-    base model, at most ``max_loras`` different ones in a step (vLLM's names).
+    base model, at most ``max_loras`` different ones in a step (vLLM's names);
+    ``lora_modules`` (name -> PEFT directory) are loaded at start.
     """
 
     model: str | None = None
@@ -55,12 +56,15 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    lora_modules: dict[str, str] | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # vLLM's dict form (``{"method": "ngram", "num_speculative_tokens": 4}``), parsed.
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_dict(self.speculative_config))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -136,6 +136,8 @@ class LLMEngine:
             spec,
         )
         self.loras = LoRARegistry(self.executor, config.enable_lora)
+        for name, path in (config.lora_modules or {}).items():
+            self.loras.add(self.loras.resolve(name, path))
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
         self._ids = itertools.count()

@@ -118,7 +118,9 @@ class EngineServer:
         self.metrics.in_flight += 1
         yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
         try:
-            outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt)
+            lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
+            outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt,
+                                        lora)
             async with contextlib.AsyncExitStack() as stack:
                 interval = stack.enter_context(self.pacer.streaming()) if req.stream else None
                 paced = await stack.enter_async_context(contextlib.aclosing(pace_deltas(

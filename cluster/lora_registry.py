@@ -1,9 +1,9 @@
 """The adapters one engine replica has loaded, by id and by name.
 
 An adapter is loaded on every tensor-parallel rank once (the first request
-that names it, or ``--lora-modules`` at start), and stays until removed;
-a removal is refused while requests still run with it, so no step ever
-meets an adapter that is gone.
+that names it, or ``lora_modules`` at start), and stays until removed; a
+removal is refused while requests still run with it, so no step ever meets
+an adapter that is gone.
 """
 
 from __future__ import annotations
@@ -20,28 +20,51 @@ class LoRARegistry:
     def __init__(self, executor: Executor, enabled: bool) -> None:
         self.executor, self.enabled = executor, enabled
         self._by_id: dict[int, LoRARequest] = {}
+        self._by_name: dict[str, LoRARequest] = {}  # loaded, or handed out by ``resolve``
+        self._last_id = 0
+
+    def _check_enabled(self) -> None:
+        if not self.enabled:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
 
     def add(self, lora: LoRARequest) -> bool:
         """Load ``lora`` on every rank; False if it already is. ``ValueError`` when LoRA is
         off, the id or name is taken by another adapter, or a rank refuses the files."""
-        if not self.enabled:
-            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        self._check_enabled()
         known = self._by_id.get(lora.lora_int_id)
         if known is not None:
             if known != lora:
                 raise ValueError(f"lora_int_id {lora.lora_int_id} is already used by adapter "
                                  f"{known.lora_name!r} ({known.lora_path})")
             return False
-        other = self.get(lora.lora_name)
-        if other is not None:
-            raise ValueError(f"lora_name {lora.lora_name!r} is already loaded with "
-                             f"lora_int_id {other.lora_int_id}")
+        other = self._by_name.get(lora.lora_name)
+        if other is not None and other != lora:
+            raise ValueError(f"lora_name {lora.lora_name!r} is already used by lora_int_id "
+                             f"{other.lora_int_id} ({other.lora_path})")
         self.executor.add_lora(lora.lora_int_id, lora.lora_path)
         self._by_id[lora.lora_int_id] = lora
+        self._by_name[lora.lora_name] = lora
+        self._last_id = max(self._last_id, lora.lora_int_id)
         return True
 
+    def resolve(self, name: str, path: str) -> LoRARequest:
+        """The request for adapter ``name`` at ``path``: the loaded (or already resolved)
+        one, else a new one with a fresh id, loaded by its first request. A name
+        already bound to another path is a ``ValueError``."""
+        self._check_enabled()
+        known = self._by_name.get(name)
+        if known is not None:
+            if known.lora_path != path:
+                raise ValueError(f"LoRA adapter {name!r} is loaded from {known.lora_path!r}, "
+                                 f"not {path!r}")
+            return known
+        self._last_id += 1
+        lora = LoRARequest(name, self._last_id, path)
+        self._by_name[name] = lora
+        return lora
+
     def remove(self, name: str, in_use: Callable[[int], int]) -> bool:
-        """Unload adapter ``name``; False if unknown. ``in_use(id)`` counts the unfinished
+        """Unload adapter ``name``; False if not loaded. ``in_use(id)`` counts the unfinished
         requests running with it: a busy adapter is not removed (``ValueError``)."""
         lora = self.get(name)
         if lora is None:
@@ -51,17 +74,16 @@ class LoRARegistry:
             raise ValueError(f"LoRA adapter {name!r} is in use by {busy} unfinished requests")
         self.executor.remove_lora(lora.lora_int_id)
         del self._by_id[lora.lora_int_id]
+        del self._by_name[name]
         return True
 
     def get(self, name: str) -> LoRARequest | None:
-        return next((r for r in self._by_id.values() if r.lora_name == name), None)
+        """The loaded adapter called ``name``, if any."""
+        lora = self._by_name.get(name)
+        return lora if lora is not None and lora.lora_int_id in self._by_id else None
 
     def contains(self, lora: LoRARequest) -> bool:
         return self._by_id.get(lora.lora_int_id) == lora
 
     def list(self) -> list[LoRARequest]:
         return sorted(self._by_id.values(), key=lambda r: r.lora_int_id)
-
-    def next_id(self) -> int:
-        """A free ``lora_int_id`` for an adapter loaded by name only (the HTTP API)."""
-        return max(self._by_id, default=0) + 1

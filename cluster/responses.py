@@ -52,13 +52,14 @@ class ResponseState:
 
     def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool,
                  top_n: int | None = None, echo: list[tuple[str, list[int]]] | None = None,
-                 tools: ToolContext | None = None) -> None:
+                 tools: ToolContext | None = None, model: str | None = None) -> None:
         """``prompts``: ``(prompt_tokens, n)`` per prompt, in order; ``top_n``: alternatives
         per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token);
         ``echo``: each prompt's text and ids, which lead its choices (completions ``echo``);
-        ``tools``: how a chat output turns into tool calls."""
+        ``tools``: how a chat output turns into tool calls; ``model``: the name the
+        response carries when not the server's (a LoRA adapter's)."""
         self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
-        self.top_n, self.echo, self.tools = top_n, echo, tools
+        self.top_n, self.echo, self.tools, self.model = top_n, echo, tools, model
         self.n = [n for _, n in prompts]
         self.prompt_tokens = [p for p, _ in prompts]
         self.cached = [0] * len(prompts)
@@ -180,7 +181,7 @@ class Formatter:
             else:
                 choices.append({"index": k, "text": text, "logprobs": c.logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": st.id, "object": st.kind, "created": st.created, "model": self.model,
+        return {"id": st.id, "object": st.kind, "created": st.created, "model": st.model or self.model,
                 "choices": choices, "usage": st.usage()}
 
     def stream_events(self, st: ResponseState, i: int, chunk: Any, continuous_usage: bool
@@ -206,7 +207,7 @@ class Formatter:
             if d.finish_reason:
                 choice["stop_reason"] = d.stop_reason
             c.started = True
-            ev = {"id": st.id, "object": obj, "created": st.created, "model": self.model,
+            ev = {"id": st.id, "object": obj, "created": st.created, "model": st.model or self.model,
                   "choices": [choice]}
             if continuous_usage:
                 ev["usage"] = st.usage()
@@ -235,5 +236,5 @@ class Formatter:
 
     def usage_event(self, st: ResponseState) -> str:
         obj = "chat.completion.chunk" if st.kind == "chat.completion" else "text_completion"
-        return sse({"id": st.id, "object": obj, "created": st.created, "model": self.model,
+        return sse({"id": st.id, "object": obj, "created": st.created, "model": st.model or self.model,
                     "choices": [], "usage": st.usage()})

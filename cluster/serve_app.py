@@ -21,20 +21,19 @@ import hmac
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.cluster.channel import ChannelClient
-from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
+from pagedserve.cluster.lora_serving import AdapterCatalog
 from pagedserve.cluster.metrics import (
     HttpMetrics,
     HttpMetricsMiddleware,
@@ -42,7 +41,6 @@ from pagedserve.cluster.metrics import (
     render_prometheus,
 )
 from pagedserve.cluster.placement import (
-    cpu_threads_per_rank,
     engine_replica_options,
     replica_runtime_env,
 )
@@ -63,49 +61,16 @@ from pagedserve.cluster.router import (
     known_replicas,
     merge_streams,
 )
+from pagedserve.cluster.serve_args import ServeArgs
 from pagedserve.cluster.tools import ToolContext, template_messages
 from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
+from pagedserve.scheduler.lora_request import lora_cache_key
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 INGRESS_DEPLOYMENT = "OpenAIServer"
-
-
-class ServeArgs(BaseModel):
-    """Everything ``build_app`` takes; the same keys work as ``args:`` in a Serve config."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    served_model_name: str | None = None
-    tensor_parallel_size: int = 1
-    num_replicas: int = 1
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: str = "auto"
-    num_gpu_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    speculative_config: dict[str, Any] | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    num_threads: int | None = None
-    burst_wait_ms: float | None = Field(default=None, ge=0.0, le=1000.0)
-    engine_kwargs: dict[str, Any] = {}
-    max_ongoing_requests: int = 64
-    max_queued_requests: int = 128
-    api_key: str | None = None
-    ingress_replicas: int = 1
-    health_check_period_s: float = 10.0
-    health_check_timeout_s: float = 60.0
-    replica_num_cpus: float | None = None
-    placement_group_strategy: str = "PACK"
-    stream_interval_ms: float = Field(default=50.0, ge=0.0)
-    stream_messages_per_s: float | None = Field(default=None, ge=0.0)
-    imbalance_threshold: int = 8
 
 
 api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
@@ -132,7 +97,9 @@ class OpenAIServer:
     """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
 
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
-                 served_model_name: str | None = None, api_key: str | None = None) -> None:
+                 served_model_name: str | None = None, api_key: str | None = None,
+                 lora_modules: dict[str, str] | None = None, lora_dir: str | None = None
+                 ) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -147,6 +114,8 @@ class OpenAIServer:
         self._info: dict[str, Any] | None = None
         self._info_lock = asyncio.Lock()
         self.fmt = Formatter(self.tokenizer, self.served_name)
+        self.adapters = AdapterCatalog(lora_modules, lora_dir,
+                                       (self.served_name, self.model_id))
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -156,10 +125,17 @@ class OpenAIServer:
             raise APIError("invalid or missing API key", status=401,
                            type="authentication_error", code="invalid_api_key")
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.served_name, self.model_id):
+    def _check_model(self, name: str | None) -> tuple[str, str] | None:
+        """None for the base model, ``(name, path)`` for a LoRA adapter; else a 404."""
+        if name is None or name in (self.served_name, self.model_id):
+            return None
+        lora = self.adapters.lookup(name)
+        if lora is None:
+            more = " or a LoRA adapter (GET /v1/models)" if self.adapters.enabled else ""
             raise APIError(f"model {name!r} does not exist; this server serves "
-                           f"{self.served_name!r}", param="model", code="model_not_found")
+                           f"{self.served_name!r}{more}", status=404, param="model",
+                           code="model_not_found")
+        return lora
 
     async def _engine_info(self) -> dict[str, Any]:
         """Model facts from any replica, fetched once (a burst must not fan out to them)."""
@@ -175,18 +151,21 @@ class OpenAIServer:
         return self._info
 
     def _engine_request(self, rid: str, ids: list[int], params: SamplingParams,
-                        salt: str | None, info: dict[str, Any], stream: bool
-                        ) -> EngineRequest:
+                        salt: str | None, info: dict[str, Any], stream: bool,
+                        lora: tuple[str, str] | None = None) -> EngineRequest:
+        key = lora_cache_key(*lora) if lora is not None else None
         hashes = hash_prompt_blocks(ids, info["block_size"],
-                                    make_extra_keys(info["model_id"], salt))
-        return EngineRequest(rid, ids, params, hashes, salt, stream=stream)
+                                    make_extra_keys(info["model_id"], salt, key))
+        return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora)
 
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
                        include_usage: bool, continuous_usage: bool, logprobs: bool,
                        echo: list[tuple[str, list[int]]] | None = None,
                        tools: ToolContext | None = None) -> Response:
+        lora = reqs[0].lora
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
-                              logprobs, reqs[0].params.logprobs, echo, tools)
+                              logprobs, reqs[0].params.logprobs, echo, tools,
+                              lora[0] if lora is not None else None)
         chunks = merge_streams(self._channel, self._engine, reqs)
         if not stream:
             async for i, c in chunks:
@@ -235,7 +214,7 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._authorize(raw)
         body.check()
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         info = await self._engine_info()
         rid = new_id("cmpl")
         reqs, echo = [], []
@@ -253,7 +232,7 @@ class OpenAIServer:
                 echo.append((p if whole else self.tokenizer.decode(ids), ids))
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
-                                             body.stream))
+                                             body.stream, lora))
         so = body.stream_options
         return await self._respond(rid, reqs, "text_completion", body.stream,
                                    bool(so and so.include_usage),
@@ -264,7 +243,7 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._authorize(raw)
         body.check()
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         info = await self._engine_info()
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
@@ -275,7 +254,7 @@ class OpenAIServer:
             body.engine_logprobs(), info["vocab_size"],
             tools.structured() if tools is not None else None)
         rid = new_id("chatcmpl")
-        req = self._engine_request(rid, ids, params, body.cache_salt, info, body.stream)
+        req = self._engine_request(rid, ids, params, body.cache_salt, info, body.stream, lora)
         so = body.stream_options
         return await self._respond(rid, [req], "chat.completion", body.stream,
                                    bool(so and so.include_usage),
@@ -319,10 +298,13 @@ class OpenAIServer:
     async def models(self, raw: Request) -> dict[str, Any]:
         self._authorize(raw)
         info = await self._engine_info()
-        return {"object": "list", "data": [{
-            "id": self.served_name, "object": "model", "created": now(),
-            "owned_by": "pagedserve", "root": self.model_id,
-            "max_model_len": info["max_model_len"]}]}
+        created = now()
+        base = {"id": self.served_name, "object": "model", "created": created,
+                "owned_by": "pagedserve", "root": self.model_id, "parent": None,
+                "max_model_len": info["max_model_len"]}
+        adapters = [{**base, "id": name, "root": path, "parent": self.served_name}
+                    for name, path in self.adapters.available()]
+        return {"object": "list", "data": [base, *adapters]}
 
     @api.get("/v1/stats")
     async def stats(self, raw: Request) -> dict[str, Any]:
@@ -347,40 +329,10 @@ class OpenAIServer:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _resolve_device(device: str) -> str:
-    """``auto`` means CUDA when the Ray cluster has GPUs (replicas see none until placed)."""
-    if device != "auto":
-        return device
-    import ray
-
-    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1:
-        return "cuda"
-    return "cpu"
-
-
 def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.Application:
     """The Serve application for ``args`` (a ``ServeArgs``, a mapping or an argparse result)."""
-    if args is None:
-        a = ServeArgs()
-    elif isinstance(args, ServeArgs):
-        a = args
-    elif isinstance(args, Mapping):
-        a = ServeArgs(**args)
-    else:
-        a = ServeArgs(**{k: v for k, v in vars(args).items() if k in ServeArgs.model_fields})
-    device = _resolve_device(a.device)
-    threads = a.num_threads
-    if device == "cpu" and threads is None:
-        threads = cpu_threads_per_rank(a.num_replicas, a.tensor_parallel_size)
-    engine_kwargs: dict[str, Any] = dict(
-        model=a.model, tensor_parallel_size=a.tensor_parallel_size, device=device,
-        dtype=a.dtype, num_gpu_blocks=a.num_gpu_blocks,
-        kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-        speculative_config=a.speculative_config, max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        num_threads=threads, burst_wait_ms=a.burst_wait_ms, **a.engine_kwargs)
-    EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
+    a = ServeArgs.parse(args)
+    s = a.settings()
     opts: dict[str, Any] = dict(
         # Each ingress replica holds one channel subscription per engine replica, and
         # Serve counts it as an ongoing request: room for it on top of the user's bound.
@@ -393,15 +345,15 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
             request_router_class=ROUTER_CLASS_PATH,
             request_router_kwargs={"imbalance_threshold": a.imbalance_threshold}),
     )
-    opts.update(engine_replica_options(device == "cuda", threads, a.tensor_parallel_size,
+    opts.update(engine_replica_options(s.device == "cuda", s.threads, a.tensor_parallel_size,
                                        a.replica_num_cpus, a.placement_group_strategy))
-    engine = EngineServer.options(**opts).bind(engine_kwargs, a.stream_interval_ms,
+    engine = EngineServer.options(**opts).bind(s.engine_kwargs, a.stream_interval_ms,
                                                a.stream_messages_per_s)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
     return OpenAIServer.options(
         num_replicas=a.ingress_replicas,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
-    ).bind(engine, a.model, a.served_model_name, api_key)
+    ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

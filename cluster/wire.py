@@ -33,6 +33,7 @@ class EngineRequest:
     exclude_replicas: tuple[str, ...] = ()
     stream: bool = True  # False: the replica sends only the ack and the final chunk
     channel: str | None = None  # the ingress channel its chunks go to (``EngineServer.run``)
+    lora: tuple[str, str] | None = None  # (adapter name, PEFT directory); None: base model
 
 
 @dataclass

@@ -31,6 +31,11 @@ class LoRARequest:
 
     @property
     def cache_key(self) -> str:
-        """The prefix-cache extra key: blocks computed under one adapter are never
-        reused by another (or by the base model)."""
-        return f"lora:{self.lora_name}:{self.lora_path}"
+        return lora_cache_key(self.lora_name, self.lora_path)
+
+
+def lora_cache_key(name: str, path: str) -> str:
+    """The prefix-cache extra key of an adapter: blocks computed under one adapter are
+    never reused by another (or by the base model). The ingress's router computes it
+    from the name and path alone, before a replica has given the adapter an id."""
+    return f"lora:{name}:{path}"

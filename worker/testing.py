@@ -77,3 +77,28 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
             if src.exists():
                 shutil.copy(src, dest / name)
     return str(dest)
+
+
+def write_random_lora(base_dir: str | Path, dest: str | Path, targets: list[str],
+                      r: int = 8, alpha: float = 16, seed: int = 0, scale: float = 3.0,
+                      safe_serialization: bool = True, **config: Any) -> str:
+    """Save a random PEFT LoRA adapter for the checkpoint at ``base_dir``; return its path.
+
+    PEFT's own ``get_peft_model`` and ``save_pretrained`` write it (B is random, not
+    zero), and every LoRA matrix is multiplied by ``scale`` so the adapter moves the
+    argmax. ``config`` goes to ``LoraConfig`` (``use_rslora``, ``rank_pattern``, ...);
+    ``safe_serialization=False`` writes ``adapter_model.bin``. Needs ``peft``.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
+                                                  init_lora_weights=False, **config))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.mul_(scale)
+    peft_model.save_pretrained(str(dest), safe_serialization=safe_serialization)
+    return str(dest)

@@ -7,10 +7,11 @@ import os
 
 import pytest
 
-from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.cluster import LLM, LoRARequest, SamplingParams
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+from tests.cluster.test_lora import GREEDY, make_llama_adapters, mixed_batch, write_adapter
 
 ray = pytest.importorskip("ray")
 
@@ -62,6 +63,35 @@ def test_tp2_with_speculative_decoding_equals_hugging_face(ray_cluster, tiny_lla
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_tp2_with_lora_adapters_equals_tp1(ray_cluster, tiny_llama_dir, tmp_path) -> None:
+    """Each rank holds its shard of every adapter (B's rows for q/k/v and gate/up, A's
+    columns for o and down); an adapter a rank refuses is a ValueError, not a dead group."""
+    loras = [None, *make_llama_adapters(tmp_path, tiny_llama_dir).values()]
+    prompts, per_prompt = mixed_batch(loras)
+    kw = dict(model=tiny_llama_dir, enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_gpu_blocks=64)
+    tp1 = LLM(**kw)
+    try:
+        ref = [o.outputs[0].token_ids for o in tp1.generate(prompts, GREEDY,
+                                                            lora_request=per_prompt)]
+    finally:
+        tp1.shutdown()
+    tp2 = LLM(**kw, tensor_parallel_size=2, num_threads=1)
+    try:
+        outs = tp2.generate(prompts, GREEDY, lora_request=per_prompt)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        big = write_adapter(tiny_llama_dir, tmp_path / "r16", 6, ["q_proj"], r=16)
+        with pytest.raises(ValueError, match="max_lora_rank"):
+            tp2.generate(prompts[:1], GREEDY, lora_request=LoRARequest("big", 9, big))
+        tp2.engine.check_health()
+        assert tp2.engine.remove_lora(loras[1].lora_name)
+        outs = tp2.generate(prompts[:8], GREEDY, lora_request=per_prompt[:8])
+        assert [o.outputs[0].token_ids for o in outs] == ref[:8]
+        assert_pool_at_baseline(tp2)
+    finally:
+        tp2.shutdown()
 
 
 def test_killed_rank_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir) -> None:

@@ -71,7 +71,7 @@ def read_lora_config(path: str | Path) -> dict[str, Any]:
 def _pattern_value(patterns: dict[str, Any], name: str, default: float) -> float:
     """PEFT's rule: a pattern key applies to a module whose name ends in it (regex)."""
     for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?{key}$", name):
+        if re.match(rf"(.*\.)?({key})$", name):
             return float(value)
     return default
 

@@ -1,0 +1,117 @@
+"""What ``build_app`` takes (``ServeArgs``) and the engine settings derived from it.
+
+Kept apart from the HTTP ingress: the CLI, ``serve run`` configs and tests
+build these, and every bad value fails here, before anything is deployed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.lora_serving import AdapterCatalog, parse_lora_modules
+from pagedserve.cluster.placement import cpu_threads_per_rank
+
+
+@dataclass
+class ServeSettings:
+    """``ServeArgs`` resolved: the device, threads per rank, the engine's kwargs, and the
+    adapters (absolute paths: replicas start in other working directories)."""
+
+    device: str
+    threads: int | None
+    engine_kwargs: dict[str, Any]
+    lora_modules: dict[str, str]
+    lora_dir: str | None
+
+
+class ServeArgs(BaseModel):
+    """Everything ``build_app`` takes; the same keys work as ``args:`` in a Serve config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    num_replicas: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: str = "auto"
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    speculative_config: dict[str, Any] | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    burst_wait_ms: float | None = Field(default=None, ge=0.0, le=1000.0)
+    engine_kwargs: dict[str, Any] = {}
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = 128
+    api_key: str | None = None
+    ingress_replicas: int = 1
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 60.0
+    replica_num_cpus: float | None = None
+    placement_group_strategy: str = "PACK"
+    stream_interval_ms: float = Field(default=50.0, ge=0.0)
+    stream_messages_per_s: float | None = Field(default=None, ge=0.0)
+    imbalance_threshold: int = 8
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] | list[str] | None = None
+    lora_dir: str | None = None
+
+    @classmethod
+    def parse(cls, args: ServeArgs | Mapping[str, Any] | Any | None) -> ServeArgs:
+        """From a ``ServeArgs``, a mapping, an argparse result (its known keys) or None."""
+        if args is None:
+            return cls()
+        if isinstance(args, ServeArgs):
+            return args
+        if isinstance(args, Mapping):
+            return cls(**args)
+        return cls(**{k: v for k, v in vars(args).items() if k in cls.model_fields})
+
+    def settings(self) -> ServeSettings:
+        """Resolve the device and threads, check the adapters and the engine config."""
+        device = resolve_device(self.device)
+        lora_modules = {name: os.path.abspath(path)
+                        for name, path in parse_lora_modules(self.lora_modules).items()}
+        lora_dir = os.path.abspath(self.lora_dir) if self.lora_dir else None
+        AdapterCatalog(lora_modules, lora_dir, ())  # a bad name or directory fails here
+        threads = self.num_threads
+        if device == "cpu" and threads is None:
+            threads = cpu_threads_per_rank(self.num_replicas, self.tensor_parallel_size)
+        engine_kwargs: dict[str, Any] = dict(
+            model=self.model, tensor_parallel_size=self.tensor_parallel_size, device=device,
+            dtype=self.dtype, num_gpu_blocks=self.num_gpu_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager, speculative_config=self.speculative_config,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, num_threads=threads,
+            burst_wait_ms=self.burst_wait_ms,
+            enable_lora=self.enable_lora or bool(lora_modules) or lora_dir is not None,
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+            lora_modules=lora_modules or None, **self.engine_kwargs)
+        EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
+        return ServeSettings(device, threads, engine_kwargs, lora_modules, lora_dir)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` means CUDA when the Ray cluster has GPUs (replicas see none until placed)."""
+    if device != "auto":
+        return device
+    import ray
+
+    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1:
+        return "cuda"
+    return "cpu"

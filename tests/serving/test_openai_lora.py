@@ -1,0 +1,149 @@
+"""LoRA adapters over HTTP: the OpenAI ``model`` field picks an adapter.
+
+One app of the default model with a static adapter (``lora_modules``) and a
+directory of adapters loaded on first use (``lora_dir``); every answer is
+checked against the offline engine with the same adapter, token for token.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pagedserve.cluster import LLM, LoRARequest, SamplingParams
+from pagedserve.worker.loaders import resolve_model
+from pagedserve.worker.testing import write_random_lora
+from tests.serving.conftest import App, Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    base = resolve_model(None).path
+    root = tmp_path_factory.mktemp("adapters")
+    lora_dir = root / "dir"
+    lora_dir.mkdir()
+    return {
+        "static": write_random_lora(base, root / "static", ["q_proj", "v_proj"], seed=1,
+                                    scale=2.0),
+        "pirate": write_random_lora(base, lora_dir / "pirate",
+                                    ["o_proj", "gate_proj", "up_proj", "down_proj"], r=4,
+                                    seed=2, scale=2.0),
+        "too_big": write_random_lora(base, root / "too_big", ["q_proj"], r=32, seed=3),
+        "lora_dir": str(lora_dir),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_app(cluster: Cluster, adapters: dict[str, str]) -> Iterator[App]:
+    app = cluster.deploy("lora", {"num_gpu_blocks": 128, "max_model_len": 512,
+                                  "num_threads": 2, "max_num_seqs": 16, "max_loras": 2,
+                                  "lora_modules": [f"sql={adapters['static']}"],
+                                  "lora_dir": adapters["lora_dir"]})
+    yield app
+    cluster.delete("lora")
+
+
+@pytest.fixture(scope="module")
+def offline(adapters: dict[str, str]) -> Iterator[dict[str, Any]]:
+    """Reference outputs of the offline engine: base, ``sql`` and ``pirate``."""
+    llm = LLM(enable_lora=True, max_loras=2, num_gpu_blocks=128, max_model_len=512)
+    loras = {None: None, "sql": LoRARequest("sql", 1, adapters["static"]),
+             "pirate": LoRARequest("pirate", 2, str(Path(adapters["lora_dir"]) / "pirate"))}
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    try:
+        names = list(loras)
+        text = llm.generate([PROMPT] * 3, params, lora_request=[loras[n] for n in names])
+        chat = llm.chat([CHAT] * 3, params, lora_request=[loras[n] for n in names])
+        yield {"completion": {n: o.outputs[0].text for n, o in zip(names, text)},
+               "chat": {n: o.outputs[0].text for n, o in zip(names, chat)}}
+    finally:
+        llm.shutdown()
+
+
+def test_models_lists_the_adapters_with_their_parent(lora_app: App) -> None:
+    data = httpx.get(f"{lora_app.base}/v1/models", timeout=30).json()["data"]
+    by_id = {m["id"]: m for m in data}
+    base = data[0]["id"]
+    assert set(by_id) == {base, "sql", "pirate"}
+    assert by_id["sql"]["parent"] == by_id["pirate"]["parent"] == base
+    assert by_id[base]["parent"] is None
+    assert by_id["pirate"]["root"].endswith("pirate")
+
+
+def test_completions_and_chat_per_adapter_equal_the_offline_engine(
+        lora_app: App, offline: dict[str, Any]) -> None:
+    client = lora_app.openai()
+    base = client.models.list().data[0].id
+    got: dict[str, dict[str | None, str]] = {"completion": {}, "chat": {}}
+    for name in (None, "sql", "pirate"):
+        model = name or base
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
+                                      temperature=0)
+        assert r.model == model
+        got["completion"][name] = r.choices[0].text
+        c = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12,
+                                           temperature=0)
+        got["chat"][name] = c.choices[0].message.content
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                           client.chat.completions.create(model=model, messages=CHAT,
+                                                          max_tokens=12, temperature=0,
+                                                          stream=True) if ch.choices)
+        assert streamed == got["chat"][name]
+    assert got == offline
+    # The adapters change the answers (otherwise nothing above tells them apart).
+    assert len(set(offline["chat"].values())) == 3
+    stats = lora_app.wait_baseline()
+    (replica,) = stats.values()
+    assert sorted(replica["lora_adapters"]) == ["pirate", "sql"]
+
+
+def test_an_adapter_copied_into_lora_dir_is_served_without_a_restart(
+        lora_app: App, adapters: dict[str, str], offline: dict[str, Any]) -> None:
+    shutil.copytree(adapters["static"], Path(adapters["lora_dir"]) / "sql-copy")
+    client = lora_app.openai()
+    assert "sql-copy" in {m.id for m in client.models.list().data}
+    r = client.completions.create(model="sql-copy", prompt=PROMPT, max_tokens=12,
+                                  temperature=0)
+    assert r.choices[0].text == offline["completion"]["sql"]
+
+
+def test_unknown_or_bad_adapters_are_clear_errors(lora_app: App,
+                                                  adapters: dict[str, str]) -> None:
+    for model in ("nope", "../dir/pirate", "pirate/../pirate"):
+        r = httpx.post(f"{lora_app.base}/v1/completions", timeout=30,
+                       json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "model_not_found"
+        assert r.json()["error"]["param"] == "model"
+    # An adapter over max_lora_rank (16) fails its request, naming the rank; the replica
+    # keeps serving.
+    shutil.copytree(adapters["too_big"], Path(adapters["lora_dir"]) / "too-big")
+    r = httpx.post(f"{lora_app.base}/v1/completions", timeout=60,
+                   json={"model": "too-big", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert "max_lora_rank" in r.json()["error"]["message"]
+    ok = httpx.post(f"{lora_app.base}/v1/completions", timeout=60,
+                    json={"model": "sql", "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    lora_app.wait_baseline()
+
+
+def test_bad_lora_settings_fail_before_deploying(tmp_path: Path) -> None:
+    from pagedserve.cluster.serve_app import ServeArgs
+
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        ServeArgs(lora_modules=["no-path"]).settings()
+    with pytest.raises(ValueError, match=r"adapter_config\.json"):
+        ServeArgs(lora_modules=[f"x={tmp_path}"]).settings()
+    with pytest.raises(ValueError, match="lora_dir"):
+        ServeArgs(lora_dir=str(tmp_path / "missing")).settings()
