@@ -12,7 +12,8 @@ tokens each.
   batches), left-padded batches of ``--hf-batch``.
 
 Prints tokens/s, the ratios, and how many sequences came out token for token
-the same as PEFT's (padding in HF's batches can flip a near-tie).
+the same as PEFT's (EOS is masked in both, as HF's ``min_new_tokens`` does;
+padding in HF's batches could still flip a near-tie).
 
     python bench/lora.py
     python bench/lora.py --num-adapters 8 --rank 8 --json bench/figures/lora.json
@@ -50,7 +51,9 @@ def run_pagedserve(path: str, prompts: list[list[int]], out_len: int,
         reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters)]
         loras = [reqs[i % len(reqs)] for i in range(len(prompts))]
     llm = LLM(model=path, max_num_seqs=len(prompts), max_num_batched_tokens=4096, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    # min_tokens masks EOS as HF's min_new_tokens does (ignore_eos would let the argmax
+    # be EOS and go on), so both pick the same tokens.
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len)
     warm = SamplingParams(temperature=0.0, max_tokens=4)
     llm.generate(prompts[:4], warm, use_tqdm=False, lora_request=loras[:4] if loras else None)
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ draft tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import torch
@@ -183,6 +183,9 @@ class ModelRunner:
         out = ModelRunnerOutput(step_id=plan.step_id) if self.ctx.is_first else None
         if not plan.scheduled:
             return out
+        if self.lora is not None and len({r.lora_id for r in plan.scheduled}) > 1:
+            # Rows of one adapter side by side: each adapter's delta is one slice's matmuls.
+            plan = replace(plan, scheduled=sorted(plan.scheduled, key=lambda r: r.lora_id))
         inputs = self.prepare_inputs(plan)
         self._set_lora_batch(plan)
         try:

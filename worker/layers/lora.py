@@ -7,10 +7,10 @@ diagonal, so ``(x @ A.T) @ B.T`` adds each piece's delta to its own output
 columns only (a piece the adapter does not target has no rows at all). The
 LoRA scale is folded into B at load.
 
-A step groups its rows by adapter (:class:`LoRABatch`, set by the runner):
-rows of one adapter are gathered, pass through its two thin matmuls and are
-added back (``index_add_``); when every row uses the same adapter, no gather
-at all. This is the segmented form of Punica's SGMV in plain torch: the cost
+A step's rows come ordered by adapter (the runner sorts its requests), so
+each adapter owns one contiguous run of rows (:class:`LoRABatch`): its delta
+is two thin matmuls on a view of that run, added in place, with no gather or
+scatter. This is the segmented form of Punica's SGMV in plain torch: the cost
 is the adapters' rank, never ``max_loras`` times it.
 
 Tensor parallel: column-parallel modules hold their rank's rows of B (A
@@ -41,9 +41,9 @@ _TARGETS: dict[str, tuple[str, str, str | int | None]] = {
 
 @dataclass
 class LoRABatch:
-    """This step's rows per adapter: ``(lora_id, rows)``, rows None for all of them."""
+    """This step's runs of rows per adapter: ``(lora_id, start, end)``."""
 
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    groups: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class LoRAWeights:
@@ -55,15 +55,15 @@ class LoRAWeights:
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """Add every adapted row's ``x @ A.T @ B.T`` to ``y`` in place."""
-        for lora_id, rows in self.batch.groups:
+        for lora_id, start, end in self.batch.groups:
             ab = self.adapters.get(lora_id)
             if ab is None:
                 continue
             a, b = ab
-            if rows is None:
+            if start == 0 and end == y.shape[0]:
                 y.addmm_(x @ a.t(), b.t())
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+                y[start:end].addmm_(x[start:end] @ a.t(), b.t())
 
 
 def _fuse(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], out_size: int
@@ -124,19 +124,19 @@ class LoRAManager:
         return True
 
     def set_batch(self, lora_ids: list[int], q_lens: list[int]) -> None:
-        """Group this step's token rows by adapter (``lora_ids[i]`` for ``q_lens[i]`` rows)."""
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        distinct = set(lora_ids)
-        missing = distinct - set(self.paths) - {0}
+        """This step's runs of token rows per adapter (``lora_ids[i]`` for ``q_lens[i]``
+        rows, in order); requests sorted by adapter make one run each."""
+        missing = set(lora_ids) - set(self.paths) - {0}
         if missing:
             raise ValueError(f"LoRA adapters {sorted(missing)} are not loaded on this rank")
-        if len(distinct) == 1 and 0 not in distinct:
-            groups.append((lora_ids[0], None))
-        elif len(distinct) > 1:
-            per_row = torch.repeat_interleave(torch.tensor(lora_ids), torch.tensor(q_lens))
-            for lora_id in sorted(distinct - {0}):
-                rows = (per_row == lora_id).nonzero().squeeze(1).to(self.device)
-                groups.append((lora_id, rows))
+        groups: list[tuple[int, int, int]] = []
+        row = 0
+        for lora_id, n in zip(lora_ids, q_lens, strict=True):
+            if lora_id and groups and groups[-1][0] == lora_id and groups[-1][2] == row:
+                groups[-1] = (lora_id, groups[-1][1], row + n)
+            elif lora_id:
+                groups.append((lora_id, row, row + n))
+            row += n
         self.batch.groups = groups
 
     def clear_batch(self) -> None:
