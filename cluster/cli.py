@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEFT adapters loaded at start; requests name them in 'model'")
     s.add_argument("--lora-dir", default=None,
                    help="adapters loaded on first use: 'model': NAME serves LORA_DIR/NAME")
+    s.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="adapters a replica keeps loaded; more unload the least recently "
+                        "used idle one (default: 16, or --max-loras if more)")
     s.add_argument("--num-replicas", type=int, default=1, help="engine replicas")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

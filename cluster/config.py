@@ -27,7 +27,9 @@ class EngineConfig:
     (``scheduler.spec_decode``); a dict is parsed into a ``SpeculativeConfig``.
     ``enable_lora`` serves PEFT LoRA adapters of rank <= ``max_lora_rank`` next to the
     base model, at most ``max_loras`` different ones in a step (vLLM's names);
-    ``lora_modules`` (name -> PEFT directory) are loaded at start.
+    ``lora_modules`` (name -> PEFT directory) are loaded at start; at most
+    ``max_loaded_loras`` (default: 16, or ``max_loras`` if more) stay loaded, the
+    least recently used idle one unloaded to make room (and reloaded when named).
     """
 
     model: str | None = None
@@ -57,6 +59,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: dict[str, str] | None = None
+    max_loaded_loras: int | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,10 @@ class EngineConfig:
                            SpeculativeConfig.from_dict(self.speculative_config))
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
+        n = self.max_loaded_loras
+        if n is not None and (not isinstance(n, int) or n < self.max_loras):
+            raise ValueError(f"max_loaded_loras must be an integer >= max_loras "
+                             f"({self.max_loras}), got {n!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -101,6 +108,9 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def resolved_max_loaded_loras(self) -> int:
+        return self.max_loaded_loras or max(16, self.max_loras)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

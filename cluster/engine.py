@@ -135,7 +135,8 @@ class LLMEngine:
             ),
             spec,
         )
-        self.loras = LoRARegistry(self.executor, config.enable_lora)
+        self.loras = LoRARegistry(self.executor, config.enable_lora,
+                                  config.resolved_max_loaded_loras(), self._lora_in_use)
         for name, path in (config.lora_modules or {}).items():
             self.loras.add(self.loras.resolve(name, path))
         self._groups: dict[str, _Group] = {}
@@ -219,8 +220,10 @@ class LLMEngine:
 
     def remove_lora(self, lora_name: str) -> bool:
         """Unload an adapter no unfinished request uses; False if it is not loaded."""
-        return self.loras.remove(lora_name, lambda lora_id: sum(
-            1 for r in self.scheduler.requests.values() if r.lora_id == lora_id))
+        return self.loras.remove(lora_name)
+
+    def _lora_in_use(self, lora_id: int) -> int:
+        return sum(1 for r in self.scheduler.requests.values() if r.lora_id == lora_id)
 
     def list_loras(self) -> list[LoRARequest]:
         return self.loras.list()
@@ -360,6 +363,7 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.kv.prefix_hits,
             "spec_decode": dict(self.scheduler.spec_stats),
             "lora_adapters": [r.lora_name for r in self.loras.list()],
+            "lora_evictions": self.loras.evictions,
             "memory": mem,
             "model": self.model_id,
         }

@@ -1,13 +1,16 @@
 """The adapters one engine replica has loaded, by id and by name.
 
-An adapter is loaded on every tensor-parallel rank once (the first request
-that names it, or ``lora_modules`` at start), and stays until removed; a
-removal is refused while requests still run with it, so no step ever meets
-an adapter that is gone.
+An adapter is loaded on every tensor-parallel rank by the first request that
+names it (or ``lora_modules`` at start). At most ``max_loaded`` stay loaded:
+loading one more first unloads the least recently used adapter that no
+unfinished request uses (its name stays known, so its next request loads it
+again). An explicit removal is refused while requests still use the adapter,
+so no step ever meets an adapter that is gone.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 from pagedserve.cluster.executor import Executor
@@ -17,11 +20,15 @@ from pagedserve.scheduler.lora_request import LoRARequest
 class LoRARegistry:
     """``lora_int_id`` and ``lora_name`` each name one adapter; both are checked."""
 
-    def __init__(self, executor: Executor, enabled: bool) -> None:
+    def __init__(self, executor: Executor, enabled: bool, max_loaded: int | None = None,
+                 in_use: Callable[[int], int] = lambda lora_id: 0) -> None:
+        """``in_use(id)`` counts the unfinished requests that run with adapter ``id``."""
         self.executor, self.enabled = executor, enabled
-        self._by_id: dict[int, LoRARequest] = {}
+        self.max_loaded, self.in_use = max_loaded, in_use
+        self._by_id: OrderedDict[int, LoRARequest] = OrderedDict()  # loaded, LRU first
         self._by_name: dict[str, LoRARequest] = {}  # loaded, or handed out by ``resolve``
         self._last_id = 0
+        self.evictions = 0
 
     def _check_enabled(self) -> None:
         if not self.enabled:
@@ -36,11 +43,13 @@ class LoRARegistry:
             if known != lora:
                 raise ValueError(f"lora_int_id {lora.lora_int_id} is already used by adapter "
                                  f"{known.lora_name!r} ({known.lora_path})")
+            self._by_id.move_to_end(lora.lora_int_id)
             return False
         other = self._by_name.get(lora.lora_name)
         if other is not None and other != lora:
             raise ValueError(f"lora_name {lora.lora_name!r} is already used by lora_int_id "
                              f"{other.lora_int_id} ({other.lora_path})")
+        self._make_room()
         self.executor.add_lora(lora.lora_int_id, lora.lora_path)
         self._by_id[lora.lora_int_id] = lora
         self._by_name[lora.lora_name] = lora
@@ -63,13 +72,26 @@ class LoRARegistry:
         self._by_name[name] = lora
         return lora
 
-    def remove(self, name: str, in_use: Callable[[int], int]) -> bool:
-        """Unload adapter ``name``; False if not loaded. ``in_use(id)`` counts the unfinished
-        requests running with it: a busy adapter is not removed (``ValueError``)."""
+    def _make_room(self) -> None:
+        """Unload idle adapters, least recently used first, until one more fits (if
+        every loaded adapter is busy, the cap is exceeded until they finish)."""
+        if self.max_loaded is None:
+            return
+        for lora_id in list(self._by_id):
+            if len(self._by_id) < self.max_loaded:
+                return
+            if not self.in_use(lora_id):
+                self.executor.remove_lora(lora_id)
+                del self._by_id[lora_id]
+                self.evictions += 1
+
+    def remove(self, name: str) -> bool:
+        """Unload adapter ``name`` and forget it; False if not loaded. A busy adapter
+        (unfinished requests use it) is not removed: ``ValueError``."""
         lora = self.get(name)
         if lora is None:
             return False
-        busy = in_use(lora.lora_int_id)
+        busy = self.in_use(lora.lora_int_id)
         if busy:
             raise ValueError(f"LoRA adapter {name!r} is in use by {busy} unfinished requests")
         self.executor.remove_lora(lora.lora_int_id)

@@ -68,6 +68,7 @@ class ServeArgs(BaseModel):
     max_lora_rank: int = 16
     lora_modules: dict[str, str] | list[str] | None = None
     lora_dir: str | None = None
+    max_loaded_loras: int | None = None
 
     @classmethod
     def parse(cls, args: ServeArgs | Mapping[str, Any] | Any | None) -> ServeArgs:
@@ -101,7 +102,8 @@ class ServeArgs(BaseModel):
             burst_wait_ms=self.burst_wait_ms,
             enable_lora=self.enable_lora or bool(lora_modules) or lora_dir is not None,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-            lora_modules=lora_modules or None, **self.engine_kwargs)
+            lora_modules=lora_modules or None, max_loaded_loras=self.max_loaded_loras,
+            **self.engine_kwargs)
         EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
         return ServeSettings(device, threads, engine_kwargs, lora_modules, lora_dir)
 

@@ -354,3 +354,30 @@ def test_remove_lora_is_refused_while_a_request_uses_it(tiny_llama_dir, llama_lo
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_the_least_recently_used_idle_adapter_is_unloaded_to_make_room(
+        tiny_llama_dir, llama_loras, llama_refs) -> None:
+    """``max_loaded_loras``: one more adapter unloads the LRU idle one, which its next
+    request loads again; busy adapters are never unloaded (the cap waits for them)."""
+    names = list(llama_loras)
+    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_lora_rank=8, num_gpu_blocks=64,
+              max_loaded_loras=2)
+    engine = llm.engine
+    try:
+        for name in [*names, names[0]]:  # all7, qv_rs, pattern (unloads all7), all7 again
+            outs = llm.generate(PROMPTS, GREEDY, lora_request=llama_loras[name])
+            assert _tokens(outs) == llama_refs[name], name
+            assert len(engine.list_loras()) <= 2
+        assert [r.lora_name for r in engine.list_loras()] == ["all7", "pattern"]  # by id
+        assert engine.get_stats()["lora_evictions"] == 2  # all7, then qv_rs
+        # All three busy at once: nothing idle to unload, so all three are loaded.
+        prompts, per_prompt = mixed_batch([None, *llama_loras.values()])
+        assert _tokens(llm.generate(prompts, GREEDY, lora_request=per_prompt)) == \
+            expected(llama_refs, [None, *llama_loras.values()])
+        assert len(engine.list_loras()) == 3
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="max_loaded_loras"):
+        LLM(model=tiny_llama_dir, enable_lora=True, max_loras=3, max_loaded_loras=2)
