@@ -362,8 +362,8 @@ class LLMEngine:
             "prefix_cache_queries": self.scheduler.kv.prefix_queries,
             "prefix_cache_hits": self.scheduler.kv.prefix_hits,
             "spec_decode": dict(self.scheduler.spec_stats),
-            "lora_adapters": [r.lora_name for r in self.loras.list()],
-            "lora_evictions": self.loras.evictions,
+            "lora": {"loaded": [r.lora_name for r in self.loras.list()],
+                     "num_loaded": len(self.loras.list()), "evictions": self.loras.evictions},
             "memory": mem,
             "model": self.model_id,
         }

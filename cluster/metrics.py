@@ -182,6 +182,7 @@ class _Collector:
             ("kv_blocks_cached_free", "Free blocks still holding a prefix",
              ("memory", "num_cached_free_blocks")),
             ("requests_in_flight", "Requests open on the replica", ("server", "in_flight")),
+            ("lora_adapters_loaded", "LoRA adapters loaded", ("lora", "num_loaded")),
         ]
         for name, doc, path in gauges:
             fam = GaugeMetricFamily(f"{p}_{name}", doc, labels=["replica"])
@@ -210,6 +211,8 @@ class _Collector:
              ("spec_decode", "num_draft_tokens")),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted",
              ("spec_decode", "num_accepted_tokens")),
+            ("lora_evictions", "LoRA adapters unloaded to make room for another",
+             ("lora", "evictions")),
         ]
         for name, doc, path in counters:
             fam = CounterMetricFamily(f"{p}_{name}", doc, labels=["replica"])

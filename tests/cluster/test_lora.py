@@ -370,7 +370,8 @@ def test_the_least_recently_used_idle_adapter_is_unloaded_to_make_room(
             assert _tokens(outs) == llama_refs[name], name
             assert len(engine.list_loras()) <= 2
         assert [r.lora_name for r in engine.list_loras()] == ["all7", "pattern"]  # by id
-        assert engine.get_stats()["lora_evictions"] == 2  # all7, then qv_rs
+        lora = engine.get_stats()["lora"]
+        assert lora["evictions"] == 2 and lora["num_loaded"] == 2  # all7, then qv_rs out
         # All three busy at once: nothing idle to unload, so all three are loaded.
         prompts, per_prompt = mixed_batch([None, *llama_loras.values()])
         assert _tokens(llm.generate(prompts, GREEDY, lora_request=per_prompt)) == \

@@ -104,7 +104,10 @@ def test_completions_and_chat_per_adapter_equal_the_offline_engine(
     assert len(set(offline["chat"].values())) == 3
     stats = lora_app.wait_baseline()
     (replica,) = stats.values()
-    assert sorted(replica["lora_adapters"]) == ["pirate", "sql"]
+    assert sorted(replica["lora"]["loaded"]) == ["pirate", "sql"]
+    metrics = httpx.get(f"{lora_app.base}/metrics", timeout=30).text
+    assert any(line.startswith("pagedserve_lora_adapters_loaded{") and line.endswith(" 2.0")
+               for line in metrics.splitlines()), metrics
 
 
 def test_an_adapter_copied_into_lora_dir_is_served_without_a_restart(
