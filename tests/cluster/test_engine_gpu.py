@@ -210,3 +210,106 @@ def test_cuda_speculative_decoding_equals_hugging_face(tiny_dir, engines) -> Non
     assert _greedy(llm, prompts, params) == ref
     assert llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
     assert_pool_at_baseline(llm)
+
+
+
+def _write_lora_by_hand(base_dir: str, dest, targets: list[str], r: int, seed: int) -> str:
+    """A PEFT-format adapter written without ``peft`` (the GPU box has no package index):
+    ``adapter_config.json`` and ``adapter_model.safetensors`` with random A and B."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(base_dir)
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    shapes = {"q_proj": (cfg.hidden_size, cfg.num_attention_heads * hd),
+              "k_proj": (cfg.hidden_size, cfg.num_key_value_heads * hd),
+              "v_proj": (cfg.hidden_size, cfg.num_key_value_heads * hd),
+              "o_proj": (cfg.num_attention_heads * hd, cfg.hidden_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for name in targets:
+            fan_in, fan_out = shapes[name]
+            part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) / fan_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, r, generator=g)
+    dest.mkdir(parents=True)
+    save_file(tensors, str(dest / "adapter_model.safetensors"))
+    (dest / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": targets,
+         "bias": "none"}))
+    return str(dest)
+
+
+def _merged_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[int]],
+                   device: str) -> list[list[int]]:
+    """HF ``generate`` with the adapter merged into the weights (W + 2 B A)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        tensors = load_file(f"{adapter_dir}/adapter_model.safetensors")
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for key, a in tensors.items():
+                if ".lora_A." in key:
+                    b = tensors[key.replace(".lora_A.", ".lora_B.")]
+                    name = key.removeprefix("base_model.model.").replace(".lora_A", "")
+                    params[name].add_(2.0 * (b @ a))  # lora_alpha / r = 2
+    model.to(device).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            y = model.generate(torch.tensor([ids], device=device), do_sample=False,
+                               max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def _check_lora_mixed_batch(tiny_dir: str, engines: list[LLM], tmp_path, device: str
+                            ) -> LLM:
+    from pagedserve.cluster import LoRARequest
+
+    all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    loras = [None,
+             LoRARequest("a", 1, _write_lora_by_hand(tiny_dir, tmp_path / "a", all7, 8, 1)),
+             LoRARequest("b", 2, _write_lora_by_hand(tiny_dir, tmp_path / "b",
+                                                     ["q_proj", "v_proj"], 4, 2))]
+    prompts = _prompts()
+    refs = {lora: _merged_greedy(tiny_dir, lora.lora_path if lora else None, prompts, device)
+            for lora in loras}
+    assert refs[loras[1]] != refs[None] and refs[loras[2]] != refs[None]
+    kw = dict(attention_backend="triton", num_gpu_blocks=512) if device == "cuda" else \
+        dict(num_gpu_blocks=128)
+    llm = LLM(model=tiny_dir, device=device, dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=8, **kw)
+    engines.append(llm)
+    batch = [(p, lora) for p in prompts for lora in loras]
+    outs = llm.generate([p for p, _ in batch], GREEDY, lora_request=[lo for _, lo in batch])
+    assert [o.outputs[0].token_ids for o in outs] == [
+        refs[lora][i] for i in range(len(prompts)) for lora in loras]
+    assert _greedy(llm, prompts) == refs[None]
+    assert_pool_at_baseline(llm)
+    return llm
+
+
+def test_lora_by_hand_equals_merged_weights_on_cpu(tiny_dir, engines, tmp_path) -> None:
+    """The CUDA LoRA check below, on CPU: its adapter files and merged reference run in CI."""
+    _check_lora_mixed_batch(tiny_dir, engines, tmp_path, "cpu")
+
+
+@cuda_only
+def test_cuda_lora_mixed_batch_equals_hugging_face_merged(tiny_dir, engines, tmp_path) -> None:
+    """Adapters on the GPU: steps with LoRA rows run eagerly (their row runs vary), a
+    step of base-model rows only still replays a decode graph. The reference merges
+    each adapter into HF's weights, LoRA's own definition."""
+    llm = _check_lora_mixed_batch(tiny_dir, engines, tmp_path, "cuda")
+    graphs = _graphs(llm)
+    assert graphs is not None and graphs.graphs and not graphs.disabled

@@ -33,7 +33,8 @@ def write_adapter(base_dir: str, dest: Path, seed: int, targets: Any, r: int = 8
 
 
 def hf_peft_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[int]],
-                   max_new_tokens: int = 16, ignore_eos: bool = True) -> list[list[int]]:
+                   max_new_tokens: int = 16, ignore_eos: bool = True, device: str = "cpu"
+                   ) -> list[list[int]]:
     """``PeftModel.from_pretrained(...).generate``, greedy, one prompt at a time."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -41,11 +42,11 @@ def hf_peft_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[in
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
+    model.to(device).eval()
     outs = []
     with torch.inference_mode():
         for ids in prompts:
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=device)
             y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
                                max_new_tokens=max_new_tokens,
                                min_new_tokens=max_new_tokens if ignore_eos else 0,
