@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from offline import make_prompts  # the offline benchmark's prompts
+from offline import left_pad, make_prompts  # the offline benchmark's prompts and padding
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -81,13 +81,8 @@ def run_peft(path: str, prompts: list[list[int]], out_len: int, adapters: list[s
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
-            width = max(map(len, chunk))
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, p in enumerate(chunk):  # left padding, as generation needs
-                ids[r, width - len(p):] = torch.tensor(p)
-                mask[r, width - len(p):] = 1
+            ids, mask = left_pad(prompts[i:i + batch])
+            width = ids.shape[1]
             y = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                max_new_tokens=out_len, min_new_tokens=out_len, pad_token_id=0,
                                adapter_names=names[i:i + batch])

@@ -112,6 +112,17 @@ def run_pagedserve(path: str, prompts: list[list[int]], out_len: int, device: st
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt
 
 
+def left_pad(chunk: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and attention mask of a batch, padded on the left as generation needs."""
+    width = max(map(len, chunk))
+    ids = torch.zeros(len(chunk), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(chunk):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    return ids, mask
+
+
 def run_hf_generate(model, prompts: list[list[int]], out_len: int, batch: int) -> float:
     dev = model.device
     model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=4, do_sample=False,
@@ -120,16 +131,11 @@ def run_hf_generate(model, prompts: list[list[int]], out_len: int, batch: int) -
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
-            width = max(map(len, chunk))
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, p in enumerate(chunk):  # left padding, as generation needs
-                ids[r, width - len(p):] = torch.tensor(p)
-                mask[r, width - len(p):] = 1
+            ids, mask = left_pad(chunk)
             ids, mask = ids.to(dev), mask.to(dev)
             y = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=out_len,
                                min_new_tokens=out_len, pad_token_id=0)
-            tokens += (y.shape[1] - width) * len(chunk)
+            tokens += (y.shape[1] - ids.shape[1]) * len(chunk)
     return tokens / (time.perf_counter() - t0)
 
 
