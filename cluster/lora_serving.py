@@ -9,9 +9,12 @@ adapters can be added to a running cluster by copying a directory.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from pathlib import Path
+
+from pagedserve.scheduler.lora_request import lora_cache_key
 
 # An adapter name is one path component: no separators, no "..", nothing hidden.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -61,6 +64,18 @@ class AdapterCatalog:
                         and path.name not in self.base_names and _is_adapter_dir(path):
                     found[path.name] = str(path)
         return list(found.items())
+
+
+def adapter_affinity_key(name: str, path: str) -> bytes:
+    """A routing key every request for the adapter carries ahead of its block hashes.
+
+    The prefix-affinity router then sends an adapter's requests, even prompts too short
+    for a full block, to the replica that served it last (unless that one is busier by
+    more than the imbalance threshold), as Ray Serve LLM's multiplexing does: the other
+    replicas do not load the adapter at all.
+    """
+    return hashlib.blake2b(f"adapter|{lora_cache_key(name, path)}".encode(),
+                           digest_size=16).digest()
 
 
 def parse_lora_modules(items: list[str] | Mapping[str, str] | None) -> dict[str, str]:

@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle
 
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
-from pagedserve.cluster.lora_serving import AdapterCatalog
+from pagedserve.cluster.lora_serving import AdapterCatalog, adapter_affinity_key
 from pagedserve.cluster.metrics import (
     HttpMetrics,
     HttpMetricsMiddleware,
@@ -156,6 +156,8 @@ class OpenAIServer:
         key = lora_cache_key(*lora) if lora is not None else None
         hashes = hash_prompt_blocks(ids, info["block_size"],
                                     make_extra_keys(info["model_id"], salt, key))
+        if lora is not None:  # for the router only: the replicas compute their own
+            hashes.insert(0, adapter_affinity_key(*lora))
         return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora)
 
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,

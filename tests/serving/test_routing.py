@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from pagedserve.worker.loaders import resolve_model
+from pagedserve.worker.testing import write_random_lora
 from tests.serving.conftest import App, Cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -21,9 +23,17 @@ SYSTEM = ("You are the support assistant of a bicycle shop. Answer politely, bri
 
 
 @pytest.fixture(scope="module")
-def pair(cluster: Cluster) -> Iterator[App]:
+def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("routing_loras")
+    write_random_lora(resolve_model(None).path, root / "bikes", ["q_proj", "v_proj"], r=4)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def pair(cluster: Cluster, lora_dir: str) -> Iterator[App]:
     app = cluster.deploy("pair", {"num_replicas": 2, "num_gpu_blocks": 128,
-                                  "max_model_len": 1024, "num_threads": 1})
+                                  "max_model_len": 1024, "num_threads": 1,
+                                  "lora_dir": lora_dir})
     yield app
     cluster.delete("pair")
 
@@ -81,3 +91,19 @@ def test_affinity_follows_the_prefix_not_the_request_order(pair: App) -> None:
         finished = _delta(before, after, "finished_requests")
         homes[k].update(r for r, n in finished.items() if n)
     assert len(homes[0]) == 1 and len(homes[1]) == 1, homes
+
+
+def test_an_adapters_requests_go_to_the_replica_that_loaded_it(pair: App) -> None:
+    """Prompts shorter than a block carry no prefix, yet an adapter's requests stick to
+    one replica (its affinity key), so the other never loads the adapter."""
+    client = pair.openai()
+    before = pair.stats()
+    rng = random.Random(1)
+    for _ in range(6):
+        words = " ".join(rng.choice(["gear", "chain", "tyre", "bell"]) for _ in range(3))
+        client.completions.create(model="bikes", prompt=words, max_tokens=2)
+    after = pair.wait_baseline()
+    finished = _delta(before, after, "finished_requests")
+    assert sorted(finished.values()) == [0, 6], finished
+    loaded = {r: s["lora"]["loaded"] for r, s in after.items()}
+    assert sorted(loaded.values()) == [[], ["bikes"]], loaded
