@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from pagedserve.scheduler.admission import check_fits, lora_fits
 from pagedserve.scheduler.block_hash import make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
@@ -79,38 +80,11 @@ class Scheduler:
             lora_id=lora_request.lora_int_id if lora_request is not None else 0,
         )
 
-    def check_fits(self, request: Request) -> None:
-        """Reject at admission what could never run, instead of waiting forever."""
-        n = request.num_prompt_tokens
-        max_len = self.config.max_model_len
-        if n >= max_len:
-            raise ValueError(
-                f"prompt is {n} tokens, the model's context is {max_len} "
-                "(at least one token must be generated)"
-            )
-        max_tokens = request.sampling_params.max_tokens
-        total = n + (max_tokens if max_tokens is not None else max_len - n)
-        if total > max_len:
-            raise ValueError(
-                f"max_tokens: prompt ({n}) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds the model's context of {max_len} tokens"
-            )
-        if cdiv(total, self.block_size) > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"request needs {cdiv(total, self.block_size)} KV blocks for {total} tokens, "
-                f"the pool has {self.kv.pool.num_blocks}"
-            )
-        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt of {n} tokens exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) without chunked prefill"
-            )
-
     def add_request(self, request: Request) -> None:
         """Queue a request; ``n > 1`` becomes a group whose siblings fork later."""
         if request.request_id in self.requests or request.group_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.check_fits(request)
+        check_fits(request, self.config, self.block_size, self.kv.pool.num_blocks)
         n = request.sampling_params.n
         if n > 1:
             request.pending_children = [request.make_child(i) for i in range(1, n)]
@@ -167,7 +141,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.swapped[0]
-            if not self._lora_fits(req, active):
+            if not lora_fits(req, active, self.config.max_loras):
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             blocks_after = cdiv(req.num_computed_tokens + num_new, self.block_size)
@@ -194,7 +168,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            if not self._lora_fits(req, active):
+            if not lora_fits(req, active, self.config.max_loras):
                 skipped.append(self.waiting.popleft())
                 continue
             if req.sampling_params.prompt_logprobs is None:
@@ -219,17 +193,6 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
-
-    def _lora_fits(self, req: Request, active: set[int]) -> bool:
-        """Whether running ``req`` keeps the distinct adapters of ``active`` (the
-        running ones) at most ``max_loras``; if so, its adapter joins ``active``."""
-        cap = self.config.max_loras
-        if not cap or not req.lora_id or req.lora_id in active:
-            return True
-        if len(active) >= cap:
-            return False
-        active.add(req.lora_id)
-        return True
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return scheduled_request(req, num_new, self.kv.block_ids(req.request_id))

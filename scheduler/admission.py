@@ -1,0 +1,51 @@
+"""What may enter a replica's batch: requests that could ever run, and the adapter cap.
+
+Pure functions of a request and the settings, kept apart from the batching
+policy in :mod:`scheduler` so each rule reads (and is tested) on its own.
+"""
+
+from __future__ import annotations
+
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import cdiv
+from pagedserve.scheduler.request import Request
+
+
+def check_fits(request: Request, config: SchedulerConfig, block_size: int,
+               pool_blocks: int) -> None:
+    """Reject at admission what could never run, instead of waiting forever."""
+    n = request.num_prompt_tokens
+    max_len = config.max_model_len
+    if n >= max_len:
+        raise ValueError(
+            f"prompt is {n} tokens, the model's context is {max_len} "
+            "(at least one token must be generated)"
+        )
+    max_tokens = request.sampling_params.max_tokens
+    total = n + (max_tokens if max_tokens is not None else max_len - n)
+    if total > max_len:
+        raise ValueError(
+            f"max_tokens: prompt ({n}) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds the model's context of {max_len} tokens"
+        )
+    if cdiv(total, block_size) > pool_blocks:
+        raise ValueError(
+            f"request needs {cdiv(total, block_size)} KV blocks for {total} tokens, "
+            f"the pool has {pool_blocks}"
+        )
+    if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
+        raise ValueError(
+            f"prompt of {n} tokens exceeds max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) without chunked prefill"
+        )
+
+
+def lora_fits(req: Request, active: set[int], cap: int) -> bool:
+    """Whether running ``req`` keeps the distinct adapters of ``active`` (the running
+    ones) at most ``cap`` (0: no cap); if so, its adapter joins ``active``."""
+    if not cap or not req.lora_id or req.lora_id in active:
+        return True
+    if len(active) >= cap:
+        return False
+    active.add(req.lora_id)
+    return True
