@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adapters a replica keeps loaded; more unload the least recently "
                         "used idle one (default: 16, or --max-loras if more)")
     s.add_argument("--num-replicas", type=int, default=1, help="engine replicas")
+    s.add_argument("--autoscaling-config", type=_json_object, default=None,
+                   help='scale engine replicas with load, Serve\'s autoscaling_config: '
+                        '\'{"min_replicas": 1, "max_replicas": 4, '
+                        '"target_ongoing_requests": 16}\' (replaces --num-replicas)')
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,

@@ -349,6 +349,10 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     )
     opts.update(engine_replica_options(s.device == "cuda", s.threads, a.tensor_parallel_size,
                                        a.replica_num_cpus, a.placement_group_strategy))
+    autoscaling = a.autoscaling()
+    if autoscaling is not None:  # Serve scales on each replica's ongoing requests
+        del opts["num_replicas"]
+        opts["autoscaling_config"] = autoscaling
     engine = EngineServer.options(**opts).bind(s.engine_kwargs, a.stream_interval_ms,
                                                a.stream_messages_per_s)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None

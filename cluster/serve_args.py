@@ -69,6 +69,7 @@ class ServeArgs(BaseModel):
     lora_modules: dict[str, str] | list[str] | None = None
     lora_dir: str | None = None
     max_loaded_loras: int | None = None
+    autoscaling_config: dict[str, Any] | None = None
 
     @classmethod
     def parse(cls, args: ServeArgs | Mapping[str, Any] | Any | None) -> ServeArgs:
@@ -81,6 +82,27 @@ class ServeArgs(BaseModel):
             return cls(**args)
         return cls(**{k: v for k, v in vars(args).items() if k in cls.model_fields})
 
+    def autoscaling(self) -> dict[str, Any] | None:
+        """Serve's ``autoscaling_config`` for the engine replicas, checked by Serve's own
+        model; scaling to zero is refused (the ingress needs a replica for model facts)."""
+        if self.autoscaling_config is None:
+            return None
+        from ray.serve.config import AutoscalingConfig
+
+        unknown = set(self.autoscaling_config) - set(AutoscalingConfig.model_fields)
+        if unknown:
+            raise ValueError(f"autoscaling_config: unknown keys {sorted(unknown)}")
+        cfg = AutoscalingConfig(**self.autoscaling_config)
+        if cfg.min_replicas < 1:
+            raise ValueError("autoscaling_config: min_replicas must be >= 1 "
+                             "(scaling engine replicas to zero is not supported)")
+        return dict(self.autoscaling_config)
+
+    def max_replicas(self) -> int:
+        """The most engine replicas there can be: what CPU threads are sized for."""
+        cfg = self.autoscaling()
+        return int(cfg.get("max_replicas", 1)) if cfg is not None else self.num_replicas
+
     def settings(self) -> ServeSettings:
         """Resolve the device and threads, check the adapters and the engine config."""
         device = resolve_device(self.device)
@@ -90,7 +112,7 @@ class ServeArgs(BaseModel):
         AdapterCatalog(lora_modules, lora_dir, ())  # a bad name or directory fails here
         threads = self.num_threads
         if device == "cpu" and threads is None:
-            threads = cpu_threads_per_rank(self.num_replicas, self.tensor_parallel_size)
+            threads = cpu_threads_per_rank(self.max_replicas(), self.tensor_parallel_size)
         engine_kwargs: dict[str, Any] = dict(
             model=self.model, tensor_parallel_size=self.tensor_parallel_size, device=device,
             dtype=self.dtype, num_gpu_blocks=self.num_gpu_blocks,

@@ -1,0 +1,83 @@
+"""Engine replicas scale with load (Serve's ``autoscaling_config``) and lose nothing.
+
+One replica at rest; concurrent long streams push the ongoing requests past the
+target, Serve starts a second replica, the router sends new requests to it
+(least loaded), and every stream, old and new, finishes with all its tokens.
+When the load is gone the app scales back to one replica, whose pool is at its
+baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.serving.conftest import App, Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct"
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+               "target_ongoing_requests": 2, "upscale_delay_s": 0.0,
+               "downscale_delay_s": 5.0, "look_back_period_s": 1.0}
+
+
+@pytest.fixture(scope="module")
+def scaled(cluster: Cluster) -> Iterator[App]:
+    app = cluster.deploy("scaled", {"autoscaling_config": AUTOSCALING, "num_gpu_blocks": 256,
+                                    "max_model_len": 1024, "num_threads": 1})
+    yield app
+    cluster.delete("scaled")
+
+
+def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def _replicas(app: App) -> tuple[int, int]:
+    """(replicas the ingress knows, those that answer a stats call): one starting or
+    stopping may be listed without answering."""
+    r = httpx.get(f"{app.base}/v1/stats", headers=app.headers, timeout=60)
+    r.raise_for_status()
+    reps = r.json()["replicas"]
+    return len(reps), sum("stats" in rep for rep in reps)
+
+
+def _stream(app: App, i: int, max_tokens: int) -> int:
+    """Stream one completion; the number of tokens it delivered."""
+    n, finish = 0, None
+    for chunk in app.openai().completions.create(
+            model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=max_tokens,
+            temperature=0.8, seed=i, stream=True, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True}):
+        if chunk.choices:
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+    assert finish == "length", finish
+    return n
+
+
+def test_replicas_scale_up_under_load_and_back_down(scaled: App) -> None:
+    assert len(scaled.stats()) == 1
+    with ThreadPoolExecutor(12) as pool:
+        first = [pool.submit(_stream, scaled, i, 400) for i in range(6)]
+        _wait(lambda: _replicas(scaled)[1] == 2, 120, "a second replica")
+        second = [pool.submit(_stream, scaled, 100 + i, 40) for i in range(4)]
+        assert [f.result(timeout=300) for f in first] == [400] * 6
+        assert [f.result(timeout=300) for f in second] == [40] * 4
+    stats = scaled.stats()
+    served = {r: s["finished_requests"] for r, s in stats.items()}
+    # The replica started for the load served some of the requests sent after it came
+    # (read before the 5 s downscale delay has passed).
+    assert len(served) == 2 and min(served.values()) > 0, served
+    _wait(lambda: _replicas(scaled) == (1, 1), 120, "scaling back to one replica")
+    scaled.wait_baseline()
