@@ -151,6 +151,7 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative snapshot after every step that advanced the request.
 
@@ -163,7 +164,8 @@ class AsyncEngine:
         if lora_request is not None and not self.engine.loras.contains(lora_request):
             await asyncio.get_running_loop().run_in_executor(
                 self._step_thread, self.engine.add_lora, lora_request)
-        rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request)
+        rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request,
+                                      priority)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()

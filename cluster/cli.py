@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
     _engine_flags(s)
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: a request's 'priority' (lower first) orders admission "
+                        "and preemption")
     s.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (on by itself with --lora-modules/--lora-dir)")
     s.add_argument("--max-loras", type=int, default=1,

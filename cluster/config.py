@@ -30,6 +30,8 @@ class EngineConfig:
     ``lora_modules`` (name -> PEFT directory) are loaded at start; at most
     ``max_loaded_loras`` (default: 16, or ``max_loras`` if more) stay loaded, the
     least recently used idle one unloaded to make room (and reloaded when named).
+    ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
+    each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
     """
 
     model: str | None = None
@@ -60,6 +62,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     lora_modules: dict[str, str] | None = None
     max_loaded_loras: int | None = None
+    scheduling_policy: str = "fcfs"
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -72,6 +75,9 @@ class EngineConfig:
         if n is not None and (not isinstance(n, int) or n < self.max_loras):
             raise ValueError(f"max_loaded_loras must be an integer >= max_loras "
                              f"({self.max_loras}), got {n!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be fcfs or priority, got "
+                             f"{self.scheduling_policy!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

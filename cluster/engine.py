@@ -125,6 +125,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 max_loras=config.max_loras if config.enable_lora else 0,
+                policy=config.scheduling_policy,
             ),
             CacheConfig(
                 num_gpu_blocks=num_gpu_blocks,
@@ -170,11 +171,12 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem.
 
         A ``lora_request`` the engine has not loaded yet is loaded first, on every
-        rank (``add_lora``).
+        rank (``add_lora``). ``priority`` (lower runs first) needs the priority policy.
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -184,6 +186,11 @@ class LLMEngine:
             raise ValueError("request_id must not contain '#'")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError("priority is set but scheduling_policy is fcfs "
+                             "(start the engine with scheduling_policy='priority')")
         params.check_token_ids(self.model_info["vocab_size"])
         if params.structured_outputs is not None:
             from pagedserve.worker.structured import check_structured_outputs
@@ -197,7 +204,7 @@ class LLMEngine:
         if lora_request is not None:
             self.loras.add(lora_request)
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
-                                          cache_salt, lora_request)
+                                          cache_salt, lora_request, priority)
         self.scheduler.add_request(req)
         group = _Group(request_id, prompt if isinstance(prompt, str) else None, ids, params, [])
         if params.prompt_logprobs is not None:

@@ -120,7 +120,7 @@ class EngineServer:
         try:
             lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
             outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt,
-                                        lora)
+                                        lora, req.priority)
             async with contextlib.AsyncExitStack() as stack:
                 interval = stack.enter_context(self.pacer.streaming()) if req.stream else None
                 paced = await stack.enter_async_context(contextlib.aclosing(pace_deltas(

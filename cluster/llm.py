@@ -47,12 +47,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
         ``lora_request`` runs every prompt with one LoRA adapter, or (a list) each
         prompt with its own (None: the base model); prompts of different adapters
-        share the batch.
+        share the batch. ``priority`` (one per prompt, lower first) needs
+        ``scheduling_policy="priority"``.
 
         A bad prompt or setting anywhere in the batch raises before anything runs,
         and the batch's requests added before it are withdrawn: none of them is
@@ -75,10 +77,13 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"priority: got {len(prios)} for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for p, sp, lora in zip(prompts, params, loras):
-                ids.append(self.engine.add_request(p, sp, lora_request=lora))
+            for p, sp, lora, prio in zip(prompts, params, loras, prios):
+                ids.append(self.engine.add_request(p, sp, lora_request=lora, priority=prio))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

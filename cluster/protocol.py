@@ -96,6 +96,7 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -152,13 +152,15 @@ class OpenAIServer:
 
     def _engine_request(self, rid: str, ids: list[int], params: SamplingParams,
                         salt: str | None, info: dict[str, Any], stream: bool,
-                        lora: tuple[str, str] | None = None) -> EngineRequest:
+                        lora: tuple[str, str] | None = None, priority: int = 0
+                        ) -> EngineRequest:
         key = lora_cache_key(*lora) if lora is not None else None
         hashes = hash_prompt_blocks(ids, info["block_size"],
                                     make_extra_keys(info["model_id"], salt, key))
         if lora is not None:  # for the router only: the replicas compute their own
             hashes.insert(0, adapter_affinity_key(*lora))
-        return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora)
+        return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora,
+                             priority=priority)
 
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
                        include_usage: bool, continuous_usage: bool, logprobs: bool,
@@ -234,7 +236,7 @@ class OpenAIServer:
                 echo.append((p if whole else self.tokenizer.decode(ids), ids))
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
-                                             body.stream, lora))
+                                             body.stream, lora, body.priority))
         so = body.stream_options
         return await self._respond(rid, reqs, "text_completion", body.stream,
                                    bool(so and so.include_usage),
@@ -256,7 +258,8 @@ class OpenAIServer:
             body.engine_logprobs(), info["vocab_size"],
             tools.structured() if tools is not None else None)
         rid = new_id("chatcmpl")
-        req = self._engine_request(rid, ids, params, body.cache_salt, info, body.stream, lora)
+        req = self._engine_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
+                                   body.priority)
         so = body.stream_options
         return await self._respond(rid, [req], "chat.completion", body.stream,
                                    bool(so and so.include_usage),

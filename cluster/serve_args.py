@@ -70,6 +70,7 @@ class ServeArgs(BaseModel):
     lora_dir: str | None = None
     max_loaded_loras: int | None = None
     autoscaling_config: dict[str, Any] | None = None
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @classmethod
     def parse(cls, args: ServeArgs | Mapping[str, Any] | Any | None) -> ServeArgs:
@@ -125,7 +126,7 @@ class ServeArgs(BaseModel):
             enable_lora=self.enable_lora or bool(lora_modules) or lora_dir is not None,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             lora_modules=lora_modules or None, max_loaded_loras=self.max_loaded_loras,
-            **self.engine_kwargs)
+            scheduling_policy=self.scheduling_policy, **self.engine_kwargs)
         EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
         return ServeSettings(device, threads, engine_kwargs, lora_modules, lora_dir)
 

@@ -34,6 +34,7 @@ class EngineRequest:
     stream: bool = True  # False: the replica sends only the ack and the final chunk
     channel: str | None = None  # the ingress channel its chunks go to (``EngineServer.run``)
     lora: tuple[str, str] | None = None  # (adapter name, PEFT directory); None: base model
+    priority: int = 0  # lower runs first, under the replicas' priority policy
 
 
 @dataclass

@@ -13,7 +13,8 @@ class SchedulerConfig:
 
     ``max_num_batched_tokens`` is the per-step token budget shared by decodes
     and prefill chunks; ``max_num_seqs`` caps running sequences; ``max_loras``
-    caps the distinct LoRA adapters among them (0: no cap).
+    caps the distinct LoRA adapters among them (0: no cap); ``policy`` is
+    ``fcfs`` or ``priority`` (``scheduler.queues``).
     """
 
     max_num_seqs: int = 256
@@ -22,8 +23,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "swap"
     max_loras: int = 0
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"max_loras must be a non-negative integer, got {self.max_loras!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

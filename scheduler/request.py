@@ -54,6 +54,7 @@ class Request:
         index: int = 0,
         arrival_time: float | None = None,
         lora_id: int = 0,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -67,6 +68,8 @@ class Request:
         self.extra_keys = tuple(extra_keys)
         # The LoRA adapter this sequence runs with (0: the base model).
         self.lora_id = lora_id
+        # Under the priority policy a lower value runs first (vLLM's convention).
+        self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -129,6 +132,7 @@ class Request:
             index=index,
             arrival_time=self.arrival_time,
             lora_id=self.lora_id,
+            priority=self.priority,
         )
         return child
 

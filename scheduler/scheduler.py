@@ -1,17 +1,16 @@
 """Continuous batching with a token budget, chunked prefill, preemption and abort.
 
 Each ``schedule()`` call: running sequences first (decode, or the next chunk of
-a prefill), preempting the most recently arrived running sequence whenever
-the pool is short; then swapped sequences come back (only in a step that
-preempted nobody); then waiting ones are admitted in arrival order while the
-budget, the sequence cap and the pool allow. ``update_from_output`` applies
+a prefill), preempting the last running sequence (the most recently admitted;
+under the priority policy the least urgent, see ``queues``) whenever the pool
+is short; then swapped sequences come back (only in a step that preempted
+nobody); then waiting ones are admitted in queue order while the budget, the
+sequence cap, the pool and the LoRA adapter cap allow. ``update_from_output`` applies
 the sampled tokens, names newly full blocks in the prefix cache, forks
 parallel samples and frees finished sequences at once.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 from pagedserve.scheduler.admission import check_fits, lora_fits
 from pagedserve.scheduler.block_hash import make_extra_keys
@@ -26,6 +25,7 @@ from pagedserve.scheduler.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagedserve.scheduler.queues import make_queues
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.spec_decode import Drafter, SpeculativeConfig
@@ -48,9 +48,7 @@ class Scheduler:
         )
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
+        self.waiting, self.running, self.swapped = make_queues(scheduler_config.policy)
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
         self._step_id = 0
@@ -68,6 +66,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> Request:
         """Build a request with this replica's hash keys (model id, salt, adapter)."""
         lora_key = lora_request.cache_key if lora_request is not None else None
@@ -78,6 +77,7 @@ class Scheduler:
             eos_token_ids,
             make_extra_keys(self.cache_config.model_id, cache_salt, lora_key),
             lora_id=lora_request.lora_int_id if lora_request is not None else 0,
+            priority=priority,
         )
 
     def add_request(self, request: Request) -> None:

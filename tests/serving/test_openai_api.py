@@ -180,6 +180,8 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [10**7]},
      "stop_token_ids"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    # Reaches the replica, whose engine runs the fcfs policy.
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, None),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
     ("/v1/chat/completions", {"messages": "hello"}, "messages"),
