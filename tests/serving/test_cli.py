@@ -46,6 +46,48 @@ def test_generate_prints_the_completion(tiny_model: Path) -> None:
     assert out.stdout.rstrip("\n") == ref.outputs[0].text
 
 
+def test_generate_with_a_lora_adapter(tiny_model: Path, tmp_path: Path) -> None:
+    """``--lora PATH`` gives the offline engine's text with that adapter; a directory that
+    is no adapter is a clear error (exit 2, no traceback)."""
+    from pagedserve.cluster import LLM, LoRARequest, SamplingParams
+    from pagedserve.worker.testing import write_random_lora
+
+    adapter = write_random_lora(tiny_model, tmp_path / "adapter", ["q_proj", "v_proj"], r=4)
+    args = [*CLI, "generate", "--model", str(tiny_model), "--raw", "--max-tokens", "8",
+            "--num-gpu-blocks", "32"]
+    out = subprocess.run([*args, "--lora", adapter, "Hello world"], capture_output=True,
+                         text=True, timeout=300, env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    llm = LLM(model=str(tiny_model), num_gpu_blocks=32, enable_lora=True, max_lora_rank=4)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        (ref,) = llm.generate("Hello world", params,
+                              lora_request=LoRARequest("adapter", 1, adapter))
+        (base,) = llm.generate("Hello world", params)
+    finally:
+        llm.shutdown()
+    assert out.stdout.rstrip("\n") == ref.outputs[0].text != base.outputs[0].text
+    bad = subprocess.run([*args, "--lora", str(tmp_path), "Hello world"], capture_output=True,
+                         text=True, timeout=300, env=_env())
+    assert bad.returncode == 2 and "adapter_config.json" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_serve_flags_reach_the_serve_args() -> None:
+    from pagedserve.cluster.cli import build_parser
+    from pagedserve.cluster.serve_args import ServeArgs
+
+    ns = build_parser().parse_args([
+        "serve", "--lora-modules", "a=/x", "b=/y", "--lora-dir", "/adapters", "--max-loras",
+        "2", "--max-lora-rank", "8", "--max-loaded-loras", "4", "--scheduling-policy",
+        "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}'])
+    a = ServeArgs.parse(ns)
+    assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
+            a.scheduling_policy, a.autoscaling_config) == (
+        ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
+        {"min_replicas": 1, "max_replicas": 3})
+
+
 @pytest.mark.parametrize(("flag", "value", "field"), [
     ("--temperature", "-3", "temperature"),
     ("--min-p", "2", "min_p"),
