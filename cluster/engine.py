@@ -97,6 +97,7 @@ class LLMEngine:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             num_threads=config.num_threads,
             max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
+            max_loaded_loras=config.resolved_max_loaded_loras() if config.enable_lora else 0,
             extra=dict(config.worker_extra),
         )
         self.executor: Executor

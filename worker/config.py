@@ -266,7 +266,8 @@ class WorkerConfig:
     whose logits rows include ``num_speculative_tokens`` per sequence.
 
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
-    (``layers.lora``); 0 serves the base model only.
+    (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room
+    for ``max_loaded_loras`` adapters of that rank out of the KV pool.
     """
 
     model: str | None = None
@@ -289,6 +290,7 @@ class WorkerConfig:
     cpu_packed_weights: bool = True
     num_threads: int | None = None
     max_lora_rank: int = 0
+    max_loaded_loras: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -199,7 +199,9 @@ class Worker:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        return int(total * self.config.gpu_memory_utilization - peak - max(non_torch, 0))
+        loras = self.lora.adapter_bytes() * self.config.max_loaded_loras if self.lora else 0
+        return int(total * self.config.gpu_memory_utilization - peak - max(non_torch, 0)
+                   - loras)
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None,
                       cuda_graphs: bool = True) -> None:

@@ -383,3 +383,20 @@ def test_the_least_recently_used_idle_adapter_is_unloaded_to_make_room(
         llm.shutdown()
     with pytest.raises(ValueError, match="max_loaded_loras"):
         LLM(model=tiny_llama_dir, enable_lora=True, max_loras=3, max_loaded_loras=2)
+
+
+def test_adapter_bytes_is_what_a_full_rank_adapter_takes(tmp_path, tiny_llama_dir) -> None:
+    """What CUDA profiling keeps out of the KV pool per loaded adapter: exactly the
+    device bytes of an adapter of rank ``max_lora_rank`` on all seven projections."""
+    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_lora_rank=8, num_gpu_blocks=16)
+    try:
+        worker = llm.engine.executor.worker
+        assert worker.config.max_loaded_loras == 16
+        path = write_adapter(tiny_llama_dir, tmp_path / "full", 7, ALL7, r=8)
+        llm.engine.add_lora(LoRARequest("full", 1, path))
+        manager = worker.lora
+        held = sum(a.nbytes + b.nbytes for m in manager._modules()
+                   for a, b in m.lora.adapters.values())
+        assert held == manager.adapter_bytes() > 0
+    finally:
+        llm.shutdown()

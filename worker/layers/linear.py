@@ -81,6 +81,12 @@ class QKVParallelLinear(PackableLinear):
     def weight_out_features(self) -> int:
         return self.q_size + 2 * self.kv_size
 
+    lora_pieces = 3  # q, k, v
+
+    @property
+    def lora_in_features(self) -> int:
+        return self.hidden
+
     def _piece_rows(self, shard: str) -> tuple[int, int, int, int]:
         """(full heads, first local head, local heads, output offset) of ``q``/``k``/``v``."""
         if shard == "q":
@@ -133,6 +139,14 @@ class MergedColumnParallelLinear(PackableLinear):
     def weight_out_features(self) -> int:
         return sum(self.local_sizes)
 
+    @property
+    def lora_pieces(self) -> int:
+        return len(self.local_sizes)
+
+    @property
+    def lora_in_features(self) -> int:
+        return self.in_features
+
     def lora_full_shape(self, index: int) -> tuple[int, int]:
         return self.in_features, self.full_sizes[index]
 
@@ -177,6 +191,12 @@ class RowParallelLinear(PackableLinear):
     @property
     def weight_out_features(self) -> int:
         return self.out_features
+
+    lora_pieces = 1
+
+    @property
+    def lora_in_features(self) -> int:
+        return self.local_in
 
     def lora_full_shape(self, piece: None) -> tuple[int, int]:
         return self.in_features, self.out_features

@@ -87,11 +87,9 @@ class LoRAManager:
         self.dtype, self.device = dtype, device
         self.batch = LoRABatch()
         self.paths: dict[int, str] = {}
-        for layer in model.layers:
-            for parent, attr, _ in _TARGETS.values():
-                module = getattr(getattr(layer, parent), attr)
-                if module.lora is None:
-                    module.lora = LoRAWeights(self.batch)
+        for module in self._modules():
+            if module.lora is None:
+                module.lora = LoRAWeights(self.batch)
 
     def add(self, lora_id: int, path: str) -> None:
         """Load an adapter for this rank; loading the same id and path again is a no-op."""
@@ -114,13 +112,30 @@ class LoRAManager:
                                              b.to(self.device).contiguous())
         self.paths[lora_id] = path
 
+    def adapter_bytes(self) -> int:
+        """Device bytes of one adapter of rank ``max_lora_rank`` on every projection of
+        this rank: what each loaded adapter may take, reserved when CUDA sizes the pool."""
+        elements = 0
+        for module in self._modules():
+            rank = module.lora_pieces * self.max_lora_rank
+            elements += rank * (module.lora_in_features + module.weight_out_features)
+        return elements * torch.empty((), dtype=self.dtype).element_size()
+
+    def _modules(self) -> list[torch.nn.Module]:
+        """Every projection that carries adapters (the fused ones once)."""
+        out: dict[int, torch.nn.Module] = {}
+        for layer in self.model.layers:
+            for parent, attr, _ in _TARGETS.values():
+                module = getattr(getattr(layer, parent), attr)
+                out[id(module)] = module
+        return list(out.values())
+
     def remove(self, lora_id: int) -> bool:
         """Drop an adapter's weights from every projection; False if it was not loaded."""
         if self.paths.pop(lora_id, None) is None:
             return False
-        for layer in self.model.layers:
-            for parent, attr, _ in _TARGETS.values():
-                getattr(getattr(layer, parent), attr).lora.adapters.pop(lora_id, None)
+        for module in self._modules():
+            module.lora.adapters.pop(lora_id, None)
         return True
 
     def set_batch(self, lora_ids: list[int], q_lens: list[int]) -> None:
