@@ -126,10 +126,13 @@ class OpenAIServer:
                            type="authentication_error", code="invalid_api_key")
 
     def _check_model(self, name: str | None) -> tuple[str, str] | None:
-        """None for the base model, ``(name, path)`` for a LoRA adapter; else a 404."""
+        """None for the base model, ``(name, path)`` for a LoRA adapter, named alone (vLLM)
+        or as ``BASE:ADAPTER`` (Ray Serve LLM); else a 404."""
         if name is None or name in (self.served_name, self.model_id):
             return None
-        lora = self.adapters.lookup(name)
+        base, sep, adapter = name.partition(":")
+        lora = self.adapters.lookup(adapter if sep and base in (self.served_name,
+                                                                self.model_id) else name)
         if lora is None:
             more = " or a LoRA adapter (GET /v1/models)" if self.adapters.enabled else ""
             raise APIError(f"model {name!r} does not exist; this server serves "

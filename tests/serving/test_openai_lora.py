@@ -100,6 +100,10 @@ def test_completions_and_chat_per_adapter_equal_the_offline_engine(
                                                           stream=True) if ch.choices)
         assert streamed == got["chat"][name]
     assert got == offline
+    # Ray Serve LLM's form, BASE:ADAPTER, names the same adapter.
+    r = client.completions.create(model=f"{base}:pirate", prompt=PROMPT, max_tokens=12,
+                                  temperature=0)
+    assert r.choices[0].text == offline["completion"]["pirate"]
     # The adapters change the answers (otherwise nothing above tells them apart).
     assert len(set(offline["chat"].values())) == 3
     stats = lora_app.wait_baseline()
@@ -122,7 +126,7 @@ def test_an_adapter_copied_into_lora_dir_is_served_without_a_restart(
 
 def test_unknown_or_bad_adapters_are_clear_errors(lora_app: App,
                                                   adapters: dict[str, str]) -> None:
-    for model in ("nope", "../dir/pirate", "pirate/../pirate"):
+    for model in ("nope", "../dir/pirate", "pirate/../pirate", "other-base:pirate"):
         r = httpx.post(f"{lora_app.base}/v1/completions", timeout=30,
                        json={"model": model, "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 404, r.text
