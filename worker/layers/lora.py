@@ -98,7 +98,7 @@ class LoRAManager:
                 raise ValueError(f"lora_int_id {lora_id} is already loaded from "
                                  f"{self.paths[lora_id]!r}")
             return
-        adapter = load_lora_adapter_for(self.model, path, self.max_lora_rank, self.dtype)
+        adapter = load_lora_adapter_for(self.model, path, self.max_lora_rank)
         fused: dict[int, tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]]]
         fused = {}
         for (layer_idx, name), (a, b, scale) in adapter.weights.items():
@@ -108,8 +108,8 @@ class LoRAManager:
             fused.setdefault(id(module), (module, []))[1].append((pa, pb, off))
         for module, pieces in fused.values():
             a, b = _fuse(pieces, module.weight_out_features)
-            module.lora.adapters[lora_id] = (a.to(self.device).contiguous(),
-                                             b.to(self.device).contiguous())
+            module.lora.adapters[lora_id] = (a.to(self.device, self.dtype).contiguous(),
+                                             b.to(self.device, self.dtype).contiguous())
         self.paths[lora_id] = path
 
     def adapter_bytes(self) -> int:
@@ -158,10 +158,10 @@ class LoRAManager:
         self.batch.groups = []
 
 
-def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int,
-                          dtype: torch.dtype) -> LoRAAdapter:
+def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int
+                          ) -> LoRAAdapter:
     """The adapter's full weights, checked against the model's projection shapes."""
-    adapter = load_lora_adapter(path, len(model.layers), max_lora_rank, dtype)
+    adapter = load_lora_adapter(path, len(model.layers), max_lora_rank)
     for (layer_idx, name), (a, b, _) in adapter.weights.items():
         parent, attr, piece = _TARGETS[name]
         module = getattr(getattr(model.layers[layer_idx], parent), attr)

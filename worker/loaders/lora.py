@@ -36,7 +36,7 @@ _REFUSED = {
 
 @dataclass
 class LoRAAdapter:
-    """Full (unsharded) weights: ``(layer, module) -> (A [r, in], B [out, r], scale)``."""
+    """Full (unsharded) fp32 weights: ``(layer, module) -> (A [r, in], B [out, r], scale)``."""
 
     path: str
     rank: int
@@ -89,9 +89,9 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                      "adapter_model.bin")
 
 
-def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int,
-                      dtype: torch.dtype) -> LoRAAdapter:
-    """Every ``lora_A`` / ``lora_B`` pair of the adapter with its scale, in ``dtype``.
+def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int) -> LoRAAdapter:
+    """Every ``lora_A`` / ``lora_B`` pair of the adapter with its scale, in fp32 (the
+    engine scales and fuses them before casting to the model's dtype).
 
     Raises ``ValueError`` for a rank above ``max_lora_rank``, a layer the model
     does not have, a module other than the projections, or an A without its B.
@@ -133,6 +133,6 @@ def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int,
         name = f"model.layers.{layer}.{parent}.{module}"
         alpha = _pattern_value(cfg.get("alpha_pattern"), name, float(cfg["lora_alpha"]))
         scale = alpha / (math.sqrt(rank) if use_rslora else rank)
-        weights[(layer, module)] = (a.to(dtype), b.to(dtype), scale)
+        weights[(layer, module)] = (a.float(), b.float(), scale)
         max_rank = max(max_rank, rank)
     return LoRAAdapter(str(path), max_rank, weights)
