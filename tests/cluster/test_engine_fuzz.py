@@ -2,8 +2,9 @@
 
 Each example adds a few requests with random sampling settings (penalties,
 ``logit_bias``, ``min_tokens``, stop ids, seeds, logprobs, ``n``), some with
-out-of-range values or token ids, may abort one mid-generation, and runs the
-engine dry. A bad setting must fail as a ``ValueError`` that names its field
+out-of-range values or token ids, each with a random LoRA adapter (or none; at
+most one adapter runs at a time) and priority, may abort one mid-generation, and
+runs the engine dry. A bad setting must fail as a ``ValueError`` that names its field
 before anything is queued; every other request must finish within its limits
 (with and without speculative decoding);
 and after each example the pool must be back at baseline, so nothing leaks
@@ -20,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.cluster import LLM, LoRARequest, SamplingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputs
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
@@ -29,16 +30,28 @@ DIGITS = "[0-9]{2,5}"
 MAX_LEN = 512  # their max_position_embeddings
 
 
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+          ) -> list[LoRARequest | None]:
+    from tests.cluster.test_lora import make_llama_adapters
+
+    return [None, *make_llama_adapters(tmp_path_factory.mktemp("fuzz_loras"),
+                                       tiny_llama_dir).values()]
+
+
 @pytest.fixture(scope="module", params=["swap", "recompute", "swap+ngram", "recompute+ngram"])
 def llm(request: pytest.FixtureRequest, tiny_llama_dir: str) -> Iterator[LLM]:
     """A pool of 8 blocks (128 tokens) for up to 4 sequences: preemption happens.
-    ``+ngram``: with speculative decoding (drafted rows, rejected guesses' slots)."""
+    ``+ngram``: with speculative decoding (drafted rows, rejected guesses' slots).
+    LoRA adapters, one at a time (the cap skips waiting requests); the recompute
+    engines run the priority policy, the swap ones FCFS (where a priority is an error)."""
     mode, _, spec = request.param.partition("+")
     engine = LLM(model=tiny_llama_dir, num_gpu_blocks=8, preemption_mode=mode,
                  num_cpu_blocks=6 if mode == "swap" else 0,
                  max_num_batched_tokens=32, max_num_seqs=4,
                  speculative_config={"method": spec, "num_speculative_tokens": 3}
-                 if spec else None)
+                 if spec else None, enable_lora=True, max_loras=1, max_lora_rank=8,
+                 scheduling_policy="priority" if mode == "recompute" else "fcfs")
     yield engine
     engine.shutdown()
 
@@ -77,6 +90,8 @@ REQUEST = st.tuples(
     st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=60) | st.just([VOCAB + 1]),
     st.integers(1, 40),
     SETTINGS,
+    st.integers(0, 3),  # the adapter: none or one of three
+    st.sampled_from([0, 0, 1, 2]),  # the priority
 )
 
 
@@ -85,11 +100,11 @@ def _named_field(message: str, fields: set[str]) -> bool:
 
 
 HEAVY = [  # more than the pool holds: forces preemption with penalties and forks in flight
-    (list(range(100, 160)), 40, {"presence_penalty": 1.0, "repetition_penalty": 1.3}),
+    (list(range(100, 160)), 40, {"presence_penalty": 1.0, "repetition_penalty": 1.3}, 0, 0),
     (list(range(200, 250)), 40, {"n": 2, "temperature": 1.0, "seed": 3,
-                                 "frequency_penalty": 0.5}),
-    (list(range(300, 340)), 40, {}),
-    (list(range(400, 455)), 30, {"logit_bias": {42: 3.0}, "min_tokens": 5}),
+                                 "frequency_penalty": 0.5}, 1, 0),
+    (list(range(300, 340)), 40, {}, 2, 0),
+    (list(range(400, 455)), 30, {"logit_bias": {42: 3.0}, "min_tokens": 5}, 1, 0),
 ]
 
 
@@ -98,31 +113,36 @@ HEAVY = [  # more than the pool holds: forces preemption with penalties and fork
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(requests=st.lists(REQUEST, min_size=1, max_size=6), abort_at=_maybe(st.integers(0, 30)))
-def test_random_requests_finish_or_fail_cleanly(llm: LLM, requests, abort_at) -> None:
+def test_random_requests_finish_or_fail_cleanly(llm: LLM, loras, requests, abort_at) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests()
     try:
-        _run_example(llm, requests, abort_at)
+        _run_example(llm, loras, requests, abort_at)
     finally:  # a failing example must not leave requests behind for the next one
         for rid in list(engine._groups):
             engine.abort_request(rid)
 
 
-def _run_example(llm: LLM, requests, abort_at) -> None:
+def _run_example(llm: LLM, loras, requests, abort_at) -> None:
     engine = llm.engine
     added: dict[str, tuple[SamplingParams, int]] = {}
-    for i, (prompt, max_tokens, kw) in enumerate(requests):
+    fcfs = engine.config.scheduling_policy == "fcfs"
+    for i, (prompt, max_tokens, kw, lora, priority) in enumerate(requests):
         try:
             params = SamplingParams(max_tokens=max_tokens, **kw)
         except ValueError as e:
             assert _named_field(str(e), set(kw)), e
             continue
         try:
-            rid = engine.add_request(prompt, params, request_id=f"fuzz-{i}")
+            rid = engine.add_request(prompt, params, request_id=f"fuzz-{i}",
+                                     lora_request=loras[lora], priority=priority)
         except ValueError as e:
+            if fcfs and priority and "scheduling_policy" in str(e):
+                continue
             assert _named_field(str(e), {"stop_token_ids", "logit_bias", "allowed_token_ids",
                                          "structured_outputs", "prompt"}), e
             continue
+        assert not (fcfs and priority), "a priority under FCFS must be refused"
         added[rid] = (params, min(len(prompt), params.truncate_prompt_tokens or len(prompt)))
     aborted: set[str] = set()
     finished = {}
