@@ -154,3 +154,24 @@ def test_bad_lora_settings_fail_before_deploying(tmp_path: Path) -> None:
         ServeArgs(lora_modules=[f"x={tmp_path}"]).settings()
     with pytest.raises(ValueError, match="lora_dir"):
         ServeArgs(lora_dir=str(tmp_path / "missing")).settings()
+
+
+def test_an_adapter_stream_cut_mid_generation_is_aborted(lora_app: App) -> None:
+    """A client that leaves an adapter's stream: the request is aborted at once, the pool
+    is back at baseline, and the adapter keeps serving the next request."""
+    (before,) = lora_app.wait_baseline().values()
+    with httpx.stream("POST", f"{lora_app.base}/v1/completions", timeout=60,
+                      json={"model": "sql", "prompt": PROMPT, "max_tokens": 400,
+                            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 3:
+                break
+    (after,) = lora_app.wait_baseline(timeout=10).values()
+    assert after["aborted_requests"] == before["aborted_requests"] + 1
+    assert after["generation_tokens"] - before["generation_tokens"] < 200
+    ok = httpx.post(f"{lora_app.base}/v1/completions", timeout=60,
+                    json={"model": "sql", "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
