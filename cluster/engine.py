@@ -370,8 +370,9 @@ class LLMEngine:
             "prefix_cache_queries": self.scheduler.kv.prefix_queries,
             "prefix_cache_hits": self.scheduler.kv.prefix_hits,
             "spec_decode": dict(self.scheduler.spec_stats),
-            "lora": {"loaded": [r.lora_name for r in self.loras.list()],
-                     "num_loaded": len(self.loras.list()), "evictions": self.loras.evictions},
+            "lora": self.loras.stats({"running": self.scheduler.running,
+                                      "waiting": self.scheduler.waiting,
+                                      "swapped": self.scheduler.swapped}),
             "memory": mem,
             "model": self.model_id,
         }

@@ -11,10 +11,12 @@ so no step ever meets an adapter that is gone.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from pagedserve.cluster.executor import Executor
 from pagedserve.scheduler.lora_request import LoRARequest
+from pagedserve.scheduler.request import Request
 
 
 class LoRARegistry:
@@ -109,3 +111,19 @@ class LoRARegistry:
 
     def list(self) -> list[LoRARequest]:
         return sorted(self._by_id.values(), key=lambda r: r.lora_int_id)
+
+    def stats(self, queues: Mapping[str, Iterable[Request]]) -> dict[str, Any]:
+        """Loaded adapters, evictions, and per queue (running, waiting, ...) the
+        sequences of each adapter, by name."""
+        loaded = self.list()
+        names = {r.lora_int_id: r.lora_name for r in self._by_name.values()}
+        out: dict[str, Any] = {"loaded": [r.lora_name for r in loaded],
+                               "num_loaded": len(loaded), "evictions": self.evictions}
+        for state, queue in queues.items():
+            counts: dict[str, int] = {}
+            for r in queue:
+                if r.lora_id:
+                    name = names.get(r.lora_id, str(r.lora_id))
+                    counts[name] = counts.get(name, 0) + 1
+            out[state] = counts
+        return out

@@ -221,6 +221,14 @@ class _Collector:
                 if v is not None:
                     fam.add_metric([r["replica"]], float(v))
             yield fam
+        lora = GaugeMetricFamily(f"{p}_lora_requests", "Sequences per LoRA adapter and state "
+                                 "(running, waiting, swapped)",
+                                 labels=["replica", "adapter", "state"])
+        for r in ok:
+            for state in ("running", "waiting", "swapped"):
+                for name, n in (_dig(r["stats"], ("lora", state)) or {}).items():
+                    lora.add_metric([r["replica"], name, state], float(n))
+        yield lora
         fin = CounterMetricFamily(f"{p}_request_finished", "Requests ended, by finish reason",
                                   labels=["replica", "finished_reason"])
         pre = CounterMetricFamily(f"{p}_num_preemptions", "Preemptions by mode",

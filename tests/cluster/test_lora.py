@@ -225,6 +225,27 @@ def test_prefix_cache_blocks_are_never_shared_across_adapters(tiny_llama_dir, ll
         llm.shutdown()
 
 
+def test_stats_count_sequences_per_adapter_and_state(tiny_llama_dir, llama_loras) -> None:
+    a, b = llama_loras["all7"], llama_loras["qv_rs"]
+    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_loras=1, max_lora_rank=8,
+              num_gpu_blocks=64)
+    engine = llm.engine
+    try:
+        for i, lora in enumerate([a, a, b, None]):
+            engine.add_request(PROMPTS[i], GREEDY, lora_request=lora)
+        engine.step()  # the cap of one adapter: b waits while a runs
+        lora = engine.get_stats()["lora"]
+        assert (lora["running"], lora["waiting"], lora["swapped"]) == (
+            {"all7": 2}, {"qv_rs": 1}, {})
+        assert lora["loaded"] == ["all7", "qv_rs"] and lora["num_loaded"] == 2
+        while engine.has_unfinished_requests():
+            engine.step()
+        lora = engine.get_stats()["lora"]
+        assert lora["running"] == lora["waiting"] == {}
+    finally:
+        llm.shutdown()
+
+
 def test_no_step_runs_more_than_max_loras_adapters(tiny_llama_dir, llama_loras, llama_refs
                                                    ) -> None:
     loras = [None, *llama_loras.values()]

@@ -50,7 +50,8 @@ def _emitted_metric_names() -> set[str]:
              "generation_tokens": 2, "prefix_cache_queries": 1, "prefix_cache_hits": 0,
              "steps": 2, "num_preemptions": {"swap": 0},
              "spec_decode": {"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 2},
-             "lora": {"loaded": ["a"], "num_loaded": 1, "evictions": 0},
+             "lora": {"loaded": ["a"], "num_loaded": 1, "evictions": 0, "running": {"a": 1},
+                      "waiting": {}, "swapped": {}},
              "memory": {"num_gpu_blocks": 4, "num_used_blocks": 0, "num_free_blocks": 4,
                         "num_shared_blocks": 0, "num_cached_free_blocks": 0},
              "server": m.snapshot()}
