@@ -226,9 +226,15 @@ class LLMEngine:
         """Load an adapter on every rank; False if already loaded (``ValueError`` if bad)."""
         return self.loras.add(lora_request)
 
-    def remove_lora(self, lora_name: str) -> bool:
-        """Unload an adapter no unfinished request uses; False if it is not loaded."""
-        return self.loras.remove(lora_name)
+    def remove_lora(self, lora: str | int) -> bool:
+        """Unload an adapter (by name, or by ``lora_int_id`` as vLLM's) no unfinished
+        request uses; False if it is not loaded."""
+        if isinstance(lora, int):
+            known = next((r for r in self.loras.list() if r.lora_int_id == lora), None)
+            if known is None:
+                return False
+            lora = known.lora_name
+        return self.loras.remove(lora)
 
     def _lora_in_use(self, lora_id: int) -> int:
         return sum(1 for r in self.scheduler.requests.values() if r.lora_id == lora_id)

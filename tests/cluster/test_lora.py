@@ -366,8 +366,8 @@ def test_remove_lora_is_refused_while_a_request_uses_it(tiny_llama_dir, llama_lo
             engine.remove_lora("qv_rs")
         assert engine.list_loras() == [a]
         assert engine.abort_request("busy")
-        assert engine.remove_lora("qv_rs") is True
-        assert engine.remove_lora("qv_rs") is False
+        assert engine.remove_lora(a.lora_int_id) is True  # by id, as vLLM's
+        assert engine.remove_lora("qv_rs") is False and engine.remove_lora(2) is False
         assert engine.list_loras() == []
         assert_pool_at_baseline(llm)
         # A request naming it loads it again.
