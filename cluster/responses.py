@@ -181,7 +181,8 @@ class Formatter:
             else:
                 choices.append({"index": k, "text": text, "logprobs": c.logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": st.id, "object": st.kind, "created": st.created, "model": st.model or self.model,
+        return {"id": st.id, "object": st.kind, "created": st.created,
+                "model": st.model or self.model,
                 "choices": choices, "usage": st.usage()}
 
     def stream_events(self, st: ResponseState, i: int, chunk: Any, continuous_usage: bool
@@ -207,7 +208,8 @@ class Formatter:
             if d.finish_reason:
                 choice["stop_reason"] = d.stop_reason
             c.started = True
-            ev = {"id": st.id, "object": obj, "created": st.created, "model": st.model or self.model,
+            ev = {"id": st.id, "object": obj, "created": st.created,
+                  "model": st.model or self.model,
                   "choices": [choice]}
             if continuous_usage:
                 ev["usage"] = st.usage()
@@ -236,5 +238,6 @@ class Formatter:
 
     def usage_event(self, st: ResponseState) -> str:
         obj = "chat.completion.chunk" if st.kind == "chat.completion" else "text_completion"
-        return sse({"id": st.id, "object": obj, "created": st.created, "model": st.model or self.model,
+        return sse({"id": st.id, "object": obj, "created": st.created,
+                    "model": st.model or self.model,
                     "choices": [], "usage": st.usage()})
