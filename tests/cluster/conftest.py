@@ -79,3 +79,7 @@ def smol_llm(default_model_dir: str) -> Iterator[object]:
     llm = LLM(num_gpu_blocks=256, max_num_seqs=32)
     yield llm
     llm.shutdown()
+
+
+# The LoRA session fixtures, shared by every module of the package that uses them.
+from tests.cluster.lora_fixtures import llama_loras, llama_refs  # noqa: E402, F401

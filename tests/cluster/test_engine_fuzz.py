@@ -31,12 +31,8 @@ MAX_LEN = 512  # their max_position_embeddings
 
 
 @pytest.fixture(scope="module")
-def loras(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
-          ) -> list[LoRARequest | None]:
-    from tests.cluster.test_lora import make_llama_adapters
-
-    return [None, *make_llama_adapters(tmp_path_factory.mktemp("fuzz_loras"),
-                                       tiny_llama_dir).values()]
+def loras(llama_loras: dict[str, LoRARequest]) -> list[LoRARequest | None]:
+    return [None, *llama_loras.values()]
 
 
 @pytest.fixture(scope="module", params=["swap", "recompute", "swap+ngram", "recompute+ngram"])

@@ -6,102 +6,20 @@ are ``ValueError``s that leave the engine usable and the pool at its baseline.""
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-from typing import Any
-
 import pytest
-import torch
 
 from pagedserve.cluster import LLM, LoRARequest, SamplingParams
-from pagedserve.worker.testing import write_random_lora
+from tests.cluster.lora_fixtures import (
+    ALL7,
+    GREEDY,
+    PROMPTS,
+    _tokens,
+    expected,
+    hf_peft_greedy,
+    mixed_batch,
+    write_adapter,
+)
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
-from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
-
-ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-PROMPTS = prompts_of_mixed_lengths(4)  # 3, 12, 21 and 30 tokens
-
-
-def write_adapter(base_dir: str, dest: Path, seed: int, targets: Any, r: int = 8,
-                  alpha: float = 16, scale: float = 3.0, safe: bool = True,
-                  **lora_kw: Any) -> str:
-    """A random PEFT LoRA adapter saved by PEFT itself (``write_random_lora``)."""
-    return write_random_lora(base_dir, dest, targets, r=r, alpha=alpha, seed=seed,
-                             scale=scale, safe_serialization=safe, **lora_kw)
-
-
-def hf_peft_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[int]],
-                   max_new_tokens: int = 16, ignore_eos: bool = True, device: str = "cpu"
-                   ) -> list[list[int]]:
-    """``PeftModel.from_pretrained(...).generate``, greedy, one prompt at a time."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    model.to(device).eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids], device=device)
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens,
-                               min_new_tokens=max_new_tokens if ignore_eos else 0,
-                               pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
-
-
-def make_llama_adapters(root: Path, base_dir: str) -> dict[str, LoRARequest]:
-    """Three adapters of the tiny Llama, each exercising another part of the loader."""
-    return {
-        "all7": LoRARequest("all7", 1, write_adapter(base_dir, root / "all7", 1, ALL7)),
-        # rsLoRA scaling, saved as adapter_model.bin
-        "qv_rs": LoRARequest("qv_rs", 2, write_adapter(
-            base_dir, root / "qv_rs", 2, ["q_proj", "v_proj"], r=4, alpha=8,
-            use_rslora=True, safe=False)),
-        # per-module ranks and alphas; down_proj only in layer 1
-        "pattern": LoRARequest("pattern", 3, write_adapter(
-            base_dir, root / "pattern", 3, ["q_proj", "k_proj", "o_proj", "up_proj",
-                                            "down_proj"], r=8, alpha=16,
-            rank_pattern={"k_proj": 4, "model.layers.1.mlp.down_proj": 2},
-            alpha_pattern={"o_proj": 40, "layers.0.self_attn.q_proj": 3})),
-    }
-
-
-def mixed_batch(loras: list[LoRARequest | None], prompts: list[list[int]] = PROMPTS
-                ) -> tuple[list[list[int]], list[LoRARequest | None]]:
-    """Every prompt under every adapter, interleaved so neighbours differ in adapter."""
-    return [p for p in prompts for _ in loras], [lora for _ in prompts for lora in loras]
-
-
-def expected(refs: dict[str | None, list[list[int]]], loras: list[LoRARequest | None],
-             prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    return [refs[lora.lora_name if lora else None][i] for i in range(len(prompts))
-            for lora in loras]
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-@pytest.fixture(scope="session")
-def llama_loras(tmp_path_factory, tiny_llama_dir) -> dict[str, LoRARequest]:
-    return make_llama_adapters(tmp_path_factory.mktemp("llama_loras"), tiny_llama_dir)
-
-
-@pytest.fixture(scope="session")
-def llama_refs(tiny_llama_dir, llama_loras) -> dict[str | None, list[list[int]]]:
-    refs: dict[str | None, list[list[int]]] = {None: hf_peft_greedy(tiny_llama_dir, None,
-                                                                    PROMPTS)}
-    for name, lora in llama_loras.items():
-        refs[name] = hf_peft_greedy(tiny_llama_dir, lora.lora_path, PROMPTS)
-        # Otherwise an engine that ignored the adapter would pass.
-        assert all(a != b for a, b in zip(refs[name], refs[None])), name
-    return refs
 
 
 @pytest.mark.parametrize("kw", [
@@ -270,154 +188,5 @@ def test_no_step_runs_more_than_max_loras_adapters(tiny_llama_dir, llama_loras, 
         assert set().union(*per_step) == {1, 2, 3}
         assert [done[f"r{i}"] for i in range(len(prompts))] == expected(llama_refs, loras)
         assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
-
-
-def _edited(src: str, dest: Path, **config: Any) -> str:
-    """A copy of adapter ``src`` with its adapter_config.json fields replaced."""
-    shutil.copytree(src, dest)
-    cfg_path = dest / "adapter_config.json"
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config}))
-    return str(dest)
-
-
-def _renamed(src: str, dest: Path, old: str, new: str | None) -> str:
-    """A copy of adapter ``src`` with tensor keys containing ``old`` renamed (None: dropped)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dest)
-    f = dest / "adapter_model.safetensors"
-    tensors = load_file(str(f))
-    save_file({k if old not in k else k.replace(old, new): t for k, t in tensors.items()
-               if new is not None or old not in k}, str(f))
-    return str(dest)
-
-
-def test_bad_adapters_and_bad_uses_are_value_errors(tmp_path, tiny_llama_dir, llama_loras,
-                                                    llama_refs) -> None:
-    good = llama_loras["all7"].lora_path
-    bad: list[tuple[str, str]] = [
-        (write_adapter(tiny_llama_dir, tmp_path / "r16", 6, ["q_proj"], r=16), "max_lora_rank"),
-        (str(tmp_path / "missing"), "adapter_config.json"),
-        (_edited(good, tmp_path / "dora", use_dora=True), "use_dora"),
-        (_edited(good, tmp_path / "bias", bias="all"), "bias"),
-        (_edited(good, tmp_path / "fan", fan_in_fan_out=True), "fan_in_fan_out"),
-        (write_adapter(tiny_llama_dir, tmp_path / "mts", 6, ["q_proj"],
-                       modules_to_save=["lm_head"]), "modules_to_save"),
-        (write_adapter(tiny_llama_dir, tmp_path / "head", 6, ["q_proj", "lm_head"]),
-         "lm_head"),
-        (write_adapter(tiny_llama_dir, tmp_path / "emb", 6, ["embed_tokens"]), "embed_tokens"),
-        (_renamed(good, tmp_path / "layer", "layers.1.", "layers.5."), "layer 5"),
-        (_renamed(good, tmp_path / "noB", "layers.0.mlp.up_proj.lora_B", None),
-         "without its pair"),
-    ]
-    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_loras=2, max_lora_rank=8,
-              num_gpu_blocks=64)
-    try:
-        for i, (path, message) in enumerate(bad):
-            with pytest.raises(ValueError, match=message):
-                llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest(f"bad{i}", 10 + i, path))
-            assert llm.engine.list_loras() == []
-            assert_pool_at_baseline(llm)
-        all7 = llama_loras["all7"]
-        assert llm.engine.add_lora(all7) and not llm.engine.add_lora(all7)
-        with pytest.raises(ValueError, match="lora_int_id 1"):
-            llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("other", 1,
-                                                                   str(tmp_path / "r16")))
-        with pytest.raises(ValueError, match="lora_name 'all7'"):
-            llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("all7", 9, all7.lora_path))
-        # One bad adapter late in a batch withdraws the whole batch.
-        with pytest.raises(ValueError, match="use_dora"):
-            llm.generate(PROMPTS[:2], GREEDY, lora_request=[
-                all7, LoRARequest("dora", 20, str(tmp_path / "dora"))])
-        assert llm.engine.list_loras() == [all7]
-        assert_pool_at_baseline(llm)
-        outs = llm.generate(PROMPTS, GREEDY, lora_request=all7)
-        assert _tokens(outs) == llama_refs["all7"]
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
-
-
-def test_lora_request_without_enable_lora_is_a_value_error(tiny_llama_dir, llama_loras
-                                                           ) -> None:
-    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
-    try:
-        with pytest.raises(ValueError, match="enable_lora"):
-            llm.generate(PROMPTS, GREEDY, lora_request=llama_loras["all7"])
-        with pytest.raises(ValueError, match="enable_lora"):
-            llm.engine.add_lora(llama_loras["all7"])
-        assert_pool_at_baseline(llm)
-        assert len(llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids) == 16
-    finally:
-        llm.shutdown()
-
-
-def test_remove_lora_is_refused_while_a_request_uses_it(tiny_llama_dir, llama_loras,
-                                                        llama_refs) -> None:
-    a = llama_loras["qv_rs"]
-    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_lora_rank=8, num_gpu_blocks=64)
-    engine = llm.engine
-    try:
-        engine.add_request(PROMPTS[1], GREEDY, request_id="busy", lora_request=a)
-        engine.step()
-        with pytest.raises(ValueError, match="in use by 1"):
-            engine.remove_lora("qv_rs")
-        assert engine.list_loras() == [a]
-        assert engine.abort_request("busy")
-        assert engine.remove_lora(a.lora_int_id) is True  # by id, as vLLM's
-        assert engine.remove_lora("qv_rs") is False and engine.remove_lora(2) is False
-        assert engine.list_loras() == []
-        assert_pool_at_baseline(llm)
-        # A request naming it loads it again.
-        assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=a)) == llama_refs["qv_rs"]
-        assert engine.list_loras() == [a]
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
-
-
-def test_the_least_recently_used_idle_adapter_is_unloaded_to_make_room(
-        tiny_llama_dir, llama_loras, llama_refs) -> None:
-    """``max_loaded_loras``: one more adapter unloads the LRU idle one, which its next
-    request loads again; busy adapters are never unloaded (the cap waits for them)."""
-    names = list(llama_loras)
-    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_lora_rank=8, num_gpu_blocks=64,
-              max_loaded_loras=2)
-    engine = llm.engine
-    try:
-        for name in [*names, names[0]]:  # all7, qv_rs, pattern (unloads all7), all7 again
-            outs = llm.generate(PROMPTS, GREEDY, lora_request=llama_loras[name])
-            assert _tokens(outs) == llama_refs[name], name
-            assert len(engine.list_loras()) <= 2
-        assert [r.lora_name for r in engine.list_loras()] == ["all7", "pattern"]  # by id
-        lora = engine.get_stats()["lora"]
-        assert lora["evictions"] == 2 and lora["num_loaded"] == 2  # all7, then qv_rs out
-        # All three busy at once: nothing idle to unload, so all three are loaded.
-        prompts, per_prompt = mixed_batch([None, *llama_loras.values()])
-        assert _tokens(llm.generate(prompts, GREEDY, lora_request=per_prompt)) == \
-            expected(llama_refs, [None, *llama_loras.values()])
-        assert len(engine.list_loras()) == 3
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
-    with pytest.raises(ValueError, match="max_loaded_loras"):
-        LLM(model=tiny_llama_dir, enable_lora=True, max_loras=3, max_loaded_loras=2)
-
-
-def test_adapter_bytes_is_what_a_full_rank_adapter_takes(tmp_path, tiny_llama_dir) -> None:
-    """What CUDA profiling keeps out of the KV pool per loaded adapter: exactly the
-    device bytes of an adapter of rank ``max_lora_rank`` on all seven projections."""
-    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_lora_rank=8, num_gpu_blocks=16)
-    try:
-        worker = llm.engine.executor.worker
-        assert worker.config.max_loaded_loras == 16
-        path = write_adapter(tiny_llama_dir, tmp_path / "full", 7, ALL7, r=8)
-        llm.engine.add_lora(LoRARequest("full", 1, path))
-        manager = worker.lora
-        held = sum(a.nbytes + b.nbytes for m in manager._modules()
-                   for a, b in m.lora.adapters.values())
-        assert held == manager.adapter_bytes() > 0
     finally:
         llm.shutdown()

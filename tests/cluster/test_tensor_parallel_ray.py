@@ -9,9 +9,9 @@ import pytest
 
 from pagedserve.cluster import LLM, LoRARequest, SamplingParams
 from tests.cluster.conftest import hf_greedy
+from tests.cluster.lora_fixtures import GREEDY, make_llama_adapters, mixed_batch, write_adapter
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
-from tests.cluster.test_lora import GREEDY, make_llama_adapters, mixed_batch, write_adapter
 
 ray = pytest.importorskip("ray")
 

@@ -77,14 +77,19 @@ def _pattern_value(patterns: dict[str, Any], name: str, default: float) -> float
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The weights file's tensors; an unreadable file is a ``ValueError`` (a bad adapter,
+    not a failed worker)."""
     st = path / "adapter_model.safetensors"
-    if st.is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(st))
     bin_file = path / "adapter_model.bin"
-    if bin_file.is_file():
-        return torch.load(bin_file, map_location="cpu", weights_only=True)
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if bin_file.is_file():
+            return torch.load(bin_file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read the adapter weights ({e})") from e
     raise ValueError(f"lora_path {str(path)!r} has no adapter_model.safetensors or "
                      "adapter_model.bin")
 
