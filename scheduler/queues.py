@@ -6,7 +6,8 @@ admission order, so the victim of a short pool (its last entry) is the most
 recently admitted. ``priority``: every queue is kept sorted by ``(priority,
 arrival_time)`` (a lower value runs first), so the same scheduler code admits
 the most urgent waiting request first, swaps the most urgent back first, and
-preempts the least urgent running request.
+preempts the least urgent running request; the scheduler also lets an urgent
+arrival preempt less urgent running requests for a seat or blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pagedserve.scheduler.request import Request
 POLICIES = ("fcfs", "priority")
 
 
-def _key(req: Request) -> tuple[int, float]:
+def urgency(req: Request) -> tuple[int, float]:
+    """The priority policy's order: lower runs first."""
     return req.priority, req.arrival_time
 
 
@@ -33,7 +35,7 @@ class PriorityQueue:
         self._keys: list[tuple[int, float]] = []
 
     def append(self, req: Request) -> None:
-        key = _key(req)
+        key = urgency(req)
         i = bisect.bisect_right(self._keys, key)
         self._items.insert(i, req)
         self._keys.insert(i, key)

@@ -25,7 +25,7 @@ from pagedserve.scheduler.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from pagedserve.scheduler.queues import make_queues
+from pagedserve.scheduler.queues import make_queues, urgency
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.spec_decode import Drafter, SpeculativeConfig
@@ -104,6 +104,9 @@ class Scheduler:
         out.aborted_ids, self._aborted_ids = self._aborted_ids, []
         budget = self.config.max_num_batched_tokens
         preempted = False
+        priority = self.config.policy == "priority"
+        if priority:
+            self._preempt_for_urgent(out)
 
         drafter = self.drafter if self.drafter and self.drafter.active(len(self.running)) else None
         i = 0
@@ -141,6 +144,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.swapped[0]
+            if priority and self.waiting and urgency(self.waiting[0]) < urgency(req):
+                break  # a more urgent waiting request goes first
             if not lora_fits(req, active, self.config.max_loras):
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -162,7 +167,8 @@ class Scheduler:
         skipped: list[Request] = []  # over the adapter cap this step; keep their places
         while (
             not preempted
-            and not self.swapped
+            and (not self.swapped or (priority and self.waiting
+                 and urgency(self.waiting[0]) < urgency(self.swapped[0])))
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
@@ -193,6 +199,23 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
+        """Priority policy, before anything is scheduled: while the most urgent waiting
+        request is more urgent than the least urgent running one and lacks a seat or
+        the blocks of its first chunk, preempt that running request (vLLM's priority
+        preemption). A waiting request never displaces one at least as urgent."""
+        cap = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        while self.waiting and self.running:
+            req, victim = self.waiting[0], self.running[-1]
+            if urgency(victim) <= urgency(req):
+                return
+            need = cdiv(min(req.num_tokens - req.num_computed_tokens, cap), self.block_size)
+            if (len(self.running) < self.config.max_num_seqs
+                    and need <= self.kv.pool.num_free_blocks):
+                return
+            self.running.pop()
+            self._preempt(victim, out)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return scheduled_request(req, num_new, self.kv.block_ids(req.request_id))
