@@ -40,6 +40,16 @@ def check_fits(request: Request, config: SchedulerConfig, block_size: int,
         )
 
 
+def lacks_room(req: Request, num_running: int, config: SchedulerConfig, block_size: int,
+               free_blocks: int) -> bool:
+    """Whether ``req`` lacks a seat, or the blocks of its first chunk (prefix-cache hits
+    not counted), for the priority policy's preemption of less urgent requests."""
+    if num_running >= config.max_num_seqs:
+        return True
+    cap = min(config.max_num_batched_tokens, config.max_model_len)
+    return cdiv(min(req.num_tokens - req.num_computed_tokens, cap), block_size) > free_blocks
+
+
 def lora_fits(req: Request, active: set[int], cap: int) -> bool:
     """Whether running ``req`` keeps the distinct adapters of ``active`` (the running
     ones) at most ``cap`` (0: no cap); if so, its adapter joins ``active``."""

@@ -104,6 +104,19 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """How sampling ``token`` (already appended) ends this sequence, if it does: a
+        stop (EOS unless ignored, a stop id) or its length (``max_tokens``, the model's)."""
+        p = self.sampling_params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        n = len(self.all_token_ids)
+        if (p.max_tokens is not None and n - len(self.prompt_token_ids) >= p.max_tokens) or (
+            n >= max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extend the chained hashes to every full block of the current tokens."""
         full = self.num_tokens // block_size

@@ -12,7 +12,7 @@ parallel samples and frees finished sequences at once.
 
 from __future__ import annotations
 
-from pagedserve.scheduler.admission import check_fits, lora_fits
+from pagedserve.scheduler.admission import check_fits, lacks_room, lora_fits
 from pagedserve.scheduler.block_hash import make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
@@ -205,14 +205,11 @@ class Scheduler:
         request is more urgent than the least urgent running one and lacks a seat or
         the blocks of its first chunk, preempt that running request (vLLM's priority
         preemption). A waiting request never displaces one at least as urgent."""
-        cap = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         while self.waiting and self.running:
             req, victim = self.waiting[0], self.running[-1]
-            if urgency(victim) <= urgency(req):
-                return
-            need = cdiv(min(req.num_tokens - req.num_computed_tokens, cap), self.block_size)
-            if (len(self.running) < self.config.max_num_seqs
-                    and need <= self.kv.pool.num_free_blocks):
+            if urgency(victim) <= urgency(req) or not lacks_room(
+                    req, len(self.running), self.config, self.block_size,
+                    self.kv.pool.num_free_blocks):
                 return
             self.running.pop()
             self._preempt(victim, out)
@@ -272,7 +269,7 @@ class Scheduler:
                 if tok is None:
                     raise RuntimeError(f"runner returned no token for {r.request_id}")
                 r.all_token_ids.append(tok.token_id)
-                reason = self._stop_reason(r, tok.token_id)
+                reason = r.stop_status(tok.token_id, self.config.max_model_len)
                 if reason is not None:
                     self._finish(r, reason)
                 updates.append(
@@ -304,7 +301,7 @@ class Scheduler:
         for tok in toks:
             req.all_token_ids.append(tok.token_id)
             new.append(tok)
-            reason = self._stop_reason(req, tok.token_id)
+            reason = req.stop_status(tok.token_id, self.config.max_model_len)
             if reason is not None:
                 break
         # The row computed its first token and the accepted guesses; a stop inside
@@ -326,17 +323,6 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
         self.running.append(child)
-
-    def _stop_reason(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.sampling_params
-        if (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        n = len(req.all_token_ids)
-        if (p.max_tokens is not None and n - len(req.prompt_token_ids) >= p.max_tokens) or (
-            n >= self.config.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # ---- ending requests -----------------------------------------------------------
 
