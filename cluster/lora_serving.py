@@ -60,9 +60,9 @@ class AdapterCatalog:
         found = dict(self.modules)
         if self.lora_dir is not None:
             for path in sorted(self.lora_dir.iterdir()):
-                if path.name not in found and _NAME_RE.match(path.name) \
-                        and path.name not in self.base_names and _is_adapter_dir(path):
-                    found[path.name] = str(path)
+                hit = None if path.name in found else self.lookup(path.name)
+                if hit is not None:
+                    found[path.name] = hit[1]
         return list(found.items())
 
 
