@@ -30,6 +30,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="weights, activations and KV cache: auto (bf16 on CUDA, fp32 on CPU), "
                         "float32, bfloat16 or float16")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV cache element type: auto (the model's), float16, bfloat16, fp8 "
+                        "(= fp8_e4m3) or fp8_e5m2; narrower types hold 2x / 4x the tokens")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -148,7 +151,8 @@ def generate(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.num_threads, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
-        enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank)
+        enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank,
+        kv_cache_dtype=args.kv_cache_dtype)
     lora = None
     try:
         if args.lora is not None:

@@ -8,6 +8,7 @@ from typing import Any
 from pagedserve.scheduler.spec_decode import SpeculativeConfig
 
 EXECUTORS = ("auto", "local", "ray")
+FLASH_BLOCK_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class EngineConfig:
     ``lora_modules`` (name -> PEFT directory) are loaded at start; at most
     ``max_loaded_loras`` (default: 16, or ``max_loras`` if more) stay loaded, the
     least recently used idle one unloaded to make room (and reloaded when named).
+    ``kv_cache_dtype`` (vLLM's option) stores the KV pool in another element type:
+    "auto" (the model dtype), "float16" / "bfloat16", or "fp8" (= "fp8_e4m3") /
+    "fp8_e5m2"; the same byte budget then holds 2x or 4x the tokens of an fp32 pool.
     ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
     """
@@ -63,6 +67,7 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loaded_loras: int | None = None
     scheduling_policy: str = "fcfs"
+    kv_cache_dtype: str = "auto"
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,6 +80,9 @@ class EngineConfig:
         if n is not None and (not isinstance(n, int) or n < self.max_loras):
             raise ValueError(f"max_loaded_loras must be an integer >= max_loras "
                              f"({self.max_loras}), got {n!r}")
+        from pagedserve.kernels.kv_quant import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be fcfs or priority, got "
                              f"{self.scheduling_policy!r}")
@@ -117,6 +125,27 @@ class EngineConfig:
 
     def resolved_max_loaded_loras(self) -> int:
         return self.max_loaded_loras or max(16, self.max_loras)
+
+    def resolved_dtype(self, device: str) -> str:
+        """The model dtype: as given, else bf16 on CUDA and fp32 on CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device == "cuda" else "float32"
+
+    def resolved_block_size(self, device: str) -> int:
+        """As given, else 16 where the backend chosen for this device and KV cache dtype
+        takes it, else flash-attn's 256."""
+        if self.block_size:
+            return self.block_size
+        from pagedserve.kernels import get_backend
+        from pagedserve.kernels.kv_quant import resolve_kv_cache_dtype
+        from pagedserve.worker.config import parse_dtype
+
+        model_dtype = parse_dtype(self.resolved_dtype(device))
+        backend = get_backend(self.attention_backend, device,
+                              resolve_kv_cache_dtype(self.kv_cache_dtype, model_dtype),
+                              model_dtype)
+        return 16 if backend.supports_block_size(16) else FLASH_BLOCK_SIZE
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -33,7 +33,6 @@ from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
-FLASH_BLOCK_SIZE = 256
 
 
 @dataclass
@@ -68,9 +67,8 @@ class LLMEngine:
         resolved = resolve_model(config.model)
         self.model_id = resolved.model_id
         self.tokenizer = load_tokenizer(resolved)
-        block_size = config.block_size or self._default_block_size()
-        dtype = config.dtype if config.dtype != "auto" else (
-            "bfloat16" if self.device == "cuda" else "float32")
+        dtype = config.resolved_dtype(self.device)
+        block_size = config.resolved_block_size(self.device)
         # The largest step the scheduler may plan: the CUDA profiling forward runs it.
         step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         if not config.enable_chunked_prefill:
@@ -98,6 +96,7 @@ class LLMEngine:
             num_threads=config.num_threads,
             max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
             max_loaded_loras=config.resolved_max_loaded_loras() if config.enable_lora else 0,
+            kv_cache_dtype=config.kv_cache_dtype,
             extra=dict(config.worker_extra),
         )
         self.executor: Executor
@@ -148,12 +147,6 @@ class LLMEngine:
         self.stats: dict[str, float] = {
             "steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
             "aborted_requests": 0, "execute_seconds": 0.0}
-
-    def _default_block_size(self) -> int:
-        from pagedserve.kernels import get_backend
-
-        backend = get_backend(self.config.attention_backend, self.device)
-        return 16 if backend.supports_block_size(16) else FLASH_BLOCK_SIZE
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -379,7 +372,8 @@ class LLMEngine:
             "lora": self.loras.stats({"running": self.scheduler.running,
                                       "waiting": self.scheduler.waiting,
                                       "swapped": self.scheduler.swapped}),
-            "memory": mem,
+            "memory": {**mem, "kv_cache_dtype": self.model_info["kv_cache_dtype"],
+                       "bytes_per_block": int(self.model_info["bytes_per_block"])},
             "model": self.model_id,
         }
 

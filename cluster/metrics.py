@@ -181,6 +181,8 @@ class _Collector:
             ("kv_blocks_shared", "KV blocks with refcount > 1", ("memory", "num_shared_blocks")),
             ("kv_blocks_cached_free", "Free blocks still holding a prefix",
              ("memory", "num_cached_free_blocks")),
+            ("kv_block_bytes", "Bytes of one KV block (all layers, this rank)",
+             ("memory", "bytes_per_block")),
             ("requests_in_flight", "Requests open on the replica", ("server", "in_flight")),
             ("lora_adapters_loaded", "LoRA adapters loaded", ("lora", "num_loaded")),
         ]
@@ -191,6 +193,11 @@ class _Collector:
                 if v is not None:
                     fam.add_metric([r["replica"]], float(v))
             yield fam
+        info = GaugeMetricFamily(f"{p}_cache_config_info", "KV cache settings (value 1)",
+                                 labels=["replica", "kv_cache_dtype"])
+        for r in ok:
+            info.add_metric([r["replica"], str(r["stats"]["memory"].get("kv_cache_dtype"))], 1.0)
+        yield info
         usage = GaugeMetricFamily(f"{p}_kv_cache_usage_ratio", "Used / total KV blocks",
                                   labels=["replica"])
         for r in ok:

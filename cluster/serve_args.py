@@ -41,6 +41,7 @@ class ServeArgs(BaseModel):
     num_replicas: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -116,7 +117,8 @@ class ServeArgs(BaseModel):
             threads = cpu_threads_per_rank(self.max_replicas(), self.tensor_parallel_size)
         engine_kwargs: dict[str, Any] = dict(
             model=self.model, tensor_parallel_size=self.tensor_parallel_size, device=device,
-            dtype=self.dtype, num_gpu_blocks=self.num_gpu_blocks,
+            dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+            num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager, speculative_config=self.speculative_config,

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pagedserve.kernels.kv_quant import storage_view
 from pagedserve.kernels.metadata import VarlenMetadata
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "flash")
@@ -37,6 +38,10 @@ class AttentionBackend(ABC):
     def supports_block_size(self, block_size: int) -> bool:
         """Whether this backend accepts caches with ``block_size`` tokens per block."""
         return block_size >= 1
+
+    def supports_kv_cache_dtype(self, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+        """Whether this backend reads caches of ``kv_dtype`` under a ``model_dtype`` model."""
+        return True
 
     @abstractmethod
     def store_kv(
@@ -83,6 +88,7 @@ class AttentionBackend(ABC):
         if pairs.numel() == 0:
             return
         for kc, vc in zip(key_caches, value_caches, strict=True):
+            kc, vc = storage_view(kc), storage_view(vc)
             p = pairs.to(kc.device, torch.long)
             src, dst = p[:, 0], p[:, 1]
             # index_select makes a copy first, so a dst that is also a src reads old data.
@@ -104,8 +110,10 @@ class AttentionBackend(ABC):
             return
         pairs_cpu = pairs.to("cpu", torch.long)
         for src, dst in zip(src_caches, dst_caches, strict=True):
-            if src.shape[1:] != dst.shape[1:]:
-                raise ValueError(f"block shapes differ: {tuple(src.shape)} vs {tuple(dst.shape)}")
+            if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+                raise ValueError(f"block shapes differ: {tuple(src.shape)} {src.dtype} vs "
+                                 f"{tuple(dst.shape)} {dst.dtype}")
+            src, dst = storage_view(src), storage_view(dst)
             s_idx = pairs_cpu[:, 0].to(src.device)
             d_idx = pairs_cpu[:, 1].to(dst.device)
             # Host-to-device may be asynchronous (stream order covers it); device-to-host
@@ -188,26 +196,53 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
 
 def get_backend(
-    name: str | None = None, device: torch.device | str = "cpu"
+    name: str | None = None, device: torch.device | str = "cpu",
+    kv_cache_dtype: torch.dtype | None = None, model_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """Return a backend instance; ``None`` picks flash, then triton on CUDA, and on
     CPU the native kernels ("cpu") when they build, else torch.
 
+    With ``kv_cache_dtype`` and ``model_dtype`` given, the automatic choice skips
+    backends that cannot read such a cache (flash-attn reads only the model's
+    fp16/bf16), and an explicit choice that cannot raises ``ValueError``.
     An explicit choice that cannot run raises ``RuntimeError`` with the reason,
     rather than silently falling back to a slower path.
     """
     dev = torch.device(device)
-    if name is None:
-        if dev.type == "cuda":
-            name = available_backends(dev)[0]
-        else:
-            name = "cpu" if _unavailable_reason("cpu", dev) is None else "torch"
-    name = name.lower()
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
-    reason = _unavailable_reason(name, dev)
-    if reason is not None:
-        raise RuntimeError(f"attention backend {name!r} is unavailable: {reason}")
+    if name is not None:
+        name = name.lower()
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+        reason = _unavailable_reason(name, dev)
+        if reason is not None:
+            raise RuntimeError(f"attention backend {name!r} is unavailable: {reason}")
+        backend = _instantiate(name, dev)
+        if not _reads(backend, kv_cache_dtype, model_dtype):
+            raise ValueError(
+                f"attention backend {name!r} cannot read a {kv_cache_dtype} KV cache under a "
+                f"{model_dtype} model (kv_cache_dtype); choose another backend or kv_cache_dtype"
+            )
+        return backend
+    if dev.type == "cuda":
+        candidates = available_backends(dev)
+    else:
+        candidates = ["cpu" if _unavailable_reason("cpu", dev) is None else "torch"]
+    for cand in candidates:
+        backend = _instantiate(cand, dev)
+        if _reads(backend, kv_cache_dtype, model_dtype):
+            return backend
+    raise ValueError(f"no attention backend on {dev} reads a {kv_cache_dtype} KV cache "
+                     f"under a {model_dtype} model (kv_cache_dtype)")
+
+
+def _reads(backend: AttentionBackend, kv_dtype: torch.dtype | None,
+           model_dtype: torch.dtype | None) -> bool:
+    if kv_dtype is None or model_dtype is None:
+        return True
+    return backend.supports_kv_cache_dtype(kv_dtype, model_dtype)
+
+
+def _instantiate(name: str, dev: torch.device) -> AttentionBackend:
     if name == "torch":
         from pagedserve.kernels.torch_ref import TorchBackend
 

@@ -4,7 +4,7 @@ through ctypes.
 Why: on CPU the torch path copies every context token of every decoding
 sequence into a padded workspace once per layer, then SDPA reads the copy
 again; at serving batch sizes that is about a fifth of the forward. The C
-kernel (``cpu_paged_decode.c``) reads K/V (fp32 or bf16) straight from the
+kernel (``cpu_paged_decode.c``) reads K/V (fp32, bf16, fp16 or fp8) straight from the
 block pool. The same library carries RMSNorm-with-residual, SiLU-and-multiply
 and RoPE (``cpu_fused_ops.c``), each one pass where torch makes several.
 
@@ -49,8 +49,12 @@ _HEADERS = [_HERE / "cpu_math.h"]
 # Associative math lets the dot products vectorise; the kernel never forms inf/nan.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
-# Cache dtypes the decode kernel reads (bf16 is widened to fp32 as it is loaded).
+# Query dtypes the decode kernel takes (it computes in fp32), and the cache dtypes it
+# reads with their kernel codes (KV_* in cpu_paged_decode.c; each widened exactly).
 _DECODE_DTYPES = (torch.float32, torch.bfloat16)
+_MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in cpu_paged_decode.c
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
+             torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -113,10 +117,10 @@ def load() -> ctypes.CDLL | None:
             logger.warning("native CPU kernels off: build failed: %s", detail.strip()[:500])
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
-            fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                           ctypes.c_float, ptr, ctypes.c_int]
-            fn.restype = ctypes.c_int
+        lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
+                                        i64, i64, ctypes.c_float, ptr, ctypes.c_int,
+                                        ctypes.c_int]
+        lib.paged_decode_kv.restype = ctypes.c_int
         lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int]
         lib.silu_and_mul_f32.restype = None
         for name in ("rms_norm_f32", "rms_norm_bf16"):
@@ -137,16 +141,17 @@ def _loaded() -> ctypes.CDLL | None:
 
 
 def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the native kernel handles these tensors: CPU, fp32 or bf16 contiguous
-    caches, query heads a multiple of KV heads."""
+    """Whether the native kernel handles these tensors: CPU, fp32 or bf16 queries,
+    contiguous fp32 / bf16 / fp16 / fp8 caches, query heads a multiple of KV heads."""
     return (
         q.device.type == "cpu"
         and q.dtype in _DECODE_DTYPES
-        and key_cache.dtype in _DECODE_DTYPES
+        and key_cache.dtype in _KV_KINDS
         and value_cache.dtype == key_cache.dtype
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
         and q.shape[1] % key_cache.shape[2] == 0
+        and key_cache.shape[3] <= _MAX_HEAD_DIM
         and _loaded() is not None
     )
 
@@ -176,7 +181,7 @@ def paged_decode(
     if value_cache.shape != key_cache.shape or key_cache.shape[3] != d:
         raise ValueError(f"K/V caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} "
                          f"do not fit queries of head size {d}")
-    q32 = q.float().contiguous()  # bf16 caches too: the math is fp32
+    q32 = q.float().contiguous()  # narrow caches too: the math is fp32
     tables = block_table.to(torch.int32).contiguous()
     lens32 = lens.to(torch.int32).contiguous()
     if tables.dim() != 2 or tables.shape[0] != s or lens32.numel() != s:
@@ -188,14 +193,18 @@ def paged_decode(
         raise ValueError(f"a sequence of {max_len} tokens overruns its block table "
                          f"({tables.shape[1]} blocks of {bsz})")
     out = torch.empty_like(q32)
-    fn = lib.paged_decode_bf16 if key_cache.dtype == torch.bfloat16 else lib.paged_decode_f32
-    rc = fn(
+    if value_cache.dtype != key_cache.dtype or key_cache.dtype not in _KV_KINDS:
+        raise ValueError(f"native paged decode reads {list(_KV_KINDS)} caches, got "
+                         f"{key_cache.dtype} / {value_cache.dtype}")
+    rc = lib.paged_decode_kv(
         q32.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0],
         tables.data_ptr(), tables.stride(0), lens32.data_ptr(), s, hq, hkv, d, bsz,
-        float(scale), out.data_ptr(), torch.get_num_threads(),
+        float(scale), out.data_ptr(), torch.get_num_threads(), _KV_KINDS[key_cache.dtype],
     )
     if rc == -2:
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")
+    if rc == -3:
+        raise ValueError(f"native paged decode takes head sizes <= {_MAX_HEAD_DIM}, got {d}")
     if rc != 0:
         raise MemoryError("native paged decode could not allocate its score buffer")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
@@ -282,9 +291,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
 
 
 class CpuNativeBackend(TorchBackend):
-    """The torch backend with decode rows on the native kernel (CPU, fp32 or bf16 caches).
+    """The torch backend with decode rows on the native kernel (CPU; fp32 or bf16
+    queries over fp32, bf16, fp16 or fp8 caches).
 
-    fp16 caches take the inherited torch path, so every cache the torch
+    fp16 queries take the inherited torch path, so every batch the torch
     backend accepts works here too.
     """
 

@@ -18,9 +18,10 @@
  * the sequence's next block in advance (1.3-1.5x on batches whose K/V do not
  * fit in cache). The body is compiled for head sizes 64 and 128 as constants.
  *
- * Caches are fp32 or bf16 (paged_decode_bf16): a bf16 element is widened to
- * fp32 exactly (a 16-bit shift) as it is loaded, so the math is the fp32
- * kernel's and a bf16 pool is read at half the bytes. q and out stay fp32.
+ * Caches are fp32, bf16, fp16 or fp8 (E4M3FN, E5M2): every element is
+ * widened to fp32 exactly as it is loaded, so the math is the fp32 kernel's
+ * and a narrow pool is read at half or a quarter of the bytes (the decode is
+ * memory-bound). q and out stay fp32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +29,76 @@
 #include <string.h>
 
 #include "cpu_math.h"
+
+/* Head sizes the kernel takes (the Python side checks): Llama-family heads are 64-256. */
+#define MAX_HEAD_DIM 256
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
+
+/* fp16 bits -> fp32, exact: exponent and mantissa moved to fp32's places and
+ * rebiased by a multiply by 2^112 (which also normalises fp16 subnormals).
+ * Our stores saturate, so no element is inf or nan. */
+static inline float f16_bits_to_f32(uint32_t h)
+{
+    const uint32_t mag = (h & 0x7fffu) << 13;
+    float f;
+    memcpy(&f, &mag, sizeof f);
+    f *= 0x1p112f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= (h & 0x8000u) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* E4M3FN byte -> fp32, exact, the same way (bias 7, rebias by 2^120). */
+static inline float e4m3_to_f32(uint32_t b)
+{
+    const uint32_t mag = (b & 0x7fu) << 20;
+    float f;
+    memcpy(&f, &mag, sizeof f);
+    f *= 0x1p120f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= (b & 0x80u) << 24;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Element i of a cache of the given kind, as float. The kind is a
+ * compile-time constant in always-inline callers, so the switch folds away. */
+static inline __attribute__((always_inline)) float ld_kv(const void *p, int64_t i, int kind)
+{
+    switch (kind) {
+    case KV_BF16:
+        return bf16_to_f32(((const uint16_t *)p)[i]);
+    case KV_F16:
+        return f16_bits_to_f32(((const uint16_t *)p)[i]);
+    case KV_E4M3:
+        return e4m3_to_f32(((const uint8_t *)p)[i]);
+    case KV_E5M2:
+        return f16_bits_to_f32((uint32_t)((const uint8_t *)p)[i] << 8);
+    default:
+        return ((const float *)p)[i];
+    }
+}
+
+static inline int64_t kv_elem_size(int kind)
+{
+    return kind == KV_F32 ? 4 : kind <= KV_F16 ? 2 : 1;
+}
+
+/* Head row src (D elements) as fp32: the row itself for fp32 caches, else
+ * widened once into buf, so the G query heads sharing it do not each convert. */
+static inline __attribute__((always_inline)) const float *
+row_f32(const char *src, int64_t D, int kind, float *buf)
+{
+    if (kind == KV_F32)
+        return (const float *)src;
+    for (int64_t d = 0; d < D; d++)
+        buf[d] = ld_kv(src, d, kind);
+    return buf;
+}
 
 /* Token t's row (n elements of es bytes from KV head h0 on) in cache c, after
  * asking for the same row of the sequence's next block, which the loop
@@ -51,10 +122,11 @@ static inline __attribute__((always_inline)) int
 attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
             int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
             int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-            int bf16)
+            int kind)
 {
-    const int64_t es = bf16 ? 2 : 4;
+    const int64_t es = kv_elem_size(kind);
     const int64_t nq = (h1 - h0) * G;
+    float wide[MAX_HEAD_DIM];
     const int64_t nb = (L + B - 1) / B;
     for (int64_t j = 0; j < nb; j++)
         if (table[j] < 0 || table[j] >= num_blocks)
@@ -63,12 +135,12 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
         const char *k = token_row(kc, table, t, L, B, blk_stride, tok_stride, h0, D,
                                   (h1 - h0) * D, es);
         for (int64_t h = 0; h < h1 - h0; h++) {
-            const char *kh = k + h * D * es;
+            const float *kh = row_f32(k + h * D * es, D, kind, wide);
             for (int64_t g = 0; g < G; g++) {
                 const float *qi = q + ((h0 + h) * G + g) * D;
                 float acc = 0.f;
                 for (int64_t d = 0; d < D; d++)
-                    acc += qi[d] * ld(kh, d, bf16);
+                    acc += qi[d] * kh[d];
                 sc[(h * G + g) * L + t] = acc * scale;
             }
         }
@@ -93,38 +165,46 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
         const char *v = token_row(vc, table, t, L, B, blk_stride, tok_stride, h0, D,
                                   (h1 - h0) * D, es);
         for (int64_t h = 0; h < h1 - h0; h++) {
-            const char *vh = v + h * D * es;
+            const float *vh = row_f32(v + h * D * es, D, kind, wide);
             for (int64_t g = 0; g < G; g++) {
                 const float w = sc[(h * G + g) * L + t];
                 float *oi = o + (h * G + g) * D;
                 for (int64_t d = 0; d < D; d++)
-                    oi[d] += w * ld(vh, d, bf16);
+                    oi[d] += w * vh[d];
             }
         }
     }
     return 0;
 }
 
-/* attend_impl with the common head sizes and each cache type as constants. */
+/* attend_impl with the common head sizes and each cache kind as constants. */
 #define ATTEND_ARGS q, kc, vc, table, L, h0, h1, G
 #define ATTEND_TAIL B, num_blocks, tok_stride, blk_stride, scale, sc, out
+#define ATTEND_KIND(K)                                                                       \
+    do {                                                                                     \
+        if (D == 64)                                                                         \
+            return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, K);                             \
+        if (D == 128)                                                                        \
+            return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, K);                            \
+        return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, K);                                  \
+    } while (0)
 static int attend(const float *q, const char *kc, const char *vc, const int32_t *table,
                   int64_t L, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
                   int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale,
-                  float *sc, float *out, int bf16)
+                  float *sc, float *out, int kind)
 {
-    if (bf16) {
-        if (D == 64)
-            return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, 1);
-        if (D == 128)
-            return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, 1);
-        return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, 1);
+    switch (kind) {
+    case KV_BF16:
+        ATTEND_KIND(KV_BF16);
+    case KV_F16:
+        ATTEND_KIND(KV_F16);
+    case KV_E4M3:
+        ATTEND_KIND(KV_E4M3);
+    case KV_E5M2:
+        ATTEND_KIND(KV_E5M2);
+    default:
+        ATTEND_KIND(KV_F32);
     }
-    if (D == 64)
-        return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, 0);
-    if (D == 128)
-        return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, 0);
-    return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, 0);
 }
 
 /*
@@ -134,7 +214,7 @@ static int attend(const float *q, const char *kc, const char *vc, const int32_t 
 static int paged_decode(const float *q, const char *key_cache, const char *value_cache,
                         int64_t num_blocks, const int32_t *tables, int64_t table_stride,
                         const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t B, float scale, float *out, int nthreads, int bf16)
+                        int64_t B, float scale, float *out, int nthreads, int kind)
 {
     const int64_t G = Hq / Hkv;
     const int64_t tok_stride = Hkv * D;
@@ -170,7 +250,7 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
             const int rc = attend(q + s * Hq * D, key_cache, value_cache,
                                   tables + s * table_stride, L, h0, h0 + per, G, D, B,
                                   num_blocks, tok_stride, blk_stride, scale, sc,
-                                  out + s * Hq * D, bf16);
+                                  out + s * Hq * D, kind);
             if (rc < failed)
                 failed = rc;
         }
@@ -179,21 +259,16 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
     return failed;
 }
 
-int paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
-                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
-                     const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                     int64_t B, float scale, float *out, int nthreads)
+/* Exported entry: caches of the given kind (KV_* above, raw elements); q and
+ * out are fp32. */
+int paged_decode_kv(const float *q, const void *key_cache, const void *value_cache,
+                    int64_t num_blocks, const int32_t *tables, int64_t table_stride,
+                    const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                    int64_t B, float scale, float *out, int nthreads, int kind)
 {
+    if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM)
+        return -3;
     return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
-                        tables, table_stride, lens, S, Hq, Hkv, D, B, scale, out, nthreads, 0);
-}
-
-/* The same over bf16 caches (raw 16-bit words); q and out are fp32. */
-int paged_decode_bf16(const float *q, const uint16_t *key_cache, const uint16_t *value_cache,
-                      int64_t num_blocks, const int32_t *tables, int64_t table_stride,
-                      const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                      int64_t B, float scale, float *out, int nthreads)
-{
-    return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
-                        tables, table_stride, lens, S, Hq, Hkv, D, B, scale, out, nthreads, 1);
+                        tables, table_stride, lens, S, Hq, Hkv, D, B, scale, out, nthreads,
+                        kind);
 }

@@ -52,6 +52,10 @@ class FlashBackend(AttentionBackend):
     def supports_block_size(self, block_size: int) -> bool:
         return block_size > 0 and block_size % FLASH_BLOCK_MULTIPLE == 0
 
+    def supports_kv_cache_dtype(self, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+        """FA2 reads K/V in the query's own fp16/bf16 only (no fp8 or mixed caches)."""
+        return kv_dtype == model_dtype and kv_dtype in (torch.float16, torch.bfloat16)
+
     def _check(self, q: torch.Tensor, key_cache: torch.Tensor) -> None:
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flash-attn computes in fp16/bf16 only, got {q.dtype}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.kv_quant import dequantize, quantize
 from pagedserve.kernels.metadata import build_varlen_metadata
 from pagedserve.kernels.reference import dense_causal_attention
 
@@ -58,8 +59,14 @@ def make_paged_batch(
     garbage: float = 30.0,
     seed: int = 0,
     block_table: list[list[int]] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
-    """Random q/k/v for the given lengths, K/V scattered into a shuffled paged cache."""
+    """Random q/k/v for the given lengths, K/V scattered into a shuffled paged cache.
+
+    ``kv_dtype`` (default ``dtype``) is the cache's element type; with a narrower
+    one, ``k`` and ``v`` are the dequantised cached values, so the dense oracle
+    reads exactly what a kernel reads and the fp32 tolerance still applies.
+    """
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in key_lens]
     if block_table is None:
@@ -87,6 +94,10 @@ def make_paged_batch(
     slots = slots_for(bt, key_lens, block_size)
     key_cache.view(-1, num_kv_heads, head_dim)[slots] = k
     value_cache.view(-1, num_kv_heads, head_dim)[slots] = v
+    if kv_dtype is not None and kv_dtype != dtype:
+        key_cache, value_cache = quantize(key_cache, kv_dtype), quantize(value_cache, kv_dtype)
+        k = dequantize(key_cache.view(-1, num_kv_heads, head_dim)[slots], dtype)
+        v = dequantize(value_cache.view(-1, num_kv_heads, head_dim)[slots], dtype)
     dev = torch.device(device)
     return PagedBatch(
         q.to(dev), k.to(dev), v.to(dev), key_cache.to(dev), value_cache.to(dev),

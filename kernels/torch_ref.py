@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.kv_quant import quantize, storage_view
 from pagedserve.kernels.metadata import VarlenMetadata
 
 # Grouping rule: padded q*k elements may exceed the real ones by _PAD_SLACK (about
@@ -70,11 +71,11 @@ def store_kv_torch(
         slots = slots.index_select(0, idx)
         key = key.index_select(0, idx)
         value = value.index_select(0, idx)
-    # .view (not reshape) so a non-contiguous cache raises instead of writing a copy.
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(
-        0, slots, value.to(value_cache.dtype)
-    )
+    # .view (not reshape) so a non-contiguous cache raises instead of writing a copy;
+    # fp8 caches move as bytes (storage_view), after rounding like torch's cast.
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        storage_view(cache).view(-1, *cache.shape[2:]).index_copy_(
+            0, slots, storage_view(quantize(new, cache.dtype)))
 
 
 def _plan_groups(ids: list[int], q_lens: list[int], k_lens: list[int]) -> list[list[int]]:
@@ -117,17 +118,26 @@ class TorchBackend(AttentionBackend):
         store_kv_torch(key, value, key_cache, value_cache, slot_mapping)
 
     def _gather(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
+        like: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks ``tables`` [n, nb] -> K, V [n, nb*B, Hkv, D] (workspace views)."""
+        """Blocks ``tables`` [n, nb] -> K, V [n, nb*B, Hkv, D] in ``like``'s dtype
+        (workspace views); a narrower cache is gathered as stored, then widened."""
         n, nb = tables.shape
         _, bsz, hkv, d = key_cache.shape
         idx = tables.to(key_cache.device, torch.long).clamp_min(0).reshape(-1)
-        k = self._ws.get("k", (n * nb, bsz, hkv, d), key_cache)
-        v = self._ws.get("v", (n * nb, bsz, hkv, d), value_cache)
-        torch.index_select(key_cache, 0, idx, out=k)
-        torch.index_select(value_cache, 0, idx, out=v)
-        return k.view(n, nb * bsz, hkv, d), v.view(n, nb * bsz, hkv, d)
+        shape = (n * nb, bsz, hkv, d)
+        out = []
+        for name, cache in (("k", key_cache), ("v", value_cache)):
+            raw = storage_view(cache)
+            buf = self._ws.get(name, shape, raw)
+            torch.index_select(raw, 0, idx, out=buf)
+            if cache.dtype != like.dtype:
+                wide = self._ws.get(name + "_wide", shape, like)
+                wide.copy_(buf.view(cache.dtype))
+                buf = wide
+            out.append(buf.view(n, nb * bsz, hkv, d))
+        return out[0], out[1]
 
     def _decode(
         self,
@@ -154,12 +164,12 @@ class TorchBackend(AttentionBackend):
         qg = q.reshape(s, hkv, hq // hkv, d)
         # On CPU, gather and attend a few sequences at a time so the gathered K/V
         # are still in the last-level cache when SDPA reads them.
-        row_bytes = nb * bsz * hkv * d * key_cache.element_size() * 2
+        row_bytes = nb * bsz * hkv * d * q.element_size() * 2
         chunk = s if q.device.type != "cpu" else max(1, _CPU_CHUNK_BYTES // row_bytes)
         outs = []
         for s0 in range(0, s, chunk):
             s1 = min(s, s0 + chunk)
-            k, v = self._gather(key_cache, value_cache, block_table[s0:s1, :nb])
+            k, v = self._gather(key_cache, value_cache, block_table[s0:s1, :nb], q)
             outs.append(
                 F.scaled_dot_product_attention(
                     qg[s0:s1],
@@ -212,7 +222,8 @@ class TorchBackend(AttentionBackend):
         bsz = key_cache.shape[1]
         nb = -(-mk // bsz)
         ids_t = torch.tensor(ids, device=dev)
-        k, v = self._gather(key_cache, value_cache, block_table.index_select(0, ids_t)[:, :nb])
+        k, v = self._gather(key_cache, value_cache,
+                            block_table.index_select(0, ids_t)[:, :nb], q)
         k, v = k[:, :mk], v[:, :mk]
         hkv = k.shape[2]
         qi = torch.arange(mq, device=dev)

@@ -10,14 +10,40 @@ writes an unnormalised partial result plus its running max and sum, and
 ``_combine_kernel`` merges them.
 
 Math is fp32 (loads are upcast: the interpreter mishandles bf16 arithmetic and
-fp32 caches need IEEE dots, not tf32). With 16-bit caches on a GPU the two
-dots take the native dtype to use tensor cores, accumulating in fp32.
+fp32 caches need IEEE dots, not tf32). With 16-bit queries on a GPU the two
+dots take the query's dtype to use tensor cores, accumulating in fp32.
+
+fp8 caches (``KV_FP8``) arrive as uint8 bytes and are decoded by integer bit
+manipulation in :func:`_widen_kv`: exact, needing no fp8 support in the
+compiler or the interpreter, and never forming an fp32 denormal (which a GPU
+may flush to zero). A widened fp8 element is exact in fp16, bf16 and fp32, so
+the tensor-core path stays exact too. The flag is constexpr: other caches
+compile to the same code as before.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _widen_kv(x, KV_FP8: tl.constexpr):
+    """Cached K/V elements as float: fp8 bytes decoded to fp32 (1: E4M3FN, 2: E5M2),
+    any other cache dtype returned as loaded."""
+    if KV_FP8 == 1:
+        b = x.to(tl.uint32)
+        # Normal: shift exponent and mantissa into fp32's fields and rebias (7 -> 127).
+        normal = (((b & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        # Subnormal (exponent 0): m * 2^-9, an fp32 normal, so nothing is flushed.
+        sub = (b & 7).to(tl.float32) * 0.001953125
+        mag = tl.where((b & 0x78) == 0, sub, normal)
+        return tl.where((b & 0x80) != 0, -mag, mag)
+    elif KV_FP8 == 2:
+        # E5M2 is the high byte of an fp16 (same exponent width and bias).
+        return (x.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return x
 
 
 @triton.jit
@@ -29,7 +55,7 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -72,18 +98,18 @@ def _paged_attention_kernel(
         blk = blk.to(tl.int64)
         in_blk = n % block_size
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
+        k = _widen_kv(tl.load(
             k_cache_ptr + (blk * stride_kb + in_blk * stride_ks + kvh * stride_kh)[:, None]
-            + d[None, :], mask=kv_mask, other=0.0,
-        )
-        v = tl.load(
+            + d[None, :], mask=kv_mask, other=0,
+        ), KV_FP8)
+        v = _widen_kv(tl.load(
             v_cache_ptr + (blk * stride_vb + in_blk * stride_vs + kvh * stride_vh)[:, None]
-            + d[None, :], mask=kv_mask, other=0.0,
-        )
+            + d[None, :], mask=kv_mask, other=0,
+        ), KV_FP8)
         if DOT_F32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
         s = s * scale_log2
         vis = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= limit[:, None])
         s = tl.where(vis, s, float("-inf"))
@@ -95,7 +121,7 @@ def _paged_attention_kernel(
         if DOT_F32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.kv_quant import quantize, storage_view
 from pagedserve.kernels.metadata import VarlenMetadata
 from pagedserve.kernels.triton_attention import (
     _combine_kernel,
@@ -30,6 +31,8 @@ _MIN_KEYS_PER_SPLIT = 256
 # num_stages), likelier winners for bandwidth-bound decode first (a time limit may cut
 # the sweep short); every one compiles for sm_90 (tests/kernels/_aot_compile.py).
 LAUNCH_SWEEP = tuple((n, w, s) for n in (64, 128, 32) for w in (4, 8) for s in (3, 4, 2))
+# The attention kernel's KV_FP8 flag: fp8 caches arrive as uint8 bytes, decoded in-kernel.
+_KV_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def _interpreting() -> bool:
@@ -76,11 +79,15 @@ class TritonBackend(AttentionBackend):
         if t == 0:
             return
         _, bsz, hkv, d = key_cache.shape
-        key = _rows_contiguous(key.reshape(t, hkv, d))
-        value = _rows_contiguous(value.reshape(t, hkv, d))
         for c in (key_cache, value_cache):
             if c.stride(2) != d or c.stride(3) != 1:
                 raise ValueError("cache heads and head_dim must be contiguous")
+        # Rounding on the host (a no-op when the dtypes match) keeps stores bit-identical
+        # to quantize() on every device; fp8 then travels as bytes.
+        key = storage_view(_rows_contiguous(quantize(key.reshape(t, hkv, d), key_cache.dtype)))
+        value = storage_view(
+            _rows_contiguous(quantize(value.reshape(t, hkv, d), value_cache.dtype)))
+        key_cache, value_cache = storage_view(key_cache), storage_view(value_cache)
         slots = slot_mapping.to(key_cache.device, torch.int64).contiguous()
         _store_kv_kernel[(t,)](
             key, value, key_cache, value_cache, slots,
@@ -106,6 +113,7 @@ class TritonBackend(AttentionBackend):
         for cache in [*key_caches, *value_caches]:
             if not cache.is_contiguous():
                 raise ValueError("copy_blocks needs contiguous caches")
+            cache = storage_view(cache)
             numel = cache[0].numel()
             chunk = min(4096, next_pow2(numel))
             _copy_blocks_kernel[(p.shape[0], triton.cdiv(numel, chunk))](
@@ -146,6 +154,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
         if q.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
             raise ValueError("head_dim must be the contiguous dimension")
+        if key_cache.dtype != value_cache.dtype:
+            raise ValueError(f"key cache {key_cache.dtype} and value cache "
+                             f"{value_cache.dtype} differ")
         group = hq // hkv
         n_tiles = tile_seq.numel()
         out = torch.empty_like(q) if tq == total_q else torch.zeros_like(q)
@@ -153,7 +164,12 @@ class TritonBackend(AttentionBackend):
             return out
         splits = self._splits(n_tiles * hkv, max_k)
         interp = _interpreting()
-        dot_f32 = interp or q.dtype == torch.float32 or key_cache.dtype == torch.float32
+        kv_fp8 = _KV_FP8.get(key_cache.dtype, 0)
+        # Tensor-core dots need K/V in the query's 16-bit dtype: fp8 widens to it exactly,
+        # but a different 16-bit cache (bf16 under fp16 or back) would round, so go fp32.
+        dot_f32 = (interp or q.dtype == torch.float32
+                   or (not kv_fp8 and key_cache.dtype != q.dtype))
+        key_cache, value_cache = storage_view(key_cache), storage_view(value_cache)
         block_n = self.block_n or (32 if interp or d > 64 else 64)
         if splits > 1:
             part_acc = torch.empty(tq * hq * splits * d, dtype=torch.float32, device=q.device)
@@ -171,6 +187,7 @@ class TritonBackend(AttentionBackend):
             bt.stride(0),
             G=group, HEAD_DIM=d, BLOCK_D=next_pow2(max(d, 16)),
             BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
+            KV_FP8=kv_fp8,
             num_warps=self.num_warps or (4 if block_m <= 64 else 8),
             **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )

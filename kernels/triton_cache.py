@@ -1,8 +1,11 @@
 """Triton kernels that write the paged KV cache: store new tokens, copy blocks.
 
 Both move whole rows of ``Hkv * D`` elements, so each program handles one token
-(store) or one chunk of one block (copy); the data is never interpreted, only
-cast to the cache dtype on store.
+(store) or one chunk of one block (copy); the data is never interpreted. The
+host quantises new rows to the cache dtype first (``kv_quant.quantize``: torch's
+rounding, fp8/fp16 saturating, which a Triton cast would not reproduce on every
+device) and hands fp8 tensors over as uint8 views, so these kernels only move
+elements and need no fp8 types.
 """
 
 from __future__ import annotations

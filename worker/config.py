@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # "freq_factors": one divisor per rotary frequency, llama.cpp's rope_freqs (from GGUF files).
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "freq_factors")
@@ -265,6 +267,10 @@ class WorkerConfig:
     ``gpu_memory_utilization`` of the device is used after a profiling forward,
     whose logits rows include ``num_speculative_tokens`` per sequence.
 
+    ``kv_cache_dtype`` (``kernels.kv_quant``) stores the KV pool narrower than
+    ``dtype``: "auto" is the model dtype; fp16/bf16 halve an fp32 pool's bytes
+    per block, fp8 quarters them, so a byte budget holds 2x / 4x the blocks.
+
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
     (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room
     for ``max_loaded_loras`` adapters of that rank out of the KV pool.
@@ -291,9 +297,11 @@ class WorkerConfig:
     num_threads: int | None = None
     max_lora_rank: int = 0
     max_loaded_loras: int = 0
+    kv_cache_dtype: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_lora_rank < 0:
             raise ValueError(f"max_lora_rank must be >= 0, got {self.max_lora_rank}")
         if self.block_size < 1:
@@ -326,3 +334,7 @@ class WorkerConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)

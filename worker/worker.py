@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pagedserve.kernels import get_backend
+from pagedserve.kernels.kv_quant import kv_dtype_name
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig, WorkerConfig
@@ -84,6 +85,7 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.torch_kv_cache_dtype
         self.ctx: ParallelContext | None = None
         self.resolved: ResolvedModel | None = None
         self.model_config: ModelConfig | None = None
@@ -117,7 +119,8 @@ class Worker:
         torch.manual_seed(cfg.seed)
         method = dist_init_method or cfg.dist_init_method
         self.ctx = init_parallel(cfg.rank, cfg.tensor_parallel_size, method, self.device)
-        self.backend = get_backend(cfg.attention_backend, self.device)
+        self.backend = get_backend(cfg.attention_backend, self.device,
+                                   kv_cache_dtype=self.kv_dtype, model_dtype=self.dtype)
         if not self.backend.supports_block_size(cfg.block_size):
             raise ValueError(
                 f"attention backend {self.backend.name!r} does not support block_size "
@@ -149,7 +152,7 @@ class Worker:
         assert self.model_config is not None and self.model is not None
         return bytes_per_block(self.model_config.num_layers, self.config.block_size,
                                self.model.num_kv_heads_per_rank, self.model_config.head_dim,
-                               self.dtype)
+                               self.kv_dtype)
 
     def determine_num_blocks(self) -> int:
         """Device KV blocks this rank can hold: explicit count, byte budget, or CUDA profiling.
@@ -211,7 +214,7 @@ class Worker:
         cpu_blocks = self.config.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks
         self.kv_cache = KVCache(self.model_config.num_layers, num_gpu_blocks,
                                 self.config.block_size, self.model.num_kv_heads_per_rank,
-                                self.model_config.head_dim, self.dtype, self.device,
+                                self.model_config.head_dim, self.kv_dtype, self.device,
                                 self.backend, cpu_blocks)
         sampler = Sampler(self.model_config.eos_token_ids, grammar_book=self._grammar_book)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
@@ -279,6 +282,7 @@ class Worker:
             "block_size": self.config.block_size,
             "bytes_per_block": self._block_bytes(),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_dtype_name(self.kv_dtype),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "attention_backend": getattr(self.backend, "name", None),
             "load_time_s": self.load_time_s,

@@ -313,3 +313,36 @@ def test_cuda_lora_mixed_batch_equals_hugging_face_merged(tiny_dir, engines, tmp
     llm = _check_lora_mixed_batch(tiny_dir, engines, tmp_path, "cuda")
     graphs = _graphs(llm)
     assert graphs is not None and graphs.graphs and not graphs.disabled
+
+
+@cuda_only
+def test_cuda_fp8_kv_cache_holds_twice_the_bf16_blocks_and_swaps_exactly(
+        smol_shaped_dir, tiny_dir, engines) -> None:
+    """bf16 model, fp8 pool: the default backend is one that reads fp8 (not flash-attn),
+    graphs capture over it, the same bytes hold 2x the blocks; and (fp32 tiny model, as
+    the other preemption test) swap preemption gives the tokens of a roomy fp8 run."""
+    budget = 64 << 20
+    bf16 = LLM(model=smol_shaped_dir, device="cuda", kv_cache_memory_bytes=budget,
+               swap_space_bytes=0)
+    engines.append(bf16)
+    fp8 = LLM(model=smol_shaped_dir, device="cuda", kv_cache_memory_bytes=budget,
+              kv_cache_dtype="fp8", swap_space_bytes=0)
+    engines.append(fp8)
+    info = fp8.engine.model_info
+    assert info["kv_cache_dtype"] == "fp8_e4m3" and info["attention_backend"] == "triton"
+    blocks = [e.engine.scheduler.memory_stats().num_gpu_blocks for e in (bf16, fp8)]
+    assert blocks[1] == 2 * blocks[0], blocks
+    prompts = prompts_of_mixed_lengths()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = _greedy(fp8, prompts, params)
+    assert _graphs(fp8) is not None and _graphs(fp8).graphs
+    assert [len(t) for t in ref] == [24] * len(prompts)
+    tight = LLM(model=tiny_dir, device="cuda", dtype="float32", kv_cache_dtype="fp8",
+                num_gpu_blocks=12, num_cpu_blocks=64, max_num_batched_tokens=64)
+    engines.append(tight)
+    roomy = LLM(model=tiny_dir, device="cuda", dtype="float32", kv_cache_dtype="fp8",
+                num_gpu_blocks=256)
+    engines.append(roomy)
+    assert _greedy(tight, prompts, params) == _greedy(roomy, prompts, params)
+    assert tight.engine.scheduler.num_preemptions["swap"] > 0
+    assert_pool_at_baseline(tight)

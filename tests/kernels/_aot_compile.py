@@ -8,6 +8,11 @@ the configurations TritonBackend launches. Run in a subprocess: TRITON_INTERPRET
 must be unset when the kernels are decorated.
 
     python tests/kernels/_aot_compile.py [capability ...]   # default: 90 80
+
+Narrow KV caches (kv_cache_dtype) compile as their own variants: fp8 caches
+reach the kernels as uint8 bytes (KV_FP8 picks the in-kernel decoding), and a
+cache dtype other than the query's changes which dots the kernel emits. Those
+lines read "ok kv sm_..", apart from the "ok sm_.." count of default launches.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ def signature(fn, pointers: dict[str, str], consts: dict, floats: tuple[str, ...
 SMEM_LIMIT = {90: 232448, 80: 166912}
 
 
-def build(fn, pointers, consts, target, floats=(), num_warps=4, num_stages=None) -> None:
+def build(fn, pointers, consts, target, floats=(), num_warps=4, num_stages=None,
+          tag: str = "ok") -> None:
     src = ASTSource(fn, signature(fn, pointers, consts, floats), consts)
     options = {"num_warps": num_warps}
     if num_stages is not None:
@@ -58,7 +64,7 @@ def build(fn, pointers, consts, target, floats=(), num_warps=4, num_stages=None)
     if shared > SMEM_LIMIT.get(target.arch, shared):
         raise SystemExit(f"{fn.__name__} {consts} {options}: {shared} B of shared memory "
                          f"exceeds sm_{target.arch}'s {SMEM_LIMIT[target.arch]}")
-    print(f"ok sm_{target.arch} {fn.__name__} {consts} {options} shared={shared}", flush=True)
+    print(f"{tag} sm_{target.arch} {fn.__name__} {consts} {options} shared={shared}", flush=True)
 
 
 def attention_configs():
@@ -69,21 +75,43 @@ def attention_configs():
     yield "fp16", 8, 128, 1, 16
 
 
+# Cache element types as the kernel sees them: fp8 as uint8 plus the KV_FP8 flag.
+KV_TYPES = {"e4m3": ("u8", 1), "e5m2": ("u8", 2)}
+
+
+def narrow_cache_configs():
+    """(model dtype, cache dtype, G, D, max_q, splits) for kv_cache_dtype, decode and prefill."""
+    for dt, kv in (("fp16", "e4m3"), ("bf16", "e5m2"), ("fp32", "e4m3"), ("fp32", "bf16"),
+                   ("fp16", "bf16")):
+        yield dt, kv, 3, 64, 1, 1
+        yield dt, kv, 4, 128, 64, 4
+    yield "bf16", "e4m3", 8, 128, 1, 16
+
+
 def build_attention(target, dt: str, g: int, d: int, max_q: int, splits: int,
                     block_n: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None) -> None:
-    """One attention launch configuration, with the backend's defaults where not given."""
+                    num_stages: int | None = None, kv: str | None = None) -> None:
+    """One attention launch configuration, with the backend's defaults where not given.
+
+    ``kv`` is the cache dtype (default: the model's ``dt``), as TritonBackend._launch
+    picks DOT_F32 and KV_FP8 for it.
+    """
+    kv = kv or dt
+    kv_ptr, kv_fp8 = KV_TYPES.get(kv, (kv, 0))
     block_m = TritonBackend._block_m(g, max_q)
     consts = dict(
         G=g, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_Q=block_m // g,
-        BLOCK_N=block_n or (64 if d <= 64 else 32), NUM_SPLITS=splits, DOT_F32=dt == "fp32",
+        BLOCK_N=block_n or (64 if d <= 64 else 32), NUM_SPLITS=splits,
+        DOT_F32=dt == "fp32" or (not kv_fp8 and kv != dt), KV_FP8=kv_fp8,
     )
-    ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    ptrs = {n: f"*{dt}" for n in ("q_ptr", "out_ptr")}
+    ptrs |= {n: f"*{kv_ptr}" for n in ("k_cache_ptr", "v_cache_ptr")}
     ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
     ptrs |= {n: "*i32" for n in ("block_table_ptr", "cu_q_ptr", "seq_lens_k_ptr",
                                  "tile_seq_ptr", "tile_qoff_ptr")}
     build(_paged_attention_kernel, ptrs, consts, target, ("scale_log2",),
-          num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages)
+          num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages,
+          tag="ok" if kv == dt else "ok kv")
 
 
 def main(archs: list[int]) -> None:
@@ -102,6 +130,18 @@ def main(archs: list[int]) -> None:
                                  "slot_ptr": "*i64"}, dict(ROW=192, BLOCK=256), target)
         build(_copy_blocks_kernel, {"cache_ptr": "*fp16", "pairs_ptr": "*i64"},
               dict(CHUNK=4096), target)
+        for dt, kv, g, d, max_q, splits in narrow_cache_configs():
+            build_attention(target, dt, g, d, max_q, splits, kv=kv)
+        if arch == 90:  # the --sweep's widest tiles over an fp8 cache (most registers)
+            for block_n, warps, stages in LAUNCH_SWEEP:
+                if block_n == 128:
+                    build_attention(target, "bf16", 4, 128, 1, 1, block_n, warps, stages,
+                                    kv="e4m3")
+        u8 = {n: "*u8" for n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
+        build(_store_kv_kernel, u8 | {"slot_ptr": "*i64"}, dict(ROW=192, BLOCK=256), target,
+              tag="ok kv")
+        build(_copy_blocks_kernel, {"cache_ptr": "*u8", "pairs_ptr": "*i64"},
+              dict(CHUNK=4096), target, tag="ok kv")
 
 
 if __name__ == "__main__":

@@ -80,18 +80,20 @@ def test_serve_flags_reach_the_serve_args() -> None:
     ns = build_parser().parse_args([
         "serve", "--lora-modules", "a=/x", "b=/y", "--lora-dir", "/adapters", "--max-loras",
         "2", "--max-lora-rank", "8", "--max-loaded-loras", "4", "--scheduling-policy",
-        "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}'])
+        "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
+        "--kv-cache-dtype", "fp8_e5m2"])
     a = ServeArgs.parse(ns)
     assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
-            a.scheduling_policy, a.autoscaling_config) == (
+            a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype) == (
         ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
-        {"min_replicas": 1, "max_replicas": 3})
+        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2")
 
 
 @pytest.mark.parametrize(("flag", "value", "field"), [
     ("--temperature", "-3", "temperature"),
     ("--min-p", "2", "min_p"),
     ("--dtype", "int8", "dtype"),
+    ("--kv-cache-dtype", "int4", "kv_cache_dtype"),
     ("--gpu-memory-utilization", "1.5", "gpu_memory_utilization"),
     ("--speculative-config", '{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ("--speculative-config", "ngram", "--speculative-config: not JSON"),
@@ -161,7 +163,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 def test_serve_starts_a_local_ray_serves_and_stops_on_sigterm(tiny_model: Path) -> None:
     port = free_port()
-    proc = _start_serve(tiny_model, port, "--api-key", "k3y")
+    proc = _start_serve(tiny_model, port, "--api-key", "k3y", "--kv-cache-dtype", "fp8")
     try:
         url = _printed_urls(proc, ("serving",))["serving"]
         assert url == f"http://127.0.0.1:{port}/v1", url
@@ -170,6 +172,10 @@ def test_serve_starts_a_local_ray_serves_and_stops_on_sigterm(tiny_model: Path) 
         client = openai.OpenAI(base_url=url, api_key="k3y", max_retries=0, timeout=120)
         r = client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=5)
         assert r.usage.completion_tokens == 5
+        stats = httpx.get(f"{url}/stats", headers={"Authorization": "Bearer k3y"},
+                          timeout=60).json()
+        assert [r["stats"]["memory"]["kv_cache_dtype"] for r in stats["replicas"]] == [
+            "fp8_e4m3"]
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code == 200
         _terminates(proc, f"http://127.0.0.1:{port}/health")
     finally:

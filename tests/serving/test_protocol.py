@@ -195,7 +195,8 @@ def test_metrics_render_as_valid_prometheus_text() -> None:
              "generation_tokens": 3, "prefix_cache_queries": 10, "prefix_cache_hits": 4,
              "steps": 3, "num_preemptions": {"swap": 1},
              "memory": {"num_gpu_blocks": 8, "num_used_blocks": 2, "num_free_blocks": 6,
-                        "num_shared_blocks": 0, "num_cached_free_blocks": 1},
+                        "num_shared_blocks": 0, "num_cached_free_blocks": 1,
+                        "kv_cache_dtype": "fp8_e4m3", "bytes_per_block": 92160},
              "server": m.snapshot()}
     text = render_prometheus([{"replica": "a", "stats": stats}, {"replica": "b"}]).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
@@ -209,6 +210,9 @@ def test_metrics_render_as_valid_prometheus_text() -> None:
     assert itl[0].value == 2
     usage = fams["pagedserve_kv_cache_usage_ratio"].samples[0].value
     assert usage == pytest.approx(0.25)
+    (info,) = fams["pagedserve_cache_config_info"].samples
+    assert info.labels == {"replica": "a", "kv_cache_dtype": "fp8_e4m3"} and info.value == 1
+    assert fams["pagedserve_kv_block_bytes"].samples[0].value == 92160
 
 
 def test_merge_deltas_folds_steps_into_one_delta_per_sample() -> None:
