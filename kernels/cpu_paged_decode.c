@@ -35,34 +35,37 @@
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
 
-/* fp16 bits -> fp32, exact: exponent and mantissa moved to fp32's places and
- * rebiased by a multiply by 2^112 (which also normalises fp16 subnormals).
- * Our stores saturate, so no element is inf or nan. */
-static inline float f16_bits_to_f32(uint32_t h)
+/* A small float format's magnitude bits (mantissa mbits wide, exponent bias
+ * bias; sub_scale = 2^(1 - bias - mbits)) -> fp32, exact, then the sign bit
+ * or-ed back. Normals are
+ * rebiased in the integer domain; subnormals (exponent field 0) are
+ * mantissa * sub_scale, computed from an integer. No fp32
+ * denormal is ever formed: x86 cores take a slow microcode assist on those. */
+static inline __attribute__((always_inline)) float
+small_float_to_f32(uint32_t mag, uint32_t sign_bit, int mbits, int bias, float sub_scale)
 {
-    const uint32_t mag = (h & 0x7fffu) << 13;
+    const uint32_t nbits = (mag << (23 - mbits)) + ((uint32_t)(127 - bias) << 23);
     float f;
-    memcpy(&f, &mag, sizeof f);
-    f *= 0x1p112f;
+    memcpy(&f, &nbits, sizeof f);
+    if ((mag >> mbits) == 0)
+        f = (float)(int32_t)mag * sub_scale;
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    bits |= (h & 0x8000u) << 16;
+    bits |= sign_bit;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-/* E4M3FN byte -> fp32, exact, the same way (bias 7, rebias by 2^120). */
+/* fp16 bits -> fp32 (our stores saturate, so no element is inf or nan). */
+static inline float f16_bits_to_f32(uint32_t h)
+{
+    return small_float_to_f32(h & 0x7fffu, (h & 0x8000u) << 16, 10, 15, 0x1p-24f);
+}
+
+/* E4M3FN byte -> fp32. */
 static inline float e4m3_to_f32(uint32_t b)
 {
-    const uint32_t mag = (b & 0x7fu) << 20;
-    float f;
-    memcpy(&f, &mag, sizeof f);
-    f *= 0x1p120f;
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits |= (b & 0x80u) << 24;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return small_float_to_f32(b & 0x7fu, (b & 0x80u) << 24, 3, 7, 0x1p-9f);
 }
 
 /* Element i of a cache of the given kind, as float. The kind is a

@@ -124,3 +124,30 @@ def test_flash_takes_only_the_model_dtype() -> None:
     assert fb.supports_kv_cache_dtype(torch.bfloat16, torch.bfloat16)
     assert not fb.supports_kv_cache_dtype(torch.float8_e4m3fn, torch.bfloat16)
     assert get_backend("torch").supports_kv_cache_dtype(torch.float8_e5m2, torch.float32)
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["float16", "fp8_e4m3", "fp8_e5m2"])
+def test_every_finite_code_is_widened_exactly(name: str, kv_dtype: torch.dtype) -> None:
+    """One key per sequence: softmax is 1, so decode returns the value row itself, and
+    every finite code of the format (subnormals included) must come back as torch's
+    own widening of it."""
+    bits = 16 if kv_dtype == torch.float16 else 8
+    if bits == 16 and name == "triton":
+        pytest.skip("65536 codes are too many rows for the interpreter; fp8 covers its path")
+    codes = torch.arange(2**bits, dtype=torch.int32).to(
+        torch.int16 if bits == 16 else torch.uint8)
+    values = codes.view(kv_dtype)
+    finite = torch.isfinite(values.float())
+    d = 64
+    rows = values[finite]
+    rows = torch.cat([rows, rows[: (-rows.numel()) % d]]).view(-1, 1, 1, d)  # [S, B=1, 1, D]
+    s = rows.shape[0]
+    value_cache = rows.contiguous()
+    key_cache = torch.zeros_like(value_cache)
+    q = torch.zeros(s, 1, d)
+    out = get_backend(name, "cpu").decode_attention(
+        q, key_cache, value_cache, torch.arange(s, dtype=torch.int32)[:, None],
+        torch.ones(s, dtype=torch.int32), 0.125)
+    assert torch.equal(out, value_cache.float().view(s, 1, d))
