@@ -2,9 +2,15 @@
 
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.llm import LLM
-from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from pagedserve.scheduler.lora_request import LoRARequest
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+           "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams"]

@@ -26,6 +26,7 @@ from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine, configure_gc_for_serving
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.scheduler.lora_request import LoRARequest
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -152,8 +153,10 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a cumulative snapshot after every step that advanced the request.
+        """Yield a cumulative snapshot after every step that advanced the request
+        (with ``pooling_params``: an embedding request, whose last one has it).
 
         Validation errors raise ``ValueError`` before the first yield. If the
         consumer stops iterating or is cancelled, the request is aborted. A LoRA
@@ -165,7 +168,7 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(
                 self._step_thread, self.engine.add_lora, lora_request)
         rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request,
-                                      priority)
+                                      priority, pooling_params)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()

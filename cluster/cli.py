@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: a request's 'priority' (lower first) orders admission "
                         "and preemption")
+    s.add_argument("--pooling-type", choices=("last", "mean"), default="last",
+                   help="/v1/embeddings: the last token's final hidden state (decoder "
+                        "embedders: e5-mistral, Qwen3-Embedding) or the mean of all tokens'")
     s.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (on by itself with --lora-modules/--lora-dir)")
     s.add_argument("--max-loras", type=int, default=1,

@@ -13,7 +13,6 @@ import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.config import EngineConfig
@@ -21,10 +20,13 @@ from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
 from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.pooling import PoolAccumulator
+from pagedserve.cluster.request_state import RequestState, SequenceState
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
@@ -33,29 +35,6 @@ from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
-
-
-@dataclass
-class _Sequence:
-    detok: IncrementalDetokenizer
-    out: CompletionOutput
-
-
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_Sequence]
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.out.finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -140,8 +119,8 @@ class LLMEngine:
                                   config.resolved_max_loaded_loras(), self._lora_in_use)
         for name, path in (config.lora_modules or {}).items():
             self.loras.add(self.loras.resolve(name, path))
-        self._groups: dict[str, _Group] = {}
-        self._seq_to_group: dict[str, tuple[_Group, int]] = {}
+        self._groups: dict[str, RequestState] = {}
+        self._seq_to_group: dict[str, tuple[RequestState, int]] = {}
         self._ids = itertools.count()
         self.dead: BaseException | None = None
         self.stats: dict[str, float] = {
@@ -166,11 +145,14 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem.
 
         A ``lora_request`` the engine has not loaded yet is loaded first, on every
         rank (``add_lora``). ``priority`` (lower runs first) needs the priority policy.
+        With ``pooling_params`` the request embeds its prompt instead of generating
+        (``params`` then only carries ``truncate_prompt_tokens``).
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -185,6 +167,11 @@ class LLMEngine:
         if priority and self.config.scheduling_policy != "priority":
             raise ValueError("priority is set but scheduling_policy is fcfs "
                              "(start the engine with scheduling_policy='priority')")
+        pool = None
+        if pooling_params is not None:
+            if params.n != 1:
+                raise ValueError("n must be 1 for an embedding request")
+            pool = PoolAccumulator(pooling_params, int(self.model_info["hidden_size"]))
         params.check_token_ids(self.model_info["vocab_size"])
         if params.structured_outputs is not None:
             from pagedserve.worker.structured import check_structured_outputs
@@ -198,16 +185,17 @@ class LLMEngine:
         if lora_request is not None:
             self.loras.add(lora_request)
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
-                                          cache_salt, lora_request, priority)
+                                          cache_salt, lora_request, priority, pooling_params)
         self.scheduler.add_request(req)
-        group = _Group(request_id, prompt if isinstance(prompt, str) else None, ids, params, [])
+        group = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, [],
+                       pool=pool)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
         for i in range(params.n):
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                            params.include_stop_str_in_output,
                                            params.skip_special_tokens)
-            group.seqs.append(_Sequence(detok, CompletionOutput(
+            group.seqs.append(SequenceState(detok, CompletionOutput(
                 index=i, logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)))
             self._seq_to_group[sequence_id(request_id, i)] = (group, i)
@@ -283,60 +271,28 @@ class LLMEngine:
             group = self._groups.get(rid)
             if group is not None and group.prompt_logprobs is not None:
                 group.prompt_logprobs[first : first + len(entries)] = entries
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestState] = {}
         now = time.monotonic()
         for u in updates:
             entry = self._seq_to_group.get(u.request_id)
             if entry is None:
                 continue
             group, i = entry
-            seq = group.seqs[i]
-            group.num_cached_tokens = max(group.num_cached_tokens, u.num_cached_tokens)
             group.first_token_time = group.first_token_time or now
-            ids = [t.token_id for t in u.new_tokens]
-            stop = seq.detok.add_tokens(ids)
-            new_tokens = u.new_tokens
-            if stop is not None:  # tokens past a stop string are dropped
-                ids = ids[: seq.detok.num_consumed]
-                new_tokens = new_tokens[: seq.detok.num_consumed]
-            self.stats["generation_tokens"] += len(ids)
-            seq.out.token_ids.extend(ids)
-            if seq.out.logprobs is not None:
-                for t in new_tokens:
-                    # vLLM's shape: the top alternatives plus, always, the sampled token.
-                    entry = dict(t.top_logprobs or {})
-                    entry[t.token_id] = t.logprob if t.logprob is not None else 0.0
-                    seq.out.logprobs.append(entry)
-                    seq.out.cumulative_logprob += t.logprob or 0.0
-            if stop is not None and not u.finished:
-                self.scheduler.finish_request(u.request_id, RequestStatus.FINISHED_STOPPED)
-                seq.out.finish_reason, seq.out.stop_reason = "stop", stop
-            elif u.finished:
-                seq.out.finish_reason = u.finish_reason
-                if stop is not None:
-                    seq.out.finish_reason, seq.out.stop_reason = "stop", stop
-                elif u.finish_reason == "stop" and ids and ids[-1] not in self.eos_token_ids:
-                    seq.out.stop_reason = ids[-1]
-            seq.out.text = seq.detok.text
             touched[group.request_id] = group
+            kept, stopped = group.apply(i, u, self.eos_token_ids)
+            self.stats["generation_tokens"] += kept
+            if stopped:
+                self.scheduler.finish_request(u.request_id, RequestStatus.FINISHED_STOPPED)
         results = []
         for rid, group in touched.items():
-            results.append(self._snapshot(group))
+            results.append(group.snapshot())
             if group.finished:
                 self._groups.pop(rid, None)
                 for i, _ in enumerate(group.seqs):
                     self._seq_to_group.pop(sequence_id(rid, i), None)
                 self.stats["finished_requests"] += 1
         return results
-
-    def _snapshot(self, group: _Group) -> RequestOutput:
-        outs = [CompletionOutput(s.out.index, s.out.text, list(s.out.token_ids),
-                                 s.out.cumulative_logprob,
-                                 list(s.out.logprobs) if s.out.logprobs is not None else None,
-                                 s.out.finish_reason, s.out.stop_reason) for s in group.seqs]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.finished, group.num_cached_tokens,
-                             None if group.prompt_logprobs is None else list(group.prompt_logprobs))
 
     def step(self) -> list[RequestOutput]:
         """One synchronous step: schedule, run the TP group, apply the tokens."""

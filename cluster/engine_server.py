@@ -96,6 +96,44 @@ class EngineServer:
                 sent += 1
         return sent
 
+    async def embed(self, req: EngineRequest) -> dict[str, Any]:
+        """Embed one input (``req.pooling`` set); cancelling this call aborts it.
+
+        Returns ``{"embedding", "prompt_tokens", "replica"}``, or ``{"error", "status",
+        "retryable"}`` (400: the input; 503: the engine failed, another replica may serve).
+        """
+        from pagedserve.cluster.async_engine import EngineDeadError
+
+        if req.pooling is None:
+            raise ValueError("EngineServer.embed needs EngineRequest.pooling")
+        timer, reason = RequestTimer(), "abort"
+        self.metrics.in_flight += 1
+        try:
+            lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
+            last = None
+            async for out in self.engine.generate(req.prompt_token_ids, req.params,
+                                                  req.request_id, req.cache_salt, lora,
+                                                  req.priority, req.pooling):
+                last = out
+            if last is None or last.embedding is None:
+                raise RuntimeError("embedding request ended without an embedding")
+            reason = "stop"
+            return {"embedding": last.embedding, "prompt_tokens": len(last.prompt_token_ids),
+                    "replica": self.replica_id}
+        except ValueError as e:
+            reason = "rejected"
+            return {"error": str(e), "status": 400, "retryable": False,
+                    "replica": self.replica_id}
+        except (EngineDeadError, RuntimeError) as e:
+            reason = "error"
+            logger.error("request %s failed on replica %s: %s", req.request_id,
+                         self.replica_id, e)
+            return {"error": f"engine replica failed: {e}", "status": 503, "retryable": True,
+                    "replica": self.replica_id}
+        finally:
+            self.metrics.in_flight -= 1
+            self.metrics.on_end(timer, reason)
+
     async def subscribe(self, call: ReplicaCall, channel: str) -> AsyncIterator[list[tuple]]:
         """One ingress's chunks from this replica, a list per message (see ``channel``)."""
         async for batch in self.outboxes.subscribe(channel):

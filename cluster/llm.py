@@ -7,8 +7,9 @@ from typing import Any
 
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
-from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.cluster.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.scheduler.lora_request import LoRARequest
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 # vLLM's prompt forms: text, token ids, or a TextPrompt / TokensPrompt dict.
@@ -25,6 +26,17 @@ def _unwrap(prompt: PromptType) -> str | list[int]:
         raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids', "
                          f"got keys {sorted(prompt)}")
     return prompt
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt from one for all or a list of ``n``."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request: got {len(loras)} for {n} prompts")
+    return loras
 
 
 class LLM:
@@ -71,12 +83,7 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts"
                 )
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts))
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"priority: got {len(prios)} for {len(prompts)} prompts")
@@ -108,13 +115,48 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``LLM.embed``): the model's final hidden
+        states pooled as ``pooling_params`` says (default: last token, L2-normalised).
+
+        Embedding requests share batches, the prefix cache and chunked prefill with
+        generation; any supported model embeds (its last norm's output).
+        """
+        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = [_unwrap(p) for p in prompts]
+        pp = pooling_params or PoolingParams()
+        sp = SamplingParams(max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        loras = _per_prompt(lora_request, len(prompts))
+        ids: list[str] = []
+        try:
+            for p, lora in zip(prompts, loras):
+                ids.append(self.engine.add_request(p, sp, lora_request=lora,
+                                                   pooling_params=pp))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        outs = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 16, "embed")
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
+                                       EmbeddingOutput(o.embedding or []), o.finished)
+                for o in outs]
+
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generate"
+             ) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+            bar = tqdm(total=len(ids), desc=desc, unit="req")
         try:
             while len(done) < len(ids) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():

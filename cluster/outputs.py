@@ -28,6 +28,7 @@ class RequestOutput:
 
     ``prompt_logprobs`` (when asked for) has one entry per prompt token, the
     first None: the token's logprob plus the top alternatives, as in vLLM.
+    ``embedding`` is set once an embedding (pooling) request has finished.
     """
 
     request_id: str
@@ -37,3 +38,21 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: the pooled vector of one input."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per input (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -32,6 +32,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.cluster.channel import ChannelClient
+from pagedserve.cluster.embeddings import EmbeddingRequest, embed_on_replicas, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.lora_serving import AdapterCatalog, adapter_affinity_key
 from pagedserve.cluster.metrics import (
@@ -66,6 +67,7 @@ from pagedserve.cluster.tools import ToolContext, template_messages
 from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.lora_request import lora_cache_key
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -98,8 +100,8 @@ class OpenAIServer:
 
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
                  served_model_name: str | None = None, api_key: str | None = None,
-                 lora_modules: dict[str, str] | None = None, lora_dir: str | None = None
-                 ) -> None:
+                 lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
+                 pooling_type: str = "last") -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -116,6 +118,7 @@ class OpenAIServer:
         self.fmt = Formatter(self.tokenizer, self.served_name)
         self.adapters = AdapterCatalog(lora_modules, lora_dir,
                                        (self.served_name, self.model_id))
+        self.pooling_type = pooling_type
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -280,6 +283,30 @@ class OpenAIServer:
         except Exception as e:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
 
+    @api.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
+        """OpenAI's embeddings: the model's final hidden states pooled per input."""
+        self._authorize(raw)
+        batch = body.inputs()
+        lora = self._check_model(body.model)
+        info = await self._engine_info()
+        pooling = PoolingParams(self.pooling_type, body.normalize, body.dimensions)
+        params = SamplingParams(max_tokens=1)
+        rid = new_id("embd")
+        reqs = []
+        for i, x in enumerate(batch):
+            ids = self.tokenizer.encode(x) if isinstance(x, str) else list(x)
+            if any(not isinstance(t, int) or not 0 <= t < info["vocab_size"] for t in ids):
+                raise APIError("input token ids must be within the vocabulary", param="input")
+            if body.truncate_prompt_tokens is not None:
+                ids = ids[-body.truncate_prompt_tokens:]
+            req = self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
+                                       False, lora, body.priority)
+            reqs.append(dataclasses.replace(req, pooling=pooling))
+        results = await asyncio.gather(*(embed_on_replicas(self._engine, r) for r in reqs))
+        return embedding_response(body.model or self.served_name, list(results),
+                                  body.encoding_format)
+
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, raw: Request) -> dict[str, Any]:
         """vLLM's: the token ids a completions prompt or a chat would start from."""
@@ -365,7 +392,8 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     return OpenAIServer.options(
         num_replicas=a.ingress_replicas,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
-    ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir)
+    ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
+           a.pooling_type)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

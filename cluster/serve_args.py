@@ -72,6 +72,7 @@ class ServeArgs(BaseModel):
     max_loaded_loras: int | None = None
     autoscaling_config: dict[str, Any] | None = None
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    pooling_type: Literal["last", "mean"] = "last"
 
     @classmethod
     def parse(cls, args: ServeArgs | Mapping[str, Any] | Any | None) -> ServeArgs:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -35,6 +36,7 @@ class EngineRequest:
     channel: str | None = None  # the ingress channel its chunks go to (``EngineServer.run``)
     lora: tuple[str, str] | None = None  # (adapter name, PEFT directory); None: base model
     priority: int = 0  # lower runs first, under the replicas' priority policy
+    pooling: PoolingParams | None = None  # an embedding request (``EngineServer.embed``)
 
 
 @dataclass

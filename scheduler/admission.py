@@ -16,11 +16,30 @@ def check_fits(request: Request, config: SchedulerConfig, block_size: int,
     """Reject at admission what could never run, instead of waiting forever."""
     n = request.num_prompt_tokens
     max_len = config.max_model_len
-    if n >= max_len:
+    if request.pooling_params is not None:  # no token is generated: the prompt may fill it
+        if n > max_len:
+            raise ValueError(f"input is {n} tokens, the model's context is {max_len}")
+        if cdiv(n, block_size) > pool_blocks:
+            raise ValueError(f"input needs {cdiv(n, block_size)} KV blocks for {n} tokens, "
+                             f"the pool has {pool_blocks}")
+    elif n >= max_len:
         raise ValueError(
             f"prompt is {n} tokens, the model's context is {max_len} "
             "(at least one token must be generated)"
         )
+    else:
+        _check_total(request, n, config, block_size, pool_blocks)
+    if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
+        raise ValueError(
+            f"prompt of {n} tokens exceeds max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) without chunked prefill"
+        )
+
+
+def _check_total(request: Request, n: int, config: SchedulerConfig, block_size: int,
+                 pool_blocks: int) -> None:
+    """Prompt plus ``max_tokens`` (or up to the context) must fit the context and pool."""
+    max_len = config.max_model_len
     max_tokens = request.sampling_params.max_tokens
     total = n + (max_tokens if max_tokens is not None else max_len - n)
     if total > max_len:
@@ -32,11 +51,6 @@ def check_fits(request: Request, config: SchedulerConfig, block_size: int,
         raise ValueError(
             f"request needs {cdiv(total, block_size)} KV blocks for {total} tokens, "
             f"the pool has {pool_blocks}"
-        )
-    if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
-        raise ValueError(
-            f"prompt of {n} tokens exceeds max_num_batched_tokens "
-            f"({config.max_num_batched_tokens}) without chunked prefill"
         )
 
 

@@ -7,6 +7,7 @@ tensor-parallel rank, and the scheduler stays importable without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class ScheduledRequest:
     logprobs) are the prompt tokens this chunk's rows predict: row ``i`` gives
     the logprob of prompt position ``num_computed_tokens + 1 + i``.
     ``lora_id`` names the LoRA adapter the row runs with (0: none).
+    ``pooling`` ("last" or "mean") marks a row of an embedding request whose
+    hidden states the runner pools; ``pool_final`` that it ends the prompt.
     """
 
     request_id: str
@@ -41,6 +44,8 @@ class ScheduledRequest:
     prompt_logprob_targets: list[int] | None = None
     draft_token_ids: tuple[int, ...] = ()
     lora_id: int = 0
+    pooling: str | None = None
+    pool_final: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +104,8 @@ class ModelRunnerOutput:
     Rows with draft tokens answer in ``spec_tokens`` instead of ``sampled``:
     the drafts the sampler accepted, then the token it drew itself (a
     correction, or one past the last draft when all were accepted).
+    ``pooled`` answers pooling rows with an opaque per-row result (a tensor
+    payload the engine combines; the scheduler only passes it on).
     """
 
     step_id: int
@@ -106,6 +113,7 @@ class ModelRunnerOutput:
     spec_tokens: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(
         default_factory=dict)
+    pooled: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -120,3 +128,4 @@ class RequestUpdate:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    pooled: Any = None

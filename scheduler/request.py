@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from pagedserve.scheduler.block_hash import BlockHash, hash_prompt_blocks
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Request:
         arrival_time: float | None = None,
         lora_id: int = 0,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -70,6 +72,9 @@ class Request:
         self.lora_id = lora_id
         # Under the priority policy a lower value runs first (vLLM's convention).
         self.priority = priority
+        # An embedding request: ends after its prompt, pooling hidden states instead
+        # of sampling (``pooling_params``).
+        self.pooling_params = pooling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

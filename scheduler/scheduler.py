@@ -25,6 +25,7 @@ from pagedserve.scheduler.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.queues import make_queues, urgency
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -67,8 +68,10 @@ class Scheduler:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> Request:
-        """Build a request with this replica's hash keys (model id, salt, adapter)."""
+        """Build a request with this replica's hash keys (model id, salt, adapter);
+        with ``pooling_params`` an embedding request, which ends after its prompt."""
         lora_key = lora_request.cache_key if lora_request is not None else None
         return Request(
             request_id,
@@ -78,6 +81,7 @@ class Scheduler:
             make_extra_keys(self.cache_config.model_id, cache_salt, lora_key),
             lora_id=lora_request.lora_int_id if lora_request is not None else 0,
             priority=priority,
+            pooling_params=pooling_params,
         )
 
     def add_request(self, request: Request) -> None:
@@ -177,9 +181,10 @@ class Scheduler:
             if not lora_fits(req, active, self.config.max_loras):
                 skipped.append(self.waiting.popleft())
                 continue
-            if req.sampling_params.prompt_logprobs is None:
+            if req.sampling_params.prompt_logprobs is None and not (
+                    req.pooling_params and req.pooling_params.needs_every_position):
                 hits, num_hit = self.kv.get_computed_blocks(req)
-            else:  # every prompt position's logits are wanted: compute them all
+            else:  # every prompt position's logits (or state) is wanted: compute them all
                 hits, num_hit = [], 0
             num_new = req.num_tokens - num_hit
             if num_new > budget:
@@ -256,6 +261,9 @@ class Scheduler:
             req.num_computed_tokens += len(sr.token_ids)
             if req.num_computed_tokens // block_size > req.num_hashed_blocks:
                 self.kv.cache_blocks(req)
+            if req.pooling_params is not None:
+                self._pooled(req, output, updates)
+                continue
             if not sr.sample_ids:
                 continue
             family = [req]
@@ -315,6 +323,19 @@ class Scheduler:
                                      reason is not None,
                                      reason.value if reason is not None else None,
                                      req.num_prompt_tokens, req.num_cached_tokens))
+
+    def _pooled(self, req: Request, output: ModelRunnerOutput | None,
+                updates: list[RequestUpdate]) -> None:
+        """An embedding request's chunk: pass the runner's pooled part on; the prompt's
+        end finishes it (nothing is sampled)."""
+        part = output.pooled.get(req.request_id) if output is not None else None
+        done = req.num_computed_tokens >= req.num_tokens
+        if done:
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        if done or part is not None:
+            updates.append(RequestUpdate(req.request_id, req.group_id, req.index, [], done,
+                                         "stop" if done else None, req.num_prompt_tokens,
+                                         req.num_cached_tokens, part))
 
     def _fork(self, parent: Request, child: Request) -> None:
         self.kv.fork(parent, child)

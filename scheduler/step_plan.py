@@ -28,7 +28,8 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
         assert num_new == len(token_ids) and start + 1 == len(req.all_token_ids)
     else:
         token_ids = req.all_token_ids[start : start + num_new]
-    if start + num_new - len(drafts) != len(req.all_token_ids):
+    if req.pooling_params is not None or start + num_new - len(drafts) != len(
+            req.all_token_ids):
         sample_ids, params = [], {}
     elif not req.pending_children:
         sample_ids, params = [rid], {rid: req.sampling_params}
@@ -40,6 +41,11 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
     if drafts:
         sched.draft_token_ids = drafts
     sched.lora_id = req.lora_id
+    pp = req.pooling_params
+    if pp is not None:
+        sched.pool_final = start + num_new == req.num_tokens
+        if pp.pooling_type == "mean" or sched.pool_final:
+            sched.pooling = pp.pooling_type
     sp = req.sampling_params
     if sample_ids and sp.needs_output_history:
         # Siblings share the params; at the prompt's end none has an output yet.

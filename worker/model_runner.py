@@ -22,6 +22,7 @@ from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.pooling import PoolJob, pool_hidden
 from pagedserve.worker.prompt_logprobs import PromptLogprobJob, compute_prompt_logprobs
 from pagedserve.worker.sampler import Sampler, SampleRequest
 
@@ -37,6 +38,7 @@ class ModelInputs:
     sample_reqs: list[SampleRequest]
     prompt_logprob_jobs: list[PromptLogprobJob]
     drafted_reqs: list[SampleRequest]
+    pool_jobs: list[PoolJob]
 
 
 class ModelRunner:
@@ -107,8 +109,12 @@ class ModelRunner:
         sample_reqs: list[SampleRequest] = []
         drafted: list[SampleRequest] = []
         jobs: list[PromptLogprobJob] = []
+        pool_jobs: list[PoolJob] = []
         end = 0
         for r, q in zip(reqs, q_lens):
+            if r.pooling is not None:
+                pool_jobs.append(PoolJob(r.request_id, end, end + q, r.pooling, r.pool_final,
+                                         r.num_computed_tokens))
             if r.prompt_logprob_targets:
                 params = r.sampling_params[r.request_id]
                 k = params.prompt_logprobs or 0
@@ -146,6 +152,7 @@ class ModelRunner:
             sample_reqs=sample_reqs,
             prompt_logprob_jobs=jobs,
             drafted_reqs=drafted,
+            pool_jobs=pool_jobs,
         )
 
     def forward_hidden(self, inputs: ModelInputs) -> torch.Tensor:
@@ -197,6 +204,8 @@ class ModelRunner:
             prompt_lps = compute_prompt_logprobs(self.model, hidden, inputs.prompt_logprob_jobs)
             if out is not None and prompt_lps is not None:
                 out.prompt_logprobs = prompt_lps
+        if inputs.pool_jobs and out is not None:
+            out.pooled = pool_hidden(hidden, inputs.pool_jobs)
         if inputs.logits_indices.numel() == 0:
             return out
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

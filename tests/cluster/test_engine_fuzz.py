@@ -4,7 +4,8 @@ Each example adds a few requests with random sampling settings (penalties,
 ``logit_bias``, ``min_tokens``, stop ids, seeds, logprobs, ``n``), some with
 out-of-range values or token ids, each with a random LoRA adapter (or none; at
 most one adapter runs at a time) and priority, may abort one mid-generation, and
-runs the engine dry. A bad setting must fail as a ``ValueError`` that names its field
+runs the engine dry; about two requests in five are embeddings (last or mean
+pooling) instead. A bad setting must fail as a ``ValueError`` that names its field
 before anything is queued; every other request must finish within its limits
 (with and without speculative decoding);
 and after each example the pool must be back at baseline, so nothing leaks
@@ -21,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.cluster import LLM, LoRARequest, SamplingParams
+from pagedserve.cluster import LLM, LoRARequest, PoolingParams, SamplingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputs
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
@@ -88,6 +89,7 @@ REQUEST = st.tuples(
     SETTINGS,
     st.integers(0, 3),  # the adapter: none or one of three
     st.sampled_from([0, 0, 1, 2]),  # the priority
+    st.sampled_from([None, None, None, "last", "mean"]),  # an embedding request instead
 )
 
 
@@ -96,11 +98,13 @@ def _named_field(message: str, fields: set[str]) -> bool:
 
 
 HEAVY = [  # more than the pool holds: forces preemption with penalties and forks in flight
-    (list(range(100, 160)), 40, {"presence_penalty": 1.0, "repetition_penalty": 1.3}, 0, 0),
+    (list(range(100, 160)), 40, {"presence_penalty": 1.0, "repetition_penalty": 1.3}, 0, 0,
+     None),
     (list(range(200, 250)), 40, {"n": 2, "temperature": 1.0, "seed": 3,
-                                 "frequency_penalty": 0.5}, 1, 0),
-    (list(range(300, 340)), 40, {}, 2, 0),
-    (list(range(400, 455)), 30, {"logit_bias": {42: 3.0}, "min_tokens": 5}, 1, 0),
+                                 "frequency_penalty": 0.5}, 1, 0, None),
+    (list(range(300, 340)), 40, {}, 2, 0, None),
+    (list(range(400, 455)), 30, {"logit_bias": {42: 3.0}, "min_tokens": 5}, 1, 0, None),
+    (list(range(500, 570)), 1, {}, 0, 0, "mean"),
 ]
 
 
@@ -123,7 +127,7 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
     engine = llm.engine
     added: dict[str, tuple[SamplingParams, int]] = {}
     fcfs = engine.config.scheduling_policy == "fcfs"
-    for i, (prompt, max_tokens, kw, lora, priority) in enumerate(requests):
+    for i, (prompt, max_tokens, kw, lora, priority, pooling) in enumerate(requests):
         try:
             params = SamplingParams(max_tokens=max_tokens, **kw)
         except ValueError as e:
@@ -131,15 +135,17 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
             continue
         try:
             rid = engine.add_request(prompt, params, request_id=f"fuzz-{i}",
-                                     lora_request=loras[lora], priority=priority)
+                                     lora_request=loras[lora], priority=priority,
+                                     pooling_params=PoolingParams(pooling) if pooling else None)
         except ValueError as e:
             if fcfs and priority and "scheduling_policy" in str(e):
                 continue
             assert _named_field(str(e), {"stop_token_ids", "logit_bias", "allowed_token_ids",
-                                         "structured_outputs", "prompt"}), e
+                                         "structured_outputs", "prompt", "n"}), e
             continue
         assert not (fcfs and priority), "a priority under FCFS must be refused"
-        added[rid] = (params, min(len(prompt), params.truncate_prompt_tokens or len(prompt)))
+        added[rid] = (params, min(len(prompt), params.truncate_prompt_tokens or len(prompt)),
+                      pooling)
     aborted: set[str] = set()
     finished = {}
     steps = 0
@@ -155,8 +161,16 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
         assert steps < 500, "the engine stopped making progress"
     assert set(finished) == set(added) - aborted
     for rid, out in finished.items():
-        params, prompt_len = added[rid]
-        assert len(out.outputs) == params.n and len(out.prompt_token_ids) == prompt_len
+        params, prompt_len, pooling = added[rid]
+        assert len(out.prompt_token_ids) == prompt_len
+        if pooling is not None:  # an embedding: no tokens, a unit vector of the hidden size
+            (sample,) = out.outputs
+            assert sample.token_ids == [] and sample.finish_reason == "stop"
+            assert out.embedding is not None
+            assert len(out.embedding) == engine.model_info["hidden_size"]
+            assert abs(sum(x * x for x in out.embedding) - 1.0) < 1e-4
+            continue
+        assert len(out.outputs) == params.n
         for sample in out.outputs:
             n_out = len(sample.token_ids)
             assert sample.finish_reason in ("stop", "length"), sample

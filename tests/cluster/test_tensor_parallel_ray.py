@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pagedserve.cluster import LLM, LoRARequest, SamplingParams
+from pagedserve.cluster import LLM, LoRARequest, PoolingParams, SamplingParams
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.lora_fixtures import GREEDY, make_llama_adapters, mixed_batch, write_adapter
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
@@ -31,6 +31,7 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
     tp1 = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
     try:
         ref = [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
+        ref_emb = [o.outputs.embedding for o in tp1.embed(prompts, PoolingParams("mean"))]
     finally:
         tp1.shutdown()
     tp2 = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64,
@@ -43,6 +44,10 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         sampled = tp2.generate(prompts, SamplingParams(temperature=0.8, seed=3,
                                                         max_tokens=8, ignore_eos=True))
         assert all(len(o.outputs[0].token_ids) == 8 for o in sampled)
+        # Embeddings: every rank holds the whole final hidden state; rank 0 pools it.
+        emb = [o.outputs.embedding for o in tp2.embed(prompts, PoolingParams("mean"))]
+        assert all(max(abs(a - b) for a, b in zip(x, y, strict=True)) < 1e-5
+                   for x, y in zip(emb, ref_emb, strict=True))
         assert_pool_at_baseline(tp2)
     finally:
         tp2.shutdown()

@@ -1,0 +1,126 @@
+"""``POST /v1/embeddings``: the OpenAI request, the replica calls, the response.
+
+Each input is one engine request (``EngineRequest.pooling`` set) sent with the
+prefix-affinity router like a completion, so inputs that share a prefix meet
+the replica that caches it. Inputs of a batch run concurrently and share the
+replicas' continuous batches with generation. An embedding is idempotent, so a
+replica that dies (or answers 503) before answering is retried on another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import struct
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from pagedserve.cluster.protocol import APIError
+from pagedserve.cluster.wire import EngineRequest
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+MAX_ATTEMPTS = 3
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings body, plus vLLM's ``truncate_prompt_tokens`` and ``normalize``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool = True
+    cache_salt: str | None = None
+    priority: int = 0
+
+    def inputs(self) -> list[str | list[int]]:
+        """The batch as a list; an empty input or batch is a 400."""
+        x = self.input
+        batch: list[str | list[int]]
+        if isinstance(x, str):
+            batch = [x]
+        elif not x:
+            raise APIError("input must not be empty", param="input")
+        elif isinstance(x[0], int):
+            batch = [list(x)]  # type: ignore[arg-type]
+        else:
+            batch = list(x)  # type: ignore[arg-type]
+        if len(batch) > MAX_INPUTS:
+            raise APIError(f"at most {MAX_INPUTS} inputs per request", param="input")
+        if any(len(item) == 0 for item in batch):
+            raise APIError("input must not contain empty strings or token lists",
+                           param="input")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise APIError("dimensions must be a positive integer", param="dimensions")
+        k = self.truncate_prompt_tokens
+        if k is not None and k < 1:
+            raise APIError("truncate_prompt_tokens must be >= 1",
+                           param="truncate_prompt_tokens")
+        return batch
+
+
+async def embed_on_replicas(handle: Any, req: EngineRequest) -> dict[str, Any]:
+    """One input's ``EngineServer.embed`` answer, retried on another replica when one
+    fails; errors become :class:`APIError` (400 for the input, 503 otherwise)."""
+    exclude: list[str] = []
+    for attempt in range(MAX_ATTEMPTS):
+        call = handle.options(method_name="embed").remote(
+            _with_exclusions(req, tuple(exclude)))
+        try:
+            res = await call
+        except BackPressureError as e:
+            raise APIError(f"server overloaded, retry later: {e.message}", status=503,
+                           type="server_overloaded", code="overloaded",
+                           headers={"Retry-After": "1"}) from None
+        except (RayActorError, ActorUnavailableError) as e:
+            if attempt + 1 >= MAX_ATTEMPTS:
+                raise APIError(f"engine replica failed: {e}", status=503,
+                               type="service_unavailable") from None
+            continue
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                call.cancel()
+            raise
+        if "error" not in res:
+            return res
+        if res.get("retryable") and attempt + 1 < MAX_ATTEMPTS:
+            exclude.append(res.get("replica", ""))
+            continue
+        raise APIError(res["error"], status=res["status"],
+                       type="invalid_request_error" if res["status"] == 400
+                       else "service_unavailable")
+    raise APIError("no engine replica could embed the input", status=503,
+                   type="service_unavailable")
+
+
+def _with_exclusions(req: EngineRequest, exclude: tuple[str, ...]) -> EngineRequest:
+    if not exclude:
+        return req
+    from dataclasses import replace
+
+    return replace(req, exclude_replicas=tuple(req.exclude_replicas) + exclude)
+
+
+def encode_vector(vec: list[float], fmt: str) -> list[float] | str:
+    """``float``: the list; ``base64``: little-endian float32 bytes, as OpenAI sends."""
+    if fmt == "float":
+        return vec
+    return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
+
+
+def embedding_response(model: str, results: list[dict[str, Any]], fmt: str
+                       ) -> dict[str, Any]:
+    """The OpenAI ``list`` of ``embedding`` objects, with token usage."""
+    tokens = sum(r["prompt_tokens"] for r in results)
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": encode_vector(r["embedding"], fmt)}
+                     for i, r in enumerate(results)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

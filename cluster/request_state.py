@@ -1,0 +1,94 @@
+"""What the engine builds for one request as steps advance it: text, tokens, logprobs,
+finish reasons per sample (through incremental detokenisers), or an embedding.
+
+Kept apart from the step loop in :mod:`engine`: this only turns the scheduler's
+``RequestUpdate`` for one sequence into the vLLM-shaped outputs, and says when a
+stop string ended a sequence the scheduler still runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.cluster.detokenizer import IncrementalDetokenizer
+from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.pooling import PoolAccumulator
+from pagedserve.scheduler.outputs import RequestUpdate
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceState:
+    detok: IncrementalDetokenizer
+    out: CompletionOutput
+
+
+@dataclass
+class RequestState:
+    """One request (all its ``n`` samples, or one embedding) as the caller sees it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[SequenceState]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    pool: PoolAccumulator | None = None
+    embedding: list[float] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.out.finished for s in self.seqs)
+
+    def apply(self, i: int, u: RequestUpdate, eos_token_ids: tuple[int, ...]
+              ) -> tuple[int, bool]:
+        """Fold sample ``i``'s update in; returns (tokens kept, whether a stop string ended
+        the sample while the scheduler still runs it)."""
+        seq = self.seqs[i]
+        self.num_cached_tokens = max(self.num_cached_tokens, u.num_cached_tokens)
+        if self.pool is not None:
+            if u.pooled is not None:
+                self.pool.add(u.pooled)
+            if u.finished:
+                self.embedding = self.pool.result()
+                seq.out.finish_reason = u.finish_reason
+            return 0, False
+        ids = [t.token_id for t in u.new_tokens]
+        stop = seq.detok.add_tokens(ids)
+        new_tokens = u.new_tokens
+        if stop is not None:  # tokens past a stop string are dropped
+            ids = ids[: seq.detok.num_consumed]
+            new_tokens = new_tokens[: seq.detok.num_consumed]
+        seq.out.token_ids.extend(ids)
+        if seq.out.logprobs is not None:
+            for t in new_tokens:
+                # vLLM's shape: the top alternatives plus, always, the sampled token.
+                entry = dict(t.top_logprobs or {})
+                entry[t.token_id] = t.logprob if t.logprob is not None else 0.0
+                seq.out.logprobs.append(entry)
+                seq.out.cumulative_logprob += t.logprob or 0.0
+        stopped_early = stop is not None and not u.finished
+        if stopped_early:
+            seq.out.finish_reason, seq.out.stop_reason = "stop", stop
+        elif u.finished:
+            seq.out.finish_reason = u.finish_reason
+            if stop is not None:
+                seq.out.finish_reason, seq.out.stop_reason = "stop", stop
+            elif u.finish_reason == "stop" and ids and ids[-1] not in eos_token_ids:
+                seq.out.stop_reason = ids[-1]
+        seq.out.text = seq.detok.text
+        return len(ids), stopped_early
+
+    def snapshot(self) -> RequestOutput:
+        outs = [CompletionOutput(s.out.index, s.out.text, list(s.out.token_ids),
+                                 s.out.cumulative_logprob,
+                                 list(s.out.logprobs) if s.out.logprobs is not None else None,
+                                 s.out.finish_reason, s.out.stop_reason) for s in self.seqs]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.finished, self.num_cached_tokens,
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                             self.embedding)

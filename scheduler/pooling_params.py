@@ -1,0 +1,40 @@
+"""What an embedding (pooling) request asks for: vLLM's ``PoolingParams``, pure Python.
+
+A pooling request runs its prompt through the model and ends without
+sampling: its result is one vector made of the final hidden states (after the
+model's last norm). ``pooling_type`` "last" takes the last token's state (the
+decoder embedders' choice: e5-mistral, gte-Qwen2, Qwen3-Embedding), "mean"
+averages every token's; ``normalize`` makes the vector unit length (L2), and
+``dimensions`` keeps only the first that many components before normalising
+(Matryoshka embeddings, OpenAI's ``dimensions``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How one request's hidden states become its embedding."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, "
+                             f"got {self.pooling_type!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {d!r}")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Mean pooling reads every prompt token's state, so no prefix-cache hits."""
+        return self.pooling_type == "mean"

@@ -1,0 +1,80 @@
+"""``POST /v1/embeddings`` through Ray Serve with the OpenAI client.
+
+The default model's embeddings over HTTP equal the offline engine's
+``LLM.embed`` (text and token-id inputs, a batch, ``dimensions``, base64),
+usage counts the input tokens, bad inputs are 400s with OpenAI error bodies,
+an unknown model is a 404, and the replica's pool is back at baseline after.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import httpx
+import pytest
+
+from pagedserve.cluster import LLM, PoolingParams
+
+TEXTS = ["The capital of France is Paris.", "Paged attention keeps KV blocks anywhere.",
+         "A third, rather longer sentence about continuous batching and prefix caching."]
+
+
+@pytest.fixture(scope="module")
+def offline() -> dict[str, list[list[float]]]:
+    llm = LLM(num_gpu_blocks=64)
+    try:
+        tok = llm.get_tokenizer()
+        ids = [tok.encode(t) for t in TEXTS]
+        full = [o.outputs.embedding for o in llm.embed(ids)]
+        cut = [o.outputs.embedding for o in llm.embed(ids, PoolingParams(dimensions=64))]
+        return {"full": full, "cut": cut, "ids": ids}
+    finally:
+        llm.shutdown()
+
+
+def _close(a: list[float], b: list[float]) -> None:
+    assert len(a) == len(b)
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_embeddings_equal_the_offline_engine(smol, offline) -> None:
+    client = smol.openai()
+    r = client.embeddings.create(model=client.models.list().data[0].id, input=TEXTS)
+    assert [d.index for d in r.data] == [0, 1, 2]
+    for d, want in zip(r.data, offline["full"], strict=True):
+        _close(d.embedding, want)
+    assert r.usage.prompt_tokens == sum(len(i) for i in offline["ids"]) == r.usage.total_tokens
+    one = client.embeddings.create(model=r.model, input=offline["ids"][1], dimensions=64)
+    _close(one.data[0].embedding, offline["cut"][1])
+    raw = httpx.post(f"{smol.base}/v1/embeddings", headers=smol.headers, timeout=60,
+                     json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+    data = base64.b64decode(raw["data"][0]["embedding"])
+    _close(list(struct.unpack(f"<{len(data) // 4}f", data)), offline["full"][0])
+    smol.wait_baseline()
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": []}, "input"),
+    ({"input": ["ok", ""]}, "input"),
+    ({"input": "x", "dimensions": 0}, "dimensions"),
+    ({"input": "x", "dimensions": 100000}, None),
+    ({"input": [5] * 2000}, None),
+    ({"input": [10**9]}, "input"),
+])
+def test_bad_embedding_requests_are_400s(smol, body: dict, param: str | None) -> None:
+    r = httpx.post(f"{smol.base}/v1/embeddings", headers=smol.headers, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_unknown_model_is_404_and_key_is_required(smol) -> None:
+    r = httpx.post(f"{smol.base}/v1/embeddings", headers=smol.headers, timeout=60,
+                   json={"model": "no-such-model", "input": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(f"{smol.base}/v1/embeddings", json={"input": "hi"}, timeout=60)
+    assert r.status_code == 401
+    smol.wait_baseline()
