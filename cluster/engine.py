@@ -168,6 +168,10 @@ class LLMEngine:
             raise ValueError("priority is set but scheduling_policy is fcfs "
                              "(start the engine with scheduling_policy='priority')")
         pool = None
+        if pooling_params is None and self.model_info.get("embedding_only"):
+            raise ValueError("this model is an embedding model (a base-model checkpoint "
+                             "without an LM head): it serves embeddings only "
+                             "(POST /v1/embeddings, LLM.embed)")
         if pooling_params is not None:
             if params.n != 1:
                 raise ValueError("n must be 1 for an embedding request")

@@ -41,6 +41,7 @@ from pagedserve.cluster.wire import (
     chunk_to_wire,
     pace_deltas,
 )
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -194,13 +195,17 @@ class EngineServer:
                             **self.outboxes.stats()}}
 
     async def probe(self, call: ReplicaCall | None = None) -> dict[str, Any]:
-        """Prove this replica still generates: one greedy token through the whole engine."""
+        """Prove this replica still generates: one greedy token through the whole engine
+        (an embedding model embeds the probe instead)."""
         t0 = time.monotonic()
         params = SamplingParams(max_tokens=1, temperature=0.0)
+        pooling = (PoolingParams() if self.engine.engine.model_info.get("embedding_only")
+                   else None)
 
         async def one() -> None:
             async for _ in self.engine.generate(self._probe_ids, params,
-                                                f"probe-{uuid.uuid4().hex}", "__probe__"):
+                                                f"probe-{uuid.uuid4().hex}", "__probe__",
+                                                pooling_params=pooling):
                 pass
 
         await asyncio.wait_for(one(), call.timeout_s if call else 30.0)

@@ -58,6 +58,13 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _names_base_model(architectures: Any) -> bool:
+    """True when ``architectures`` lists only base-model classes (``...Model``)."""
+    if not isinstance(architectures, list) or not architectures:
+        return False
+    return all(isinstance(a, str) and a.endswith("Model") for a in architectures)
+
+
 def _check_freq_factors(factors: Any, head_dim: int) -> None:
     ok = isinstance(factors, list) and len(factors) == head_dim // 2 and all(
         isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)
@@ -90,6 +97,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: str
+    # ``architectures`` names only a base model (``LlamaModel``, ``Qwen3Model``...): an
+    # embedding checkpoint, saved without the ``model.`` prefix and without an LM head.
+    embedding_only: bool = False
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -200,6 +210,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             dtype=str(dtype),
+            embedding_only=_names_base_model(cfg.get("architectures")),
         )
 
     @classmethod

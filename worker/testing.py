@@ -40,8 +40,12 @@ def write_wordlevel_tokenizer(dest: str | Path, vocab_size: int) -> None:
 
 def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                             tokenizer_dir: str | Path | None = None, seed: int = 1234,
-                            weight_scale: float = 4.0, **overrides: Any) -> str:
+                            weight_scale: float = 4.0, base_model: bool = False,
+                            **overrides: Any) -> str:
     """Save a random ``kind`` ("llama", "qwen2" or "qwen3") model to ``dest``; return its path.
+
+    ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
+    LM head), as embedding checkpoints are.
 
     The defaults are a 2-layer, 64-wide model; ``overrides`` are config fields.
     Matrices are scaled by ``weight_scale`` so logits are sharper than the
@@ -50,12 +54,13 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     """
     import transformers as tf
 
-    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, tf.LlamaModel),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, tf.Qwen2Model),
+               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, tf.Qwen3Model)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
-    config_cls, model_cls = classes[kind]
+    config_cls, causal_cls, bare_cls = classes[kind]
+    model_cls = bare_cls if base_model else causal_cls
     cfg: dict[str, Any] = dict(vocab_size=49152, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=512,

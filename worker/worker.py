@@ -269,6 +269,7 @@ class Worker:
             "model_path": self.resolved.path,
             "source": self.resolved.source,
             "model_type": mc.model_type,
+            "embedding_only": mc.embedding_only,
             "eos_token_ids": list(mc.eos_token_ids),
             "bos_token_id": mc.bos_token_id,
             "max_model_len": mc.max_model_len,

@@ -160,3 +160,27 @@ def test_bad_embedding_requests_raise_value_errors(tiny_llama_dir) -> None:
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_base_model_checkpoints_serve_embeddings_only(tmp_path, default_model_dir,
+                                                      kind: str) -> None:
+    """``LlamaModel`` / ``Qwen3Model`` checkpoints (bare names, no LM head; how e5-mistral
+    or Qwen3-Embedding are saved) load and embed; generating is a clear error."""
+    from pagedserve.worker.testing import write_random_checkpoint
+
+    extra = {"head_dim": 32} if kind == "qwen3" else {}
+    path = write_random_checkpoint(tmp_path / kind, kind, default_model_dir, base_model=True,
+                                   **extra)
+    prompts = prompts_of_mixed_lengths(4)
+    hidden = hf_hidden(path, prompts)
+    llm = LLM(model=path, num_gpu_blocks=64)
+    try:
+        assert llm.engine.model_info["embedding_only"]
+        _close(_vectors(llm.embed(prompts)),
+               [torch.nn.functional.normalize(h[-1], dim=0) for h in hidden])
+        with pytest.raises(ValueError, match="embedding model"):
+            llm.generate(prompts[:1], SamplingParams(max_tokens=2))
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()

@@ -78,3 +78,35 @@ def test_unknown_model_is_404_and_key_is_required(smol) -> None:
     r = httpx.post(f"{smol.base}/v1/embeddings", json={"input": "hi"}, timeout=60)
     assert r.status_code == 401
     smol.wait_baseline()
+
+
+def test_an_embedding_model_serves_embeddings_and_stays_healthy(cluster, tmp_path) -> None:
+    """A base-model checkpoint (no LM head): /v1/embeddings equals LLM.embed, the health
+    probe embeds instead of generating, and a completion is a 400 saying why."""
+    from pagedserve.worker.loaders import resolve_model
+    from pagedserve.worker.testing import write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "embedder", "qwen2", resolve_model(None).path,
+                                   base_model=True)
+    llm = LLM(model=path, num_gpu_blocks=32)
+    try:
+        want = [o.outputs.embedding for o in llm.embed([[5, 6, 7, 8], [9, 10]],
+                                                       PoolingParams("mean"))]
+    finally:
+        llm.shutdown()
+    app = cluster.deploy("embedder", {"model": path, "num_gpu_blocks": 32,
+                                      "max_model_len": 256, "num_threads": 1,
+                                      "pooling_type": "mean"})
+    try:
+        r = httpx.post(f"{app.base}/v1/embeddings", timeout=60,
+                       json={"input": [[5, 6, 7, 8], [9, 10]]})
+        assert r.status_code == 200, r.text
+        for d, w in zip(r.json()["data"], want, strict=True):
+            _close(d["embedding"], w)
+        assert httpx.get(f"{app.base}/health", timeout=60).status_code == 200
+        r = httpx.post(f"{app.base}/v1/completions", timeout=60,
+                       json={"prompt": [5, 6], "max_tokens": 2})
+        assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"]
+        app.wait_baseline()
+    finally:
+        cluster.delete("embedder")

@@ -132,7 +132,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings or cfg.embedding_only:
+            # (an embedding checkpoint has no head; sharing costs no memory, and the
+            # engine never generates with it)
             self.lm_head.tie_to(self.embed_tokens)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
 
@@ -161,7 +163,10 @@ class LlamaForCausalLM(nn.Module):
         for name, lazy in weights:
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if self.config.embedding_only and not name.startswith(("model.", "lm_head.")):
+                name = "model." + name  # a base model's checkpoint names its layers bare
+            if name == "lm_head.weight" and (self.config.tie_word_embeddings
+                                              or self.config.embedding_only):
                 continue
             self._load_one(name, lazy)
             pending.discard(name)
@@ -173,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
     def _expected_names(self) -> set[str]:
         cfg = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and not cfg.embedding_only:
             names.add("lm_head.weight")
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
