@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from pagedserve.cluster.protocol import APIError
+from pagedserve.cluster.protocol import APIError, as_batch
 from pagedserve.cluster.wire import EngineRequest
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -42,21 +42,7 @@ class EmbeddingRequest(BaseModel):
 
     def inputs(self) -> list[str | list[int]]:
         """The batch as a list; an empty input or batch is a 400."""
-        x = self.input
-        batch: list[str | list[int]]
-        if isinstance(x, str):
-            batch = [x]
-        elif not x:
-            raise APIError("input must not be empty", param="input")
-        elif isinstance(x[0], int):
-            batch = [list(x)]  # type: ignore[arg-type]
-        else:
-            batch = list(x)  # type: ignore[arg-type]
-        if len(batch) > MAX_INPUTS:
-            raise APIError(f"at most {MAX_INPUTS} inputs per request", param="input")
-        if any(len(item) == 0 for item in batch):
-            raise APIError("input must not contain empty strings or token lists",
-                           param="input")
+        batch = as_batch(self.input, "input", MAX_INPUTS)
         if self.dimensions is not None and self.dimensions < 1:
             raise APIError("dimensions must be a positive integer", param="dimensions")
         k = self.truncate_prompt_tokens
@@ -64,6 +50,19 @@ class EmbeddingRequest(BaseModel):
             raise APIError("truncate_prompt_tokens must be >= 1",
                            param="truncate_prompt_tokens")
         return batch
+
+
+async def embed_all(handle: Any, reqs: list[EngineRequest]) -> list[dict[str, Any]]:
+    """Every input's answer, in order; the first failure cancels the others (their
+    replicas abort them) and is raised."""
+    tasks = [asyncio.ensure_future(embed_on_replicas(handle, r)) for r in reqs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def embed_on_replicas(handle: Any, req: EngineRequest) -> dict[str, Any]:

@@ -36,7 +36,6 @@ from pagedserve.worker.loaders import load_tokenizer, resolve_model
 logger = logging.getLogger(__name__)
 
 
-
 class LLMEngine:
     """One engine replica's core, usable synchronously (``step``) or split in phases."""
 

@@ -231,21 +231,26 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The batch as a list; an empty prompt or batch is a 400."""
-        p = self.prompt
-        batch: list[str | list[int]]
-        if isinstance(p, str):
-            batch = [p]
-        elif not p:
-            raise APIError("prompt must not be empty", param="prompt")
-        elif isinstance(p[0], int):
-            batch = [list(p)]  # type: ignore[arg-type]
-        else:
-            batch = list(p)  # type: ignore[arg-type]
-        if len(batch) > MAX_PROMPTS:
-            raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-        if any(len(x) == 0 for x in batch):
-            raise APIError("prompt must not be empty", param="prompt")
-        return batch
+        return as_batch(self.prompt, "prompt", MAX_PROMPTS)
+
+
+def as_batch(value: str | list[str] | list[int] | list[list[int]], param: str, limit: int
+             ) -> list[str | list[int]]:
+    """OpenAI's text / token-id inputs, one or a batch, as a list; empty ones are a 400."""
+    batch: list[str | list[int]]
+    if isinstance(value, str):
+        batch = [value]
+    elif not value:
+        raise APIError(f"{param} must not be empty", param=param)
+    elif isinstance(value[0], int):
+        batch = [list(value)]  # type: ignore[arg-type]
+    else:
+        batch = list(value)  # type: ignore[arg-type]
+    if len(batch) > limit:
+        raise APIError(f"at most {limit} {param}s per request", param=param)
+    if any(len(x) == 0 for x in batch):
+        raise APIError(f"{param} must not be empty", param=param)
+    return batch
 
 
 class TextPart(BaseModel):

@@ -32,7 +32,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.cluster.channel import ChannelClient
-from pagedserve.cluster.embeddings import EmbeddingRequest, embed_on_replicas, embedding_response
+from pagedserve.cluster.embeddings import EmbeddingRequest, embed_all, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.lora_serving import AdapterCatalog, adapter_affinity_key
 from pagedserve.cluster.metrics import (
@@ -303,8 +303,8 @@ class OpenAIServer:
             req = self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
                                        False, lora, body.priority)
             reqs.append(dataclasses.replace(req, pooling=pooling))
-        results = await asyncio.gather(*(embed_on_replicas(self._engine, r) for r in reqs))
-        return embedding_response(body.model or self.served_name, list(results),
+        results = await embed_all(self._engine, reqs)
+        return embedding_response(body.model or self.served_name, results,
                                   body.encoding_format)
 
     @api.post("/tokenize")
