@@ -12,10 +12,13 @@ one run per ``--kv-dtypes`` entry, each with the same KV byte budget
   through each pool (``prompt_logprobs``): how often its top-1 token is the
   fp32-KV pool's, and the mean |logprob difference| of the fp32 run's tokens.
 
+``NAME+scales`` runs an fp8 pool with ``calculate_kv_scales`` (per-layer scales
+from the first step, here the 4-prompt warm-up).
+
 Prints each row and the ratios to the fp32 ("auto") pool.
 
     python bench/kv_cache_dtype.py
-    python bench/kv_cache_dtype.py --kv-dtypes auto,float16,bfloat16,fp8,fp8_e5m2 \
+    python bench/kv_cache_dtype.py --kv-dtypes auto,float16,bfloat16,fp8,fp8+scales,fp8_e5m2 \
         --json bench/figures/kv_cache_dtype.json
 """
 
@@ -43,12 +46,15 @@ def run_one(kv: str, prompts: list[list[int]], out_len: int, kv_bytes: int,
             reference: list[list[int]] | None) -> dict[str, Any]:
     from pagedserve.cluster import LLM, SamplingParams
 
-    llm = LLM(kv_cache_dtype=kv, kv_cache_memory_bytes=kv_bytes, max_num_seqs=len(prompts),
+    name, _, scales = kv.partition("+")
+    llm = LLM(kv_cache_dtype=name, calculate_kv_scales=scales == "scales",
+              kv_cache_memory_bytes=kv_bytes, max_num_seqs=len(prompts),
               max_num_batched_tokens=4096)
     eng = llm.engine
     try:
         mem = eng.scheduler.memory_stats()
-        row: dict[str, Any] = {"kv_cache_dtype": eng.model_info["kv_cache_dtype"],
+        row: dict[str, Any] = {"kv_cache_dtype": eng.model_info["kv_cache_dtype"]
+                               + ("+scales" if scales else ""),
                                "blocks": mem.num_gpu_blocks,
                                "tokens": mem.num_gpu_blocks * eng.scheduler.block_size}
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4),
@@ -116,13 +122,13 @@ def main() -> None:
     ref = rows[0]
     print(f"SmolLM2-135M fp32, {args.num_prompts} prompts x {args.out_len} tokens, "
           f"KV budget {args.kv_mib} MiB")
-    print(f"{'kv_cache_dtype':>14} {'blocks':>7} {'tokens':>7} {'peak batch':>10} "
+    print(f"{'kv_cache_dtype':>16} {'blocks':>7} {'tokens':>7} {'peak batch':>10} "
           f"{'preempt':>7} {'tok/s':>7} {'x fp32':>6} {'top-1 agree':>11} {'|dlogp|':>8}")
     report = []
     for r in rows:
         agree, dlp = fidelity(r, ref)
         ratio = r["tok_s"] / ref["tok_s"]
-        print(f"{r['kv_cache_dtype']:>14} {r['blocks']:>7} {r['tokens']:>7} "
+        print(f"{r['kv_cache_dtype']:>16} {r['blocks']:>7} {r['tokens']:>7} "
               f"{r['peak_running']:>10} {r['preemptions']:>7} {r['tok_s']:>7.1f} "
               f"{ratio:>6.2f} {agree:>11.4f} {dlp:>8.4f}")
         report.append({k: v for k, v in r.items() if k not in ("scores", "sequences")}

@@ -33,6 +33,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="KV cache element type: auto (the model's), float16, bfloat16, fp8 "
                         "(= fp8_e4m3) or fp8_e5m2; narrower types hold 2x / 4x the tokens")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV: per-layer scales from the first step's keys and values "
+                        "(default: scale 1.0)")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -155,7 +158,7 @@ def generate(args: argparse.Namespace) -> int:
         num_threads=args.num_threads, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales)
     lora = None
     try:
         if args.lora is not None:

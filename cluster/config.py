@@ -34,6 +34,8 @@ class EngineConfig:
     ``kv_cache_dtype`` (vLLM's option) stores the KV pool in another element type:
     "auto" (the model dtype), "float16" / "bfloat16", or "fp8" (= "fp8_e4m3") /
     "fp8_e5m2"; the same byte budget then holds 2x or 4x the tokens of an fp32 pool.
+    ``calculate_kv_scales`` (fp8 only) stores each layer's K and V over a scale set
+    from the first real step (vLLM's option; without it the scale is 1.0).
     ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
     """
@@ -68,6 +70,7 @@ class EngineConfig:
     max_loaded_loras: int | None = None
     scheduling_policy: str = "fcfs"
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -75,6 +75,7 @@ class LLMEngine:
             max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
             max_loaded_loras=config.resolved_max_loaded_loras() if config.enable_lora else 0,
             kv_cache_dtype=config.kv_cache_dtype,
+            calculate_kv_scales=config.calculate_kv_scales,
             extra=dict(config.worker_extra),
         )
         self.executor: Executor

@@ -157,9 +157,11 @@ class ModelRunner:
 
     def forward_hidden(self, inputs: ModelInputs) -> torch.Tensor:
         """Final hidden states for every token of the step (CUDA graph for decode if
-        captured; steps with LoRA rows run eagerly, since their grouping varies)."""
+        captured; steps with LoRA rows run eagerly, since their grouping varies, and so
+        does the step that calibrates fp8 KV scales)."""
         lora_rows = self.lora is not None and self.lora.batch.groups
-        if self.graphs is not None and inputs.md.is_decode and not lora_rows:
+        if (self.graphs is not None and inputs.md.is_decode and not lora_rows
+                and not self.model.kv_scales_pending):
             out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.md)
             if out is not None:
                 return out

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pagedserve.kernels import get_backend
-from pagedserve.kernels.kv_quant import kv_dtype_name
+from pagedserve.kernels.kv_quant import is_fp8, kv_dtype_name
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig, WorkerConfig
@@ -186,7 +186,7 @@ class Worker:
         # Rows that verify draft tokens need logits at every position.
         rows = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
         plan, blocks = profile_plan(n_tok, rows, self.config.block_size)
-        self.init_kv_cache(blocks, 0, cuda_graphs=False)
+        self.init_kv_cache(blocks, 0, cuda_graphs=False, calibrate=False)
         try:
             self.execute_model(plan)
         finally:
@@ -207,19 +207,30 @@ class Worker:
                    - loras)
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None,
-                      cuda_graphs: bool = True) -> None:
+                      cuda_graphs: bool = True, calibrate: bool = True) -> None:
         """Allocate the KV pool shard and CPU swap shard, and build the model runner
-        (capturing its decode graphs when the config enables them and ``cuda_graphs``)."""
+        (capturing its decode graphs when the config enables them and ``cuda_graphs``).
+
+        With ``calculate_kv_scales`` and an fp8 pool, every layer stores K/V over
+        scales that the next step (the first real one, if ``calibrate``) sets.
+        """
         assert self.model is not None and self.model_config is not None and self.ctx
         cpu_blocks = self.config.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks
         self.kv_cache = KVCache(self.model_config.num_layers, num_gpu_blocks,
                                 self.config.block_size, self.model.num_kv_heads_per_rank,
                                 self.model_config.head_dim, self.kv_dtype, self.device,
                                 self.backend, cpu_blocks)
+        scaled = self.config.calculate_kv_scales and is_fp8(self.kv_dtype)
+        if scaled:  # before graph capture, so the graphs hold the scale ops
+            for attn in self.model.attention_layers():
+                attn.use_kv_scales(self.device)
         sampler = Sampler(self.model_config.eos_token_ids, grammar_book=self._grammar_book)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
                                   max_num_seqs=self.config.max_num_seqs, lora=self.lora)
+        if scaled and calibrate:
+            for attn in self.model.attention_layers():
+                attn.arm_calibration()
 
     def _grammar_book(self) -> Any:
         """Structured-output state, built on the first constrained request (rank 0 only

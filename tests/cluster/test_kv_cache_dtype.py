@@ -115,3 +115,31 @@ def test_bad_kv_cache_dtypes_name_the_field() -> None:
     settings = ServeArgs(kv_cache_dtype="fp8_e5m2", device="cpu").settings()
     assert settings.engine_kwargs["kv_cache_dtype"] == "fp8_e5m2"
 
+
+
+def test_calculated_kv_scales_are_set_once_by_the_first_real_step(tiny_llama_dir) -> None:
+    """Not by start-up (profiling, warm-up plans): by the first request's step, and
+    never again; the pool stores over them and still returns to baseline."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64, kv_cache_dtype="fp8",
+              calculate_kv_scales=True)
+    try:
+        model = llm.engine.executor.worker.model
+        layers = model.attention_layers()
+        assert model.kv_scales_pending
+        assert all(a.k_scale.item() == a.v_scale.item() == 1.0 for a in layers)
+        first = _tokens(llm, prompts_of_mixed_lengths())
+        assert not model.kv_scales_pending
+        scales = [(a.k_scale.item(), a.v_scale.item()) for a in layers]
+        assert all(ks != 1.0 and vs != 1.0 for ks, vs in scales)
+        assert _tokens(llm, prompts_of_mixed_lengths()) == first
+        assert [(a.k_scale.item(), a.v_scale.item()) for a in layers] == scales
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    plain = LLM(model=tiny_llama_dir, num_gpu_blocks=64, kv_cache_dtype="bfloat16",
+                calculate_kv_scales=True)  # only fp8 pools use scales
+    try:
+        assert all(a.k_scale is None for a in plain.engine.executor.worker.model
+                   .attention_layers())
+    finally:
+        plain.shutdown()

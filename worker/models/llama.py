@@ -142,6 +142,14 @@ class LlamaForCausalLM(nn.Module):
     def num_kv_heads_per_rank(self) -> int:
         return self.layers[0].self_attn.num_kv_heads
 
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    @property
+    def kv_scales_pending(self) -> bool:
+        """Whether a layer still waits to calibrate its KV scales (steps run eagerly)."""
+        return any(a.calibrating for a in self.attention_layers())
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 md: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` for the flat batch ``input_ids[T]`` at ``positions[T]``."""
