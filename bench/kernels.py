@@ -12,6 +12,8 @@ GPU the bandwidth is also printed as a fraction of the device's peak.
     python bench/kernels.py --quick
     python bench/kernels.py --json bench/results/kernels.json
     python bench/kernels.py --sweep          # GPU: Triton decode launch settings
+    python bench/kernels.py --backends cpu --decode-only --batches 64 --contexts 2048 \
+        --kv-dtype fp8                       # a narrower KV pool (kv_cache_dtype)
 
 ``--sweep`` times Triton decode at long contexts for every launch setting in
 ``LAUNCH_SWEEP`` (keys per step, warps, pipeline stages) and names the fastest,
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import available_backends, build_varlen_metadata, get_backend
+from pagedserve.kernels.kv_quant import kv_dtype_name, resolve_kv_cache_dtype
 from pagedserve.kernels.testing import make_paged_batch
 
 # HBM peak bandwidth (bytes/s) by device-name fragment, most specific first.
@@ -112,15 +115,17 @@ def run_case(kind: str, q_lens, k_lens, args, device, backends, reps) -> list[di
     """Time every backend (and on CPU the naive contiguous baseline) on one batch."""
     hq, hkv, d = args.heads, args.kv_heads, args.head_dim
     dtype = getattr(torch, args.dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_dtype, dtype)
     scale = 1 / math.sqrt(d)
-    kv_bytes = sum(k_lens) * hkv * d * 2 * torch.finfo(dtype).bits // 8
+    kv_bytes = sum(k_lens) * hkv * d * 2 * torch.finfo(kv_dtype).bits // 8
     _, peak = device_peak(device)
     batches, fns = {}, {}
     for name in backends:
         bsz = 256 if name == "flash" else args.block_size
         if bsz not in batches:
             batches[bsz] = make_paged_batch(q_lens, k_lens, hq, hkv, d, bsz, dtype=dtype,
-                                            device=device, extra_blocks=0, garbage=1.0)
+                                            device=device, extra_blocks=0, garbage=1.0,
+                                            kv_dtype=kv_dtype)
         b = batches[bsz]
         be = get_backend(name, device)
         if kind == "decode":
@@ -142,7 +147,8 @@ def run_case(kind: str, q_lens, k_lens, args, device, backends, reps) -> list[di
     rows = []
     for name in backends:
         t = times[name]
-        row = {"kind": kind, "backend": name, "batch": len(q_lens), "context": max(k_lens),
+        row = {"kind": kind, "backend": name, "kv_dtype": kv_dtype_name(kv_dtype),
+               "batch": len(q_lens), "context": max(k_lens),
                "ragged": min(k_lens) != max(k_lens), "ms": t * 1e3,
                "kv_GBps": kv_bytes / t / 1e9, "peak_frac": kv_bytes / t / peak if peak else None}
         if "baseline" in times:
@@ -223,6 +229,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--kv-dtype", default="auto",
+                    help="KV cache element type (kv_cache_dtype): auto, float16, bfloat16, "
+                         "fp8, fp8_e5m2")
+    ap.add_argument("--batches", type=int, nargs="*", help="decode batch sizes")
+    ap.add_argument("--contexts", type=int, nargs="*", help="decode context lengths")
+    ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--sweep", action="store_true",
                     help="only time the Triton decode launch settings (LAUNCH_SWEEP)")
     args = ap.parse_args()
@@ -245,8 +257,16 @@ def main() -> None:
         if gpu:
             contexts, reps = [512, 2048, 8192], 20
             prefills += [(1, 8192), (32, 1024)]
+    batches, contexts = args.batches or batches, args.contexts or contexts
+    if args.decode_only:
+        prefills = []
+    model_dtype = getattr(torch, args.dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_dtype, model_dtype)
+    backends = [n for n in backends  # flash-attn reads only the model's own 16-bit dtype
+                if get_backend(n, device).supports_kv_cache_dtype(kv_dtype, model_dtype)]
     name, peak = device_peak(device)
-    print(f"device={name} peak={peak} dtype={args.dtype} Hq={args.heads} Hkv={args.kv_heads} "
+    print(f"device={name} peak={peak} dtype={args.dtype} kv={kv_dtype_name(kv_dtype)} "
+          f"Hq={args.heads} Hkv={args.kv_heads} "
           f"D={args.head_dim} B={args.block_size} threads={torch.get_num_threads()} "
           f"backends={backends}")
     if args.sweep:
