@@ -13,7 +13,7 @@ one run per ``--kv-dtypes`` entry, each with the same KV byte budget
   fp32-KV pool's, and the mean |logprob difference| of the fp32 run's tokens.
 
 ``NAME+scales`` runs an fp8 pool with ``calculate_kv_scales`` (per-layer scales
-from the first step, here the 4-prompt warm-up).
+from the engine's start-up calibration text).
 
 Prints each row and the ratios to the fp32 ("auto") pool.
 

@@ -34,7 +34,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV cache element type: auto (the model's), float16, bfloat16, fp8 "
                         "(= fp8_e4m3) or fp8_e5m2; narrower types hold 2x / 4x the tokens")
     p.add_argument("--calculate-kv-scales", action="store_true",
-                   help="fp8 KV: per-layer scales from the first step's keys and values "
+                   help="fp8 KV: per-layer scales from a calibration text's keys and values "
                         "(default: scale 1.0)")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")

@@ -35,7 +35,8 @@ class EngineConfig:
     "auto" (the model dtype), "float16" / "bfloat16", or "fp8" (= "fp8_e4m3") /
     "fp8_e5m2"; the same byte budget then holds 2x or 4x the tokens of an fp32 pool.
     ``calculate_kv_scales`` (fp8 only) stores each layer's K and V over a scale set
-    from the first real step (vLLM's option; without it the scale is 1.0).
+    at start-up from a fixed calibration text (vLLM's option, which uses the first
+    batch instead; without it the scale is 1.0).
     ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
     """

@@ -35,6 +35,19 @@ from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
+# What sets the fp8 KV scales at start-up: prose, code, numbers and markup, so keys and
+# values see the kinds of tokens requests bring.
+KV_CALIBRATION_TEXT = (
+    "The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the Moon; "
+    "Neil Armstrong said: \"That's one small step for man, one giant leap for mankind.\"\n"
+    "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n"
+    "        a, b = b, a + b\n    return a\n\n"
+    "| city | population |\n|---|---|\n| Paris | 2,102,650 |\n| Tokyo | 13,960,000 |\n"
+    "<html><body><p>Hello, world!</p></body></html> SELECT name FROM users WHERE id = 42; "
+    "E = mc^2, 3.14159, 0x1F, -273.15 C. Bonjour, comment allez-vous? Wie geht es dir? "
+    "User: What is the capital of France?\nAssistant: The capital of France is Paris."
+)
+
 
 class LLMEngine:
     """One engine replica's core, usable synchronously (``step``) or split in phases."""
@@ -126,6 +139,22 @@ class LLMEngine:
         self.stats: dict[str, float] = {
             "steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
             "aborted_requests": 0, "execute_seconds": 0.0}
+        if config.calculate_kv_scales and str(info["kv_cache_dtype"]).startswith("fp8"):
+            self._calibrate_kv_scales()
+            self.stats = dict.fromkeys(self.stats, 0)  # start-up work is not served work
+
+    def _calibrate_kv_scales(self) -> None:
+        """Embed a fixed text as the very first step, which sets the fp8 KV scales: the
+        same on every replica, and not taken from whatever request (a health probe of a
+        few tokens) happens to come first."""
+        sched = self.scheduler
+        cap = min(self.max_model_len, sched.kv.pool.num_blocks * sched.block_size,
+                  sched.config.max_num_batched_tokens)  # one step, whatever the settings
+        ids = self.tokenize(KV_CALIBRATION_TEXT)[:cap]
+        self.add_request(ids, SamplingParams(max_tokens=1), "__kv_calibration__",
+                         pooling_params=PoolingParams())
+        while self.has_unfinished_requests():
+            self.step()
 
     # ---- requests ----------------------------------------------------------------------
 

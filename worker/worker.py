@@ -212,7 +212,7 @@ class Worker:
         (capturing its decode graphs when the config enables them and ``cuda_graphs``).
 
         With ``calculate_kv_scales`` and an fp8 pool, every layer stores K/V over
-        scales that the next step (the first real one, if ``calibrate``) sets.
+        scales that the next step (the engine's calibration step, if ``calibrate``) sets.
         """
         assert self.model is not None and self.model_config is not None and self.ctx
         cpu_blocks = self.config.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks

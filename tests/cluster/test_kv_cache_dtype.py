@@ -117,25 +117,31 @@ def test_bad_kv_cache_dtypes_name_the_field() -> None:
 
 
 
-def test_calculated_kv_scales_are_set_once_by_the_first_real_step(tiny_llama_dir) -> None:
-    """Not by start-up (profiling, warm-up plans): by the first request's step, and
-    never again; the pool stores over them and still returns to baseline."""
-    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64, kv_cache_dtype="fp8",
-              calculate_kv_scales=True)
-    try:
-        model = llm.engine.executor.worker.model
-        layers = model.attention_layers()
-        assert model.kv_scales_pending
-        assert all(a.k_scale.item() == a.v_scale.item() == 1.0 for a in layers)
-        first = _tokens(llm, prompts_of_mixed_lengths())
-        assert not model.kv_scales_pending
-        scales = [(a.k_scale.item(), a.v_scale.item()) for a in layers]
-        assert all(ks != 1.0 and vs != 1.0 for ks, vs in scales)
-        assert _tokens(llm, prompts_of_mixed_lengths()) == first
-        assert [(a.k_scale.item(), a.v_scale.item()) for a in layers] == scales
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
+def test_calculated_kv_scales_come_from_start_up_calibration(tiny_llama_dir) -> None:
+    """The engine embeds a fixed text as its first step, which sets the scales: every
+    replica gets the same ones whatever request comes first, later requests never
+    change them, and the pool is back at baseline with nothing counted as served."""
+    scales = []
+    for first in ([5, 6], prompts_of_mixed_lengths()[-1]):  # a probe-sized first request
+        llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64, kv_cache_dtype="fp8",
+                  calculate_kv_scales=True)
+        try:
+            model = llm.engine.executor.worker.model
+            assert not model.kv_scales_pending
+            assert llm.engine.stats["prompt_tokens"] == 0
+            assert_pool_at_baseline(llm)
+            before = [(a.k_scale.item(), a.v_scale.item()) for a in model.attention_layers()]
+            assert all(ks != 1.0 and vs != 1.0 for ks, vs in before)
+            _tokens(llm, [first])
+            assert _tokens(llm, prompts_of_mixed_lengths()) == _tokens(
+                llm, prompts_of_mixed_lengths())
+            assert [(a.k_scale.item(), a.v_scale.item())
+                    for a in model.attention_layers()] == before
+            scales.append(before)
+            assert_pool_at_baseline(llm)
+        finally:
+            llm.shutdown()
+    assert scales[0] == scales[1]
     plain = LLM(model=tiny_llama_dir, num_gpu_blocks=64, kv_cache_dtype="bfloat16",
                 calculate_kv_scales=True)  # only fp8 pools use scales
     try:

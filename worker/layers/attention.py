@@ -43,7 +43,7 @@ class PagedAttention:
     ``v / v_scale``: ``k_scale`` is folded into ``q`` and ``v_scale`` into the output,
     so the kernels never see a scale. The scales are device tensors, so captured
     CUDA graphs read the calibrated values; ``arm_calibration`` sets them from the
-    next step's K/V (the first real one), once, before anything else is stored.
+    next step's K/V (the engine's calibration step), once, before anything else is stored.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
