@@ -281,8 +281,9 @@ class WorkerConfig:
     ``kv_cache_dtype`` (``kernels.kv_quant``) stores the KV pool narrower than
     ``dtype``: "auto" is the model dtype; fp16/bf16 halve an fp32 pool's bytes
     per block, fp8 quarters them, so a byte budget holds 2x / 4x the blocks.
-    ``calculate_kv_scales`` gives an fp8 pool per-layer scales set from the first
-    real step's K/V (``layers.attention``); without it fp8 stores K/V as they are.
+    ``calculate_kv_scales`` gives an fp8 pool per-layer scales set by the first step
+    after ``init_kv_cache`` (the engine's calibration text; ``layers.attention``);
+    without it fp8 stores K/V as they are.
 
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
     (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room
