@@ -31,7 +31,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', t.__version__)"
 timeout 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
     tests/kernels/test_kern_gpu.py tests/worker/test_cuda_graph_runner.py \
-    tests/cluster/test_engine_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+    tests/cluster/test_engine_gpu.py tests/kernels/test_kern_gpu_kv_dtype.py \
+    2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 140 "$PY" bench/kernels.py "${@:---quick}" --json bench/results/kernels_gpu.json
 bench_rc=$?
