@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import struct
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -20,10 +21,10 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from pagedserve.cluster.protocol import APIError, as_batch
+from pagedserve.cluster.router import MAX_ATTEMPTS, overloaded_error, replica_failed_error
 from pagedserve.cluster.wire import EngineRequest
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
-MAX_ATTEMPTS = 3
 
 
 class EmbeddingRequest(BaseModel):
@@ -75,13 +76,10 @@ async def embed_on_replicas(handle: Any, req: EngineRequest) -> dict[str, Any]:
         try:
             res = await call
         except BackPressureError as e:
-            raise APIError(f"server overloaded, retry later: {e.message}", status=503,
-                           type="server_overloaded", code="overloaded",
-                           headers={"Retry-After": "1"}) from None
+            raise overloaded_error(e) from None
         except (RayActorError, ActorUnavailableError) as e:
             if attempt + 1 >= MAX_ATTEMPTS:
-                raise APIError(f"engine replica failed: {e}", status=503,
-                               type="service_unavailable") from None
+                raise replica_failed_error(e) from None
             continue
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
@@ -102,8 +100,6 @@ async def embed_on_replicas(handle: Any, req: EngineRequest) -> dict[str, Any]:
 def _with_exclusions(req: EngineRequest, exclude: tuple[str, ...]) -> EngineRequest:
     if not exclude:
         return req
-    from dataclasses import replace
-
     return replace(req, exclude_replicas=tuple(req.exclude_replicas) + exclude)
 
 

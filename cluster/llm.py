@@ -28,6 +28,13 @@ def _unwrap(prompt: PromptType) -> str | list[int]:
     return prompt
 
 
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
+    """One prompt or a batch, in any of vLLM's forms, as a list of text or token ids."""
+    if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    return [_unwrap(p) for p in prompts]  # type: ignore[union-attr]
+
+
 def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
                 n: int) -> list[LoRARequest | None]:
     """One adapter (or None) per prompt from one for all or a list of ``n``."""
@@ -72,9 +79,7 @@ class LLM:
         and the batch's requests added before it are withdrawn: none of them is
         left queued to run (and hold blocks) during a later call.
         """
-        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = [_unwrap(p) for p in prompts]
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -87,14 +92,8 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"priority: got {len(prios)} for {len(prompts)} prompts")
-        ids: list[str] = []
-        try:
-            for p, sp, lora, prio in zip(prompts, params, loras, prios):
-                ids.append(self.engine.add_request(p, sp, lora_request=lora, priority=prio))
-        except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+        ids = self._add_all([(p, dict(params=sp, lora_request=lora, priority=prio))
+                             for p, sp, lora, prio in zip(prompts, params, loras, prios)])
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 16)
 
     def chat(
@@ -129,25 +128,29 @@ class LLM:
         Embedding requests share batches, the prefix cache and chunked prefill with
         generation; any supported model embeds (its last norm's output).
         """
-        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = [_unwrap(p) for p in prompts]
+        prompts = _prompt_list(prompts)
         pp = pooling_params or PoolingParams()
         sp = SamplingParams(max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
         loras = _per_prompt(lora_request, len(prompts))
-        ids: list[str] = []
-        try:
-            for p, lora in zip(prompts, loras):
-                ids.append(self.engine.add_request(p, sp, lora_request=lora,
-                                                   pooling_params=pp))
-        except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+        ids = self._add_all([(p, dict(params=sp, lora_request=lora, pooling_params=pp))
+                             for p, lora in zip(prompts, loras)])
         outs = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 16, "embed")
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
                                        EmbeddingOutput(o.embedding or []), o.finished)
                 for o in outs]
+
+    def _add_all(self, requests: list[tuple[str | list[int], dict[str, Any]]]) -> list[str]:
+        """Queue every request; if one is refused, withdraw those already queued (none
+        is left to run, and hold blocks, during a later call) and raise."""
+        ids: list[str] = []
+        try:
+            for prompt, kwargs in requests:
+                ids.append(self.engine.add_request(prompt, **kwargs))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generate"
              ) -> list[RequestOutput]:

@@ -117,13 +117,10 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
                         done = True
                         break
             except BackPressureError as e:
-                raise APIError(f"server overloaded, retry later: {e.message}", status=503,
-                               type="server_overloaded", code="overloaded",
-                               headers={"Retry-After": "1"}) from None
+                raise overloaded_error(e) from None
             except (RayActorError, ActorUnavailableError) as e:
                 if sent or attempt + 1 >= MAX_ATTEMPTS:
-                    raise APIError(f"engine replica failed: {e}", status=503,
-                                   type="service_unavailable") from None
+                    raise replica_failed_error(e) from None
                 retry = True
             finally:
                 if not done:
@@ -137,6 +134,17 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
         logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
         if replica is not None:
             exclude.append(replica)
+
+
+def overloaded_error(e: BackPressureError) -> APIError:
+    """Serve's backpressure as the 503 clients retry after a second."""
+    return APIError(f"server overloaded, retry later: {e.message}", status=503,
+                    type="server_overloaded", code="overloaded", headers={"Retry-After": "1"})
+
+
+def replica_failed_error(e: Exception) -> APIError:
+    """A replica (or its actor) that died under a request, after the last retry."""
+    return APIError(f"engine replica failed: {e}", status=503, type="service_unavailable")
 
 
 async def merge_streams(client: ChannelClient, handle: Any, reqs: list[EngineRequest]

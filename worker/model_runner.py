@@ -113,7 +113,7 @@ class ModelRunner:
         end = 0
         for r, q in zip(reqs, q_lens):
             if r.pooling is not None:
-                pool_jobs.append(PoolJob(r.request_id, end, end + q, r.pooling, r.pool_final,
+                pool_jobs.append(PoolJob(r.request_id, end, end + q, r.pooling,
                                          r.num_computed_tokens))
             if r.prompt_logprob_targets:
                 params = r.sampling_params[r.request_id]

@@ -23,7 +23,6 @@ class PoolJob:
     start: int
     end: int
     pooling: str
-    final: bool
     position: int
 
 
