@@ -248,7 +248,7 @@ def _instantiate(name: str, dev: torch.device) -> AttentionBackend:
 
         return TorchBackend(dev)
     if name == "cpu":
-        from pagedserve.kernels.cpu_native import CpuNativeBackend
+        from pagedserve.kernels.cpu_backend import CpuNativeBackend
 
         return CpuNativeBackend(dev)
     if name == "triton":

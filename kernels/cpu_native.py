@@ -19,8 +19,8 @@ No compiler, a failed build, or ``PAGEDSERVE_NATIVE_KERNELS=0``: ``load()``
 returns None, the "cpu" backend reports itself unavailable, and the default
 CPU backend is the pure-torch one.
 
-:class:`CpuNativeBackend` is the torch backend with this decode; prefill stays
-on SDPA, which is already GEMM-bound there.
+:class:`~pagedserve.kernels.cpu_backend.CpuNativeBackend` puts these on the
+attention path.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kernels.torch_ref import TorchBackend
+from pagedserve.kernels.kv_quant import quantize
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ def load() -> ctypes.CDLL | None:
                                         i64, i64, ctypes.c_float, ptr, ctypes.c_int,
                                         ctypes.c_int]
         lib.paged_decode_kv.restype = ctypes.c_int
+        lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
+        lib.store_kv_rows.restype = ctypes.c_int
         lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int]
         lib.silu_and_mul_f32.restype = None
         for name in ("rms_norm_f32", "rms_norm_bf16"):
@@ -152,6 +154,7 @@ def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
         and value_cache.is_contiguous()
         and q.shape[1] % key_cache.shape[2] == 0
         and key_cache.shape[3] <= _MAX_HEAD_DIM
+        and key_cache.shape[3] % 16 == 0
         and _loaded() is not None
     )
 
@@ -204,10 +207,42 @@ def paged_decode(
     if rc == -2:
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")
     if rc == -3:
-        raise ValueError(f"native paged decode takes head sizes <= {_MAX_HEAD_DIM}, got {d}")
+        raise ValueError(f"native paged decode takes head sizes <= {_MAX_HEAD_DIM} in "
+                         f"multiples of 16, got {d}")
     if rc != 0:
         raise MemoryError("native paged decode could not allocate its score buffer")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Write ``key/value[t]`` into flat slot ``slot_mapping[t]`` (-1 skipped) in one
+    native call; False, with nothing written, when these tensors are not for it
+    (the caller runs the torch path). Narrower caches get the rounded rows
+    (``kv_quant.quantize``), as the torch path stores them."""
+    lib = _loaded()
+    if (lib is None or key_cache.device.type != "cpu" or key.device.type != "cpu"
+            or value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+        return False
+    t = slot_mapping.numel()
+    row = tuple(key_cache.shape[2:])
+    new = []
+    for x in (key, value):
+        x = quantize(x.reshape(t, *row), key_cache.dtype)
+        if x.stride(-1) != 1 or x.stride(-2) != row[-1]:
+            x = x.contiguous()
+        new.append(x)
+    k, v = new
+    slots = slot_mapping.to(torch.long).contiguous()
+    es = key_cache.element_size()
+    rc = lib.store_kv_rows(k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es,
+                           slots.data_ptr(), t, key_cache.data_ptr(), value_cache.data_ptr(),
+                           key_cache.shape[0] * key_cache.shape[1], row[0] * row[1] * es)
+    if rc != 0:
+        raise ValueError(f"slot_mapping holds a slot outside [-1, "
+                         f"{key_cache.shape[0] * key_cache.shape[1]})")
+    return True
 
 
 def _fused_lib(*ts: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
@@ -288,28 +323,3 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d,
        torch.get_num_threads())
     return out
-
-
-class CpuNativeBackend(TorchBackend):
-    """The torch backend with decode rows on the native kernel (CPU; fp32 or bf16
-    queries over fp32, bf16, fp16 or fp8 caches).
-
-    fp16 queries take the inherited torch path, so every batch the torch
-    backend accepts works here too.
-    """
-
-    name = "cpu"
-
-    def _decode(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        lens: torch.Tensor,
-        lens_host: list[int],
-        scale: float,
-    ) -> torch.Tensor:
-        if not supports(q, key_cache, value_cache):
-            return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host, scale)
-        return paged_decode(q, key_cache, value_cache, block_table, lens, max(lens_host), scale)

@@ -12,6 +12,8 @@
  * the libgomp torch has already loaded, so it shares torch's thread pool.
  * Per pair: scores for all G query heads in one pass over K, a max-subtracted
  * softmax, one pass over V. No value is ever -inf, so fast-math is safe.
+ * The "cpu" backend also runs short prefills here, one row per query whose
+ * keys stop at its own position (kernels/cpu_backend.py).
  *
  * Blocks sit anywhere in the pool, so the hardware prefetcher loses the
  * stream at every block boundary: each token's row asks for the same row of
@@ -103,49 +105,107 @@ row_f32(const char *src, int64_t D, int kind, float *buf)
     return buf;
 }
 
-/* Token t's row (n elements of es bytes from KV head h0 on) in cache c, after
- * asking for the same row of the sequence's next block, which the loop
- * reaches B tokens later. */
-static inline const char *token_row(const char *c, const int32_t *table, int64_t t, int64_t L,
-                                    int64_t B, int64_t blk_stride, int64_t tok_stride,
-                                    int64_t h0, int64_t D, int64_t n, int64_t es)
+/* Token t's row (from KV head h0 on) in cache c. */
+static inline const char *token_row(const char *c, const int32_t *table, int64_t t, int64_t B,
+                                    int64_t blk_stride, int64_t tok_stride, int64_t h0,
+                                    int64_t D, int64_t es)
 {
-    const int64_t row = ((t % B) * tok_stride + h0 * D) * es;
-    if (t + B < L) {
-        const char *next = c + (int64_t)table[t / B + 1] * blk_stride * es + row;
-        for (int64_t off = 0; off < n * es; off += 64)
-            __builtin_prefetch(next + off);
-    }
-    return c + (int64_t)table[t / B] * blk_stride * es + row;
+    return c + ((int64_t)table[t / B] * blk_stride + (t % B) * tok_stride + h0 * D) * es;
 }
 
-/* KV heads [h0, h1) of one sequence: all their query heads in one pass over
- * each token's K (contiguous across heads), softmax, one pass over V. */
+/* Ask for the same row (n elements) of the sequence's next block, which the loop
+ * reaches B tokens later. Called once per token between the math, not in a burst
+ * per tile: a burst overflows the core's outstanding-miss slots and stalls. */
+static inline void prefetch_next(const char *c, const int32_t *table, int64_t t, int64_t L,
+                                 int64_t B, int64_t blk_stride, int64_t tok_stride,
+                                 int64_t h0, int64_t D, int64_t n, int64_t es)
+{
+    if (t + B >= L)
+        return;
+    const char *next = token_row(c, table, t + B, B, blk_stride, tok_stride, h0, D, es);
+    for (int64_t off = 0; off < n * es; off += 64)
+        __builtin_prefetch(next + off);
+}
+
+/* Sixteen lanes of fp32; aligned(4) lets it load from any float address. On
+ * CPUs without 512-bit vectors the compiler splits it into narrower ones. */
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define TILE 16
+
+/* Lane j of the result is the sum of p[j]'s lanes: sixteen dot products reduced
+ * together by four rounds of pairwise shuffles (45 ops instead of 16 separate
+ * horizontal sums of 8 dependent ops each). */
+static inline __attribute__((always_inline)) v16f reduce16(const v16f *p)
+{
+    const v16i l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16i l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const v16i l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16f a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], l1)
+               + __builtin_shuffle(p[2 * i], p[2 * i + 1], h1);
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], l2)
+               + __builtin_shuffle(a[2 * i], a[2 * i + 1], h2);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], l3)
+               + __builtin_shuffle(b[2 * i], b[2 * i + 1], h3);
+    return __builtin_shuffle(c[0], c[1], l4) + __builtin_shuffle(c[0], c[1], h4);
+}
+
+/* KV heads [h0, h1) of one sequence, D a multiple of 16. Tokens are visited in
+ * memory order (a token's rows for all its heads are contiguous), TILE at a
+ * time, each row widened once for the G query heads that share it. Scores:
+ * each query head's dot products with the tile's keys are left as partial
+ * vectors and reduced sixteen at a time; values: one pass over each token's
+ * rows, accumulated into the output rows (in L1). */
 static inline __attribute__((always_inline)) int
 attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
             int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
             int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-            int kind)
+            int kind, v16f *part)
 {
     const int64_t es = kv_elem_size(kind);
-    const int64_t nq = (h1 - h0) * G;
+    const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
     float wide[MAX_HEAD_DIM];
     const int64_t nb = (L + B - 1) / B;
     for (int64_t j = 0; j < nb; j++)
         if (table[j] < 0 || table[j] >= num_blocks)
             return -2;
-    for (int64_t t = 0; t < L; t++) {
-        const char *k = token_row(kc, table, t, L, B, blk_stride, tok_stride, h0, D,
-                                  (h1 - h0) * D, es);
-        for (int64_t h = 0; h < h1 - h0; h++) {
-            const float *kh = row_f32(k + h * D * es, D, kind, wide);
-            for (int64_t g = 0; g < G; g++) {
-                const float *qi = q + ((h0 + h) * G + g) * D;
-                float acc = 0.f;
-                for (int64_t d = 0; d < D; d++)
-                    acc += qi[d] * kh[d];
-                sc[(h * G + g) * L + t] = acc * scale;
+    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+        const int64_t n = L - t0 < TILE ? L - t0 : TILE;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t t = t0 + j;
+            prefetch_next(kc, table, t, L, B, blk_stride, tok_stride, h0, D, nh * D, es);
+            const char *k = token_row(kc, table, t, B, blk_stride, tok_stride, h0, D, es);
+            for (int64_t h = 0; h < nh; h++) {
+                const float *kh = row_f32(k + h * D * es, D, kind, wide);
+                for (int64_t g = 0; g < G; g++) {
+                    const float *qi = q + ((h0 + h) * G + g) * D;
+                    v16f acc = {0};
+                    for (int64_t c = 0; c < nv; c++)
+                        acc += *(const v16f *)(qi + 16 * c) * *(const v16f *)(kh + 16 * c);
+                    part[(h * G + g) * TILE + j] = acc;
+                }
             }
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            v16f *p = part + i * TILE;
+            for (int64_t j = n; j < TILE; j++)
+                p[j] = (v16f){0};
+            const v16f s = reduce16(p) * scale;
+            float *dst = sc + i * L + t0;
+            if (n == TILE)
+                *(v16f *)dst = s;
+            else
+                for (int64_t j = 0; j < n; j++)
+                    dst[j] = s[j];
         }
     }
     for (int64_t i = 0; i < nq; i++) {
@@ -165,15 +225,15 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
     float *o = out + h0 * G * D;
     memset(o, 0, (size_t)(nq * D) * sizeof(float));
     for (int64_t t = 0; t < L; t++) {
-        const char *v = token_row(vc, table, t, L, B, blk_stride, tok_stride, h0, D,
-                                  (h1 - h0) * D, es);
-        for (int64_t h = 0; h < h1 - h0; h++) {
+        prefetch_next(vc, table, t, L, B, blk_stride, tok_stride, h0, D, nh * D, es);
+        const char *v = token_row(vc, table, t, B, blk_stride, tok_stride, h0, D, es);
+        for (int64_t h = 0; h < nh; h++) {
             const float *vh = row_f32(v + h * D * es, D, kind, wide);
             for (int64_t g = 0; g < G; g++) {
                 const float w = sc[(h * G + g) * L + t];
                 float *oi = o + (h * G + g) * D;
-                for (int64_t d = 0; d < D; d++)
-                    oi[d] += w * vh[d];
+                for (int64_t c = 0; c < nv; c++)
+                    *(v16f *)(oi + 16 * c) += w * *(const v16f *)(vh + 16 * c);
             }
         }
     }
@@ -186,15 +246,15 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
 #define ATTEND_KIND(K)                                                                       \
     do {                                                                                     \
         if (D == 64)                                                                         \
-            return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, K);                             \
+            return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, K, part);                             \
         if (D == 128)                                                                        \
-            return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, K);                            \
-        return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, K);                                  \
+            return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, K, part);                            \
+        return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, K, part);                                  \
     } while (0)
 static int attend(const float *q, const char *kc, const char *vc, const int32_t *table,
                   int64_t L, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
                   int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale,
-                  float *sc, float *out, int kind)
+                  float *sc, float *out, int kind, v16f *part)
 {
     switch (kind) {
     case KV_BF16:
@@ -231,12 +291,16 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
     {
         float *sc = NULL;
         int64_t cap = 0;
+        /* Partial score vectors of one tile: TILE per query head of a task. */
+        v16f *part = (v16f *)malloc((size_t)(per * G * TILE) * sizeof(v16f));
+        if (part == NULL)
+            failed = -1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < S * split; task++) {
             const int64_t s = task / split;
             const int64_t h0 = (task % split) * per;
             const int64_t L = lens[s];
-            if (L <= 0 || failed < 0) {
+            if (L <= 0 || failed < 0 || part == NULL) {
                 memset(out + (s * Hq + h0 * G) * D, 0, (size_t)(per * G * D) * sizeof(float));
                 continue;
             }
@@ -253,11 +317,12 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
             const int rc = attend(q + s * Hq * D, key_cache, value_cache,
                                   tables + s * table_stride, L, h0, h0 + per, G, D, B,
                                   num_blocks, tok_stride, blk_stride, scale, sc,
-                                  out + s * Hq * D, kind);
+                                  out + s * Hq * D, kind, part);
             if (rc < failed)
                 failed = rc;
         }
         free(sc);
+        free(part);
     }
     return failed;
 }
@@ -269,9 +334,30 @@ int paged_decode_kv(const float *q, const void *key_cache, const void *value_cac
                     const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
                     int64_t B, float scale, float *out, int nthreads, int kind)
 {
-    if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM)
+    if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM || D % 16 != 0)
         return -3;
     return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
                         tables, table_stride, lens, S, Hq, Hkv, D, B, scale, out, nthreads,
                         kind);
+}
+
+/* Store T new tokens' K and V rows (row_bytes each, already in the cache's element
+ * type; token t's rows at k + t * k_stride and v + t * v_stride bytes) into flat
+ * slots[t] of caches of num_slots slots; slot -1 is skipped. One call per layer
+ * where torch's path takes a dozen small ops. Returns 0, or -2 (nothing written)
+ * when a slot is outside [-1, num_slots). */
+int store_kv_rows(const char *k, int64_t k_stride, const char *v, int64_t v_stride,
+                  const int64_t *slots, int64_t T, char *key_cache, char *value_cache,
+                  int64_t num_slots, int64_t row_bytes)
+{
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots)
+            return -2;
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0)
+            continue;
+        memcpy(key_cache + slots[t] * row_bytes, k + t * k_stride, (size_t)row_bytes);
+        memcpy(value_cache + slots[t] * row_bytes, v + t * v_stride, (size_t)row_bytes);
+    }
+    return 0;
 }

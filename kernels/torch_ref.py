@@ -292,8 +292,27 @@ class TorchBackend(AttentionBackend):
         for s in range(len(q_lens)):
             if k_lens[s] == 0 and q_lens[s] > 0:
                 out[starts[s] : starts[s + 1]].zero_()
-        dec = [s for s in range(len(q_lens)) if q_lens[s] == 1 and k_lens[s] > 0]
-        rest = [s for s in range(len(q_lens)) if q_lens[s] > 1 and k_lens[s] > 0]
+        seqs = [s for s in range(len(q_lens)) if q_lens[s] > 0 and k_lens[s] > 0]
+        self._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts, scale, out)
+        return out
+
+    def _attend_seqs(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        md: VarlenMetadata,
+        seqs: list[int],
+        starts: list[int],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Write the rows of sequences ``seqs`` (each with queries and keys) into ``out``:
+        single-query rows through the decode path, the rest as padded SDPA groups."""
+        q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
+        dec = [s for s in seqs if q_lens[s] == 1]
+        rest = [s for s in seqs if q_lens[s] > 1]
         if dec:
             dev = q.device
             rows = torch.tensor([starts[s] for s in dec], device=dev)
@@ -317,4 +336,3 @@ class TorchBackend(AttentionBackend):
                 q, key_cache, value_cache, block_table, sorted(group), starts,
                 q_lens, k_lens, scale, out,
             )
-        return out

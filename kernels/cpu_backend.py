@@ -1,0 +1,126 @@
+"""The "cpu" attention backend: the torch backend with its hot paths on the native kernels.
+
+Decode rows and the rows of short prefills run on the native paged kernel
+(``cpu_native.paged_decode``): a prefill row is a decode row whose key length
+stops at its own position, so a batch of short prompts becomes one call over
+all its rows instead of padded, masked SDPA groups (about twice as fast for
+prompts of tens of tokens, where SDPA's per-call setup and padding dominate).
+Long prefills keep SDPA, which is GEMM-bound there: each native row re-reads
+its whole prefix, which stops paying once a sequence's K/V outgrow the L2
+cache. Stores are one native call per layer.
+
+Anything the native kernels do not take (fp16 queries, non-contiguous caches,
+head sizes that are not multiples of 16) falls back to the inherited torch
+path, so every batch the torch backend accepts works here too.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from pagedserve.kernels import cpu_native
+from pagedserve.kernels.metadata import VarlenMetadata
+from pagedserve.kernels.torch_ref import TorchBackend
+
+# Prefills whose key length is at most this run as native rows; longer ones use SDPA
+# (``python bench/kernels.py --backends cpu torch`` measures both sides).
+ROWS_MAX_KEYS = 192
+
+
+class _Rows:
+    """A step's prefill rows as native decode rows (built once, shared by every layer)."""
+
+    def __init__(self, md: VarlenMetadata, block_table: torch.Tensor, seqs: list[int],
+                 starts: list[int]) -> None:
+        self.md, self.block_table, self.seqs = md, block_table, seqs
+        q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
+        qs = torch.tensor([q_lens[s] for s in seqs])
+        ks = torch.tensor([k_lens[s] for s in seqs])
+        first = torch.tensor([starts[s] for s in seqs])
+        n = int(qs.sum())
+        within = torch.arange(n) - torch.repeat_interleave(qs.cumsum(0) - qs, qs)
+        self.rows = torch.repeat_interleave(first, qs) + within
+        self.lens = torch.repeat_interleave(ks - qs, qs) + within + 1
+        self.max_len = max(k_lens[s] for s in seqs)
+        seq_of_row = torch.repeat_interleave(torch.tensor(seqs), qs)
+        self.tables = block_table.index_select(0, seq_of_row.to(block_table.device))
+        # Every row of the batch, in order: q and out are used as they are.
+        self.dense = n == starts[-1] and all(a < b for a, b in itertools.pairwise(seqs))
+
+    def matches(self, md: VarlenMetadata, block_table: torch.Tensor, seqs: list[int]) -> bool:
+        return self.md is md and self.block_table is block_table and self.seqs == seqs
+
+
+class CpuNativeBackend(TorchBackend):
+    """The torch backend with stores, decode rows and short prefills on the native
+    kernels (CPU; fp32 or bf16 queries over fp32, bf16, fp16 or fp8 caches)."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        self._rows: _Rows | None = None
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if not cpu_native.store_kv(key, value, key_cache, value_cache, slot_mapping):
+            super().store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        lens: torch.Tensor,
+        lens_host: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        if not cpu_native.supports(q, key_cache, value_cache):
+            return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host, scale)
+        return cpu_native.paged_decode(q, key_cache, value_cache, block_table, lens,
+                                       max(lens_host), scale)
+
+    def _attend_seqs(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        md: VarlenMetadata,
+        seqs: list[int],
+        starts: list[int],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        if not cpu_native.supports(q, key_cache, value_cache):
+            super()._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts,
+                                 scale, out)
+            return
+        q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
+        native = [s for s in seqs if q_lens[s] == 1 or k_lens[s] <= ROWS_MAX_KEYS]
+        rest = [s for s in seqs if not (q_lens[s] == 1 or k_lens[s] <= ROWS_MAX_KEYS)]
+        if rest:
+            super()._attend_seqs(q, key_cache, value_cache, block_table, md, rest, starts,
+                                 scale, out)
+        if not native:
+            return
+        if self._rows is None or not self._rows.matches(md, block_table, native):
+            self._rows = _Rows(md, block_table, native, starts)
+        r = self._rows
+        n = r.rows.numel()
+        q_rows = q[:n] if r.dense else q.index_select(0, r.rows)
+        o = cpu_native.paged_decode(q_rows, key_cache, value_cache, r.tables, r.lens,
+                                    r.max_len, scale)
+        if r.dense:
+            out[:n] = o
+        else:
+            out.index_copy_(0, r.rows, o.to(out.dtype))
