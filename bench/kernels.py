@@ -248,12 +248,13 @@ def main() -> None:
     gpu = device.type == "cuda"
     if args.quick:
         batches, contexts, reps = [64, 256], [256, 512], 5
-        prefills = [(1, 512), (4, 256)] if not gpu else [(1, 2048), (8, 1024)]
+        # (64, 64): a batch of chat-length prompts (the "cpu" backend's native rows).
+        prefills = [(1, 512), (4, 256), (64, 64)] if not gpu else [(1, 2048), (8, 1024)]
         if gpu:
             contexts = [512, 2048, 8192]
     else:
         batches, contexts, reps = [16, 64, 256], [128, 512, 1024], 10
-        prefills = [(1, 512), (4, 512), (1, 2048), (16, 256)]
+        prefills = [(1, 512), (4, 512), (1, 2048), (16, 256), (64, 64)]
         if gpu:
             contexts, reps = [512, 2048, 8192], 20
             prefills += [(1, 8192), (32, 1024)]

@@ -42,7 +42,7 @@ class _Rows:
         n = int(qs.sum())
         within = torch.arange(n) - torch.repeat_interleave(qs.cumsum(0) - qs, qs)
         self.rows = torch.repeat_interleave(first, qs) + within
-        self.lens = torch.repeat_interleave(ks - qs, qs) + within + 1
+        self.lens = (torch.repeat_interleave(ks - qs, qs) + within + 1).to(torch.int32)
         self.max_len = max(k_lens[s] for s in seqs)
         seq_of_row = torch.repeat_interleave(torch.tensor(seqs), qs)
         self.tables = block_table.index_select(0, seq_of_row.to(block_table.device))
@@ -117,10 +117,14 @@ class CpuNativeBackend(TorchBackend):
             self._rows = _Rows(md, block_table, native, starts)
         r = self._rows
         n = r.rows.numel()
-        q_rows = q[:n] if r.dense else q.index_select(0, r.rows)
-        o = cpu_native.paged_decode(q_rows, key_cache, value_cache, r.tables, r.lens,
-                                    r.max_len, scale)
         if r.dense:
-            out[:n] = o
-        else:
-            out.index_copy_(0, r.rows, o.to(out.dtype))
+            # Every row in order: read q and write out in place.
+            into = out[:n] if out.dtype == torch.float32 and out.is_contiguous() else None
+            o = cpu_native.paged_decode(q[:n], key_cache, value_cache, r.tables, r.lens,
+                                        r.max_len, scale, out=into)
+            if into is None:
+                out[:n] = o
+            return
+        o = cpu_native.paged_decode(q.index_select(0, r.rows), key_cache, value_cache, r.tables,
+                                    r.lens, r.max_len, scale)
+        out.index_copy_(0, r.rows, o.to(out.dtype))

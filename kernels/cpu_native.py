@@ -167,12 +167,15 @@ def paged_decode(
     lens: torch.Tensor,
     max_len: int,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention [S, Hq, D] of ``q`` over keys ``[0, lens[s])``; zero rows for len 0.
 
     Caller checks :func:`supports` first; ``max_len`` is ``max(lens)``, known
     on the host. Block-table entries past a sequence's length are never read,
-    so -1 padding there is fine; a needed entry out of range raises.
+    so -1 padding there is fine; a needed entry out of range raises. ``out``
+    (fp32, contiguous, ``q``'s shape; only for fp32 ``q``) receives the result
+    instead of a fresh tensor: a prefill's rows then skip an allocation and a copy.
     """
     lib = _loaded()
     if lib is None:
@@ -195,7 +198,10 @@ def paged_decode(
     if max_len > tables.shape[1] * bsz:
         raise ValueError(f"a sequence of {max_len} tokens overruns its block table "
                          f"({tables.shape[1]} blocks of {bsz})")
-    out = torch.empty_like(q32)
+    if out is None or q.dtype != torch.float32:
+        out = torch.empty_like(q32)
+    elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of shape {tuple(q.shape)}")
     if value_cache.dtype != key_cache.dtype or key_cache.dtype not in _KV_KINDS:
         raise ValueError(f"native paged decode reads {list(_KV_KINDS)} caches, got "
                          f"{key_cache.dtype} / {value_cache.dtype}")

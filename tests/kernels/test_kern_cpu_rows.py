@@ -132,3 +132,22 @@ def test_store_then_rows_in_the_engine_order() -> None:
     vc.view(-1, 3, 64)[slots] = 0
     be.store_kv(b.k[new], b.v[new], kc, vc, slots)
     assert torch.equal(kc, b.key_cache) and torch.equal(vc, b.value_cache)
+
+
+def test_bf16_prefill_rows() -> None:
+    b = make_paged_batch([12, 40, 1], [12, 40, 80], 8, 2, 64, 16, dtype=torch.bfloat16, seed=7)
+    check_against_oracle(get_backend("cpu"), b, 2e-2, decode=False)
+
+
+def test_decode_writes_into_a_given_output() -> None:
+    b = make_paged_batch([1, 1, 1], [5, 40, 17], 9, 3, 64, 16, seed=8)
+    lens = torch.tensor(b.key_lens)
+    out = torch.full_like(b.q, float("nan"))
+    got = cpu_native.paged_decode(b.q, b.key_cache, b.value_cache, b.block_table, lens, 40,
+                                  0.125, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    ref = cpu_native.paged_decode(b.q, b.key_cache, b.value_cache, b.block_table, lens, 40, 0.125)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        cpu_native.paged_decode(b.q, b.key_cache, b.value_cache, b.block_table, lens, 40, 0.125,
+                                out=out[:2])
