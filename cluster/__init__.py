@@ -1,5 +1,10 @@
 """The serving side: engine, executors, offline ``LLM`` API, Ray Serve app and CLI."""
 
+from pagedserve.cluster.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+)
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.llm import LLM
 from pagedserve.cluster.outputs import (
@@ -12,5 +17,5 @@ from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
            "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams"]

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pagedserve.cluster.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
 from pagedserve.cluster.burst import GAPS_CAP, BurstPolicy
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine, configure_gc_for_serving
@@ -189,6 +190,42 @@ class AsyncEngine:
             self._queues.pop(rid, None)
             if not finished:
                 self.abort(rid)
+
+    async def beam_search(self, prompt: list[int], params: BeamSearchParams,
+                          lora_request: LoRARequest | None = None,
+                          cache_salt: str | None = None, priority: int = 0
+                          ) -> list[BeamSearchSequence]:
+        """One prompt's best ``params.beam_width`` hypotheses, best first (vLLM's
+        ``EngineClient.beam_search``). Each step's beams run as concurrent one-token
+        requests that share the continuous batch with everything else; a failure or a
+        cancellation aborts the step's other beams."""
+        search = BeamSearch([self.engine.tokenize(prompt)], params,
+                            self.engine.eos_token_ids, self.engine.max_model_len)
+        while batch := search.pending():
+            tasks = [asyncio.ensure_future(self._last_output(p, search.step_params,
+                                                             lora_request, cache_salt,
+                                                             priority))
+                     for p in batch]
+            try:
+                outs = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            search.advance(outs)
+        return search.results()[0]
+
+    async def _last_output(self, prompt: list[int], params: SamplingParams,
+                           lora_request: LoRARequest | None, cache_salt: str | None,
+                           priority: int) -> RequestOutput:
+        last = None
+        async for out in self.generate(prompt, params, None, cache_salt, lora_request,
+                                       priority):
+            last = out
+        if last is None:
+            raise RuntimeError("a beam's request ended without output")
+        return last
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)

@@ -9,19 +9,14 @@ replica that dies (or answers 503) before answering is retried on another.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import struct
-from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
 
 from pagedserve.cluster.protocol import APIError, as_batch
-from pagedserve.cluster.router import MAX_ATTEMPTS, overloaded_error, replica_failed_error
+from pagedserve.cluster.replica_calls import call_on_replicas, gather_or_cancel
 from pagedserve.cluster.wire import EngineRequest
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -52,55 +47,31 @@ class EmbeddingRequest(BaseModel):
                            param="truncate_prompt_tokens")
         return batch
 
+    def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
+                  ) -> list[list[int]]:
+        """Each input of ``batch`` as token ids, cut to ``truncate_prompt_tokens``; ids
+        outside the vocabulary are a 400."""
+        out = []
+        for x in batch:
+            ids = tokenizer.encode(x) if isinstance(x, str) else list(x)
+            if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+                raise APIError("input token ids must be within the vocabulary", param="input")
+            if self.truncate_prompt_tokens is not None:
+                ids = ids[-self.truncate_prompt_tokens:]
+            out.append(ids)
+        return out
+
 
 async def embed_all(handle: Any, reqs: list[EngineRequest]) -> list[dict[str, Any]]:
     """Every input's answer, in order; the first failure cancels the others (their
     replicas abort them) and is raised."""
-    tasks = [asyncio.ensure_future(embed_on_replicas(handle, r)) for r in reqs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    return await gather_or_cancel([embed_on_replicas(handle, r) for r in reqs])
 
 
 async def embed_on_replicas(handle: Any, req: EngineRequest) -> dict[str, Any]:
     """One input's ``EngineServer.embed`` answer, retried on another replica when one
     fails; errors become :class:`APIError` (400 for the input, 503 otherwise)."""
-    exclude: list[str] = []
-    for attempt in range(MAX_ATTEMPTS):
-        call = handle.options(method_name="embed").remote(
-            _with_exclusions(req, tuple(exclude)))
-        try:
-            res = await call
-        except BackPressureError as e:
-            raise overloaded_error(e) from None
-        except (RayActorError, ActorUnavailableError) as e:
-            if attempt + 1 >= MAX_ATTEMPTS:
-                raise replica_failed_error(e) from None
-            continue
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                call.cancel()
-            raise
-        if "error" not in res:
-            return res
-        if res.get("retryable") and attempt + 1 < MAX_ATTEMPTS:
-            exclude.append(res.get("replica", ""))
-            continue
-        raise APIError(res["error"], status=res["status"],
-                       type="invalid_request_error" if res["status"] == 400
-                       else "service_unavailable")
-    raise APIError("no engine replica could embed the input", status=503,
-                   type="service_unavailable")
-
-
-def _with_exclusions(req: EngineRequest, exclude: tuple[str, ...]) -> EngineRequest:
-    if not exclude:
-        return req
-    return replace(req, exclude_replicas=tuple(req.exclude_replicas) + exclude)
+    return await call_on_replicas(handle, "embed", req, what="embed the input")
 
 
 def encode_vector(vec: list[float], fmt: str) -> list[float] | str:

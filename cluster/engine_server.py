@@ -22,12 +22,13 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import ray
 from ray import serve
 
+from pagedserve.cluster.beam_search import BeamSearchParams
 from pagedserve.cluster.channel import Outboxes
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.metrics import RequestTimer, ServerMetrics
@@ -100,17 +101,13 @@ class EngineServer:
     async def embed(self, req: EngineRequest) -> dict[str, Any]:
         """Embed one input (``req.pooling`` set); cancelling this call aborts it.
 
-        Returns ``{"embedding", "prompt_tokens", "replica"}``, or ``{"error", "status",
-        "retryable"}`` (400: the input; 503: the engine failed, another replica may serve).
+        Returns ``{"embedding", "prompt_tokens", "replica"}``, or an error dict
+        (see :meth:`_answer`).
         """
-        from pagedserve.cluster.async_engine import EngineDeadError
-
         if req.pooling is None:
             raise ValueError("EngineServer.embed needs EngineRequest.pooling")
-        timer, reason = RequestTimer(), "abort"
-        self.metrics.in_flight += 1
-        try:
-            lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
+
+        async def work(lora: Any) -> dict[str, Any]:
             last = None
             async for out in self.engine.generate(req.prompt_token_ids, req.params,
                                                   req.request_id, req.cache_salt, lora,
@@ -118,9 +115,47 @@ class EngineServer:
                 last = out
             if last is None or last.embedding is None:
                 raise RuntimeError("embedding request ended without an embedding")
+            return {"embedding": last.embedding, "prompt_tokens": len(last.prompt_token_ids)}
+
+        return await self._answer(req, work)
+
+    async def beam_search(self, req: EngineRequest, params: BeamSearchParams
+                          ) -> dict[str, Any]:
+        """Beam search for one prompt (``use_beam_search``); cancelling this call aborts it.
+
+        Returns ``{"sequences": [{"token_ids", "text", "cumulative_logprob",
+        "finish_reason"}, ...] (best first, generated tokens only), "prompt_tokens",
+        "replica"}``, or an error dict (see :meth:`_answer`).
+        """
+
+        async def work(lora: Any) -> dict[str, Any]:
+            seqs = await self.engine.beam_search(req.prompt_token_ids, params, lora,
+                                                 req.cache_salt, req.priority)
+            tok, skip = self.engine.tokenizer, req.params.skip_special_tokens
+            return {"sequences": [
+                {"token_ids": s.completion_token_ids,
+                 "text": tok.decode(s.completion_token_ids, skip_special_tokens=skip),
+                 "cumulative_logprob": s.cum_logprob, "finish_reason": s.finish_reason}
+                for s in seqs], "prompt_tokens": len(req.prompt_token_ids)}
+
+        return await self._answer(req, work)
+
+    async def _answer(self, req: EngineRequest,
+                      work: Callable[[Any], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """Run a one-answer call (``work(lora)``) with this replica's metrics.
+
+        Errors are answers too: ``{"error", "status", "retryable", "replica"}`` with 400
+        for the request itself, 503 (retryable) when the engine failed.
+        """
+        from pagedserve.cluster.async_engine import EngineDeadError
+
+        timer, reason = RequestTimer(), "abort"
+        self.metrics.in_flight += 1
+        try:
+            lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
+            result = await work(lora)
             reason = "stop"
-            return {"embedding": last.embedding, "prompt_tokens": len(last.prompt_token_ids),
-                    "replica": self.replica_id}
+            return {**result, "replica": self.replica_id}
         except ValueError as e:
             reason = "rejected"
             return {"error": str(e), "status": 400, "retryable": False,

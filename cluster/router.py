@@ -35,8 +35,12 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from pagedserve.cluster.channel import ChannelClient
+from pagedserve.cluster.lora_serving import adapter_affinity_key
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.wire import EngineChunk, EngineRequest
+from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
+from pagedserve.scheduler.lora_request import lora_cache_key
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 ROUTER_CLASS_PATH = "pagedserve.cluster.router:PrefixAffinityRouter"
 MAX_ATTEMPTS = 3  # a request whose replica died before its first token moves on
@@ -134,6 +138,21 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
         logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
         if replica is not None:
             exclude.append(replica)
+
+
+def routed_request(rid: str, ids: list[int], params: SamplingParams, salt: str | None,
+                   info: dict[str, Any], stream: bool, lora: tuple[str, str] | None = None,
+                   priority: int = 0) -> EngineRequest:
+    """An engine request carrying what the router places it by: the prompt's block
+    hashes as the replicas' prefix caches key them (model, salt and adapter included),
+    led by the adapter's own key (so an adapter's requests gather where it is loaded)."""
+    key = lora_cache_key(*lora) if lora is not None else None
+    hashes = hash_prompt_blocks(ids, info["block_size"],
+                                make_extra_keys(info["model_id"], salt, key))
+    if lora is not None:  # for the router only: the replicas compute their own
+        hashes.insert(0, adapter_affinity_key(*lora))
+    return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora,
+                         priority=priority)
 
 
 def overloaded_error(e: BackPressureError) -> APIError:

@@ -31,10 +31,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from pagedserve.cluster.beam_serving import beam_response, beam_search_params, run_beam_searches
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.embeddings import EmbeddingRequest, embed_all, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
-from pagedserve.cluster.lora_serving import AdapterCatalog, adapter_affinity_key
+from pagedserve.cluster.lora_serving import AdapterCatalog
 from pagedserve.cluster.metrics import (
     HttpMetrics,
     HttpMetricsMiddleware,
@@ -61,12 +62,11 @@ from pagedserve.cluster.router import (
     affinity_snapshot,
     known_replicas,
     merge_streams,
+    routed_request,
 )
 from pagedserve.cluster.serve_args import ServeArgs
-from pagedserve.cluster.tools import ToolContext, template_messages
+from pagedserve.cluster.tools import ToolContext, chat_prompt_ids
 from pagedserve.cluster.wire import EngineRequest
-from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
-from pagedserve.scheduler.lora_request import lora_cache_key
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -156,18 +156,6 @@ class OpenAIServer:
                                        headers={"Retry-After": "1"}) from None
         return self._info
 
-    def _engine_request(self, rid: str, ids: list[int], params: SamplingParams,
-                        salt: str | None, info: dict[str, Any], stream: bool,
-                        lora: tuple[str, str] | None = None, priority: int = 0
-                        ) -> EngineRequest:
-        key = lora_cache_key(*lora) if lora is not None else None
-        hashes = hash_prompt_blocks(ids, info["block_size"],
-                                    make_extra_keys(info["model_id"], salt, key))
-        if lora is not None:  # for the router only: the replicas compute their own
-            hashes.insert(0, adapter_affinity_key(*lora))
-        return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora,
-                             priority=priority)
-
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
                        include_usage: bool, continuous_usage: bool, logprobs: bool,
                        echo: list[tuple[str, list[int]]] | None = None,
@@ -241,8 +229,12 @@ class OpenAIServer:
                 whole = isinstance(p, str) and body.truncate_prompt_tokens is None
                 echo.append((p if whole else self.tokenizer.decode(ids), ids))
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-            reqs.append(self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
+            reqs.append(routed_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
                                              body.stream, lora, body.priority))
+        if body.use_beam_search:
+            return JSONResponse(await self._beam_search(
+                "text_completion", rid, body, reqs, lora,
+                {"echo": body.echo, "logprobs": body.logprobs is not None}))
         so = body.stream_options
         return await self._respond(rid, reqs, "text_completion", body.stream,
                                    bool(so and so.include_usage),
@@ -264,8 +256,12 @@ class OpenAIServer:
             body.engine_logprobs(), info["vocab_size"],
             tools.structured() if tools is not None else None)
         rid = new_id("chatcmpl")
-        req = self._engine_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
+        req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
                                    body.priority)
+        if body.use_beam_search:
+            return JSONResponse(await self._beam_search(
+                "chat.completion", rid, body, [req], lora,
+                {"logprobs": bool(body.logprobs), "tools": bool(body.tools)}))
         so = body.stream_options
         return await self._respond(rid, [req], "chat.completion", body.stream,
                                    bool(so and so.include_usage),
@@ -274,14 +270,16 @@ class OpenAIServer:
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                   tools: list[dict[str, Any]] | None) -> list[int]:
-        """The prompt the chat template makes of ``messages`` (and ``tools``)."""
-        extra = {"tools": tools} if tools else {}
-        try:
-            return list(self.tokenizer.apply_chat_template(
-                template_messages([m.as_template_dict() for m in messages]), tokenize=True,
-                add_generation_prompt=add_generation_prompt, return_dict=False, **extra))
-        except Exception as e:
-            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+        return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in messages],
+                               add_generation_prompt, tools)
+
+    async def _beam_search(self, kind: str, rid: str, body: Any, reqs: list[EngineRequest],
+                           lora: tuple[str, str] | None, conflicts: dict[str, bool]
+                           ) -> dict[str, Any]:
+        """``use_beam_search``: each prompt's beams from one replica (``beam_serving``)."""
+        beams = [beam_search_params(body, r.params.max_tokens, conflicts) for r in reqs]
+        results = await run_beam_searches(self._engine, reqs, beams)
+        return beam_response(kind, rid, lora[0] if lora else self.served_name, results)
 
     @api.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
@@ -293,16 +291,11 @@ class OpenAIServer:
         pooling = PoolingParams(self.pooling_type, body.normalize, body.dimensions)
         params = SamplingParams(max_tokens=1)
         rid = new_id("embd")
-        reqs = []
-        for i, x in enumerate(batch):
-            ids = self.tokenizer.encode(x) if isinstance(x, str) else list(x)
-            if any(not isinstance(t, int) or not 0 <= t < info["vocab_size"] for t in ids):
-                raise APIError("input token ids must be within the vocabulary", param="input")
-            if body.truncate_prompt_tokens is not None:
-                ids = ids[-body.truncate_prompt_tokens:]
-            req = self._engine_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
-                                       False, lora, body.priority)
-            reqs.append(dataclasses.replace(req, pooling=pooling))
+        reqs = [dataclasses.replace(routed_request(f"{rid}-{i}", ids, params,
+                                                         body.cache_salt, info, False, lora,
+                                                         body.priority), pooling=pooling)
+                for i, ids in enumerate(body.token_ids(batch, self.tokenizer,
+                                                       info["vocab_size"]))]
         results = await embed_all(self._engine, reqs)
         return embedding_response(body.model or self.served_name, results,
                                   body.encoding_format)

@@ -267,3 +267,16 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["tool_calls"] = fixed
         out.append(m)
     return out
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None) -> list[int]:
+    """The prompt the chat template makes of ``messages`` (and ``tools``); a template
+    that cannot render them is a 400 on ``messages``."""
+    extra = {"tools": tools} if tools else {}
+    try:
+        return list(tokenizer.apply_chat_template(
+            template_messages(messages), tokenize=True,
+            add_generation_prompt=add_generation_prompt, return_dict=False, **extra))
+    except Exception as e:
+        raise APIError(f"cannot apply the chat template: {e}", param="messages") from None

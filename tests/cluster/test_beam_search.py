@@ -1,0 +1,167 @@
+"""``LLM.beam_search``: equal to Hugging Face beam search on real checkpoints, EOS
+and length handling, validation, and a pool back at baseline afterwards."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedserve.cluster import LLM, BeamSearchParams, SamplingParams
+from pagedserve.cluster.beam_search import beam_search, get_beam_search_score
+from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+
+PROMPTS = [[5, 17, 99, 3, 42, 7], list(range(8, 45)), [300, 2, 301]]
+
+
+def hf_beams(model_dir: str, prompt: list[int], width: int, new_tokens: int
+             ) -> tuple[list[list[int]], list[float]]:
+    """HF beam search with EOS switched off (every beam runs ``new_tokens``): the
+    ``width`` sequences, best first, and their cumulative log-probabilities."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    x = torch.tensor([prompt])
+    with torch.inference_mode():
+        y = model.generate(x, attention_mask=torch.ones_like(x), num_beams=width,
+                           num_return_sequences=width, do_sample=False,
+                           max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None,
+                           length_penalty=1.0, output_scores=True,
+                           return_dict_in_generate=True)
+    seqs = [row[len(prompt):].tolist() for row in y.sequences]
+    # HF scores divide by the generated length; every beam has new_tokens of them.
+    return seqs, [float(s) * new_tokens for s in y.sequences_scores]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_beams_equal_hf_beam_search(arch: str, tiny_llama_dir: str, tiny_qwen2_dir: str) -> None:
+    model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    llm = LLM(model=model_dir, num_gpu_blocks=256, block_size=16)
+    try:
+        params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ref_tokens, ref_logprobs = hf_beams(model_dir, prompt, 4, 12)
+        assert [s.completion_token_ids for s in out.sequences] == ref_tokens
+        for seq, ref in zip(out.sequences, ref_logprobs, strict=True):
+            assert seq.tokens[:len(prompt)] == prompt and seq.finish_reason == "length"
+            assert seq.cum_logprob == pytest.approx(ref, abs=1e-3)
+            chosen = [lp[t] for lp, t in zip(seq.logprobs, seq.completion_token_ids)]
+            assert sum(chosen) == pytest.approx(seq.cum_logprob, abs=1e-9)
+
+
+def test_width_one_is_greedy(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=256)
+    try:
+        beams = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                                BeamSearchParams(beam_width=1, max_tokens=10, ignore_eos=True))
+        greedy = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert [b.sequences[0].completion_token_ids for b in beams] == \
+        [g.outputs[0].token_ids for g in greedy]
+
+
+def test_chat_answer_ends_at_eos(smol_llm) -> None:
+    tok = smol_llm.get_tokenizer()
+    ids = list(tok.apply_chat_template([{"role": "user", "content":
+                                         "What is the capital of France?"}],
+                                       add_generation_prompt=True, tokenize=True,
+                                       return_dict=False))
+    out = smol_llm.beam_search({"prompt_token_ids": ids},
+                               BeamSearchParams(beam_width=3, max_tokens=24))[0]
+    best = out.sequences[0]
+    assert tok.decode(best.completion_token_ids, skip_special_tokens=True) == \
+        "The capital of France is Paris."
+    assert best.finish_reason == "stop" and best.tokens[-1] in smol_llm.engine.eos_token_ids
+    assert best.text == tok.decode(best.tokens)  # vLLM's: the prompt included
+    eos = smol_llm.engine.eos_token_ids
+    scores = [get_beam_search_score(s.tokens, s.cum_logprob, eos) for s in out.sequences]
+    assert len(out.sequences) == 3 and scores == sorted(scores, reverse=True)
+    assert_pool_at_baseline(smol_llm)
+
+
+def _scripted(table: dict[tuple[int, ...], dict[int, float]]):
+    """A step function whose "model" is a table: generated-so-far -> next-token logprobs."""
+    calls: list[int] = []
+
+    def step(batch: list[list[int]], sp: SamplingParams) -> list[RequestOutput]:
+        calls.append(len(batch))
+        outs = []
+        for tokens in batch:
+            dist = table[tuple(tokens[1:])]  # every prompt here is the one token [0]
+            top = dict(sorted(dist.items(), key=lambda kv: -kv[1])[: sp.logprobs])
+            outs.append(RequestOutput("r", None, tokens,
+                                      [CompletionOutput(0, logprobs=[top])], True))
+        return outs
+
+    return step, calls
+
+
+EOS = 9
+
+
+def test_finished_hypotheses_and_length_penalty() -> None:
+    # Step 1: 1 (-0.1) or 2 (-0.5). After 1, EOS is likely (-0.2); after 2 a long
+    # confident continuation. With length_penalty 0 the short EOS answer wins on
+    # total logprob; a large penalty favours the longer one.
+    table = {
+        (): {1: -0.1, 2: -0.5, 3: -5.0},
+        (1,): {EOS: -0.2, 4: -3.0, 5: -4.0},
+        (2,): {6: -0.05, EOS: -6.0, 7: -6.5},
+        (1, 4): {EOS: -0.1, 8: -9.0, 7: -9.5}, (1, 5): {EOS: -0.1, 8: -9.0, 7: -9.5},
+        (2, 6): {6: -0.05, EOS: -7.0, 8: -8.0}, (2, 7): {EOS: -0.1, 8: -9.0, 6: -9.5},
+        (2, 6, 6): {EOS: -0.05, 8: -8.0, 7: -8.5},
+        (1, 4, 8): {EOS: -1.0, 8: -1.0, 7: -1.0}, (1, 5, 8): {EOS: -1.0, 8: -1.0, 7: -1.0},
+        (2, 6, 8): {EOS: -1.0, 8: -1.0, 7: -1.0}, (2, 7, 8): {EOS: -1.0, 8: -1.0, 7: -1.0},
+    }
+    for penalty, winner in ((0.0, [1, EOS]), (8.0, [2, 6, 6, EOS])):
+        step, calls = _scripted(table)
+        out = beam_search(step, [[0]], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                        length_penalty=penalty),
+                          eos_token_ids=[EOS], max_model_len=100, decode=str)[0]
+        assert out.sequences[0].completion_token_ids == winner
+        assert out.sequences[0].finish_reason == "stop"
+        assert calls[0] == 1 and max(calls) <= 2  # never more live beams than the width
+
+
+def test_beams_stop_at_the_context_length() -> None:
+    table = {(): {1: -0.1, 2: -0.2}, (1,): {1: -0.1, 2: -0.2}, (2,): {1: -0.1, 2: -0.2}}
+    step, calls = _scripted(table)
+    out = beam_search(step, [[0]], BeamSearchParams(beam_width=2, max_tokens=10),
+                      eos_token_ids=[EOS], max_model_len=3, decode=str)[0]
+    assert [s.completion_token_ids for s in out.sequences] == [[1, 1], [1, 2]]
+    assert all(s.finish_reason == "length" for s in out.sequences)
+    assert len(calls) == 2  # every beam filled the context: no third step
+    with pytest.raises(ValueError, match="leaves no room"):
+        beam_search(step, [[0, 0, 0]], BeamSearchParams(beam_width=2, max_tokens=1),
+                    eos_token_ids=[EOS], max_model_len=3, decode=str)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    (dict(beam_width=0, max_tokens=4), "beam_width"),
+    (dict(beam_width=11, max_tokens=4), "beam_width"),
+    (dict(beam_width=True, max_tokens=4), "beam_width"),
+    (dict(beam_width=2, max_tokens=0), "max_tokens"),
+    (dict(beam_width=2, max_tokens=2.5), "max_tokens"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=math.nan), "length_penalty"),
+])
+def test_bad_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        BeamSearchParams(**kwargs)
+
+
+def test_bad_prompts_raise_and_leave_nothing_queued(smol_llm) -> None:
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        smol_llm.beam_search({"prompt_token_ids": []}, params)
+    with pytest.raises(ValueError, match="vocabulary"):
+        smol_llm.beam_search({"prompt_token_ids": [1, 10**9]}, params)
+    assert_pool_at_baseline(smol_llm)
