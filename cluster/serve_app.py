@@ -230,7 +230,7 @@ class OpenAIServer:
                 echo.append((p if whole else self.tokenizer.decode(ids), ids))
                 params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
             reqs.append(routed_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
-                                             body.stream, lora, body.priority))
+                                       body.stream, lora, body.priority))
         if body.use_beam_search:
             return JSONResponse(await self._beam_search(
                 "text_completion", rid, body, reqs, lora,
@@ -257,7 +257,7 @@ class OpenAIServer:
             tools.structured() if tools is not None else None)
         rid = new_id("chatcmpl")
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
-                                   body.priority)
+                             body.priority)
         if body.use_beam_search:
             return JSONResponse(await self._beam_search(
                 "chat.completion", rid, body, [req], lora,
@@ -291,11 +291,11 @@ class OpenAIServer:
         pooling = PoolingParams(self.pooling_type, body.normalize, body.dimensions)
         params = SamplingParams(max_tokens=1)
         rid = new_id("embd")
-        reqs = [dataclasses.replace(routed_request(f"{rid}-{i}", ids, params,
-                                                         body.cache_salt, info, False, lora,
-                                                         body.priority), pooling=pooling)
-                for i, ids in enumerate(body.token_ids(batch, self.tokenizer,
-                                                       info["vocab_size"]))]
+        prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
+        reqs = [dataclasses.replace(routed_request(f"{rid}-{i}", ids, params, body.cache_salt,
+                                                   info, False, lora, body.priority),
+                                    pooling=pooling)
+                for i, ids in enumerate(prompts)]
         results = await embed_all(self._engine, reqs)
         return embedding_response(body.model or self.served_name, results,
                                   body.encoding_format)

@@ -114,8 +114,7 @@ static inline const char *token_row(const char *c, const int32_t *table, int64_t
 }
 
 /* Ask for the same row (n elements) of the sequence's next block, which the loop
- * reaches B tokens later. Called once per token between the math, not in a burst
- * per tile: a burst overflows the core's outstanding-miss slots and stalls. */
+ * reaches B tokens later (once per token, between the math). */
 static inline void prefetch_next(const char *c, const int32_t *table, int64_t t, int64_t L,
                                  int64_t B, int64_t blk_stride, int64_t tok_stride,
                                  int64_t h0, int64_t D, int64_t n, int64_t es)
@@ -246,10 +245,10 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
 #define ATTEND_KIND(K)                                                                       \
     do {                                                                                     \
         if (D == 64)                                                                         \
-            return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, K, part);                             \
+            return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, K, part);                       \
         if (D == 128)                                                                        \
-            return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, K, part);                            \
-        return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, K, part);                                  \
+            return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, K, part);                      \
+        return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, K, part);                            \
     } while (0)
 static int attend(const float *q, const char *kc, const char *vc, const int32_t *table,
                   int64_t L, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
