@@ -6,19 +6,24 @@ the blocks the previous steps cached; it is retried on another replica if
 its replica fails, and the prompts of a batch run concurrently (one failure
 cancels the others). ``n`` is the beam width and the number of choices;
 ``length_penalty`` and ``ignore_eos`` apply as in ``LLM.beam_search``. The
-answer arrives whole, so ``stream`` is refused, as are the options beam
-search has no meaning for (logprobs, stop strings, output constraints, echo,
-tools): each a 400 naming the field.
+search ends before anything is sent, so a ``stream`` gets each beam whole in
+one chunk (then usage if asked, then ``[DONE]``), as vLLM streams it. The
+options beam search has no meaning for (logprobs, stop strings, output
+constraints, echo, tools) are 400s naming the field.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.beam_search import BeamSearchParams
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.replica_calls import call_on_replicas, gather_or_cancel
+from pagedserve.cluster.responses import sse
 from pagedserve.cluster.wire import EngineRequest
 
 
@@ -26,7 +31,7 @@ def beam_search_params(body: Any, max_tokens: int, conflicts: dict[str, bool]
                        ) -> BeamSearchParams:
     """The request's beam search settings; ``conflicts`` maps route-specific fields
     (``echo``, ``tools``, ...) to whether the request set them."""
-    checks = {"stream": body.stream, "stop": bool(body.stop),
+    checks = {"stop": bool(body.stop),
               "stop_token_ids": bool(body.stop_token_ids),
               "response_format": body.response_format is not None,
               "structured_outputs": body.structured_outputs is not None,
@@ -46,6 +51,20 @@ def beam_search_params(body: Any, max_tokens: int, conflicts: dict[str, bool]
         if field == "beam_width":
             field, msg = "n", "n (the beam width) " + msg.split(" ", 1)[1]
         raise APIError(msg, param=field) from None
+
+
+async def answer_beam_search(handle: Any, kind: str, rid: str, model: str, body: Any,
+                             reqs: list[EngineRequest], conflicts: dict[str, bool]
+                             ) -> Response:
+    """The HTTP answer to a ``use_beam_search`` request of ``kind`` (``text_completion``
+    or ``chat.completion``): validate, search every prompt, respond (or stream)."""
+    params = [beam_search_params(body, r.params.max_tokens, conflicts) for r in reqs]
+    out = beam_response(kind, rid, model, await run_beam_searches(handle, reqs, params))
+    if not body.stream:
+        return JSONResponse(out)
+    so = body.stream_options
+    return StreamingResponse(beam_stream_events(out, bool(so and so.include_usage)),
+                             media_type="text/event-stream")
 
 
 async def run_beam_searches(handle: Any, reqs: list[EngineRequest],
@@ -78,3 +97,22 @@ def beam_response(kind: str, rid: str, model: str, results: list[dict[str, Any]]
             "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def beam_stream_events(response: dict[str, Any], include_usage: bool) -> Iterator[str]:
+    """A finished beam search (``beam_response``'s body) as server-sent events: one
+    chunk per beam carrying its whole text and finish reason, the usage chunk when
+    asked, ``[DONE]``."""
+    chat = response["object"] == "chat.completion"
+    head = {"id": response["id"], "created": response["created"], "model": response["model"],
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    for c in response["choices"]:
+        choice = {"index": c["index"], "logprobs": None, "finish_reason": c["finish_reason"]}
+        if chat:
+            choice["delta"] = {"role": "assistant", "content": c["message"]["content"]}
+        else:
+            choice["text"] = c["text"]
+        yield sse({**head, "choices": [choice]})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": response["usage"]})
+    yield "data: [DONE]\n\n"

@@ -31,7 +31,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from pagedserve.cluster.beam_serving import beam_response, beam_search_params, run_beam_searches
+from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.embeddings import EmbeddingRequest, embed_all, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
@@ -232,9 +232,9 @@ class OpenAIServer:
             reqs.append(routed_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
                                        body.stream, lora, body.priority))
         if body.use_beam_search:
-            return JSONResponse(await self._beam_search(
-                "text_completion", rid, body, reqs, lora,
-                {"echo": body.echo, "logprobs": body.logprobs is not None}))
+            return await answer_beam_search(
+                self._engine, "text_completion", rid, lora[0] if lora else self.served_name,
+                body, reqs, {"echo": body.echo, "logprobs": body.logprobs is not None})
         so = body.stream_options
         return await self._respond(rid, reqs, "text_completion", body.stream,
                                    bool(so and so.include_usage),
@@ -259,9 +259,9 @@ class OpenAIServer:
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
                              body.priority)
         if body.use_beam_search:
-            return JSONResponse(await self._beam_search(
-                "chat.completion", rid, body, [req], lora,
-                {"logprobs": bool(body.logprobs), "tools": bool(body.tools)}))
+            return await answer_beam_search(
+                self._engine, "chat.completion", rid, lora[0] if lora else self.served_name,
+                body, [req], {"logprobs": bool(body.logprobs), "tools": bool(body.tools)})
         so = body.stream_options
         return await self._respond(rid, [req], "chat.completion", body.stream,
                                    bool(so and so.include_usage),
@@ -272,14 +272,6 @@ class OpenAIServer:
                   tools: list[dict[str, Any]] | None) -> list[int]:
         return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in messages],
                                add_generation_prompt, tools)
-
-    async def _beam_search(self, kind: str, rid: str, body: Any, reqs: list[EngineRequest],
-                           lora: tuple[str, str] | None, conflicts: dict[str, bool]
-                           ) -> dict[str, Any]:
-        """``use_beam_search``: each prompt's beams from one replica (``beam_serving``)."""
-        beams = [beam_search_params(body, r.params.max_tokens, conflicts) for r in reqs]
-        results = await run_beam_searches(self._engine, reqs, beams)
-        return beam_response(kind, rid, lora[0] if lora else self.served_name, results)
 
     @api.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:

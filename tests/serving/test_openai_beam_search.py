@@ -2,8 +2,9 @@
 
 Completions and chat completions with ``use_beam_search`` return the same
 beams as the offline ``LLM.beam_search`` (``n`` of them per prompt, best
-first), usage counts every beam's tokens, and the options beam search cannot
-honour are 400s naming the field; the replica's pool is back at baseline.
+first), streamed or not, usage counts every beam's tokens, and the options
+beam search cannot honour are 400s naming the field; the replica's pool is
+back at baseline.
 """
 
 from __future__ import annotations
@@ -60,8 +61,24 @@ def test_chat_beam_search_answers(smol, offline) -> None:
     smol.wait_baseline()
 
 
+def test_streamed_beams_arrive_whole(smol, offline) -> None:
+    client = smol.openai()
+    model = client.models.list().data[0].id
+    chunks = list(client.completions.create(
+        model=model, prompt=PROMPTS, max_tokens=12, n=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"use_beam_search": True}))
+    texts = {c.choices[0].index: c.choices[0].text for c in chunks if c.choices}
+    assert [texts[i] for i in range(6)] == offline["completions"][0] + offline["completions"][1]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6 * 12
+    chat = list(client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=24, n=2, stream=True,
+        extra_body={"use_beam_search": True}))
+    assert [c.choices[0].delta.content for c in chat] == offline["chat"][0]
+    assert chat[0].choices[0].finish_reason == "stop"
+    smol.wait_baseline()
+
+
 @pytest.mark.parametrize(("route", "extra", "param"), [
-    ("completions", {"stream": True}, "stream"),
     ("completions", {"n": 0}, "n"),
     ("completions", {"n": 11}, "n"),
     ("completions", {"logprobs": 2}, "logprobs"),
