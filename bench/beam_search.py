@@ -37,11 +37,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from offline import make_prompts  # the offline benchmark's prompts
 
 
-def run_pagedserve(path: str, prompts: list[list[int]], width: int, new: int
-                   ) -> tuple[float, list[list[int]]]:
+def run_pagedserve(path: str, prompts: list[list[int]], width: int, new: int,
+                   block_size: int | None) -> tuple[float, list[list[int]]]:
     from pagedserve.cluster import LLM, BeamSearchParams
 
-    llm = LLM(model=path, max_num_seqs=max(64, width * len(prompts)))
+    llm = LLM(model=path, max_num_seqs=max(64, width * len(prompts)), block_size=block_size)
     try:
         llm.beam_search([{"prompt_token_ids": prompts[0]}],
                         BeamSearchParams(beam_width=2, max_tokens=2))  # warm-up
@@ -87,15 +87,20 @@ def main() -> None:
     ap.add_argument("--beam-width", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="pagedserve's KV block size (default: the engine's); each beam "
+                    "recomputes its partial last block every step")
+    ap.add_argument("--skip-hf", action="store_true", help="pagedserve only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(None).path
     prompts = make_prompts(load_tokenizer(path), args.num_prompts, seed=0)
     w, new = args.beam_width, args.max_tokens
-    runs = {"pagedserve": run_pagedserve(path, prompts, w, new),
-            "hf_sequential": run_hf(path, prompts, w, new, batched=False),
-            "hf_batched": run_hf(path, prompts, w, new, batched=True)}
+    runs = {"pagedserve": run_pagedserve(path, prompts, w, new, args.block_size)}
+    if not args.skip_hf:
+        runs["hf_sequential"] = run_hf(path, prompts, w, new, batched=False)
+        runs["hf_batched"] = run_hf(path, prompts, w, new, batched=True)
     tokens = len(prompts) * w * new
     print(f"\n{len(prompts)} prompts, beam width {w}, {new} new tokens per beam, "
           f"SmolLM2-135M fp32, {args.threads} threads, {platform.processor() or 'CPU'}")

@@ -126,7 +126,9 @@ class LLM:
 
         Every step runs all live beams of all prompts as one batch of one-token
         requests (``cluster/beam_search.py``); the prefix cache makes each beam's
-        prompt a lookup of the blocks it has already computed.
+        prompt a lookup of the full blocks it has already computed, so each step
+        recomputes every beam's partial last block: an engine built with a small
+        ``block_size`` (4, or 1) runs beam search several times faster on CPU.
         """
         token_prompts = [self.engine.tokenize(p) for p in _prompt_list(prompts)]
         if any(not p for p in token_prompts):
