@@ -16,13 +16,19 @@ from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 PROMPTS = [[5, 17, 99, 3, 42, 7], list(range(8, 45)), [300, 2, 301]]
 
 
-def hf_beams(model_dir: str, prompt: list[int], width: int, new_tokens: int
-             ) -> tuple[list[list[int]], list[float]]:
-    """HF beam search with EOS switched off (every beam runs ``new_tokens``): the
-    ``width`` sequences, best first, and their cumulative log-probabilities."""
+def hf_beams(model_dir: str, prompt: list[int], width: int, new_tokens: int,
+             adapter_dir: str | None = None) -> tuple[list[list[int]], list[float]]:
+    """HF beam search with EOS switched off (every beam runs ``new_tokens``), through
+    PEFT when ``adapter_dir`` is given: the ``width`` sequences, best first, and their
+    cumulative log-probabilities."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
     model.generation_config.eos_token_id = None
     x = torch.tensor([prompt])
     with torch.inference_mode():
@@ -57,6 +63,24 @@ def test_beams_equal_hf_beam_search(arch: str, block_size: int, tiny_llama_dir: 
             assert seq.cum_logprob == pytest.approx(ref, abs=1e-3)
             chosen = [lp[t] for lp, t in zip(seq.logprobs, seq.completion_token_ids)]
             assert sum(chosen) == pytest.approx(seq.cum_logprob, abs=1e-9)
+
+
+def test_beams_under_a_lora_adapter_equal_hf_peft(tiny_llama_dir: str, llama_loras) -> None:
+    lora = llama_loras["all7"]
+    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_lora_rank=8, num_gpu_blocks=256)
+    try:
+        params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]], params,
+                               lora_request=lora)
+        base = llm.beam_search({"prompt_token_ids": PROMPTS[0]}, params)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(PROMPTS[:2], outs, strict=True):
+        ref_tokens, _ = hf_beams(tiny_llama_dir, prompt, 3, 8, lora.lora_path)
+        assert [s.completion_token_ids for s in out.sequences] == ref_tokens
+    assert [s.completion_token_ids for s in base[0].sequences] != \
+        [s.completion_token_ids for s in outs[0].sequences]  # the adapter mattered
 
 
 def test_width_one_is_greedy(tiny_llama_dir: str) -> None:
