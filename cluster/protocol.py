@@ -97,7 +97,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority
-    use_beam_search: bool = False  # vLLM's: n beams, answered whole (cluster/beam_serving.py)
+    use_beam_search: bool = False  # vLLM's: n beams per prompt (cluster/beam_serving.py)
     length_penalty: float = 1.0  # beam search only
 
     def _check_unsupported(self) -> None:
