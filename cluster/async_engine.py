@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pagedserve.cluster.aio import gather_or_cancel
 from pagedserve.cluster.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
 from pagedserve.cluster.burst import GAPS_CAP, BurstPolicy
 from pagedserve.cluster.config import EngineConfig
@@ -202,18 +203,9 @@ class AsyncEngine:
         search = BeamSearch([self.engine.tokenize(prompt)], params,
                             self.engine.eos_token_ids, self.engine.max_model_len)
         while batch := search.pending():
-            tasks = [asyncio.ensure_future(self._last_output(p, search.step_params,
-                                                             lora_request, cache_salt,
-                                                             priority))
-                     for p in batch]
-            try:
-                outs = await asyncio.gather(*tasks)
-            except BaseException:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-            search.advance(outs)
+            search.advance(await gather_or_cancel([
+                self._last_output(p, search.step_params, lora_request, cache_salt, priority)
+                for p in batch]))
         return search.results()[0]
 
     async def _last_output(self, prompt: list[int], params: SamplingParams,

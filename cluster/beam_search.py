@@ -137,10 +137,10 @@ class BeamSearch:
         live = self._live()
         fresh: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in self.instances}
         for (inst, beam), out in zip(live, outs, strict=True):
-            seen = (out.outputs[0].logprobs or [{}])[0]
+            seen = dict((out.outputs[0].logprobs or [{}])[0])  # shared by the candidates
             for token, logprob in seen.items():
                 cand = BeamSearchSequence(
-                    [*beam.tokens, token], [*beam.logprobs, dict(seen)],
+                    [*beam.tokens, token], [*beam.logprobs, seen],
                     beam.cum_logprob + logprob, num_prompt_tokens=beam.num_prompt_tokens)
                 if token in self.eos and not self.params.ignore_eos:
                     cand.finish_reason = "stop"

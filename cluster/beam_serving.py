@@ -20,9 +20,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.cluster.aio import gather_or_cancel
 from pagedserve.cluster.beam_search import BeamSearchParams
 from pagedserve.cluster.protocol import APIError
-from pagedserve.cluster.replica_calls import call_on_replicas, gather_or_cancel
+from pagedserve.cluster.replica_calls import call_on_replicas
 from pagedserve.cluster.responses import sse
 from pagedserve.cluster.wire import EngineRequest
 

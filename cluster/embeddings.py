@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from pagedserve.cluster.aio import gather_or_cancel
 from pagedserve.cluster.protocol import APIError, as_batch
-from pagedserve.cluster.replica_calls import call_on_replicas, gather_or_cancel
+from pagedserve.cluster.replica_calls import call_on_replicas
 from pagedserve.cluster.wire import EngineRequest
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request

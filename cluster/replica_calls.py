@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -21,21 +20,6 @@ from ray.serve.exceptions import BackPressureError
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.router import MAX_ATTEMPTS, overloaded_error, replica_failed_error
 from pagedserve.cluster.wire import EngineRequest
-
-T = TypeVar("T")
-
-
-async def gather_or_cancel(calls: list[Awaitable[T]]) -> list[T]:
-    """Every call's answer, in order; the first failure cancels the others (their
-    replicas abort their requests) and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 async def call_on_replicas(handle: Any, method: str, req: EngineRequest, *args: Any,

@@ -106,8 +106,10 @@ class CpuNativeBackend(TorchBackend):
                                  scale, out)
             return
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
-        native = [s for s in seqs if q_lens[s] == 1 or k_lens[s] <= ROWS_MAX_KEYS]
-        rest = [s for s in seqs if not (q_lens[s] == 1 or k_lens[s] <= ROWS_MAX_KEYS)]
+        native: list[int] = []
+        rest: list[int] = []
+        for s in seqs:
+            (native if q_lens[s] == 1 or k_lens[s] <= ROWS_MAX_KEYS else rest).append(s)
         if rest:
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, rest, starts,
                                  scale, out)
