@@ -5,9 +5,9 @@ Same machine, same model (SmolLM2-135M, fp32 on CPU), same prompts, one run:
 running ``--max-tokens`` new tokens (EOS off on both sides, so the work is
 fixed and the beams comparable).
 
-- pagedserve: all prompts in one ``beam_search`` call (each step, every live
-  beam is a one-token request; the prefix cache holds what earlier steps
-  computed);
+- pagedserve: all prompts in one ``beam_search`` call (each prompt one
+  request whose beams fork on each other's KV blocks in the scheduler; each
+  step computes one token per live beam);
 - Hugging Face, one prompt at a time (``generate(num_beams=W)``, its KV cache
   reordered per step), and all prompts in one left-padded batch.
 
@@ -88,8 +88,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=None,
-                    help="pagedserve's KV block size (default: the engine's); each beam "
-                    "recomputes its partial last block every step")
+                    help="pagedserve's KV block size (default: the engine's)")
     ap.add_argument("--skip-hf", action="store_true", help="pagedserve only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

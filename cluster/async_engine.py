@@ -21,8 +21,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pagedserve.cluster.aio import gather_or_cancel
-from pagedserve.cluster.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
+from pagedserve.cluster.beam_search import BeamSearchParams, BeamSearchSequence, beam_sequences
 from pagedserve.cluster.burst import GAPS_CAP, BurstPolicy
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine, configure_gc_for_serving
@@ -156,9 +155,11 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative snapshot after every step that advanced the request
-        (with ``pooling_params``: an embedding request, whose last one has it).
+        (with ``pooling_params``: an embedding request, whose last one has it; with
+        ``beam``: a beam search, whose only snapshot is its answer).
 
         Validation errors raise ``ValueError`` before the first yield. If the
         consumer stops iterating or is cancelled, the request is aborted. A LoRA
@@ -170,7 +171,7 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(
                 self._step_thread, self.engine.add_lora, lora_request)
         rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request,
-                                      priority, pooling_params)
+                                      priority, pooling_params, beam)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()
@@ -197,27 +198,15 @@ class AsyncEngine:
                           cache_salt: str | None = None, priority: int = 0
                           ) -> list[BeamSearchSequence]:
         """One prompt's best ``params.beam_width`` hypotheses, best first (vLLM's
-        ``EngineClient.beam_search``). Each step's beams run as concurrent one-token
-        requests that share the continuous batch with everything else; a failure or a
-        cancellation aborts the step's other beams."""
-        search = BeamSearch([self.engine.tokenize(prompt)], params,
-                            self.engine.eos_token_ids, self.engine.max_model_len)
-        while batch := search.pending():
-            search.advance(await gather_or_cancel([
-                self._last_output(p, search.step_params, lora_request, cache_salt, priority)
-                for p in batch]))
-        return search.results()[0]
-
-    async def _last_output(self, prompt: list[int], params: SamplingParams,
-                           lora_request: LoRARequest | None, cache_salt: str | None,
-                           priority: int) -> RequestOutput:
+        ``EngineClient.beam_search``): one request whose beams share the continuous
+        batch with everything else; a cancellation aborts it."""
         last = None
-        async for out in self.generate(prompt, params, None, cache_salt, lora_request,
-                                       priority):
+        async for out in self.generate(prompt, None, None, cache_salt, lora_request,
+                                       priority, beam=params):
             last = out
         if last is None:
-            raise RuntimeError("a beam's request ended without output")
-        return last
+            raise RuntimeError("a beam search ended without an answer")
+        return beam_sequences(last, self.engine.tokenizer.decode)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)

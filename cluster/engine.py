@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+from pagedserve.cluster.beam_search import BeamSearchParams, beam_row_params
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
@@ -175,16 +176,21 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem.
 
         A ``lora_request`` the engine has not loaded yet is loaded first, on every
         rank (``add_lora``). ``priority`` (lower runs first) needs the priority policy.
         With ``pooling_params`` the request embeds its prompt instead of generating
-        (``params`` then only carries ``truncate_prompt_tokens``).
+        (``params`` then only carries ``truncate_prompt_tokens``). With ``beam`` it is a
+        beam search (``params`` must be None): it answers once, at the end, with one
+        completion per hypothesis, best first.
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
+        if beam is not None and (params is not None or pooling_params is not None):
+            raise ValueError("a beam search takes BeamSearchParams only (params must be None)")
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if "#" in request_id:
@@ -215,23 +221,28 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
+        n_out = params.n
+        if beam is not None:
+            params, n_out = beam_row_params(beam, len(ids), self.max_model_len), beam.beam_width
         if lora_request is not None:
             self.loras.add(lora_request)
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
-                                          cache_salt, lora_request, priority, pooling_params)
+                                          cache_salt, lora_request, priority, pooling_params,
+                                          beam)
         self.scheduler.add_request(req)
         group = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, [],
                        pool=pool)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
-        for i in range(params.n):
+        for i in range(n_out):
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                            params.include_stop_str_in_output,
                                            params.skip_special_tokens)
             group.seqs.append(SequenceState(detok, CompletionOutput(
                 index=i, logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)))
-            self._seq_to_group[sequence_id(request_id, i)] = (group, i)
+            if i < params.n:  # (a beam search answers under its own id only)
+                self._seq_to_group[sequence_id(request_id, i)] = (group, i)
         self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids)
         return request_id

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_sequences
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
 from pagedserve.cluster.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -124,24 +124,15 @@ class LLM:
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` hypotheses per
         prompt, each with its tokens (prompt included), text and cumulative logprob.
 
-        Every step runs all live beams of all prompts as one batch of one-token
-        requests (``cluster/beam_search.py``); the prefix cache makes each beam's
-        prompt a lookup of the full blocks it has already computed, so each step
-        recomputes every beam's partial last block: an engine built with a small
-        ``block_size`` (4, or 1) runs beam search several times faster on CPU.
+        Each prompt is one request whose beams fork on each other's KV blocks in
+        the scheduler (``scheduler/beam.py``): a step computes one token per live
+        beam, and the beams of all prompts share each batch.
         """
-        token_prompts = [self.engine.tokenize(p) for p in _prompt_list(prompts)]
-        if any(not p for p in token_prompts):
-            raise ValueError("prompts: a prompt is empty")
-
-        def step(batch: list[list[int]], sp: SamplingParams) -> list[RequestOutput]:
-            ids = self._add_all([(p, dict(params=sp, lora_request=lora_request))
-                                 for p in batch])
-            return self._run(ids, use_tqdm=False, desc="beam search")
-
-        tok = self.engine.tokenizer
-        return beam_search(step, token_prompts, params, self.engine.eos_token_ids,
-                           self.engine.max_model_len, tok.decode)
+        ids = self._add_all([(p, dict(beam=params, lora_request=lora_request))
+                             for p in _prompt_list(prompts)])
+        decode = self.engine.tokenizer.decode
+        return [BeamSearchOutput(beam_sequences(out, decode))
+                for out in self._run(ids, use_tqdm=False, desc="beam search")]
 
     def embed(
         self,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
+from pagedserve.scheduler.beam import BeamHypothesis
 from pagedserve.scheduler.outputs import RequestUpdate
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -50,6 +51,8 @@ class RequestState:
         the sample while the scheduler still runs it)."""
         seq = self.seqs[i]
         self.num_cached_tokens = max(self.num_cached_tokens, u.num_cached_tokens)
+        if u.beams is not None:
+            return self._apply_beams(u.beams), False
         if self.pool is not None:
             if u.pooled is not None:
                 self.pool.add(u.pooled)
@@ -82,6 +85,18 @@ class RequestState:
                 seq.out.stop_reason = ids[-1]
         seq.out.text = seq.detok.text
         return len(ids), stopped_early
+
+    def _apply_beams(self, beams: list[BeamHypothesis]) -> int:
+        """A beam search's answer: one completion per hypothesis, best first."""
+        del self.seqs[len(beams):]
+        for seq, h in zip(self.seqs, beams, strict=True):
+            seq.detok.add_tokens(h.token_ids)
+            seq.out.text = seq.detok.text
+            seq.out.token_ids = list(h.token_ids)
+            seq.out.logprobs = h.logprobs
+            seq.out.cumulative_logprob = h.cum_logprob
+            seq.out.finish_reason = h.finish_reason
+        return sum(len(h.token_ids) for h in beams)
 
     def snapshot(self) -> RequestOutput:
         outs = [CompletionOutput(s.out.index, s.out.text, list(s.out.token_ids),

@@ -7,9 +7,12 @@ tensor-parallel rank, and the scheduler stays importable without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.beam import BeamHypothesis
 
 
 @dataclass(slots=True)
@@ -118,7 +121,10 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class RequestUpdate:
-    """What one step did to one sequence, for the engine's detokeniser and streams."""
+    """What one step did to one sequence, for the engine's detokeniser and streams.
+
+    A beam search answers once, when it ends: ``beams`` are its best hypotheses,
+    best first, under the group's id."""
 
     request_id: str
     group_id: str
@@ -129,3 +135,4 @@ class RequestUpdate:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     pooled: Any = None
+    beams: list[BeamHypothesis] | None = None

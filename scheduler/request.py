@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.block_hash import BlockHash, hash_prompt_blocks
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.beam import BeamGroup
 
 
 class RequestStatus(enum.Enum):
@@ -88,6 +92,8 @@ class Request:
         # ints for the n-gram search (see ``spec_decode``).
         self.spec_token_ids: tuple[int, ...] = ()
         self.token_bytes: bytearray | None = None
+        # A beam of a beam search: the group's search state (see ``beam``).
+        self.beam: BeamGroup | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -152,6 +158,26 @@ class Request:
             lora_id=self.lora_id,
             priority=self.priority,
         )
+        return child
+
+    def make_beam(self, index: int) -> Request:
+        """A new beam continuing this one: the same tokens, params and keys; the
+        caller shares (forks) or recomputes the KV."""
+        child = Request(
+            sequence_id(self.group_id, index),
+            self.prompt_token_ids,
+            self.sampling_params,
+            self.eos_token_ids,
+            self.extra_keys,
+            group_id=self.group_id,
+            index=index,
+            arrival_time=self.arrival_time,
+            lora_id=self.lora_id,
+            priority=self.priority,
+        )
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.beam = self.beam
         return child
 
     def __repr__(self) -> str:

@@ -7,16 +7,19 @@ is short; then swapped sequences come back (only in a step that preempted
 nobody); then waiting ones are admitted in queue order while the budget, the
 sequence cap, the pool and the LoRA adapter cap allow. ``update_from_output`` applies
 the sampled tokens, names newly full blocks in the prefix cache, forks
-parallel samples and frees finished sequences at once.
+parallel samples and frees finished sequences at once. Beam searches
+(``beam_scheduling``) add one rule: a beam that reported its candidates is
+held (skipped, never readmitted) until its group has chosen.
 """
 
 from __future__ import annotations
 
 from pagedserve.scheduler.admission import check_fits, lacks_room, lora_fits
+from pagedserve.scheduler.beam import BeamGroup, BeamSearchParams
+from pagedserve.scheduler.beam_scheduling import BeamScheduling, is_held
 from pagedserve.scheduler.block_hash import make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.scheduler.lifecycle import RequestLifecycle
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.memory import MemoryStats, memory_stats
 from pagedserve.scheduler.outputs import (
@@ -34,7 +37,7 @@ from pagedserve.scheduler.spec_decode import Drafter, SpeculativeConfig
 from pagedserve.scheduler.step_plan import scheduled_request
 
 
-class Scheduler(RequestLifecycle):
+class Scheduler(BeamScheduling):
     """The single owner of every block decision of one engine replica."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -70,11 +73,14 @@ class Scheduler(RequestLifecycle):
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> Request:
         """Build a request with this replica's hash keys (model id, salt, adapter);
-        with ``pooling_params`` an embedding request, which ends after its prompt."""
+        with ``pooling_params`` an embedding request, which ends after its prompt;
+        with ``beam`` the first beam of a beam search (``params`` then are its rows':
+        greedy, ``logprobs=2 * beam_width``)."""
         lora_key = lora_request.cache_key if lora_request is not None else None
-        return Request(
+        req = Request(
             request_id,
             prompt_token_ids,
             params,
@@ -84,6 +90,12 @@ class Scheduler(RequestLifecycle):
             priority=priority,
             pooling_params=pooling_params,
         )
+        if beam is not None:
+            if params.n != 1 or params.logprobs != 2 * beam.beam_width:
+                raise ValueError("a beam's rows sample once with logprobs=2 * beam_width")
+            req.beam = BeamGroup(beam, eos_token_ids, self.config.max_model_len)
+            req.beam.start(req)
+        return req
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ``n > 1`` becomes a group whose siblings fork later."""
@@ -112,12 +124,16 @@ class Scheduler(RequestLifecycle):
         priority = self.config.policy == "priority"
         if priority:
             self._preempt_for_urgent(out)
+        self._unblock_held_beams()
 
         drafter = self.drafter if self.drafter and self.drafter.active(len(self.running)) else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:  # a held beam: it waits for its siblings
+                i += 1
+                continue
             req.spec_token_ids = drafter.propose(req, budget - 1) if drafter else ()
             if req.spec_token_ids:
                 num_new += len(req.spec_token_ids)
@@ -166,7 +182,8 @@ class Scheduler(RequestLifecycle):
             self.running.append(req)
             out.blocks_to_swap_in.extend(pairs)
             out.blocks_to_copy.extend(copies)
-            out.scheduled.append(self._scheduled(req, num_new))
+            if num_new:  # (a held beam only comes back)
+                out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
 
         skipped: list[Request] = []  # over the adapter cap this step; keep their places
@@ -179,7 +196,7 @@ class Scheduler(RequestLifecycle):
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            if not lora_fits(req, active, self.config.max_loras):
+            if is_held(req) or not lora_fits(req, active, self.config.max_loras):
                 skipped.append(self.waiting.popleft())
                 continue
             if req.sampling_params.prompt_logprobs is None and not (
@@ -267,6 +284,9 @@ class Scheduler(RequestLifecycle):
                 continue
             if not sr.sample_ids:
                 continue
+            if req.beam is not None:
+                self._beam_sampled(req, self._sampled(sampled, req), updates)
+                continue
             family = [req]
             if req.pending_children:
                 for child in req.pending_children:
@@ -274,9 +294,7 @@ class Scheduler(RequestLifecycle):
                 family += req.pending_children
                 req.pending_children = []
             for r in family:
-                tok = sampled.get(r.request_id)
-                if tok is None:
-                    raise RuntimeError(f"runner returned no token for {r.request_id}")
+                tok = self._sampled(sampled, r)
                 r.all_token_ids.append(tok.token_id)
                 reason = r.stop_status(tok.token_id, self.config.max_model_len)
                 if reason is not None:
@@ -294,6 +312,13 @@ class Scheduler(RequestLifecycle):
                     )
                 )
         return updates
+
+    @staticmethod
+    def _sampled(sampled: dict[str, SampledToken], req: Request) -> SampledToken:
+        tok = sampled.get(req.request_id)
+        if tok is None:
+            raise RuntimeError(f"runner returned no token for {req.request_id}")
+        return tok
 
     def _apply_drafts(self, req: Request, drafts: tuple[int, ...],
                       toks: list[SampledToken] | None,

@@ -128,8 +128,10 @@ class Drafter:
         """Guesses for a running sequence in decode, within ``budget`` extra tokens,
         its ``max_tokens`` and the model's length: every guess, if accepted, plus
         the sampler's own token must still fit."""
-        if req.num_tokens - req.num_computed_tokens != 1 or req.pending_children:
-            # (A row that ends an n > 1 prompt samples for every sibling and forks them.)
+        if req.num_tokens - req.num_computed_tokens != 1 or req.pending_children \
+                or req.beam is not None:
+            # (A row that ends an n > 1 prompt samples for every sibling and forks them;
+            # a beam's row reports candidates, its next token is its group's choice.)
             return ()
         room = self.max_model_len - req.num_tokens - 1
         max_tokens = req.sampling_params.max_tokens

@@ -3,14 +3,15 @@ and length handling, validation, and a pool back at baseline afterwards."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import torch
 
-from pagedserve.cluster import LLM, BeamSearchParams, SamplingParams
-from pagedserve.cluster.beam_search import beam_search, get_beam_search_score
-from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster import LLM, BeamSearchParams, EngineConfig, SamplingParams
+from pagedserve.cluster.async_engine import AsyncEngine
+from pagedserve.cluster.beam_search import get_beam_search_score
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], list(range(8, 45)), [300, 2, 301]]
@@ -83,6 +84,73 @@ def test_beams_under_a_lora_adapter_equal_hf_peft(tiny_llama_dir: str, llama_lor
         [s.completion_token_ids for s in outs[0].sequences]  # the adapter mattered
 
 
+@pytest.fixture(scope="module")
+def big_pool_beams(tiny_llama_dir: str) -> list[list[list[int]]]:
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=1024, block_size=4)
+    try:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], SMALL_POOL_PARAMS)
+    finally:
+        llm.shutdown()
+    return [[s.completion_token_ids for s in o.sequences] for o in outs]
+
+
+SMALL_POOL_PARAMS = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_small_pool_gives_the_same_beams(mode: str, tiny_llama_dir: str,
+                                           big_pool_beams: list[list[list[int]]]) -> None:
+    """Too few blocks and seats for all twelve beams: beams are preempted (swapped or
+    recomputed) and held beams evicted, yet every beam equals the big pool's."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=14, block_size=4, max_num_seqs=5,
+              preemption_mode=mode)
+    try:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], SMALL_POOL_PARAMS)
+        assert sum(llm.engine.scheduler.num_preemptions.values()) > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    assert [[s.completion_token_ids for s in o.sequences] for o in outs] == big_pool_beams
+
+
+def test_beams_share_the_batch_and_cancel_cleanly(tiny_llama_dir: str,
+                                                  big_pool_beams: list[list[list[int]]]
+                                                  ) -> None:
+    """In the async engine a beam search runs alongside plain generation (both answers
+    unchanged), and cancelling one mid-search frees its blocks."""
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig(model=tiny_llama_dir, num_gpu_blocks=256,
+                                          block_size=4))
+        try:
+            greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+            async def generate(prompt: list[int]) -> list[int]:
+                last = None
+                async for out in engine.generate(prompt, greedy):
+                    last = out
+                return last.outputs[0].token_ids
+
+            alone = await generate(PROMPTS[2])
+            beams, together = await asyncio.gather(
+                engine.beam_search(PROMPTS[0], SMALL_POOL_PARAMS), generate(PROMPTS[2]))
+            assert [s.completion_token_ids for s in beams] == big_pool_beams[0]
+            assert together == alone
+            long = BeamSearchParams(beam_width=4, max_tokens=400, ignore_eos=True)
+            task = asyncio.create_task(engine.beam_search(PROMPTS[1], long))
+            while engine.engine.scheduler.kv.pool.num_free_blocks == 256:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            mem = engine.engine.scheduler.memory_stats()
+            assert mem.num_free_blocks == mem.num_gpu_blocks
+            assert not engine.engine._groups and not engine.engine.scheduler.requests
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_width_one_is_greedy(tiny_llama_dir: str) -> None:
     llm = LLM(model=tiny_llama_dir, num_gpu_blocks=256)
     try:
@@ -115,63 +183,6 @@ def test_chat_answer_ends_at_eos(smol_llm) -> None:
     assert_pool_at_baseline(smol_llm)
 
 
-def _scripted(table: dict[tuple[int, ...], dict[int, float]]):
-    """A step function whose "model" is a table: generated-so-far -> next-token logprobs."""
-    calls: list[int] = []
-
-    def step(batch: list[list[int]], sp: SamplingParams) -> list[RequestOutput]:
-        calls.append(len(batch))
-        outs = []
-        for tokens in batch:
-            dist = table[tuple(tokens[1:])]  # every prompt here is the one token [0]
-            top = dict(sorted(dist.items(), key=lambda kv: -kv[1])[: sp.logprobs])
-            outs.append(RequestOutput("r", None, tokens,
-                                      [CompletionOutput(0, logprobs=[top])], True))
-        return outs
-
-    return step, calls
-
-
-EOS = 9
-
-
-def test_finished_hypotheses_and_length_penalty() -> None:
-    # Step 1: 1 (-0.1) or 2 (-0.5). After 1, EOS is likely (-0.2); after 2 a long
-    # confident continuation. With length_penalty 0 the short EOS answer wins on
-    # total logprob; a large penalty favours the longer one.
-    table = {
-        (): {1: -0.1, 2: -0.5, 3: -5.0},
-        (1,): {EOS: -0.2, 4: -3.0, 5: -4.0},
-        (2,): {6: -0.05, EOS: -6.0, 7: -6.5},
-        (1, 4): {EOS: -0.1, 8: -9.0, 7: -9.5}, (1, 5): {EOS: -0.1, 8: -9.0, 7: -9.5},
-        (2, 6): {6: -0.05, EOS: -7.0, 8: -8.0}, (2, 7): {EOS: -0.1, 8: -9.0, 6: -9.5},
-        (2, 6, 6): {EOS: -0.05, 8: -8.0, 7: -8.5},
-        (1, 4, 8): {EOS: -1.0, 8: -1.0, 7: -1.0}, (1, 5, 8): {EOS: -1.0, 8: -1.0, 7: -1.0},
-        (2, 6, 8): {EOS: -1.0, 8: -1.0, 7: -1.0}, (2, 7, 8): {EOS: -1.0, 8: -1.0, 7: -1.0},
-    }
-    for penalty, winner in ((0.0, [1, EOS]), (8.0, [2, 6, 6, EOS])):
-        step, calls = _scripted(table)
-        out = beam_search(step, [[0]], BeamSearchParams(beam_width=2, max_tokens=4,
-                                                        length_penalty=penalty),
-                          eos_token_ids=[EOS], max_model_len=100, decode=str)[0]
-        assert out.sequences[0].completion_token_ids == winner
-        assert out.sequences[0].finish_reason == "stop"
-        assert calls[0] == 1 and max(calls) <= 2  # never more live beams than the width
-
-
-def test_beams_stop_at_the_context_length() -> None:
-    table = {(): {1: -0.1, 2: -0.2}, (1,): {1: -0.1, 2: -0.2}, (2,): {1: -0.1, 2: -0.2}}
-    step, calls = _scripted(table)
-    out = beam_search(step, [[0]], BeamSearchParams(beam_width=2, max_tokens=10),
-                      eos_token_ids=[EOS], max_model_len=3, decode=str)[0]
-    assert [s.completion_token_ids for s in out.sequences] == [[1, 1], [1, 2]]
-    assert all(s.finish_reason == "length" for s in out.sequences)
-    assert len(calls) == 2  # every beam filled the context: no third step
-    with pytest.raises(ValueError, match="leaves no room"):
-        beam_search(step, [[0, 0, 0]], BeamSearchParams(beam_width=2, max_tokens=1),
-                    eos_token_ids=[EOS], max_model_len=3, decode=str)
-
-
 @pytest.mark.parametrize(("kwargs", "field"), [
     (dict(beam_width=0, max_tokens=4), "beam_width"),
     (dict(beam_width=11, max_tokens=4), "beam_width"),
@@ -191,4 +202,9 @@ def test_bad_prompts_raise_and_leave_nothing_queued(smol_llm) -> None:
         smol_llm.beam_search({"prompt_token_ids": []}, params)
     with pytest.raises(ValueError, match="vocabulary"):
         smol_llm.beam_search({"prompt_token_ids": [1, 10**9]}, params)
+    too_long = [1] * smol_llm.engine.max_model_len
+    with pytest.raises(ValueError, match="at least one token must be generated"):
+        smol_llm.beam_search({"prompt_token_ids": too_long}, params)
+    with pytest.raises(ValueError, match="BeamSearchParams only"):
+        smol_llm.engine.add_request([1, 2], SamplingParams(), beam=params)
     assert_pool_at_baseline(smol_llm)

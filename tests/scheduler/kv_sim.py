@@ -12,6 +12,29 @@ from __future__ import annotations
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 
 VOCAB = 1000
+EOS = 999
+
+
+def context_hash(context: list[int]) -> int:
+    h = 0
+    for t in context:
+        h = (h * 31 + t + 1) % 1_000_003
+    return h
+
+
+def distribution(context: list[int], k: int) -> dict[int, float]:
+    """The "model's" ``k`` likeliest next tokens and their log-probabilities, likeliest
+    first (distinct tokens, strictly falling); EOS is second in one context of five."""
+    h = context_hash(context)
+    tokens = [(h + 101 * j) % VOCAB for j in range(k)]
+    if h % 5 == 0 and EOS not in tokens and k > 1:
+        tokens[1] = EOS
+    out: dict[int, float] = {}
+    logprob = 0.0
+    for j, t in enumerate(tokens):
+        logprob -= 0.01 + ((h // (j + 1)) % 17) * 0.05
+        out[t] = logprob
+    return out
 
 
 class KVSim:
@@ -28,15 +51,17 @@ class KVSim:
 
     def _next(self, sr, end: int, index: int) -> int:
         """The token after the first ``end`` positions, read back through the block table."""
-        context = [self.gpu[sr.block_table[p // self.B]][p % self.B] for p in range(end)]
-        assert None not in context, f"{sr.request_id} read an unwritten slot"
-        h = 0
-        for t in context:
-            h = (h * 31 + t + 1) % 1_000_003
+        context = self._context(sr, end)
+        h = context_hash(context)
         p = self.copy_period
         if p is not None and len(context) >= p and h % 4:
             return context[-p]
         return (h + 7 * index) % VOCAB
+
+    def _context(self, sr, end: int) -> list[int]:
+        context = [self.gpu[sr.block_table[p // self.B]][p % self.B] for p in range(end)]
+        assert None not in context, f"{sr.request_id} read an unwritten slot"
+        return context
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for dev, cpu in plan.blocks_to_swap_out:
@@ -61,7 +86,13 @@ class KVSim:
                 out.spec_tokens[sr.request_id] = toks
                 continue
             for sid in sr.sample_ids:
-                out.sampled[sid] = SampledToken(self._next(sr, end, _index(sid)))
+                sp = sr.sampling_params.get(sid)
+                if sp is not None and sp.logprobs:  # a beam's row: the top candidates
+                    top = distribution(self._context(sr, end), sp.logprobs)
+                    first = next(iter(top))
+                    out.sampled[sid] = SampledToken(first, top[first], top)
+                else:
+                    out.sampled[sid] = SampledToken(self._next(sr, end, _index(sid)))
         return out
 
 
