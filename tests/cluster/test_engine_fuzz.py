@@ -4,8 +4,8 @@ Each example adds a few requests with random sampling settings (penalties,
 ``logit_bias``, ``min_tokens``, stop ids, seeds, logprobs, ``n``), some with
 out-of-range values or token ids, each with a random LoRA adapter (or none; at
 most one adapter runs at a time) and priority, may abort one mid-generation, and
-runs the engine dry; about two requests in five are embeddings (last or mean
-pooling) instead. A bad setting must fail as a ``ValueError`` that names its field
+runs the engine dry; about two requests in seven are embeddings (last or mean
+pooling) and one in seven a beam search (width 2 or 3) instead. A bad setting must fail as a ``ValueError`` that names its field
 before anything is queued; every other request must finish within its limits
 (with and without speculative decoding);
 and after each example the pool must be back at baseline, so nothing leaks
@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.cluster import LLM, LoRARequest, PoolingParams, SamplingParams
+from pagedserve.cluster import LLM, BeamSearchParams, LoRARequest, PoolingParams, SamplingParams
+from pagedserve.cluster.beam_search import get_beam_search_score
 from pagedserve.scheduler.sampling_params import StructuredOutputs
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
@@ -89,7 +90,8 @@ REQUEST = st.tuples(
     SETTINGS,
     st.integers(0, 3),  # the adapter: none or one of three
     st.sampled_from([0, 0, 1, 2]),  # the priority
-    st.sampled_from([None, None, None, "last", "mean"]),  # an embedding request instead
+    # an embedding request or a beam search instead
+    st.sampled_from([None, None, None, None, "last", "mean", "beam2", "beam3"]),
 )
 
 
@@ -105,6 +107,7 @@ HEAVY = [  # more than the pool holds: forces preemption with penalties and fork
     (list(range(300, 340)), 40, {}, 2, 0, None),
     (list(range(400, 455)), 30, {"logit_bias": {42: 3.0}, "min_tokens": 5}, 1, 0, None),
     (list(range(500, 570)), 1, {}, 0, 0, "mean"),
+    (list(range(600, 630)), 30, {}, 2, 0, "beam3"),
 ]
 
 
@@ -133,10 +136,19 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
         except ValueError as e:
             assert _named_field(str(e), set(kw)), e
             continue
+        beam = None
+        if pooling is not None and pooling.startswith("beam"):
+            beam = BeamSearchParams(beam_width=int(pooling[-1]), max_tokens=max_tokens,
+                                    ignore_eos=bool(kw.get("seed")))
         try:
-            rid = engine.add_request(prompt, params, request_id=f"fuzz-{i}",
-                                     lora_request=loras[lora], priority=priority,
-                                     pooling_params=PoolingParams(pooling) if pooling else None)
+            if beam is not None:
+                rid = engine.add_request(prompt, None, request_id=f"fuzz-{i}",
+                                         lora_request=loras[lora], priority=priority,
+                                         beam=beam)
+            else:
+                rid = engine.add_request(
+                    prompt, params, request_id=f"fuzz-{i}", lora_request=loras[lora],
+                    priority=priority, pooling_params=PoolingParams(pooling) if pooling else None)
         except ValueError as e:
             if fcfs and priority and "scheduling_policy" in str(e):
                 continue
@@ -144,6 +156,9 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
                                          "structured_outputs", "prompt", "n"}), e
             continue
         assert not (fcfs and priority), "a priority under FCFS must be refused"
+        if beam is not None:
+            added[rid] = (beam, len(prompt), "beam")
+            continue
         added[rid] = (params, min(len(prompt), params.truncate_prompt_tokens or len(prompt)),
                       pooling)
     aborted: set[str] = set()
@@ -163,6 +178,9 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
     for rid, out in finished.items():
         params, prompt_len, pooling = added[rid]
         assert len(out.prompt_token_ids) == prompt_len
+        if pooling == "beam":
+            _check_beams(engine, params, out)
+            continue
         if pooling is not None:  # an embedding: no tokens, a unit vector of the hidden size
             (sample,) = out.outputs
             assert sample.token_ids == [] and sample.finish_reason == "stop"
@@ -198,3 +216,19 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
                 assert sample.logprobs is not None and len(sample.logprobs) == n_out
             assert all(0 <= t < VOCAB for t in sample.token_ids)
     assert_pool_at_baseline(llm)
+
+
+def _check_beams(engine: Any, params: BeamSearchParams, out: Any) -> None:
+    """A beam search's answer: ``beam_width`` hypotheses, best first, each within its
+    limits (EOS ends one only when not ignored)."""
+    assert len(out.outputs) == params.beam_width
+    scores = []
+    for c in out.outputs:
+        assert c.finish_reason in ("stop", "length")
+        assert 1 <= len(c.token_ids) <= params.max_tokens
+        if c.finish_reason == "stop":
+            assert not params.ignore_eos and c.token_ids[-1] in engine.eos_token_ids
+        assert len(c.logprobs) == len(c.token_ids)
+        scores.append(get_beam_search_score(out.prompt_token_ids + c.token_ids,
+                                            c.cumulative_logprob, engine.eos_token_ids))
+    assert scores == sorted(scores, reverse=True)
