@@ -96,9 +96,11 @@ class BeamHypothesis:
 
 @dataclass(slots=True)
 class Candidate:
-    """One continuation of a live beam: ``parent`` plus ``token``."""
+    """One continuation of a live beam: the first ``num_tokens - 1`` tokens of
+    ``parent`` (a prefix that never changes: a sequence only grows) plus ``token``."""
 
     parent: Request
+    num_tokens: int
     token: int
     cum_logprob: float
     trail: Trail
@@ -118,7 +120,7 @@ class BeamGroup:
         self.cum: dict[str, float] = {}
         self.trail: dict[str, Trail] = {}
         self.seen: dict[str, dict[int, float]] = {}  # this round's candidates per beam
-        self.completed: list[BeamHypothesis] = []
+        self.completed: list[tuple[Candidate, str]] = []  # ended, and why
         self.steps = 0
         self.num_forks = 0
         self.num_cached_tokens = 0
@@ -154,12 +156,12 @@ class BeamGroup:
             trail = (self.trail[rid], seen)
             n = beam.num_tokens + 1
             for token, logprob in seen.items():
-                cand = Candidate(beam, token, base + logprob, trail,
+                cand = Candidate(beam, n, token, base + logprob, trail,
                                  self._score(n, token, base + logprob))
                 if token in eos:
-                    self.completed.append(self.hypothesis(cand, "stop"))
+                    self.completed.append((cand, "stop"))
                 elif n >= self.max_model_len:
-                    self.completed.append(self.hypothesis(cand, "length"))
+                    self.completed.append((cand, "length"))
                 else:
                     fresh.append(cand)
         self.seen.clear()
@@ -169,9 +171,10 @@ class BeamGroup:
     def is_over(self, chosen: list[Candidate]) -> bool:
         return not chosen or self.steps >= self.params.max_tokens
 
-    def hypothesis(self, cand: Candidate, reason: str) -> BeamHypothesis:
+    @staticmethod
+    def hypothesis(cand: Candidate, reason: str) -> BeamHypothesis:
         parent = cand.parent
-        tokens = parent.all_token_ids[parent.num_prompt_tokens:]
+        tokens = parent.all_token_ids[parent.num_prompt_tokens:cand.num_tokens - 1]
         tokens.append(cand.token)
         return BeamHypothesis(tokens, unroll(cand.trail), cand.cum_logprob, reason, cand.score)
 
@@ -183,6 +186,6 @@ class BeamGroup:
 
     def results(self, chosen: list[Candidate]) -> list[BeamHypothesis]:
         """The best ``beam_width`` of the ended hypotheses and the last round's choice."""
-        last = [self.hypothesis(c, "length") for c in chosen]
-        ranked = sorted(self.completed + last, key=lambda h: h.score, reverse=True)
-        return ranked[:self.params.beam_width]
+        ranked = sorted(self.completed + [(c, "length") for c in chosen],
+                        key=lambda e: e[0].score, reverse=True)
+        return [self.hypothesis(c, why) for c, why in ranked[:self.params.beam_width]]
