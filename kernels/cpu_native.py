@@ -6,7 +6,8 @@ sequence into a padded workspace once per layer, then SDPA reads the copy
 again; at serving batch sizes that is about a fifth of the forward. The C
 kernel (``cpu_paged_decode.c``) reads K/V (fp32, bf16, fp16 or fp8) straight from the
 block pool. The same library carries RMSNorm-with-residual, SiLU-and-multiply
-and RoPE (``cpu_fused_ops.c``), each one pass where torch makes several.
+and RoPE (``cpu_fused_ops.c``), each one pass where torch makes several, and
+the multi-LoRA deltas of a batch (``cpu_lora.c``, wrapped by ``cpu_lora``).
 
 Why C + ctypes rather than a torch C++ extension: the kernel needs no torch
 headers, so it compiles in well under a second with the system C compiler and
@@ -44,7 +45,7 @@ from pagedserve.kernels.kv_quant import quantize
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_paged_decode.c", _HERE / "cpu_fused_ops.c"]
+_SOURCES = [_HERE / "cpu_paged_decode.c", _HERE / "cpu_fused_ops.c", _HERE / "cpu_lora.c"]
 _HEADERS = [_HERE / "cpu_math.h"]
 # Associative math lets the dot products vectorise; the kernel never forms inf/nan.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
@@ -129,6 +130,9 @@ def load() -> ctypes.CDLL | None:
             getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
                                            ctypes.c_float, ctypes.c_int]
             getattr(lib, name).restype = None
+        lib.lora_sgmv_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64,
+                                      i64, ctypes.c_int]
+        lib.lora_sgmv_f32.restype = ctypes.c_int
         for name in ("rope_f32", "rope_bf16"):
             getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                            ctypes.c_int]

@@ -8,10 +8,12 @@ columns only (a piece the adapter does not target has no rows at all). The
 LoRA scale is folded into B at load.
 
 A step's rows come ordered by adapter (the runner sorts its requests), so
-each adapter owns one contiguous run of rows (:class:`LoRABatch`): its delta
-is two thin matmuls on a view of that run, added in place, with no gather or
-scatter. This is the segmented form of Punica's SGMV in plain torch: the cost
-is the adapters' rank, never ``max_loras`` times it.
+each adapter owns one contiguous run of rows (:class:`LoRABatch`). On CPU in
+fp32 one native call per projection adds every run's delta
+(``kernels/cpu_lora``: Punica's segmented SGMV, each adapter's pieces kept
+apart so B's zero blocks cost nothing); elsewhere each run's delta is two
+thin matmuls on a view of that run, added in place. Either way the cost is
+the adapters' rank, never ``max_loras`` times it.
 
 Tensor parallel: column-parallel modules hold their rank's rows of B (A
 whole); row-parallel ones their rank's columns of A (B whole). The partial
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.kernels import cpu_lora
 from pagedserve.worker.loaders.lora import LoRAAdapter, load_lora_adapter
 
 # Adapter module -> (attribute path of the fused projection, piece of it).
@@ -41,21 +44,32 @@ _TARGETS: dict[str, tuple[str, str, str | int | None]] = {
 
 @dataclass
 class LoRABatch:
-    """This step's runs of rows per adapter: ``(lora_id, start, end)``."""
+    """This step's runs of rows per adapter: ``(lora_id, start, end)``, and for the
+    native kernel the same runs as int64 ``(start, end, slot)`` rows."""
 
     groups: list[tuple[int, int, int]] = field(default_factory=list)
+    segments: torch.Tensor | None = None
+    slots: dict[int, int] = field(default_factory=dict)  # lora_id -> slot
 
 
 class LoRAWeights:
-    """One projection's adapters: ``lora_id -> (A [R, in_local], B [out_local, R])``."""
+    """One projection's adapters: ``lora_id -> (A [R, in_local], B [out_local, R])``
+    (the torch form), or, on the native path, their pieces in ``native``."""
 
-    def __init__(self, batch: LoRABatch) -> None:
+    def __init__(self, batch: LoRABatch, native: cpu_lora.NativeLoRATable | None = None
+                 ) -> None:
         self.batch = batch
         self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.native = native
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """Add every adapted row's ``x @ A.T @ B.T`` to ``y`` in place."""
-        for lora_id, start, end in self.batch.groups:
+        batch = self.batch
+        native = self.native
+        if native is not None and native.entries and batch.segments is not None \
+                and not native.apply(y, x, batch.segments):
+            self._apply_pieces(y, x)  # (tensors the kernel does not take: same math)
+        for lora_id, start, end in batch.groups:
             ab = self.adapters.get(lora_id)
             if ab is None:
                 continue
@@ -64,6 +78,12 @@ class LoRAWeights:
                 y.addmm_(x @ a.t(), b.t())
             else:
                 y[start:end].addmm_(x[start:end] @ a.t(), b.t())
+
+    def _apply_pieces(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        assert self.native is not None
+        for lora_id, start, end in self.batch.groups:
+            for a_t, b_t, col in self.native.entries.get(self.batch.slots[lora_id], ()):
+                y[start:end, col:col + b_t.shape[1]].addmm_(x[start:end] @ a_t, b_t)
 
 
 def _fuse(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], out_size: int
@@ -87,9 +107,13 @@ class LoRAManager:
         self.dtype, self.device = dtype, device
         self.batch = LoRABatch()
         self.paths: dict[int, str] = {}
+        self.native = cpu_lora.available(device, dtype)
         for module in self._modules():
             if module.lora is None:
-                module.lora = LoRAWeights(self.batch)
+                table = cpu_lora.NativeLoRATable(
+                    module.lora_pieces, module.lora_in_features,
+                    module.weight_out_features) if self.native else None
+                module.lora = LoRAWeights(self.batch, table)
 
     def add(self, lora_id: int, path: str) -> None:
         """Load an adapter for this rank; loading the same id and path again is a no-op."""
@@ -106,10 +130,19 @@ class LoRAManager:
             module = getattr(getattr(self.model.layers[layer_idx], parent), attr)
             pa, pb, off = module.lora_piece(piece, a, b * scale)
             fused.setdefault(id(module), (module, []))[1].append((pa, pb, off))
+        slots = self.batch.slots
+        slot = min(set(range(len(slots) + 1)) - set(slots.values()))
         for module, pieces in fused.values():
+            table = module.lora.native
+            if table is not None and all(table.fits(pb.shape[0], off) for _, pb, off in pieces):
+                table.set(slot, [(*cpu_lora.pad_rank(pa.t().to(self.dtype),
+                                                     pb.t().to(self.dtype)), off)
+                                 for pa, pb, off in pieces])
+                continue
             a, b = _fuse(pieces, module.weight_out_features)
             module.lora.adapters[lora_id] = (a.to(self.device, self.dtype).contiguous(),
                                              b.to(self.device, self.dtype).contiguous())
+        slots[lora_id] = slot
         self.paths[lora_id] = path
 
     def adapter_bytes(self) -> int:
@@ -134,8 +167,11 @@ class LoRAManager:
         """Drop an adapter's weights from every projection; False if it was not loaded."""
         if self.paths.pop(lora_id, None) is None:
             return False
+        slot = self.batch.slots.pop(lora_id)
         for module in self._modules():
             module.lora.adapters.pop(lora_id, None)
+            if module.lora.native is not None:
+                module.lora.native.clear(slot)
         return True
 
     def set_batch(self, lora_ids: list[int], q_lens: list[int]) -> None:
@@ -153,9 +189,15 @@ class LoRAManager:
                 groups.append((lora_id, row, row + n))
             row += n
         self.batch.groups = groups
+        if self.native:
+            slots = self.batch.slots
+            self.batch.segments = torch.tensor(
+                [(start, end, slots[lora_id]) for lora_id, start, end in groups],
+                dtype=torch.int64).reshape(-1, 3)
 
     def clear_batch(self) -> None:
         self.batch.groups = []
+        self.batch.segments = None
 
 
 def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int
