@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedserve.cluster.aio import gather_or_cancel
 from pagedserve.cluster.beam_search import BeamSearchParams
 from pagedserve.cluster.protocol import APIError
+from pagedserve.cluster.reasoning import split_reasoning
 from pagedserve.cluster.replica_calls import call_on_replicas
 from pagedserve.cluster.responses import sse
 from pagedserve.cluster.wire import EngineRequest
@@ -55,12 +56,14 @@ def beam_search_params(body: Any, max_tokens: int, conflicts: dict[str, bool]
 
 
 async def answer_beam_search(handle: Any, kind: str, rid: str, model: str, body: Any,
-                             reqs: list[EngineRequest], conflicts: dict[str, bool]
-                             ) -> Response:
+                             reqs: list[EngineRequest], conflicts: dict[str, bool],
+                             reasoning: str | None = None) -> Response:
     """The HTTP answer to a ``use_beam_search`` request of ``kind`` (``text_completion``
-    or ``chat.completion``): validate, search every prompt, respond (or stream)."""
+    or ``chat.completion``): validate, search every prompt, respond (or stream).
+    ``reasoning``: the server's reasoning parser, splitting each chat beam."""
     params = [beam_search_params(body, r.params.max_tokens, conflicts) for r in reqs]
-    out = beam_response(kind, rid, model, await run_beam_searches(handle, reqs, params))
+    out = beam_response(kind, rid, model, await run_beam_searches(handle, reqs, params),
+                        reasoning, getattr(body, "include_reasoning", True))
     if not body.stream:
         return JSONResponse(out)
     so = body.stream_options
@@ -76,10 +79,13 @@ async def run_beam_searches(handle: Any, reqs: list[EngineRequest],
         for r, p in zip(reqs, params, strict=True)])
 
 
-def beam_response(kind: str, rid: str, model: str, results: list[dict[str, Any]]
+def beam_response(kind: str, rid: str, model: str, results: list[dict[str, Any]],
+                  reasoning: str | None = None, include_reasoning: bool = True
                   ) -> dict[str, Any]:
     """The OpenAI completion (``text_completion``) or ``chat.completion`` body: each
-    prompt's beams in order, best first."""
+    prompt's beams in order, best first (a chat beam's thought split off by the
+    ``reasoning`` parser, if any)."""
+    chat = kind == "chat.completion"
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
     for res in results:
@@ -88,8 +94,12 @@ def beam_response(kind: str, rid: str, model: str, results: list[dict[str, Any]]
             choice: dict[str, Any] = {"index": len(choices), "logprobs": None,
                                       "finish_reason": seq["finish_reason"],
                                       "stop_reason": None}
-            if kind == "chat.completion":
-                choice["message"] = {"role": "assistant", "content": seq["text"]}
+            if chat:
+                choice["message"] = message = {"role": "assistant", "content": seq["text"]}
+                if reasoning is not None:
+                    thought, message["content"] = split_reasoning(reasoning, seq["text"])
+                    if include_reasoning:
+                        message["reasoning"] = message["reasoning_content"] = thought
             else:
                 choice["text"] = seq["text"]
             choices.append(choice)
@@ -110,7 +120,7 @@ def beam_stream_events(response: dict[str, Any], include_usage: bool) -> Iterato
     for c in response["choices"]:
         choice = {"index": c["index"], "logprobs": None, "finish_reason": c["finish_reason"]}
         if chat:
-            choice["delta"] = {"role": "assistant", "content": c["message"]["content"]}
+            choice["delta"] = {k: v for k, v in c["message"].items() if v is not None}
         else:
             choice["text"] = c["text"]
         yield sse({**head, "choices": [choice]})

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pooling-type", choices=("last", "mean"), default="last",
                    help="/v1/embeddings: the last token's final hidden state (decoder "
                         "embedders: e5-mistral, Qwen3-Embedding) or the mean of all tokens'")
+    s.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                   help="chat answers of thinking models: the text between <think> and "
+                        "</think> goes to the message's 'reasoning', the rest to 'content'")
     s.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (on by itself with --lora-modules/--lora-dir)")
     s.add_argument("--max-loras", type=int, default=1,

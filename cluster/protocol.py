@@ -294,9 +294,12 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, e.g. enable_thinking
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, return the thought
 
     def check(self) -> None:
         self._check_unsupported()
+        check_template_kwargs(self.chat_template_kwargs)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs requires logprobs to be true",
@@ -328,12 +331,27 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
+        check_template_kwargs(self.chat_template_kwargs)
         if (self.prompt is None) == (self.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if self.messages is not None and not self.messages:
             raise APIError("messages must not be empty", param="messages")
+
+
+# Arguments of apply_chat_template that the server sets itself.
+_TEMPLATE_RESERVED = {"conversation", "tools", "tokenize", "add_generation_prompt",
+                      "return_dict", "chat_template", "tokenizer", "documents"}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """Extra chat template variables may not override what the server passes."""
+    taken = sorted(set(kwargs or {}) & _TEMPLATE_RESERVED)
+    if taken:
+        raise APIError(f"chat_template_kwargs may not set {taken}",
+                       param="chat_template_kwargs")
 
 
 class DetokenizeRequest(BaseModel):

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.cluster.reasoning import ReasoningStream, split_reasoning
 from pagedserve.cluster.tools import ToolContext, ToolStream
 
 
@@ -45,6 +46,7 @@ class _Choice:
     started: bool = False
     echoed: bool = False
     tool_stream: ToolStream | None = None
+    reasoning_stream: ReasoningStream | None = None
 
 
 class ResponseState:
@@ -52,14 +54,18 @@ class ResponseState:
 
     def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool,
                  top_n: int | None = None, echo: list[tuple[str, list[int]]] | None = None,
-                 tools: ToolContext | None = None, model: str | None = None) -> None:
+                 tools: ToolContext | None = None, model: str | None = None,
+                 reasoning: str | None = None, include_reasoning: bool = True) -> None:
         """``prompts``: ``(prompt_tokens, n)`` per prompt, in order; ``top_n``: alternatives
         per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token);
         ``echo``: each prompt's text and ids, which lead its choices (completions ``echo``);
         ``tools``: how a chat output turns into tool calls; ``model``: the name the
-        response carries when not the server's (a LoRA adapter's)."""
+        response carries when not the server's (a LoRA adapter's); ``reasoning``: the
+        reasoning parser splitting a chat output, whose thought is left out unless
+        ``include_reasoning``."""
         self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
         self.top_n, self.echo, self.tools, self.model = top_n, echo, tools, model
+        self.reasoning, self.include_reasoning = reasoning, include_reasoning
         self.n = [n for _, n in prompts]
         self.prompt_tokens = [p for p, _ in prompts]
         self.cached = [0] * len(prompts)
@@ -169,6 +175,11 @@ class Formatter:
             if st.kind == "chat.completion":
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish = c.finish_reason
+                if st.reasoning is not None:
+                    thought, message["content"] = split_reasoning(st.reasoning, text)
+                    text = message["content"] or ""
+                    if st.include_reasoning:
+                        message["reasoning"] = message["reasoning_content"] = thought
                 if st.tools is not None:
                     message["content"], calls = st.tools.parse(text)
                     if calls:
@@ -192,10 +203,13 @@ class Formatter:
         for c_idx, d, lp, text in self._apply(st, i, chunk):
             c = st.choices[c_idx]
             if st.kind == "chat.completion":
-                delta: dict[str, Any] = {"content": d.text}
+                delta: dict[str, Any] = {}
+                content = self._reasoning_delta(st, c, d.text, bool(d.finish_reason), delta)
+                if content or not delta:
+                    delta["content"] = content
                 finish = d.finish_reason
                 if st.tools is not None:
-                    delta["content"], finish = self._tool_delta(st.tools, c, d.text, delta,
+                    delta["content"], finish = self._tool_delta(st.tools, c, content, delta,
                                                                 finish)
                 if not c.started:
                     delta["role"] = "assistant"
@@ -215,6 +229,23 @@ class Formatter:
                 ev["usage"] = st.usage()
             events.append(sse(ev))
         return events
+
+    @staticmethod
+    def _reasoning_delta(st: ResponseState, c: _Choice, text: str, last: bool,
+                         delta: dict[str, Any]) -> str:
+        """Split a chat delta's text: the thought goes into ``delta`` (when included),
+        the content is returned."""
+        if st.reasoning is None:
+            return text
+        if c.reasoning_stream is None:
+            c.reasoning_stream = ReasoningStream(st.reasoning)
+        thought, content = c.reasoning_stream.feed(text)
+        if last:
+            more_thought, more = c.reasoning_stream.finish()
+            thought, content = thought + more_thought, content + more
+        if thought and st.include_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = thought
+        return content
 
     @staticmethod
     def _tool_delta(tools: ToolContext, c: _Choice, text: str, delta: dict[str, Any],

@@ -101,7 +101,7 @@ class OpenAIServer:
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
                  served_model_name: str | None = None, api_key: str | None = None,
                  lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
-                 pooling_type: str = "last") -> None:
+                 pooling_type: str = "last", reasoning_parser: str | None = None) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -119,6 +119,7 @@ class OpenAIServer:
         self.adapters = AdapterCatalog(lora_modules, lora_dir,
                                        (self.served_name, self.model_id))
         self.pooling_type = pooling_type
+        self.reasoning_parser = reasoning_parser
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -159,11 +160,14 @@ class OpenAIServer:
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
                        include_usage: bool, continuous_usage: bool, logprobs: bool,
                        echo: list[tuple[str, list[int]]] | None = None,
-                       tools: ToolContext | None = None) -> Response:
+                       tools: ToolContext | None = None, include_reasoning: bool = True
+                       ) -> Response:
         lora = reqs[0].lora
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
                               logprobs, reqs[0].params.logprobs, echo, tools,
-                              lora[0] if lora is not None else None)
+                              lora[0] if lora is not None else None,
+                              self.reasoning_parser if kind == "chat.completion" else None,
+                              include_reasoning)
         chunks = merge_streams(self._channel, self._engine, reqs)
         if not stream:
             async for i, c in chunks:
@@ -249,7 +253,7 @@ class OpenAIServer:
         info = await self._engine_info()
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
-                                           body.tools))
+                                           body.tools, body.chat_template_kwargs))
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                              body.max_tokens_param, body.n),
@@ -261,17 +265,19 @@ class OpenAIServer:
         if body.use_beam_search:
             return await answer_beam_search(
                 self._engine, "chat.completion", rid, lora[0] if lora else self.served_name,
-                body, [req], {"logprobs": bool(body.logprobs), "tools": bool(body.tools)})
+                body, [req], {"logprobs": bool(body.logprobs), "tools": bool(body.tools)},
+                self.reasoning_parser)
         so = body.stream_options
         return await self._respond(rid, [req], "chat.completion", body.stream,
                                    bool(so and so.include_usage),
                                    bool(so and so.continuous_usage_stats), body.logprobs,
-                                   tools=tools)
+                                   tools=tools, include_reasoning=body.include_reasoning)
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                  tools: list[dict[str, Any]] | None) -> list[int]:
+                  tools: list[dict[str, Any]] | None,
+                  template_kwargs: dict[str, Any] | None) -> list[int]:
         return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in messages],
-                               add_generation_prompt, tools)
+                               add_generation_prompt, tools, template_kwargs)
 
     @api.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
@@ -300,7 +306,8 @@ class OpenAIServer:
         self._check_model(body.model)
         info = await self._engine_info()
         if body.messages is not None:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools)
+            ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
+                                 body.chat_template_kwargs)
         else:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": info["max_model_len"]}
@@ -378,7 +385,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         num_replicas=a.ingress_replicas,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
-           a.pooling_type)
+           a.pooling_type, a.reasoning_parser)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -74,6 +74,7 @@ class ServeArgs(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     pooling_type: Literal["last", "mean"] = "last"
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
 
     @classmethod
     def parse(cls, args: ServeArgs | Mapping[str, Any] | Any | None) -> ServeArgs:

@@ -270,10 +270,14 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None) -> list[int]:
-    """The prompt the chat template makes of ``messages`` (and ``tools``); a template
-    that cannot render them is a 400 on ``messages``."""
-    extra = {"tools": tools} if tools else {}
+                    tools: list[dict[str, Any]] | None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt the chat template makes of ``messages`` (and ``tools``, and extra
+    template variables such as Qwen3's ``enable_thinking``); a template that cannot
+    render them is a 400 on ``messages``."""
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
     try:
         return list(tokenizer.apply_chat_template(
             template_messages(messages), tokenize=True,

@@ -1,0 +1,92 @@
+"""Reasoning outputs (vLLM's ``--reasoning-parser``): what a thinking model writes
+between ``<think>`` and ``</think>`` goes to the chat message's ``reasoning`` (and
+``reasoning_content``, vLLM's earlier name), the rest to ``content``.
+
+Two parsers, as vLLM names them: ``qwen3`` (Qwen3 writes ``<think>`` itself; an
+output that does not begin with it, e.g. with ``chat_template_kwargs:
+{"enable_thinking": false}``, is all content) and ``deepseek_r1`` (DeepSeek-R1
+and QwQ, whose templates may already open the thought in the prompt: everything
+up to ``</think>`` is reasoning, a leading ``<think>`` dropped). A thought cut
+short by ``max_tokens`` stays reasoning.
+
+The split works on text, one stream per choice, so streamed and whole answers
+agree: a delta that may be the start of a tag is held back until the next one
+shows what it is. Tool calls are parsed from the content only. Output
+constraints (``response_format``, structured outputs, a forced tool call) apply
+to the whole output, so under them the model does not think.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+START, END = "<think>", "</think>"
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """One choice's text, split into reasoning and content as it arrives."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
+                             f"got {parser!r}")
+        self.parser = parser
+        self.mode = "start"  # then "reasoning" or "content"
+        self.held = ""
+        self.thought = False  # whether any of the output is reasoning
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and content ``text`` adds (either may be empty)."""
+        buf, self.held = self.held + text, ""
+        reasoning = content = ""
+        while buf:
+            if self.mode == "start":
+                if buf.startswith(START):
+                    buf, self.mode, self.thought = buf[len(START):], "reasoning", True
+                elif START.startswith(buf):
+                    self.held = buf  # "<th": wait for the rest
+                    break
+                elif self.parser == "deepseek_r1":
+                    self.mode, self.thought = "reasoning", True
+                else:
+                    self.mode = "content"
+            elif self.mode == "reasoning":
+                end = buf.find(END)
+                if end >= 0:
+                    reasoning += buf[:end]
+                    buf, self.mode = buf[end + len(END):], "content"
+                    continue
+                keep = _partial_tag(buf, END)
+                reasoning += buf[:len(buf) - keep]
+                self.held = buf[len(buf) - keep:]
+                break
+            else:
+                content += buf
+                break
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the output has ended."""
+        rest, self.held = self.held, ""
+        if self.mode == "reasoning" or (self.mode == "start" and self.parser == "deepseek_r1"):
+            self.thought = self.thought or bool(rest)
+            return rest, ""
+        return "", rest
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+    """A whole output's ``(reasoning, content)``: reasoning None when the model did not
+    think; content None when a thought is all there is (vLLM's shapes)."""
+    stream = ReasoningStream(parser)
+    r1, c1 = stream.feed(text)
+    r2, c2 = stream.finish()
+    if not stream.thought:
+        return None, c1 + c2
+    return r1 + r2, (c1 + c2) or None
