@@ -146,27 +146,23 @@ class Request:
 
     def make_child(self, index: int) -> Request:
         """Sibling ``index`` of an ``n > 1`` group (vLLM's seed + index rule)."""
-        child = Request(
-            sequence_id(self.group_id, index),
-            self.prompt_token_ids,
-            self.sampling_params.for_child(index),
-            self.eos_token_ids,
-            self.extra_keys,
-            group_id=self.group_id,
-            index=index,
-            arrival_time=self.arrival_time,
-            lora_id=self.lora_id,
-            priority=self.priority,
-        )
-        return child
+        return self._sibling(index, self.sampling_params.for_child(index))
 
     def make_beam(self, index: int) -> Request:
         """A new beam continuing this one: the same tokens, params and keys; the
         caller shares (forks) or recomputes the KV."""
-        child = Request(
+        child = self._sibling(index, self.sampling_params)
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.beam = self.beam
+        return child
+
+    def _sibling(self, index: int, params: SamplingParams) -> Request:
+        """Sequence ``index`` of this group: its prompt, keys, adapter and place in line."""
+        return Request(
             sequence_id(self.group_id, index),
             self.prompt_token_ids,
-            self.sampling_params,
+            params,
             self.eos_token_ids,
             self.extra_keys,
             group_id=self.group_id,
@@ -175,10 +171,6 @@ class Request:
             lora_id=self.lora_id,
             priority=self.priority,
         )
-        child.all_token_ids = list(self.all_token_ids)
-        child.block_hashes = list(self.block_hashes)
-        child.beam = self.beam
-        return child
 
     def __repr__(self) -> str:
         return (
