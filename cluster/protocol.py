@@ -88,6 +88,7 @@ class _SamplingRequest(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -168,14 +169,15 @@ class _SamplingRequest(BaseModel):
         if self.structured_outputs is not None:
             specs.append(("structured_outputs", dict(self.structured_outputs)))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                          ("guided_choice", "choice")):
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
                 specs.append((name, {key: getattr(self, name)}))
         if not specs:
             return None
         if len(specs) > 1:
             raise APIError("give at most one of response_format (json), structured_outputs, "
-                           "guided_json, guided_regex, guided_choice", param=specs[1][0])
+                           "guided_json, guided_regex, guided_choice, guided_grammar",
+                           param=specs[1][0])
         param, kw = specs[0]
         try:
             spec = StructuredOutputs(**kw)

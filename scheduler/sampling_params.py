@@ -17,7 +17,9 @@ MAX_LOGPROBS = 20
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Constrain the output to one of: a JSON schema (``json``, a dict or its text), any
-    JSON object (``json_object``), a regular expression, or one of ``choice``'s strings.
+    JSON object (``json_object``), a regular expression, one of ``choice``'s strings, or
+    a context-free ``grammar`` (EBNF as xgrammar reads it, rule ``root`` first: GBNF-style
+    ``root ::= "yes" | "no"``).
 
     vLLM's names. The sampler masks every token that cannot continue a valid output
     (xgrammar), and once the output is complete only end-of-sequence tokens remain.
@@ -29,6 +31,7 @@ class StructuredOutputs:
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -45,17 +48,20 @@ class StructuredOutputs:
             raise ValueError("structured_outputs.json must be a JSON schema (dict or text)")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str)
+                                         or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
         given = [self.json is not None, bool(self.json_object), self.regex is not None,
-                 self.choice is not None]
+                 self.choice is not None, self.grammar is not None]
         if sum(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, json_object, "
-                             "regex, choice")
+                             "regex, choice, grammar")
 
     def key(self) -> str:
         """A stable text naming the constraint (compiled grammars are cached by it)."""
         schema = self.json if isinstance(self.json, str) or self.json is None else json.dumps(
             self.json, sort_keys=True)
-        return json.dumps([schema, self.json_object, self.regex, self.choice])
+        return json.dumps([schema, self.json_object, self.regex, self.choice, self.grammar])
 
 
 @dataclass(slots=True)

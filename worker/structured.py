@@ -42,6 +42,8 @@ def _grammar(xgr: Any, spec: StructuredOutputs) -> Any:
         return xgr.Grammar.from_json_schema(text, any_whitespace=False)
     if spec.regex is not None:
         return xgr.Grammar.from_regex(spec.regex)
+    if spec.grammar is not None:
+        return xgr.Grammar.from_ebnf(spec.grammar)
     alternatives = " | ".join(json.dumps(c) for c in spec.choice or ())
     return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
 

@@ -1,5 +1,5 @@
-"""Structured outputs through the engine: regex, choice, JSON schema and JSON object
-constraints hold for every sample, including seeded ``n > 1``, preemption and a
+"""Structured outputs through the engine: regex, choice, JSON schema, JSON object and
+EBNF grammar constraints hold for every sample, including seeded ``n > 1``, preemption and a
 restarted sampler; bad constraints are a ``ValueError`` naming the field."""
 
 from __future__ import annotations
@@ -26,6 +26,22 @@ def _check_schema(text: str) -> None:
     assert isinstance(obj["count"], int)
 
 
+BRACKETS = """root ::= seq "."
+seq ::= "" | item seq
+item ::= "(" seq ")" | "[" seq "]"
+"""
+
+
+def _balanced(text: str) -> bool:
+    stack: list[str] = []
+    for ch in text:
+        if ch in "([":
+            stack.append(ch)
+        elif not stack or {"(": ")", "[": "]"}[stack.pop()] != ch:
+            return False
+    return not stack
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
@@ -44,8 +60,11 @@ def test_constraints_hold_for_every_sample(tiny_llama_dir, spec) -> None:
                                 structured_outputs=StructuredOutputs(json=SCHEMA))
         greedy = SamplingParams(temperature=0.0, max_tokens=12,
                                 structured_outputs=StructuredOutputs(regex=r"(ab|cd)+!"))
-        outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]],
-                            [regex, choice, schema, greedy])
+        # A context-free language no regex states: balanced brackets, then a period.
+        grammar = SamplingParams(temperature=1.0, seed=6, n=2, max_tokens=24,
+                                 structured_outputs=StructuredOutputs(grammar=BRACKETS))
+        outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]],
+                            [regex, choice, schema, greedy, grammar])
         for sample in outs[0].outputs:
             assert re.fullmatch(r"[0-9]{3}-[a-c]", sample.text), sample.text
             assert sample.finish_reason == "stop"
@@ -58,6 +77,11 @@ def test_constraints_hold_for_every_sample(tiny_llama_dir, spec) -> None:
         text = outs[3].outputs[0].text  # whole, or a prefix of one when cut at max_tokens
         assert re.fullmatch(r"(ab|cd)+!", text) or (
             outs[3].outputs[0].finish_reason == "length" and re.fullmatch(r"(ab|cd)*[ac]?", text))
+        for sample in outs[4].outputs:
+            if sample.finish_reason == "stop":
+                assert _balanced(sample.text[:-1]) and sample.text.endswith("."), sample.text
+            else:  # cut at max_tokens: a prefix of a sentence of the language
+                assert re.fullmatch(r"[()\[\]]*", sample.text), sample.text
         # A seeded constrained sample is the same alone as in that batch.
         alone = llm.generate([[5, 6, 7]], regex)[0]
         assert [s.text for s in alone.outputs] == [s.text for s in outs[0].outputs]
@@ -173,10 +197,13 @@ def test_bad_constraints_raise_value_error(tiny_llama_dir) -> None:
         StructuredOutputs(choice=())
     with pytest.raises(ValueError, match="not valid JSON"):
         StructuredOutputs(json="{nope")
+    with pytest.raises(ValueError, match="grammar"):
+        StructuredOutputs(grammar="  ")
     llm = LLM(model=tiny_llama_dir, num_gpu_blocks=16)
     try:
         for spec in (StructuredOutputs(regex="(unclosed"),
-                     StructuredOutputs(json={"type": "no-such-type"})):
+                     StructuredOutputs(json={"type": "no-such-type"}),
+                     StructuredOutputs(grammar='root ::= "a" undefined_rule')):
             with pytest.raises(ValueError, match="structured_outputs"):
                 llm.generate([[5, 6]], SamplingParams(structured_outputs=spec))
         assert not llm.engine.has_unfinished_requests()

@@ -238,7 +238,8 @@ def test_penalties_and_logit_bias_are_honoured(smol: App) -> None:
 
 
 def test_structured_outputs_over_http(smol: App) -> None:
-    """OpenAI's response_format json_schema, vLLM's guided_choice, and a bad schema."""
+    """OpenAI's response_format json_schema, vLLM's guided_choice and guided_grammar,
+    and a bad schema and grammar."""
     client = smol.openai()
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}},
               "required": ["city"], "additionalProperties": False}
@@ -251,6 +252,14 @@ def test_structured_outputs_over_http(smol: App) -> None:
                                        max_tokens=5, temperature=0,
                                        extra_body={"guided_choice": ["Rome", "Paris"]})
     assert picked.choices[0].text in ("Rome", "Paris")
+    yes_no = client.completions.create(
+        model=MODEL, prompt="Is Paris in France? Answer:", max_tokens=8, temperature=0,
+        extra_body={"guided_grammar": 'root ::= (" yes" | " no") "."'})
+    assert yes_no.choices[0].text in (" yes.", " no.")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"structured_outputs": {"grammar": "root ::="}})
+    assert e.value.body["param"] == "structured_outputs"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
             model=MODEL, messages=FRANCE, max_tokens=5,
