@@ -111,18 +111,31 @@ def test_beams_equal_the_plain_search(block_size: int, spec: bool) -> None:
     assert_baseline(sched)
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_a_tiny_pool_changes_nothing(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "caching"), [("swap", True), ("recompute", True),
+                                             ("recompute", False)])
+def test_a_tiny_pool_changes_nothing(mode: str, caching: bool) -> None:
     """Too few blocks and seats for every beam at once: beams are preempted, held
-    beams evicted, forks of non-resident parents recomputed; the answer is the same."""
+    beams evicted, forks of non-resident parents recomputed (with no prefix cache to
+    help, too); the answer is the same."""
     sched, sim = make_scheduler(num_gpu_blocks=14, block_size=4, num_cpu_blocks=64,
-                                max_num_seqs=5, preemption_mode=mode)
+                                max_num_seqs=5, preemption_mode=mode,
+                                enable_prefix_caching=caching)
     for (rid, prompt), p in zip(PROMPTS.items(), PARAMS, strict=True):
         add_beam(sched, rid, prompt, p)
     out = run(sched, sim)
     for (rid, prompt), p in zip(PROMPTS.items(), PARAMS, strict=True):
         assert as_tuples(out[rid]) == reference(prompt, p, 256)
     assert sum(sched.num_preemptions.values()) > 0
+    assert_baseline(sched)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_first() -> None:
+    sched, sim = make_scheduler(num_gpu_blocks=256, block_size=4, max_num_batched_tokens=32)
+    prompt = [(7 * i) % 997 for i in range(150)]
+    p = BeamSearchParams(beam_width=3, max_tokens=8)
+    add_beam(sched, "long", prompt, p)
+    out = run(sched, sim, width=3)
+    assert as_tuples(out["long"]) == reference(prompt, p, 256)
     assert_baseline(sched)
 
 
