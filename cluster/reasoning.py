@@ -12,13 +12,18 @@ short by ``max_tokens`` stays reasoning.
 The split works on text, one stream per choice, so streamed and whole answers
 agree: a delta that may be the start of a tag is held back until the next one
 shows what it is. Tool calls are parsed from the content only. Output
-constraints (``response_format``, structured outputs, a forced tool call) apply
-to the whole output, so under them the model does not think.
+constraints (``response_format``, structured outputs, a forced tool call) start
+after the thought, as in vLLM (``defer_constraint``).
 """
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+import dataclasses
+from typing import Any
+
+from pagedserve.scheduler.sampling_params import REASONING_FORMATS, SamplingParams
+
+REASONING_PARSERS = REASONING_FORMATS
 START, END = "<think>", "</think>"
 
 
@@ -79,6 +84,20 @@ class ReasoningStream:
             self.thought = self.thought or bool(rest)
             return rest, ""
         return "", rest
+
+
+def defer_constraint(params: SamplingParams, parser: str | None, tokenizer: Any,
+                     prompt_ids: list[int]) -> SamplingParams:
+    """Under a reasoning parser, let a constrained chat answer think first (the
+    grammar starts after ``</think>``), unless the prompt already closed the thought
+    (Qwen3's template with ``enable_thinking: false``)."""
+    spec = params.structured_outputs
+    if parser is None or spec is None or spec.reasoning is not None:
+        return params
+    if tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(END):
+        return params
+    params.structured_outputs = dataclasses.replace(spec, reasoning=parser)
+    return params
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:

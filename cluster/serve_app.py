@@ -56,6 +56,7 @@ from pagedserve.cluster.protocol import (
     max_tokens_for,
     validation_error_body,
 )
+from pagedserve.cluster.reasoning import defer_constraint
 from pagedserve.cluster.responses import Formatter, ResponseState, new_id, now, sse
 from pagedserve.cluster.router import (
     ROUTER_CLASS_PATH,
@@ -259,6 +260,7 @@ class OpenAIServer:
                              body.max_tokens_param, body.n),
             body.engine_logprobs(), info["vocab_size"],
             tools.structured() if tools is not None else None)
+        params = defer_constraint(params, self.reasoning_parser, self.tokenizer, ids)
         rid = new_id("chatcmpl")
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
                              body.priority)

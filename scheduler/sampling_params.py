@@ -12,6 +12,8 @@ from typing import Any
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# Thought formats (vLLM's reasoning parser names): see ``StructuredOutputs.reasoning``.
+REASONING_FORMATS = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,11 @@ class StructuredOutputs:
     JSON object (``json_object``), a regular expression, one of ``choice``'s strings, or
     a context-free ``grammar`` (EBNF as xgrammar reads it, rule ``root`` first: GBNF-style
     ``root ::= "yes" | "no"``).
+
+    ``reasoning`` (one of ``REASONING_FORMATS``) lets a thinking model think first, as
+    vLLM does under a reasoning parser: the constraint starts after a thought in that
+    format, ``<think> ... </think>`` (optional with ``qwen3``; with ``deepseek_r1`` the
+    opening tag is optional and the closing one required) and any newlines or spaces.
 
     vLLM's names. The sampler masks every token that cannot continue a valid output
     (xgrammar), and once the output is complete only end-of-sequence tokens remain.
@@ -32,6 +39,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -51,6 +59,9 @@ class StructuredOutputs:
         if self.grammar is not None and (not isinstance(self.grammar, str)
                                          or not self.grammar.strip()):
             raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.reasoning is not None and self.reasoning not in REASONING_FORMATS:
+            raise ValueError(f"structured_outputs.reasoning must be one of "
+                             f"{list(REASONING_FORMATS)}, got {self.reasoning!r}")
         given = [self.json is not None, bool(self.json_object), self.regex is not None,
                  self.choice is not None, self.grammar is not None]
         if sum(given) != 1:
@@ -61,7 +72,8 @@ class StructuredOutputs:
         """A stable text naming the constraint (compiled grammars are cached by it)."""
         schema = self.json if isinstance(self.json, str) or self.json is None else json.dumps(
             self.json, sort_keys=True)
-        return json.dumps([schema, self.json_object, self.regex, self.choice, self.grammar])
+        return json.dumps([schema, self.json_object, self.regex, self.choice, self.grammar,
+                           self.reasoning])
 
 
 @dataclass(slots=True)

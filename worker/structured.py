@@ -33,8 +33,39 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
+_END = "</think>"
+
+
+def thought_ebnf(fmt: str) -> str:
+    """EBNF of a thought in ``fmt`` (``StructuredOutputs.reasoning``) and the blank
+    after it: any text that does not contain ``</think>`` before the closing tag. The
+    body rules are the matching automaton of ``</think>`` (rule ``s<k>``: its first
+    ``k`` characters just read), so a body never closes the thought early."""
+    names = ["body"] + [f"s{k}" for k in range(1, len(_END))]
+    rules = []
+    for k, name in enumerate(names):
+        alts = ['""', '"<" s1']
+        if k + 1 < len(_END):
+            alts.append(f'"{_END[k]}" {names[k + 1]}')
+        excluded = "<" if k == 0 else "<" + _END[k]
+        alts.append(f"[^{excluded}] body")
+        rules.append(f"{name} ::= " + " | ".join(dict.fromkeys(alts)))
+    opening = '"<think>"' if fmt == "qwen3" else '"<think>"?'
+    thought = f'{opening} body "</think>" [ \\n]*'
+    root = f"root ::= ({thought})?" if fmt == "qwen3" else f"root ::= {thought}"
+    return "\n".join([root, *rules])
+
+
 def _grammar(xgr: Any, spec: StructuredOutputs) -> Any:
-    """The uncompiled grammar of ``spec`` (raises on a bad schema or regex)."""
+    """The uncompiled grammar of ``spec`` (raises on a bad schema or regex), after a
+    thought when ``spec.reasoning`` says so."""
+    inner = _constraint(xgr, spec)
+    if spec.reasoning is None:
+        return inner
+    return xgr.Grammar.concat(xgr.Grammar.from_ebnf(thought_ebnf(spec.reasoning)), inner)
+
+
+def _constraint(xgr: Any, spec: StructuredOutputs) -> Any:
     if spec.json is not None or spec.json_object:
         schema = spec.json if spec.json is not None else {"type": "object"}
         text = schema if isinstance(schema, str) else json.dumps(schema)

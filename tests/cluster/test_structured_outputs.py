@@ -209,3 +209,50 @@ def test_bad_constraints_raise_value_error(tiny_llama_dir) -> None:
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["qwen3", "deepseek_r1"])
+def test_a_constraint_can_follow_a_thought(fmt: str) -> None:
+    """``StructuredOutputs.reasoning``: the grammar lets a thought in the format come
+    first (any text without ``</think>`` inside, even tag fragments and non-ASCII), then
+    blanks, then the constraint; qwen3 may skip the thought, deepseek_r1 must close it."""
+    import xgrammar as xgr
+
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+    from pagedserve.worker.structured import GrammarBook
+
+    tok = load_tokenizer(resolve_model(None))
+    book = GrammarBook(tok, 49152, [tok.eos_token_id])
+    spec = StructuredOutputs(regex="[0-9]{2}", reasoning=fmt)
+
+    def accepts(text: str) -> bool:
+        m = xgr.GrammarMatcher(book._compile(spec))
+        ok = all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok and m.accept_token(tok.eos_token_id)
+
+    thought = "<think>is it < 50? </thin and </think no, é so 42</think>\n\n42"
+    assert accepts(thought) and accepts(thought.replace("\n\n", " "))
+    assert not accepts("<think>a</think>b") and not accepts("<think>a</think>42</think>")
+    assert accepts("42") == (fmt == "qwen3")
+    assert accepts("just thinking</think>42") == (fmt == "deepseek_r1")
+
+
+def test_the_default_model_thinks_then_answers_in_the_constraint(smol_llm) -> None:
+    """The thought's tags pushed by logit_bias (qwen3's: an opening tag the model must
+    write itself): the answer after them still obeys the regex, and the reasoning
+    parser of the same name splits it off. (deepseek_r1's grammar is checked above.)"""
+    fmt = "qwen3"
+    from pagedserve.cluster.reasoning import split_reasoning
+
+    tok = smol_llm.get_tokenizer()
+    bias = dict.fromkeys(tok.encode("</think>", add_special_tokens=False), 30.0)
+    bias.update(dict.fromkeys(tok.encode("<", add_special_tokens=False), 10.0))
+    params = SamplingParams(temperature=0.0, max_tokens=40, logit_bias=bias,
+                            structured_outputs=StructuredOutputs(regex="(Paris|Rome)[.]",
+                                                                 reasoning=fmt))
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        params)[0].outputs[0]
+    thought, content = split_reasoning(fmt, out.text)
+    assert out.finish_reason == "stop" and thought is not None, out.text
+    assert re.fullmatch(r"\s*(Paris|Rome)[.]", content), out.text
+    assert_pool_at_baseline(smol_llm)

@@ -26,11 +26,8 @@ import httpx
 import pytest
 
 API_KEY = "test-key"
-# The qwen3 reasoning parser only splits outputs that begin with <think> (SmolLM2's never
-# do unless a test constrains them to): every other test sees plain content.
 SMOL_ARGS: dict[str, Any] = {"num_gpu_blocks": 192, "max_model_len": 1024, "num_threads": 2,
-                             "max_num_seqs": 32, "api_key": API_KEY,
-                             "reasoning_parser": "qwen3"}
+                             "max_num_seqs": 32, "api_key": API_KEY}
 
 
 def free_port() -> int:

@@ -1,22 +1,31 @@
-"""Reasoning outputs over HTTP (``--reasoning-parser qwen3`` on the package's ``smol``
-app): a thought the output constraint makes SmolLM2 write goes to ``reasoning``,
-streamed or not, and the same split either way; ``include_reasoning: false`` drops it;
+"""Reasoning outputs over HTTP (``--reasoning-parser qwen3``, SmolLM2 in a ``think`` app
+of its own: under the parser its constrained answers may start with a thought): a thought goes to ``reasoning``, streamed or not, and the same split either way;
+output constraints start after the thought; ``include_reasoning: false`` drops it;
 plain answers are untouched; ``chat_template_kwargs`` is checked."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.serving.conftest import App
+from tests.serving.conftest import SMOL_ARGS, App, Cluster
 from tests.serving.test_openai_api import FRANCE, MODEL
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 THINK = {"regex": "<think>[a-z]{3,12}</think>[A-Z][a-z]{2,12}"}
+
+
+@pytest.fixture(scope="module")
+def think(cluster: Cluster) -> Iterator[App]:
+    app = cluster.deploy("think", {**SMOL_ARGS, "num_gpu_blocks": 64, "max_num_seqs": 8,
+                                   "reasoning_parser": "qwen3"})
+    yield app
+    cluster.delete("think")
 
 
 def _chat(app: App, **kw: Any) -> dict[str, Any]:
@@ -27,14 +36,17 @@ def _chat(app: App, **kw: Any) -> dict[str, Any]:
     return r.json()
 
 
-def test_thought_and_answer_are_split_streamed_or_not(smol: App) -> None:
-    msg = _chat(smol, structured_outputs=THINK)["choices"][0]["message"]
-    assert re.fullmatch("[a-z]{3,12}", msg["reasoning"]), msg
+def test_thought_and_answer_are_split_streamed_or_not(think: App) -> None:
+    """A constraint that itself begins with ``<think>`` makes SmolLM2 open a thought;
+    the grammar lets that thought run free (the constraint starts after it), so the
+    model thinks in plain words, then writes the constrained answer."""
+    msg = _chat(think, structured_outputs=THINK)["choices"][0]["message"]
+    assert msg["reasoning"] and "</think>" not in msg["reasoning"], msg
     assert msg["reasoning_content"] == msg["reasoning"]
-    assert re.fullmatch("[A-Z][a-z]{2,12}", msg["content"]), msg
+    assert re.fullmatch(THINK["regex"], msg["content"].lstrip()), msg
 
     thought = answer = ""
-    for chunk in smol.openai().chat.completions.create(
+    for chunk in think.openai().chat.completions.create(
             model=MODEL, messages=FRANCE, temperature=0, max_tokens=40, stream=True,
             extra_body={"structured_outputs": THINK}):
         delta = chunk.choices[0].delta
@@ -42,20 +54,43 @@ def test_thought_and_answer_are_split_streamed_or_not(smol: App) -> None:
         answer += delta.content or ""
     assert (thought, answer) == (msg["reasoning"], msg["content"])
 
-    hidden = _chat(smol, structured_outputs=THINK, include_reasoning=False)
+    hidden = _chat(think, structured_outputs=THINK, include_reasoning=False)
     assert "reasoning" not in hidden["choices"][0]["message"]
     assert hidden["choices"][0]["message"]["content"] == msg["content"]
 
 
-def test_plain_answers_have_no_reasoning(smol: App) -> None:
-    msg = _chat(smol, max_tokens=12)["choices"][0]["message"]
+def test_a_constraint_starts_after_the_thought(think: App) -> None:
+    """Under the parser the grammar lets the model think first (vLLM's rule): the
+    thought's tags pushed by logit_bias, the answer after them in the regex."""
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    bias = {str(t): 30.0 for t in tok.encode("</think>", add_special_tokens=False)}
+    bias.update({str(t): 10.0 for t in tok.encode("<", add_special_tokens=False)})
+    kw = {"guided_regex": "(Paris|Rome)[.]", "logit_bias": bias}
+    msg = _chat(think, **kw)["choices"][0]["message"]
+    assert msg["reasoning"] == "" and msg["content"].strip() == "Paris.", msg
+    thought, answer = None, ""
+    for chunk in think.openai().chat.completions.create(
+            model=MODEL, messages=FRANCE, temperature=0, max_tokens=40, stream=True,
+            extra_body=kw):
+        delta = chunk.choices[0].delta
+        thought = (delta.model_extra or {}).get("reasoning", thought)
+        answer += delta.content or ""
+    assert answer == msg["content"]
+
+
+def test_plain_answers_have_no_reasoning(think: App, smol: App) -> None:
+    msg = _chat(think, max_tokens=12)["choices"][0]["message"]
     assert msg["reasoning"] is None and msg["content"].startswith("The capital of France")
+    plain = _chat(smol, max_tokens=12)["choices"][0]["message"]  # no parser: no field
+    assert "reasoning" not in plain and plain["content"] == msg["content"]
 
 
-def test_chat_template_kwargs(smol: App) -> None:
-    with_kwargs = _chat(smol, max_tokens=12, chat_template_kwargs={"enable_thinking": False})
+def test_chat_template_kwargs(think: App) -> None:
+    with_kwargs = _chat(think, max_tokens=12, chat_template_kwargs={"enable_thinking": False})
     assert with_kwargs["choices"][0]["message"]["content"].startswith("The capital")
     body = {"model": MODEL, "messages": FRANCE, "chat_template_kwargs": {"tokenize": False}}
     for route in ("/v1/chat/completions", "/tokenize"):
-        r = httpx.post(f"{smol.base}{route}", json=body, headers=smol.headers, timeout=60)
+        r = httpx.post(f"{think.base}{route}", json=body, headers=think.headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
