@@ -7,7 +7,9 @@ output that does not begin with it, e.g. with ``chat_template_kwargs:
 {"enable_thinking": false}``, is all content) and ``deepseek_r1`` (DeepSeek-R1
 and QwQ, whose templates may already open the thought in the prompt: everything
 up to ``</think>`` is reasoning, a leading ``<think>`` dropped). A thought cut
-short by ``max_tokens`` stays reasoning.
+short by ``max_tokens`` stays reasoning. A prompt that already closed the thought
+(``thought_closed``: Qwen3's template with ``enable_thinking: false``) makes the
+whole answer content, with either parser.
 
 The split works on text, one stream per choice, so streamed and whole answers
 agree: a delta that may be the start of a tag is held back until the next one
@@ -38,12 +40,13 @@ def _partial_tag(text: str, tag: str) -> int:
 class ReasoningStream:
     """One choice's text, split into reasoning and content as it arrives."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, closed: bool = False) -> None:
+        """``closed``: the prompt already ended the thought; all of it is content."""
         if parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
                              f"got {parser!r}")
         self.parser = parser
-        self.mode = "start"  # then "reasoning" or "content"
+        self.mode = "content" if closed else "start"  # then "reasoning" or "content"
         self.held = ""
         self.thought = False  # whether any of the output is reasoning
 
@@ -86,24 +89,28 @@ class ReasoningStream:
         return "", rest
 
 
-def defer_constraint(params: SamplingParams, parser: str | None, tokenizer: Any,
-                     prompt_ids: list[int]) -> SamplingParams:
+def thought_closed(tokenizer: Any, prompt_ids: list[int]) -> bool:
+    """Whether the prompt ends with a closed thought (Qwen3's template with
+    ``enable_thinking: false`` writes an empty ``<think></think>`` itself)."""
+    return tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(END)
+
+
+def defer_constraint(params: SamplingParams, parser: str | None, closed: bool
+                     ) -> SamplingParams:
     """Under a reasoning parser, let a constrained chat answer think first (the
-    grammar starts after ``</think>``), unless the prompt already closed the thought
-    (Qwen3's template with ``enable_thinking: false``)."""
+    grammar starts after ``</think>``), unless the prompt already ``closed`` it."""
     spec = params.structured_outputs
-    if parser is None or spec is None or spec.reasoning is not None:
-        return params
-    if tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(END):
+    if parser is None or closed or spec is None or spec.reasoning is not None:
         return params
     params.structured_outputs = dataclasses.replace(spec, reasoning=parser)
     return params
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+def split_reasoning(parser: str, text: str, closed: bool = False
+                    ) -> tuple[str | None, str | None]:
     """A whole output's ``(reasoning, content)``: reasoning None when the model did not
     think; content None when a thought is all there is (vLLM's shapes)."""
-    stream = ReasoningStream(parser)
+    stream = ReasoningStream(parser, closed)
     r1, c1 = stream.feed(text)
     r2, c2 = stream.finish()
     if not stream.thought:

@@ -55,17 +55,19 @@ class ResponseState:
     def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool,
                  top_n: int | None = None, echo: list[tuple[str, list[int]]] | None = None,
                  tools: ToolContext | None = None, model: str | None = None,
-                 reasoning: str | None = None, include_reasoning: bool = True) -> None:
+                 reasoning: str | None = None, include_reasoning: bool = True,
+                 thought_closed: bool = False) -> None:
         """``prompts``: ``(prompt_tokens, n)`` per prompt, in order; ``top_n``: alternatives
         per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token);
         ``echo``: each prompt's text and ids, which lead its choices (completions ``echo``);
         ``tools``: how a chat output turns into tool calls; ``model``: the name the
         response carries when not the server's (a LoRA adapter's); ``reasoning``: the
         reasoning parser splitting a chat output, whose thought is left out unless
-        ``include_reasoning``."""
+        ``include_reasoning`` (``thought_closed``: the prompt ended the thought)."""
         self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
         self.top_n, self.echo, self.tools, self.model = top_n, echo, tools, model
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
+        self.thought_closed = thought_closed
         self.n = [n for _, n in prompts]
         self.prompt_tokens = [p for p, _ in prompts]
         self.cached = [0] * len(prompts)
@@ -176,7 +178,8 @@ class Formatter:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish = c.finish_reason
                 if st.reasoning is not None:
-                    thought, message["content"] = split_reasoning(st.reasoning, text)
+                    thought, message["content"] = split_reasoning(st.reasoning, text,
+                                                                  st.thought_closed)
                     text = message["content"] or ""
                     if st.include_reasoning:
                         message["reasoning"] = message["reasoning_content"] = thought
@@ -238,7 +241,7 @@ class Formatter:
         if st.reasoning is None:
             return text
         if c.reasoning_stream is None:
-            c.reasoning_stream = ReasoningStream(st.reasoning)
+            c.reasoning_stream = ReasoningStream(st.reasoning, st.thought_closed)
         thought, content = c.reasoning_stream.feed(text)
         if last:
             more_thought, more = c.reasoning_stream.finish()

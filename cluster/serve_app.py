@@ -56,7 +56,7 @@ from pagedserve.cluster.protocol import (
     max_tokens_for,
     validation_error_body,
 )
-from pagedserve.cluster.reasoning import defer_constraint
+from pagedserve.cluster.reasoning import defer_constraint, thought_closed
 from pagedserve.cluster.responses import Formatter, ResponseState, new_id, now, sse
 from pagedserve.cluster.router import (
     ROUTER_CLASS_PATH,
@@ -161,14 +161,14 @@ class OpenAIServer:
     async def _respond(self, rid: str, reqs: list[EngineRequest], kind: str, stream: bool,
                        include_usage: bool, continuous_usage: bool, logprobs: bool,
                        echo: list[tuple[str, list[int]]] | None = None,
-                       tools: ToolContext | None = None, include_reasoning: bool = True
-                       ) -> Response:
+                       tools: ToolContext | None = None, include_reasoning: bool = True,
+                       thought_closed: bool = False) -> Response:
         lora = reqs[0].lora
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
                               logprobs, reqs[0].params.logprobs, echo, tools,
                               lora[0] if lora is not None else None,
                               self.reasoning_parser if kind == "chat.completion" else None,
-                              include_reasoning)
+                              include_reasoning, thought_closed)
         chunks = merge_streams(self._channel, self._engine, reqs)
         if not stream:
             async for i, c in chunks:
@@ -260,7 +260,8 @@ class OpenAIServer:
                              body.max_tokens_param, body.n),
             body.engine_logprobs(), info["vocab_size"],
             tools.structured() if tools is not None else None)
-        params = defer_constraint(params, self.reasoning_parser, self.tokenizer, ids)
+        closed = thought_closed(self.tokenizer, ids)
+        params = defer_constraint(params, self.reasoning_parser, closed)
         rid = new_id("chatcmpl")
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
                              body.priority)
@@ -268,12 +269,13 @@ class OpenAIServer:
             return await answer_beam_search(
                 self._engine, "chat.completion", rid, lora[0] if lora else self.served_name,
                 body, [req], {"logprobs": bool(body.logprobs), "tools": bool(body.tools)},
-                self.reasoning_parser)
+                None if closed else self.reasoning_parser)
         so = body.stream_options
         return await self._respond(rid, [req], "chat.completion", body.stream,
                                    bool(so and so.include_usage),
                                    bool(so and so.continuous_usage_stats), body.logprobs,
-                                   tools=tools, include_reasoning=body.include_reasoning)
+                                   tools=tools, include_reasoning=body.include_reasoning,
+                                   thought_closed=closed)
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                   tools: list[dict[str, Any]] | None,

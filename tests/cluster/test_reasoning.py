@@ -108,3 +108,22 @@ def test_beam_search_answers_are_split_too() -> None:
                                                 "reasoning": "hm", "reasoning_content": "hm"}
     hidden = beam_response("chat.completion", "id", "m", results, "qwen3", False)
     assert hidden["choices"][0]["message"] == {"role": "assistant", "content": "Paris"}
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_prompt_that_closed_the_thought_leaves_only_content(parser: str) -> None:
+    from pagedserve.cluster.reasoning import defer_constraint, thought_closed
+    from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputs
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    closed = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert thought_closed(tok, closed) and not thought_closed(tok, tok.encode("assistant\n"))
+    assert split_reasoning(parser, "answer</think>x", closed=True) == (None, "answer</think>x")
+    s = ReasoningStream(parser, closed=True)
+    assert s.feed("<thi") == ("", "<thi") and s.finish() == ("", "")
+    spec = StructuredOutputs(regex="a")
+    assert defer_constraint(SamplingParams(structured_outputs=spec), parser, True
+                            ).structured_outputs.reasoning is None
+    assert defer_constraint(SamplingParams(structured_outputs=spec), parser, False
+                            ).structured_outputs.reasoning == parser
