@@ -104,13 +104,16 @@ class LLM:
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template, then generate."""
+        """Apply the model's chat template (with ``chat_template_kwargs`` as extra
+        template variables, e.g. Qwen3's ``enable_thinking``), then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.engine.tokenizer
+        extra = dict(chat_template_kwargs or {})
         prompts = [
             list(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                         tokenize=True, return_dict=False))
+                                         tokenize=True, return_dict=False, **extra))
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -127,3 +127,21 @@ def test_a_prompt_that_closed_the_thought_leaves_only_content(parser: str) -> No
                             ).structured_outputs.reasoning is None
     assert defer_constraint(SamplingParams(structured_outputs=spec), parser, False
                             ).structured_outputs.reasoning == parser
+
+
+def test_offline_chat_takes_template_kwargs(smol_llm) -> None:
+    from pagedserve.cluster import SamplingParams
+
+    tok = smol_llm.get_tokenizer()
+    saved = tok.chat_template
+    tok.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}"
+                         "<think></think>{% endif %}{{ messages[0]['content'] }}")
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        on = smol_llm.chat(msgs, params)[0]
+        off = smol_llm.chat(msgs, params, chat_template_kwargs={"enable_thinking": False})[0]
+    finally:
+        tok.chat_template = saved
+    assert tok.decode(on.prompt_token_ids) == "hi"
+    assert tok.decode(off.prompt_token_ids) == "<think></think>hi"
