@@ -9,8 +9,10 @@ four rows, and never touches an adapter's zero blocks (the q/k/v or gate/up
 pieces are separate entries instead of one block-diagonal B).
 
 The weights are kept transposed (``A^T [in, rank]``, ``B^T [rank, width]``)
-with ``rank`` padded to a multiple of 16 by zero columns/rows, which adds
-exact zeros. A projection's adapters are a table ``[slots, pieces, 5]`` of
+in fp32 with ``rank`` padded to a multiple of 16 by zero columns/rows, which
+adds exact zeros. Activations may be fp32 or bf16 (a bf16 model's): they are
+widened on load, the delta is summed in fp32 and added to ``y`` with one
+rounding, where torch's bf16 matmuls round the thin intermediate too. A projection's adapters are a table ``[slots, pieces, 5]`` of
 int64 (pointers, rank, first output column, width); ``NativeLoRATable`` owns
 it and keeps the tensors it points into alive.
 """
@@ -25,9 +27,13 @@ ENTRY = 5  # A^T pointer, B^T pointer, rank, first output column, width
 MAX_RANK = 1024  # MAX_RANK in cpu_lora.c: a piece's padded rank
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the native path serves adapters of this device and dtype (fp32 CPU)."""
-    return device.type == "cpu" and dtype == torch.float32 and cpu_native.load() is not None
+    """Whether the native path serves adapters of this device and model dtype (CPU,
+    fp32 or bf16)."""
+    return device.type == "cpu" and dtype in _DTYPES and cpu_native.load() is not None
 
 
 def pad_rank(a_t: torch.Tensor, b_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,17 +92,17 @@ class NativeLoRATable:
         """Add every segment's deltas to ``y`` in place; False (nothing written) when the
         tensors are not for the kernel. ``segments``: int64 ``[n, 3]`` (start, end, slot)."""
         lib = cpu_native._loaded()
-        if (lib is None or x.dim() != 2 or y.dim() != 2 or x.dtype != torch.float32
-                or y.dtype != torch.float32 or x.stride(1) != 1 or y.stride(1) != 1
+        if (lib is None or x.dim() != 2 or y.dim() != 2 or x.dtype not in _DTYPES
+                or y.dtype != x.dtype or x.stride(1) != 1 or y.stride(1) != 1
                 or x.shape[0] != y.shape[0] or x.shape[1] != self.in_features
                 or y.shape[1] != self.out_features
                 or x.device.type != "cpu" or y.device.type != "cpu"
                 or segments.dtype != torch.int64 or not segments.is_contiguous()):
             return False
-        rc = lib.lora_sgmv_f32(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
-                               x.shape[0], x.shape[1], y.shape[1], segments.data_ptr(),
-                               segments.shape[0], self.table.data_ptr(), self.table.shape[0],
-                               self.pieces, torch.get_num_threads())
+        rc = lib.lora_sgmv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
+                           x.shape[1], y.shape[1], segments.data_ptr(), segments.shape[0],
+                           self.table.data_ptr(), self.table.shape[0], self.pieces,
+                           int(x.dtype == torch.bfloat16), torch.get_num_threads())
         if rc != 0:
             raise ValueError("LoRA segments or adapter table out of range")
         return True

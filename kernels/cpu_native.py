@@ -130,9 +130,9 @@ def load() -> ctypes.CDLL | None:
             getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
                                            ctypes.c_float, ctypes.c_int]
             getattr(lib, name).restype = None
-        lib.lora_sgmv_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64,
-                                      i64, ctypes.c_int]
-        lib.lora_sgmv_f32.restype = ctypes.c_int
+        lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64,
+                                  ctypes.c_int, ctypes.c_int]
+        lib.lora_sgmv.restype = ctypes.c_int
         for name in ("rope_f32", "rope_bf16"):
             getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                            ctypes.c_int]

@@ -190,3 +190,37 @@ def test_no_step_runs_more_than_max_loras_adapters(tiny_llama_dir, llama_loras, 
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_bf16_native_deltas_agree_with_the_torch_form(tiny_llama_dir, llama_loras,
+                                                      monkeypatch) -> None:
+    """A bf16 model's adapters through the native CPU kernel (fp32 sums, one rounding)
+    and through bf16 torch matmuls: both track the fp32 model's prompt logprobs within
+    bf16 noise (the bf16 base weights' own, mostly), and the adapter's effect is far
+    larger than that noise."""
+    from pagedserve.kernels import cpu_lora
+
+    prompt = {"prompt_token_ids": list(range(40, 90))}
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(lora: LoRARequest | None, dtype: str) -> list[float]:
+        llm = LLM(model=tiny_llama_dir, dtype=dtype, enable_lora=True, max_lora_rank=8,
+                  num_gpu_blocks=32)
+        try:
+            out = llm.generate(prompt, params, lora_request=lora)[0]
+        finally:
+            llm.shutdown()
+        ids = out.prompt_token_ids
+        return [entry[t] for entry, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+
+    def gap(a: list[float], b: list[float]) -> float:
+        return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+    lora = llama_loras["all7"]
+    ref, base = logprobs(lora, "float32"), logprobs(None, "float32")
+    native = logprobs(lora, "bfloat16")
+    monkeypatch.setattr(cpu_lora, "available", lambda device, dtype: False)
+    torch_form = logprobs(lora, "bfloat16")
+    err_native, err_torch = gap(native, ref), gap(torch_form, ref)
+    assert err_native < 0.5 and err_torch < 0.5, (err_native, err_torch)
+    assert gap(ref, base) > 3 * max(err_native, err_torch), (gap(ref, base), err_native)

@@ -108,3 +108,24 @@ def test_lora_weights_fall_back_to_the_same_math() -> None:
     weights.apply(cleared, x)
     torch.testing.assert_close(cleared, reference(y, x, [(0, 4, 1)], plain),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_activations_take_one_rounding() -> None:
+    """A bf16 model's rows: widened, summed in fp32, added to ``y`` with one rounding;
+    rows outside every segment stay bit for bit."""
+    table, plain = make_table(RANKS)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, IN, generator=g).bfloat16()
+    y = torch.randn(40, OUT, generator=g).bfloat16()
+    segs = [(0, 7, 3), (7, 8, 1), (10, 37, 0), (37, 40, 2)]
+    want = reference(y.float(), x.float(), segs, plain)
+    got = y.clone()
+    assert table.apply(got, x, torch.tensor(segs, dtype=torch.int64))
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+    assert torch.equal(got[8:10], y[8:10])
+    weights = LoRAWeights(LoRABatch([(5, 0, 7), (6, 10, 37)],
+                                    torch.tensor([(0, 7, 3), (10, 37, 0)]), {5: 3, 6: 0}), table)
+    fallback = y.clone()
+    weights.apply(fallback, x.t().contiguous().t())  # the torch form of the same math
+    want = reference(y.float(), x.float(), [(0, 7, 3), (10, 37, 0)], plain)
+    torch.testing.assert_close(fallback.float(), want, rtol=8e-3, atol=8e-3)

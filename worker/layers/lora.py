@@ -9,7 +9,7 @@ LoRA scale is folded into B at load.
 
 A step's rows come ordered by adapter (the runner sorts its requests), so
 each adapter owns one contiguous run of rows (:class:`LoRABatch`). On CPU in
-fp32 one native call per projection adds every run's delta
+fp32 or bf16 one native call per projection adds every run's delta
 (``kernels/cpu_lora``: Punica's segmented SGMV, each adapter's pieces kept
 apart so B's zero blocks cost nothing); elsewhere each run's delta is two
 thin matmuls on a view of that run, added in place. Either way the cost is
@@ -83,7 +83,8 @@ class LoRAWeights:
         assert self.native is not None
         for lora_id, start, end in self.batch.groups:
             for a_t, b_t, col in self.native.entries.get(self.batch.slots[lora_id], ()):
-                y[start:end, col:col + b_t.shape[1]].addmm_(x[start:end] @ a_t, b_t)
+                delta = x[start:end].float() @ a_t @ b_t  # fp32 weights, as the kernel
+                y[start:end, col:col + b_t.shape[1]] += delta.to(y.dtype)
 
 
 def _fuse(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], out_size: int
@@ -135,8 +136,7 @@ class LoRAManager:
         for module, pieces in fused.values():
             table = module.lora.native
             if table is not None and all(table.fits(pb.shape[0], off) for _, pb, off in pieces):
-                table.set(slot, [(*cpu_lora.pad_rank(pa.t().to(self.dtype),
-                                                     pb.t().to(self.dtype)), off)
+                table.set(slot, [(*cpu_lora.pad_rank(pa.t().float(), pb.t().float()), off)
                                  for pa, pb, off in pieces])
                 continue
             a, b = _fuse(pieces, module.weight_out_features)
