@@ -2,8 +2,8 @@
 
 Why: with many adapters of a few rows each (a decode batch spread over 16
 adapters), torch pays two small matmuls per adapter per projection, and at
-~4 rows per matmul the per-call overhead, not the FLOPs, is the cost: about
-a third of a SmolLM2 decode step with 16 rank-16 adapters. The kernel runs a
+~4 rows per matmul the per-call overhead, not the FLOPs, is the cost (see
+``bench/lora.py --num-adapters 16``). The kernel runs a
 batch's segments in one OpenMP region, each weight vector it loads feeding
 four rows, and never touches an adapter's zero blocks (the q/k/v or gate/up
 pieces are separate entries instead of one block-diagonal B).
@@ -12,9 +12,10 @@ The weights are kept transposed (``A^T [in, rank]``, ``B^T [rank, width]``)
 in fp32 with ``rank`` padded to a multiple of 16 by zero columns/rows, which
 adds exact zeros. Activations may be fp32 or bf16 (a bf16 model's): they are
 widened on load, the delta is summed in fp32 and added to ``y`` with one
-rounding, where torch's bf16 matmuls round the thin intermediate too. A projection's adapters are a table ``[slots, pieces, 5]`` of
-int64 (pointers, rank, first output column, width); ``NativeLoRATable`` owns
-it and keeps the tensors it points into alive.
+rounding, where torch's bf16 matmuls round the thin intermediate too. A
+projection's adapters are a table ``[slots, pieces, 5]`` of int64 (pointers,
+rank, first output column, width); ``NativeLoRATable`` owns it and keeps the
+tensors it points into alive.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from pagedserve.kernels import cpu_native
 
 ENTRY = 5  # A^T pointer, B^T pointer, rank, first output column, width
 MAX_RANK = 1024  # MAX_RANK in cpu_lora.c: a piece's padded rank
-
-
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
