@@ -46,8 +46,8 @@ def hf_beams(model_dir: str, prompt: list[int], width: int, new_tokens: int,
 @pytest.mark.parametrize(("arch", "block_size"), [("llama", 16), ("qwen2", 16), ("llama", 4)])
 def test_beams_equal_hf_beam_search(arch: str, block_size: int, tiny_llama_dir: str,
                                     tiny_qwen2_dir: str) -> None:
-    """Block size 4 (what the README suggests for beam search on CPU) shares and
-    copies partial blocks far more often; the beams must not change."""
+    """Block size 4 shares and copies partial blocks far more often (forked beams
+    write into a shared partial block most steps); the beams must not change."""
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     llm = LLM(model=model_dir, num_gpu_blocks=1024, block_size=block_size)
     try:
