@@ -1,9 +1,9 @@
 """``use_beam_search`` over HTTP (vLLM's extra parameter of both completion routes).
 
-A beam search is one call to one replica (``EngineServer.beam_search``),
-routed by the prompt's prefix like a completion, so every step's beams meet
-the blocks the previous steps cached; it is retried on another replica if
-its replica fails, and the prompts of a batch run concurrently (one failure
+A beam search is one call to one replica (``EngineServer.beam_search``; its
+beams fork inside that replica's scheduler), routed by the prompt's prefix
+like a completion, so the prompt meets the blocks earlier requests cached; it
+is retried on another replica if its replica fails, and the prompts of a batch run concurrently (one failure
 cancels the others). ``n`` is the beam width and the number of choices;
 ``length_penalty`` and ``ignore_eos`` apply as in ``LLM.beam_search``. The
 search ends before anything is sent, so a ``stream`` gets each beam whole in
