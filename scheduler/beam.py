@@ -61,10 +61,13 @@ def get_beam_search_score(tokens: Sequence[int], cum_logprob: float,
                           eos_token_ids: Sequence[int], length_penalty: float = 1.0) -> float:
     """vLLM's score: the cumulative log-probability over the length (prompt included,
     a final EOS not counted) raised to ``length_penalty``."""
-    seq_len = len(tokens)
-    if tokens and tokens[-1] in eos_token_ids:
-        seq_len -= 1
-    return cum_logprob / (seq_len ** length_penalty)
+    ends_in_eos = bool(tokens) and tokens[-1] in eos_token_ids
+    return _score(len(tokens), ends_in_eos, cum_logprob, length_penalty)
+
+
+def _score(num_tokens: int, ends_in_eos: bool, cum_logprob: float,
+           length_penalty: float) -> float:
+    return cum_logprob / ((num_tokens - ends_in_eos) ** length_penalty)
 
 
 # A beam's per-step candidate dicts as a persistent list (earlier steps, this
@@ -140,11 +143,6 @@ class BeamGroup:
         self.num_cached_tokens = max(self.num_cached_tokens, req.num_cached_tokens)
         return len(self.seen) == len(self.live)
 
-    def _score(self, num_tokens: int, last: int, cum: float) -> float:
-        if last in self.eos:
-            num_tokens -= 1
-        return cum / (num_tokens ** self.params.length_penalty)
-
     def select(self) -> list[Candidate]:
         """Rank this round's candidates: set the ended ones aside, return the best
         ``beam_width`` others, best first; the round is over."""
@@ -157,7 +155,8 @@ class BeamGroup:
             n = beam.num_tokens + 1
             for token, logprob in seen.items():
                 cand = Candidate(beam, n, token, base + logprob, trail,
-                                 self._score(n, token, base + logprob))
+                                 _score(n, token in self.eos, base + logprob,
+                                        self.params.length_penalty))
                 if token in eos:
                     self.completed.append((cand, "stop"))
                 elif n >= self.max_model_len:

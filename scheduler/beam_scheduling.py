@@ -16,9 +16,9 @@ beams (their KV is recomputed when they continue) until that sibling fits.
 
 from __future__ import annotations
 
+from pagedserve.scheduler.admission import lacks_room
 from pagedserve.scheduler.beam import BeamGroup, Candidate
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.kv_cache_manager import cdiv
 from pagedserve.scheduler.lifecycle import RequestLifecycle
 from pagedserve.scheduler.outputs import RequestUpdate, SampledToken
 from pagedserve.scheduler.request import Request, RequestStatus
@@ -113,10 +113,8 @@ class BeamScheduling(RequestLifecycle):
             self.num_preemptions["recompute"] += 1
 
     def _lacks_room(self, req: Request) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
-            return True
         free = self.kv.pool.num_free_blocks
         if req.status is RequestStatus.SWAPPED:
-            return self.kv.num_blocks_to_swap_in(req) + 1 > free
-        cap = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        return cdiv(min(req.num_tokens - req.num_computed_tokens, cap), self.block_size) > free
+            return (len(self.running) >= self.config.max_num_seqs
+                    or self.kv.num_blocks_to_swap_in(req) + 1 > free)
+        return lacks_room(req, len(self.running), self.config, self.block_size, free)

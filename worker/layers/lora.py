@@ -69,6 +69,8 @@ class LoRAWeights:
         if native is not None and native.entries and batch.segments is not None \
                 and not native.apply(y, x, batch.segments):
             self._apply_pieces(y, x)  # (tensors the kernel does not take: same math)
+        if not self.adapters:  # every adapter here is in the native table
+            return
         for lora_id, start, end in batch.groups:
             ab = self.adapters.get(lora_id)
             if ab is None:
