@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
+from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 # "freq_factors": one divisor per rotary frequency, llama.cpp's rope_freqs (from GGUF files).
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "freq_factors")
 
@@ -75,7 +76,8 @@ def _check_freq_factors(factors: Any, head_dim: int) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture facts of a Llama-family checkpoint (Llama 2/3, Mistral, Qwen2/3, SmolLM2)."""
+    """Architecture facts of a Llama-family checkpoint (Llama 2/3, Mistral, Qwen2/3, SmolLM2,
+    and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE)."""
 
     model_type: str
     num_layers: int
@@ -100,6 +102,8 @@ class ModelConfig:
     # ``architectures`` names only a base model (``LlamaModel``, ``Qwen3Model``...): an
     # embedding checkpoint, saved without the ``model.`` prefix and without an LM head.
     embedding_only: bool = False
+    # Routed experts (Mixtral, Qwen2/3-MoE); None for a dense model.
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -177,17 +181,18 @@ class ModelConfig:
 
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
+        if model_type in ("qwen2", "qwen2_moe"):
+            qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
             window = None
+        num_layers = _positive_int("num_hidden_layers", _require(cfg, "num_hidden_layers"))
         return cls(
             model_type=model_type,
-            num_layers=_positive_int("num_hidden_layers", _require(cfg, "num_hidden_layers")),
+            num_layers=num_layers,
             hidden_size=hidden,
             intermediate_size=_positive_int(
                 "intermediate_size", _require(cfg, "intermediate_size")
@@ -202,7 +207,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=_positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
             ),
@@ -211,6 +216,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             dtype=str(dtype),
             embedding_only=_names_base_model(cfg.get("architectures")),
+            moe=moe_config_from_hf(cfg, model_type, num_layers),
         )
 
     @classmethod

@@ -55,7 +55,8 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         # The torch reference backend reads lengths back to the host, which graph
         # capture forbids; the Triton and flash paths are sync-free.
-        if enable_cuda_graph and device.type == "cuda" and kv_cache.backend.name != "torch":
+        if (enable_cuda_graph and device.type == "cuda" and kv_cache.backend.name != "torch"
+                and model.graph_capturable):
             max_blocks = -(-model.config.max_model_len // self.block_size)
             self.graphs = DecodeGraphRunner(model, kv_cache, device, max_num_seqs, max_blocks)
             with torch.inference_mode():

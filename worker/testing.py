@@ -24,6 +24,15 @@ SMOLLM2_135M: dict[str, Any] = dict(
     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
 )
 
+# Small mixtures of experts; Mixtral's experts take ``intermediate_size``.
+MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+}
+
 
 def write_wordlevel_tokenizer(dest: str | Path, vocab_size: int) -> None:
     """A real tokenizer made on the spot: word ``t<i>`` is token ``i`` (``t2`` is EOS)."""
@@ -42,7 +51,10 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                             tokenizer_dir: str | Path | None = None, seed: int = 1234,
                             weight_scale: float = 4.0, base_model: bool = False,
                             **overrides: Any) -> str:
-    """Save a random ``kind`` ("llama", "qwen2" or "qwen3") model to ``dest``; return its path.
+    """Save a random ``kind`` model to ``dest``; return its path.
+
+    ``kind``: "llama", "qwen2", "qwen3", or the mixtures of experts "mixtral",
+    "qwen2_moe", "qwen3_moe" (4 experts, top 2, 32 wide unless overridden).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are.
@@ -56,7 +68,10 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
 
     classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, tf.LlamaModel),
                "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, tf.Qwen2Model),
-               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, tf.Qwen3Model)}
+               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, tf.Qwen3Model),
+               "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, tf.MixtralModel),
+               "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, tf.Qwen2MoeModel),
+               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, tf.Qwen3MoeModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -65,12 +80,13 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                                num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=512,
                                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg.update(MOE_DEFAULTS.get(kind, {}))
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**cfg))
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (experts are stacked 3-D in memory)
                 p.mul_(weight_scale)
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)

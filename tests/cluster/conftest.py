@@ -45,6 +45,28 @@ def tiny_qwen3_yarn_dir(tmp_path_factory: pytest.TempPathFactory, default_model_
         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))
 
 
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Mixtral: 4 experts, top 2 (renormalised), every layer routed."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral",
+                                   default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Qwen2-MoE: q/k/v bias, 4 experts top 2 (not renormalised) plus a gated shared expert."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_moe"), "qwen2_moe",
+                                   default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Qwen3-MoE: q/k norms, 8 experts top 3, layer 1 a dense MLP (``mlp_only_layers``)."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe",
+                                   default_model_dir, num_experts=8, num_experts_per_tok=3,
+                                   mlp_only_layers=[1])
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
               ignore_eos: bool = True, device: str = "cpu",
               processors: Callable[[int], list[Any]] | None = None,

@@ -37,7 +37,9 @@ def test_default_model_mixed_batch_equals_hugging_face(smol_llm, default_model_d
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(default_model_dir, ids, 12)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_yarn_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_yarn_dir",
+                                     "tiny_mixtral_dir", "tiny_qwen2_moe_dir",
+                                     "tiny_qwen3_moe_dir"])
 def test_random_checkpoint_batch_equals_hugging_face(fixture, request) -> None:
     path = request.getfixturevalue(fixture)
     prompts = prompts_of_mixed_lengths()

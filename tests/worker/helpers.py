@@ -11,6 +11,7 @@ import torch
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.testing import MOE_DEFAULTS
 from pagedserve.worker.worker import Worker
 
 TINY: dict[str, Any] = dict(
@@ -22,16 +23,20 @@ TINY: dict[str, Any] = dict(
 
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                     **overrides: Any) -> Path:
-    """Write a random tiny Llama, Qwen2/3 or Mistral HF checkpoint (safetensors) to ``path``."""
+    """Write a random tiny Llama, Qwen2/3, Mistral or mixture-of-experts (Mixtral,
+    Qwen2/3-MoE: ``MOE_DEFAULTS``' experts) HF checkpoint (safetensors) to ``path``."""
     import transformers as tf
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-               "mistral": ("MistralConfig", "MistralForCausalLM")}
+               "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**{**TINY, **overrides}))
+    model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))
     # Random init leaves norms at 1 and biases at 0; perturb them so loading bugs show.
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -42,6 +42,13 @@ CASES = {
         model_type="llama", num_key_value_heads=4,
         rope_scaling=dict(rope_type="linear", factor=2.0),
     ),
+    # Mixtures of experts: 4 experts, top 2, over the flat mixed batch.
+    "mixtral": dict(model_type="mixtral"),
+    # A gated shared expert beside the routed ones, top-2 weights not renormalised.
+    "qwen2_moe_shared_expert": dict(model_type="qwen2_moe", tie_word_embeddings=True),
+    # Renormalised top-3 of 8; layer 1 keeps a dense MLP (``mlp_only_layers``).
+    "qwen3_moe_dense_layer": dict(model_type="qwen3_moe", num_experts=8,
+                                  num_experts_per_tok=3, mlp_only_layers=[1]),
 }
 
 

@@ -2,7 +2,9 @@
 
 Covers KV heads split across ranks (4 q / 2 kv heads), a single KV head
 replicated on both ranks (4 q / 1 kv), an odd vocabulary (padded vocab shards),
-a biased Qwen2 attention, and Qwen3's per-head q/k norms (replicated on each rank).
+a biased Qwen2 attention, Qwen3's per-head q/k norms (replicated on each rank), and
+mixtures of experts (every expert cut along its intermediate dimension, Qwen2-MoE's
+shared expert too, one all-reduce per layer).
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ def _free_port() -> int:
     ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     ("qwen2", dict(num_key_value_heads=2)),
     ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
-], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm"])
+    ("mixtral", dict(num_key_value_heads=2)),
+    ("qwen2_moe", dict(num_key_value_heads=2)),
+], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm", "mixtral_experts",
+        "qwen2_moe_shared_expert"])
 def test_tp2_equals_tp1(tmp_path, kind, kw):
     path = save_tiny_model(tmp_path / "m", kind, seed=4, **kw)
     ref_worker = make_worker(path, num_blocks=40, block_size=4)

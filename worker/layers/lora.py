@@ -42,6 +42,13 @@ _TARGETS: dict[str, tuple[str, str, str | int | None]] = {
 }
 
 
+def _target(model: torch.nn.Module, layer_idx: int, name: str) -> torch.nn.Module | None:
+    """The projection module adapter target ``name`` of layer ``layer_idx`` lands on; None
+    where the layer has no such projection (a mixture-of-experts layer's MLP)."""
+    parent, attr, _ = _TARGETS[name]
+    return getattr(getattr(model.layers[layer_idx], parent), attr, None)
+
+
 @dataclass
 class LoRABatch:
     """This step's runs of rows per adapter: ``(lora_id, start, end)``, and for the
@@ -129,9 +136,8 @@ class LoRAManager:
         fused: dict[int, tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]]]
         fused = {}
         for (layer_idx, name), (a, b, scale) in adapter.weights.items():
-            parent, attr, piece = _TARGETS[name]
-            module = getattr(getattr(self.model.layers[layer_idx], parent), attr)
-            pa, pb, off = module.lora_piece(piece, a, b * scale)
+            module = _target(self.model, layer_idx, name)
+            pa, pb, off = module.lora_piece(_TARGETS[name][2], a, b * scale)
             fused.setdefault(id(module), (module, []))[1].append((pa, pb, off))
         slots = self.batch.slots
         slot = min(set(range(len(slots) + 1)) - set(slots.values()))
@@ -159,10 +165,11 @@ class LoRAManager:
     def _modules(self) -> list[torch.nn.Module]:
         """Every projection that carries adapters (the fused ones once)."""
         out: dict[int, torch.nn.Module] = {}
-        for layer in self.model.layers:
-            for parent, attr, _ in _TARGETS.values():
-                module = getattr(getattr(layer, parent), attr)
-                out[id(module)] = module
+        for i in range(len(self.model.layers)):
+            for name in _TARGETS:
+                module = _target(self.model, i, name)
+                if module is not None:
+                    out[id(module)] = module
         return list(out.values())
 
     def remove(self, lora_id: int) -> bool:
@@ -207,9 +214,11 @@ def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int
     """The adapter's full weights, checked against the model's projection shapes."""
     adapter = load_lora_adapter(path, len(model.layers), max_lora_rank)
     for (layer_idx, name), (a, b, _) in adapter.weights.items():
-        parent, attr, piece = _TARGETS[name]
-        module = getattr(getattr(model.layers[layer_idx], parent), attr)
-        want_in, want_out = module.lora_full_shape(piece)
+        module = _target(model, layer_idx, name)
+        if module is None:
+            raise ValueError(f"{path}: layer {layer_idx} {name}: that layer's MLP is a "
+                             "mixture of experts; adapters on experts are not supported")
+        want_in, want_out = module.lora_full_shape(_TARGETS[name][2])
         if a.shape[1] != want_in or b.shape[0] != want_out:
             raise ValueError(
                 f"{path}: layer {layer_idx} {name}: lora_A {tuple(a.shape)} / lora_B "

@@ -80,6 +80,9 @@ def pack_model(model: nn.Module, shared: set[int] | None = None) -> bool:
     """
     shared = shared or set()
     linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    # Modules that pack themselves (a mixture's stacked experts, ``layers.moe``).
+    stacks = [m for m in model.modules()
+              if not isinstance(m, PackableLinear) and callable(getattr(m, "pack", None))]
     dtype = linears[0].weight.dtype if linears else torch.float32
     try:
         x = torch.randn(3, 8).to(dtype)
@@ -96,4 +99,6 @@ def pack_model(model: nn.Module, shared: set[int] | None = None) -> bool:
         return False
     for module in linears:
         module.pack(release_plain=id(module.weight) not in shared)
+    for module in stacks:
+        module.pack()
     return True

@@ -9,6 +9,9 @@ MODEL_REGISTRY = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": LlamaForCausalLM,
+    "qwen2_moe": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY", "LlamaForCausalLM"]

@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2) with tensor parallelism.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2, and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE) with tensor parallelism.
 
 The differences between these architectures are config flags (q/k/v bias,
-Qwen3's per-head q/k RMSNorm, rope scaling, tied head, GQA ratio), so one
-implementation covers them. The
+Qwen3's per-head q/k RMSNorm, rope scaling, tied head, GQA ratio, routed
+experts in place of some or all MLPs), so one implementation covers them. The
 forward runs over a flat, mixed batch of tokens (any mix of prefill chunks and
 decodes) and returns hidden states; the runner picks the rows that need
 logits, so the LM head is never computed on prompt tokens that are not
@@ -15,11 +16,11 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import AttentionBackend, cpu_native
+from pagedserve.kernels import AttentionBackend
 from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.layers.activation import silu_and_mul
 from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.worker.layers.linear import (
@@ -28,6 +29,7 @@ from pagedserve.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.parallel import ParallelContext
@@ -80,26 +82,24 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], ctx, dtype,
                                                        device)
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, ctx, dtype, device)
-        self.local_i = self.gate_up_proj.local_sizes[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        h = cpu_native.silu_and_mul(gu)  # one pass on CPU fp32, else None
-        if h is None:
-            h = F.silu(gu[:, : self.local_i])
-            h.mul_(gu[:, self.local_i:])
-        return self.down_proj(h)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(cfg, ctx, backend, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 device)
-        self.mlp = LlamaMLP(cfg, ctx, dtype, device)
+        self.mlp: LlamaMLP | SparseMoE
+        if cfg.moe is not None and index in cfg.moe.sparse_layers:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, ctx, dtype, device)
+        else:
+            self.mlp = LlamaMLP(cfg, ctx, dtype, device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -128,7 +128,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype,
                                                    device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ctx, backend, dtype, device) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, ctx, backend, dtype, device, i)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
@@ -144,6 +145,12 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a decode step can be captured as a CUDA graph: not with routed experts,
+        whose per-expert row counts the host reads every step."""
+        return self.config.moe is None
 
     @property
     def kv_scales_pending(self) -> bool:
@@ -191,7 +198,11 @@ class LlamaForCausalLM(nn.Module):
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
+            mlp = self.layers[i].mlp
+            if isinstance(mlp, SparseMoE):
+                names |= {f"{p}{mlp.checkpoint_prefix}.{n}" for n in mlp.expected_names()}
+            else:
+                names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
             names |= {p + f"self_attn.{m}_proj.weight" for m in ("q", "k", "v", "o")}
             if cfg.qkv_bias:
                 names |= {p + f"self_attn.{m}_proj.bias" for m in ("q", "k", "v")}
@@ -218,7 +229,11 @@ class LlamaForCausalLM(nn.Module):
         rest = m.group(2)
         module, _, kind = rest.rpartition(".")
         is_bias = kind == "bias"
-        if module in ("input_layernorm", "post_attention_layernorm") and not is_bias:
+        moe = layer.mlp if isinstance(layer.mlp, SparseMoE) else None
+        if moe is not None and rest.startswith(moe.checkpoint_prefix + "."):
+            if not moe.load(rest[len(moe.checkpoint_prefix) + 1:], lazy):
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        elif module in ("input_layernorm", "post_attention_layernorm") and not is_bias:
             _copy_full(name, getattr(layer, module).weight, lazy)
         elif module in ("self_attn.q_norm", "self_attn.k_norm") and self.config.qk_norm \
                 and not is_bias:
@@ -227,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.qkv_proj.load(_QKV[module[10:]], lazy, is_bias)
         elif module == "self_attn.o_proj":
             layer.self_attn.o_proj.load(lazy, is_bias)
+        elif moe is not None:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
         elif module == "mlp.gate_proj" and not is_bias:
             layer.mlp.gate_up_proj.load(0, lazy)
         elif module == "mlp.up_proj" and not is_bias:

@@ -1,0 +1,135 @@
+"""Mixture-of-experts throughput: pagedserve vs Hugging Face on one routed model.
+
+Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
+(``--kind``: or Mixtral, Qwen2-MoE) of ``--layers`` layers, ``--experts``
+experts of which each token takes ``--top-k``, written with
+``save_pretrained`` and loaded by both engines; ``--num-prompts`` prompts of
+10-75 random token ids, ``--output-len`` greedy tokens each.
+
+- pagedserve ``LLM.generate`` (continuous batching; each step groups its rows
+  by expert);
+- Hugging Face ``generate``, left-padded static batches of ``--hf-batch``;
+- Hugging Face ``generate_batch`` (its continuous batching).
+
+Also prints the GEMM roofline of this machine for the model's *active*
+parameters (2 FLOPs per parameter a token touches: attention, the router,
+its top-k experts, the LM head), and each engine's share of it.
+
+    python bench/moe.py
+    python bench/moe.py --kind mixtral --json bench/figures/moe_mixtral.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from offline import (  # the offline benchmark's runners, prompts and GEMM peak
+    gemm_peak_flops,
+    make_prompts,
+    run_hf_generate,
+    run_hf_generate_batch,
+    run_pagedserve,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def model_overrides(args: argparse.Namespace) -> dict:
+    """Config fields of the benchmark model: a narrow Qwen3-30B-A3B-like shape."""
+    cfg = dict(vocab_size=32000, hidden_size=args.hidden, num_hidden_layers=args.layers,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
+               max_position_embeddings=4096, num_experts_per_tok=args.top_k,
+               tie_word_embeddings=False)
+    if args.kind == "mixtral":
+        cfg.update(num_local_experts=args.experts, intermediate_size=args.expert_width)
+    else:
+        cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
+                   intermediate_size=4 * args.expert_width, norm_topk_prob=True)
+    if args.kind == "qwen2_moe":
+        cfg["shared_expert_intermediate_size"] = 2 * args.expert_width
+    return cfg
+
+
+def active_params(model: torch.nn.Module, top_k: int, num_experts: int) -> float:
+    """Parameters one token multiplies by: everything but the embedding, with the
+    routed experts counted ``top_k / num_experts``."""
+    total = 0.0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        routed = ".experts." in name or name.endswith(("experts.gate_up_proj",
+                                                       "experts.down_proj"))
+        total += p.numel() * (top_k / num_experts if routed else 1.0)
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe"),
+                    default="qwen3_moe")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--expert-width", type=int, default=256)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--skip-generate-batch", action="store_true")
+    ap.add_argument("--json", type=str, default=None)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.worker.testing import write_random_checkpoint
+
+    scratch = tempfile.TemporaryDirectory(prefix="moe_bench_")  # removed at exit
+    path = write_random_checkpoint(scratch.name, args.kind, weight_scale=1.0,
+                                   **model_overrides(args))
+    prompts = make_prompts(None, args.num_prompts, seed=0)
+    prompts = [[t % 32000 for t in p] for p in prompts]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    peak = gemm_peak_flops("cpu", torch.float32)
+    results: dict[str, float] = {}
+
+    def record(name: str, tps: float) -> None:  # printed at once: a killed run keeps them
+        results[name] = tps
+        print(f"{name}: {tps:.1f} tokens/s", flush=True)
+
+    record("pagedserve", run_pagedserve(path, prompts, args.output_len, "cpu", "float32"))
+    record("hf_generate", run_hf_generate(model, prompts, args.output_len, args.hf_batch))
+    if not args.skip_generate_batch:
+        try:
+            record("hf_generate_batch", run_hf_generate_batch(model, prompts, args.output_len))
+        except Exception as e:  # report, don't hide: the table says which ran
+            print(f"hf generate_batch failed: {type(e).__name__}: {e}")
+    peak = max(peak, gemm_peak_flops("cpu", torch.float32))
+    active = active_params(model, args.top_k, args.experts)
+    roofline = peak / (2 * active)
+    print(f"\n{args.num_prompts} prompts (10-75 random token ids), {args.output_len} new tokens "
+          f"each; random {args.kind}: {args.layers} layers, hidden {args.hidden}, "
+          f"{args.experts} experts x {args.expert_width} wide, top {args.top_k}; fp32, "
+          f"{torch.get_num_threads()} CPU threads")
+    print(f"{active / 1e6:.1f}M active parameters per token; GEMM peak {peak / 1e9:.1f} "
+          f"GFLOP/s -> roofline {roofline:.0f} tokens/s")
+    print(f"{'engine':<20} {'tokens/s':>10} {'pagedserve x':>13} {'of roofline':>12}")
+    for name, tps in results.items():
+        print(f"{name:<20} {tps:>10.1f} {results['pagedserve'] / tps:>12.2f}x "
+              f"{100 * tps / roofline:>11.1f}%")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens_per_s": results, "gemm_flops": peak,
+                       "active_params": active, "roofline_tokens_per_s": roofline,
+                       "args": vars(args)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

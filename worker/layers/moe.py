@@ -1,0 +1,179 @@
+"""Routed SwiGLU experts (Mixtral, Qwen2-MoE, Qwen3-MoE), sharded for tensor parallelism.
+
+Every rank holds every expert, each cut along its intermediate dimension (as
+vLLM's default MoE tensor parallelism does): gate/up rows and down columns of
+the rank's share. A rank's output is then a partial sum exactly like a
+row-parallel layer's, so the routed experts and the shared expert (gated
+before the sum, which is linear) add up in one all-reduce per layer. The
+router is replicated: each rank picks the same experts for every token.
+
+The compute groups the step's token rows by expert (one stable sort), runs
+two matmuls per expert that received rows and scatters the weighted results
+back with ``index_add_`` in ascending expert order, the summation order of
+Hugging Face's implementation. Experts no row chose cost nothing, so a decode
+batch reads only the experts it routes to. Choosing experts from the data
+needs their row counts on the host, which a CUDA graph cannot capture: MoE
+models decode eagerly (``graph_capturable``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.worker.layers.activation import silu_and_mul
+from pagedserve.worker.layers.linear import (
+    LazyTensor,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from pagedserve.worker.layers.packed import PACK_BATCH_HINT
+from pagedserve.worker.moe_config import MoEConfig
+from pagedserve.worker.parallel import ParallelContext
+
+_EXPERT_RE = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
+# Checkpoint name of each expert matrix -> (0 gate / 1 up / 2 down).
+_MIXTRAL = {"w1": 0, "w3": 1, "w2": 2}
+_QWEN = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    """A layer's routed experts plus, for Qwen2-MoE, its sigmoid-gated shared expert.
+
+    ``checkpoint_prefix`` is the submodule name the checkpoint files the
+    experts under (``block_sparse_moe`` for Mixtral, ``mlp`` for Qwen).
+    """
+
+    def __init__(self, hidden: int, moe: MoEConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        w = ctx.world_size
+        if moe.intermediate_size % w:
+            raise ValueError(f"expert intermediate size {moe.intermediate_size} is not "
+                             f"divisible by TP size {w}")
+        self.ctx, self.hidden = ctx, hidden
+        self.num_experts, self.top_k, self.renormalize = moe.num_experts, moe.top_k, \
+            moe.renormalize
+        self.full_i = moe.intermediate_size
+        self.local_i = moe.intermediate_size // w
+        self.checkpoint_prefix = "block_sparse_moe" if moe.mixtral_names else "mlp"
+        self._names = _MIXTRAL if moe.mixtral_names else _QWEN
+        # oneDNN-packed copies of each expert's two matrices (``pack``), CPU only.
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.router = _param((moe.num_experts, hidden), dtype, device)
+        self.w13 = _param((moe.num_experts, 2 * self.local_i, hidden), dtype, device)
+        self.w2 = _param((moe.num_experts, hidden, self.local_i), dtype, device)
+        self.shared_gate_up = self.shared_down = self.shared_gate = None
+        if moe.shared_intermediate_size:
+            s = moe.shared_intermediate_size
+            self.shared_gate_up = MergedColumnParallelLinear(hidden, [s, s], ctx, dtype, device)
+            self.shared_down = RowParallelLinear(s, hidden, False, ctx, dtype, device)
+            self.shared_gate = _param((1, hidden), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` through the router's top-k experts (and the shared one)."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        out = self._routed(x, experts, weights.to(x.dtype))
+        if self.shared_gate_up is not None:
+            # The down projection's partial sum, gated (a per-row scalar, the same on
+            # every rank), joins the experts' before the one all-reduce.
+            shared = self.shared_down.matmul(silu_and_mul(self.shared_gate_up(x)))
+            shared.mul_(torch.sigmoid(F.linear(x, self.shared_gate)))
+            out += shared
+        return self.ctx.all_reduce(out)
+
+    def _routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = order // self.top_k  # token row of each routed pair, grouped by expert
+        scales = weights.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            sel = rows[start:start + n]
+            y = self._expert(e, x.index_select(0, sel))
+            y.mul_(scales[start:start + n])
+            out.index_add_(0, sel, y)
+            start += n
+        return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(silu_and_mul(F.linear(x, self.w13[e])), self.w2[e])
+        w13, w2 = self.packed[e]
+        linear = torch.ops.mkldnn._linear_pointwise
+        return linear(silu_and_mul(linear(x, w13, None, "none", [], "")), w2, None, "none", [],
+                      "")
+
+    def pack(self, release_plain: bool = True) -> None:
+        """Reorder every expert's matrices for oneDNN (``layers.packed``): at the few rows
+        an expert gets per decode step it runs them about twice as fast as ``F.linear``."""
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        self.packed = [(reorder(self.w13[e], PACK_BATCH_HINT), reorder(self.w2[e],
+                                                                       PACK_BATCH_HINT))
+                       for e in range(self.num_experts)]
+        if release_plain:
+            self.w13 = nn.Parameter(self.w13.new_empty((0,)), requires_grad=False)
+            self.w2 = nn.Parameter(self.w2.new_empty((0,)), requires_grad=False)
+
+    def expected_names(self) -> set[str]:
+        """Checkpoint names under ``checkpoint_prefix`` this layer must load."""
+        names = {"gate.weight"}
+        for e in range(self.num_experts):
+            names |= {f"experts.{e}.{m}.weight" for m in self._names}
+        if self.shared_gate_up is not None:
+            names |= {f"shared_expert.{m}_proj.weight" for m in ("gate", "up", "down")}
+            names.add("shared_expert_gate.weight")
+        return names
+
+    def load(self, name: str, lazy: LazyTensor) -> bool:
+        """Copy this rank's share of ``name`` (relative to ``checkpoint_prefix``); False
+        when the name is not one of this layer's."""
+        if name == "gate.weight":
+            _check(name, lazy, (self.num_experts, self.hidden))
+            self.router.data.copy_(lazy[:])
+            return True
+        if self.shared_gate_up is not None:
+            if name == "shared_expert_gate.weight":
+                _check(name, lazy, (1, self.hidden))
+                self.shared_gate.data.copy_(lazy[:])
+                return True
+            if name in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"):
+                self.shared_gate_up.load(0 if "gate" in name else 1, lazy)
+                return True
+            if name == "shared_expert.down_proj.weight":
+                self.shared_down.load(lazy)
+                return True
+        m = _EXPERT_RE.match(name)
+        if m is None or m.group(2) not in self._names or int(m.group(1)) >= self.num_experts:
+            return False
+        e, which = int(m.group(1)), self._names[m.group(2)]
+        lo, hi = self.ctx.rank * self.local_i, (self.ctx.rank + 1) * self.local_i
+        if which == 2:
+            _check(name, lazy, (self.hidden, self.full_i))
+            self.w2.data[e].copy_(lazy[:, lo:hi])
+        else:
+            _check(name, lazy, (self.full_i, self.hidden))
+            part = which * self.local_i
+            self.w13.data[e, part:part + self.local_i].copy_(lazy[lo:hi])
+        return True
+
+
+def _check(name: str, lazy: LazyTensor, expected: tuple[int, ...]) -> None:
+    if tuple(lazy.shape) != expected:
+        raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != expected {expected}")
+
