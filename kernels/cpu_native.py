@@ -45,7 +45,8 @@ from pagedserve.kernels.kv_quant import quantize
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_paged_decode.c", _HERE / "cpu_fused_ops.c", _HERE / "cpu_lora.c"]
+_SOURCES = [_HERE / "cpu_paged_decode.c", _HERE / "cpu_fused_ops.c", _HERE / "cpu_lora.c",
+            _HERE / "cpu_moe.c"]
 _HEADERS = [_HERE / "cpu_math.h"]
 # Associative math lets the dot products vectorise; the kernel never forms inf/nan.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
@@ -133,6 +134,11 @@ def load() -> ctypes.CDLL | None:
         lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64,
                                   ctypes.c_int, ctypes.c_int]
         lib.lora_sgmv.restype = ctypes.c_int
+        lib.moe_pack_f32.argtypes = [ptr, ptr, i64, i64, ptr, ptr]
+        lib.moe_pack_f32.restype = None
+        lib.moe_experts_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr,
+                                        ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+        lib.moe_experts_f32.restype = ctypes.c_int
         for name in ("rope_f32", "rope_bf16"):
             getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                            ctypes.c_int]

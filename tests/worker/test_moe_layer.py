@@ -1,9 +1,10 @@
 """``SparseMoE`` against Hugging Face's MoE blocks on the same weights, row by row.
 
 Batches from one row (a decode of one sequence: two experts) to 300 rows (a
-prefill where every expert takes dozens), through the plain ``F.linear``
-path (CUDA's, and bf16 where the CPU lacks bf16 dot products) and the
-oneDNN-packed one.
+prefill where every expert takes dozens), through each path: plain
+``F.linear`` (CUDA's, and bf16 where the CPU lacks bf16 dot products), the
+experts packed for oneDNN (bf16 on CPUs with bf16 dot products), and the
+native kernel (CPU fp32, ``kernels/cpu_moe.c``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.kernels import cpu_moe, cpu_native
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.packed import can_pack
@@ -61,15 +63,19 @@ def _checkpoint_tensors(block, mixtral: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("path", ["plain", "onednn", "native"])
 @pytest.mark.parametrize("kind,overrides", [
     ("mixtral", {}),
     ("qwen2_moe", {}),
     ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3)),
 ], ids=["mixtral", "qwen2_moe_shared", "qwen3_moe_top3_of_8"])
-def test_layer_equals_hugging_face_block(kind, overrides, packed) -> None:
-    if packed and not can_pack(torch.device("cpu"), torch.float32):
+def test_layer_equals_hugging_face_block(kind, overrides, path, monkeypatch) -> None:
+    if path == "onednn" and not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("no oneDNN weight packing in this torch build")
+    if path == "native" and cpu_native.load() is None:
+        pytest.skip("no C compiler: native CPU kernels off")
+    if path == "onednn":
+        monkeypatch.setattr(cpu_moe, "available", lambda *a: False)
     cfg, block = _hf_block(kind, **overrides)
     moe_cfg = ModelConfig.from_hf_dict({**cfg.to_dict(), "model_type": kind,
                                         "num_hidden_layers": 1}).moe
@@ -78,9 +84,10 @@ def test_layer_equals_hugging_face_block(kind, overrides, packed) -> None:
     assert set(tensors) == ours.expected_names()
     for name, t in tensors.items():
         assert ours.load(name, t)
-    if packed:
+    if path != "plain":
         ours.pack()
-        assert ours.w13.numel() == 0 and ours.packed is not None
+        assert ours.w13.numel() == 0
+        assert (ours.native if path == "native" else ours.packed) is not None
     g = torch.Generator().manual_seed(1)
     for rows in (1, 7, 300):
         x = torch.randn(rows, HIDDEN, generator=g)
@@ -92,11 +99,11 @@ def test_layer_equals_hugging_face_block(kind, overrides, packed) -> None:
 
 
 def test_unknown_or_misshapen_expert_weights_are_refused() -> None:
-    cfg, block = _hf_block("qwen3_moe")
+    cfg, _ = _hf_block("qwen3_moe")
     moe_cfg = ModelConfig.from_hf_dict({**cfg.to_dict(), "model_type": "qwen3_moe",
                                         "num_hidden_layers": 1}).moe
     ours = SparseMoE(HIDDEN, moe_cfg, ParallelContext(), torch.float32, torch.device("cpu"))
     assert not ours.load("experts.4.gate_proj.weight", torch.zeros(32, HIDDEN))  # 4 experts
     assert not ours.load("experts.0.w1.weight", torch.zeros(32, HIDDEN))  # Mixtral's name
-    with pytest.raises(ValueError, match="experts.0.down_proj.weight: checkpoint shape"):
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight: checkpoint shape"):
         ours.load("experts.0.down_proj.weight", torch.zeros(32, HIDDEN))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import cpu_moe
 from pagedserve.worker.layers.activation import silu_and_mul
 from pagedserve.worker.layers.linear import (
     LazyTensor,
@@ -65,7 +66,9 @@ class SparseMoE(nn.Module):
         self.local_i = moe.intermediate_size // w
         self.checkpoint_prefix = "block_sparse_moe" if moe.mixtral_names else "mlp"
         self._names = _MIXTRAL if moe.mixtral_names else _QWEN
-        # oneDNN-packed copies of each expert's two matrices (``pack``), CPU only.
+        # After ``pack`` (CPU): the native kernel's packed gate/up and down stacks, or
+        # else each expert's two matrices packed for oneDNN.
+        self.native: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.router = _param((moe.num_experts, hidden), dtype, device)
         self.w13 = _param((moe.num_experts, 2 * self.local_i, hidden), dtype, device)
@@ -94,6 +97,8 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.float32:
+            return cpu_moe.experts(x, experts, weights, *self.native)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -120,12 +125,16 @@ class SparseMoE(nn.Module):
                       "")
 
     def pack(self, release_plain: bool = True) -> None:
-        """Reorder every expert's matrices for oneDNN (``layers.packed``): at the few rows
-        an expert gets per decode step it runs them about twice as fast as ``F.linear``."""
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        self.packed = [(reorder(self.w13[e], PACK_BATCH_HINT), reorder(self.w2[e],
-                                                                       PACK_BATCH_HINT))
-                       for e in range(self.num_experts)]
+        """Repack the experts for CPU: for the native kernel (``kernels.cpu_moe``) where it
+        takes them (fp32), else per expert for oneDNN (``layers.packed``), which at the
+        few rows an expert gets per decode step runs about twice as fast as ``F.linear``."""
+        if cpu_moe.available(self.w13.device, self.w13.dtype, self.hidden, self.local_i):
+            self.native = cpu_moe.pack(self.w13.data, self.w2.data)
+        else:
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            self.packed = [(reorder(self.w13[e], PACK_BATCH_HINT),
+                            reorder(self.w2[e], PACK_BATCH_HINT))
+                           for e in range(self.num_experts)]
         if release_plain:
             self.w13 = nn.Parameter(self.w13.new_empty((0,)), requires_grad=False)
             self.w2 = nn.Parameter(self.w2.new_empty((0,)), requires_grad=False)

@@ -1,0 +1,235 @@
+/* Routed SwiGLU experts of a mixture-of-experts layer in one call (fp32).
+ *
+ * The step's (token, expert) pairs arrive sorted by expert: pairs
+ * offsets[e] .. offsets[e + 1] run expert e, pair p on token row rows[p] with
+ * routing weight scales[p]. For each pair
+ *     h = silu(x @ W1_e^T) * (x @ W3_e^T)            [I]
+ *     ypairs[p] = scales[p] * (h @ W2_e^T)           [H]
+ * and then each token's K pairs are summed into out in ascending expert
+ * order (Hugging Face's order): out[t] = sum_j ypairs[inv[t * K + j]], where
+ * inv maps a token's j-th choice to its pair; pairs are sorted by expert, so
+ * ascending pair order is ascending expert order.
+ *
+ * Weights are packed once (moe_pack_f32) so every product runs along a
+ * contiguous stream: the gate/up matrix as column tiles of 32 (a 16-column
+ * tail), each [H][2 * tile] with the tile's gate columns then its up columns;
+ * the down matrix as output tiles of 64 (16-column tails), each [I][tile].
+ * Each loaded weight vector feeds one FMA per row of a 4-row block and no
+ * value is reduced across lanes. Tasks are (expert, 4-row block) pairs under
+ * OpenMP, so a decode step's few rows per expert still spread over the cores.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+typedef float v16f __attribute__((vector_size(64)));
+
+#define ROWS 4
+#define GU_TILE 32
+#define DOWN_TILE 64
+#define MAX_K 64
+
+static inline v16f ld16(const float *p)
+{
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st16(float *p, v16f v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+static inline v16f splat(float f)
+{
+    return (v16f){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f};
+}
+
+/* Pack one expert: w13 [2I, H] (gate rows then up rows), w2 [H, I], into
+ * p13 [2 * I * H] and p2 [H * I] floats in the tile layouts above. */
+void moe_pack_f32(const float *w13, const float *w2, int64_t H, int64_t I, float *p13,
+                  float *p2)
+{
+    for (int64_t c = 0; c < I; c += GU_TILE) {
+        const int64_t w = I - c >= GU_TILE ? GU_TILE : 16;
+        float *tile = p13 + c * 2 * H;
+        for (int64_t k = 0; k < H; k++)
+            for (int64_t j = 0; j < w; j++) {
+                tile[k * 2 * w + j] = w13[(c + j) * H + k];
+                tile[k * 2 * w + w + j] = w13[(I + c + j) * H + k];
+            }
+    }
+    for (int64_t o = 0; o < H;) {
+        const int64_t w = H - o >= DOWN_TILE ? DOWN_TILE : 16;
+        float *tile = p2 + o * I;
+        for (int64_t r = 0; r < I; r++)
+            for (int64_t j = 0; j < w; j++)
+                tile[r * w + j] = w2[(o + j) * I + r];
+        o += w;
+    }
+}
+
+/* h[j][c .. c + 16 * NV) = silu(gate) * up for NR rows, from one gate/up tile. */
+static inline __attribute__((always_inline)) void
+gate_up_tile(const int NR, const int NV, const float *const xr[ROWS], const float *tile,
+             int64_t H, float *h, int64_t I, int64_t c)
+{
+    v16f g[ROWS][2], u[ROWS][2];
+    for (int j = 0; j < NR; j++)
+        for (int v = 0; v < NV; v++)
+            g[j][v] = u[j][v] = splat(0.f);
+    const int64_t step = 32 * NV;
+    for (int64_t k = 0; k < H; k++) {
+        const float *t = tile + k * step;
+        v16f wg[2], wu[2];
+        for (int v = 0; v < NV; v++) {
+            wg[v] = ld16(t + 16 * v);
+            wu[v] = ld16(t + 16 * NV + 16 * v);
+        }
+        for (int j = 0; j < NR; j++) {
+            const v16f xv = splat(xr[j][k]);
+            for (int v = 0; v < NV; v++) {
+                g[j][v] += xv * wg[v];
+                u[j][v] += xv * wu[v];
+            }
+        }
+    }
+    for (int j = 0; j < NR; j++)
+        for (int v = 0; v < NV; v++) {
+            float *o = h + j * I + c + 16 * v;
+            for (int l = 0; l < 16; l++)
+                o[l] = silu_f32(g[j][v][l]) * u[j][v][l];
+        }
+}
+
+/* y[j][o .. o + 16 * NV) = scale[j] * h[j] @ (down tile), for NR rows. */
+static inline __attribute__((always_inline)) void
+down_tile(const int NR, const int NV, const float *h, int64_t I, const float *tile,
+          const float *scale, float *const yr[ROWS], int64_t o)
+{
+    v16f acc[ROWS][4];
+    for (int j = 0; j < NR; j++)
+        for (int v = 0; v < NV; v++)
+            acc[j][v] = splat(0.f);
+    for (int64_t r = 0; r < I; r++) {
+        const float *t = tile + r * 16 * NV;
+        v16f w[4];
+        for (int v = 0; v < NV; v++)
+            w[v] = ld16(t + 16 * v);
+        for (int j = 0; j < NR; j++) {
+            const v16f hv = splat(h[j * I + r]);
+            for (int v = 0; v < NV; v++)
+                acc[j][v] += hv * w[v];
+        }
+    }
+    for (int j = 0; j < NR; j++)
+        for (int v = 0; v < NV; v++)
+            st16(yr[j] + o + 16 * v, acc[j][v] * splat(scale[j]));
+}
+
+static inline __attribute__((always_inline)) void
+expert_block(const int NR, const float *const xr[ROWS], const float *p13, const float *p2,
+             int64_t H, int64_t I, const float *scale, float *const yr[ROWS], float *h)
+{
+    for (int64_t c = 0; c < I; c += GU_TILE) {
+        if (I - c >= GU_TILE)
+            gate_up_tile(NR, 2, xr, p13 + c * 2 * H, H, h, I, c);
+        else
+            gate_up_tile(NR, 1, xr, p13 + c * 2 * H, H, h, I, c);
+    }
+    for (int64_t o = 0; o < H;) {
+        if (H - o >= DOWN_TILE) {
+            down_tile(NR, 4, h, I, p2 + o * I, scale, yr, o);
+            o += DOWN_TILE;
+        } else {
+            down_tile(NR, 1, h, I, p2 + o * I, scale, yr, o);
+            o += 16;
+        }
+    }
+}
+
+/* Returns 0, or -1 (nothing computed) when a shape, offset or row is out of range.
+ * x [T, H] (row stride xs), out [T, H] (row stride os), ypairs [T * K, H]. */
+int moe_experts_f32(const float *x, int64_t xs, float *out, int64_t os, int64_t T, int64_t H,
+                    int64_t I, int64_t E, int64_t K, const float *p13, const float *p2,
+                    const int64_t *offsets, const int64_t *rows, const float *scales,
+                    const int64_t *inv, float *ypairs, int nthreads)
+{
+    if (H <= 0 || H % 16 || I <= 0 || I % 16 || K <= 0 || K > E || K > MAX_K
+        || offsets[0] != 0 || offsets[E] != T * K)
+        return -1;
+    int64_t ntasks = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (offsets[e + 1] < offsets[e])
+            return -1;
+        ntasks += (offsets[e + 1] - offsets[e] + ROWS - 1) / ROWS;
+    }
+    for (int64_t p = 0; p < T * K; p++)
+        if (rows[p] < 0 || rows[p] >= T || inv[p] < 0 || inv[p] >= T * K)
+            return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *h = aligned_alloc(64, (size_t)(ROWS * I * sizeof(float) + 63) / 64 * 64);
+        if (!h) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntasks; task++) {
+            if (!h)
+                continue;
+            int64_t e = 0, before = 0;
+            for (;; e++) {
+                const int64_t n = (offsets[e + 1] - offsets[e] + ROWS - 1) / ROWS;
+                if (task < before + n)
+                    break;
+                before += n;
+            }
+            const int64_t p0 = offsets[e] + (task - before) * ROWS;
+            const int64_t left = offsets[e + 1] - p0;
+            const int nr = left >= ROWS ? ROWS : (int)left;
+            const float *xr[ROWS];
+            float *yr[ROWS];
+            for (int j = 0; j < nr; j++) {
+                xr[j] = x + rows[p0 + j] * xs;
+                yr[j] = ypairs + (p0 + j) * H;
+            }
+            const float *e13 = p13 + e * 2 * I * H, *e2 = p2 + e * H * I;
+            switch (nr) {
+            case 4: expert_block(4, xr, e13, e2, H, I, scales + p0, yr, h); break;
+            case 3: expert_block(3, xr, e13, e2, H, I, scales + p0, yr, h); break;
+            case 2: expert_block(2, xr, e13, e2, H, I, scales + p0, yr, h); break;
+            default: expert_block(1, xr, e13, e2, H, I, scales + p0, yr, h); break;
+            }
+        }
+        free(h);
+    }
+    if (failed)
+        return -1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        /* This token's pairs in ascending order (K is small: insertion sort). */
+        int64_t pos[MAX_K];
+        for (int64_t j = 0; j < K; j++) {
+            int64_t i = j;
+            const int64_t pj = inv[t * K + j];
+            while (i > 0 && pos[i - 1] > pj) {
+                pos[i] = pos[i - 1];
+                i--;
+            }
+            pos[i] = pj;
+        }
+        float *o = out + t * os;
+        memcpy(o, ypairs + pos[0] * H, H * sizeof(float));
+        for (int64_t j = 1; j < K; j++) {
+            const float *y = ypairs + pos[j] * H;
+            for (int64_t i = 0; i < H; i++)
+                o[i] += y[i];
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,81 @@
+"""The native MoE kernel (``kernels/cpu_moe.c``) against a torch loop over experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import cpu_moe, cpu_native
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None,
+                                reason="no C compiler: native CPU kernels off")
+
+
+def _reference(x, chosen, weights, w13, w2):
+    """Hugging Face's loop: experts in ascending order, ``index_add_`` into zeros."""
+    i = w2.shape[2]
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        tok, j = torch.where(chosen == e)
+        if len(tok):
+            gu = F.linear(x[tok], w13[e])
+            y = F.linear(F.silu(gu[:, :i]) * gu[:, i:], w2[e]) * weights[tok, j, None]
+            out.index_add_(0, tok, y)
+    return out
+
+
+def _routing(t: int, e: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    chosen = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return chosen, torch.rand(t, k, generator=g)
+
+
+@pytest.mark.parametrize("e,h,i,k", [
+    (8, 64, 48, 3),     # gate/up: one 32-column tile and a 16 tail
+    (4, 80, 32, 2),     # down: one 64-column tile and a 16 tail
+    (16, 128, 256, 4),  # whole tiles only
+    (5, 16, 16, 1),     # the smallest shapes, top-1
+    (3, 48, 16, 3),     # every token takes every expert
+])
+def test_kernel_equals_expert_loop(e, h, i, k) -> None:
+    g = torch.Generator().manual_seed(e * 100 + h)
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=g) / i ** 0.5
+    p13, p2 = cpu_moe.pack(w13, w2)
+    for t in (1, 2, 5, 37, 130):
+        x = torch.randn(t, h, generator=g)
+        chosen, weights = _routing(t, e, k, g)
+        got = cpu_moe.experts(x, chosen, weights, p13, p2)
+        torch.testing.assert_close(got, _reference(x, chosen, weights, w13, w2),
+                                   atol=2e-5, rtol=2e-5)
+
+
+def test_strided_rows_and_idle_experts() -> None:
+    """Rows of a wider tensor (a column slice) and experts no token chose."""
+    g = torch.Generator().manual_seed(7)
+    w13, w2 = torch.randn(6, 64, 32, generator=g), torch.randn(6, 32, 32, generator=g)
+    p13, p2 = cpu_moe.pack(w13, w2)
+    wide = torch.randn(9, 48, generator=g)
+    x = wide[:, 8:40]
+    chosen = torch.tensor([[1, 4]] * 9)  # experts 0, 2, 3, 5 idle
+    weights = torch.rand(9, 2, generator=g)
+    torch.testing.assert_close(cpu_moe.experts(x, chosen, weights, p13, p2),
+                               _reference(x, chosen, weights, w13, w2), atol=1e-4, rtol=1e-5)
+
+
+def test_out_of_range_routing_is_refused_not_computed() -> None:
+    w13, w2 = torch.randn(4, 32, 16), torch.randn(4, 16, 16)
+    p13, p2 = cpu_moe.pack(w13, w2)
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="out of range"):  # top-k above the expert count
+        cpu_moe.experts(x, torch.zeros(3, 5, dtype=torch.int64), torch.rand(3, 5), p13, p2)
+
+
+def test_availability_and_pack_checks() -> None:
+    cpu = torch.device("cpu")
+    assert cpu_moe.available(cpu, torch.float32, 64, 32)
+    assert not cpu_moe.available(cpu, torch.bfloat16, 64, 32)
+    assert not cpu_moe.available(cpu, torch.float32, 64, 24)  # width not a multiple of 16
+    assert not cpu_moe.available(torch.device("meta"), torch.float32, 64, 32)
+    with pytest.raises(ValueError, match="do not pair"):
+        cpu_moe.pack(torch.randn(4, 32, 16), torch.randn(4, 16, 8))
