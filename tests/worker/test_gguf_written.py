@@ -5,8 +5,11 @@ What transformers' GGUF loading gets wrong or drops, and these check: Qwen3's pe
 norms (``attn_q_norm`` / ``attn_k_norm``) and its head size, recorded only as
 ``qwen3.attention.key_length``; a tied head; Llama 3.1's RoPE scaling, which a
 ``llama`` file carries only as the ``rope_freqs`` tensor (with Q/K permuted to
-llama.cpp's interleaved layout); and linear or YaRN scaling in ``rope.scaling.*``. The tokenizer fields are copied from the default
-model's GGUF, so the converted directories also get a working tokenizer.
+llama.cpp's interleaved layout); linear or YaRN scaling in ``rope.scaling.*``; and a
+mixture of experts' stacked expert tensors and expert widths (Mixtral as a ``llama``
+file with ``expert_count``, Qwen2-MoE with its shared expert, Qwen3-MoE). The tokenizer
+fields are copied from the default model's GGUF, so the converted directories also get
+a working tokenizer.
 """
 
 from __future__ import annotations
@@ -68,6 +71,26 @@ def _llama3_rope_freqs(cfg) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+def _moe_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, np.ndarray]]:
+    """llama.cpp's tensors for one of transformers' in-memory MoE parameters: the experts
+    stacked per matrix kind, the shared expert's gate as a vector."""
+    layer = name.split(".")[2]
+    data = tensor.float().numpy().astype(np.float32)
+    if name.endswith("mlp.experts.gate_up_proj"):
+        i = data.shape[1] // 2
+        return [(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :i])),
+                (f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(data[:, i:]))]
+    if name.endswith("mlp.experts.down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", data)]
+    if name.endswith("mlp.shared_expert_gate.weight"):
+        return [(f"blk.{layer}.ffn_gate_inp_shexp.weight", data.reshape(-1))]
+    if ".shared_expert." in name:
+        kind = name.split(".")[-2].removesuffix("_proj")
+        return [(f"blk.{layer}.ffn_{kind}_shexp.weight", data)]
+    assert name.endswith("mlp.gate.weight"), name
+    return [(f"blk.{layer}.ffn_gate_inp.weight", data)]
+
+
 def _write_gguf(model, dest: Path, arch: str) -> Path:
     """What llama.cpp's converter writes (F32 tensors): a tied head has no ``output.weight``;
     ``llama`` files have Q/K permuted and, with llama3 scaling, a ``rope_freqs`` tensor."""
@@ -96,8 +119,20 @@ def _write_gguf(model, dest: Path, arch: str) -> Path:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(str(src["tokenizer.chat_template"].contents()))
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:  # as llama.cpp's converter writes a mixture of experts
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     tied = cfg.tie_word_embeddings
     for name, tensor in model.state_dict().items():
+        if ".mlp.gate." in name or ".mlp.experts." in name or ".mlp.shared_expert" in name:
+            for gguf_name, data in _moe_tensors(name, tensor):
+                w.add_tensor(gguf_name, data)
+            continue
         if name == "lm_head.weight":
             if not tied:
                 w.add_tensor("output.weight", tensor.float().numpy().astype(np.float32))
@@ -237,3 +272,72 @@ def test_rope_scaling_we_cannot_run_is_refused_naming_the_key(fields, match) -> 
     assert _rope_scaling({"qwen2.rope.scaling.type": Field("none")}, "qwen2") is None
     assert _rope_scaling({"qwen2.rope.scale_linear": Field(2.0)}, "qwen2") == {
         "rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize("kind,arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"),
+                                       ("qwen3_moe", "qwen3moe")])
+def test_mixture_of_experts_gguf_converts_and_runs(tmp_path, pagedserve_cache, kind, arch):
+    """Stacked experts split back per expert, the expert widths and llama.cpp's fixed
+    renormalisation in the config: logits equal the HF model the file was written from."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedserve.worker.testing import MOE_DEFAULTS
+
+    torch.manual_seed(10)
+    moe = dict(MOE_DEFAULTS[kind])
+    if kind == "qwen3_moe":
+        moe["norm_topk_prob"] = True  # what llama.cpp's qwen3moe graph does
+    cfg = AutoConfig.for_model(kind, vocab_size=49152, hidden_size=64,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=256,
+                               rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+                               eos_token_id=2, **moe)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    resolved = resolve_model(str(_write_gguf(model, tmp_path, arch)))
+    worker = make_worker(resolved.path, num_blocks=24, block_size=4)
+    mc = worker.model_config
+    assert mc.model_type == kind and mc.moe is not None and mc.moe.num_experts == 4
+    prompt = list(range(300, 330))
+    got = all_logits(worker, plan(0, [request(BlockAllocator(24, 4), "a", prompt, 0)]))
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_moe_keys_we_cannot_run_are_refused_naming_the_key() -> None:
+    from pagedserve.worker.loaders.gguf_moe import moe_config_fields
+
+    class Field:
+        def __init__(self, v) -> None:
+            self.v = v
+
+        def contents(self):
+            return self.v
+
+    def fields(arch: str, **kv):
+        return {f"{arch}.{k}": Field(v) for k, v in kv.items()}
+
+    with pytest.raises(ValueError, match=r"qwen3moe\.expert_feed_forward_length"):
+        moe_config_fields(fields("qwen3moe", expert_count=8, expert_used_count=2),
+                          "qwen3moe", {})
+    with pytest.raises(ValueError, match="expert_shared_feed_forward_length"):
+        moe_config_fields(fields("qwen2moe", expert_count=8, expert_used_count=2,
+                                 expert_feed_forward_length=32), "qwen2moe", {})
+    with pytest.raises(ValueError, match=r"llama\.expert_weights_norm"):
+        moe_config_fields(fields("llama", expert_count=8, expert_used_count=2,
+                                 expert_weights_norm=False), "llama", {})
+    with pytest.raises(ValueError, match="'deepseek2' with 8 experts"):
+        moe_config_fields(fields("deepseek2", expert_count=8), "deepseek2", {})
+    dense = {"model_type": "llama"}
+    assert moe_config_fields(fields("llama"), "llama", dense) is dense
+    qwen = moe_config_fields(fields("qwen2moe", expert_count=8, expert_used_count=2,
+                                    expert_feed_forward_length=32,
+                                    expert_shared_feed_forward_length=64,
+                                    expert_weights_norm=True), "qwen2moe", {})
+    assert qwen["norm_topk_prob"] is True and qwen["shared_expert_intermediate_size"] == 64

@@ -16,7 +16,9 @@ Llama 3.1+ files carry their RoPE scaling only as a ``rope_freqs`` tensor
 which silently turns the model's llama3 scaling off. We keep it as the
 ``freq_factors`` rope type in the converted config. Likewise the
 ``<arch>.rope.scaling.*`` keys (linear, or YaRN as in Qwen2.5's long-context
-GGUFs), which transformers' mapping also drops.
+GGUFs), which transformers' mapping also drops. Mixture-of-experts files
+(Mixtral, Qwen2/3-MoE) have their stacked experts split and their expert
+config keys kept by ``loaders.gguf_moe``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pagedserve.worker.loaders.gguf_moe import (
+    MOE_ARCHS,
+    expert_count,
+    moe_config_fields,
+    moe_tensors,
+)
 
 # 2: llama.cpp's rope_freqs kept as rope "freq_factors"; 3: rope.scaling.* keys read
 CACHE_FORMAT_VERSION = 3
@@ -104,8 +113,17 @@ def read_gguf_tensors(gguf_path: str | Path, num_heads: int, num_kv_heads: int
 
     reader = GGUFReader(str(gguf_path))
     arch = str(reader.fields["general.architecture"].contents())
+    moe = expert_count(reader.fields, arch) > 0
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        m = _BLOCK_RE.match(t.name)
+        if moe and m is not None and arch in MOE_ARCHS:
+            experts = moe_tensors(arch, m.group(1), m.group(2), m.group(3),
+                                  dequantize(t.data, t.tensor_type))
+            if experts is not None:
+                for name, w in experts.items():
+                    out[name] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+                continue
         name = hf_name(t.name)
         if name is None:
             continue
@@ -205,6 +223,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     config.tie_word_embeddings = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
+    _write_moe_fields(gguf_path, out / "config.json")
     rope = None
     if extras.rope_factors is not None:
         rope = {"rope_type": "freq_factors", "freq_factors": extras.rope_factors}
@@ -228,6 +247,17 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         "gguf": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
         "format_version": CACHE_FORMAT_VERSION,
     }))
+
+
+def _write_moe_fields(gguf_path: Path, cfg_path: Path) -> None:
+    """Give a mixture-of-experts file's config the expert fields (``loaders.gguf_moe``)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    arch = str(fields["general.architecture"].contents())
+    if expert_count(fields, arch):
+        cfg = json.loads(cfg_path.read_text())
+        cfg_path.write_text(json.dumps(moe_config_fields(fields, arch, cfg), indent=2))
 
 
 def convert_gguf_cached(gguf_path: str | Path) -> Path:
