@@ -2,7 +2,8 @@
 prefill and forced preemption, LoRA beside routed experts, and clear refusals.
 
 (The plain mixed-batch parity with prefix-cache hits for Mixtral, Qwen2-MoE and
-Qwen3-MoE is in ``test_hf_parity.py``; TP=2 = TP=1 in ``tests/worker``.)
+Qwen3-MoE is in ``test_hf_parity.py``; TP=2 = TP=1 in ``tests/worker``.) The
+``gpu`` test runs in ``bench/gpu_check.sh``'s window.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.cluster import LLM, LoRARequest, SamplingParams
 from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.testing import write_random_checkpoint
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.lora_fixtures import hf_peft_greedy, write_adapter
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+from tests.cluster.test_engine_gpu import cuda_only
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -120,3 +123,24 @@ def test_expert_width_must_divide_by_tensor_parallel_size(tiny_qwen3_moe_dir) ->
                                          "size 3"):
         SparseMoE(64, moe, ParallelContext(rank=0, world_size=3), torch.float32,
                   torch.device("cpu"))
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_moe_greedy_equals_hugging_face_without_graphs(tmp_path, dtype) -> None:
+    """The torch expert loop on CUDA: HF's tokens in fp32, and bf16 runs (graphs stay off,
+    since the per-expert row counts are read on the host)."""
+    path = write_random_checkpoint(tmp_path / "m", "qwen3_moe", None, num_experts=8,
+                                   num_experts_per_tok=3, mlp_only_layers=[1])
+    prompts = prompts_of_mixed_lengths()
+    llm = LLM(model=path, device="cuda", dtype=dtype, num_gpu_blocks=256)
+    try:
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.engine.executor.worker.runner.graphs is None
+        if dtype == "float32":
+            assert outs == hf_greedy(path, prompts, 20, device="cuda")
+        else:
+            assert all(len(o) == 20 for o in outs)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
