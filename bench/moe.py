@@ -3,8 +3,9 @@
 Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
 (``--kind``: or Mixtral, Qwen2-MoE) of ``--layers`` layers, ``--experts``
 experts of which each token takes ``--top-k``, written with
-``save_pretrained`` and loaded by both engines; ``--num-prompts`` prompts of
-10-75 random token ids, ``--output-len`` greedy tokens each.
+``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32 by
+default); ``--num-prompts`` prompts of 10-75 random token ids,
+``--output-len`` greedy tokens each.
 
 - pagedserve ``LLM.generate`` (continuous batching; each step groups its rows
   by expert);
@@ -17,6 +18,7 @@ its top-k experts, the LM head), and each engine's share of it.
 
     python bench/moe.py
     python bench/moe.py --kind mixtral --json bench/figures/moe_mixtral.json
+    python bench/moe.py --dtype bfloat16      # bf16 weights (the kernel widens them)
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-generate-batch", action="store_true")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -96,27 +99,28 @@ def main() -> None:
                                    **model_overrides(args))
     prompts = make_prompts(None, args.num_prompts, seed=0)
     prompts = [[t % 32000 for t in p] for p in prompts]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    peak = gemm_peak_flops("cpu", torch.float32)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    peak = gemm_peak_flops("cpu", dtype)
     results: dict[str, float] = {}
 
     def record(name: str, tps: float) -> None:  # printed at once: a killed run keeps them
         results[name] = tps
         print(f"{name}: {tps:.1f} tokens/s", flush=True)
 
-    record("pagedserve", run_pagedserve(path, prompts, args.output_len, "cpu", "float32"))
+    record("pagedserve", run_pagedserve(path, prompts, args.output_len, "cpu", args.dtype))
     record("hf_generate", run_hf_generate(model, prompts, args.output_len, args.hf_batch))
     if not args.skip_generate_batch:
         try:
             record("hf_generate_batch", run_hf_generate_batch(model, prompts, args.output_len))
         except Exception as e:  # report, don't hide: the table says which ran
             print(f"hf generate_batch failed: {type(e).__name__}: {e}")
-    peak = max(peak, gemm_peak_flops("cpu", torch.float32))
+    peak = max(peak, gemm_peak_flops("cpu", dtype))
     active = active_params(model, args.top_k, args.experts)
     roofline = peak / (2 * active)
     print(f"\n{args.num_prompts} prompts (10-75 random token ids), {args.output_len} new tokens "
           f"each; random {args.kind}: {args.layers} layers, hidden {args.hidden}, "
-          f"{args.experts} experts x {args.expert_width} wide, top {args.top_k}; fp32, "
+          f"{args.experts} experts x {args.expert_width} wide, top {args.top_k}; {args.dtype}, "
           f"{torch.get_num_threads()} CPU threads")
     print(f"{active / 1e6:.1f}M active parameters per token; GEMM peak {peak / 1e9:.1f} "
           f"GFLOP/s -> roofline {roofline:.0f} tokens/s")

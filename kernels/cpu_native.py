@@ -134,11 +134,9 @@ def load() -> ctypes.CDLL | None:
         lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64,
                                   ctypes.c_int, ctypes.c_int]
         lib.lora_sgmv.restype = ctypes.c_int
-        lib.moe_pack_f32.argtypes = [ptr, ptr, i64, i64, ptr, ptr]
-        lib.moe_pack_f32.restype = None
-        lib.moe_experts_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr,
-                                        ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-        lib.moe_experts_f32.restype = ctypes.c_int
+        lib.moe_experts.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr,
+                                    ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+        lib.moe_experts.restype = ctypes.c_int
         for name in ("rope_f32", "rope_bf16"):
             getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                            ctypes.c_int]

@@ -1,4 +1,5 @@
-"""The native MoE kernel (``kernels/cpu_moe.c``) against a torch loop over experts."""
+"""The native MoE kernel (``kernels/cpu_moe.c``) against a torch loop over experts, fp32
+and bf16."""
 
 from __future__ import annotations
 
@@ -71,10 +72,30 @@ def test_out_of_range_routing_is_refused_not_computed() -> None:
         cpu_moe.experts(x, torch.zeros(3, 5, dtype=torch.int64), torch.rand(3, 5), p13, p2)
 
 
+def test_bf16_experts_within_one_rounding_of_fp32() -> None:
+    """bf16 weights and rows widened exactly, summed in fp32, rounded once: the result is
+    the fp32 computation on the same (bf16) values, to bf16 precision."""
+    g = torch.Generator().manual_seed(3)
+    w13 = (torch.randn(8, 96, 80, generator=g) / 9).bfloat16()
+    w2 = (torch.randn(8, 80, 48, generator=g) / 7).bfloat16()
+    p13, p2 = cpu_moe.pack(w13, w2)
+    assert p13.dtype == torch.bfloat16
+    for t in (1, 6, 50):
+        x = torch.randn(t, 80, generator=g).bfloat16()
+        chosen, weights = _routing(t, 8, 2, g)
+        got = cpu_moe.experts(x, chosen, weights, p13, p2)
+        assert got.dtype == torch.bfloat16
+        ref = _reference(x.float(), chosen, weights, w13.float(), w2.float())
+        torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=8e-3)
+    with pytest.raises(ValueError, match="activations"):
+        cpu_moe.experts(x.float(), chosen, weights, p13, p2)
+
+
 def test_availability_and_pack_checks() -> None:
     cpu = torch.device("cpu")
     assert cpu_moe.available(cpu, torch.float32, 64, 32)
-    assert not cpu_moe.available(cpu, torch.bfloat16, 64, 32)
+    assert cpu_moe.available(cpu, torch.bfloat16, 64, 32)
+    assert not cpu_moe.available(cpu, torch.float16, 64, 32)
     assert not cpu_moe.available(cpu, torch.float32, 64, 24)  # width not a multiple of 16
     assert not cpu_moe.available(torch.device("meta"), torch.float32, 64, 32)
     with pytest.raises(ValueError, match="do not pair"):

@@ -107,3 +107,28 @@ def test_unknown_or_misshapen_expert_weights_are_refused() -> None:
     assert not ours.load("experts.0.w1.weight", torch.zeros(32, HIDDEN))  # Mixtral's name
     with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight: checkpoint shape"):
         ours.load("experts.0.down_proj.weight", torch.zeros(32, HIDDEN))
+
+
+def test_bf16_native_experts_agree_with_the_torch_path() -> None:
+    """A bf16 model's experts through the kernel (fp32 sums, one rounding) and through
+    bf16 torch matmuls: same router, same choices, outputs within bf16 rounding."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler: native CPU kernels off")
+    cfg, block = _hf_block("qwen2_moe")
+    moe_cfg = ModelConfig.from_hf_dict({**cfg.to_dict(), "model_type": "qwen2_moe",
+                                        "num_hidden_layers": 1}).moe
+    layers = []
+    for native in (False, True):
+        layer = SparseMoE(HIDDEN, moe_cfg, ParallelContext(), torch.bfloat16,
+                          torch.device("cpu"))
+        for name, t in _checkpoint_tensors(block, False).items():
+            layer.load(name, t)
+        if native:
+            layer.pack()
+            assert layer.native is not None and layer.native[0].dtype == torch.bfloat16
+        layers.append(layer)
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        plain, native = (layer(x).float() for layer in layers)
+    scale = plain.abs().max()
+    assert (native - plain).abs().max() <= 0.03 * scale

@@ -97,7 +97,7 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
-        if self.native is not None and x.dtype == torch.float32:
+        if self.native is not None:
             return cpu_moe.experts(x, experts, weights, *self.native)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -126,8 +126,9 @@ class SparseMoE(nn.Module):
 
     def pack(self, release_plain: bool = True) -> None:
         """Repack the experts for CPU: for the native kernel (``kernels.cpu_moe``) where it
-        takes them (fp32), else per expert for oneDNN (``layers.packed``), which at the
-        few rows an expert gets per decode step runs about twice as fast as ``F.linear``."""
+        takes them (fp32, bf16), else per expert for oneDNN (``layers.packed``), which at
+        the few rows an expert gets per decode step runs about twice as fast as
+        ``F.linear``."""
         if cpu_moe.available(self.w13.device, self.w13.dtype, self.hidden, self.local_i):
             self.native = cpu_moe.pack(self.w13.data, self.w2.data)
         else:
