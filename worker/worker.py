@@ -291,6 +291,8 @@ class Worker:
             "num_kv_heads": mc.num_kv_heads,
             "num_kv_heads_per_rank": self.model.num_kv_heads_per_rank,
             "head_dim": mc.head_dim,
+            "num_experts": mc.moe.num_experts if mc.moe else 0,
+            "num_experts_per_tok": mc.moe.top_k if mc.moe else 0,
             "block_size": self.config.block_size,
             "bytes_per_block": self._block_bytes(),
             "dtype": str(self.dtype).removeprefix("torch."),

@@ -50,6 +50,8 @@ def test_routing_depends_on_the_token(tiny_mixtral_dir) -> None:
     every expert of the first layer gets some token of the test prompts."""
     llm = LLM(model=tiny_mixtral_dir, num_gpu_blocks=64)
     try:
+        info = llm.engine.executor.worker.get_model_info()
+        assert (info["num_experts"], info["num_experts_per_tok"]) == (4, 2)
         moe = llm.engine.executor.worker.model.layers[0].mlp
         x = llm.engine.executor.worker.model.embed_tokens(
             torch.tensor([t for p in prompts_of_mixed_lengths() for t in p]))

@@ -60,8 +60,8 @@ class SparseMoE(nn.Module):
             raise ValueError(f"expert intermediate size {moe.intermediate_size} is not "
                              f"divisible by TP size {w}")
         self.ctx, self.hidden = ctx, hidden
-        self.num_experts, self.top_k, self.renormalize = moe.num_experts, moe.top_k, \
-            moe.renormalize
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.renormalize = moe.renormalize
         self.full_i = moe.intermediate_size
         self.local_i = moe.intermediate_size // w
         self.checkpoint_prefix = "block_sparse_moe" if moe.mixtral_names else "mlp"
