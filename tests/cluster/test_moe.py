@@ -129,16 +129,18 @@ def test_expert_width_must_divide_by_tensor_parallel_size(tiny_qwen3_moe_dir) ->
 
 @cuda_only
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_moe_greedy_equals_hugging_face_without_graphs(tmp_path, dtype) -> None:
-    """The torch expert loop on CUDA: HF's tokens in fp32, and bf16 runs (graphs stay off,
-    since the per-expert row counts are read on the host)."""
+def test_cuda_moe_greedy_equals_hugging_face_with_graphs(tmp_path, dtype) -> None:
+    """The fused Triton experts on CUDA, decode in CUDA graphs: HF's tokens in fp32, and
+    bf16 runs."""
     path = write_random_checkpoint(tmp_path / "m", "qwen3_moe", None, num_experts=8,
                                    num_experts_per_tok=3, mlp_only_layers=[1])
     prompts = prompts_of_mixed_lengths()
     llm = LLM(model=path, device="cuda", dtype=dtype, num_gpu_blocks=256)
     try:
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-        assert llm.engine.executor.worker.runner.graphs is None
+        graphs = llm.engine.executor.worker.runner.graphs
+        assert llm.engine.executor.worker.model.layers[0].mlp.fused
+        assert graphs is not None and graphs.graphs and not graphs.disabled
         if dtype == "float32":
             assert outs == hf_greedy(path, prompts, 20, device="cuda")
         else:

@@ -9,7 +9,8 @@ must be unset when the kernels are decorated.
 
     python tests/kernels/_aot_compile.py [capability ...]   # default: 90 80
 
-Narrow KV caches (kv_cache_dtype) compile as their own variants: fp8 caches
+The fused MoE kernels print "ok moe sm_..". Narrow KV caches (kv_cache_dtype)
+compile as their own variants: fp8 caches
 reach the kernels as uint8 bytes (KV_FP8 picks the in-kernel decoding), and a
 cache dtype other than the query's changes which dots the kernel emits. Those
 lines read "ok kv sm_..", apart from the "ok sm_.." count of default launches.
@@ -34,6 +35,7 @@ from pagedserve.kernels.triton_attention import (
 )
 from pagedserve.kernels.triton_backend import LAUNCH_SWEEP, TritonBackend
 from pagedserve.kernels.triton_cache import _copy_blocks_kernel, _store_kv_kernel
+from pagedserve.kernels.triton_moe import BLOCK_M, _down_kernel, _gate_up_kernel
 
 
 def signature(fn, pointers: dict[str, str], consts: dict, floats: tuple[str, ...] = ()) -> dict:
@@ -142,6 +144,13 @@ def main(archs: list[int]) -> None:
               tag="ok kv")
         build(_copy_blocks_kernel, {"cache_ptr": "*u8", "pairs_ptr": "*i64"},
               dict(CHUNK=4096), target, tag="ok kv")
+        for dt in ("fp16", "bf16", "fp32"):  # the fused MoE's two kernels, default tiles
+            consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=32, DOT_F32=dt == "fp32")
+            ids = {"pairs_ptr": "*i64", "experts_ptr": "*i64"}
+            build(_gate_up_kernel, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "h_ptr": f"*{dt}"}
+                  | ids, consts, target, tag="ok moe")
+            build(_down_kernel, {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": "*fp32",
+                                 "scale_ptr": "*fp32"} | ids, consts, target, tag="ok moe")
 
 
 if __name__ == "__main__":

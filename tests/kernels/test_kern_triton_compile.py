@@ -1,5 +1,6 @@
 """The Triton kernels compile to cubins for sm_90 and sm_80 (no GPU needed), within
-each target's shared memory, including every launch setting the GPU sweep tries."""
+each target's shared memory, including every launch setting the GPU sweep tries and
+the fused MoE's kernels."""
 
 import importlib.util
 import os
@@ -30,3 +31,4 @@ def test_kernels_compile_for_nvidia_targets() -> None:
     # then the narrow-cache (fp8 / mixed 16-bit) variants, store and copy included.
     assert proc.stdout.count("ok sm_") == 2 * 10 + 2 * len(LAUNCH_SWEEP)
     assert proc.stdout.count("ok kv sm_") == 32
+    assert proc.stdout.count("ok moe sm_") == 2 * 6  # gate/up and down, three dtypes

@@ -11,9 +11,12 @@ The compute groups the step's token rows by expert (one stable sort), runs
 two matmuls per expert that received rows and scatters the weighted results
 back with ``index_add_`` in ascending expert order, the summation order of
 Hugging Face's implementation. Experts no row chose cost nothing, so a decode
-batch reads only the experts it routes to. Choosing experts from the data
-needs their row counts on the host, which a CUDA graph cannot capture: MoE
-models decode eagerly (``graph_capturable``).
+batch reads only the experts it routes to. That loop reads the row counts on
+the host, which a CUDA graph cannot capture, so it is the fallback: on CPU one
+native call runs the layer's experts (``kernels.cpu_moe``), and on CUDA two
+Triton kernels run them as a grouped GEMM without a host sync
+(``kernels.triton_moe``), so a decode step can be a CUDA graph
+(``graph_capturable``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ _EXPERT_RE = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
 # Checkpoint name of each expert matrix -> (0 gate / 1 up / 2 down).
 _MIXTRAL = {"w1": 0, "w3": 1, "w2": 2}
 _QWEN = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+
+
+def _triton_ready() -> bool:
+    from pagedserve.kernels.backend import available_backends
+
+    return "triton" in available_backends("cuda")
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -69,6 +78,8 @@ class SparseMoE(nn.Module):
         # After ``pack`` (CPU): the native kernel's packed gate/up and down stacks, or
         # else each expert's two matrices packed for oneDNN.
         self.native: tuple[torch.Tensor, torch.Tensor] | None = None
+        # CUDA with Triton: the fused kernels (``kernels.triton_moe``), no host sync.
+        self.fused = device.type == "cuda" and _triton_ready()
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.router = _param((moe.num_experts, hidden), dtype, device)
         self.w13 = _param((moe.num_experts, 2 * self.local_i, hidden), dtype, device)
@@ -99,6 +110,10 @@ class SparseMoE(nn.Module):
                 ) -> torch.Tensor:
         if self.native is not None:
             return cpu_moe.experts(x, experts, weights, *self.native)
+        if self.fused:
+            from pagedserve.kernels import triton_moe
+
+            return triton_moe.experts(x, experts, weights, self.w13, self.w2)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

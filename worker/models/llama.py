@@ -148,9 +148,10 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def graph_capturable(self) -> bool:
-        """Whether a decode step can be captured as a CUDA graph: not with routed experts,
-        whose per-expert row counts the host reads every step."""
-        return self.config.moe is None
+        """Whether a decode step can be captured as a CUDA graph: not when routed experts
+        run the torch loop, which reads per-expert row counts on the host."""
+        return all(layer.mlp.fused for layer in self.layers
+                   if isinstance(layer.mlp, SparseMoE))
 
     @property
     def kv_scales_pending(self) -> bool:
