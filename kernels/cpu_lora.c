@@ -20,28 +20,10 @@
 #include <string.h>
 
 #include "cpu_math.h"
-
-typedef float v16f __attribute__((vector_size(64)));
+#include "cpu_vec.h"
 
 #define BLOCK_ROWS 4
 #define MAX_RANK 1024
-
-static inline v16f ld16(const float *p)
-{
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void st16(float *p, v16f v)
-{
-    memcpy(p, &v, sizeof v);
-}
-
-static inline v16f splat(float f)
-{
-    return (v16f){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f};
-}
 
 /* 16 elements from i of an fp32 or bf16 array, as fp32 lanes. */
 static inline __attribute__((always_inline)) v16f ld16x(const void *p, int64_t i, int bf16)

@@ -25,30 +25,12 @@
 #include <string.h>
 
 #include "cpu_math.h"
-
-typedef float v16f __attribute__((vector_size(64)));
+#include "cpu_vec.h"
 
 #define ROWS 4
 #define GU_TILE 32
 #define DOWN_TILE 64
 #define MAX_K 64
-
-static inline v16f ld16(const float *p)
-{
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void st16(float *p, v16f v)
-{
-    memcpy(p, &v, sizeof v);
-}
-
-static inline v16f splat(float f)
-{
-    return (v16f){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f};
-}
 
 /* 16 weights from p (fp32, or bf16 widened: exact). */
 static inline __attribute__((always_inline)) v16f ldw(const void *p, int bf16)

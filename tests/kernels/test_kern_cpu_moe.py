@@ -5,25 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_moe, cpu_native
+from tests.kernels.moe_helpers import expert_loop
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None,
                                 reason="no C compiler: native CPU kernels off")
-
-
-def _reference(x, chosen, weights, w13, w2):
-    """Hugging Face's loop: experts in ascending order, ``index_add_`` into zeros."""
-    i = w2.shape[2]
-    out = torch.zeros_like(x)
-    for e in range(w13.shape[0]):
-        tok, j = torch.where(chosen == e)
-        if len(tok):
-            gu = F.linear(x[tok], w13[e])
-            y = F.linear(F.silu(gu[:, :i]) * gu[:, i:], w2[e]) * weights[tok, j, None]
-            out.index_add_(0, tok, y)
-    return out
 
 
 def _routing(t: int, e: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +34,7 @@ def test_kernel_equals_expert_loop(e, h, i, k) -> None:
         x = torch.randn(t, h, generator=g)
         chosen, weights = _routing(t, e, k, g)
         got = cpu_moe.experts(x, chosen, weights, p13, p2)
-        torch.testing.assert_close(got, _reference(x, chosen, weights, w13, w2),
+        torch.testing.assert_close(got, expert_loop(x, chosen, weights, w13, w2),
                                    atol=2e-5, rtol=2e-5)
 
 
@@ -61,7 +48,7 @@ def test_strided_rows_and_idle_experts() -> None:
     chosen = torch.tensor([[1, 4]] * 9)  # experts 0, 2, 3, 5 idle
     weights = torch.rand(9, 2, generator=g)
     torch.testing.assert_close(cpu_moe.experts(x, chosen, weights, p13, p2),
-                               _reference(x, chosen, weights, w13, w2), atol=1e-4, rtol=1e-5)
+                               expert_loop(x, chosen, weights, w13, w2), atol=1e-4, rtol=1e-5)
 
 
 def test_out_of_range_routing_is_refused_not_computed() -> None:
@@ -85,7 +72,7 @@ def test_bf16_experts_within_one_rounding_of_fp32() -> None:
         chosen, weights = _routing(t, 8, 2, g)
         got = cpu_moe.experts(x, chosen, weights, p13, p2)
         assert got.dtype == torch.bfloat16
-        ref = _reference(x.float(), chosen, weights, w13.float(), w2.float())
+        ref = expert_loop(x.float(), chosen, weights, w13.float(), w2.float())
         torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=8e-3)
     with pytest.raises(ValueError, match="activations"):
         cpu_moe.experts(x.float(), chosen, weights, p13, p2)

@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pagedserve.kernels.backend import available_backends
+from tests.kernels.moe_helpers import expert_loop
 
 needs_interpreter = pytest.mark.skipif(
     torch.cuda.is_available() or "triton" not in available_backends("cpu"),
     reason="the interpreter runs without CUDA, with triton imported after TRITON_INTERPRET")
-
-
-def _reference(x, chosen, weights, w13, w2):
-    i = w2.shape[2]
-    out = torch.zeros_like(x)
-    for e in range(w13.shape[0]):
-        tok, j = torch.where(chosen == e)
-        if len(tok):
-            gu = F.linear(x[tok], w13[e])
-            out.index_add_(0, tok, F.linear(F.silu(gu[:, :i]) * gu[:, i:], w2[e])
-                           * weights[tok, j, None])
-    return out
 
 
 @needs_interpreter
@@ -70,7 +58,7 @@ def test_fused_experts_equal_the_expert_loop(e, h, i, k) -> None:
         chosen = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         weights = torch.rand(t, k, generator=g)
         got = triton_moe.experts(x, chosen, weights, w13, w2)
-        torch.testing.assert_close(got, _reference(x, chosen, weights, w13, w2),
+        torch.testing.assert_close(got, expert_loop(x, chosen, weights, w13, w2),
                                    atol=1e-5, rtol=1e-5)
 
 
@@ -113,5 +101,5 @@ def test_cuda_fused_experts_equal_the_expert_loop(dtype, tol) -> None:
         chosen = torch.rand(t, e, generator=g, device="cuda").topk(k, dim=-1).indices
         weights = torch.rand(t, k, generator=g, device="cuda")
         got = triton_moe.experts(x, chosen, weights, w13, w2).float()
-        ref = _reference(x.float(), chosen, weights, w13.float(), w2.float())
+        ref = expert_loop(x.float(), chosen, weights, w13.float(), w2.float())
         torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
