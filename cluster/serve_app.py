@@ -102,7 +102,8 @@ class OpenAIServer:
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
                  served_model_name: str | None = None, api_key: str | None = None,
                  lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
-                 pooling_type: str = "last", reasoning_parser: str | None = None) -> None:
+                 pooling_type: str = "last", reasoning_parser: str | None = None,
+                 scales_to_zero: bool = False) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -121,6 +122,8 @@ class OpenAIServer:
                                        (self.served_name, self.model_id))
         self.pooling_type = pooling_type
         self.reasoning_parser = reasoning_parser
+        # autoscaling_config min_replicas = 0: no engine replica is a healthy, idle state.
+        self.scales_to_zero = scales_to_zero
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -202,7 +205,7 @@ class OpenAIServer:
 
     async def _replica_ids(self) -> list[str]:
         ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
-        if not ids:  # the handle's router starts with the first call
+        if not ids and not self.scales_to_zero:  # the handle's router starts with a call
             await self._engine_info()
             ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
         return ids
@@ -347,11 +350,15 @@ class OpenAIServer:
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 only if every engine replica generates a token right now."""
+        """200 only if every engine replica generates a token right now; with scale to
+        zero, also when there is none (the next request starts one)."""
         results = await self._each_replica("probe", 30.0)
-        healthy = bool(results) and all("error" not in r for r in results)
-        return JSONResponse({"status": "ok" if healthy else "unhealthy", "replicas": results},
-                            status_code=200 if healthy else 503)
+        idle = self.scales_to_zero and not results
+        healthy = idle or (bool(results) and all("error" not in r for r in results))
+        body: dict[str, Any] = {"status": "ok" if healthy else "unhealthy", "replicas": results}
+        if idle:
+            body["scaled_to_zero"] = True
+        return JSONResponse(body, status_code=200 if healthy else 503)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -389,7 +396,8 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         num_replicas=a.ingress_replicas,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
-           a.pooling_type, a.reasoning_parser)
+           a.pooling_type, a.reasoning_parser,
+           autoscaling is not None and autoscaling.get("min_replicas", 1) == 0)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -89,7 +89,8 @@ class ServeArgs(BaseModel):
 
     def autoscaling(self) -> dict[str, Any] | None:
         """Serve's ``autoscaling_config`` for the engine replicas, checked by Serve's own
-        model; scaling to zero is refused (the ingress needs a replica for model facts)."""
+        model. ``min_replicas: 0`` scales to zero: the first request after idling waits
+        for a replica to start and load the model."""
         if self.autoscaling_config is None:
             return None
         from ray.serve.config import AutoscalingConfig
@@ -97,10 +98,7 @@ class ServeArgs(BaseModel):
         unknown = set(self.autoscaling_config) - set(AutoscalingConfig.model_fields)
         if unknown:
             raise ValueError(f"autoscaling_config: unknown keys {sorted(unknown)}")
-        cfg = AutoscalingConfig(**self.autoscaling_config)
-        if cfg.min_replicas < 1:
-            raise ValueError("autoscaling_config: min_replicas must be >= 1 "
-                             "(scaling engine replicas to zero is not supported)")
+        AutoscalingConfig(**self.autoscaling_config)
         return dict(self.autoscaling_config)
 
     def max_replicas(self) -> int:

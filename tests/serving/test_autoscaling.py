@@ -4,7 +4,9 @@ One replica at rest; concurrent long streams push the ongoing requests past the
 target, Serve starts a second replica, the router sends new requests to it
 (least loaded), and every stream, old and new, finishes with all its tokens.
 When the load is gone the app scales back to one replica, whose pool is at its
-baseline.
+baseline. With ``min_replicas: 0`` the app starts with no engine replica, the
+first request starts one and is answered, and after the downscale delay the app
+is back to none, healthy, and wakes again for the next request.
 """
 
 from __future__ import annotations
@@ -81,3 +83,38 @@ def test_replicas_scale_up_under_load_and_back_down(scaled: App) -> None:
     assert len(served) == 2 and min(served.values()) > 0, served
     _wait(lambda: _replicas(scaled) == (1, 1), 120, "scaling back to one replica")
     scaled.wait_baseline()
+
+
+ZERO = {"min_replicas": 0, "max_replicas": 1, "initial_replicas": 0,
+        "target_ongoing_requests": 2, "upscale_delay_s": 0.0, "downscale_delay_s": 2.0,
+        "look_back_period_s": 1.0}
+
+
+def _engine_replicas(name: str) -> int:
+    from ray import serve
+
+    states = serve.status().applications[name].deployments["EngineServer"].replica_states
+    return sum(states.values())
+
+
+def test_scale_to_zero_wakes_for_a_request_and_idles_back(cluster: Cluster) -> None:
+    app = cluster.deploy("zero", {"autoscaling_config": ZERO, "num_gpu_blocks": 128,
+                                  "max_model_len": 512, "num_threads": 1})
+    try:
+        assert _engine_replicas("zero") == 0
+        health = app.health()
+        assert health.status_code == 200 and health.json()["scaled_to_zero"], health.text
+        assert app.stats() == {}  # stats do not wake a replica
+        assert _engine_replicas("zero") == 0
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        for round_ in range(2):  # cold, then cold again after idling back to zero
+            out = app.openai().chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=20, temperature=0.0)
+            assert out.choices[0].message.content == "The capital of France is Paris."
+            assert _engine_replicas("zero") == 1, round_
+            assert app.health().json()["status"] == "ok"
+            _wait(lambda: _engine_replicas("zero") == 0, 90, "scaling to zero")
+            health = app.health()
+            assert health.status_code == 200 and health.json()["replicas"] == []
+    finally:
+        cluster.delete("zero")
