@@ -42,10 +42,7 @@ from pagedserve.cluster.metrics import (
     call_each_replica,
     render_prometheus,
 )
-from pagedserve.cluster.placement import (
-    engine_replica_options,
-    replica_runtime_env,
-)
+from pagedserve.cluster.placement import engine_replica_options, replica_runtime_env
 from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -355,9 +352,8 @@ class OpenAIServer:
         results = await self._each_replica("probe", 30.0)
         idle = self.scales_to_zero and not results
         healthy = idle or (bool(results) and all("error" not in r for r in results))
-        body: dict[str, Any] = {"status": "ok" if healthy else "unhealthy", "replicas": results}
-        if idle:
-            body["scaled_to_zero"] = True
+        body = {"status": "ok" if healthy else "unhealthy", "replicas": results,
+                **({"scaled_to_zero": True} if idle else {})}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @api.get("/metrics")
