@@ -46,15 +46,20 @@ def test_chunked_prefill_and_preemption_equal_hugging_face(mode, tiny_qwen3_moe_
 
 
 def test_routing_depends_on_the_token(tiny_mixtral_dir) -> None:
-    """The fixture exercises routing: different tokens pick different experts, and
-    every expert of the first layer gets some token of the test prompts."""
+    """The fixture exercises routing: over the test prompts' steps, every expert of the
+    first layer is chosen for some token (the rows the layer really sees)."""
     llm = LLM(model=tiny_mixtral_dir, num_gpu_blocks=64)
     try:
         info = llm.engine.executor.worker.get_model_info()
         assert (info["num_experts"], info["num_experts_per_tok"]) == (4, 2)
         moe = llm.engine.executor.worker.model.layers[0].mlp
-        x = llm.engine.executor.worker.model.embed_tokens(
-            torch.tensor([t for p in prompts_of_mixed_lengths() for t in p]))
+        inputs: list[torch.Tensor] = []
+        hook = moe.register_forward_hook(lambda _m, args, _out: inputs.append(args[0]))
+        try:
+            llm.generate(prompts_of_mixed_lengths(), GREEDY)
+        finally:
+            hook.remove()
+        x = torch.cat(inputs)
         _, experts = torch.softmax(x @ moe.router.t(), dim=-1).topk(moe.top_k, dim=-1)
         assert set(experts.flatten().tolist()) == set(range(moe.num_experts))
     finally:
