@@ -155,7 +155,7 @@ static void expert_rows(int nr, int bf16, const void *const xr[ROWS], const void
 #undef BLOCK
 }
 
-/* Returns 0, or -1 (nothing computed) when a shape, offset or row is out of range.
+/* Returns 0, or -1 (out untouched) when a shape, offset or row is out of range.
  * x [T, H] (row stride xs) and out [T, H] (row stride os) in the weights' type
  * (bf16 != 0: bf16), ypairs [T * K, H] fp32 scratch. */
 int moe_experts(const void *x, int64_t xs, void *out, int64_t os, int64_t T, int64_t H,
