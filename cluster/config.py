@@ -37,6 +37,8 @@ class EngineConfig:
     ``calculate_kv_scales`` (fp8 only) stores each layer's K and V over a scale set
     at start-up from a fixed calibration text (vLLM's option, which uses the first
     batch instead; without it the scale is 1.0).
+    ``quantization`` "int8" serves the projections as 8-bit weights with a scale per
+    32 inputs, run on int8 activations (CPU only; ``worker.layers.quant``).
     ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
     """
@@ -72,6 +74,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    quantization: str | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,6 +90,10 @@ class EngineConfig:
         from pagedserve.kernels.kv_quant import check_kv_cache_dtype
 
         check_kv_cache_dtype(self.kv_cache_dtype)
+        from pagedserve.worker.layers.quant import check_quantization
+
+        check_quantization(self.quantization,
+                           None if self.device == "auto" else self.device)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be fcfs or priority, got "
                              f"{self.scheduling_policy!r}")

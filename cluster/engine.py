@@ -90,6 +90,7 @@ class LLMEngine:
             max_loaded_loras=config.resolved_max_loaded_loras() if config.enable_lora else 0,
             kv_cache_dtype=config.kv_cache_dtype,
             calculate_kv_scales=config.calculate_kv_scales,
+            quantization=config.quantization,
             extra=dict(config.worker_extra),
         )
         self.executor: Executor
@@ -373,7 +374,9 @@ class LLMEngine:
                                       "waiting": self.scheduler.waiting,
                                       "swapped": self.scheduler.swapped}),
             "memory": {**mem, "kv_cache_dtype": self.model_info["kv_cache_dtype"],
-                       "bytes_per_block": int(self.model_info["bytes_per_block"])},
+                       "bytes_per_block": int(self.model_info["bytes_per_block"]),
+                       "quantization": self.model_info.get("quantization"),
+                       "weight_bytes": int(self.model_info.get("weight_bytes", 0))},
             "model": self.model_id,
         }
 

@@ -43,6 +43,7 @@ class ServeArgs(BaseModel):
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    quantization: Literal["int8"] | None = None
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -119,7 +120,7 @@ class ServeArgs(BaseModel):
         engine_kwargs: dict[str, Any] = dict(
             model=self.model, tensor_parallel_size=self.tensor_parallel_size, device=device,
             dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-            calculate_kv_scales=self.calculate_kv_scales,
+            calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,

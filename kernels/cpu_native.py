@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "cpu_paged_decode.c", _HERE / "cpu_fused_ops.c", _HERE / "cpu_lora.c",
-            _HERE / "cpu_moe.c"]
+            _HERE / "cpu_moe.c", _HERE / "cpu_int8.c"]
 _HEADERS = [_HERE / "cpu_math.h", _HERE / "cpu_vec.h"]
 # Associative math lets the dot products vectorise; the kernel never forms inf/nan.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
@@ -137,6 +137,11 @@ def load() -> ctypes.CDLL | None:
         lib.moe_experts.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr,
                                     ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
         lib.moe_experts.restype = ctypes.c_int
+        lib.int8_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int32, i64,
+                                    ptr, i64]
+        lib.int8_linear.restype = ctypes.c_int
+        lib.int8_linear_supported.argtypes = []
+        lib.int8_linear_supported.restype = ctypes.c_int
         for name in ("rope_f32", "rope_bf16"):
             getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                            ctypes.c_int]

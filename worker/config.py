@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
+from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
@@ -291,6 +292,9 @@ class WorkerConfig:
     after ``init_kv_cache`` (the engine's calibration text; ``layers.attention``);
     without it fp8 stores K/V as they are.
 
+    ``quantization`` "int8" keeps every projection as 8-bit codes with a scale per
+    32 inputs and runs it on int8 activations (``layers.quant``; CPU only).
+
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
     (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room
     for ``max_loaded_loras`` adapters of that rank out of the KV pool.
@@ -319,10 +323,12 @@ class WorkerConfig:
     max_loaded_loras: int = 0
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_quantization(self.quantization, self.device.split(":")[0])
         if self.max_lora_rank < 0:
             raise ValueError(f"max_lora_rank must be >= 0, got {self.max_lora_rank}")
         if self.block_size < 1:

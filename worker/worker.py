@@ -25,6 +25,7 @@ from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.packed import can_pack, pack_model
+from pagedserve.worker.layers.quant import quantize_model, weight_bytes
 from pagedserve.worker.loaders import (
     ResolvedModel,
     iter_safetensors,
@@ -95,6 +96,7 @@ class Worker:
         self.backend = None
         self.load_time_s = 0.0
         self.packed_weights = False
+        self.weight_bytes = 0
         self.num_threads: int | None = None
         self.lora: LoRAManager | None = None
 
@@ -139,8 +141,12 @@ class Worker:
         self.model.load_weights(iter_safetensors(self.resolved.path))
         self.model.eval()
         self.packed_weights = False
+        tied = {id(self.model.embed_tokens.weight)}
+        if self.config.quantization:
+            quantize_model(self.model, self.config.quantization, tied)
         if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
-            self.packed_weights = pack_model(self.model, {id(self.model.embed_tokens.weight)})
+            self.packed_weights = pack_model(self.model, tied)
+        self.weight_bytes = weight_bytes(self.model)
         if self.config.max_lora_rank:
             self.lora = LoRAManager(self.model, self.config.max_lora_rank, self.dtype,
                                     self.device)
@@ -301,6 +307,8 @@ class Worker:
             "attention_backend": getattr(self.backend, "name", None),
             "load_time_s": self.load_time_s,
             "packed_weights": self.packed_weights,
+            "quantization": self.config.quantization,
+            "weight_bytes": self.weight_bytes,
         }
 
     def shutdown(self) -> None:

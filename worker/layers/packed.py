@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import cpu_int8
+
 if TYPE_CHECKING:
     from pagedserve.worker.layers.lora import LoRAWeights
 
@@ -36,6 +38,8 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
     # Set when the engine serves LoRA adapters (``worker.layers.lora``).
     lora: LoRAWeights | None = None
+    # Set by ``layers.quant`` when the engine serves int8 weights.
+    quant: cpu_int8.Int8Weight | None = None
 
     def with_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y`` (this module's matmul of ``x``) plus the step's adapter deltas."""
@@ -44,6 +48,8 @@ class PackableLinear(nn.Module):
         return y
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant is not None:
+            return cpu_int8.linear(x, self.quant, bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -79,7 +85,8 @@ def pack_model(model: nn.Module, shared: set[int] | None = None) -> bool:
     embedding): those modules get a packed copy and keep the plain weight.
     """
     shared = shared or set()
-    linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    linears = [m for m in model.modules()
+               if isinstance(m, PackableLinear) and m.quant is None]
     # Modules that pack themselves (a mixture's stacked experts, ``layers.moe``).
     stacks = [m for m in model.modules()
               if not isinstance(m, PackableLinear) and callable(getattr(m, "pack", None))]

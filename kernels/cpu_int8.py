@@ -1,0 +1,190 @@
+"""Int8 weights for linear layers: 8-bit codes in groups of 32, int8 activations.
+
+Why: on CPU a decode step reads every weight once, so its time follows the
+weights' bytes: codes and a scale per 32 weights take 1.125 bytes a weight
+against fp32's 4 and bf16's 2. And quantising the activations too (per row
+and group of 32, llama.cpp's scheme, finer than vLLM's per-token W8A8) lets
+AVX512-VNNI run 64 multiply-adds an instruction, 4x fp32's FMAs, so large
+batches gain as well (``cpu_int8.c``).
+
+A weight is ``W[n, g*32 + i] = scale[n, g] * (codes[n, g*32 + i] - zero) +
+offs[n, g]`` (``offs`` optional): GGUF's Q8_0, Q4_0 and Q4_1 blocks exactly,
+and :func:`quantize_symmetric`'s online int8. :func:`reference` is the same
+arithmetic in torch (the integer dot products are exact in fp32), used where
+the native kernel cannot run and as the kernel's oracle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import cpu_native
+
+GROUP = 32
+LANES = 16
+# Elements per float32 chunk of the reference's integer products (bounds its memory).
+_REF_CHUNK = 1 << 24
+
+
+def native_available() -> bool:
+    """Whether the compiled library has the VNNI kernel (``int8_linear_supported``)."""
+    lib = cpu_native.load()
+    return lib is not None and bool(lib.int8_linear_supported())
+
+
+@dataclass
+class Int8Weight:
+    """One projection's codes, scales and optional offsets, in the kernel's packed layout
+    when ``packed`` (else plain ``[N, K]`` / ``[N, K/32]`` for :func:`reference`)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offs: torch.Tensor | None
+    zero: int
+    out_features: int
+    in_features: int
+    packed: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = self.codes.numel() + 4 * self.scale.numel()
+        return n + (4 * self.offs.numel() if self.offs is not None else 0)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 ``[N, K]`` weight these codes stand for (tests and fallbacks)."""
+        codes, scale, offs = self.codes, self.scale, self.offs
+        if self.packed:
+            codes, scale, offs = unpack(self)
+        n, k = self.out_features, self.in_features
+        w = (codes.float() - self.zero).view(n, k // GROUP, GROUP) * scale.unsqueeze(-1)
+        if offs is not None:
+            w = w + offs.unsqueeze(-1)
+        return w.view(n, k)
+
+
+def quantize_symmetric(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` (K a multiple of 32) as codes ``round(w / s) + 128`` with ``s =
+    max|w| / 127`` per 32 inputs: (codes uint8 ``[N, K]``, scale fp32 ``[N, K/32]``)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"in_features {k} is not a multiple of the group size {GROUP}")
+    g = w.detach().float().reshape(n, k // GROUP, GROUP)
+    scale = g.abs().amax(dim=-1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(g * inv.unsqueeze(-1)).clamp_(-127, 127)
+    return (q + 128).to(torch.uint8).reshape(n, k), scale
+
+
+def make(codes: torch.Tensor, scale: torch.Tensor, zero: int,
+         offs: torch.Tensor | None = None, pack_for_kernel: bool | None = None) -> Int8Weight:
+    """An :class:`Int8Weight` from plain codes ``[N, K]`` and per-group ``scale``/``offs``
+    ``[N, K/32]``, packed when the native kernel is there (or as ``pack_for_kernel`` says)."""
+    n, k = codes.shape
+    if k % GROUP or tuple(scale.shape) != (n, k // GROUP):
+        raise ValueError(f"codes {tuple(codes.shape)} and scale {tuple(scale.shape)} "
+                         f"do not match groups of {GROUP}")
+    if offs is not None and tuple(offs.shape) != tuple(scale.shape):
+        raise ValueError(f"offs {tuple(offs.shape)} != scale {tuple(scale.shape)}")
+    if not 0 <= zero <= 255:
+        raise ValueError(f"zero point {zero} is outside 0..255")
+    codes, scale = codes.to(torch.uint8).contiguous(), scale.float().contiguous()
+    offs = offs.float().contiguous() if offs is not None else None
+    if pack_for_kernel is None:
+        pack_for_kernel = native_available()
+    w = Int8Weight(codes, scale, offs, zero, n, k, packed=False)
+    return pack(w) if pack_for_kernel else w
+
+
+def pack(w: Int8Weight) -> Int8Weight:
+    """The kernel's layout: rows padded to 16 lanes, each (block, group) as 8 vectors of
+    16 lanes x 4 codes; scales and offsets ``[blocks, groups, 16]``."""
+    if w.packed:
+        return w
+    n, k = w.out_features, w.in_features
+    nb, g = -(-n // LANES), k // GROUP
+    pad = nb * LANES - n
+    codes, scale, offs = w.codes, w.scale, w.offs
+    if pad:
+        codes = torch.cat([codes, codes.new_full((pad, k), w.zero)])
+        scale = torch.cat([scale, scale.new_zeros(pad, g)])
+        offs = torch.cat([offs, offs.new_zeros(pad, g)]) if offs is not None else None
+    packed = codes.view(nb, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return t.view(nb, LANES, g).permute(0, 2, 1).contiguous()
+
+    return Int8Weight(packed, lanes(scale), lanes(offs) if offs is not None else None,
+                      w.zero, n, k, packed=True)
+
+
+def unpack(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Plain (codes ``[N, K]``, scale, offs) of a packed weight."""
+    n, k = w.out_features, w.in_features
+    nb, g = -(-n // LANES), k // GROUP
+    codes = w.codes.view(nb, g, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(nb * LANES, k)
+
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        return t.permute(0, 2, 1).reshape(nb * LANES, g)[:n]
+
+    return codes[:n], plain(w.scale), plain(w.offs) if w.offs is not None else None
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row and 32 inputs, as the kernel: (q ``[M, G, 32]`` as floats, sx ``[M, G]``,
+    qsum ``[M, G]``) with ``sx = max|x| / 127`` and ``q = round(x * (127 / max|x|))``."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP, GROUP)
+    amax = g.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv.unsqueeze(-1))
+    return q, amax / 127.0, q.sum(dim=-1)
+
+
+def reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """``x [M, K]`` times the int8 weight, fp32 ``[M, N]``: the kernel's arithmetic in torch."""
+    codes, scale, offs = (unpack(w) if w.packed else (w.codes, w.scale, w.offs))
+    n, k = w.out_features, w.in_features
+    g = k // GROUP
+    q, sx, qsum = quantize_activations(x)
+    wc = (codes.float() - w.zero).view(n, g, GROUP)
+    out = x.new_empty(x.shape[0], n, dtype=torch.float32)
+    chunk = max(1, _REF_CHUNK // max(1, x.shape[0] * g))
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        dots = torch.einsum("mgi,ngi->mng", q, wc[s:e])  # integers, exact in fp32
+        y = dots * (scale[s:e].unsqueeze(0) * sx.unsqueeze(1))
+        if offs is not None:
+            y = y + offs[s:e].unsqueeze(0) * (sx * qsum).unsqueeze(1)
+        out[:, s:e] = y.sum(dim=-1)
+    return out
+
+
+def linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ W^T (+ bias)`` in ``x``'s dtype, through the kernel when ``w`` is
+    packed and the library has it, else :func:`reference`."""
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight {w.in_features}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features)
+    xf = x2.float()
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    lib = cpu_native.load() if w.packed else None
+    out = None
+    if lib is not None and xf.shape[0] > 0:
+        y = torch.empty(xf.shape[0], w.out_features, dtype=torch.float32)
+        p = ctypes.c_void_p
+        rc = lib.int8_linear(p(xf.data_ptr()), xf.stride(0), xf.shape[0], w.in_features,
+                             p(w.codes.data_ptr()), p(w.scale.data_ptr()),
+                             p(w.offs.data_ptr()) if w.offs is not None else None,
+                             w.zero, w.out_features, p(y.data_ptr()), y.stride(0))
+        if rc == 0:
+            out = y
+    if out is None:
+        out = reference(xf, w)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*lead, w.out_features)

@@ -1,0 +1,201 @@
+"""``quantization="int8"`` through the engine: the default model keeps its answers
+in less than half the memory, tokens do not depend on batching, chunking,
+prefix hits or preemption, LoRA adapters still apply, and bad settings are
+refused naming the field.
+
+(The kernel against its arithmetic is ``tests/kernels/test_kern_cpu_int8.py``;
+TP=2 = TP=1 under int8 is in ``tests/worker/test_tensor_parallel.py``.)
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.serve_args import ServeArgs
+from pagedserve.kernels import cpu_int8
+from pagedserve.worker.testing import write_random_checkpoint
+from tests.cluster.lora_fixtures import PROMPTS, mixed_batch
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _scores(llm: LLM, seqs: list[list[int]], start: int) -> list[tuple[int, float]]:
+    """(top-1 token, logprob of the sequence's own token) from position ``start`` on."""
+    outs = llm.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    return [(max(d, key=d.get), d[t]) for o, s in zip(outs, seqs)
+            for d, t in zip(o.prompt_logprobs[start:], s[start:])]
+
+
+def test_default_model_int8_keeps_its_answers_in_less_memory() -> None:
+    """SmolLM2 under int8 still says Paris, holds < 45% of the fp32 engine's weight bytes,
+    and, teacher-forced on fp32's own continuations, picks fp32's top-1 token >= 90% of
+    the time (bench/quant.py measures ~97%)."""
+    ref = LLM()
+    try:
+        fp32_bytes = ref.engine.model_info["weight_bytes"]
+        tok = ref.get_tokenizer()
+        prompts = [tok.encode(t) for t in ("The history of Paris begins",
+                                           "def fibonacci(n):",
+                                           "Paged attention stores the KV cache")]
+        seqs = [p + o for p, o in zip(prompts, _tokens(ref.generate(prompts, GREEDY)))]
+        want = _scores(ref, seqs, 6)
+    finally:
+        ref.shutdown()
+    llm = LLM(quantization="int8")
+    try:
+        info = llm.engine.model_info
+        assert info["quantization"] == "int8"
+        assert info["weight_bytes"] < 0.45 * fp32_bytes
+        mem = llm.engine.get_stats()["memory"]
+        assert (mem["quantization"], mem["weight_bytes"]) == ("int8", info["weight_bytes"])
+        out = llm.chat(FRANCE, SamplingParams(temperature=0.0, max_tokens=20))
+        assert "Paris" in out[0].outputs[0].text
+        got = _scores(llm, seqs, 6)
+        agree = sum(a[0] == b[0] for a, b in zip(got, want)) / len(want)
+        assert agree >= 0.9, agree
+        assert sum(abs(a[1] - b[1]) for a, b in zip(got, want)) / len(want) < 0.2
+        layer = llm.engine.executor.worker.model.layers[0]
+        assert layer.self_attn.qkv_proj.quant is not None
+        assert layer.self_attn.qkv_proj.weight.numel() == 0  # the fp32 copy is gone
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_int8_tokens_do_not_depend_on_batching(mode, tiny_llama_dir) -> None:
+    """Activations are quantised per row, so a prompt's tokens are the same alone, in a
+    mixed batch, in 8-token chunks under forced preemption, and over prefix-cache hits."""
+    prompts = prompts_of_mixed_lengths()
+    alone_llm = LLM(model=tiny_llama_dir, quantization="int8", num_gpu_blocks=256)
+    try:
+        alone = [_tokens(alone_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+        assert _tokens(alone_llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
+        assert _tokens(alone_llm.generate(prompts, GREEDY, use_tqdm=False)) == alone  # hits
+        assert alone_llm.engine.scheduler.kv.prefix_hits > 0
+    finally:
+        alone_llm.shutdown()
+    llm = LLM(model=tiny_llama_dir, quantization="int8", block_size=4, num_gpu_blocks=24,
+              preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0,
+              max_num_batched_tokens=8)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
+        assert llm.engine.scheduler.num_preemptions[mode] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_int8_tokens_follow_the_float_model(tiny_llama_dir) -> None:
+    """On the random model the int8 engine's first greedy tokens are the fp32 engine's
+    for most prompts: quantisation perturbs, it does not scramble."""
+    prompts = prompts_of_mixed_lengths()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    toks = {}
+    for quant in (None, "int8"):
+        llm = LLM(model=tiny_llama_dir, quantization=quant, num_gpu_blocks=128)
+        try:
+            toks[quant] = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    same = sum(a[0] == b[0] for a, b in zip(toks[None], toks["int8"]))
+    assert same >= 0.75 * len(prompts), (same, len(prompts))
+
+
+def test_lora_adapters_apply_over_int8_weights(tiny_llama_dir, llama_loras) -> None:
+    """Adapter deltas are added to the int8 projections' outputs: a mixed batch of two
+    adapters and the base model gives each prompt what it gets alone under its adapter,
+    and the adapters change the output."""
+    loras = [None, llama_loras["all7"], llama_loras["pattern"]]
+    llm = LLM(model=tiny_llama_dir, quantization="int8", enable_lora=True, max_loras=2,
+              max_lora_rank=8, num_gpu_blocks=256)
+    try:
+        alone = {}
+        for lora in loras:
+            alone[lora.lora_name if lora else None] = _tokens(
+                llm.generate(PROMPTS, GREEDY, lora_request=lora, use_tqdm=False))
+        assert alone["all7"] != alone[None] and alone["pattern"] != alone[None]
+        prompts, which = mixed_batch(loras)
+        got = _tokens(llm.generate(prompts, GREEDY, lora_request=which, use_tqdm=False))
+        assert got == [alone[lora.lora_name if lora else None][PROMPTS.index(p)]
+                       for p, lora in zip(prompts, which)]
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_bad_quantization_settings_name_the_field(tmp_path, default_model_dir) -> None:
+    for bad in ("int4", "fp8", "INT8"):
+        with pytest.raises(ValueError, match="quantization"):
+            EngineConfig(quantization=bad)
+        with pytest.raises(ValidationError, match="quantization"):
+            ServeArgs(quantization=bad, device="cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="int8", device="cuda")
+    assert ServeArgs(quantization="int8", device="cpu").settings() \
+        .engine_kwargs["quantization"] == "int8"
+    # Inputs per rank must be whole groups of 32: hidden 48 is not.
+    path = write_random_checkpoint(tmp_path / "h48", "llama", default_model_dir,
+                                   hidden_size=48, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64)
+    with pytest.raises(ValueError, match=r"qkv_proj has 48 inputs per rank, not a multiple"):
+        LLM(model=path, quantization="int8", num_gpu_blocks=16)
+
+
+@pytest.mark.skipif(not cpu_int8.native_available(), reason="no AVX512-VNNI kernel here")
+def test_without_the_native_kernel_the_torch_path_scores_the_same(
+        tiny_llama_dir, monkeypatch) -> None:
+    """Weights kept plain (as on a CPU without VNNI) run ``cpu_int8.reference``: the same
+    integers summed in another order. Rounding activations to int8 turns an ulp into a
+    step now and then, so the paths are compared teacher-forced on the same sequences:
+    the same top-1 token almost everywhere and logprobs within a hair."""
+    prompts = prompts_of_mixed_lengths()
+    scores = []
+    for native in (True, False):
+        monkeypatch.setattr(cpu_int8, "native_available", lambda n=native: n)
+        llm = LLM(model=tiny_llama_dir, quantization="int8", num_gpu_blocks=256)
+        try:
+            proj = llm.engine.executor.worker.model.layers[0].mlp.down_proj
+            assert proj.quant.packed is native
+            if native:
+                seqs = [p + o for p, o in zip(prompts, _tokens(
+                    llm.generate(prompts, GREEDY, use_tqdm=False)))]
+            scores.append(_scores(llm, seqs, 1))
+        finally:
+            llm.shutdown()
+    kernel, torch_path = scores
+    agree = sum(a[0] == b[0] for a, b in zip(kernel, torch_path)) / len(kernel)
+    dlp = sum(abs(a[1] - b[1]) for a, b in zip(kernel, torch_path)) / len(kernel)
+    print(f"kernel vs torch path: top-1 agreement {agree:.4f}, mean |dlogp| {dlp:.5f}")
+    assert agree >= 0.97 and dlp < 0.02, (agree, dlp)
+
+
+def test_mixture_of_experts_quantizes_attention_and_shared_expert(
+        tmp_path, default_model_dir) -> None:
+    """Routed experts stay in the model dtype (their own kernel); attention, the shared
+    expert and the LM head take int8, and the answers stay batch-invariant."""
+    path = write_random_checkpoint(tmp_path / "moe", "qwen2_moe", default_model_dir,
+                                   shared_expert_intermediate_size=64)
+    prompts = prompts_of_mixed_lengths()[:6]
+    llm = LLM(model=path, quantization="int8", num_gpu_blocks=128)
+    try:
+        model = llm.engine.executor.worker.model
+        moe = model.layers[0].mlp
+        assert moe.shared_gate_up.quant is not None and moe.shared_down.quant is not None
+        assert model.layers[0].self_attn.o_proj.quant is not None
+        assert model.lm_head.quant is not None
+        batch = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        assert batch == [_tokens(llm.generate([p], GREEDY, use_tqdm=False))[0]
+                         for p in prompts]
+    finally:
+        llm.shutdown()

@@ -1,0 +1,87 @@
+"""Weight quantisation of a loaded model's projections (``quantization="int8"``).
+
+After loading, every projection (q/k/v, o, gate/up, down, the LM head, a
+shared expert) keeps its weight as 8-bit codes with a scale per 32 inputs
+(``kernels.cpu_int8``) and drops the full-precision copy, as vLLM's online
+quantisation does; the matmuls then run on int8 codes and int8 activations.
+A tied embedding keeps its rows for the lookup, and the LM head gets its own
+codes. Routed experts (``layers.moe``), the router and the norms stay in the
+model's dtype. Each rank quantises its own shard, so tensor parallelism
+needs every rank's share of a row-parallel input to be whole groups of 32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import cpu_int8
+from pagedserve.worker.layers.packed import PackableLinear
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("int8",)
+
+
+def check_quantization(method: str | None, device: str | None = None) -> None:
+    """Raise a ``ValueError`` naming ``quantization`` for a method or device we cannot run."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, "
+                         f"got {method!r}")
+    if device is not None and device != "cpu":
+        raise ValueError(f"quantization={method!r} runs on CPU only (device {device!r})")
+
+
+def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None) -> int:
+    """Quantise every projection of ``model`` in place; returns the bytes its weights now
+    take (codes, scales). ``shared`` holds ``id()`` of weights other modules still read
+    (a tied embedding), which are kept."""
+    check_quantization(method)
+    shared = shared or set()
+    total = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, PackableLinear) or module.quant is not None:
+            continue
+        weight = module.weight.detach()
+        if weight.dim() != 2:
+            raise ValueError(f"quantization={method!r}: {name} has no plain weight to quantise")
+        if weight.shape[1] % cpu_int8.GROUP:
+            raise ValueError(f"quantization={method!r}: {name} has {weight.shape[1]} inputs "
+                             f"per rank, not a multiple of {cpu_int8.GROUP}")
+        codes, scale = cpu_int8.quantize_symmetric(weight)
+        module.quant = cpu_int8.make(codes, scale, 128)
+        total += module.quant.nbytes
+        if id(module.weight) not in shared:
+            module.weight = nn.Parameter(weight.new_empty((0,)), requires_grad=False)
+    logger.info("quantized projections to %s: %.1f MiB", method, total / 2**20)
+    return total
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and quantised weight the model holds (its resident size)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None:
+            total += quant.nbytes
+        # Copies packed for oneDNN or a native kernel (``layers.packed``, ``layers.moe``).
+        for attr in ("packed", "native"):
+            total += sum(t.numel() * t.element_size() for t in _tensors(getattr(module, attr, None)))
+    return total
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
