@@ -183,6 +183,8 @@ class _Collector:
              ("memory", "num_cached_free_blocks")),
             ("kv_block_bytes", "Bytes of one KV block (all layers, this rank)",
              ("memory", "bytes_per_block")),
+            ("model_weight_bytes", "Bytes of model weights one rank holds (int8 codes and "
+             "scales when quantized)", ("memory", "weight_bytes")),
             ("requests_in_flight", "Requests open on the replica", ("server", "in_flight")),
             ("lora_adapters_loaded", "LoRA adapters loaded", ("lora", "num_loaded")),
         ]
