@@ -75,17 +75,25 @@ def run_one(kv: str, prompts: list[list[int]], out_len: int, kv_bytes: int,
         row.update(tok_s=sum(map(len, seqs)) / dt, seconds=dt, peak_running=peak,
                    preemptions=sum(eng.scheduler.num_preemptions.values())
                    - sum(before.values()))
-        full = [p + s for p, s in zip(prompts, reference or seqs, strict=True)]
-        scored = llm.generate(full, SamplingParams(max_tokens=1, prompt_logprobs=1),
-                              use_tqdm=False)
-        row["scores"] = [
-            [(max(d, key=d.get), d[tok]) for d, tok in zip(o.prompt_logprobs[len(p):],
-                                                           f[len(p):], strict=True)]
-            for o, p, f in zip(scored, prompts, full, strict=True)]
+        row["scores"] = teacher_forced(llm, prompts, reference or seqs)
         row["sequences"] = seqs
         return row
     finally:
         llm.shutdown()
+
+
+def teacher_forced(llm: Any, prompts: list[list[int]], outputs: list[list[int]]
+                   ) -> list[list[tuple[int, float]]]:
+    """(top-1 token, logprob of the given token) at each output position of prompt +
+    output, scored through ``llm`` (``prompt_logprobs``)."""
+    from pagedserve.cluster import SamplingParams
+
+    full = [p + s for p, s in zip(prompts, outputs, strict=True)]
+    scored = llm.generate(full, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)
+    return [[(max(d, key=d.get), d[tok]) for d, tok in zip(o.prompt_logprobs[len(p):],
+                                                          f[len(p):], strict=True)]
+            for o, p, f in zip(scored, prompts, full, strict=True)]
 
 
 def fidelity(row: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float]:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kv_cache_dtype import fidelity  # teacher-forced agreement, shared with that bench
+from kv_cache_dtype import fidelity, teacher_forced  # shared with that bench
 from offline import make_prompts, run_hf_generate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,13 +66,7 @@ def run_one(name: str, prompts: list[list[int]], out_len: int,
         t0 = time.perf_counter()
         alone = llm.generate(prompts[:1], greedy, use_tqdm=False)
         row["single_tok_s"] = len(alone[0].outputs[0].token_ids) / (time.perf_counter() - t0)
-        full = [p + s for p, s in zip(prompts, reference or seqs, strict=True)]
-        scored = llm.generate(full, SamplingParams(max_tokens=1, prompt_logprobs=1),
-                              use_tqdm=False)
-        row["scores"] = [
-            [(max(d, key=d.get), d[tok]) for d, tok in zip(o.prompt_logprobs[len(p):],
-                                                           f[len(p):], strict=True)]
-            for o, p, f in zip(scored, prompts, full, strict=True)]
+        row["scores"] = teacher_forced(llm, prompts, reference or seqs)
         row["sequences"] = seqs
         return row
     finally:
