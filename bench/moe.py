@@ -19,6 +19,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py
     python bench/moe.py --kind mixtral --json bench/figures/moe_mixtral.json
     python bench/moe.py --dtype bfloat16      # bf16 weights (the kernel widens them)
+    python bench/moe.py --quantization int8   # pagedserve with int8 experts
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-generate-batch", action="store_true")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--quantization", choices=("int8",), default=None,
+                    help="pagedserve only: int8 experts and projections")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -108,7 +111,8 @@ def main() -> None:
         results[name] = tps
         print(f"{name}: {tps:.1f} tokens/s", flush=True)
 
-    record("pagedserve", run_pagedserve(path, prompts, args.output_len, "cpu", args.dtype))
+    record("pagedserve", run_pagedserve(path, prompts, args.output_len, "cpu", args.dtype,
+                                        quantization=args.quantization))
     record("hf_generate", run_hf_generate(model, prompts, args.output_len, args.hf_batch))
     if not args.skip_generate_batch:
         try:
@@ -120,7 +124,8 @@ def main() -> None:
     roofline = peak / (2 * active)
     print(f"\n{args.num_prompts} prompts (10-75 random token ids), {args.output_len} new tokens "
           f"each; random {args.kind}: {args.layers} layers, hidden {args.hidden}, "
-          f"{args.experts} experts x {args.expert_width} wide, top {args.top_k}; {args.dtype}, "
+          f"{args.experts} experts x {args.expert_width} wide, top {args.top_k}; {args.dtype}"
+          f"{' (pagedserve int8)' if args.quantization else ''}, "
           f"{torch.get_num_threads()} CPU threads")
     print(f"{active / 1e6:.1f}M active parameters per token; GEMM peak {peak / 1e9:.1f} "
           f"GFLOP/s -> roofline {roofline:.0f} tokens/s")

@@ -28,6 +28,7 @@ import os
 import random
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -98,11 +99,11 @@ def workload_flops(model, prompts: list[list[int]], out_len: int) -> float:
 
 
 def run_pagedserve(path: str, prompts: list[list[int]], out_len: int, device: str,
-                   dtype: str) -> float:
+                   dtype: str, **engine_kw: Any) -> float:
     from pagedserve.cluster import LLM, SamplingParams
 
     llm = LLM(model=path, device=device, dtype=dtype, max_num_seqs=len(prompts),
-              max_num_batched_tokens=4096)
+              max_num_batched_tokens=4096, **engine_kw)
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     t0 = time.perf_counter()

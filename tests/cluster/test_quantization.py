@@ -10,6 +10,7 @@ TP=2 = TP=1 under int8 is in ``tests/worker/test_tensor_parallel.py``.)
 from __future__ import annotations
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from pagedserve.cluster import LLM, SamplingParams
@@ -180,13 +181,21 @@ def test_without_the_native_kernel_the_torch_path_scores_the_same(
     assert agree >= 0.97 and dlp < 0.02, (agree, dlp)
 
 
-def test_mixture_of_experts_quantizes_attention_and_shared_expert(
+def test_mixture_of_experts_quantizes_every_projection_and_expert(
         tmp_path, default_model_dir) -> None:
-    """Routed experts stay in the model dtype (their own kernel); attention, the shared
-    expert and the LM head take int8, and the answers stay batch-invariant."""
+    """Attention, the shared expert, the LM head and every routed expert take int8 (the
+    expert stacks are dropped); the router stays in the model dtype; the answers are
+    batch-invariant, follow the fp32 model's first tokens, and the weights shrink."""
     path = write_random_checkpoint(tmp_path / "moe", "qwen2_moe", default_model_dir,
                                    shared_expert_intermediate_size=64)
-    prompts = prompts_of_mixed_lengths()[:6]
+    prompts = prompts_of_mixed_lengths()[:8]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ref = LLM(model=path, num_gpu_blocks=128)
+    try:
+        ref_bytes = ref.engine.model_info["weight_bytes"]
+        ref_toks = _tokens(ref.generate(prompts, params, use_tqdm=False))
+    finally:
+        ref.shutdown()
     llm = LLM(model=path, quantization="int8", num_gpu_blocks=128)
     try:
         model = llm.engine.executor.worker.model
@@ -194,8 +203,16 @@ def test_mixture_of_experts_quantizes_attention_and_shared_expert(
         assert moe.shared_gate_up.quant is not None and moe.shared_down.quant is not None
         assert model.layers[0].self_attn.o_proj.quant is not None
         assert model.lm_head.quant is not None
+        assert len(moe.int8) == moe.num_experts and moe.w13.numel() == moe.w2.numel() == 0
+        assert moe.router.dtype == torch.float32 and moe.router.numel() > 0
+        embed = model.embed_tokens.weight  # kept in fp32 for the lookup
+        embed_bytes = embed.numel() * embed.element_size()
+        rest = llm.engine.model_info["weight_bytes"] - embed_bytes
+        assert rest < 0.3 * (ref_bytes - embed_bytes)  # 1.125 bytes a weight, not 4
         batch = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
         assert batch == [_tokens(llm.generate([p], GREEDY, use_tqdm=False))[0]
                          for p in prompts]
+        first = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        assert sum(a[0] == b[0] for a, b in zip(first, ref_toks)) >= 0.75 * len(prompts)
     finally:
         llm.shutdown()

@@ -132,3 +132,34 @@ def test_bf16_native_experts_agree_with_the_torch_path() -> None:
         plain, native = (layer(x).float() for layer in layers)
     scale = plain.abs().max()
     assert (native - plain).abs().max() <= 0.03 * scale
+
+
+def test_int8_experts_follow_the_block_and_each_row_alone() -> None:
+    """``quantize`` turns every expert into int8 codes (the stacks dropped, ``pack`` then a
+    no-op): the layer stays within int8's rounding of HF's block, and a row's output does
+    not depend on the rows beside it (activations are quantised per row; only the fp32
+    router matmul's summation order differs with the batch)."""
+    cfg, block = _hf_block("qwen3_moe", num_experts=8, num_experts_per_tok=3)
+    moe_cfg = ModelConfig.from_hf_dict({**cfg.to_dict(), "model_type": "qwen3_moe",
+                                        "num_hidden_layers": 1}).moe
+    ours = SparseMoE(HIDDEN, moe_cfg, ParallelContext(), torch.float32, torch.device("cpu"))
+    for name, t in _checkpoint_tensors(block, False).items():
+        ours.load(name, t)
+    nbytes = ours.quantize("layers.0.mlp")
+    ours.pack()
+    assert ours.native is None and ours.w13.numel() == 0 and len(ours.int8) == 8
+    assert nbytes == sum(a.nbytes + b.nbytes for a, b in ours.int8)
+    x = torch.randn(50, HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = block(x.unsqueeze(0))
+        ref = (ref[0] if isinstance(ref, tuple) else ref)[0]
+        got = ours(x)
+        rows = torch.cat([ours(x[i:i + 1]) for i in range(50)])
+    assert float((got - ref).norm() / ref.norm()) < 0.02
+    torch.testing.assert_close(rows, got, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp experts have 64 / 48 inputs"):
+        odd = SparseMoE(HIDDEN, ModelConfig.from_hf_dict(
+            {**cfg.to_dict(), "model_type": "qwen3_moe", "num_hidden_layers": 1,
+             "moe_intermediate_size": 48}).moe, ParallelContext(), torch.float32,
+            torch.device("cpu"))
+        odd.quantize("layers.0.mlp")

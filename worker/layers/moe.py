@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_moe
+from pagedserve.kernels import cpu_int8, cpu_moe
 from pagedserve.worker.layers.activation import silu_and_mul
 from pagedserve.worker.layers.linear import (
     LazyTensor,
@@ -81,6 +81,8 @@ class SparseMoE(nn.Module):
         # CUDA with Triton: the fused kernels (``kernels.triton_moe``), no host sync.
         self.fused = device.type == "cuda" and _triton_ready()
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # After ``quantize`` (``layers.quant``): each expert's gate/up and down as int8.
+        self.int8: list[tuple[cpu_int8.Int8Weight, cpu_int8.Int8Weight]] | None = None
         self.router = _param((moe.num_experts, hidden), dtype, device)
         self.w13 = _param((moe.num_experts, 2 * self.local_i, hidden), dtype, device)
         self.w2 = _param((moe.num_experts, hidden, self.local_i), dtype, device)
@@ -132,6 +134,9 @@ class SparseMoE(nn.Module):
         return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            w13, w2 = self.int8[e]
+            return cpu_int8.linear(silu_and_mul(cpu_int8.linear(x, w13)), w2)
         if self.packed is None:
             return F.linear(silu_and_mul(F.linear(x, self.w13[e])), self.w2[e])
         w13, w2 = self.packed[e]
@@ -143,7 +148,9 @@ class SparseMoE(nn.Module):
         """Repack the experts for CPU: for the native kernel (``kernels.cpu_moe``) where it
         takes them (fp32, bf16), else per expert for oneDNN (``layers.packed``), which at
         the few rows an expert gets per decode step runs about twice as fast as
-        ``F.linear``."""
+        ``F.linear``. Experts already quantised stay as they are."""
+        if self.int8 is not None:
+            return
         if cpu_moe.available(self.w13.device, self.w13.dtype, self.hidden, self.local_i):
             self.native = cpu_moe.pack(self.w13.data, self.w2.data)
         else:
@@ -154,6 +161,25 @@ class SparseMoE(nn.Module):
         if release_plain:
             self.w13 = nn.Parameter(self.w13.new_empty((0,)), requires_grad=False)
             self.w2 = nn.Parameter(self.w2.new_empty((0,)), requires_grad=False)
+
+    def quantize(self, name: str) -> int:
+        """Each expert's matrices as int8 codes with a scale per 32 inputs
+        (``kernels.cpu_int8``; vLLM's ``experts_int8``), the plain stacks dropped; returns
+        their bytes. They then run through the expert loop, an int8 matmul pair per
+        expert that received rows."""
+        group = cpu_int8.GROUP
+        if self.hidden % group or self.local_i % group:
+            raise ValueError(f"quantization='int8': {name} experts have {self.hidden} / "
+                             f"{self.local_i} inputs per rank, not multiples of {group}")
+
+        def q(w: torch.Tensor) -> cpu_int8.Int8Weight:
+            return cpu_int8.make(*cpu_int8.quantize_symmetric(w), 128)
+
+        self.int8 = [(q(self.w13[e]), q(self.w2[e])) for e in range(self.num_experts)]
+        self.w13 = nn.Parameter(self.w13.new_empty((0,)), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty((0,)), requires_grad=False)
+        self.native, self.packed, self.fused = None, None, False
+        return sum(a.nbytes + b.nbytes for a, b in self.int8)
 
     def expected_names(self) -> set[str]:
         """Checkpoint names under ``checkpoint_prefix`` this layer must load."""

@@ -5,8 +5,9 @@ shared expert) keeps its weight as 8-bit codes with a scale per 32 inputs
 (``kernels.cpu_int8``) and drops the full-precision copy, as vLLM's online
 quantisation does; the matmuls then run on int8 codes and int8 activations.
 A tied embedding keeps its rows for the lookup, and the LM head gets its own
-codes. Routed experts (``layers.moe``), the router and the norms stay in the
-model's dtype. Each rank quantises its own shard, so tensor parallelism
+codes. Routed experts (``layers.moe``) are quantised the same way, each
+expert's matrices on their own (vLLM's ``experts_int8``); the router and
+the norms stay in the model's dtype. Each rank quantises its own shard, so tensor parallelism
 needs every rank's share of a row-parallel input to be whole groups of 32.
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import cpu_int8
+from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.packed import PackableLinear
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None
         total += module.quant.nbytes
         if id(module.weight) not in shared:
             module.weight = nn.Parameter(weight.new_empty((0,)), requires_grad=False)
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoE) and module.int8 is None:
+            total += module.quantize(name)
     logger.info("quantized projections to %s: %.1f MiB", method, total / 2**20)
     return total
 
@@ -70,18 +75,17 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     for module in model.modules():
-        quant = getattr(module, "quant", None)
-        if quant is not None:
-            total += quant.nbytes
-        # Copies packed for oneDNN or a native kernel (``layers.packed``, ``layers.moe``).
-        for attr in ("packed", "native"):
-            total += sum(t.numel() * t.element_size() for t in _tensors(getattr(module, attr, None)))
+        # int8 codes, and copies packed for oneDNN or a native kernel.
+        for attr in ("quant", "int8", "packed", "native"):
+            total += _nbytes(getattr(module, attr, None))
     return total
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
+def _nbytes(value: object) -> int:
     if isinstance(value, torch.Tensor):
-        return [value]
+        return value.numel() * value.element_size()
+    if isinstance(value, cpu_int8.Int8Weight):
+        return value.nbytes
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+        return sum(_nbytes(v) for v in value)
+    return 0
