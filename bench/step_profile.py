@@ -10,6 +10,7 @@ The wrappers add a few microseconds per call, well under a step's noise.
 
     python bench/step_profile.py                    # fp32, 64 sequences
     python bench/step_profile.py --dtype bfloat16
+    python bench/step_profile.py --quantization int8
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", choices=("int8",), default=None)
     args = ap.parse_args()
     path = resolve_model(None).path
     prompts = make_prompts(load_tokenizer(path), args.num_seqs, seed=0)
     llm = LLM(model=path, dtype=args.dtype, max_num_seqs=args.num_seqs,
-              max_num_batched_tokens=4096)
+              max_num_batched_tokens=4096, quantization=args.quantization)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
     spent: collections.Counter = collections.Counter()

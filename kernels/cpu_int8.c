@@ -27,6 +27,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "cpu_math.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -154,8 +156,68 @@ static void run(const int8_t *q, const float *sx, const float *xsum, const int32
     }
 }
 
+/* A routed layer's int8 experts (moe_int8): NT tasks of (expert's first pair
+ * m0, rows, block pair) over one product, all experts in one parallel loop. */
+typedef struct {
+    int64_t e, m0, pair;
+    int nr;
+} task_t;
+
+static void run_experts(const task_t *tasks, int64_t nt, const int8_t *q, const float *sx,
+                        const float *xsum, const int32_t *qsum, int64_t K,
+                        const uint8_t *codes, int64_t codes_per_expert, const float *scale,
+                        int64_t scales_per_expert, int64_t N, float *out)
+{
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t t = 0; t < nt; t++) {
+        const task_t k = tasks[t];
+        const uint8_t *c = codes + k.e * codes_per_expert;
+        const float *sc = scale + k.e * scales_per_expert;
+#define TILE(R) tile(R, 2, q, sx, xsum, qsum, K, c, sc, NULL, 128, 2 * k.pair, out, N, N, k.m0)
+        switch (k.nr) {
+        case 4: TILE(4); break;
+        case 3: TILE(3); break;
+        case 2: TILE(2); break;
+        default: TILE(1); break;
+        }
+#undef TILE
+    }
+}
+
+static int64_t plan_tasks(task_t *tasks, const int64_t *offsets, int64_t E, int64_t pairs)
+{
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t m0 = offsets[e]; m0 < offsets[e + 1]; m0 += ROWS)
+            for (int64_t p = 0; p < pairs; p++) {
+                const int64_t left = offsets[e + 1] - m0;
+                tasks[n++] = (task_t){e, m0, p, (int)(left < ROWS ? left : ROWS)};
+            }
+    return n;
+}
+
 int int8_linear_supported(void) { return 1; }
 #else
+typedef struct {
+    int64_t e, m0, pair;
+    int nr;
+} task_t;
+
+static void run_experts(const task_t *tasks, int64_t nt, const int8_t *q, const float *sx,
+                        const float *xsum, const int32_t *qsum, int64_t K,
+                        const uint8_t *codes, int64_t codes_per_expert, const float *scale,
+                        int64_t scales_per_expert, int64_t N, float *out)
+{
+    (void)tasks; (void)nt; (void)q; (void)sx; (void)xsum; (void)qsum; (void)K; (void)codes;
+    (void)codes_per_expert; (void)scale; (void)scales_per_expert; (void)N; (void)out;
+}
+
+static int64_t plan_tasks(task_t *tasks, const int64_t *offsets, int64_t E, int64_t pairs)
+{
+    (void)tasks; (void)offsets; (void)E; (void)pairs;
+    return 0;
+}
+
 static void run(const int8_t *q, const float *sx, const float *xsum, const int32_t *qsum,
                 int64_t M, int64_t K, const uint8_t *codes, const float *scale,
                 const float *offs, int32_t zero, int64_t N, float *out, int64_t out_stride)
@@ -193,4 +255,99 @@ int int8_linear(const float *x, int64_t x_stride, int64_t M, int64_t K,
     free(sx);
     free(qsum);
     return 0;
+}
+
+/* Routed SwiGLU experts of a mixture-of-experts layer with int8 weights: the
+ * arithmetic of running int8_linear per expert (kernels.cpu_int8, the torch
+ * expert loop), in one call. Pairs offsets[e] .. offsets[e + 1] run expert e
+ * on token row rows[p] with routing weight scales[p]; inv maps a token's
+ * j-th choice to its pair. Expert e's gate/up weights ([gate; up], 2I x H)
+ * and down weights (H x I) are packed as int8_linear's, zero point 128, and
+ * stacked: c13 + e * (2I/16 * H/32 * 512) codes, s13 + e * (2I/16 * H/32 *
+ * 16) scales, and likewise c2 / s2. Each token's rows are quantised once;
+ * each pair's SiLU-and-multiply output is quantised per row like any
+ * activation. out[t] sums scales[p] * down(h_p) over the token's pairs in
+ * ascending pair (= expert) order, the loop's order. Returns -1 (out
+ * untouched) without VNNI, when H or I is not a multiple of 32, top-k is over
+ * 64 or the routing is out of range. */
+int moe_int8(const float *x, int64_t x_stride, float *out, int64_t out_stride, int64_t T,
+             int64_t H, int64_t I, int64_t E, int64_t topk, const uint8_t *c13,
+             const float *s13, const uint8_t *c2, const float *s2, const int64_t *offsets,
+             const int64_t *rows, const float *scales, const int64_t *inv)
+{
+    if (!int8_linear_supported() || H % GROUP || I % GROUP || T < 1 || topk < 1 || topk > 64)
+        return -1;
+    const int64_t P = T * topk, G1 = H / GROUP, G2 = I / GROUP;
+    const int64_t pairs1 = I / 16, pairs2 = H / 32; /* block pairs of 2I and H outputs */
+    const int64_t L1 = (2 * I / 16) * G1 * 512, S1 = (2 * I / 16) * G1 * 16;
+    const int64_t L2 = (H / 16) * G2 * 512, S2 = (H / 16) * G2 * 16;
+    const int64_t max_tasks = (P / ROWS + E) * (pairs1 > pairs2 ? pairs1 : pairs2);
+    int8_t *qt = malloc((size_t)(T * H)), *q1 = malloc((size_t)(P * H));
+    int8_t *q2 = malloc((size_t)(P * I));
+    float *ft = malloc(sizeof(float) * (size_t)(2 * T * G1));
+    float *f1 = malloc(sizeof(float) * (size_t)(2 * P * G1));
+    float *f2 = malloc(sizeof(float) * (size_t)(2 * P * G2));
+    int32_t *it = malloc(sizeof(int32_t) * (size_t)(T * G1));
+    int32_t *i1 = malloc(sizeof(int32_t) * (size_t)(P * G1));
+    int32_t *i2 = malloc(sizeof(int32_t) * (size_t)(P * G2));
+    float *gu = malloc(sizeof(float) * (size_t)(P * 2 * I));
+    float *h = malloc(sizeof(float) * (size_t)(P * I));
+    float *y = malloc(sizeof(float) * (size_t)(P * H));
+    task_t *tasks = malloc(sizeof(task_t) * (size_t)max_tasks);
+    int rc = -1;
+    if (!qt || !q1 || !q2 || !ft || !f1 || !f2 || !it || !i1 || !i2 || !gu || !h || !y || !tasks)
+        goto done;
+    for (int64_t p = 0; p < P; p++)
+        if (rows[p] < 0 || rows[p] >= T || inv[p] < 0 || inv[p] >= P)
+            goto done;
+    for (int64_t e = 0; e < E; e++)
+        if (offsets[e] > offsets[e + 1])
+            goto done;
+    if (offsets[0] != 0 || offsets[E] != P)
+        goto done;
+    quantize_rows(x, x_stride, T, H, qt, ft, ft + T * G1, it);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t r = rows[p];
+        memcpy(q1 + p * H, qt + r * H, (size_t)H);
+        memcpy(f1 + p * G1, ft + r * G1, sizeof(float) * (size_t)G1);
+        memcpy(f1 + P * G1 + p * G1, ft + T * G1 + r * G1, sizeof(float) * (size_t)G1);
+        memcpy(i1 + p * G1, it + r * G1, sizeof(int32_t) * (size_t)G1);
+    }
+    int64_t nt = plan_tasks(tasks, offsets, E, pairs1);
+    run_experts(tasks, nt, q1, f1, f1 + P * G1, i1, H, c13, L1, s13, S1, 2 * I, gu);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t i = 0; i < I; i++)
+            h[p * I + i] = silu_f32(gu[p * 2 * I + i]) * gu[p * 2 * I + I + i];
+    quantize_rows(h, I, P, I, q2, f2, f2 + P * G2, i2);
+    nt = plan_tasks(tasks, offsets, E, pairs2);
+    run_experts(tasks, nt, q2, f2, f2 + P * G2, i2, I, c2, L2, s2, S2, H, y);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t ps[64];
+        const int64_t k = topk;
+        for (int64_t j = 0; j < k; j++) { /* the token's pairs, ascending */
+            int64_t v = inv[t * topk + j], a = j;
+            while (a > 0 && ps[a - 1] > v) {
+                ps[a] = ps[a - 1];
+                a--;
+            }
+            ps[a] = v;
+        }
+        float *o = out + t * out_stride;
+        for (int64_t c = 0; c < H; c++)
+            o[c] = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            const float w = scales[ps[j]];
+            const float *yr = y + ps[j] * H;
+            for (int64_t c = 0; c < H; c++)
+                o[c] += w * yr[c];
+        }
+    }
+    rc = 0;
+done:
+    free(qt); free(q1); free(q2); free(ft); free(f1); free(f2); free(it); free(i1); free(i2);
+    free(gu); free(h); free(y); free(tasks);
+    return rc;
 }

@@ -188,3 +188,45 @@ def linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> 
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*lead, w.out_features)
+
+
+def stack_experts(weights: list[Int8Weight]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed, symmetric (zero 128) weights of equal shape, one per expert, stacked for
+    :func:`moe_experts`: (codes ``[E, ...]``, scales ``[E, ...]``)."""
+    first = weights[0]
+    if not all(w.packed and w.offs is None and w.zero == 128
+               and (w.out_features, w.in_features) == (first.out_features, first.in_features)
+               for w in weights):
+        raise ValueError("expert weights to stack must be packed, symmetric and alike")
+    return (torch.stack([w.codes for w in weights]).contiguous(),
+            torch.stack([w.scale.reshape(-1) for w in weights]).contiguous())
+
+
+def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+    """A routed layer's SwiGLU experts on int8 weights in one native call: the sum over
+    each row's ``chosen [T, K]`` experts of ``weights [T, K]`` times the expert's
+    ``down(silu(gate(x)) * up(x))``, each matmul as :func:`linear` computes it.
+    ``w13`` / ``w2``: :func:`stack_experts` of the gate/up ``[2I, H]`` and down
+    ``[H, I]`` weights."""
+    from pagedserve.kernels.cpu_moe import route_pairs
+
+    t, k = chosen.shape
+    e, h = w13[0].shape[0], x.shape[1]
+    i = w2[1].shape[1] * GROUP // h  # scales per expert: (H / 16) * (I / 32) * 16
+    offsets, rows, scales, inv = route_pairs(chosen, weights, e)
+    xf = x.float()
+    if xf.stride(1) != 1:
+        xf = xf.contiguous()
+    out = torch.empty((t, h), dtype=torch.float32)
+    p = ctypes.c_void_p
+    lib = cpu_native.load()
+    rc = -1 if lib is None else lib.moe_int8(
+        p(xf.data_ptr()), xf.stride(0), p(out.data_ptr()), out.stride(0), t, h, i, e, k,
+        p(w13[0].data_ptr()), p(w13[1].data_ptr()), p(w2[0].data_ptr()), p(w2[1].data_ptr()),
+        p(offsets.data_ptr()), p(rows.data_ptr()), p(scales.data_ptr()), p(inv.data_ptr()))
+    if rc != 0:
+        raise ValueError(f"int8 MoE kernel: shapes, top-k {k} or routing out of range "
+                         f"(hidden {h}, width {i}, {e} experts)")
+    return out.to(x.dtype)

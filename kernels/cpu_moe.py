@@ -56,6 +56,22 @@ def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat(gate_up, dim=1).contiguous(), torch.cat(down, dim=1).contiguous()
 
 
+def route_pairs(chosen: torch.Tensor, weights: torch.Tensor, num_experts: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's (token, expert) pairs sorted by expert, as the native kernels take them:
+    (offsets ``[E + 1]``: expert e's pairs are ``offsets[e] .. offsets[e + 1]``, rows
+    ``[P]``: each pair's token row, scales ``[P]``: its routing weight in fp32, inv
+    ``[T * K]``: the pair of each token's j-th choice)."""
+    t, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, out=offsets[1:])
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(t * k)
+    return offsets, order // k, weights.reshape(-1).to(torch.float32)[order], inv
+
+
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, p13: torch.Tensor,
             p2: torch.Tensor) -> torch.Tensor:
     """Sum over each row's ``chosen [T, K]`` experts of ``weights [T, K]`` times the
@@ -66,14 +82,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, p13: t
     if x.dtype != p13.dtype or p2.dtype != p13.dtype or x.device.type != "cpu":
         raise ValueError(f"MoE kernel: activations {x.dtype} on {x.device} for {p13.dtype} "
                          "experts")
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offsets = torch.zeros(e + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(flat, minlength=e), 0, out=offsets[1:])
-    rows = order // k
-    scales = weights.reshape(-1).to(torch.float32)[order]
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(t * k)
+    offsets, rows, scales, inv = route_pairs(chosen, weights, e)
     ypairs = torch.empty((t * k, h), dtype=torch.float32)
     out = torch.empty((t, h), dtype=x.dtype)
     x = x if x.stride(1) == 1 else x.contiguous()

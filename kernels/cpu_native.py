@@ -140,6 +140,9 @@ def load() -> ctypes.CDLL | None:
         lib.int8_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int32, i64,
                                     ptr, i64]
         lib.int8_linear.restype = ctypes.c_int
+        lib.moe_int8.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
+                                 ptr, ptr, ptr, ptr, ptr]
+        lib.moe_int8.restype = ctypes.c_int
         lib.int8_linear_supported.argtypes = []
         lib.int8_linear_supported.restype = ctypes.c_int
         for name in ("rope_f32", "rope_bf16"):

@@ -83,6 +83,8 @@ class SparseMoE(nn.Module):
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # After ``quantize`` (``layers.quant``): each expert's gate/up and down as int8.
         self.int8: list[tuple[cpu_int8.Int8Weight, cpu_int8.Int8Weight]] | None = None
+        # ... or, with the native kernel, stacked for it (``cpu_int8.moe_experts``).
+        self.int8_native: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
         self.router = _param((moe.num_experts, hidden), dtype, device)
         self.w13 = _param((moe.num_experts, 2 * self.local_i, hidden), dtype, device)
         self.w2 = _param((moe.num_experts, hidden, self.local_i), dtype, device)
@@ -112,6 +114,8 @@ class SparseMoE(nn.Module):
                 ) -> torch.Tensor:
         if self.native is not None:
             return cpu_moe.experts(x, experts, weights, *self.native)
+        if self.int8_native is not None:
+            return cpu_int8.moe_experts(x, experts, weights, *self.int8_native)
         if self.fused:
             from pagedserve.kernels import triton_moe
 
@@ -149,7 +153,7 @@ class SparseMoE(nn.Module):
         takes them (fp32, bf16), else per expert for oneDNN (``layers.packed``), which at
         the few rows an expert gets per decode step runs about twice as fast as
         ``F.linear``. Experts already quantised stay as they are."""
-        if self.int8 is not None:
+        if self.int8 is not None or self.int8_native is not None:
             return
         if cpu_moe.available(self.w13.device, self.w13.dtype, self.hidden, self.local_i):
             self.native = cpu_moe.pack(self.w13.data, self.w2.data)
@@ -165,8 +169,9 @@ class SparseMoE(nn.Module):
     def quantize(self, name: str) -> int:
         """Each expert's matrices as int8 codes with a scale per 32 inputs
         (``kernels.cpu_int8``; vLLM's ``experts_int8``), the plain stacks dropped; returns
-        their bytes. They then run through the expert loop, an int8 matmul pair per
-        expert that received rows."""
+        their bytes. Where the native kernel is there they are stacked for one call per
+        layer (``cpu_int8.moe_experts``), else they run through the expert loop, an int8
+        matmul pair per expert that received rows (the same arithmetic)."""
         group = cpu_int8.GROUP
         if self.hidden % group or self.local_i % group:
             raise ValueError(f"quantization='int8': {name} experts have {self.hidden} / "
@@ -175,11 +180,16 @@ class SparseMoE(nn.Module):
         def q(w: torch.Tensor) -> cpu_int8.Int8Weight:
             return cpu_int8.make(*cpu_int8.quantize_symmetric(w), 128)
 
-        self.int8 = [(q(self.w13[e]), q(self.w2[e])) for e in range(self.num_experts)]
+        pairs = [(q(self.w13[e]), q(self.w2[e])) for e in range(self.num_experts)]
         self.w13 = nn.Parameter(self.w13.new_empty((0,)), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty((0,)), requires_grad=False)
         self.native, self.packed, self.fused = None, None, False
-        return sum(a.nbytes + b.nbytes for a, b in self.int8)
+        if all(a.packed and b.packed for a, b in pairs):
+            self.int8_native = (cpu_int8.stack_experts([a for a, _ in pairs]),
+                                cpu_int8.stack_experts([b for _, b in pairs]))
+            return sum(t.numel() * t.element_size() for st in self.int8_native for t in st)
+        self.int8 = pairs
+        return sum(a.nbytes + b.nbytes for a, b in pairs)
 
     def expected_names(self) -> set[str]:
         """Checkpoint names under ``checkpoint_prefix`` this layer must load."""

@@ -60,7 +60,7 @@ def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None
         if id(module.weight) not in shared:
             module.weight = nn.Parameter(weight.new_empty((0,)), requires_grad=False)
     for name, module in model.named_modules():
-        if isinstance(module, SparseMoE) and module.int8 is None:
+        if isinstance(module, SparseMoE) and module.int8 is None and module.int8_native is None:
             total += module.quantize(name)
     logger.info("quantized projections to %s: %.1f MiB", method, total / 2**20)
     return total
@@ -76,7 +76,7 @@ def weight_bytes(model: nn.Module) -> int:
             total += p.numel() * p.element_size()
     for module in model.modules():
         # int8 codes, and copies packed for oneDNN or a native kernel.
-        for attr in ("quant", "int8", "packed", "native"):
+        for attr in ("quant", "int8", "int8_native", "packed", "native"):
             total += _nbytes(getattr(module, attr, None))
     return total
 
