@@ -143,7 +143,8 @@ class Worker:
         self.packed_weights = False
         tied = {id(self.model.embed_tokens.weight)}
         if self.config.quantization:
-            quantize_model(self.model, self.config.quantization, tied)
+            unused = {id(self.model.lm_head)} if self.model_config.embedding_only else set()
+            quantize_model(self.model, self.config.quantization, tied, unused)
         if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
             self.packed_weights = pack_model(self.model, tied)
         self.weight_bytes = weight_bytes(self.model)

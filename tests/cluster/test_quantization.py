@@ -217,3 +217,25 @@ def test_mixture_of_experts_quantizes_every_projection_and_expert(
         assert sum(a[0] == b[0] for a, b in zip(first, ref_toks)) >= 0.75 * len(prompts)
     finally:
         llm.shutdown()
+
+
+def test_embedding_model_quantizes_its_layers_not_the_unused_head(
+        tmp_path, default_model_dir) -> None:
+    """An embedding checkpoint (no LM head) under int8: every layer's projections take
+    int8, the head it never runs is left alone, and the vectors stay close to fp32's."""
+    path = write_random_checkpoint(tmp_path / "emb", "qwen3", default_model_dir,
+                                   base_model=True, head_dim=32)
+    texts = ["hello world", "paged attention keeps the KV cache in blocks"]
+    vecs = {}
+    for quant in (None, "int8"):
+        llm = LLM(model=path, quantization=quant, num_gpu_blocks=64)
+        try:
+            model = llm.engine.executor.worker.model
+            if quant:
+                assert model.lm_head.quant is None
+                assert all(layer.mlp.down_proj.quant is not None for layer in model.layers)
+            vecs[quant] = torch.tensor([o.outputs.embedding for o in llm.embed(texts)])
+        finally:
+            llm.shutdown()
+    cos = torch.nn.functional.cosine_similarity(vecs[None], vecs["int8"], dim=-1)
+    assert bool((cos > 0.99).all()), cos

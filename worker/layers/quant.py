@@ -38,15 +38,18 @@ def check_quantization(method: str | None, device: str | None = None) -> None:
         raise ValueError(f"quantization={method!r} runs on CPU only (device {device!r})")
 
 
-def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None) -> int:
+def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None,
+                   skip: set[int] | None = None) -> int:
     """Quantise every projection of ``model`` in place; returns the bytes its weights now
     take (codes, scales). ``shared`` holds ``id()`` of weights other modules still read
-    (a tied embedding), which are kept."""
+    (a tied embedding), which are kept; ``skip`` ``id()`` of modules never run (an
+    embedding model's LM head), left as they are."""
     check_quantization(method)
-    shared = shared or set()
+    shared, skip = shared or set(), skip or set()
     total = 0
     for name, module in model.named_modules():
-        if not isinstance(module, PackableLinear) or module.quant is not None:
+        if (not isinstance(module, PackableLinear) or module.quant is not None
+                or id(module) in skip):
             continue
         weight = module.weight.detach()
         if weight.dim() != 2:
