@@ -14,7 +14,11 @@ of ``--num-prompts`` greedy requests of ``--out-len`` tokens at once, one
 request alone (decode, bound by reading the weights), and, teacher-forced on
 the fp32 run's sequences (``prompt_logprobs``), how often each pagedserve
 row's top-1 token is fp32's and its mean |logprob difference| (the HF
-rows scored by a forward pass over the same sequences).
+rows scored by a forward pass over the same sequences). A model's own greedy
+continuations are its most confident tokens, so each row also scores a fixed
+text it did not write (``--text``: by default the prose of the Python
+reference shipped with CPython, ``pydoc_data.topics``; ``--text-chunks`` of
+512 tokens): perplexity, and top-1 agreement with fp32 there.
 
     python bench/quant.py
     python bench/quant.py --json bench/figures/quant.json
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -44,8 +49,29 @@ CONFIGS = {"fp32": ("float32", None), "bf16": ("bfloat16", None),
            "int8": ("float32", "int8"), "int8-bf16": ("bfloat16", "int8")}
 
 
+def text_chunks(tokenizer: Any, source: str, n: int, size: int = 512) -> list[list[int]]:
+    """``n`` chunks of ``size`` tokens of ``source`` (a path, or "pydoc")."""
+    if source == "pydoc":
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+    else:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    ids = tokenizer.encode(text)
+    return [ids[i:i + size] for i in range(0, min(len(ids) - size, n * size), size)]
+
+
+def text_fidelity(row: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float]:
+    """(perplexity, top-1 agreement with ``ref``) on the fixed text."""
+    mine = [s for seq in row["text_scores"] for s in seq]
+    theirs = [s for seq in ref["text_scores"] for s in seq]
+    ppl = math.exp(-sum(lp for _, lp in mine) / len(mine))
+    return ppl, sum(a[0] == b[0] for a, b in zip(mine, theirs, strict=True)) / len(mine)
+
+
 def run_one(name: str, prompts: list[list[int]], out_len: int,
-            reference: list[list[int]] | None) -> dict[str, Any]:
+            reference: list[list[int]] | None, chunks: list[list[int]]) -> dict[str, Any]:
     from pagedserve.cluster import LLM, SamplingParams
 
     dtype, quant = CONFIGS[name]
@@ -67,6 +93,8 @@ def run_one(name: str, prompts: list[list[int]], out_len: int,
         alone = llm.generate(prompts[:1], greedy, use_tqdm=False)
         row["single_tok_s"] = len(alone[0].outputs[0].token_ids) / (time.perf_counter() - t0)
         row["scores"] = teacher_forced(llm, prompts, reference or seqs)
+        row["text_scores"] = teacher_forced(llm, [c[:1] for c in chunks],
+                                            [c[1:] for c in chunks])
         row["sequences"] = seqs
         return row
     finally:
@@ -86,7 +114,7 @@ def hf_scores(model, prompts: list[list[int]], reference: list[list[int]]
 
 
 def hf_rows(path: str, prompts: list[list[int]], out_len: int, batch: int,
-            reference: list[list[int]]) -> list[dict[str, Any]]:
+            reference: list[list[int]], chunks: list[list[int]]) -> list[dict[str, Any]]:
     """HF ``generate`` in fp32, then with torch's dynamic int8 quantisation."""
     from transformers import AutoModelForCausalLM
 
@@ -105,7 +133,9 @@ def hf_rows(path: str, prompts: list[list[int]], out_len: int, batch: int,
         tps = run_hf_generate(model, prompts, out_len, batch)
         single = run_hf_generate(model, prompts[:1], out_len, 1)
         rows.append({"config": name, "weight_mib": size / 2**20, "tok_s": tps,
-                     "single_tok_s": single, "scores": hf_scores(model, prompts, reference)})
+                     "single_tok_s": single, "scores": hf_scores(model, prompts, reference),
+                     "text_scores": hf_scores(model, [c[:1] for c in chunks],
+                                              [c[1:] for c in chunks])})
     return rows
 
 
@@ -117,6 +147,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text", default="pydoc", help="a text file, or pydoc (CPython's)")
+    ap.add_argument("--text-chunks", type=int, default=16)
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     from pagedserve.worker.loaders import load_tokenizer, resolve_model
@@ -125,29 +157,35 @@ def main() -> None:
     if names[0] != "fp32":
         names.insert(0, "fp32")
     resolved = resolve_model(None)
-    prompts = make_prompts(load_tokenizer(resolved), args.num_prompts, args.seed)
+    tokenizer = load_tokenizer(resolved)
+    prompts = make_prompts(tokenizer, args.num_prompts, args.seed)
+    chunks = text_chunks(tokenizer, args.text, args.text_chunks)
     rows: list[dict[str, Any]] = []
     for name in names:
         rows.append(run_one(name, prompts, args.out_len,
-                            rows[0]["sequences"] if rows else None))
+                            rows[0]["sequences"] if rows else None, chunks))
         print(f"{name}: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
     if not args.skip_hf:
         rows += hf_rows(resolved.path, prompts, args.out_len, args.hf_batch,
-                        rows[0]["sequences"])
+                        rows[0]["sequences"], chunks)
     ref = rows[0]
     print(f"\nSmolLM2-135M, {args.num_prompts} prompts x {args.out_len} greedy tokens, "
           f"{torch.get_num_threads()} CPU threads ({platform.processor() or platform.machine()})")
     print(f"{'config':>16} {'weights MiB':>11} {'tok/s':>8} {'x fp32':>6} {'1 seq tok/s':>11} "
-          f"{'x fp32':>6} {'top-1 agree':>11} {'|dlogp|':>8}")
+          f"{'x fp32':>6} {'top-1 agree':>11} {'|dlogp|':>8} {'text ppl':>8} {'text agree':>10}")
     report = []
     for r in rows:
         agree, dlp = fidelity(r, ref)
+        ppl, text_agree = text_fidelity(r, ref)
         ratio, single = r["tok_s"] / ref["tok_s"], r["single_tok_s"] / ref["single_tok_s"]
         print(f"{r['config']:>16} {r['weight_mib']:>11.1f} {r['tok_s']:>8.1f} {ratio:>6.2f} "
-              f"{r['single_tok_s']:>11.1f} {single:>6.2f} {agree:>11.4f} {dlp:>8.4f}")
-        report.append({k: v for k, v in r.items() if k not in ("scores", "sequences")}
+              f"{r['single_tok_s']:>11.1f} {single:>6.2f} {agree:>11.4f} {dlp:>8.4f} "
+              f"{ppl:>8.3f} {text_agree:>10.4f}")
+        report.append({k: v for k, v in r.items()
+                       if k not in ("scores", "sequences", "text_scores")}
                       | {"throughput_vs_fp32": ratio, "single_vs_fp32": single,
-                         "top1_agreement": agree, "mean_abs_logprob_diff": dlp})
+                         "top1_agreement": agree, "mean_abs_logprob_diff": dlp,
+                         "text_perplexity": ppl, "text_top1_agreement": text_agree})
     by = {r["config"]: r for r in rows}
     for mine, peer in (("int8", "hf_int8_dynamic"), ("int8", "hf_fp32"), ("fp32", "hf_fp32")):
         if mine in by and peer in by:
