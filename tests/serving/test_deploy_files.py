@@ -53,7 +53,8 @@ def _emitted_metric_names() -> set[str]:
              "lora": {"loaded": ["a"], "num_loaded": 1, "evictions": 0, "running": {"a": 1},
                       "waiting": {}, "swapped": {}},
              "memory": {"num_gpu_blocks": 4, "num_used_blocks": 0, "num_free_blocks": 4,
-                        "num_shared_blocks": 0, "num_cached_free_blocks": 0},
+                        "num_shared_blocks": 0, "num_cached_free_blocks": 0,
+                        "weight_bytes": 2**20},
              "server": m.snapshot()}
     from pagedserve.cluster.metrics import HttpMetrics
 
