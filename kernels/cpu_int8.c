@@ -8,7 +8,8 @@
  * its min) blocks, and the online symmetric int8 quantisation (z = 128).
  *
  * Activations are quantised per row and group of 32 on the fly, as llama.cpp
- * does for its integer dot products: sx = max|x| / 127, q = round(x / sx).
+ * does for its integer dot products: sx = max|x| / 127, q = round(x * 127 /
+ * max|x|) (half to even, as torch.round).
  * Each group's dot product is then exact integer arithmetic,
  *     sum_i (u_i - z) q_i = sum_i u_i q_i - z sum_i q_i,
  * run 64 multiply-adds per instruction by AVX512-VNNI (vpdpbusd: unsigned
@@ -22,18 +23,22 @@
  * 4-row block) under OpenMP, rows innermost so a thread's consecutive tasks
  * reuse the same weights from cache.
  *
- * Without AVX512-VNNI (or AVX512BW) the entry returns -1 and the caller uses
- * the torch path (cpu_int8.reference), which computes the same integers.
+ * Without AVX512-VNNI (or AVX512BW) both entries return -1 and the caller
+ * uses the torch path (cpu_int8.reference, the expert loop), which computes
+ * the same integers.
  */
 #include <math.h>
 #include <stdint.h>
-
-#include "cpu_math.h"
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #define GROUP 32
 #define ROWS 4
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
 
 /* Quantise rows of x: q[m][k] int8, sx[m][g] and xs[m][g] = sx * sum(q). */
 static void quantize_rows(const float *x, int64_t xs_stride, int64_t M, int64_t K,
@@ -63,9 +68,6 @@ static void quantize_rows(const float *x, int64_t xs_stride, int64_t M, int64_t 
         }
     }
 }
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#include <immintrin.h>
 
 /* NR rows x NB2 blocks of 16 outputs, all groups. */
 static inline __attribute__((always_inline)) void
@@ -197,37 +199,6 @@ static int64_t plan_tasks(task_t *tasks, const int64_t *offsets, int64_t E, int6
 }
 
 int int8_linear_supported(void) { return 1; }
-#else
-typedef struct {
-    int64_t e, m0, pair;
-    int nr;
-} task_t;
-
-static void run_experts(const task_t *tasks, int64_t nt, const int8_t *q, const float *sx,
-                        const float *xsum, const int32_t *qsum, int64_t K,
-                        const uint8_t *codes, int64_t codes_per_expert, const float *scale,
-                        int64_t scales_per_expert, int64_t N, float *out)
-{
-    (void)tasks; (void)nt; (void)q; (void)sx; (void)xsum; (void)qsum; (void)K; (void)codes;
-    (void)codes_per_expert; (void)scale; (void)scales_per_expert; (void)N; (void)out;
-}
-
-static int64_t plan_tasks(task_t *tasks, const int64_t *offsets, int64_t E, int64_t pairs)
-{
-    (void)tasks; (void)offsets; (void)E; (void)pairs;
-    return 0;
-}
-
-static void run(const int8_t *q, const float *sx, const float *xsum, const int32_t *qsum,
-                int64_t M, int64_t K, const uint8_t *codes, const float *scale,
-                const float *offs, int32_t zero, int64_t N, float *out, int64_t out_stride)
-{
-    (void)q; (void)sx; (void)xsum; (void)qsum; (void)M; (void)K; (void)codes;
-    (void)scale; (void)offs; (void)zero; (void)N; (void)out; (void)out_stride;
-}
-
-int int8_linear_supported(void) { return 0; }
-#endif
 
 /* x [M][K] fp32 (row stride x_stride), out [M][N] fp32 (row stride out_stride).
  * Returns 0, or -1 when this build cannot run it (no VNNI) or K is not a
@@ -236,7 +207,7 @@ int int8_linear(const float *x, int64_t x_stride, int64_t M, int64_t K,
                 const uint8_t *codes, const float *scale, const float *offs, int32_t zero,
                 int64_t N, float *out, int64_t out_stride)
 {
-    if (!int8_linear_supported() || K % GROUP || M < 1 || N < 1)
+    if (K % GROUP || M < 1 || N < 1)
         return -1;
     const int64_t G = K / GROUP;
     int8_t *q = malloc((size_t)(M * K));
@@ -275,7 +246,7 @@ int moe_int8(const float *x, int64_t x_stride, float *out, int64_t out_stride, i
              const float *s13, const uint8_t *c2, const float *s2, const int64_t *offsets,
              const int64_t *rows, const float *scales, const int64_t *inv)
 {
-    if (!int8_linear_supported() || H % GROUP || I % GROUP || T < 1 || topk < 1 || topk > 64)
+    if (H % GROUP || I % GROUP || T < 1 || topk < 1 || topk > 64)
         return -1;
     const int64_t P = T * topk, G1 = H / GROUP, G2 = I / GROUP;
     const int64_t pairs1 = I / 16, pairs2 = H / 32; /* block pairs of 2I and H outputs */
@@ -351,3 +322,26 @@ done:
     free(gu); free(h); free(y); free(tasks);
     return rc;
 }
+#else
+int int8_linear_supported(void) { return 0; }
+
+int int8_linear(const float *x, int64_t x_stride, int64_t M, int64_t K,
+                const uint8_t *codes, const float *scale, const float *offs, int32_t zero,
+                int64_t N, float *out, int64_t out_stride)
+{
+    (void)x; (void)x_stride; (void)M; (void)K; (void)codes; (void)scale; (void)offs;
+    (void)zero; (void)N; (void)out; (void)out_stride;
+    return -1;
+}
+
+int moe_int8(const float *x, int64_t x_stride, float *out, int64_t out_stride, int64_t T,
+             int64_t H, int64_t I, int64_t E, int64_t topk, const uint8_t *c13,
+             const float *s13, const uint8_t *c2, const float *s2, const int64_t *offsets,
+             const int64_t *rows, const float *scales, const int64_t *inv)
+{
+    (void)x; (void)x_stride; (void)out; (void)out_stride; (void)T; (void)H; (void)I;
+    (void)E; (void)topk; (void)c13; (void)s13; (void)c2; (void)s2; (void)offsets;
+    (void)rows; (void)scales; (void)inv;
+    return -1;
+}
+#endif

@@ -7,8 +7,9 @@ quantisation does; the matmuls then run on int8 codes and int8 activations.
 A tied embedding keeps its rows for the lookup, and the LM head gets its own
 codes. Routed experts (``layers.moe``) are quantised the same way, each
 expert's matrices on their own (vLLM's ``experts_int8``); the router and
-the norms stay in the model's dtype. Each rank quantises its own shard, so tensor parallelism
-needs every rank's share of a row-parallel input to be whole groups of 32.
+the norms stay in the model's dtype. Each rank quantises its own shard, so
+tensor parallelism needs every rank's share of a row-parallel input to be
+whole groups of 32.
 """
 
 from __future__ import annotations
