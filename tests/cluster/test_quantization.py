@@ -23,7 +23,9 @@ from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# A completion whose answer wins by ~2.5 nats in fp32. (The chat question's first token
+# is a near-tie even in fp32: "The" over "L'" by 0.08 nats, inside int8's noise.)
+FRANCE = "The capital of France is"
 
 
 def _tokens(outs) -> list[list[int]]:
@@ -38,7 +40,7 @@ def _scores(llm: LLM, seqs: list[list[int]], start: int) -> list[tuple[int, floa
 
 
 def test_default_model_int8_keeps_its_answers_in_less_memory() -> None:
-    """SmolLM2 under int8 still says Paris, holds < 45% of the fp32 engine's weight bytes,
+    """SmolLM2 under int8 still completes Paris, holds < 45% of the fp32 engine's weight bytes,
     and, teacher-forced on fp32's own continuations, picks fp32's top-1 token >= 90% of
     the time (bench/quant.py measures ~97%)."""
     ref = LLM()
@@ -59,8 +61,8 @@ def test_default_model_int8_keeps_its_answers_in_less_memory() -> None:
         assert info["weight_bytes"] < 0.45 * fp32_bytes
         mem = llm.engine.get_stats()["memory"]
         assert (mem["quantization"], mem["weight_bytes"]) == ("int8", info["weight_bytes"])
-        out = llm.chat(FRANCE, SamplingParams(temperature=0.0, max_tokens=20))
-        assert "Paris" in out[0].outputs[0].text
+        out = llm.generate([FRANCE], SamplingParams(temperature=0.0, max_tokens=4))
+        assert out[0].outputs[0].text.startswith(" Paris")
         got = _scores(llm, seqs, 6)
         agree = sum(a[0] == b[0] for a, b in zip(got, want)) / len(want)
         assert agree >= 0.9, agree
