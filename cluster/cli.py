@@ -36,9 +36,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 KV: per-layer scales from a calibration text's keys and values "
                         "(default: scale 1.0)")
-    p.add_argument("--quantization", "-q", choices=("int8",), default=None,
+    p.add_argument("--quantization", "-q", choices=("int8", "int4"), default=None,
                    help="int8: projections as 8-bit weights (a scale per 32 inputs) run on "
-                        "int8 activations; ~3.5x less weight memory than fp32 (CPU only)")
+                        "int8 activations, ~3.5x less weight memory than fp32; int4: 4-bit "
+                        "weights (scale and minimum per 32), about half that again (CPU only)")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--max-model-len", type=int, default=None)

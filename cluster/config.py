@@ -38,7 +38,8 @@ class EngineConfig:
     at start-up from a fixed calibration text (vLLM's option, which uses the first
     batch instead; without it the scale is 1.0).
     ``quantization`` "int8" serves the projections as 8-bit weights with a scale per
-    32 inputs, run on int8 activations (CPU only; ``worker.layers.quant``).
+    32 inputs, run on int8 activations; "int4" as 4-bit weights with a scale and a
+    minimum per 32 (CPU only; ``worker.layers.quant``).
     ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
     """

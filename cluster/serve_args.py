@@ -43,7 +43,7 @@ class ServeArgs(BaseModel):
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
-    quantization: Literal["int8"] | None = None
+    quantization: Literal["int8", "int4"] | None = None
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9

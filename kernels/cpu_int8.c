@@ -69,12 +69,14 @@ static void quantize_rows(const float *x, int64_t xs_stride, int64_t M, int64_t 
     }
 }
 
-/* NR rows x NB2 blocks of 16 outputs, all groups. */
+/* NR rows x NB2 blocks of 16 outputs, all groups; FOUR: 4-bit codes, two to a byte
+ * (byte i of a group's packed vector v holds vector v's code i in its low nibble
+ * and vector v + 4's in its high nibble). */
 static inline __attribute__((always_inline)) void
-tile(const int NR, const int NB2, const int8_t *q, const float *sx, const float *xsum,
-     const int32_t *qsum, int64_t K, const uint8_t *codes, const float *scale,
-     const float *offs, int32_t zero, int64_t nb, float *out, int64_t out_stride,
-     int64_t N, int64_t m0)
+tile(const int NR, const int NB2, const int FOUR, const int8_t *q, const float *sx,
+     const float *xsum, const int32_t *qsum, int64_t K, const uint8_t *codes,
+     const float *scale, const float *offs, int32_t zero, int64_t nb, float *out,
+     int64_t out_stride, int64_t N, int64_t m0)
 {
     const int64_t G = K / GROUP;
     __m512 acc[ROWS][2];
@@ -88,18 +90,30 @@ tile(const int NR, const int NB2, const int8_t *q, const float *sx, const float 
             for (int b = 0; b < NB2; b++)
                 dot[r][b] = init;
         }
-        const uint8_t *w0 = codes + ((nb * G) + g) * 512;
-        const uint8_t *w1 = codes + (((nb + 1) * G) + g) * 512;
-        for (int j = 0; j < 8; j++) {
-            const __m512i wa = _mm512_loadu_si512((const void *)(w0 + 64 * j));
-            const __m512i wb = NB2 > 1 ? _mm512_loadu_si512((const void *)(w1 + 64 * j)) : wa;
-            for (int r = 0; r < NR; r++) {
-                int32_t four;
-                memcpy(&four, q + (m0 + r) * K + g * GROUP + 4 * j, 4);
-                const __m512i xb = _mm512_set1_epi32(four);
-                dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], wa, xb);
-                if (NB2 > 1)
-                    dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], wb, xb);
+        const int64_t per_group = FOUR ? 256 : 512;
+        const uint8_t *w0 = codes + ((nb * G) + g) * per_group;
+        const uint8_t *w1 = codes + (((nb + 1) * G) + g) * per_group;
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int v = 0; v < (FOUR ? 4 : 8); v++) {
+            __m512i wa[2], wb[2];
+            wa[0] = _mm512_loadu_si512((const void *)(w0 + 64 * v));
+            wb[0] = NB2 > 1 ? _mm512_loadu_si512((const void *)(w1 + 64 * v)) : wa[0];
+            if (FOUR) {
+                wa[1] = _mm512_and_si512(_mm512_srli_epi16(wa[0], 4), low);
+                wa[0] = _mm512_and_si512(wa[0], low);
+                wb[1] = _mm512_and_si512(_mm512_srli_epi16(wb[0], 4), low);
+                wb[0] = _mm512_and_si512(wb[0], low);
+            }
+            for (int h = 0; h < (FOUR ? 2 : 1); h++) {
+                const int j = v + 4 * h;
+                for (int r = 0; r < NR; r++) {
+                    int32_t four;
+                    memcpy(&four, q + (m0 + r) * K + g * GROUP + 4 * j, 4);
+                    const __m512i xb = _mm512_set1_epi32(four);
+                    dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], wa[h], xb);
+                    if (NB2 > 1)
+                        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], wb[h], xb);
+                }
             }
         }
         for (int b = 0; b < NB2; b++) {
@@ -126,7 +140,8 @@ tile(const int NR, const int NB2, const int8_t *q, const float *sx, const float 
 
 static void run(const int8_t *q, const float *sx, const float *xsum, const int32_t *qsum,
                 int64_t M, int64_t K, const uint8_t *codes, const float *scale,
-                const float *offs, int32_t zero, int64_t N, float *out, int64_t out_stride)
+                const float *offs, int32_t zero, int64_t N, float *out, int64_t out_stride,
+                int four)
 {
     const int64_t NB = (N + 15) / 16;
     const int64_t pairs = (NB + 1) / 2;
@@ -137,8 +152,9 @@ static void run(const int8_t *q, const float *sx, const float *xsum, const int32
         const int64_t nb = 2 * p, m0 = rb * ROWS;
         const int nr = (int)(M - m0 < ROWS ? M - m0 : ROWS);
         const int two = nb + 1 < NB;
-#define TILE(R, B) tile(R, B, q, sx, xsum, qsum, K, codes, scale, offs, zero, nb, out, \
-                        out_stride, N, m0)
+#define TILE4(R, B, F) tile(R, B, F, q, sx, xsum, qsum, K, codes, scale, offs, zero, nb, \
+                            out, out_stride, N, m0)
+#define TILE(R, B) do { if (four) TILE4(R, B, 1); else TILE4(R, B, 0); } while (0)
         if (two) {
             switch (nr) {
             case 4: TILE(4, 2); break;
@@ -155,6 +171,7 @@ static void run(const int8_t *q, const float *sx, const float *xsum, const int32
             }
         }
 #undef TILE
+#undef TILE4
     }
 }
 
@@ -175,7 +192,8 @@ static void run_experts(const task_t *tasks, int64_t nt, const int8_t *q, const 
         const task_t k = tasks[t];
         const uint8_t *c = codes + k.e * codes_per_expert;
         const float *sc = scale + k.e * scales_per_expert;
-#define TILE(R) tile(R, 2, q, sx, xsum, qsum, K, c, sc, NULL, 128, 2 * k.pair, out, N, N, k.m0)
+#define TILE(R) tile(R, 2, 0, q, sx, xsum, qsum, K, c, sc, NULL, 128, 2 * k.pair, out, N, N, \
+                         k.m0)
         switch (k.nr) {
         case 4: TILE(4); break;
         case 3: TILE(3); break;
@@ -200,14 +218,15 @@ static int64_t plan_tasks(task_t *tasks, const int64_t *offsets, int64_t E, int6
 
 int int8_linear_supported(void) { return 1; }
 
-/* x [M][K] fp32 (row stride x_stride), out [M][N] fp32 (row stride out_stride).
- * Returns 0, or -1 when this build cannot run it (no VNNI) or K is not a
- * multiple of 32, leaving out untouched. */
+/* x [M][K] fp32 (row stride x_stride), out [M][N] fp32 (row stride out_stride);
+ * codes of `bits` 8 or 4 (two to a byte). Returns 0, or -1 when this build
+ * cannot run it (no VNNI), K is not a multiple of 32 or bits is neither,
+ * leaving out untouched. */
 int int8_linear(const float *x, int64_t x_stride, int64_t M, int64_t K,
                 const uint8_t *codes, const float *scale, const float *offs, int32_t zero,
-                int64_t N, float *out, int64_t out_stride)
+                int64_t N, float *out, int64_t out_stride, int bits)
 {
-    if (K % GROUP || M < 1 || N < 1)
+    if (K % GROUP || M < 1 || N < 1 || (bits != 8 && bits != 4))
         return -1;
     const int64_t G = K / GROUP;
     int8_t *q = malloc((size_t)(M * K));
@@ -221,7 +240,7 @@ int int8_linear(const float *x, int64_t x_stride, int64_t M, int64_t K,
     }
     float *xsum = sx + M * G;
     quantize_rows(x, x_stride, M, K, q, sx, xsum, qsum);
-    run(q, sx, xsum, qsum, M, K, codes, scale, offs, zero, N, out, out_stride);
+    run(q, sx, xsum, qsum, M, K, codes, scale, offs, zero, N, out, out_stride, bits == 4);
     free(q);
     free(sx);
     free(qsum);
@@ -327,10 +346,10 @@ int int8_linear_supported(void) { return 0; }
 
 int int8_linear(const float *x, int64_t x_stride, int64_t M, int64_t K,
                 const uint8_t *codes, const float *scale, const float *offs, int32_t zero,
-                int64_t N, float *out, int64_t out_stride)
+                int64_t N, float *out, int64_t out_stride, int bits)
 {
     (void)x; (void)x_stride; (void)M; (void)K; (void)codes; (void)scale; (void)offs;
-    (void)zero; (void)N; (void)out; (void)out_stride;
+    (void)zero; (void)N; (void)out; (void)out_stride; (void)bits;
     return -1;
 }
 

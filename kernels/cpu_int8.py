@@ -9,7 +9,9 @@ batches gain as well (``cpu_int8.c``).
 
 A weight is ``W[n, g*32 + i] = scale[n, g] * (codes[n, g*32 + i] - zero) +
 offs[n, g]`` (``offs`` optional): GGUF's Q8_0, Q4_0 and Q4_1 blocks exactly,
-and :func:`quantize_symmetric`'s online int8. :func:`reference` is the same
+and :func:`quantize_symmetric`'s online int8; 4-bit codes (Q4_1's scheme,
+:func:`quantize_asymmetric4`) are packed two to a byte and widened in the
+kernel, for half the bytes again. :func:`reference` is the same
 arithmetic in torch (the integer dot products are exact in fp32), used where
 the native kernel cannot run and as the kernel's oracle.
 """
@@ -47,6 +49,7 @@ class Int8Weight:
     out_features: int
     in_features: int
     packed: bool
+    bits: int = 8  # 4: codes 0..15, packed two to a byte
 
     @property
     def nbytes(self) -> int:
@@ -78,10 +81,26 @@ def quantize_symmetric(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q + 128).to(torch.uint8).reshape(n, k), scale
 
 
+def quantize_asymmetric4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` as 4-bit codes per 32 inputs, GGUF Q4_1's scheme: ``round((w - min) /
+    s)`` with ``s = (max - min) / 15``: (codes uint8 0..15, scale, offs = min)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"in_features {k} is not a multiple of the group size {GROUP}")
+    g = w.detach().float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = (hi - lo) / 15.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round((g - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15)
+    return q.to(torch.uint8).reshape(n, k), scale, lo
+
+
 def make(codes: torch.Tensor, scale: torch.Tensor, zero: int,
-         offs: torch.Tensor | None = None, pack_for_kernel: bool | None = None) -> Int8Weight:
+         offs: torch.Tensor | None = None, pack_for_kernel: bool | None = None,
+         bits: int = 8) -> Int8Weight:
     """An :class:`Int8Weight` from plain codes ``[N, K]`` and per-group ``scale``/``offs``
-    ``[N, K/32]``, packed when the native kernel is there (or as ``pack_for_kernel`` says)."""
+    ``[N, K/32]``, packed when the native kernel is there (or as ``pack_for_kernel`` says);
+    ``bits`` 4 packs codes 0..15 two to a byte."""
     n, k = codes.shape
     if k % GROUP or tuple(scale.shape) != (n, k // GROUP):
         raise ValueError(f"codes {tuple(codes.shape)} and scale {tuple(scale.shape)} "
@@ -90,11 +109,14 @@ def make(codes: torch.Tensor, scale: torch.Tensor, zero: int,
         raise ValueError(f"offs {tuple(offs.shape)} != scale {tuple(scale.shape)}")
     if not 0 <= zero <= 255:
         raise ValueError(f"zero point {zero} is outside 0..255")
+    if bits not in (8, 4) or (bits == 4 and (zero > 15 or (codes.numel() and codes.max() > 15))):
+        raise ValueError(f"bits must be 8, or 4 with codes and zero point in 0..15 "
+                         f"(got {bits})")
     codes, scale = codes.to(torch.uint8).contiguous(), scale.float().contiguous()
     offs = offs.float().contiguous() if offs is not None else None
     if pack_for_kernel is None:
         pack_for_kernel = native_available()
-    w = Int8Weight(codes, scale, offs, zero, n, k, packed=False)
+    w = Int8Weight(codes, scale, offs, zero, n, k, packed=False, bits=bits)
     return pack(w) if pack_for_kernel else w
 
 
@@ -111,20 +133,28 @@ def pack(w: Int8Weight) -> Int8Weight:
         codes = torch.cat([codes, codes.new_full((pad, k), w.zero)])
         scale = torch.cat([scale, scale.new_zeros(pad, g)])
         offs = torch.cat([offs, offs.new_zeros(pad, g)]) if offs is not None else None
-    packed = codes.view(nb, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+    packed = codes.view(nb, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    if w.bits == 4:  # vector v's codes low, vector v + 4's high
+        packed = packed.view(nb, g, 8, 64)
+        packed = packed[:, :, :4] | (packed[:, :, 4:] << 4)
+    packed = packed.reshape(-1).contiguous()
 
     def lanes(t: torch.Tensor) -> torch.Tensor:
         return t.view(nb, LANES, g).permute(0, 2, 1).contiguous()
 
     return Int8Weight(packed, lanes(scale), lanes(offs) if offs is not None else None,
-                      w.zero, n, k, packed=True)
+                      w.zero, n, k, packed=True, bits=w.bits)
 
 
 def unpack(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Plain (codes ``[N, K]``, scale, offs) of a packed weight."""
     n, k = w.out_features, w.in_features
     nb, g = -(-n // LANES), k // GROUP
-    codes = w.codes.view(nb, g, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(nb * LANES, k)
+    codes = w.codes
+    if w.bits == 4:
+        halves = codes.view(nb, g, 4, 64)
+        codes = torch.cat([halves & 15, halves >> 4], dim=2)
+    codes = codes.reshape(nb, g, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(nb * LANES, k)
 
     def plain(t: torch.Tensor) -> torch.Tensor:
         return t.permute(0, 2, 1).reshape(nb * LANES, g)[:n]
@@ -180,7 +210,7 @@ def linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> 
         rc = lib.int8_linear(p(xf.data_ptr()), xf.stride(0), xf.shape[0], w.in_features,
                              p(w.codes.data_ptr()), p(w.scale.data_ptr()),
                              p(w.offs.data_ptr()) if w.offs is not None else None,
-                             w.zero, w.out_features, p(y.data_ptr()), y.stride(0))
+                             w.zero, w.out_features, p(y.data_ptr()), y.stride(0), w.bits)
         if rc == 0:
             out = y
     if out is None:
@@ -194,7 +224,7 @@ def stack_experts(weights: list[Int8Weight]) -> tuple[torch.Tensor, torch.Tensor
     """Packed, symmetric (zero 128) weights of equal shape, one per expert, stacked for
     :func:`moe_experts`: (codes ``[E, ...]``, scales ``[E, ...]``)."""
     first = weights[0]
-    if not all(w.packed and w.offs is None and w.zero == 128
+    if not all(w.packed and w.bits == 8 and w.offs is None and w.zero == 128
                and (w.out_features, w.in_features) == (first.out_features, first.in_features)
                for w in weights):
         raise ValueError("expert weights to stack must be packed, symmetric and alike")

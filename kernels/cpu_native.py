@@ -138,7 +138,7 @@ def load() -> ctypes.CDLL | None:
                                     ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
         lib.moe_experts.restype = ctypes.c_int
         lib.int8_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int32, i64,
-                                    ptr, i64]
+                                    ptr, i64, ctypes.c_int]
         lib.int8_linear.restype = ctypes.c_int
         lib.moe_int8.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                  ptr, ptr, ptr, ptr, ptr]

@@ -293,7 +293,8 @@ class WorkerConfig:
     without it fp8 stores K/V as they are.
 
     ``quantization`` "int8" keeps every projection as 8-bit codes with a scale per
-    32 inputs and runs it on int8 activations (``layers.quant``; CPU only).
+    32 inputs and runs it on int8 activations; "int4" as 4-bit codes with a scale and
+    a minimum per 32 (``layers.quant``; CPU only).
 
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
     (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room

@@ -10,6 +10,8 @@ TP=2 = TP=1 under int8 is in ``tests/worker/test_tensor_parallel.py``.)
 
 from __future__ import annotations
 
+import glob
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -77,12 +79,13 @@ def test_default_model_int8_keeps_its_answers_in_less_memory() -> None:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_int8_tokens_do_not_depend_on_batching(mode, tiny_llama_dir) -> None:
+@pytest.mark.parametrize("method,mode", [("int8", "swap"), ("int8", "recompute"),
+                                         ("int4", "swap")])
+def test_int8_tokens_do_not_depend_on_batching(method, mode, tiny_llama_dir) -> None:
     """Activations are quantised per row, so a prompt's tokens are the same alone, in a
     mixed batch, in 8-token chunks under forced preemption, and over prefix-cache hits."""
     prompts = prompts_of_mixed_lengths()
-    alone_llm = LLM(model=tiny_llama_dir, quantization="int8", num_gpu_blocks=256)
+    alone_llm = LLM(model=tiny_llama_dir, quantization=method, num_gpu_blocks=256)
     try:
         alone = [_tokens(alone_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
         assert _tokens(alone_llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
@@ -90,13 +93,41 @@ def test_int8_tokens_do_not_depend_on_batching(mode, tiny_llama_dir) -> None:
         assert alone_llm.engine.scheduler.kv.prefix_hits > 0
     finally:
         alone_llm.shutdown()
-    llm = LLM(model=tiny_llama_dir, quantization="int8", block_size=4, num_gpu_blocks=24,
+    llm = LLM(model=tiny_llama_dir, quantization=method, block_size=4, num_gpu_blocks=24,
               preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0,
               max_num_batched_tokens=8)
     try:
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
         assert llm.engine.scheduler.num_preemptions[mode] > 0
         assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_int4_serves_the_default_files_own_4bit_weights() -> None:
+    """SmolLM2's GGUF holds its layers as Q4_1 blocks: "int4" (Q4_1's scheme) finds the
+    same grid again, so every layer's 4-bit weight dequantises to exactly what the fp32
+    engine loaded; the LM head (the file's Q8_0 embedding) keeps 8 bits; the weights
+    shrink below int8's; the answer and the fidelity stay."""
+    from safetensors import safe_open
+
+    from pagedserve.worker.loaders import resolve_model
+
+    llm = LLM(quantization="int4")
+    try:
+        model = llm.engine.executor.worker.model
+        path = resolve_model(None).path
+        files = sorted(glob.glob(f"{path}/*.safetensors"))
+        with safe_open(files[0], "pt") as f:
+            for i in (0, 17, 29):
+                q = model.layers[i].mlp.down_proj.quant
+                assert q.bits == 4 and q.packed == cpu_int8.native_available()
+                want = f.get_tensor(f"model.layers.{i}.mlp.down_proj.weight").float()
+                assert torch.equal(q.dequantize(), want)
+        assert model.lm_head.quant.bits == 8
+        assert llm.engine.model_info["weight_bytes"] < 220 * 2**20  # int8: 252 MiB
+        out = llm.generate([FRANCE], SamplingParams(temperature=0.0, max_tokens=4))
+        assert out[0].outputs[0].text.startswith(" Paris")
     finally:
         llm.shutdown()
 
@@ -141,15 +172,16 @@ def test_lora_adapters_apply_over_int8_weights(tiny_llama_dir, llama_loras) -> N
 
 
 def test_bad_quantization_settings_name_the_field(tmp_path, default_model_dir) -> None:
-    for bad in ("int4", "fp8", "INT8"):
+    for bad in ("int2", "fp8", "INT8"):
         with pytest.raises(ValueError, match="quantization"):
             EngineConfig(quantization=bad)
         with pytest.raises(ValidationError, match="quantization"):
             ServeArgs(quantization=bad, device="cpu")
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="int8", device="cuda")
-    assert ServeArgs(quantization="int8", device="cpu").settings() \
-        .engine_kwargs["quantization"] == "int8"
+    for ok in ("int8", "int4"):
+        assert ServeArgs(quantization=ok, device="cpu").settings() \
+            .engine_kwargs["quantization"] == ok
     # Inputs per rank must be whole groups of 32: hidden 48 is not.
     path = write_random_checkpoint(tmp_path / "h48", "llama", default_model_dir,
                                    hidden_size=48, num_attention_heads=4,

@@ -23,21 +23,28 @@ native = pytest.mark.skipif(not cpu_int8.native_available(),
 
 def _weight(n: int, k: int, kind: str, seed: int = 0,
             pack: bool | None = None) -> cpu_int8.Int8Weight:
+    """``sym``: online int8; ``q4_0`` / ``q4_1``: GGUF's 4-bit blocks held as 8-bit codes;
+    ``q4_0/4`` / ``q4_1/4``: the same packed two codes to a byte."""
     g = torch.Generator().manual_seed(seed)
     if kind == "sym":
         w = torch.randn(n, k, generator=g) * 0.05
         codes, scale = cpu_int8.quantize_symmetric(w)
         return cpu_int8.make(codes, scale, 128, pack_for_kernel=pack)
+    kind, _, bits = kind.partition("/")
+    bits = int(bits or 8)
     scale = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     if kind == "q4_0":
-        return cpu_int8.make(codes, scale, 8, pack_for_kernel=pack)
+        return cpu_int8.make(codes, scale, 8, pack_for_kernel=pack, bits=bits)
     offs = -torch.rand(n, k // 32, generator=g) * 0.08
-    return cpu_int8.make(codes, scale, 0, offs, pack_for_kernel=pack)
+    return cpu_int8.make(codes, scale, 0, offs, pack_for_kernel=pack, bits=bits)
+
+
+KINDS = ["sym", "q4_0", "q4_1", "q4_0/4", "q4_1/4"]
 
 
 @native
-@pytest.mark.parametrize("kind", ["sym", "q4_0", "q4_1"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n,k", [(1, 32), (15, 64), (17, 96), (48, 32), (33, 576), (960, 576)])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
 def test_kernel_equals_reference(kind: str, n: int, k: int, m: int) -> None:
@@ -66,7 +73,7 @@ def test_strided_rows_bias_and_bf16() -> None:
                                cpu_int8.reference(xb.float(), w).bfloat16().float())
 
 
-@pytest.mark.parametrize("kind", ["sym", "q4_0", "q4_1"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_activations_on_the_grid_are_exact(kind: str) -> None:
     """Integer activations whose group maxima are 127 quantise to themselves, so the
     product equals a float64 matmul of the dequantised weight (both paths)."""
@@ -94,6 +101,28 @@ def test_quantize_symmetric_round_trip_and_pack_unpack() -> None:
     assert torch.equal(back[0], codes) and torch.equal(back[1], scale) and back[2] is None
     assert torch.equal(packed.dequantize(), plain.dequantize())
     assert packed.nbytes == 64 * 96 + 4 * 64 * 3  # rows padded to whole 16-lane blocks
+
+
+def test_four_bit_codes_pack_two_to_a_byte() -> None:
+    """``quantize_asymmetric4`` is Q4_1's scheme (error within half a step, a group of one
+    value exact), and its packed form halves the codes' bytes and unpacks to the same."""
+    w = torch.randn(40, 64) * 0.1
+    w[5, 32:] = 0.25  # a constant group: scale 0, the minimum is the value
+    codes, scale, offs = cpu_int8.quantize_asymmetric4(w)
+    assert int(codes.max()) <= 15 and float(scale[5, 1]) == 0.0
+    plain = cpu_int8.make(codes, scale, 0, offs, pack_for_kernel=False, bits=4)
+    err = (plain.dequantize() - w).abs().view(40, 2, 32)
+    assert bool((err <= scale.unsqueeze(-1) / 2 + 1e-6).all())
+    assert torch.equal(plain.dequantize()[5, 32:], w[5, 32:])
+    packed = cpu_int8.pack(plain)
+    assert packed.codes.numel() == 48 * 64 // 2 and packed.bits == 4
+    back = cpu_int8.unpack(packed)
+    assert torch.equal(back[0], codes) and torch.equal(back[2], offs)
+    assert torch.equal(packed.dequantize(), plain.dequantize())
+    with pytest.raises(ValueError, match="bits must be 8, or 4"):
+        cpu_int8.make(codes + 16, scale, 0, offs, bits=4)
+    with pytest.raises(ValueError, match="bits must be 8, or 4"):
+        cpu_int8.make(codes, scale, 0, offs, bits=2)
 
 
 def test_reference_is_close_to_the_float_matmul() -> None:

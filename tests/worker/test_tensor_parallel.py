@@ -92,16 +92,17 @@ def test_tp2_equals_tp1(tmp_path, kind, kw):
     assert got["kv_heads"] == max(1, kw["num_key_value_heads"] // 2)
 
 
-def test_tp2_equals_tp1_with_int8_weights(tmp_path):
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_tp2_equals_tp1_with_int8_weights(tmp_path, method):
     """Column shards keep whole rows and row shards whole 32-input groups, so both ranks
     hold exactly TP=1's codes; logits differ only by the all-reduce's summation order."""
     path = save_tiny_model(tmp_path / "m", "llama", seed=4, intermediate_size=128)
-    ref_worker = make_worker(path, num_blocks=40, block_size=4, quantization="int8")
+    ref_worker = make_worker(path, num_blocks=40, block_size=4, quantization=method)
     assert ref_worker.model.layers[0].mlp.down_proj.quant is not None
     ref_logits, ref_toks = _run(ref_worker, 4)
     result = tmp_path / "tp2.pt"
     init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(_rank_main, args=(str(path), init, str(result), "int8"), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(str(path), init, str(result), method), nprocs=2, join=True)
     got = torch.load(result)
     torch.testing.assert_close(got["logits"], ref_logits, atol=1e-4, rtol=1e-4)
     assert got["toks"] == ref_toks

@@ -1,9 +1,11 @@
-"""Weight quantisation of a loaded model's projections (``quantization="int8"``).
+"""Weight quantisation of a loaded model's projections (``quantization="int8"`` or
+``"int4"``).
 
 After loading, every projection (q/k/v, o, gate/up, down, the LM head, a
 shared expert) keeps its weight as 8-bit codes with a scale per 32 inputs
-(``kernels.cpu_int8``) and drops the full-precision copy, as vLLM's online
-quantisation does; the matmuls then run on int8 codes and int8 activations.
+(``kernels.cpu_int8``; "int4": 4-bit codes with a scale and a minimum per 32,
+GGUF Q4_1's scheme, half the bytes again) and drops the full-precision copy,
+as vLLM's online quantisation does; the matmuls then run on int8 codes and int8 activations.
 A tied embedding keeps its rows for the lookup, and the LM head gets its own
 codes. Routed experts (``layers.moe``) are quantised the same way, each
 expert's matrices on their own (vLLM's ``experts_int8``); the router and
@@ -20,12 +22,17 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import cpu_int8
+from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.packed import PackableLinear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8",)
+# int8: symmetric 8-bit codes; int4: 4-bit codes with a per-group minimum (GGUF Q4_1's
+# scheme), two to a byte, except the LM head, which keeps 8 bits (as llama.cpp's
+# files keep the output matrix wider). Activations are int8 either way; experts take
+# int8.
+QUANTIZATION_METHODS = ("int8", "int4")
 
 
 def check_quantization(method: str | None, device: str | None = None) -> None:
@@ -58,8 +65,12 @@ def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None
         if weight.shape[1] % cpu_int8.GROUP:
             raise ValueError(f"quantization={method!r}: {name} has {weight.shape[1]} inputs "
                              f"per rank, not a multiple of {cpu_int8.GROUP}")
-        codes, scale = cpu_int8.quantize_symmetric(weight)
-        module.quant = cpu_int8.make(codes, scale, 128)
+        if method == "int4" and not isinstance(module, ParallelLMHead):
+            codes, scale, offs = cpu_int8.quantize_asymmetric4(weight)
+            module.quant = cpu_int8.make(codes, scale, 0, offs, bits=4)
+        else:
+            codes, scale = cpu_int8.quantize_symmetric(weight)
+            module.quant = cpu_int8.make(codes, scale, 128)
         total += module.quant.nbytes
         if id(module.weight) not in shared:
             module.weight = nn.Parameter(weight.new_empty((0,)), requires_grad=False)
