@@ -39,8 +39,9 @@ def native_available() -> bool:
 
 @dataclass
 class Int8Weight:
-    """One projection's codes, scales and optional offsets, in the kernel's packed layout
-    when ``packed`` (else plain ``[N, K]`` / ``[N, K/32]`` for :func:`reference`)."""
+    """One projection's 8- or 4-bit codes, scales and optional offsets, in the kernel's
+    packed layout when ``packed`` (else plain ``[N, K]`` / ``[N, K/32]`` for
+    :func:`reference`)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -122,7 +123,8 @@ def make(codes: torch.Tensor, scale: torch.Tensor, zero: int,
 
 def pack(w: Int8Weight) -> Int8Weight:
     """The kernel's layout: rows padded to 16 lanes, each (block, group) as 8 vectors of
-    16 lanes x 4 codes; scales and offsets ``[blocks, groups, 16]``."""
+    16 lanes x 4 codes (4-bit codes: vectors v and v + 4 share 64 bytes, low and high
+    nibbles); scales and offsets ``[blocks, groups, 16]``."""
     if w.packed:
         return w
     n, k = w.out_features, w.in_features
