@@ -170,7 +170,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     m, k = x.shape
     g = x.float().reshape(m, k // GROUP, GROUP)
     amax = g.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A true division, as the kernel's: ``127.0 / amax`` would be ``reciprocal(amax) *
+    # 127``, which rounds differently and moves values near .5 to the other integer.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(g * inv.unsqueeze(-1))
     return q, amax / 127.0, q.sum(dim=-1)
 

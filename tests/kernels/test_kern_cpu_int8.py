@@ -60,9 +60,10 @@ def test_kernel_equals_reference(kind: str, n: int, k: int, m: int) -> None:
 @native
 def test_strided_rows_bias_and_bf16() -> None:
     w = _weight(40, 64, "q4_1", seed=3)
-    wide = torch.randn(6, 100)
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(6, 100, generator=g)
     x = wide[:, 10:74]  # rows 100 apart
-    bias = torch.randn(40)
+    bias = torch.randn(40, generator=g)
     got = cpu_int8.linear(x, w, bias)
     want = cpu_int8.reference(x.contiguous(), w) + bias
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
