@@ -18,12 +18,12 @@ the native kernel cannot run and as the kernel's oracle.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu_moe import route_pairs
 
 GROUP = 32
 LANES = 16
@@ -206,15 +206,14 @@ def linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> 
     xf = x2.float()
     if xf.stride(-1) != 1:
         xf = xf.contiguous()
-    lib = cpu_native.load() if w.packed else None
+    lib = cpu_native._loaded() if w.packed else None  # no lock: this runs per projection
     out = None
     if lib is not None and xf.shape[0] > 0:
         y = torch.empty(xf.shape[0], w.out_features, dtype=torch.float32)
-        p = ctypes.c_void_p
-        rc = lib.int8_linear(p(xf.data_ptr()), xf.stride(0), xf.shape[0], w.in_features,
-                             p(w.codes.data_ptr()), p(w.scale.data_ptr()),
-                             p(w.offs.data_ptr()) if w.offs is not None else None,
-                             w.zero, w.out_features, p(y.data_ptr()), y.stride(0), w.bits)
+        rc = lib.int8_linear(xf.data_ptr(), xf.stride(0), xf.shape[0], w.in_features,
+                             w.codes.data_ptr(), w.scale.data_ptr(),
+                             w.offs.data_ptr() if w.offs is not None else None,
+                             w.zero, w.out_features, y.data_ptr(), y.stride(0), w.bits)
         if rc == 0:
             out = y
     if out is None:
@@ -244,8 +243,6 @@ def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     ``down(silu(gate(x)) * up(x))``, each matmul as :func:`linear` computes it.
     ``w13`` / ``w2``: :func:`stack_experts` of the gate/up ``[2I, H]`` and down
     ``[H, I]`` weights."""
-    from pagedserve.kernels.cpu_moe import route_pairs
-
     t, k = chosen.shape
     e, h = w13[0].shape[0], x.shape[1]
     i = w2[1].shape[1] * GROUP // h  # scales per expert: (H / 16) * (I / 32) * 16
@@ -254,12 +251,11 @@ def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     if xf.stride(1) != 1:
         xf = xf.contiguous()
     out = torch.empty((t, h), dtype=torch.float32)
-    p = ctypes.c_void_p
-    lib = cpu_native.load()
+    lib = cpu_native._loaded()
     rc = -1 if lib is None else lib.moe_int8(
-        p(xf.data_ptr()), xf.stride(0), p(out.data_ptr()), out.stride(0), t, h, i, e, k,
-        p(w13[0].data_ptr()), p(w13[1].data_ptr()), p(w2[0].data_ptr()), p(w2[1].data_ptr()),
-        p(offsets.data_ptr()), p(rows.data_ptr()), p(scales.data_ptr()), p(inv.data_ptr()))
+        xf.data_ptr(), xf.stride(0), out.data_ptr(), out.stride(0), t, h, i, e, k,
+        w13[0].data_ptr(), w13[1].data_ptr(), w2[0].data_ptr(), w2[1].data_ptr(),
+        offsets.data_ptr(), rows.data_ptr(), scales.data_ptr(), inv.data_ptr())
     if rc != 0:
         raise ValueError(f"int8 MoE kernel: shapes, top-k {k} or routing out of range "
                          f"(hidden {h}, width {i}, {e} experts)")
