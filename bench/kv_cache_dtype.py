@@ -96,6 +96,14 @@ def teacher_forced(llm: Any, prompts: list[list[int]], outputs: list[list[int]]
             for o, p, f in zip(scored, prompts, full, strict=True)]
 
 
+def write_figures(path: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The run's rows with the CPU, thread count and arguments, as JSON."""
+    with open(path, "w") as f:
+        json.dump({"cpu": platform.processor() or platform.machine(),
+                   "threads": torch.get_num_threads(), "args": vars(args), "rows": rows},
+                  f, indent=1)
+
+
 def fidelity(row: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float]:
     """Top-1 agreement with the fp32 pool and mean |logprob difference|, teacher-forced."""
     same = total = 0
@@ -145,10 +153,7 @@ def main() -> None:
                          "identical_sequences": sum(a == b for a, b in zip(
                              r["sequences"], ref["sequences"], strict=True))})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": platform.processor() or platform.machine(),
-                       "threads": torch.get_num_threads(), "args": vars(args),
-                       "rows": report}, f, indent=1)
+        write_figures(args.json, args, report)
 
 
 if __name__ == "__main__":

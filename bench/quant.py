@@ -28,7 +28,6 @@ reference shipped with CPython, ``pydoc_data.topics``; ``--text-chunks`` of
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -40,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kv_cache_dtype import fidelity, teacher_forced  # shared with that bench
+from kv_cache_dtype import fidelity, teacher_forced, write_figures  # shared with that bench
 from offline import make_prompts, run_hf_generate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -195,10 +194,7 @@ def main() -> None:
                   f"batch, {by[mine]['single_tok_s'] / by[peer]['single_tok_s']:.2f}x one "
                   "sequence")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": platform.processor() or platform.machine(),
-                       "threads": torch.get_num_threads(), "args": vars(args),
-                       "rows": report}, f, indent=1)
+        write_figures(args.json, args, report)
 
 
 if __name__ == "__main__":
