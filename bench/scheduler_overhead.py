@@ -13,7 +13,7 @@ import argparse
 import gc
 import time
 
-from pagedserve.cluster.engine import configure_gc_for_serving
+from pagedserve.cluster.async_engine import configure_gc_for_serving
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams

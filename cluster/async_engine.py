@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,7 +25,8 @@ from typing import Any
 from pagedserve.cluster.beam_search import BeamSearchParams, BeamSearchSequence, beam_sequences
 from pagedserve.cluster.burst import GAPS_CAP, BurstPolicy
 from pagedserve.cluster.config import EngineConfig
-from pagedserve.cluster.engine import LLMEngine, configure_gc_for_serving
+from pagedserve.cluster.engine import LLMEngine
+from pagedserve.cluster.kv_transfer import KVPayload, begin_import, end_import, reserved_shards
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -58,6 +60,7 @@ class AsyncEngine:
         except BaseException:
             self._step_thread.shutdown(wait=False)
             raise
+        self._transfer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-kv")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -156,6 +159,7 @@ class AsyncEngine:
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
         beam: BeamSearchParams | None = None,
+        export_kv: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative snapshot after every step that advanced the request
         (with ``pooling_params``: an embedding request, whose last one has it; with
@@ -171,7 +175,7 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(
                 self._step_thread, self.engine.add_lora, lora_request)
         rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request,
-                                      priority, pooling_params, beam)
+                                      priority, pooling_params, beam, export_kv)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()
@@ -208,6 +212,35 @@ class AsyncEngine:
             raise RuntimeError("a beam search ended without an answer")
         return beam_sequences(last, self.engine.tokenizer.decode)
 
+    async def import_kv(self, payload: KVPayload) -> int:
+        """Write another engine's prompt KV into this pool as prefix-cache blocks
+        (``kv_transfer``); returns how many blocks were added.
+
+        The blocks are taken and named on the loop thread, like every scheduler
+        change; the copy runs on a thread of its own while steps go on (the blocks
+        are held, so no step touches them). A caller cancelled meanwhile still waits
+        for the copy to end before the blocks are released: a block must never be
+        handed to another request while bytes are still landing in it.
+        """
+        engine = self.engine
+        res = begin_import(engine, payload)
+        written = False
+        try:
+            if res.blocks:
+                job = self._transfer_thread.submit(engine.executor.write_kv_blocks,
+                                                   res.block_ids,
+                                                   reserved_shards(payload, res))
+                try:
+                    await asyncio.wrap_future(job)
+                finally:
+                    if not job.cancelled():
+                        with contextlib.suppress(Exception):
+                            job.result()  # (cancelled: wait for the copy; it is short)
+            written = True
+        finally:
+            named = end_import(engine, res, written)
+        return named
+
     def abort(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)
 
@@ -233,4 +266,18 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
         self._step_thread.shutdown(wait=False, cancel_futures=True)
+        self._transfer_thread.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
+
+
+def configure_gc_for_serving() -> None:
+    """Freeze start-up objects and raise the young-generation threshold.
+
+    A step allocates thousands of small objects (plans, updates); with the
+    default threshold CPython's collector runs several times per step and
+    walks every live request, which doubles scheduler time at 1024 running
+    sequences. The engine calls this once after start-up.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pooling-type", choices=("last", "mean"), default="last",
                    help="/v1/embeddings: the last token's final hidden state (decoder "
                         "embedders: e5-mistral, Qwen3-Embedding) or the mean of all tokens'")
+    s.add_argument("--prefill-replicas", type=int, default=0,
+                   help="disaggregated prefill: this many prefill-only replicas compute "
+                        "prompts and ship their KV to the engine replicas, which decode")
+    s.add_argument("--remote-prefill-min-tokens", type=int, default=64,
+                   help="with --prefill-replicas: a prompt whose part missing from the "
+                        "decode replica's cache is shorter is computed there")
     s.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
                    help="chat answers of thinking models: the text between <think> and "
                         "</think> goes to the message's 'reasoning', the rest to 'content'")

@@ -9,7 +9,6 @@ Every scheduler mutation happens on one thread, so no lock is needed.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -19,6 +18,7 @@ from pagedserve.cluster.beam_search import BeamSearchParams, beam_row_params
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
+from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
@@ -140,7 +140,8 @@ class LLMEngine:
         self.dead: BaseException | None = None
         self.stats: dict[str, float] = {
             "steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
-            "aborted_requests": 0, "execute_seconds": 0.0}
+            "aborted_requests": 0, "execute_seconds": 0.0, "kv_exported_blocks": 0,
+            "kv_imported_blocks": 0, "kv_import_failures": 0}
         if config.calculate_kv_scales and str(info["kv_cache_dtype"]).startswith("fp8"):
             self._calibrate_kv_scales()
             self.stats = dict.fromkeys(self.stats, 0)  # start-up work is not served work
@@ -178,6 +179,7 @@ class LLMEngine:
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
         beam: BeamSearchParams | None = None,
+        export_kv: bool = False,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem.
 
@@ -186,7 +188,8 @@ class LLMEngine:
         With ``pooling_params`` the request embeds its prompt instead of generating
         (``params`` then only carries ``truncate_prompt_tokens``). With ``beam`` it is a
         beam search (``params`` must be None): it answers once, at the end, with one
-        completion per hypothesis, best first.
+        completion per hypothesis, best first. With ``export_kv`` its final output carries
+        the prompt's KV (``kv_transfer``, a ``KVPayload``) for another engine to import.
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -198,6 +201,8 @@ class LLMEngine:
             raise ValueError("request_id must not contain '#'")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if export_kv and (beam is not None or pooling_params is not None):
+            raise ValueError("export_kv is for generation requests, not beams or embeddings")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority and self.config.scheduling_policy != "priority":
@@ -235,6 +240,8 @@ class LLMEngine:
                        pool=pool)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
+        if export_kv:
+            group.kv_export = (cache_salt, lora_request)
         for i in range(n_out):
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                            params.include_stop_str_in_output,
@@ -331,6 +338,9 @@ class LLMEngine:
                 self.scheduler.finish_request(u.request_id, RequestStatus.FINISHED_STOPPED)
         results = []
         for rid, group in touched.items():
+            if group.finished and group.kv_export is not None:  # before a step reuses them
+                group.kv_transfer = export_prompt_kv(self, group.prompt_token_ids,
+                                                     *group.kv_export)
             results.append(group.snapshot())
             if group.finished:
                 self._groups.pop(rid, None)
@@ -383,15 +393,3 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-
-def configure_gc_for_serving() -> None:
-    """Freeze start-up objects and raise the young-generation threshold.
-
-    A step allocates thousands of small objects (plans, updates); with the
-    default threshold CPython's collector runs several times per step and
-    walks every live request, which doubles scheduler time at 1024 running
-    sequences. The engine calls this once after start-up.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)

@@ -31,6 +31,7 @@ from ray import serve
 from pagedserve.cluster.beam_search import BeamSearchParams
 from pagedserve.cluster.channel import Outboxes
 from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.disagg import PREFILL_PARAMS, RemotePrefillConfig, RemotePrefiller
 from pagedserve.cluster.metrics import RequestTimer, ServerMetrics
 from pagedserve.cluster.placement import stream_message_budget
 from pagedserve.cluster.wire import (
@@ -55,7 +56,10 @@ class EngineServer:
     """One engine replica: an ``AsyncEngine`` and its per-replica metrics."""
 
     def __init__(self, engine_kwargs: dict[str, Any], stream_interval_ms: float = 50.0,
-                 stream_messages_per_s: float | None = None) -> None:
+                 stream_messages_per_s: float | None = None, prefill: Any = None,
+                 remote_prefill: RemotePrefillConfig | None = None) -> None:
+        """``prefill`` (a handle to the ``PrefillServer`` pool) makes this a decode
+        replica of a disaggregated app (see ``disagg``)."""
         from pagedserve.cluster.async_engine import AsyncEngine
 
         self.pacer = StreamPacer(stream_interval_ms / 1000.0,
@@ -66,6 +70,8 @@ class EngineServer:
         self.node_id = ray.get_runtime_context().get_node_id()  # which node, for operators
         self.metrics = ServerMetrics()
         self._probe_ids = list(self.engine.tokenizer.encode("ping")[:4]) or [0]
+        self.remote_prefill = (RemotePrefiller(prefill, remote_prefill or RemotePrefillConfig())
+                               if prefill is not None else None)
 
     def info(self) -> dict[str, Any]:
         core = self.engine.engine
@@ -116,6 +122,23 @@ class EngineServer:
             if last is None or last.embedding is None:
                 raise RuntimeError("embedding request ended without an embedding")
             return {"embedding": last.embedding, "prompt_tokens": len(last.prompt_token_ids)}
+
+        return await self._answer(req, work)
+
+    async def prefill(self, req: EngineRequest) -> dict[str, Any]:
+        """Run a prompt for a decode replica (disaggregated prefill): one token, thrown
+        away, and the K/V of the prompt's full blocks. Returns ``{"kv": KVPayload,
+        "prompt_tokens", "replica"}``, or an error dict (see :meth:`_answer`)."""
+
+        async def work(lora: Any) -> dict[str, Any]:
+            last = None
+            async for out in self.engine.generate(req.prompt_token_ids, PREFILL_PARAMS,
+                                                  req.request_id, req.cache_salt, lora,
+                                                  req.priority, export_kv=True):
+                last = out
+            if last is None or last.kv_transfer is None:
+                raise RuntimeError("prefill ended without its KV")
+            return {"kv": last.kv_transfer, "prompt_tokens": len(req.prompt_token_ids)}
 
         return await self._answer(req, work)
 
@@ -193,6 +216,8 @@ class EngineServer:
         yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
         try:
             lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
+            if self.remote_prefill is not None:
+                await self.remote_prefill.run(self.engine, req, lora)
             outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt,
                                         lora, req.priority)
             async with contextlib.AsyncExitStack() as stack:
@@ -223,7 +248,9 @@ class EngineServer:
 
     def stats(self, call: ReplicaCall | None = None) -> dict[str, Any]:
         pacer = self.pacer
+        pd = self.remote_prefill
         return {**self.engine.get_stats(), "replica": self.replica_id, "node_id": self.node_id,
+                **({"remote_prefill": dict(pd.stats)} if pd is not None else {}),
                 "server": self.metrics.snapshot(),
                 "streams": {"open": pacer.active, "interval_ms": 1000 * pacer.interval(),
                             "messages_per_s_budget": pacer.budget_per_s,

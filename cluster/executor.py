@@ -40,6 +40,14 @@ class Executor(abc.ABC):
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None: ...
 
     @abc.abstractmethod
+    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
+        """Every rank's K and V of device blocks, in rank order (see ``KVCache``)."""
+
+    @abc.abstractmethod
+    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, Any]]) -> None:
+        """Write each rank its shard of shipped K and V (``read_kv_blocks``'s result)."""
+
+    @abc.abstractmethod
     def add_lora(self, lora_id: int, path: str) -> None:
         """Load an adapter on every rank; ``ValueError`` if any rank cannot serve it."""
 
@@ -72,6 +80,13 @@ class LocalExecutor(Executor):
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(plan)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
+        return [self.worker.read_kv_blocks(block_ids)]
+
+    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, Any]]) -> None:
+        (keys, values), = shards
+        self.worker.write_kv_blocks(block_ids, keys, values)
 
     def add_lora(self, lora_id: int, path: str) -> None:
         self.worker.add_lora(lora_id, path)
@@ -155,6 +170,13 @@ class RayExecutor(Executor):
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         ref = self._ray.put(plan)
         return self._get([w.execute_model.remote(ref) for w in self.workers])[0]
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
+        return self._get([w.read_kv_blocks.remote(block_ids) for w in self.workers])
+
+    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, Any]]) -> None:
+        self._get([w.write_kv_blocks.remote(block_ids, k, v)
+                   for w, (k, v) in zip(self.workers, shards, strict=True)])
 
     def add_lora(self, lora_id: int, path: str) -> None:
         try:

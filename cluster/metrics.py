@@ -222,6 +222,14 @@ class _Collector:
              ("spec_decode", "num_accepted_tokens")),
             ("lora_evictions", "LoRA adapters unloaded to make room for another",
              ("lora", "evictions")),
+            ("kv_exported_blocks", "KV blocks shipped to decode replicas (prefill replicas)",
+             ("kv_exported_blocks",)),
+            ("kv_imported_blocks", "KV blocks received from prefill replicas",
+             ("kv_imported_blocks",)),
+            ("remote_prefills", "Prompts computed on a prefill replica",
+             ("remote_prefill", "remote_prefills")),
+            ("remote_prefill_failures", "Remote prefills that failed and ran locally instead",
+             ("remote_prefill", "failures")),
         ]
         for name, doc, path in counters:
             fam = CounterMetricFamily(f"{p}_{name}", doc, labels=["replica"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -28,7 +29,8 @@ class RequestOutput:
 
     ``prompt_logprobs`` (when asked for) has one entry per prompt token, the
     first None: the token's logprob plus the top alternatives, as in vLLM.
-    ``embedding`` is set once an embedding (pooling) request has finished.
+    ``embedding`` is set once an embedding (pooling) request has finished;
+    ``kv_transfer`` (a ``KVPayload``) once an ``export_kv`` request has.
     """
 
     request_id: str
@@ -39,6 +41,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     embedding: list[float] | None = None
+    kv_transfer: Any = None
 
 
 @dataclass

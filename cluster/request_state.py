@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
@@ -40,6 +41,8 @@ class RequestState:
     first_token_time: float | None = None
     pool: PoolAccumulator | None = None
     embedding: list[float] | None = None
+    kv_export: tuple[Any, Any] | None = None  # (cache_salt, lora) of an export_kv request
+    kv_transfer: Any = None  # its KVPayload, once finished
 
     @property
     def finished(self) -> bool:
@@ -106,4 +109,4 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              self.finished, self.num_cached_tokens,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-                             self.embedding)
+                             self.embedding, self.kv_transfer)

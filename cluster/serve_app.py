@@ -27,12 +27,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
+from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
 from pagedserve.cluster.embeddings import EmbeddingRequest, embed_all, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.lora_serving import AdapterCatalog
@@ -42,7 +42,7 @@ from pagedserve.cluster.metrics import (
     call_each_replica,
     render_prometheus,
 )
-from pagedserve.cluster.placement import engine_replica_options, replica_runtime_env
+from pagedserve.cluster.placement import replica_runtime_env
 from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -56,7 +56,6 @@ from pagedserve.cluster.protocol import (
 from pagedserve.cluster.reasoning import defer_constraint, thought_closed
 from pagedserve.cluster.responses import Formatter, ResponseState, new_id, now, sse
 from pagedserve.cluster.router import (
-    ROUTER_CLASS_PATH,
     affinity_snapshot,
     known_replicas,
     merge_streams,
@@ -100,7 +99,8 @@ class OpenAIServer:
                  served_model_name: str | None = None, api_key: str | None = None,
                  lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
                  pooling_type: str = "last", reasoning_parser: str | None = None,
-                 scales_to_zero: bool = False) -> None:
+                 scales_to_zero: bool = False, prefill: DeploymentHandle | None = None
+                 ) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -121,6 +121,7 @@ class OpenAIServer:
         self.reasoning_parser = reasoning_parser
         # autoscaling_config min_replicas = 0: no engine replica is a healthy, idle state.
         self.scales_to_zero = scales_to_zero
+        self._prefill = prefill  # the prefill pool of a disaggregated app (stats only)
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -210,6 +211,16 @@ class OpenAIServer:
     async def _each_replica(self, method: str, timeout_s: float) -> list[dict[str, Any]]:
         return await call_each_replica(self._engine, await self._replica_ids(), method,
                                        timeout_s)
+
+    async def _each_prefill_replica(self) -> list[dict[str, Any]]:
+        """The prefill pool's stats (none unless disaggregated); its router starts with
+        a call, as the engine handle's does."""
+        if self._prefill is None:
+            return []
+        if not known_replicas(PREFILL_DEPLOYMENT, self.app_name):
+            await self._prefill.info.remote()
+        return await call_each_replica(
+            self._prefill, known_replicas(PREFILL_DEPLOYMENT, self.app_name), "stats", 10.0)
 
     # ---- endpoints ---------------------------------------------------------------------
 
@@ -342,8 +353,10 @@ class OpenAIServer:
         """Every engine replica's stats (pool, prefix cache, queues) and the router's table."""
         self._authorize(raw)
         replicas = await self._each_replica("stats", 10.0)
+        prefill = await self._each_prefill_replica()
         return {"model": self.served_name, "replicas": replicas,
-                "affinity_blocks": affinity_snapshot(ENGINE_DEPLOYMENT)}
+                "affinity_blocks": affinity_snapshot(ENGINE_DEPLOYMENT),
+                **({"prefill_replicas": prefill} if self._prefill is not None else {})}
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
@@ -358,7 +371,7 @@ class OpenAIServer:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        replicas = await self._each_replica("stats", 10.0)
+        replicas = await self._each_replica("stats", 10.0) + await self._each_prefill_replica()
         return Response(render_prometheus(replicas, _http),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -367,33 +380,20 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     """The Serve application for ``args`` (a ``ServeArgs``, a mapping or an argparse result)."""
     a = ServeArgs.parse(args)
     s = a.settings()
-    opts: dict[str, Any] = dict(
-        # Each ingress replica holds one channel subscription per engine replica, and
-        # Serve counts it as an ongoing request: room for it on top of the user's bound.
-        num_replicas=a.num_replicas,
-        max_ongoing_requests=a.max_ongoing_requests + a.ingress_replicas,
-        max_queued_requests=a.max_queued_requests,
-        health_check_period_s=a.health_check_period_s,
-        health_check_timeout_s=a.health_check_timeout_s,
-        request_router_config=RequestRouterConfig(
-            request_router_class=ROUTER_CLASS_PATH,
-            request_router_kwargs={"imbalance_threshold": a.imbalance_threshold}),
-    )
-    opts.update(engine_replica_options(s.device == "cuda", s.threads, a.tensor_parallel_size,
-                                       a.replica_num_cpus, a.placement_group_strategy))
-    autoscaling = a.autoscaling()
-    if autoscaling is not None:  # Serve scales on each replica's ongoing requests
-        del opts["num_replicas"]
-        opts["autoscaling_config"] = autoscaling
+    opts = a.engine_options(s)
+    prefill = None
+    if a.prefill_replicas:  # disaggregated: the engine replicas decode, these prefill
+        prefill = EngineServer.options(**a.prefill_options(opts)).bind(s.engine_kwargs)
     engine = EngineServer.options(**opts).bind(s.engine_kwargs, a.stream_interval_ms,
-                                               a.stream_messages_per_s)
+                                               a.stream_messages_per_s, prefill,
+                                               a.remote_prefill())
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
     return OpenAIServer.options(
         num_replicas=a.ingress_replicas,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,
-           autoscaling is not None and autoscaling.get("min_replicas", 1) == 0)
+           a.scales_to_zero(), prefill)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

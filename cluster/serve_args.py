@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT, RemotePrefillConfig
 from pagedserve.cluster.lora_serving import AdapterCatalog, parse_lora_modules
 from pagedserve.cluster.placement import cpu_threads_per_rank
 
@@ -76,6 +77,9 @@ class ServeArgs(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     pooling_type: Literal["last", "mean"] = "last"
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    prefill_replicas: int = Field(default=0, ge=0)
+    remote_prefill_min_tokens: int = Field(default=64, ge=1)
+    remote_prefill_timeout_s: float = Field(default=60.0, gt=0.0)
 
     @classmethod
     def parse(cls, args: ServeArgs | Mapping[str, Any] | Any | None) -> ServeArgs:
@@ -103,9 +107,57 @@ class ServeArgs(BaseModel):
         return dict(self.autoscaling_config)
 
     def max_replicas(self) -> int:
-        """The most engine replicas there can be: what CPU threads are sized for."""
+        """The most engine replicas there can be, prefill ones included: what CPU threads
+        are sized for."""
         cfg = self.autoscaling()
-        return int(cfg.get("max_replicas", 1)) if cfg is not None else self.num_replicas
+        most = int(cfg.get("max_replicas", 1)) if cfg is not None else self.num_replicas
+        return most + self.prefill_replicas
+
+    def scales_to_zero(self) -> bool:
+        cfg = self.autoscaling()
+        return cfg is not None and cfg.get("min_replicas", 1) == 0
+
+    def engine_options(self, s: ServeSettings) -> dict[str, Any]:
+        """``EngineServer.options`` for the engine replicas: bounds, health checks, the
+        prefix-affinity router, placement, and replicas or autoscaling."""
+        from ray.serve.config import RequestRouterConfig
+
+        from pagedserve.cluster.placement import engine_replica_options
+        from pagedserve.cluster.router import ROUTER_CLASS_PATH
+
+        opts: dict[str, Any] = dict(
+            # Each ingress replica holds one channel subscription per engine replica, and
+            # Serve counts it as an ongoing request: room for it on top of the user's bound.
+            num_replicas=self.num_replicas,
+            max_ongoing_requests=self.max_ongoing_requests + self.ingress_replicas,
+            max_queued_requests=self.max_queued_requests,
+            health_check_period_s=self.health_check_period_s,
+            health_check_timeout_s=self.health_check_timeout_s,
+            request_router_config=RequestRouterConfig(
+                request_router_class=ROUTER_CLASS_PATH,
+                request_router_kwargs={"imbalance_threshold": self.imbalance_threshold}),
+        )
+        opts.update(engine_replica_options(s.device == "cuda", s.threads,
+                                           self.tensor_parallel_size, self.replica_num_cpus,
+                                           self.placement_group_strategy))
+        autoscaling = self.autoscaling()
+        if autoscaling is not None:  # Serve scales on each replica's ongoing requests
+            del opts["num_replicas"]
+            opts["autoscaling_config"] = autoscaling
+        return opts
+
+    def prefill_options(self, engine_options: dict[str, Any]) -> dict[str, Any]:
+        """The prefill pool's: the engine replicas' placement and router, a fixed count
+        (its callers are the decode replicas, which autoscale if anything does)."""
+        opts = {k: v for k, v in engine_options.items() if k != "autoscaling_config"}
+        return {**opts, "name": PREFILL_DEPLOYMENT, "num_replicas": self.prefill_replicas}
+
+    def remote_prefill(self) -> RemotePrefillConfig | None:
+        """With prefill replicas: when a decode replica sends a prompt to them."""
+        if not self.prefill_replicas:
+            return None
+        return RemotePrefillConfig(self.remote_prefill_min_tokens,
+                                   self.remote_prefill_timeout_s)
 
     def settings(self) -> ServeSettings:
         """Resolve the device and threads, check the adapters and the engine config."""

@@ -19,6 +19,25 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass(slots=True)
+class ImportReservation:
+    """Blocks held while another replica's KV is written into them.
+
+    ``indices[i]`` is the position in the shipped hash list whose content goes
+    to ``blocks[i]``; ``held`` are blocks this pool already had under the
+    shipped hashes, pinned so that taking fresh blocks cannot evict them.
+    """
+
+    hashes: list[BlockHash]
+    indices: list[int]
+    blocks: list[KVCacheBlock]
+    held: list[KVCacheBlock]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+@dataclass(slots=True)
 class SwappedBlocks:
     """Where a swapped-out request's KV lives: CPU ids plus the hashes they held."""
 
@@ -237,3 +256,55 @@ class KVCacheManager:
         self.req_blocks[request.request_id] = blocks
         self.req_block_ids[request.request_id] = [b.block_id for b in blocks]
         return pairs
+
+    # ---- KV transfer between replicas ---------------------------------------
+
+    def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
+        """Device ids of the longest leading run of ``hashes`` cached here: what a
+        prefill replica ships (a hit must start at the first block to be of use)."""
+        ids: list[int] = []
+        for h in hashes:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            ids.append(block.block_id)
+        return ids
+
+    def reserve_import(self, hashes: list[BlockHash]) -> ImportReservation:
+        """Fresh blocks for the shipped hashes this pool lacks, from the first on.
+
+        Hashes cached here already are pinned and skipped. When the free blocks run
+        out, the rest is left out (a later hit would need every block before it), so
+        the request recomputes that part. Nothing is named until ``commit_import``,
+        so no lookup can find a block whose content has not arrived yet.
+        """
+        if not self.pool.enable_caching:
+            return ImportReservation(list(hashes), [], [], [])
+        held: list[KVCacheBlock] = []
+        missing: list[int] = []
+        for i, h in enumerate(hashes):
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                missing.append(i)
+            elif missing:  # would need a missing block before it: not worth pinning
+                break
+            else:
+                held.append(block)
+        self.pool.touch(held)
+        room = self.pool.num_free_blocks
+        if len(missing) > room:
+            missing = missing[:room]
+        return ImportReservation(list(hashes), missing, self.pool.allocate(len(missing)),
+                                 held)
+
+    def commit_import(self, res: ImportReservation, written: bool) -> int:
+        """Name the written blocks by their hashes (if ``written``) and release every
+        block of the reservation to the free queue, tail first, where the next
+        request with this prefix finds them. Returns how many blocks were named."""
+        named = 0
+        if written:
+            for i, block in zip(res.indices, res.blocks, strict=True):
+                named += self.pool.cache_full_block(block, res.hashes[i])
+        self.pool.free(reversed(res.held + res.blocks))
+        res.blocks, res.held, res.indices = [], [], []
+        return named

@@ -89,3 +89,38 @@ class KVCache:
         self._check("copy", p, self.num_blocks)
         self.backend.copy_blocks(self.key_caches, self.value_caches,
                                  p.to(self.key_caches[0].device))
+
+    # ---- shipping blocks to another replica --------------------------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of device blocks, ``[layers, n, block_size, Hkv_rank, D]`` each, on the
+        CPU (what another replica's ``write_blocks`` takes)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64)
+        self._check("read", idx, self.num_blocks)
+        idx = idx.to(self.key_caches[0].device)
+        k = torch.stack([_bytes(c).index_select(0, idx) for c in self.key_caches])
+        v = torch.stack([_bytes(c).index_select(0, idx) for c in self.value_caches])
+        dtype = self.key_caches[0].dtype
+        return k.cpu().view(dtype), v.cpu().view(dtype)
+
+    def write_blocks(self, block_ids: list[int], keys: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        """Overwrite device blocks with shipped K and V (``read_blocks``'s layout)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64)
+        self._check("write", idx, self.num_blocks)
+        kc = self.key_caches[0]
+        want = (len(self.key_caches), len(block_ids), *kc.shape[1:])
+        for name, t in (("keys", keys), ("values", values)):
+            if tuple(t.shape) != want or t.dtype != kc.dtype:
+                raise ValueError(f"shipped {name} are {tuple(t.shape)} {t.dtype}, this pool "
+                                 f"takes {want} {kc.dtype}")
+        idx = idx.to(kc.device)
+        for caches, t in ((self.key_caches, keys), (self.value_caches, values)):
+            src = _bytes(t.to(kc.device))
+            for layer, cache in enumerate(caches):
+                _bytes(cache).index_copy_(0, idx, src[layer])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as bytes along the last dim: index ops that fp8 lacks work on it."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t

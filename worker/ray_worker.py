@@ -54,6 +54,12 @@ class RayWorkerWrapper:
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         return self._on_compute_thread(self.worker.execute_model, plan)
 
+    def read_kv_blocks(self, block_ids: list[int]) -> tuple[Any, Any]:
+        return self._on_compute_thread(self.worker.read_kv_blocks, block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], keys: Any, values: Any) -> None:
+        self._on_compute_thread(self.worker.write_kv_blocks, block_ids, keys, values)
+
     def add_lora(self, lora_id: int, path: str) -> None:
         self._on_compute_thread(self.worker.add_lora, lora_id, path)
 

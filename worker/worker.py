@@ -259,6 +259,19 @@ class Worker:
             _apply_threads_here(n)
         return self.runner.execute(plan)
 
+    def read_kv_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's K and V of device blocks, for another replica (see ``KVCache``)."""
+        if self.kv_cache is None:
+            raise RuntimeError("init_kv_cache must be called before read_kv_blocks")
+        return self.kv_cache.read_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], keys: torch.Tensor,
+                        values: torch.Tensor) -> None:
+        """Write another replica's K and V (this rank's shard) into device blocks."""
+        if self.kv_cache is None:
+            raise RuntimeError("init_kv_cache must be called before write_kv_blocks")
+        self.kv_cache.write_blocks(block_ids, keys, values)
+
     def add_lora(self, lora_id: int, path: str) -> None:
         """Load a LoRA adapter's shard for this rank (``ValueError`` if it cannot serve it)."""
         if self.lora is None:

@@ -99,6 +99,40 @@ def test_tp2_with_lora_adapters_equals_tp1(ray_cluster, tiny_llama_dir, tmp_path
         tp2.shutdown()
 
 
+def test_tp2_kv_transfer_ships_each_rank_its_own_shard(ray_cluster, tiny_llama_dir) -> None:
+    """A TP=2 prefill engine's K/V, imported by another TP=2 engine rank by rank, give
+    TP=1's tokens; a TP=1 engine refuses them (its blocks hold every KV head)."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+    from tests.cluster.test_kv_transfer import prefill
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = prompts_of_mixed_lengths(4)
+    tp1 = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        ref = [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
+        kw = dict(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64,
+                  num_threads=1)
+        src = LLM(**kw)
+        try:
+            payloads = prefill(src, prompts)
+        finally:
+            src.shutdown()
+        assert all(len(p.shards) == 2 for p in payloads if p.num_blocks)
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            import_prompt_kv(tp1.engine, next(p for p in payloads if p.num_blocks))
+        dst = LLM(**kw)
+        try:
+            assert sum(import_prompt_kv(dst.engine, p) for p in payloads) > 0
+            outs = dst.generate(prompts, params)
+            assert [o.outputs[0].token_ids for o in outs] == ref
+            assert sum(o.num_cached_tokens for o in outs) > 0
+            assert_pool_at_baseline(dst)
+        finally:
+            dst.shutdown()
+    finally:
+        tp1.shutdown()
+
+
 def test_killed_rank_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir) -> None:
     llm = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64, num_threads=1)
     try:

@@ -48,7 +48,8 @@ def _emitted_metric_names() -> set[str]:
     m.on_end(t, "stop")
     stats = {"num_running": 0, "num_waiting": 0, "num_swapped": 0, "prompt_tokens": 1,
              "generation_tokens": 2, "prefix_cache_queries": 1, "prefix_cache_hits": 0,
-             "steps": 2, "num_preemptions": {"swap": 0},
+             "steps": 2, "num_preemptions": {"swap": 0}, "kv_exported_blocks": 0,
+             "kv_imported_blocks": 3, "remote_prefill": {"remote_prefills": 1, "failures": 0},
              "spec_decode": {"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 2},
              "lora": {"loaded": ["a"], "num_loaded": 1, "evictions": 0, "running": {"a": 1},
                       "waiting": {}, "swapped": {}},

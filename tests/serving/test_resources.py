@@ -55,6 +55,27 @@ def test_tensor_parallel_ranks_reserve_their_threads(monkeypatch: pytest.MonkeyP
     assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
 
 
+def test_prefill_replicas_share_the_cores_and_sit_behind_the_engine_replicas(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT, RemotePrefillConfig
+
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
+    eng = _engine_node({"num_replicas": 3, "prefill_replicas": 1,
+                        "remote_prefill_min_tokens": 32,
+                        "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+    assert eng.init_args[0]["num_threads"] == 2  # 8 cores over 3 decode + 1 prefill
+    prefill = eng.init_args[3]._bound_deployment
+    assert prefill.name == PREFILL_DEPLOYMENT and prefill.num_replicas == 1
+    assert prefill._deployment_config.autoscaling_config is None  # a fixed pool
+    assert prefill.init_args[0] == eng.init_args[0]  # the same engine settings
+    assert eng.init_args[4] == RemotePrefillConfig(min_tokens=32, timeout_s=60.0)
+    assert _engine_node({}).init_args[3:] == (None, None)  # colocated by default
+    with pytest.raises(ValueError, match="prefill_replicas"):
+        build_app({"device": "cpu", "prefill_replicas": -1})
+    with pytest.raises(ValueError, match="remote_prefill_min_tokens"):
+        build_app({"device": "cpu", "prefill_replicas": 1, "remote_prefill_min_tokens": 0})
+
+
 def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
     eng = _engine_node({"num_threads": 2, "replica_num_cpus": 0.5, "stream_interval_ms": 0,

@@ -1,0 +1,148 @@
+"""Shipping a prompt's KV cache from one engine to another (prefill/decode split).
+
+A prefill engine runs a prompt (one sampled token, thrown away) and ships the
+K/V of its full blocks, named by their prefix-cache hashes; a decode engine
+writes them into free blocks of its own pool and names them by the same
+hashes. The request that follows on the decode engine is then an ordinary
+prefix-cache hit: it computes only the prompt's partial last block and samples
+every token itself, so its output is exactly what it would have been without
+the transfer (vLLM's disaggregated prefill makes the same choice: the prefill
+side's token is discarded).
+
+Nothing here can change an answer, only how much of a prompt is recomputed: a
+block that does not fit, a payload that does not arrive or a layout that does
+not match leaves the decode engine computing that part itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedserve.scheduler.kv_cache_manager import ImportReservation
+from pagedserve.scheduler.lora_request import LoRARequest
+
+if TYPE_CHECKING:
+    from pagedserve.cluster.engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two engines must share for one's blocks to mean the same in the other."""
+
+    model_id: str
+    tensor_parallel_size: int
+    num_layers: int
+    block_size: int
+    num_kv_heads_per_rank: int
+    head_dim: int
+    kv_cache_dtype: str
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> KVLayout:
+        info = engine.model_info
+        return cls(engine.model_id, int(info["tensor_parallel_size"]),
+                   int(info["num_layers"]), engine.scheduler.block_size,
+                   int(info["num_kv_heads_per_rank"]), int(info["head_dim"]),
+                   str(info["kv_cache_dtype"]))
+
+    def check_compatible(self, shipped: KVLayout) -> None:
+        """``ValueError`` naming the first field where ``shipped`` differs from this one."""
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(shipped, f.name)
+            if mine != theirs:
+                raise ValueError(f"shipped KV has {f.name}={theirs!r}, this engine "
+                                 f"{mine!r}: the two engines must run the same settings")
+
+
+@dataclass
+class KVPayload:
+    """The K/V of a prompt's leading full blocks, per tensor-parallel rank.
+
+    ``shards[r]`` is rank ``r``'s ``(keys, values)``, each
+    ``[layers, len(block_hashes), block_size, kv_heads_per_rank, head_dim]`` on the CPU.
+    """
+
+    layout: KVLayout
+    block_hashes: list[bytes]
+    shards: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.layout.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.shards)
+
+
+def export_prompt_kv(engine: LLMEngine, token_ids: list[int], cache_salt: str | None = None,
+                     lora_request: LoRARequest | None = None) -> KVPayload:
+    """The K/V of the longest leading run of ``token_ids``'s full blocks cached in
+    ``engine`` right now (call it between steps, before the blocks can be reused)."""
+    hashes = engine.prompt_block_hashes(token_ids, cache_salt, lora_request)
+    ids = engine.scheduler.kv.cached_prefix(hashes)
+    shards = engine.executor.read_kv_blocks(ids) if ids else []
+    engine.stats["kv_exported_blocks"] = engine.stats.get("kv_exported_blocks", 0) + len(ids)
+    return KVPayload(KVLayout.of(engine), list(hashes[:len(ids)]), shards)
+
+
+def begin_import(engine: LLMEngine, payload: KVPayload) -> ImportReservation:
+    """Check the layout and take blocks for what ``engine`` lacks (scheduler thread)."""
+    KVLayout.of(engine).check_compatible(payload.layout)
+    if len(payload.shards) != (payload.layout.tensor_parallel_size if payload.num_blocks
+                               else 0):
+        raise ValueError(f"shipped KV has {len(payload.shards)} rank shards for "
+                         f"{payload.num_blocks} blocks")
+    return engine.scheduler.kv.reserve_import(payload.block_hashes)
+
+
+def reserved_shards(payload: KVPayload, res: ImportReservation
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each rank's K/V of just the blocks ``res`` took, in its order."""
+    if res.indices == list(range(payload.num_blocks)):
+        return payload.shards
+    idx = torch.tensor(res.indices, dtype=torch.int64)
+    return [(_pick(k, idx), _pick(v, idx)) for k, v in payload.shards]
+
+
+def _pick(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    if t.element_size() == 1:  # fp8 has no index_select on the CPU; its bytes do
+        return t.view(torch.uint8).index_select(1, idx).view(t.dtype)
+    return t.index_select(1, idx)
+
+
+def end_import(engine: LLMEngine, res: ImportReservation, written: bool) -> int:
+    """Name the written blocks and release the reservation; returns blocks named."""
+    named = engine.scheduler.kv.commit_import(res, written)
+    key = "kv_imported_blocks" if written else "kv_import_failures"
+    engine.stats[key] = engine.stats.get(key, 0) + (named if written else 1)
+    return named
+
+
+def import_prompt_kv(engine: LLMEngine, payload: KVPayload) -> int:
+    """Write a shipped payload into ``engine``'s pool as prefix-cache blocks, at once
+    (offline use; ``AsyncEngine.import_kv`` writes off the event loop). Returns how
+    many blocks a request with this prompt will now hit that it would have missed."""
+    res = begin_import(engine, payload)
+    written = False
+    try:
+        if res.blocks:
+            engine.executor.write_kv_blocks(res.block_ids, reserved_shards(payload, res))
+        written = True
+    finally:
+        named = end_import(engine, res, written)
+    return named
+
+
+def kv_transfer_stats(stats: dict[str, Any]) -> dict[str, int]:
+    """The transfer counters of an engine's stats (zero where nothing happened)."""
+    keys = ("kv_exported_blocks", "kv_imported_blocks", "kv_import_failures")
+    return {k: int(stats.get(k, 0)) for k in keys}

@@ -1,0 +1,92 @@
+"""Blocks taken for another replica's KV: what is reserved, named, skipped and freed."""
+
+from __future__ import annotations
+
+from pagedserve.scheduler.block_hash import hash_prompt_blocks
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from tests.scheduler.helpers import req
+
+B = 4
+
+
+def hashes(n_blocks: int, start: int = 0) -> list[bytes]:
+    ids = list(range(start, start + n_blocks * B))
+    return hash_prompt_blocks(ids, B, ("test-model",))
+
+
+def at_baseline(kv: KVCacheManager) -> bool:
+    pool = kv.pool
+    return (pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+            and all(b.block_hash == h for h, b in pool.cached.items()))
+
+
+def test_import_names_blocks_only_after_commit_and_a_request_then_hits_them() -> None:
+    kv = KVCacheManager(16, B)
+    hs = hashes(3)
+    res = kv.reserve_import(hs)
+    assert res.indices == [0, 1, 2] and len(res.block_ids) == 3
+    assert all(b.ref_cnt == 1 for b in res.blocks) and not kv.pool.cached  # nothing named yet
+    assert kv.pool.num_free_blocks == 13
+    assert kv.commit_import(res, written=True) == 3
+    assert at_baseline(kv) and len(kv.pool.cached) == 3
+    r = req("r", list(range(3 * B + 2)))  # the same tokens and model: the same hashes
+    hits, n = kv.get_computed_blocks(r)
+    assert n == 3 * B and [b.block_id for b in hits] == kv.cached_prefix(hs)
+
+
+def test_failed_write_names_nothing_and_frees_everything() -> None:
+    kv = KVCacheManager(8, B)
+    res = kv.reserve_import(hashes(2))
+    assert kv.commit_import(res, written=False) == 0
+    assert at_baseline(kv) and not kv.pool.cached
+
+
+def test_cached_hashes_are_pinned_and_skipped_and_a_gap_ends_the_run() -> None:
+    kv = KVCacheManager(8, B)
+    hs = hashes(4)
+    first = kv.reserve_import(hs[:1])
+    kv.commit_import(first, written=True)
+    # hs[0] is here, hs[1] is not: import 1..3; the cached block is pinned meanwhile, so
+    # taking the fresh blocks (from the free queue's head) cannot evict it.
+    res = kv.reserve_import(hs)
+    assert res.indices == [1, 2, 3]
+    assert [b.block_hash for b in res.held] == [hs[0]] and res.held[0].ref_cnt == 1
+    kv.commit_import(res, written=True)
+    assert kv.cached_prefix(hs) and len(kv.cached_prefix(hs)) == 4 and at_baseline(kv)
+    # A block cached after a missing one is useless on its own: not pinned.
+    kv2 = KVCacheManager(8, B)
+    only_last = kv2.reserve_import(hs)
+    kv2.commit_import(only_last, written=True)
+    assert len(kv2.cached_prefix(hs)) == 4
+
+
+def test_a_short_pool_imports_the_leading_blocks_only() -> None:
+    kv = KVCacheManager(5, B)
+    running = req("busy", list(range(100, 100 + 3 * B)))
+    assert kv.allocate_slots(running, 3 * B) == []
+    hs = hashes(4)
+    res = kv.reserve_import(hs)
+    assert res.indices == [0, 1]  # two free blocks: the first two blocks, not any two
+    kv.commit_import(res, written=True)
+    assert len(kv.cached_prefix(hs)) == 2
+    kv.free(running)
+    assert at_baseline(kv)
+
+
+def test_a_hash_computed_here_meanwhile_keeps_its_own_block() -> None:
+    kv = KVCacheManager(8, B)
+    hs = hashes(1)
+    res = kv.reserve_import(hs)
+    other = kv.reserve_import(hs)  # a second import of the same prefix races the first
+    winner = other.block_ids
+    kv.commit_import(other, written=True)
+    assert kv.commit_import(res, written=True) == 0
+    assert kv.cached_prefix(hs) == winner
+    assert len(kv.pool.cached) == 1 and at_baseline(kv)
+
+
+def test_without_prefix_caching_nothing_is_taken() -> None:
+    kv = KVCacheManager(8, B, enable_caching=False)
+    res = kv.reserve_import(hashes(2))
+    assert res.blocks == [] and kv.commit_import(res, written=True) == 0
+    assert at_baseline(kv)
