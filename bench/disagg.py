@@ -83,6 +83,9 @@ async def measure(name: str, serve_args: dict[str, Any], reqs: list[tuple[float,
     if failed:
         raise SystemExit(f"{name}: {len(failed)} requests failed, first: {failed[0]}")
     out = {kind: summarize(rs, wall, {}) for kind, rs in by.items()}
+    itl = np.array([x for r in by["chat"] for x in r.itl]) * 1000
+    out["chat"].update(p999_itl_ms=float(np.percentile(itl, 99.9)), max_itl_ms=float(itl.max()),
+                       itl_over_1s=int((itl > 1000).sum()), itl_count=int(itl.size))
     print(f"{name}: chat ITL p50 {out['chat']['p50_itl_ms']:.0f} ms, "
           f"p99 {out['chat']['p99_itl_ms']:.0f} ms; doc TTFT p50 "
           f"{out['doc']['p50_ttft_ms']:.0f} ms", flush=True)
@@ -93,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
-    p.add_argument("--num-chats", type=int, default=32)
+    p.add_argument("--num-chats", type=int, default=64)
     p.add_argument("--chat-rate", type=float, default=1.5)
     p.add_argument("--chat-input-len", type=int, default=48)
     p.add_argument("--chat-output-len", type=int, default=64)
     p.add_argument("--num-docs", type=int, default=8)
-    p.add_argument("--doc-rate", type=float, default=0.4)
+    p.add_argument("--doc-rate", type=float, default=0.15)
     p.add_argument("--doc-input-len", type=int, default=1536)
     p.add_argument("--doc-output-len", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         "remote_prefill_min_tokens": args.chat_input_len + 1}, reqs))
     rows = [("chat ITL p50 (ms)", "chat", "p50_itl_ms"), ("chat ITL p99 (ms)", "chat",
                                                          "p99_itl_ms"),
+            ("chat ITL p99.9 (ms)", "chat", "p999_itl_ms"),
+            ("chat ITL max (ms)", "chat", "max_itl_ms"),
+            ("chat ITLs > 1 s", "chat", "itl_over_1s"),
             ("chat TPOT mean (ms)", "chat", "mean_tpot_ms"),
             ("chat TTFT p50 (ms)", "chat", "p50_ttft_ms"),
             ("doc TTFT p50 (ms)", "doc", "p50_ttft_ms"),
