@@ -17,7 +17,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,18 @@ class App:
 
     def health(self, timeout: float = 60.0) -> httpx.Response:
         return httpx.get(f"{self.base}/health", timeout=timeout)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, period: float = 0.5) -> Any:
+    """Poll ``cond`` until it returns something truthy (returned), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(period)
 
 
 def at_baseline(s: dict[str, Any]) -> bool:

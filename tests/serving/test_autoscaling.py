@@ -11,14 +11,13 @@ is back to none, healthy, and wakes again for the next request.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.serving.conftest import App, Cluster
+from tests.serving.conftest import App, Cluster, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -34,14 +33,6 @@ def scaled(cluster: Cluster) -> Iterator[App]:
                                     "max_model_len": 1024, "num_threads": 1})
     yield app
     cluster.delete("scaled")
-
-
-def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 def _replicas(app: App) -> tuple[int, int]:
@@ -72,7 +63,7 @@ def test_replicas_scale_up_under_load_and_back_down(scaled: App) -> None:
     assert len(scaled.stats()) == 1
     with ThreadPoolExecutor(12) as pool:
         first = [pool.submit(_stream, scaled, i, 400) for i in range(6)]
-        _wait(lambda: _replicas(scaled)[1] == 2, 120, "a second replica")
+        wait_for(lambda: _replicas(scaled)[1] == 2, 120, "a second replica")
         second = [pool.submit(_stream, scaled, 100 + i, 40) for i in range(4)]
         assert [f.result(timeout=300) for f in first] == [400] * 6
         assert [f.result(timeout=300) for f in second] == [40] * 4
@@ -81,7 +72,7 @@ def test_replicas_scale_up_under_load_and_back_down(scaled: App) -> None:
     # The replica started for the load served some of the requests sent after it came
     # (read before the 5 s downscale delay has passed).
     assert len(served) == 2 and min(served.values()) > 0, served
-    _wait(lambda: _replicas(scaled) == (1, 1), 120, "scaling back to one replica")
+    wait_for(lambda: _replicas(scaled) == (1, 1), 120, "scaling back to one replica")
     scaled.wait_baseline()
 
 
@@ -113,7 +104,7 @@ def test_scale_to_zero_wakes_for_a_request_and_idles_back(cluster: Cluster) -> N
             assert out.choices[0].message.content == "The capital of France is Paris."
             assert _engine_replicas("zero") == 1, round_
             assert app.health().json()["status"] == "ok"
-            _wait(lambda: _engine_replicas("zero") == 0, 90, "scaling to zero")
+            wait_for(lambda: _engine_replicas("zero") == 0, 90, "scaling to zero")
             health = app.health()
             assert health.status_code == 200 and health.json()["replicas"] == []
     finally:

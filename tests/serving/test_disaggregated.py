@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
-from tests.serving.conftest import App, Cluster, at_baseline
+from tests.serving.conftest import App, Cluster, at_baseline, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -60,14 +60,6 @@ def decode_and_prefill(app: App) -> tuple[dict[str, Any], dict[str, Any]]:
     (decode,) = body["replicas"]
     (prefill,) = body["prefill_replicas"]
     return decode["stats"], prefill["stats"]
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def both_at_baseline(app: App) -> bool:

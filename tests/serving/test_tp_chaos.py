@@ -11,16 +11,14 @@ queue answers 503 with an OpenAI error body.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import App, Cluster, long_stream
+from tests.serving.conftest import App, Cluster, long_stream, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -53,16 +51,6 @@ def _greedy(app: App) -> list[tuple[str, list[float]]]:
     return res
 
 
-def _wait(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_tp2_serves_the_same_greedy_text_as_tp1(apps: dict[str, App]) -> None:
     one, two = _greedy(apps["tp1"]), _greedy(apps["tp2"])
     for (t1, lp1), (t2, lp2) in zip(one, two):
@@ -89,7 +77,7 @@ def test_killed_tp_rank_makes_health_503_then_the_replica_is_replaced(
 
     r = app.health()
     assert r.status_code == 503 and r.json()["status"] == "unhealthy", r.text
-    _wait(lambda: app.health().status_code == 200, 120, "a healthy replacement replica")
+    wait_for(lambda: app.health().status_code == 200, 120, "a healthy replacement replica")
     (new,) = app.stats()
     assert new != old
     assert _greedy(app) == expected
@@ -116,7 +104,7 @@ def test_killed_replica_is_replaced_and_requests_succeed(apps: dict[str, App]) -
         except openai.APIError:
             return False
 
-    _wait(ok, 120, "requests to succeed on a replacement replica")
+    wait_for(ok, 120, "requests to succeed on a replacement replica")
     assert app.health().status_code == 200
     (new,) = app.stats()
     assert new != old
