@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -90,7 +90,7 @@ def export_prompt_kv(engine: LLMEngine, token_ids: list[int], cache_salt: str | 
     hashes = engine.prompt_block_hashes(token_ids, cache_salt, lora_request)
     ids = engine.scheduler.kv.cached_prefix(hashes)
     shards = engine.executor.read_kv_blocks(ids) if ids else []
-    engine.stats["kv_exported_blocks"] = engine.stats.get("kv_exported_blocks", 0) + len(ids)
+    engine.stats["kv_exported_blocks"] += len(ids)
     return KVPayload(KVLayout.of(engine), list(hashes[:len(ids)]), shards)
 
 
@@ -122,8 +122,10 @@ def _pick(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def end_import(engine: LLMEngine, res: ImportReservation, written: bool) -> int:
     """Name the written blocks and release the reservation; returns blocks named."""
     named = engine.scheduler.kv.commit_import(res, written)
-    key = "kv_imported_blocks" if written else "kv_import_failures"
-    engine.stats[key] = engine.stats.get(key, 0) + (named if written else 1)
+    if written:
+        engine.stats["kv_imported_blocks"] += named
+    else:
+        engine.stats["kv_import_failures"] += 1
     return named
 
 
@@ -141,8 +143,3 @@ def import_prompt_kv(engine: LLMEngine, payload: KVPayload) -> int:
         named = end_import(engine, res, written)
     return named
 
-
-def kv_transfer_stats(stats: dict[str, Any]) -> dict[str, int]:
-    """The transfer counters of an engine's stats (zero where nothing happened)."""
-    keys = ("kv_exported_blocks", "kv_imported_blocks", "kv_import_failures")
-    return {k: int(stats.get(k, 0)) for k in keys}

@@ -185,6 +185,9 @@ class ServeArgs(BaseModel):
             lora_modules=lora_modules or None, max_loaded_loras=self.max_loaded_loras,
             scheduling_policy=self.scheduling_policy, **self.engine_kwargs)
         EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
+        if self.prefill_replicas and not engine_kwargs.get("enable_prefix_caching", True):
+            raise ValueError("prefill_replicas needs enable_prefix_caching: shipped KV "
+                             "blocks reach a request through the prefix cache")
         return ServeSettings(device, threads, engine_kwargs, lora_modules, lora_dir)
 
 

@@ -74,6 +74,9 @@ def test_prefill_replicas_share_the_cores_and_sit_behind_the_engine_replicas(
         build_app({"device": "cpu", "prefill_replicas": -1})
     with pytest.raises(ValueError, match="remote_prefill_min_tokens"):
         build_app({"device": "cpu", "prefill_replicas": 1, "remote_prefill_min_tokens": 0})
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        build_app({"device": "cpu", "prefill_replicas": 1,
+                   "engine_kwargs": {"enable_prefix_caching": False}})
 
 
 def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:

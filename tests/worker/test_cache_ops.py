@@ -111,3 +111,31 @@ def test_bad_block_ids_are_rejected(model_dir):
         w.execute_model(plan(0, [], blocks_to_copy=[(0, 4)]))
     with pytest.raises(ValueError, match="block table"):
         w.execute_model(plan(0, [_req("a", [1, 2, 3, 4, 5], 0, [0])]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_blocks_read_from_one_pool_land_bit_exact_in_another(dtype) -> None:
+    """What disaggregated prefill ships: K/V of some blocks, into other block ids of a
+    pool of another size; fp8 travels as its bytes."""
+    from pagedserve.kernels.backend import get_backend
+
+    backend = get_backend("torch", torch.device("cpu"))
+    src = KVCache(3, 6, B, 2, 8, dtype, torch.device("cpu"), backend)
+    dst = KVCache(3, 9, B, 2, 8, dtype, torch.device("cpu"), backend)
+    g = torch.Generator().manual_seed(0)
+    for c in src.key_caches + src.value_caches:
+        c.copy_(torch.randn(c.shape, generator=g).to(dtype))
+    keys, values = src.read_blocks([4, 1])
+    assert keys.shape == (3, 2, B, 2, 8) and keys.dtype == dtype
+    dst.write_blocks([7, 0], keys, values)
+    as_bytes = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t)
+    for s, d in zip(src.key_caches + src.value_caches, dst.key_caches + dst.value_caches):
+        assert torch.equal(as_bytes(d[7]), as_bytes(s[4]))
+        assert torch.equal(as_bytes(d[0]), as_bytes(s[1]))
+        assert not as_bytes(d[1:7]).any()  # nothing else written
+    with pytest.raises(ValueError, match="shipped keys"):
+        dst.write_blocks([0], keys, values)  # two blocks' worth for one id
+    with pytest.raises(IndexError):
+        dst.write_blocks([0, 9], keys, values)
+    with pytest.raises(IndexError):
+        src.read_blocks([6])
