@@ -346,3 +346,29 @@ def test_cuda_fp8_kv_cache_holds_twice_the_bf16_blocks_and_swaps_exactly(
     assert _greedy(tight, prompts, params) == _greedy(roomy, prompts, params)
     assert tight.engine.scheduler.num_preemptions["swap"] > 0
     assert_pool_at_baseline(tight)
+
+
+@cuda_only
+def test_cuda_kv_transfer_between_two_engines_equals_one_engine(smol_shaped_dir,
+                                                                engines) -> None:
+    """Disaggregated prefill on the GPU, decode in CUDA graphs: blocks read to the host on
+    one engine, written back to the device on another, then hit there (fp32, so that
+    the prefix-hit path and the whole-prompt path agree to the token)."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+    from tests.cluster.test_kv_transfer import prefill
+
+    prompts = _prompts()
+    made = [LLM(model=smol_shaped_dir, device="cuda", dtype="float32", num_gpu_blocks=256)
+            for _ in range(3)]
+    engines.extend(made)
+    prefill_llm, decode_llm, plain = made
+    ref = _greedy(plain, prompts, GREEDY)
+    payloads = prefill(prefill_llm, prompts)
+    assert all(k.device.type == "cpu" for p in payloads for k, _ in p.shards)
+    assert sum(import_prompt_kv(decode_llm.engine, p) for p in payloads) > 0
+    outs = decode_llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    B = decode_llm.engine.scheduler.block_size
+    assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // B * B for p in prompts]
+    for llm in made:
+        assert_pool_at_baseline(llm)

@@ -206,3 +206,30 @@ def test_export_is_refused_for_beams_and_embeddings(engines) -> None:
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), "e",
                            pooling_params=PoolingParams(), export_kv=True)
     assert_pool_at_baseline(engines[0])
+
+
+def test_an_adapters_kv_serves_that_adapter_only(tiny_llama_dir, llama_loras, llama_refs
+                                                 ) -> None:
+    """K/V computed under a LoRA adapter differ from the base model's: the shipped blocks
+    carry the adapter in their hashes, so only that adapter's requests hit them."""
+    from tests.cluster.lora_fixtures import PROMPTS
+
+    lora = llama_loras["all7"]
+    kw = dict(model=tiny_llama_dir, num_gpu_blocks=64, enable_lora=True, max_lora_rank=8)
+    made = [LLM(**kw) for _ in range(2)]
+    try:
+        prefill_llm, decode_llm = made
+        payloads = prefill(prefill_llm, PROMPTS, lora_request=lora)
+        assert sum(import_prompt_kv(decode_llm.engine, p) for p in payloads) > 0
+        outs = decode_llm.generate(PROMPTS, GREEDY, lora_request=lora)
+        assert [o.outputs[0].token_ids for o in outs] == llama_refs["all7"]
+        B = decode_llm.engine.scheduler.block_size
+        assert [o.num_cached_tokens for o in outs] == [expected_hits(len(p), B)
+                                                       for p in PROMPTS]
+        base = decode_llm.generate([PROMPTS[-1]], GREEDY)[0]
+        assert base.num_cached_tokens == 0 and base.outputs[0].token_ids == llama_refs[None][-1]
+        for llm in made:
+            assert_pool_at_baseline(llm)
+    finally:
+        for llm in made:
+            llm.shutdown()
