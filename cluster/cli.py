@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-replicas", type=int, default=0,
                    help="disaggregated prefill: this many prefill-only replicas compute "
                         "prompts and ship their KV to the engine replicas, which decode")
+    s.add_argument("--prefill-autoscaling-config", type=_json_object, default=None,
+                   help="the prefill pool's own autoscaling_config (replaces the fixed "
+                        "--prefill-replicas count, which must still be >= 1)")
     s.add_argument("--remote-prefill-min-tokens", type=int, default=64,
                    help="with --prefill-replicas: a prompt whose part missing from the "
                         "decode replica's cache is shorter is computed there")

@@ -80,6 +80,7 @@ class ServeArgs(BaseModel):
     prefill_replicas: int = Field(default=0, ge=0)
     remote_prefill_min_tokens: int = Field(default=64, ge=1)
     remote_prefill_timeout_s: float = Field(default=60.0, gt=0.0)
+    prefill_autoscaling_config: dict[str, Any] | None = None
 
     @classmethod
     def parse(cls, args: ServeArgs | Mapping[str, Any] | Any | None) -> ServeArgs:
@@ -96,22 +97,25 @@ class ServeArgs(BaseModel):
         """Serve's ``autoscaling_config`` for the engine replicas, checked by Serve's own
         model. ``min_replicas: 0`` scales to zero: the first request after idling waits
         for a replica to start and load the model."""
-        if self.autoscaling_config is None:
-            return None
-        from ray.serve.config import AutoscalingConfig
+        return _checked_autoscaling(self.autoscaling_config, "autoscaling_config")
 
-        unknown = set(self.autoscaling_config) - set(AutoscalingConfig.model_fields)
-        if unknown:
-            raise ValueError(f"autoscaling_config: unknown keys {sorted(unknown)}")
-        AutoscalingConfig(**self.autoscaling_config)
-        return dict(self.autoscaling_config)
+    def prefill_autoscaling(self) -> dict[str, Any] | None:
+        """The prefill pool's own ``autoscaling_config`` (Serve scales it on the decode
+        replicas' calls), in place of the fixed ``prefill_replicas``."""
+        cfg = _checked_autoscaling(self.prefill_autoscaling_config,
+                                   "prefill_autoscaling_config")
+        if cfg is not None and not self.prefill_replicas:
+            raise ValueError("prefill_autoscaling_config needs prefill_replicas >= 1 "
+                             "(the pool's size until Serve scales it)")
+        return cfg
 
     def max_replicas(self) -> int:
         """The most engine replicas there can be, prefill ones included: what CPU threads
         are sized for."""
-        cfg = self.autoscaling()
+        cfg, pcfg = self.autoscaling(), self.prefill_autoscaling()
         most = int(cfg.get("max_replicas", 1)) if cfg is not None else self.num_replicas
-        return most + self.prefill_replicas
+        return most + (int(pcfg.get("max_replicas", 1)) if pcfg is not None
+                       else self.prefill_replicas)
 
     def scales_to_zero(self) -> bool:
         cfg = self.autoscaling()
@@ -147,9 +151,13 @@ class ServeArgs(BaseModel):
         return opts
 
     def prefill_options(self, engine_options: dict[str, Any]) -> dict[str, Any]:
-        """The prefill pool's: the engine replicas' placement and router, a fixed count
-        (its callers are the decode replicas, which autoscale if anything does)."""
-        opts = {k: v for k, v in engine_options.items() if k != "autoscaling_config"}
+        """The prefill pool's: the engine replicas' placement and router, and
+        ``prefill_replicas`` or ``prefill_autoscaling_config``."""
+        opts = {k: v for k, v in engine_options.items()
+                if k not in ("autoscaling_config", "num_replicas")}
+        pcfg = self.prefill_autoscaling()
+        if pcfg is not None:
+            return {**opts, "name": PREFILL_DEPLOYMENT, "autoscaling_config": pcfg}
         return {**opts, "name": PREFILL_DEPLOYMENT, "num_replicas": self.prefill_replicas}
 
     def remote_prefill(self) -> RemotePrefillConfig | None:
@@ -185,10 +193,24 @@ class ServeArgs(BaseModel):
             lora_modules=lora_modules or None, max_loaded_loras=self.max_loaded_loras,
             scheduling_policy=self.scheduling_policy, **self.engine_kwargs)
         EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
+        self.prefill_autoscaling()  # checked whatever the device
         if self.prefill_replicas and not engine_kwargs.get("enable_prefix_caching", True):
             raise ValueError("prefill_replicas needs enable_prefix_caching: shipped KV "
                              "blocks reach a request through the prefix cache")
         return ServeSettings(device, threads, engine_kwargs, lora_modules, lora_dir)
+
+
+def _checked_autoscaling(cfg: dict[str, Any] | None, field: str) -> dict[str, Any] | None:
+    """A copy of ``cfg`` once Serve's own model accepts it; unknown keys name ``field``."""
+    if cfg is None:
+        return None
+    from ray.serve.config import AutoscalingConfig
+
+    unknown = set(cfg) - set(AutoscalingConfig.model_fields)
+    if unknown:
+        raise ValueError(f"{field}: unknown keys {sorted(unknown)}")
+    AutoscalingConfig(**cfg)
+    return dict(cfg)
 
 
 def resolve_device(device: str) -> str:

@@ -74,6 +74,16 @@ def test_prefill_replicas_share_the_cores_and_sit_behind_the_engine_replicas(
         build_app({"device": "cpu", "prefill_replicas": -1})
     with pytest.raises(ValueError, match="remote_prefill_min_tokens"):
         build_app({"device": "cpu", "prefill_replicas": 1, "remote_prefill_min_tokens": 0})
+    scaled = _engine_node({"prefill_replicas": 1, "prefill_autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4}})
+    assert scaled.init_args[0]["num_threads"] == 2  # 8 cores over 1 decode + 3 prefill
+    pool = scaled.init_args[3]._bound_deployment._deployment_config.autoscaling_config
+    assert (pool.min_replicas, pool.max_replicas) == (1, 3)
+    with pytest.raises(ValueError, match="prefill_autoscaling_config: unknown keys"):
+        build_app({"device": "cpu", "prefill_replicas": 1,
+                   "prefill_autoscaling_config": {"max_replica": 3}})
+    with pytest.raises(ValueError, match="needs prefill_replicas"):
+        build_app({"device": "cpu", "prefill_autoscaling_config": {"max_replicas": 3}})
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         build_app({"device": "cpu", "prefill_replicas": 1,
                    "engine_kwargs": {"enable_prefix_caching": False}})
