@@ -26,6 +26,12 @@ from pagedserve.cluster.beam_search import BeamSearchParams, BeamSearchSequence,
 from pagedserve.cluster.burst import GAPS_CAP, BurstPolicy
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
+from pagedserve.cluster.engine_lifecycle import (
+    Transition,
+    start_sleep,
+    start_update,
+    start_wake,
+)
 from pagedserve.cluster.kv_transfer import KVPayload, begin_import, end_import, reserved_shards
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.scheduler.lora_request import LoRARequest
@@ -240,6 +246,30 @@ class AsyncEngine:
         finally:
             named = end_import(engine, res, written)
         return named
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 2: the weights too) until ``wake_up``; idle only. New
+        requests meanwhile raise ``EngineSleepingError``. (See ``engine_lifecycle``.)"""
+        await self._transition(start_sleep(self.engine, level))
+
+    async def wake_up(self) -> None:
+        await self._transition(start_wake(self.engine))
+
+    async def update_weights(self, model: str) -> None:
+        """Serve another checkpoint of the same architecture (a local HF directory or
+        GGUF file); idle only. The prefix cache is forgotten."""
+        await self._transition(start_update(self.engine, model))
+
+    async def _transition(self, transition: Transition) -> None:
+        """A sleep / wake / update: marked here, its work on the step thread (after any
+        forward still running), its ending back here."""
+        work, end = transition
+        ok = False
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._step_thread, work)
+            ok = True
+        finally:
+            end(ok)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)

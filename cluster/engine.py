@@ -17,6 +17,14 @@ from typing import Any
 from pagedserve.cluster.beam_search import BeamSearchParams, beam_row_params
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
+from pagedserve.cluster.engine_lifecycle import (
+    EngineSleepingError,
+    calibrate_kv_scales,
+    run_now,
+    start_sleep,
+    start_update,
+    start_wake,
+)
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
 from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
@@ -35,20 +43,6 @@ from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
-
-# What sets the fp8 KV scales at start-up: prose, code, numbers and markup, so keys and
-# values see the kinds of tokens requests bring.
-KV_CALIBRATION_TEXT = (
-    "The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the Moon; "
-    "Neil Armstrong said: \"That's one small step for man, one giant leap for mankind.\"\n"
-    "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n"
-    "        a, b = b, a + b\n    return a\n\n"
-    "| city | population |\n|---|---|\n| Paris | 2,102,650 |\n| Tokyo | 13,960,000 |\n"
-    "<html><body><p>Hello, world!</p></body></html> SELECT name FROM users WHERE id = 42; "
-    "E = mc^2, 3.14159, 0x1F, -273.15 C. Bonjour, comment allez-vous? Wie geht es dir? "
-    "User: What is the capital of France?\nAssistant: The capital of France is Paris."
-)
-
 
 class LLMEngine:
     """One engine replica's core, usable synchronously (``step``) or split in phases."""
@@ -138,26 +132,16 @@ class LLMEngine:
         self._seq_to_group: dict[str, tuple[RequestState, int]] = {}
         self._ids = itertools.count()
         self.dead: BaseException | None = None
+        self.sleep_level = 0  # 1 or 2 while asleep (see ``engine_lifecycle``)
+        self.unavailable: str | None = None  # why new requests are refused, if they are
+        self.weights_changed = False  # new weights loaded while asleep
         self.stats: dict[str, float] = {
             "steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
             "aborted_requests": 0, "execute_seconds": 0.0, "kv_exported_blocks": 0,
             "kv_imported_blocks": 0, "kv_import_failures": 0}
         if config.calculate_kv_scales and str(info["kv_cache_dtype"]).startswith("fp8"):
-            self._calibrate_kv_scales()
+            calibrate_kv_scales(self)
             self.stats = dict.fromkeys(self.stats, 0)  # start-up work is not served work
-
-    def _calibrate_kv_scales(self) -> None:
-        """Embed a fixed text as the very first step, which sets the fp8 KV scales: the
-        same on every replica, and not taken from whatever request (a health probe of a
-        few tokens) happens to come first."""
-        sched = self.scheduler
-        cap = min(self.max_model_len, sched.kv.pool.num_blocks * sched.block_size,
-                  sched.config.max_num_batched_tokens)  # one step, whatever the settings
-        ids = self.tokenize(KV_CALIBRATION_TEXT)[:cap]
-        self.add_request(ids, SamplingParams(max_tokens=1), "__kv_calibration__",
-                         pooling_params=PoolingParams())
-        while self.has_unfinished_requests():
-            self.step()
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -193,6 +177,8 @@ class LLMEngine:
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
+        if self.unavailable is not None:
+            raise EngineSleepingError(f"engine is {self.unavailable}")
         if beam is not None and (params is not None or pooling_params is not None):
             raise ValueError("a beam search takes BeamSearchParams only (params must be None)")
         params = params or SamplingParams()
@@ -389,6 +375,21 @@ class LLMEngine:
                        "weight_bytes": int(self.model_info.get("weight_bytes", 0))},
             "model": self.model_id,
         }
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 2: the weights too) until ``wake_up``; idle engines only."""
+        run_now(start_sleep(self, level))
+
+    def wake_up(self) -> None:
+        run_now(start_wake(self))
+
+    def update_weights(self, model: str) -> None:
+        """Serve another checkpoint of the same architecture; idle engines only."""
+        run_now(start_update(self, model))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no request holds; returns how many blocks."""
+        return self.scheduler.kv.pool.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

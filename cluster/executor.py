@@ -48,6 +48,17 @@ class Executor(abc.ABC):
         """Write each rank its shard of shipped K and V (``read_kv_blocks``'s result)."""
 
     @abc.abstractmethod
+    def sleep(self, level: int) -> None:
+        """Free every rank's KV shard (level 2: the weights too); see ``worker.sleep``."""
+
+    @abc.abstractmethod
+    def wake_up(self) -> None: ...
+
+    @abc.abstractmethod
+    def update_weights(self, model: str) -> None:
+        """Every rank loads its shard of ``model``; ``ValueError`` if one refuses it."""
+
+    @abc.abstractmethod
     def add_lora(self, lora_id: int, path: str) -> None:
         """Load an adapter on every rank; ``ValueError`` if any rank cannot serve it."""
 
@@ -87,6 +98,15 @@ class LocalExecutor(Executor):
     def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, Any]]) -> None:
         (keys, values), = shards
         self.worker.write_kv_blocks(block_ids, keys, values)
+
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
+
+    def update_weights(self, model: str) -> None:
+        self.worker.update_weights(model)
 
     def add_lora(self, lora_id: int, path: str) -> None:
         self.worker.add_lora(lora_id, path)
@@ -178,10 +198,24 @@ class RayExecutor(Executor):
         self._get([w.write_kv_blocks.remote(block_ids, k, v)
                    for w, (k, v) in zip(self.workers, shards, strict=True)])
 
+    def sleep(self, level: int) -> None:
+        self._on_every_rank("sleep", level)
+
+    def wake_up(self) -> None:
+        self._on_every_rank("wake_up")
+
+    def update_weights(self, model: str) -> None:
+        self._on_every_rank("update_weights", model)
+
     def add_lora(self, lora_id: int, path: str) -> None:
+        self._on_every_rank("add_lora", lora_id, path)
+
+    def _on_every_rank(self, method: str, *args: Any) -> None:
+        """Call ``method`` on every rank; a rank's ``ValueError`` (it refused the call:
+        the group itself is fine) is raised as is, anything else means a dead group."""
         try:
-            self._ray.get([w.add_lora.remote(lora_id, path) for w in self.workers])
-        except ValueError as e:  # a rank refused the adapter: the group itself is fine
+            self._ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        except ValueError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, ValueError):
                 raise ValueError(str(cause)) from None

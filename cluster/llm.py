@@ -200,5 +200,21 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids]
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: free the KV cache (level 2: the weights too) until
+        ``wake_up``, e.g. while a trainer uses the device. Between batches only."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def update_weights(self, model: str) -> None:
+        """Generate with another checkpoint of the same architecture from now on (an RLHF
+        step's weights, as SGLang's ``update_weights_from_disk``); asleep or awake."""
+        self.engine.update_weights(model)
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()

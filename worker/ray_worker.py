@@ -60,6 +60,15 @@ class RayWorkerWrapper:
     def write_kv_blocks(self, block_ids: list[int], keys: Any, values: Any) -> None:
         self._on_compute_thread(self.worker.write_kv_blocks, block_ids, keys, values)
 
+    def sleep(self, level: int) -> None:
+        self._on_compute_thread(self.worker.sleep, level)
+
+    def wake_up(self) -> None:
+        self._on_compute_thread(self.worker.wake_up)
+
+    def update_weights(self, model: str) -> None:
+        self._on_compute_thread(self.worker.update_weights, model)
+
     def add_lora(self, lora_id: int, path: str) -> None:
         self._on_compute_thread(self.worker.add_lora, lora_id, path)
 

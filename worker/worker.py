@@ -21,6 +21,7 @@ from pagedserve.kernels import get_backend
 from pagedserve.kernels.kv_quant import is_fp8, kv_dtype_name
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker import sleep as sleep_mode
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
@@ -36,6 +37,7 @@ from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
 from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.sleep import SleepState
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,10 @@ class Worker:
         self.load_time_s = 0.0
         self.packed_weights = False
         self.weight_bytes = 0
+        self.num_kv_heads_per_rank = 0
         self.num_threads: int | None = None
         self.lora: LoRAManager | None = None
+        self.sleep_state: SleepState | None = None
 
     # ----- setup -------------------------------------------------------------------------
 
@@ -136,29 +140,37 @@ class Worker:
         t0 = time.perf_counter()
         self.resolved = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.resolved.path)
-        cls = MODEL_REGISTRY[self.model_config.model_type]
-        self.model = cls(self.model_config, self.ctx, self.backend, self.dtype, self.device)
-        self.model.load_weights(iter_safetensors(self.resolved.path))
-        self.model.eval()
-        self.packed_weights = False
-        tied = {id(self.model.embed_tokens.weight)}
-        if self.config.quantization:
-            unused = {id(self.model.lm_head)} if self.model_config.embedding_only else set()
-            quantize_model(self.model, self.config.quantization, tied, unused)
-        if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
-            self.packed_weights = pack_model(self.model, tied)
-        self.weight_bytes = weight_bytes(self.model)
-        if self.config.max_lora_rank:
-            self.lora = LoRAManager(self.model, self.config.max_lora_rank, self.dtype,
-                                    self.device)
+        self.build_model(self.resolved, self.model_config)
         self.load_time_s = time.perf_counter() - t0
         logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
                     self.load_time_s)
 
+    def build_model(self, resolved: ResolvedModel, model_config: ModelConfig) -> None:
+        """Build the model from ``resolved``'s weights (this rank's shard), then quantise,
+        pack and wrap it for LoRA as the config says; replaces any model held (only once
+        the new one is complete, so a load that fails leaves the old one serving)."""
+        assert self.ctx is not None
+        cls = MODEL_REGISTRY[model_config.model_type]
+        model = cls(model_config, self.ctx, self.backend, self.dtype, self.device)
+        model.load_weights(iter_safetensors(resolved.path))
+        model.eval()
+        self.packed_weights = False
+        tied = {id(model.embed_tokens.weight)}
+        if self.config.quantization:
+            unused = {id(model.lm_head)} if model_config.embedding_only else set()
+            quantize_model(model, self.config.quantization, tied, unused)
+        if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
+            self.packed_weights = pack_model(model, tied)
+        self.weight_bytes = weight_bytes(model)
+        self.num_kv_heads_per_rank = model.num_kv_heads_per_rank  # known while asleep too
+        if self.config.max_lora_rank:
+            self.lora = LoRAManager(model, self.config.max_lora_rank, self.dtype, self.device)
+        self.model = model
+
     def _block_bytes(self) -> int:
-        assert self.model_config is not None and self.model is not None
+        assert self.model_config is not None
         return bytes_per_block(self.model_config.num_layers, self.config.block_size,
-                               self.model.num_kv_heads_per_rank, self.model_config.head_dim,
+                               self.num_kv_heads_per_rank, self.model_config.head_dim,
                                self.kv_dtype)
 
     def determine_num_blocks(self) -> int:
@@ -224,13 +236,22 @@ class Worker:
         assert self.model is not None and self.model_config is not None and self.ctx
         cpu_blocks = self.config.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks
         self.kv_cache = KVCache(self.model_config.num_layers, num_gpu_blocks,
-                                self.config.block_size, self.model.num_kv_heads_per_rank,
+                                self.config.block_size, self.num_kv_heads_per_rank,
                                 self.model_config.head_dim, self.kv_dtype, self.device,
                                 self.backend, cpu_blocks)
+        self.build_runner(cuda_graphs, calibrate)
+
+    def build_runner(self, cuda_graphs: bool = True, calibrate: bool = True) -> None:
+        """The model runner over the held model and KV cache (new weights need a new one:
+        CUDA graphs hold the old weights' addresses). With ``calibrate``, fp8 KV scales
+        are set from the next step; a model that has scales keeps them otherwise."""
+        assert self.model is not None and self.kv_cache is not None and self.ctx
+        assert self.model_config is not None
         scaled = self.config.calculate_kv_scales and is_fp8(self.kv_dtype)
         if scaled:  # before graph capture, so the graphs hold the scale ops
             for attn in self.model.attention_layers():
-                attn.use_kv_scales(self.device)
+                if attn.k_scale is None:  # (a model kept through sleep keeps its scales)
+                    attn.use_kv_scales(self.device)
         sampler = Sampler(self.model_config.eos_token_ids, grammar_book=self._grammar_book)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
@@ -281,8 +302,22 @@ class Worker:
     def remove_lora(self, lora_id: int) -> bool:
         return self.lora is not None and self.lora.remove(lora_id)
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV shard (level 2: the weights too); see ``worker.sleep``."""
+        sleep_mode.sleep(self, level)
+
+    def wake_up(self) -> None:
+        sleep_mode.wake_up(self)
+
+    def update_weights(self, model: str) -> None:
+        """Serve another checkpoint of the same architecture (``worker.sleep``)."""
+        sleep_mode.update_weights(self, model)
+
     def check_health(self) -> dict[str, Any]:
         """Raise if this rank cannot serve; otherwise a small status dict."""
+        if self.sleep_state is not None:  # asleep on purpose is healthy
+            return {"rank": self.ctx.rank if self.ctx else None, "ok": True,
+                    "sleeping": self.sleep_state.level}
         if self.model is None or self.runner is None:
             raise RuntimeError("worker not ready: model or KV cache not initialised")
         if self.device.type == "cuda":  # pragma: no cover - CUDA only
@@ -309,7 +344,7 @@ class Worker:
             "hidden_size": mc.hidden_size,
             "num_heads": mc.num_heads,
             "num_kv_heads": mc.num_kv_heads,
-            "num_kv_heads_per_rank": self.model.num_kv_heads_per_rank,
+            "num_kv_heads_per_rank": self.num_kv_heads_per_rank,
             "head_dim": mc.head_dim,
             "num_experts": mc.moe.num_experts if mc.moe else 0,
             "num_experts_per_tok": mc.moe.top_k if mc.moe else 0,

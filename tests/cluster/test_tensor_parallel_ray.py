@@ -133,6 +133,40 @@ def test_tp2_kv_transfer_ships_each_rank_its_own_shard(ray_cluster, tiny_llama_d
         tp1.shutdown()
 
 
+def test_tp2_sleep_and_new_weights_on_every_rank(ray_cluster, tiny_llama_dir, tmp_path
+                                                 ) -> None:
+    """Each rank frees its shard asleep, reloads its shard of the new checkpoint, and the
+    group gives TP=1's tokens for each set of weights."""
+    from pagedserve.worker.testing import write_random_checkpoint
+
+    other = write_random_checkpoint(tmp_path / "other", "llama", None, seed=99)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = prompts_of_mixed_lengths(4)
+    refs = {}
+    for path in (tiny_llama_dir, other):
+        tp1 = LLM(model=path, num_gpu_blocks=64)
+        try:
+            refs[path] = [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
+        finally:
+            tp1.shutdown()
+    tp2 = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64,
+              num_threads=1)
+    try:
+        tp2.sleep(2)
+        tp2.engine.check_health()
+        tp2.update_weights(other)
+        tp2.wake_up()
+        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, params)] == refs[other]
+        tp2.update_weights(tiny_llama_dir)
+        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, params)] == \
+            refs[tiny_llama_dir]
+        with pytest.raises(ValueError, match="level must be 1 or 2"):
+            tp2.sleep(5)
+        assert_pool_at_baseline(tp2)
+    finally:
+        tp2.shutdown()
+
+
 def test_killed_rank_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir) -> None:
     llm = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64, num_threads=1)
     try:
