@@ -247,18 +247,41 @@ class AsyncEngine:
             named = end_import(engine, res, written)
         return named
 
-    async def sleep(self, level: int = 1) -> None:
-        """Free the KV pool (level 2: the weights too) until ``wake_up``; idle only. New
-        requests meanwhile raise ``EngineSleepingError``. (See ``engine_lifecycle``.)"""
+    async def sleep(self, level: int = 1, drain_timeout_s: float | None = None) -> None:
+        """Free the KV pool (level 2: the weights too) until ``wake_up``. New requests
+        meanwhile raise ``EngineSleepingError``. A busy engine is refused, or with
+        ``drain_timeout_s`` it refuses new requests and lets the running ones finish
+        first (a ``ValueError`` if they take longer). (See ``engine_lifecycle``.)"""
+        await self._drain(drain_timeout_s, "sleep")
         await self._transition(start_sleep(self.engine, level))
 
     async def wake_up(self) -> None:
         await self._transition(start_wake(self.engine))
 
-    async def update_weights(self, model: str) -> None:
+    async def update_weights(self, model: str, drain_timeout_s: float | None = None) -> None:
         """Serve another checkpoint of the same architecture (a local HF directory or
-        GGUF file); idle only. The prefix cache is forgotten."""
+        GGUF file); idle only, or drained as ``sleep`` does. The prefix cache is
+        forgotten."""
+        await self._drain(drain_timeout_s, "update_weights")
         await self._transition(start_update(self.engine, model))
+
+    async def _drain(self, timeout_s: float | None, what: str) -> None:
+        """Refuse new requests until the unfinished ones are done (none: return now)."""
+        engine = self.engine
+        if timeout_s is None or not engine.has_unfinished_requests():
+            return
+        if engine.unavailable is not None:
+            raise ValueError(f"{what} while the engine is {engine.unavailable}")
+        engine.unavailable = f"draining for {what}"
+        try:
+            async with asyncio.timeout(timeout_s):
+                while engine.has_unfinished_requests():
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise ValueError(f"{what}: {len(engine._groups)} requests still unfinished "
+                             f"after {timeout_s:g} s") from None
+        finally:  # the transition that follows marks the engine again, with no await between
+            engine.unavailable = None
 
     async def _transition(self, transition: Transition) -> None:
         """A sleep / wake / update: marked here, its work on the step thread (after any

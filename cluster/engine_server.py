@@ -32,6 +32,7 @@ from pagedserve.cluster.beam_search import BeamSearchParams
 from pagedserve.cluster.channel import Outboxes
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.disagg import PREFILL_PARAMS, RemotePrefillConfig, RemotePrefiller
+from pagedserve.cluster.engine_lifecycle import EngineSleepingError
 from pagedserve.cluster.metrics import RequestTimer, ServerMetrics
 from pagedserve.cluster.placement import stream_message_budget
 from pagedserve.cluster.wire import (
@@ -183,6 +184,9 @@ class EngineServer:
             reason = "rejected"
             return {"error": str(e), "status": 400, "retryable": False,
                     "replica": self.replica_id}
+        except EngineSleepingError as e:  # another replica may be awake
+            return {"error": f"replica {self.replica_id}: {e}", "status": 503,
+                    "retryable": True, "replica": self.replica_id}
         except (EngineDeadError, RuntimeError) as e:
             reason = "error"
             logger.error("request %s failed on replica %s: %s", req.request_id,
@@ -237,6 +241,9 @@ class EngineServer:
         except ValueError as e:
             reason = "rejected"
             yield EngineChunk(rid, self.replica_id, error=str(e), status=400)
+        except EngineSleepingError as e:  # another replica may be awake
+            yield EngineChunk(rid, self.replica_id, error=f"replica {self.replica_id}: {e}",
+                              status=503, retryable=True)
         except (EngineDeadError, RuntimeError) as e:
             reason = "error"
             logger.error("request %s failed on replica %s: %s", rid, self.replica_id, e)
@@ -260,6 +267,10 @@ class EngineServer:
         """Prove this replica still generates: one greedy token through the whole engine
         (an embedding model embeds the probe instead)."""
         t0 = time.monotonic()
+        level = self.engine.engine.sleep_level
+        if level:  # asleep on purpose: healthy, and nothing to generate with
+            return {"replica": self.replica_id, "ok": True, "sleeping": level,
+                    "latency_s": 0.0}
         params = SamplingParams(max_tokens=1, temperature=0.0)
         pooling = (PoolingParams() if self.engine.engine.model_info.get("embedding_only")
                    else None)
@@ -276,6 +287,43 @@ class EngineServer:
     def tp_workers(self) -> list[Any]:
         """This replica's tensor-parallel rank actors (none in-process), for operators."""
         return list(getattr(self.engine.engine.executor, "workers", []))
+
+    # ---- sleep mode and weights (the ingress's admin endpoints) ------------------------
+
+    async def sleep(self, call: ReplicaCall) -> dict[str, Any]:
+        """Drain (up to the call's timeout), then sleep at ``args["level"]``."""
+        level = int(call.args.get("level", 1))
+        drain = float(call.args.get("drain_timeout_s", call.timeout_s))
+        return await self._control(self.engine.sleep(level, drain_timeout_s=drain))
+
+    async def wake_up(self, call: ReplicaCall) -> dict[str, Any]:
+        return await self._control(self.engine.wake_up())
+
+    async def update_weights(self, call: ReplicaCall) -> dict[str, Any]:
+        """Drain, then load ``args["model"]`` (a path on this replica's node)."""
+        drain = float(call.args.get("drain_timeout_s", call.timeout_s))
+        return await self._control(self.engine.update_weights(str(call.args["model"]),
+                                                              drain_timeout_s=drain))
+
+    def reset_prefix_cache(self, call: ReplicaCall) -> dict[str, Any]:
+        dropped = self.engine.engine.reset_prefix_cache()
+        return {"ok": True, "dropped_blocks": dropped, **self._sleep_state()}
+
+    def sleep_state(self, call: ReplicaCall) -> dict[str, Any]:
+        return {"ok": True, **self._sleep_state()}
+
+    def _sleep_state(self) -> dict[str, Any]:
+        core = self.engine.engine
+        return {"sleep_level": core.sleep_level, "model_path": core.model_info["model_path"]}
+
+    async def _control(self, op: Awaitable[None]) -> dict[str, Any]:
+        """An admin call's answer: ``{"ok": True, ...state}`` or ``{"ok": False, "error"}``
+        when the engine refused it (busy, already asleep, another architecture)."""
+        try:
+            await op
+        except ValueError as e:
+            return {"ok": False, "error": str(e), **self._sleep_state()}
+        return {"ok": True, **self._sleep_state()}
 
     async def check_health(self) -> None:
         """Serve's periodic check: a dead rank or engine loop gets this replica replaced."""

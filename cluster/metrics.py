@@ -283,17 +283,19 @@ def _dig(d: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 
 async def call_each_replica(handle: Any, replica_ids: list[str], method: str,
-                            timeout_s: float) -> list[dict[str, Any]]:
+                            timeout_s: float, **args: Any) -> list[dict[str, Any]]:
     """Call ``method`` on every engine replica by id; a failure is reported, not raised.
 
-    Used for ``/v1/stats``, ``/metrics`` (method ``stats``) and ``/health`` (``probe``).
+    Used for ``/v1/stats``, ``/metrics`` (method ``stats``), ``/health`` (``probe``) and
+    the admin calls (``sleep``...; ``args`` travel in the ``ReplicaCall``).
     """
     from pagedserve.cluster.wire import ReplicaCall
 
     async def call(rid: str) -> dict[str, Any]:
         try:
             res = await asyncio.wait_for(
-                getattr(handle, method).remote(ReplicaCall(rid, timeout_s)), timeout_s + 5)
+                getattr(handle, method).remote(ReplicaCall(rid, timeout_s, args)),
+                timeout_s + 5)
             return {"replica": rid, "stats" if method == "stats" else "result": res}
         except Exception as e:
             last = (str(e).strip().splitlines() or [""])[-1][:300]

@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.reasoning import ReasoningStream, split_reasoning
 from pagedserve.cluster.tools import ToolContext, ToolStream
 
@@ -275,3 +279,39 @@ class Formatter:
         return sse({"id": st.id, "object": obj, "created": st.created,
                     "model": st.model or self.model,
                     "choices": [], "usage": st.usage()})
+
+
+async def render_response(fmt: Formatter, state: ResponseState,
+                          chunks: AsyncIterator[tuple[int, Any]], stream: bool,
+                          include_usage: bool, continuous_usage: bool) -> Response:
+    """The HTTP answer from the replicas' chunks: one JSON body, or server-sent events
+    (the first chunk awaited before the 200, so an early error is a plain HTTP error)."""
+    if not stream:
+        async for i, c in chunks:
+            fmt.add(state, i, c)
+        return JSONResponse(fmt.full_response(state))
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await chunks.aclose()
+        raise
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                for ev in fmt.stream_events(state, *first, continuous_usage):
+                    yield ev
+            async for i, c in chunks:
+                for ev in fmt.stream_events(state, i, c, continuous_usage):
+                    yield ev
+            if include_usage:
+                yield fmt.usage_event(state)
+        except APIError as e:
+            yield sse(e.body())
+        finally:
+            await chunks.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

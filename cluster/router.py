@@ -109,7 +109,8 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
                         continue  # a late chunk of an attempt already given up
                     replica = item.replica
                     if item.error is not None:
-                        if item.retryable and not sent and attempt + 1 < MAX_ATTEMPTS:
+                        if (item.retryable and not sent and attempt + 1 < MAX_ATTEMPTS
+                                and _another_replica(handle, [*exclude, replica])):
                             retry = done = True
                             break
                         raise APIError(item.error, status=item.status,
@@ -138,6 +139,16 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
         logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
         if replica is not None:
             exclude.append(replica)
+
+
+def _another_replica(handle: Any, tried: list[str]) -> bool:
+    """Whether a replica not yet tried is up (the router would otherwise send the retry
+    back to one that refused it, whose answers this reader skips as stale)."""
+    name = getattr(handle, "deployment_name", None)
+    if name is None:
+        return True
+    known = known_replicas(name, getattr(handle, "app_name", None))
+    return not known or bool(set(known) - set(tried))
 
 
 def routed_request(rid: str, ids: list[int], params: SamplingParams, salt: str | None,

@@ -20,16 +20,18 @@ import dataclasses
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from pagedserve.cluster.admin_api import EngineAdmin
+from pagedserve.cluster.admin_api import router as admin_router
 from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
@@ -54,7 +56,13 @@ from pagedserve.cluster.protocol import (
     validation_error_body,
 )
 from pagedserve.cluster.reasoning import defer_constraint, thought_closed
-from pagedserve.cluster.responses import Formatter, ResponseState, new_id, now, sse
+from pagedserve.cluster.responses import (
+    Formatter,
+    ResponseState,
+    new_id,
+    now,
+    render_response,
+)
 from pagedserve.cluster.router import (
     affinity_snapshot,
     known_replicas,
@@ -89,10 +97,13 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
 api.add_middleware(HttpMetricsMiddleware, metrics=_http)
 
 
+api.include_router(admin_router)
+
+
 @serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
-class OpenAIServer:
+class OpenAIServer(EngineAdmin):
     """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
 
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
@@ -171,35 +182,8 @@ class OpenAIServer:
                               self.reasoning_parser if kind == "chat.completion" else None,
                               include_reasoning, thought_closed)
         chunks = merge_streams(self._channel, self._engine, reqs)
-        if not stream:
-            async for i, c in chunks:
-                self.fmt.add(state, i, c)
-            return JSONResponse(self.fmt.full_response(state))
-        try:  # the first chunk is awaited here so an early error is a plain HTTP error
-            first = await anext(chunks)
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await chunks.aclose()
-            raise
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                if first is not None:
-                    for ev in self.fmt.stream_events(state, *first, continuous_usage):
-                        yield ev
-                async for i, c in chunks:
-                    for ev in self.fmt.stream_events(state, i, c, continuous_usage):
-                        yield ev
-                if include_usage:
-                    yield self.fmt.usage_event(state)
-            except APIError as e:
-                yield sse(e.body())
-            finally:
-                await chunks.aclose()
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return await render_response(self.fmt, state, chunks, stream, include_usage,
+                                     continuous_usage)
 
     async def _replica_ids(self) -> list[str]:
         ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
@@ -212,15 +196,17 @@ class OpenAIServer:
         return await call_each_replica(self._engine, await self._replica_ids(), method,
                                        timeout_s)
 
-    async def _each_prefill_replica(self) -> list[dict[str, Any]]:
-        """The prefill pool's stats (none unless disaggregated); its router starts with
-        a call, as the engine handle's does."""
-        if self._prefill is None:
-            return []
+    async def _prefill_ids(self) -> list[str]:
+        """The prefill pool's replicas (its handle's router starts with a call)."""
         if not known_replicas(PREFILL_DEPLOYMENT, self.app_name):
             await self._prefill.info.remote()
-        return await call_each_replica(
-            self._prefill, known_replicas(PREFILL_DEPLOYMENT, self.app_name), "stats", 10.0)
+        return known_replicas(PREFILL_DEPLOYMENT, self.app_name)
+
+    async def _each_prefill_replica(self) -> list[dict[str, Any]]:
+        """The prefill pool's stats (none unless disaggregated)."""
+        if self._prefill is None:
+            return []
+        return await call_each_replica(self._prefill, await self._prefill_ids(), "stats", 10.0)
 
     # ---- endpoints ---------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -41,10 +42,12 @@ class EngineRequest:
 
 @dataclass
 class ReplicaCall:
-    """A control call (stats, health probe) that must reach one named replica."""
+    """A control call (stats, health probe, sleep...) that must reach one named replica;
+    ``args`` are the call's own (a sleep level, a model path)."""
 
     target_replica: str
     timeout_s: float = 30.0
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- ingress <-> engine replica wire format --------------------------------------------

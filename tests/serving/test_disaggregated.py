@@ -168,3 +168,10 @@ def decode_and_prefill_when_up(app: App) -> tuple[dict[str, Any], dict[str, Any]
     (decode,) = body["replicas"]
     prefill = [p["stats"] for p in body.get("prefill_replicas", []) if "stats" in p]
     return decode["stats"], (prefill[0] if prefill else None)
+
+
+def test_admin_calls_reach_the_prefill_pool_too(pd: App) -> None:
+    state = httpx.get(f"{pd.base}/is_sleeping", headers=pd.headers, timeout=60).json()
+    assert not state["is_sleeping"] and len(state["replicas"]) == 2
+    r = httpx.post(f"{pd.base}/reset_prefix_cache", headers=pd.headers, timeout=60)
+    assert r.status_code == 200 and len(r.json()["replicas"]) == 2
