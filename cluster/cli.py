@@ -42,6 +42,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "weights (scale and minimum per 32), about half that again (CPU only)")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                   help="GiB of CPU memory per rank for a second prefix-cache tier: blocks "
+                        "evicted from the pool are kept there and loaded back on a hit")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -175,6 +178,7 @@ def generate(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        kv_offloading_size=args.kv_offloading_size,
         quantization=args.quantization)
     lora = None
     try:

@@ -18,7 +18,11 @@ class EngineConfig:
     On CPU the KV pool is sized by ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
     (default 512 MiB); on CUDA by ``gpu_memory_utilization`` after profiling.
     ``swap_space_bytes`` sizes the CPU swap tier (0 disables swap: preemption
-    then always recomputes). ``burst_wait_ms`` is how long an idle async engine,
+    then always recomputes). ``kv_offloading_size`` (GiB, vLLM's option; or
+    ``num_offload_blocks``) adds that much to the CPU tier and makes it a second
+    level of the prefix cache: full blocks evicted from the device are copied
+    there, and later prompts that continue past the device's cache load them
+    back instead of computing them (``scheduler.cpu_block_pool``). ``burst_wait_ms`` is how long an idle async engine,
     woken by a request, waits for the rest of its burst: None sizes it from
     the engine's measured steps, 0 turns it off (see ``cluster.burst``).
     On CUDA, decode steps replay captured CUDA graphs unless ``enforce_eager``.
@@ -56,6 +60,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     swap_space_bytes: int = 256 * 2**20
     num_cpu_blocks: int | None = None
+    kv_offloading_size: float = 0.0
+    num_offload_blocks: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -126,6 +132,15 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        size = self.kv_offloading_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")
+        n = self.num_offload_blocks
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"num_offload_blocks must be an integer >= 0, got {n!r}")
+        if self.offloads_kv() and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching: offloaded "
+                             "blocks come back as prefix-cache hits")
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(
                 f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}"
@@ -134,6 +149,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def offloads_kv(self) -> bool:
+        return bool(self.num_offload_blocks) if self.num_offload_blocks is not None \
+            else self.kv_offloading_size > 0
 
     def resolved_max_loaded_loras(self) -> int:
         return self.max_loaded_loras or max(16, self.max_loras)

@@ -103,6 +103,13 @@ class LLMEngine:
             num_cpu_blocks = config.swap_space_bytes // int(info["bytes_per_block"])
         if config.preemption_mode == "recompute":
             num_cpu_blocks = 0
+        num_offload = config.num_offload_blocks
+        if num_offload is None:
+            num_offload = int(config.kv_offloading_size * 2**30) // int(info["bytes_per_block"])
+        if config.offloads_kv() and num_offload == 0:
+            raise ValueError(f"kv_offloading_size ({config.kv_offloading_size} GiB) holds no "
+                             f"block of {int(info['bytes_per_block'])} bytes")
+        num_cpu_blocks += num_offload
         self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -121,6 +128,7 @@ class LLMEngine:
                 num_cpu_blocks=num_cpu_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 model_id=self.model_id,
+                enable_kv_offload=num_offload > 0,
             ),
             spec,
         )
@@ -365,6 +373,8 @@ class LLMEngine:
             "num_preemptions": dict(self.scheduler.num_preemptions),
             "prefix_cache_queries": self.scheduler.kv.prefix_queries,
             "prefix_cache_hits": self.scheduler.kv.prefix_hits,
+            "kv_offload": {"enabled": self.scheduler.kv.offload_enabled,
+                           **self.scheduler.kv.offload_stats},
             "spec_decode": dict(self.scheduler.spec_stats),
             "lora": self.loras.stats({"running": self.scheduler.running,
                                       "waiting": self.scheduler.waiting,
@@ -388,8 +398,9 @@ class LLMEngine:
         run_now(start_update(self, model))
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix no request holds; returns how many blocks."""
-        return self.scheduler.kv.pool.reset_prefix_cache()
+        """Forget every cached prefix no request holds (offloaded ones too); returns how
+        many blocks."""
+        return self.scheduler.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -181,6 +181,10 @@ class _Collector:
             ("kv_blocks_shared", "KV blocks with refcount > 1", ("memory", "num_shared_blocks")),
             ("kv_blocks_cached_free", "Free blocks still holding a prefix",
              ("memory", "num_cached_free_blocks")),
+            ("kv_cpu_blocks_total", "Blocks of the CPU tier (swap and offloading)",
+             ("memory", "num_cpu_blocks")),
+            ("kv_cpu_blocks_cached", "CPU blocks holding an offloaded prefix",
+             ("memory", "num_cpu_cached_blocks")),
             ("kv_block_bytes", "Bytes of one KV block (all layers, this rank)",
              ("memory", "bytes_per_block")),
             ("model_weight_bytes", "Bytes of model weights one rank holds (int8 codes and "
@@ -213,6 +217,10 @@ class _Collector:
              ("prefix_cache_queries",)),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
              ("prefix_cache_hits",)),
+            ("prefix_cache_cpu_hits", "Prompt tokens loaded from the CPU tier (offloaded "
+             "blocks) instead of computed", ("kv_offload", "cpu_hit_tokens")),
+            ("kv_offloaded_blocks", "Evicted device blocks copied to the CPU tier",
+             ("kv_offload", "offloaded_blocks")),
             ("engine_steps", "Engine steps run", ("steps",)),
             ("spec_decode_num_drafts", "Decode rows that carried draft tokens",
              ("spec_decode", "num_drafts")),

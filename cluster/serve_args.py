@@ -47,6 +47,7 @@ class ServeArgs(BaseModel):
     quantization: Literal["int8", "int4"] | None = None
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_offloading_size: float = Field(default=0.0, ge=0.0)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     speculative_config: dict[str, Any] | None = None
@@ -183,6 +184,7 @@ class ServeArgs(BaseModel):
             calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            kv_offloading_size=self.kv_offloading_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager, speculative_config=self.speculative_config,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

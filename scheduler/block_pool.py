@@ -9,6 +9,9 @@ Policy, in vLLM v1's terms:
   makes a finished or preempted request's prefix a cache hit.
 - Callers free a request's blocks tail first, so the tail of a sequence (the
   part least likely to be shared) is evicted before its prefix.
+- With ``record_evictions`` (KV offloading), every hash that ``allocate``
+  evicts is noted with its block in ``evicted``, so the step that reuses the
+  block can copy the old content to the CPU tier first.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.record_evictions = False
+        self.evicted: list[tuple[int, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,6 +128,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self.free_queue.popleft()
+            if self.record_evictions and b.block_hash is not None:
+                self.evicted.append((b.block_id, b.block_hash))
             self._evict(b)
             b.ref_cnt = 1
             out.append(b)
@@ -166,37 +173,3 @@ class BlockPool:
                 self._evict(b)
                 dropped += 1
         return dropped
-
-
-class CpuBlockPool:
-    """The CPU swap tier: plain free list, each block owned by one swapped request.
-
-    Swap copies are never shared on the CPU side: two requests that swap out
-    the same device block each get their own copy, which keeps ownership (and
-    freeing on abort) trivial. Block ids are CPU-tier ids, never device ids.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"need {n} CPU blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        self._used.update(out)
-        return out
-
-    def free(self, block_ids: Iterable[int]) -> None:
-        for b in block_ids:
-            if b not in self._used:
-                raise RuntimeError(f"double free of CPU block {b}")
-            self._used.remove(b)
-            self._free.append(b)

@@ -47,13 +47,18 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The paged pool: block size, device and CPU block counts, prefix caching."""
+    """The paged pool: block size, device and CPU block counts, prefix caching.
+
+    ``enable_kv_offload`` makes the CPU tier a second level of the prefix cache
+    (``scheduler.cpu_block_pool``); it needs prefix caching and CPU blocks.
+    """
 
     num_gpu_blocks: int
     block_size: int = 16
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = True
     model_id: str = ""
+    enable_kv_offload: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -62,3 +67,5 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks must be > 0, got {self.num_gpu_blocks!r}")
         if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
+        if self.enable_kv_offload and not (self.enable_prefix_caching and self.num_cpu_blocks):
+            raise ValueError("kv_offloading needs enable_prefix_caching and num_cpu_blocks > 0")

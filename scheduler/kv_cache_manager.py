@@ -1,5 +1,5 @@
 """Per-request block tables on top of the pools: prefix hits, slot allocation,
-fork and copy-on-write, swap between tiers, freeing.
+fork and copy-on-write, swap between tiers, KV offloading, freeing.
 
 Every method either succeeds or leaves all state untouched, so the scheduler
 can try an allocation, fail, preempt someone and try again.
@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.scheduler.block_hash import BlockHash
-from pagedserve.scheduler.block_pool import BlockPool, CpuBlockPool, KVCacheBlock
+from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
+from pagedserve.scheduler.cpu_block_pool import CpuBlockPool
 from pagedserve.scheduler.request import Request
 
 
@@ -46,7 +47,15 @@ class SwappedBlocks:
 
 
 class KVCacheManager:
-    """Owns ``request_id -> [KVCacheBlock]`` and every change to it."""
+    """Owns ``request_id -> [KVCacheBlock]`` and every change to it.
+
+    With ``enable_offload`` the CPU tier is also a second level of the prefix
+    cache (``cpu_block_pool``): full blocks evicted from the device are copied
+    there by the step that reuses them (``end_step``), and an admitted request
+    whose prefix continues there loads those blocks into fresh device blocks
+    (``get_offloaded_blocks``), which it names by their hashes once the step ran,
+    as it would blocks it computed.
+    """
 
     def __init__(
         self,
@@ -54,12 +63,21 @@ class KVCacheManager:
         block_size: int,
         num_cpu_blocks: int = 0,
         enable_caching: bool = True,
+        enable_offload: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if enable_offload and not (enable_caching and num_cpu_blocks > 0):
+            raise ValueError("kv_offloading needs enable_prefix_caching and CPU blocks "
+                             f"(num_cpu_blocks={num_cpu_blocks}, "
+                             f"enable_prefix_caching={enable_caching})")
         self.block_size = block_size
         self.pool = BlockPool(num_gpu_blocks, enable_caching)
-        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.pool.record_evictions = enable_offload
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks, enable_caching=enable_offload)
+        self.offload_enabled = enable_offload
+        self._loads: list[tuple[int, int]] = []  # (device, cpu) of this step's CPU hits
+        self.offload_stats = {"cpu_hit_tokens": 0, "offloaded_blocks": 0, "loaded_blocks": 0}
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as plain ids, kept in step so plans copy them in C.
         self.req_block_ids: dict[str, list[int]] = {}
@@ -88,6 +106,21 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def get_offloaded_blocks(self, request: Request, num_device_hits: int) -> list[int]:
+        """CPU blocks that continue the prefix after its ``num_device_hits`` device hits
+        (the same one-token-left limit), for ``allocate_slots(..., offloaded=)``."""
+        if not self.offload_enabled:
+            return []
+        hashes = request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        found: list[int] = []
+        for h in hashes[num_device_hits:max_blocks]:
+            cpu_id = self.cpu_pool.lookup(h)
+            if cpu_id is None:
+                break
+            found.append(cpu_id)
+        return found
+
     # ---- allocation ----------------------------------------------------------
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
@@ -104,11 +137,14 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
+        offloaded: list[int] | None = None,
     ) -> list[tuple[int, int]] | None:
         """Make room for ``num_new_tokens`` after ``request.num_computed_tokens``.
 
         ``computed_blocks`` are prefix-cache hits for a request being admitted
-        (its ``num_computed_tokens`` already counts them). Returns the
+        and ``offloaded`` the CPU blocks that follow them (its
+        ``num_computed_tokens`` already counts both); each of the latter gets a
+        fresh device block, loaded by this step's swap-ins. Returns the
         copy-on-write pairs to emit, or ``None`` (nothing changed) if the pool
         is short.
         """
@@ -124,7 +160,8 @@ class KVCacheManager:
             ):
                 return []
         computed_blocks = computed_blocks or []
-        if computed_blocks and blocks:
+        offloaded = offloaded or []
+        if (computed_blocks or offloaded) and blocks:
             raise RuntimeError(f"{rid} already has blocks; prefix hits only at admission")
         total = request.num_computed_tokens + num_new_tokens
         have = len(blocks) + len(computed_blocks)
@@ -151,6 +188,12 @@ class KVCacheManager:
         fresh = self.pool.allocate(need)
         blocks.extend(fresh)
         ids.extend(b.block_id for b in fresh)
+        if offloaded:
+            self._loads.extend((b.block_id, c) for b, c in zip(fresh, offloaded))
+            self.cpu_pool.pin(offloaded)
+            self.cpu_pool.touch(offloaded)
+            self.offload_stats["cpu_hit_tokens"] += len(offloaded) * self.block_size
+            self.offload_stats["loaded_blocks"] += len(offloaded)
         return copies
 
     def _cow_index(
@@ -201,14 +244,14 @@ class KVCacheManager:
         if blocks:
             self.pool.free(reversed(blocks))
         swapped = self.swapped.pop(request.request_id, None)
-        if swapped:
-            self.cpu_pool.free(swapped.cpu_block_ids)
+        if swapped:  # (with offloading its full blocks stay cached on the CPU)
+            self.cpu_pool.free(swapped.cpu_block_ids, swapped.hashes)
 
     # ---- swap ----------------------------------------------------------------
 
     def can_swap_out(self, request: Request) -> bool:
         n = len(self.req_blocks.get(request.request_id, ()))
-        return n <= self.cpu_pool.num_free_blocks
+        return n <= self.cpu_pool.num_available_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Copy a request's blocks to the CPU tier and release them on the device.
@@ -252,10 +295,35 @@ class KVCacheManager:
                 blocks.append(b)
                 pairs.append((b.block_id, cpu_id))
         del self.swapped[request.request_id]
-        self.cpu_pool.free(sw.cpu_block_ids)
+        self.cpu_pool.pin(sw.cpu_block_ids)  # read by this step: not reused in it
+        self.cpu_pool.free(sw.cpu_block_ids, sw.hashes)
         self.req_blocks[request.request_id] = blocks
         self.req_block_ids[request.request_id] = [b.block_id for b in blocks]
         return pairs
+
+    # ---- offloading ------------------------------------------------------------
+
+    def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Close the step being planned: ``(swap_outs, swap_ins)`` to add to its plan.
+
+        The swap-outs copy each device block this step evicted from the prefix cache
+        into the CPU tier under its hash (the worker runs them before anything writes
+        the reused block); the swap-ins load this step's CPU hits. Pins end here.
+        """
+        outs: list[tuple[int, int]] = []
+        for block_id, block_hash in self.pool.evicted:
+            cpu_id = self.cpu_pool.store(block_hash)
+            if cpu_id is not None:
+                outs.append((block_id, cpu_id))
+        self.pool.evicted.clear()
+        loads, self._loads = self._loads, []
+        self.cpu_pool.release_pins()
+        self.offload_stats["offloaded_blocks"] += len(outs)
+        return outs, loads
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds, on both tiers; returns how many."""
+        return self.pool.reset_prefix_cache() + self.cpu_pool.reset()
 
     # ---- KV transfer between replicas ---------------------------------------
 
@@ -294,8 +362,11 @@ class KVCacheManager:
         room = self.pool.num_free_blocks
         if len(missing) > room:
             missing = missing[:room]
-        return ImportReservation(list(hashes), missing, self.pool.allocate(len(missing)),
-                                 held)
+        fresh = self.pool.allocate(len(missing))
+        # Written beside the step loop, before any step could copy their old content
+        # out: what these blocks held is not offloaded.
+        self.pool.evicted.clear()
+        return ImportReservation(list(hashes), missing, fresh, held)
 
     def commit_import(self, res: ImportReservation, written: bool) -> int:
         """Name the written blocks by their hashes (if ``written``) and release every

@@ -56,6 +56,7 @@ class MemoryStats:
     num_shared_blocks: int
     num_cpu_blocks: int
     num_swapped_blocks: int
+    num_cpu_cached_blocks: int
     kv_tokens: int
     allocated_slots: int
     fragmentation_slots: int
@@ -88,7 +89,8 @@ def memory_stats(scheduler: Scheduler) -> MemoryStats:
         num_cached_free_blocks=sum(1 for b in pool.free_queue if b.block_hash is not None),
         num_shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
         num_cpu_blocks=kv.cpu_pool.num_blocks,
-        num_swapped_blocks=kv.cpu_pool.num_blocks - kv.cpu_pool.num_free_blocks,
+        num_swapped_blocks=kv.cpu_pool.num_owned_blocks,
+        num_cpu_cached_blocks=kv.cpu_pool.num_cached_blocks,
         kv_tokens=tokens,
         allocated_slots=slots,
         fragmentation_slots=max(0, slots - tokens),

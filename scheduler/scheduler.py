@@ -50,6 +50,7 @@ class Scheduler(BeamScheduling):
             cache_config.block_size,
             cache_config.num_cpu_blocks,
             cache_config.enable_prefix_caching,
+            cache_config.enable_kv_offload,
         )
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}
@@ -202,15 +203,17 @@ class Scheduler(BeamScheduling):
             if req.sampling_params.prompt_logprobs is None and not (
                     req.pooling_params and req.pooling_params.needs_every_position):
                 hits, num_hit = self.kv.get_computed_blocks(req)
+                loads = self.kv.get_offloaded_blocks(req, len(hits))
+                num_hit += len(loads) * self.block_size
             else:  # every prompt position's logits (or state) is wanted: compute them all
-                hits, num_hit = [], 0
+                hits, loads, num_hit = [], [], 0
             num_new = req.num_tokens - num_hit
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
             req.num_computed_tokens = num_hit
-            copies = self.kv.allocate_slots(req, num_new, hits)
+            copies = self.kv.allocate_slots(req, num_new, hits, loads)
             if copies is None:
                 req.num_computed_tokens = 0
                 break
@@ -221,6 +224,9 @@ class Scheduler(BeamScheduling):
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        offloads, loads = self.kv.end_step()
+        out.blocks_to_swap_out.extend(offloads)
+        out.blocks_to_swap_in.extend(loads)
         return out
 
     def _preempt_for_urgent(self, out: SchedulerOutput) -> None:

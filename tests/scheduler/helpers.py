@@ -23,6 +23,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     speculative_config: SpeculativeConfig | None = None,
     copy_period: int | None = None,
+    enable_kv_offload: bool = False,
 ) -> tuple[Scheduler, KVSim]:
     sched = Scheduler(
         SchedulerConfig(
@@ -37,6 +38,7 @@ def make_scheduler(
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
             model_id="test-model",
+            enable_kv_offload=enable_kv_offload,
         ),
         speculative_config,
     )
@@ -110,8 +112,10 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
                 assert sim.gpu[blocks[p // B].block_id][p % B] == r.all_token_ids[p]
         for b in pool.cached.values():
             assert None not in sim.gpu[b.block_id]
+    cpu = sched.kv.cpu_pool
     used_cpu = sum(len(s.cpu_block_ids) for s in sched.kv.swapped.values())
-    assert used_cpu == sched.kv.cpu_pool.num_blocks - sched.kv.cpu_pool.num_free_blocks
+    assert used_cpu == cpu.num_owned_blocks
+    assert cpu.num_owned_blocks + cpu.num_cached_blocks + cpu.num_free_blocks == cpu.num_blocks
 
 
 def assert_baseline(sched: Scheduler) -> None:
@@ -119,5 +123,7 @@ def assert_baseline(sched: Scheduler) -> None:
     assert pool.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert not sched.kv.req_blocks and not sched.kv.swapped
-    assert sched.kv.cpu_pool.num_free_blocks == sched.kv.cpu_pool.num_blocks
+    cpu = sched.kv.cpu_pool
+    assert cpu.num_owned_blocks == 0
+    assert cpu.num_free_blocks + cpu.num_cached_blocks == cpu.num_blocks
     assert not sched.requests and not sched.groups

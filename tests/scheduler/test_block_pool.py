@@ -3,7 +3,8 @@
 import pytest
 
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
-from pagedserve.scheduler.block_pool import BlockPool, CpuBlockPool, NoFreeBlocksError
+from pagedserve.scheduler.block_pool import BlockPool, NoFreeBlocksError
+from pagedserve.scheduler.cpu_block_pool import CpuBlockPool
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from tests.scheduler.helpers import req
 

@@ -81,12 +81,13 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "serve", "--lora-modules", "a=/x", "b=/y", "--lora-dir", "/adapters", "--max-loras",
         "2", "--max-lora-rank", "8", "--max-loaded-loras", "4", "--scheduling-policy",
         "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
-        "--kv-cache-dtype", "fp8_e5m2"])
+        "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5"])
     a = ServeArgs.parse(ns)
     assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
-            a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype) == (
+            a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype,
+            a.kv_offloading_size) == (
         ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
-        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2")
+        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5)
 
 
 @pytest.mark.parametrize(("flag", "value", "field"), [
@@ -95,6 +96,7 @@ def test_serve_flags_reach_the_serve_args() -> None:
     ("--dtype", "int8", "dtype"),
     ("--kv-cache-dtype", "int4", "kv_cache_dtype"),
     ("--gpu-memory-utilization", "1.5", "gpu_memory_utilization"),
+    ("--kv-offloading-size", "-1", "kv_offloading_size"),
     ("--speculative-config", '{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ("--speculative-config", "ngram", "--speculative-config: not JSON"),
 ])

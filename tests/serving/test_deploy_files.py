@@ -50,11 +50,14 @@ def _emitted_metric_names() -> set[str]:
              "generation_tokens": 2, "prefix_cache_queries": 1, "prefix_cache_hits": 0,
              "steps": 2, "num_preemptions": {"swap": 0}, "kv_exported_blocks": 0,
              "kv_imported_blocks": 3, "remote_prefill": {"remote_prefills": 1, "failures": 0},
+             "kv_offload": {"enabled": True, "cpu_hit_tokens": 32, "offloaded_blocks": 4,
+                            "loaded_blocks": 2},
              "spec_decode": {"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 2},
              "lora": {"loaded": ["a"], "num_loaded": 1, "evictions": 0, "running": {"a": 1},
                       "waiting": {}, "swapped": {}},
              "memory": {"num_gpu_blocks": 4, "num_used_blocks": 0, "num_free_blocks": 4,
                         "num_shared_blocks": 0, "num_cached_free_blocks": 0,
+                        "num_cpu_blocks": 8, "num_cpu_cached_blocks": 4,
                         "weight_bytes": 2**20},
              "server": m.snapshot()}
     from pagedserve.cluster.metrics import HttpMetrics
