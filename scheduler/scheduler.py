@@ -9,7 +9,9 @@ sequence cap, the pool and the LoRA adapter cap allow. ``update_from_output`` ap
 the sampled tokens, names newly full blocks in the prefix cache, forks
 parallel samples and frees finished sequences at once. Beam searches
 (``beam_scheduling``) add one rule: a beam that reported its candidates is
-held (skipped, never readmitted) until its group has chosen.
+held (skipped, never readmitted) until its group has chosen. With KV
+offloading the plan also carries the copies of evicted prefix blocks to the
+CPU tier and the loads of CPU hits back (``KVCacheManager.end_step``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,167 @@
+"""KV offloading: multi-turn chat whose history outgrows the KV pool.
+
+Same machine, same model (SmolLM2-135M, fp32 on CPU), same conversations, one
+engine per configuration, run side by side:
+
+- ``device only``: a ``--pool-blocks`` KV pool with prefix caching, no CPU tier
+  for the cache (what vLLM does without ``--kv-offloading-size``);
+- ``offload``: the same pool plus ``--offload-blocks`` CPU blocks of offloaded
+  prefixes (``--kv-offloading-size``);
+- ``roomy device``: a pool that holds every conversation (the upper bound).
+
+``--conversations`` chats, each a distinct document of ``--system-len`` tokens
+(CPython's pydoc topics) followed by ``--turns`` user messages of
+``--user-len`` tokens; each turn's prompt is the previous prompt, the previous
+greedy answer (``--out-len`` tokens) and the next message, as a chat client
+sends it. Conversations take turns in groups of ``--concurrency`` (one
+``generate`` call per group), so between two turns of one conversation the
+other groups run and push its blocks out of the small pool.
+
+Prints, per configuration: wall time, mean latency of a group's later turns
+(the first turn of a conversation can hit nothing), prompt tokens computed
+versus found cached (device and CPU), and the ratios to ``device only``; and
+whether the answers equal the roomy run's token for token.
+
+    python bench/kv_offload.py
+    python bench/kv_offload.py --json bench/figures/kv_offload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from quant import text_chunks  # CPython's pydoc topics, tokenised in chunks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def run_chats(name: str, engine_kwargs: dict[str, Any], systems: list[list[int]],
+              users: list[list[list[int]]], args: argparse.Namespace) -> dict[str, Any]:
+    """Every conversation's turns, group by group; returns timings, counts, answers."""
+    from pagedserve.cluster import LLM, SamplingParams
+
+    llm = LLM(max_num_seqs=args.concurrency, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
+    try:
+        llm.generate(systems[0][:32], SamplingParams(temperature=0.0, max_tokens=2),
+                     use_tqdm=False)  # warm-up, then forget it
+        llm.reset_prefix_cache()
+        eng = llm.engine
+        before = eng.get_stats()
+        history = [list(s) for s in systems]
+        answers: list[list[int]] = [[] for _ in systems]
+        later: list[float] = []
+        t0 = time.perf_counter()
+        for turn in range(args.turns):
+            for g in range(0, len(systems), args.concurrency):
+                idx = range(g, min(g + args.concurrency, len(systems)))
+                prompts = [{"prompt_token_ids": history[i] + users[i][turn]} for i in idx]
+                t1 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                if turn:
+                    later.append(time.perf_counter() - t1)
+                for i, p, o in zip(idx, prompts, outs):
+                    ids = list(o.outputs[0].token_ids)
+                    history[i] = p["prompt_token_ids"] + ids
+                    answers[i] += ids
+        wall = time.perf_counter() - t0
+        after = eng.get_stats()
+
+        def delta(*path: str) -> float:
+            a, b = after, before
+            for k in path:
+                a, b = a[k], b[k]
+            return a - b
+
+        prompt = delta("prompt_tokens")
+        device_hits = delta("prefix_cache_hits")
+        cpu_hits = delta("kv_offload", "cpu_hit_tokens")
+        mem = after["memory"]
+        return {
+            "config": name, "pool_blocks": mem["num_gpu_blocks"],
+            "offload_blocks": engine_kwargs.get("num_offload_blocks", 0),
+            "wall_s": round(wall, 2),
+            "later_turn_latency_s": round(sum(later) / len(later), 3) if later else None,
+            "prompt_tokens": int(prompt), "device_hit_tokens": int(device_hits),
+            "cpu_hit_tokens": int(cpu_hits),
+            "computed_prompt_tokens": int(prompt - device_hits - cpu_hits),
+            "offloaded_blocks": int(delta("kv_offload", "offloaded_blocks")),
+            "preemptions": dict(after["num_preemptions"]),
+            "cpu_cache_mib": round(mem["num_cpu_cached_blocks"] * mem["bytes_per_block"]
+                                   / 2**20, 1),
+            "answers": answers,
+        }
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--system-len", type=int, default=256)
+    ap.add_argument("--user-len", type=int, default=24)
+    ap.add_argument("--out-len", type=int, default=16)
+    ap.add_argument("--pool-blocks", type=int, default=128)
+    ap.add_argument("--offload-blocks", type=int, default=1536)
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    need = args.conversations * (1 + args.turns)
+    chunks = text_chunks(tok, "pydoc", need, max(args.system_len, args.user_len))
+    if len(chunks) < need:
+        raise SystemExit(f"the text has {len(chunks)} chunks, {need} needed")
+    systems = [c[:args.system_len] for c in chunks[:args.conversations]]
+    rest = chunks[args.conversations:]
+    users = [[rest[i * args.turns + t][:args.user_len] for t in range(args.turns)]
+             for i in range(args.conversations)]
+    longest = args.system_len + args.turns * (args.user_len + args.out_len)
+    roomy = args.conversations * -(-longest // 16) + 64
+    configs = [
+        ("device only", {"num_gpu_blocks": args.pool_blocks, "num_offload_blocks": 0}),
+        ("offload", {"num_gpu_blocks": args.pool_blocks,
+                     "num_offload_blocks": args.offload_blocks}),
+        ("roomy device", {"num_gpu_blocks": roomy, "num_offload_blocks": 0}),
+    ]
+    rows = [run_chats(name, kw, systems, users, args) for name, kw in configs]
+    base, ref = rows[0], rows[-1]
+    print(f"{args.conversations} conversations x {args.turns} turns, groups of "
+          f"{args.concurrency}; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores")
+    print(f"{'config':<13} {'pool':>5} {'cpu':>5} {'wall s':>7} {'x':>5} {'turn s':>7} "
+          f"{'x':>5} {'computed':>9} {'dev hit':>8} {'cpu hit':>8} {'same':>6}")
+    for r in rows:
+        same = sum(a == b for a, b in zip(r["answers"], ref["answers"]))
+        r["answers_equal_roomy"] = f"{same}/{len(ref['answers'])}"
+        r["speedup_vs_device_only"] = round(base["wall_s"] / r["wall_s"], 2)
+        lat = r["later_turn_latency_s"]
+        r["later_turn_speedup_vs_device_only"] = (
+            round(base["later_turn_latency_s"] / lat, 2) if lat else None)
+        print(f"{r['config']:<13} {r['pool_blocks']:>5} {r['offload_blocks']:>5} "
+              f"{r['wall_s']:>7.2f} {r['speedup_vs_device_only']:>5.2f} {lat or 0:>7.3f} "
+              f"{r['later_turn_speedup_vs_device_only'] or 0:>5.2f} "
+              f"{r['computed_prompt_tokens']:>9} {r['device_hit_tokens']:>8} "
+              f"{r['cpu_hit_tokens']:>8} {r['answers_equal_roomy']:>6}")
+    if args.json:
+        for r in rows:
+            r.pop("answers")
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "machine": platform.platform(),
+                       "cores": os.cpu_count(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
