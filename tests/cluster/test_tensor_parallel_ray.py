@@ -184,3 +184,23 @@ def test_killed_rank_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_d
             engine.check_health()
     finally:
         llm.shutdown()
+
+
+def test_tp2_with_kv_offloading_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
+    """Each rank keeps its own shard of the CPU tier; the offload copies and loads
+    travel in the broadcast plan like swaps."""
+    from tests.cluster.test_kv_offload import conversations, run
+
+    tp1 = LLM(model=tiny_llama_dir, num_gpu_blocks=256, enable_prefix_caching=False)
+    try:
+        ref = run(tp1, conversations())
+    finally:
+        tp1.shutdown()
+    llm = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=10,
+              num_offload_blocks=40, block_size=16, num_threads=1)
+    try:
+        assert run(llm, conversations()) == ref
+        assert llm.engine.get_stats()["kv_offload"]["loaded_blocks"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
