@@ -17,6 +17,9 @@ def assert_pool_at_baseline(llm: LLM) -> None:
     mem = sched.memory_stats()
     assert mem.num_free_blocks == mem.num_gpu_blocks
     assert mem.num_swapped_blocks == 0
+    cpu = sched.kv.cpu_pool  # what no request holds is free or an offloaded prefix
+    assert cpu.num_owned_blocks == 0
+    assert cpu.num_free_blocks + cpu.num_cached_blocks == cpu.num_blocks
     assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
     assert not sched.requests and not llm.engine._groups
     for h, b in sched.kv.pool.cached.items():

@@ -42,10 +42,12 @@ def llm(request: pytest.FixtureRequest, tiny_llama_dir: str) -> Iterator[LLM]:
     """A pool of 8 blocks (128 tokens) for up to 4 sequences: preemption happens.
     ``+ngram``: with speculative decoding (drafted rows, rejected guesses' slots).
     LoRA adapters, one at a time (the cap skips waiting requests); the recompute
-    engines run the priority policy, the swap ones FCFS (where a priority is an error)."""
+    engines run the priority policy, the swap ones FCFS (where a priority is an error).
+    The recompute engine with drafts also offloads evicted prefixes to 12 CPU blocks."""
     mode, _, spec = request.param.partition("+")
     engine = LLM(model=tiny_llama_dir, num_gpu_blocks=8, preemption_mode=mode,
                  num_cpu_blocks=6 if mode == "swap" else 0,
+                 num_offload_blocks=12 if mode == "recompute" and spec else 0,
                  max_num_batched_tokens=32, max_num_seqs=4,
                  speculative_config={"method": spec, "num_speculative_tokens": 3}
                  if spec else None, enable_lora=True, max_loras=1, max_lora_rank=8,

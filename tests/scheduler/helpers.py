@@ -112,6 +112,11 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
                 assert sim.gpu[blocks[p // B].block_id][p % B] == r.all_token_ids[p]
         for b in pool.cached.values():
             assert None not in sim.gpu[b.block_id]
+        for r in sched.requests.values():  # offloaded blocks hold what their hash names
+            for i, h in enumerate(r.update_block_hashes(B)):
+                cpu_id = sched.kv.cpu_pool.lookup(h)
+                if cpu_id is not None:
+                    assert sim.cpu[cpu_id] == r.all_token_ids[i * B:(i + 1) * B], (r, i)
     cpu = sched.kv.cpu_pool
     used_cpu = sum(len(s.cpu_block_ids) for s in sched.kv.swapped.values())
     assert used_cpu == cpu.num_owned_blocks

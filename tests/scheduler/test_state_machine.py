@@ -1,6 +1,7 @@
 """Random add / step / finish / abort sequences under memory pressure, with and
 without speculative decoding (n-gram drafts against a simulated model that
-often repeats itself, so guesses are both accepted and rejected).
+often repeats itself, so guesses are both accepted and rejected), with and
+without KV offloading to the CPU tier.
 
 After every rule: refcounts equal block-table membership, no block is both
 free and referenced, every hash names the tokens its block holds (checked
@@ -40,10 +41,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(2, 24),
         spec=st.sampled_from([None, None, 1, 3]),
         copy_period=st.sampled_from([None, 2, 5]),
+        offload=st.booleans(),
     )
     @precondition(lambda self: self.sched is None)
     def init(self, gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
-             spec: int | None, copy_period: int | None) -> None:
+             spec: int | None, copy_period: int | None, offload: bool) -> None:
         self.sched, self.sim = make_scheduler(
             num_gpu_blocks=gpu_blocks,
             block_size=4,
@@ -54,6 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             speculative_config=None if spec is None else SpeculativeConfig(
                 num_speculative_tokens=spec, prompt_lookup_max=3),
             copy_period=copy_period,
+            enable_kv_offload=offload and cpu_blocks > 0,
         )
 
     @rule(
