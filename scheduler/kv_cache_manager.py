@@ -102,9 +102,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted prompt's lookup once (a request that waits for room looks
+        again every step; counting at lookup would count its hits each time)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def get_offloaded_blocks(self, request: Request, num_device_hits: int) -> list[int]:
         """CPU blocks that continue the prefix after its ``num_device_hits`` device hits

@@ -206,9 +206,10 @@ class Scheduler(BeamScheduling):
                     req.pooling_params and req.pooling_params.needs_every_position):
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 loads = self.kv.get_offloaded_blocks(req, len(hits))
+                device_hit = num_hit
                 num_hit += len(loads) * self.block_size
             else:  # every prompt position's logits (or state) is wanted: compute them all
-                hits, loads, num_hit = [], [], 0
+                hits, loads, num_hit, device_hit = [], [], 0, None
             num_new = req.num_tokens - num_hit
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -219,6 +220,8 @@ class Scheduler(BeamScheduling):
             if copies is None:
                 req.num_computed_tokens = 0
                 break
+            if device_hit is not None:
+                self.kv.record_prefix_lookup(req.num_tokens, device_hit)
             req.num_cached_tokens = max(req.num_cached_tokens, num_hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -219,3 +219,21 @@ def test_memory_stats_count_shared_and_swapped_blocks() -> None:
     assert (st.num_used_blocks, st.num_shared_blocks, st.kv_tokens) == (3, 3, 30)
     assert st.block_table_bytes == 3 * 3 * 4
     assert st.num_swapped_blocks == 0
+
+
+def test_a_prompt_waiting_for_room_counts_its_prefix_hits_once() -> None:
+    sched, sim = make_scheduler(num_gpu_blocks=6, block_size=4)
+    hog = list(range(1, 9))  # 2 blocks, 6 with its 16 tokens: the whole pool
+    sched.add_request(req("hog", hog, max_tokens=16, sched=sched))
+    while sched.kv.pool.num_free_blocks:
+        step(sched, sim)
+    sched.add_request(req("late", [*hog, 99], max_tokens=4, sched=sched))
+    waited = 0
+    while sched.requests["late"].status is RequestStatus.WAITING:
+        step(sched, sim)
+        waited += 1
+    assert waited >= 2  # it looked its prefix up on each of those steps
+    run_to_completion(sched, sim)
+    # Counted once, when admitted: 8 + 9 tokens looked up, the hog's 2 blocks found.
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (17, 8)
+    assert_baseline(sched)
