@@ -22,19 +22,31 @@ Prints, per configuration: wall time, mean latency of a group's later turns
 versus found cached (device and CPU), and the ratios to ``device only``; and
 whether the answers equal the roomy run's token for token.
 
+``--clients`` runs the same conversations as closed-loop chat clients against
+the in-process ``AsyncEngine`` instead: conversations start as a Poisson
+process of ``--rate`` per second, and each sends its next turn an exponential
+think time (mean ``--think-s``) after its answer ends, so the batch is
+whatever happens to overlap. It reports time to first token (when the first
+token of the answer comes out) of the later turns, mean / p50 / p90 / p99.
+
     python bench/kv_offload.py
     python bench/kv_offload.py --json bench/figures/kv_offload.json
+    python bench/kv_offload.py --clients --json bench/figures/kv_offload_clients.json
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
+import random
 import sys
 import time
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,6 +116,87 @@ def run_chats(name: str, engine_kwargs: dict[str, Any], systems: list[list[int]]
         llm.shutdown()
 
 
+async def _clients(engine: Any, systems: list[list[int]], users: list[list[list[int]]],
+                   args: argparse.Namespace) -> tuple[list[float], list[list[int]]]:
+    """Every conversation as a chat client; returns later turns' TTFTs and the answers."""
+    from pagedserve.cluster import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
+    rng = random.Random(0)
+    starts, t = [], 0.0
+    for _ in systems:
+        starts.append(t)
+        t += rng.expovariate(args.rate)
+    thinks = [[rng.expovariate(1 / args.think_s) for _ in range(args.turns)] for _ in systems]
+    ttfts: list[float] = []
+    answers: list[list[int]] = [[] for _ in systems]
+
+    async def chat(i: int) -> None:
+        await asyncio.sleep(starts[i])
+        history = list(systems[i])
+        for turn in range(args.turns):
+            if turn:
+                await asyncio.sleep(thinks[i][turn])
+            prompt = history + users[i][turn]
+            t0, first, ids = time.perf_counter(), None, []
+            async for out in engine.generate(prompt, params, f"c{i}-{turn}"):
+                ids = list(out.outputs[0].token_ids)
+                if first is None and ids:
+                    first = time.perf_counter() - t0
+            if turn:
+                ttfts.append(first or 0.0)
+            history = prompt + ids
+            answers[i] += ids
+
+    await asyncio.gather(*(chat(i) for i in range(len(systems))))
+    return ttfts, answers
+
+
+def run_clients(name: str, engine_kwargs: dict[str, Any], systems: list[list[int]],
+                users: list[list[list[int]]], args: argparse.Namespace) -> dict[str, Any]:
+    """The conversations as closed-loop clients of one ``AsyncEngine``."""
+    from pagedserve.cluster.async_engine import AsyncEngine
+    from pagedserve.cluster.config import EngineConfig
+
+    async def go() -> dict[str, Any]:
+        engine = AsyncEngine(EngineConfig(max_num_seqs=64, **engine_kwargs))
+        try:
+            t0 = time.perf_counter()
+            ttfts, answers = await _clients(engine, systems, users, args)
+            wall = time.perf_counter() - t0
+            stats = engine.get_stats()
+        finally:
+            await engine.shutdown()
+        ms = np.array(ttfts) * 1000
+        return {"config": name, "pool_blocks": stats["memory"]["num_gpu_blocks"],
+                "offload_blocks": engine_kwargs.get("num_offload_blocks", 0),
+                "wall_s": round(wall, 2),
+                **{f"{k}_ttft_ms": round(float(v), 1) for k, v in (
+                    ("mean", ms.mean()), ("p50", np.percentile(ms, 50)),
+                    ("p90", np.percentile(ms, 90)), ("p99", np.percentile(ms, 99)))},
+                "device_hit_tokens": stats["prefix_cache_hits"],
+                "cpu_hit_tokens": stats["kv_offload"]["cpu_hit_tokens"],
+                "preemptions": dict(stats["num_preemptions"]), "answers": answers}
+
+    return asyncio.run(go())
+
+
+def print_clients(rows: list[dict[str, Any]]) -> None:
+    base, ref = rows[0], rows[-1]
+    print(f"{'config':<13} {'pool':>5} {'cpu':>5} {'mean TTFT':>10} {'x':>5} {'p50':>8} "
+          f"{'p90':>8} {'p99':>8} {'x p99':>6} {'dev hit':>8} {'cpu hit':>8} {'same':>6}")
+    for r in rows:
+        same = sum(a == b for a, b in zip(r["answers"], ref["answers"]))
+        r["answers_equal_roomy"] = f"{same}/{len(ref['answers'])}"
+        r["mean_ttft_speedup_vs_device_only"] = round(base["mean_ttft_ms"] / r["mean_ttft_ms"], 2)
+        r["p99_ttft_speedup_vs_device_only"] = round(base["p99_ttft_ms"] / r["p99_ttft_ms"], 2)
+        print(f"{r['config']:<13} {r['pool_blocks']:>5} {r['offload_blocks']:>5} "
+              f"{r['mean_ttft_ms']:>10.1f} {r['mean_ttft_speedup_vs_device_only']:>5.2f} "
+              f"{r['p50_ttft_ms']:>8.1f} {r['p90_ttft_ms']:>8.1f} {r['p99_ttft_ms']:>8.1f} "
+              f"{r['p99_ttft_speedup_vs_device_only']:>6.2f} {r['device_hit_tokens']:>8} "
+              f"{r['cpu_hit_tokens']:>8} {r['answers_equal_roomy']:>6}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=24)
@@ -114,6 +207,10 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=16)
     ap.add_argument("--pool-blocks", type=int, default=128)
     ap.add_argument("--offload-blocks", type=int, default=1536)
+    ap.add_argument("--clients", action="store_true",
+                    help="closed-loop chat clients of an AsyncEngine (TTFT) instead of groups")
+    ap.add_argument("--rate", type=float, default=0.5, help="--clients: conversations / s")
+    ap.add_argument("--think-s", type=float, default=3.0, help="--clients: mean think time")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
 
@@ -136,11 +233,26 @@ def main() -> None:
                      "num_offload_blocks": args.offload_blocks}),
         ("roomy device", {"num_gpu_blocks": roomy, "num_offload_blocks": 0}),
     ]
-    rows = [run_chats(name, kw, systems, users, args) for name, kw in configs]
+    how = (f"clients starting at {args.rate}/s, think {args.think_s} s" if args.clients
+           else f"groups of {args.concurrency}")
+    print(f"{args.conversations} conversations x {args.turns} turns, {how}; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    run = run_clients if args.clients else run_chats
+    rows = [run(name, kw, systems, users, args) for name, kw in configs]
+    if args.clients:
+        print_clients(rows)
+    else:
+        print_groups(rows)
+    if args.json:
+        for r in rows:
+            r.pop("answers")
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "machine": platform.platform(),
+                       "cores": os.cpu_count(), "rows": rows}, f, indent=2)
+
+
+def print_groups(rows: list[dict[str, Any]]) -> None:
     base, ref = rows[0], rows[-1]
-    print(f"{args.conversations} conversations x {args.turns} turns, groups of "
-          f"{args.concurrency}; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores")
     print(f"{'config':<13} {'pool':>5} {'cpu':>5} {'wall s':>7} {'x':>5} {'turn s':>7} "
           f"{'x':>5} {'computed':>9} {'dev hit':>8} {'cpu hit':>8} {'same':>6}")
     for r in rows:
@@ -155,12 +267,6 @@ def main() -> None:
               f"{r['later_turn_speedup_vs_device_only'] or 0:>5.2f} "
               f"{r['computed_prompt_tokens']:>9} {r['device_hit_tokens']:>8} "
               f"{r['cpu_hit_tokens']:>8} {r['answers_equal_roomy']:>6}")
-    if args.json:
-        for r in rows:
-            r.pop("answers")
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "machine": platform.platform(),
-                       "cores": os.cpu_count(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
