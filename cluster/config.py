@@ -22,9 +22,10 @@ class EngineConfig:
     ``num_offload_blocks``) adds that much to the CPU tier and makes it a second
     level of the prefix cache: full blocks evicted from the device are copied
     there, and later prompts that continue past the device's cache load them
-    back instead of computing them (``scheduler.cpu_block_pool``). ``burst_wait_ms`` is how long an idle async engine,
-    woken by a request, waits for the rest of its burst: None sizes it from
-    the engine's measured steps, 0 turns it off (see ``cluster.burst``).
+    back instead of computing them (``scheduler.cpu_block_pool``).
+    ``burst_wait_ms`` is how long an idle async engine, woken by a request,
+    waits for the rest of its burst: None sizes it from the engine's measured
+    steps, 0 turns it off (see ``cluster.burst``).
     On CUDA, decode steps replay captured CUDA graphs unless ``enforce_eager``.
     ``dtype`` "auto" is bf16 on CUDA and fp32 on CPU (where fp32 equals Hugging
     Face token for token; bf16 is ~1.7x faster on CPUs with bf16 dot products).
@@ -151,8 +152,10 @@ class EngineConfig:
             )
 
     def offloads_kv(self) -> bool:
-        return bool(self.num_offload_blocks) if self.num_offload_blocks is not None \
-            else self.kv_offloading_size > 0
+        """Whether the CPU tier caches prefixes (an explicit block count wins)."""
+        if self.num_offload_blocks is not None:
+            return self.num_offload_blocks > 0
+        return self.kv_offloading_size > 0
 
     def resolved_max_loaded_loras(self) -> int:
         return self.max_loaded_loras or max(16, self.max_loras)

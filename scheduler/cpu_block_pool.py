@@ -11,11 +11,11 @@ Two kinds of tenant share one pool of ``num_blocks`` CPU blocks:
   the cache.
 
 A block that the step being planned reads or writes is *pinned* until the
-next step is planned (``release_pins``): its content must not be reused
-within one step plan, since the worker applies all swap-outs before all
-swap-ins and a batched copy with repeated destinations has no defined
-winner. The engine executes plans one at a time, in order, so a pin never
-has to outlive the next ``schedule()``.
+plan is complete (``release_pins``, from ``KVCacheManager.end_step``): its
+content must not be reused within one plan, since the worker applies all
+swap-outs before all swap-ins and a batched copy with repeated destinations
+has no defined winner. Across plans no pin is needed: the engine executes
+them one at a time, in order, so a later plan's copies run after this one's.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class CpuBlockPool:
         self._hash_of: dict[int, BlockHash] = {}
         self._pinned: set[int] = set()
         self._pinned_cached = 0
-        self._deferred: list[int] = []  # freed while pinned: free from the next step on
+        self._deferred: list[int] = []  # freed while pinned: free once the plan is built
 
     # ---- counts ------------------------------------------------------------------
 
@@ -122,7 +122,7 @@ class CpuBlockPool:
         return b
 
     def reset(self) -> int:
-        """Forget every cached block that the current step does not use; returns how many."""
+        """Forget every cached block the plan being built does not use; returns how many."""
         dropped = [b for b in self.cached.values() if b not in self._pinned]
         for b in dropped:
             self._unname(b)
@@ -139,7 +139,7 @@ class CpuBlockPool:
                 self._pinned_cached += b in self._hash_of
 
     def release_pins(self) -> None:
-        """The last plan has run: its blocks may be reused."""
+        """The plan is built: later plans may reuse its blocks (they run after it)."""
         self._pinned.clear()
         self._pinned_cached = 0
         self._free.extend(self._deferred)
