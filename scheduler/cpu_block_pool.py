@@ -104,6 +104,16 @@ class CpuBlockPool:
         for b in block_ids:
             self.cached.move_to_end(self._hash_of[b])
 
+    def take_cached(self, block_hash: BlockHash) -> int | None:
+        """Hand the cached block named ``block_hash`` to an owner (a swap-out of a
+        block with this content), or ``None`` if there is none or the plan uses it."""
+        b = self.lookup(block_hash)
+        if b is None or b in self._pinned:
+            return None
+        self._unname(b)
+        self._owned.add(b)
+        return b
+
     def store(self, block_hash: BlockHash) -> int | None:
         """A block to copy a device block named ``block_hash`` into, or ``None``: the
         hash is cached here already (then it is touched), or every block is owned or

@@ -77,7 +77,8 @@ class KVCacheManager:
         self.cpu_pool = CpuBlockPool(num_cpu_blocks, enable_caching=enable_offload)
         self.offload_enabled = enable_offload
         self._loads: list[tuple[int, int]] = []  # (device, cpu) of this step's CPU hits
-        self.offload_stats = {"cpu_hit_tokens": 0, "offloaded_blocks": 0, "loaded_blocks": 0}
+        self.offload_stats = {"cpu_hit_tokens": 0, "offloaded_blocks": 0, "loaded_blocks": 0,
+                              "swap_copies_saved": 0}
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as plain ids, kept in step so plans copy them in C.
         self.req_block_ids: dict[str, list[int]] = {}
@@ -262,14 +263,21 @@ class KVCacheManager:
 
         The device blocks keep their hashes in the LRU queue, so the prefix
         can still be hit (and swap-in can skip copying it back) until evicted.
+        A full block the CPU cache already holds (offloading) is not copied: the
+        request takes that CPU block over, and gives it back to the cache when it
+        is swapped in or ends.
         """
         blocks = self.req_blocks.pop(request.request_id)
         del self.req_block_ids[request.request_id]
         request.num_hashed_blocks = 0
-        cpu_ids = self.cpu_pool.allocate(len(blocks))
+        taken = [self.cpu_pool.take_cached(b.block_hash) if b.block_hash is not None
+                 else None for b in blocks]
+        fresh = iter(self.cpu_pool.allocate(taken.count(None)))
+        cpu_ids = [c if c is not None else next(fresh) for c in taken]
         self.swapped[request.request_id] = SwappedBlocks(cpu_ids, [b.block_hash for b in blocks])
-        pairs = [(b.block_id, c) for b, c in zip(blocks, cpu_ids)]
+        pairs = [(b.block_id, c) for b, c, t in zip(blocks, cpu_ids, taken) if t is None]
         self.pool.free(reversed(blocks))
+        self.offload_stats["swap_copies_saved"] += len(blocks) - len(pairs)
         return pairs
 
     def num_blocks_to_swap_in(self, request: Request) -> int:

@@ -86,7 +86,7 @@ def test_the_step_that_reuses_an_evicted_block_copies_it_out_first() -> None:
     assert out.sampled["a2"].token_id == first[0]
     assert not sched.has_unfinished_requests()
     assert sched.kv.offload_stats == {"cpu_hit_tokens": 8, "offloaded_blocks": 4,
-                                      "loaded_blocks": 2}
+                                      "loaded_blocks": 2, "swap_copies_saved": 0}
     assert_baseline(sched)
 
 
@@ -114,6 +114,35 @@ def test_a_prefix_split_across_tiers_loads_only_what_the_device_lacks() -> None:
     assert kv.pool.get_cached_block(hashes[1]) is None
     kv.cache_blocks(r)
     assert kv.pool.get_cached_block(hashes[1]).block_id == table[1]
+
+
+def test_a_swap_out_takes_over_cached_cpu_copies_instead_of_copying() -> None:
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=B, num_cpu_blocks=8,
+                        enable_offload=True)
+    r = req("r", list(range(1, 10)))  # two full blocks and one token
+    hashes = r.update_block_hashes(B)
+    assert kv.cpu_pool.store(hashes[0]) == 0
+    kv.cpu_pool.release_pins()
+    hits, _ = kv.get_computed_blocks(r)
+    loads = kv.get_offloaded_blocks(r, len(hits))
+    r.num_computed_tokens = 4
+    assert kv.allocate_slots(r, 5, hits, loads) == []
+    d0, d1, d2 = kv.block_ids("r")
+    assert kv.end_step() == ([], [(d0, 0)])
+    r.num_computed_tokens = 9
+    kv.cache_blocks(r)
+    pairs = kv.swap_out(r)
+    # Block 0's content is CPU block 0 already: only blocks 1 and 2 are copied.
+    assert [d for d, _ in pairs] == [d1, d2]
+    assert kv.swapped["r"].cpu_block_ids[0] == 0 and kv.cpu_pool.num_cached_blocks == 0
+    assert kv.offload_stats["swap_copies_saved"] == 1
+    back = kv.swap_in(r)  # both full blocks are still cached on the device
+    assert [c for _, c in back] == [pairs[1][1]]  # only the partial one comes back
+    kv.end_step()
+    # The copies go back to the cache under their hashes; the partial one is free.
+    assert kv.cpu_pool.lookup(hashes[0]) == 0
+    assert kv.cpu_pool.lookup(hashes[1]) == pairs[0][1]
+    assert kv.cpu_pool.num_owned_blocks == 0 and kv.cpu_pool.num_free_blocks == 6
 
 
 def test_the_one_token_left_rule_holds_across_tiers() -> None:
@@ -166,6 +195,8 @@ def test_outputs_equal_a_run_without_offloading(mode: str, cpu_blocks: int,
     stats = sched.kv.offload_stats
     assert stats["offloaded_blocks"] > 0 and stats["loaded_blocks"] > 0
     assert stats["cpu_hit_tokens"] == B * stats["loaded_blocks"]
+    if mode == "swap" and cpu_blocks >= 12:  # swaps that took cached copies over ran too
+        assert stats["swap_copies_saved"] > 0
     assert_baseline(sched)
     dropped = sched.kv.reset_prefix_cache()
     assert dropped > 0 and sched.kv.cpu_pool.num_free_blocks == cpu_blocks
