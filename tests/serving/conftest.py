@@ -8,6 +8,7 @@ Ray (``address="local"``, never joining another one on this machine) and ends it
 from __future__ import annotations
 
 import os
+import random
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,9 +32,20 @@ SMOL_ARGS: dict[str, Any] = {"num_gpu_blocks": 192, "max_model_len": 1024, "num_
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port that binds now, from 20000-29999: below the kernel's ephemeral
+    range (32768 up here), where outgoing connections take their local ports and so
+    could take this one before the server binds it (HAProxy once failed so), above
+    Ray's worker ports (10002-19999) and below Serve's direct-ingress ports (30000 up)."""
+    rng = random.Random()  # not the global generator, which hypothesis seeds
+    for _ in range(500):
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port in 20000-29999")
 
 
 @dataclass
