@@ -181,13 +181,18 @@ def run_clients(name: str, engine_kwargs: dict[str, Any], systems: list[list[int
     return asyncio.run(go())
 
 
+def same_answers(row: dict[str, Any], ref: dict[str, Any]) -> str:
+    """How many conversations got the reference run's answers, token for token."""
+    same = sum(a == b for a, b in zip(row["answers"], ref["answers"]))
+    return f"{same}/{len(ref['answers'])}"
+
+
 def print_clients(rows: list[dict[str, Any]]) -> None:
     base, ref = rows[0], rows[-1]
     print(f"{'config':<13} {'pool':>5} {'cpu':>5} {'mean TTFT':>10} {'x':>5} {'p50':>8} "
           f"{'p90':>8} {'p99':>8} {'x p99':>6} {'dev hit':>8} {'cpu hit':>8} {'same':>6}")
     for r in rows:
-        same = sum(a == b for a, b in zip(r["answers"], ref["answers"]))
-        r["answers_equal_roomy"] = f"{same}/{len(ref['answers'])}"
+        r["answers_equal_roomy"] = same_answers(r, ref)
         r["mean_ttft_speedup_vs_device_only"] = round(base["mean_ttft_ms"] / r["mean_ttft_ms"], 2)
         r["p99_ttft_speedup_vs_device_only"] = round(base["p99_ttft_ms"] / r["p99_ttft_ms"], 2)
         print(f"{r['config']:<13} {r['pool_blocks']:>5} {r['offload_blocks']:>5} "
@@ -256,8 +261,7 @@ def print_groups(rows: list[dict[str, Any]]) -> None:
     print(f"{'config':<13} {'pool':>5} {'cpu':>5} {'wall s':>7} {'x':>5} {'turn s':>7} "
           f"{'x':>5} {'computed':>9} {'dev hit':>8} {'cpu hit':>8} {'same':>6}")
     for r in rows:
-        same = sum(a == b for a, b in zip(r["answers"], ref["answers"]))
-        r["answers_equal_roomy"] = f"{same}/{len(ref['answers'])}"
+        r["answers_equal_roomy"] = same_answers(r, ref)
         r["speedup_vs_device_only"] = round(base["wall_s"] / r["wall_s"], 2)
         lat = r["later_turn_latency_s"]
         r["later_turn_speedup_vs_device_only"] = (

@@ -151,6 +151,22 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
+    def cpu_tier_blocks(self, bytes_per_block: int) -> tuple[int, int]:
+        """``(swap, offload)`` CPU blocks of ``bytes_per_block`` each: no swap blocks in
+        recompute mode; the offloading share must hold at least one block."""
+        swap = self.num_cpu_blocks
+        if swap is None:
+            swap = self.swap_space_bytes // bytes_per_block
+        if self.preemption_mode == "recompute":
+            swap = 0
+        offload = self.num_offload_blocks
+        if offload is None:
+            offload = int(self.kv_offloading_size * 2**30) // bytes_per_block
+        if self.offloads_kv() and offload == 0:
+            raise ValueError(f"kv_offloading_size ({self.kv_offloading_size} GiB) holds no "
+                             f"block of {bytes_per_block} bytes")
+        return swap, offload
+
     def offloads_kv(self) -> bool:
         """Whether the CPU tier caches prefixes (an explicit block count wins)."""
         if self.num_offload_blocks is not None:

@@ -98,18 +98,8 @@ class LLMEngine:
         max_len = min(config.max_model_len or info["max_model_len"], info["max_model_len"])
         self.max_model_len = max_len
         num_gpu_blocks = self.executor.determine_num_blocks()
-        num_cpu_blocks = config.num_cpu_blocks
-        if num_cpu_blocks is None:
-            num_cpu_blocks = config.swap_space_bytes // int(info["bytes_per_block"])
-        if config.preemption_mode == "recompute":
-            num_cpu_blocks = 0
-        num_offload = config.num_offload_blocks
-        if num_offload is None:
-            num_offload = int(config.kv_offloading_size * 2**30) // int(info["bytes_per_block"])
-        if config.offloads_kv() and num_offload == 0:
-            raise ValueError(f"kv_offloading_size ({config.kv_offloading_size} GiB) holds no "
-                             f"block of {int(info['bytes_per_block'])} bytes")
-        num_cpu_blocks += num_offload
+        num_swap, num_offload = config.cpu_tier_blocks(int(info["bytes_per_block"]))
+        num_cpu_blocks = num_swap + num_offload
         self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
