@@ -166,6 +166,7 @@ class AsyncEngine:
         pooling_params: PoolingParams | None = None,
         beam: BeamSearchParams | None = None,
         export_kv: bool = False,
+        resumed_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative snapshot after every step that advanced the request
         (with ``pooling_params``: an embedding request, whose last one has it; with
@@ -174,6 +175,7 @@ class AsyncEngine:
         Validation errors raise ``ValueError`` before the first yield. If the
         consumer stops iterating or is cancelled, the request is aborted. A LoRA
         adapter not loaded yet is loaded first, on the step thread (between forwards).
+        ``resumed_token_ids``: outputs another replica produced (``LLMEngine.add_request``).
         """
         if self.engine.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.engine.dead}")
@@ -181,7 +183,8 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(
                 self._step_thread, self.engine.add_lora, lora_request)
         rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request,
-                                      priority, pooling_params, beam, export_kv)
+                                      priority, pooling_params, beam, export_kv,
+                                      resumed_token_ids)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()

@@ -5,9 +5,10 @@ token is wrong for byte-level BPE (a character can span tokens) and for
 tokenizers whose spacing depends on the previous token. So, like vLLM, each
 step decodes a short window ``[prefix_offset:]`` and emits what extends the
 already-read text, holding back an incomplete UTF-8 character (``\\ufffd``).
-Stop strings are searched only in the freshly extended tail; while a
-request streams, the last ``max_stop_len - 1`` characters are held back so
-a stop string split across steps is never shown to the client.
+Stop strings are searched only in the freshly extended tail; until a
+sequence ends, the last ``max_stop_len - 1`` characters are held back
+(``settled_text``) so a stop string split across steps is never shown to the
+client.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_reason: str | None = None
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
-        self._sent = 0
         self.num_consumed = 0
 
     def _decode(self, ids: list[int]) -> str:
@@ -85,14 +85,9 @@ class IncrementalDetokenizer:
         self.stop_reason = s
         return s
 
-    def stream_delta(self, finished: bool) -> str:
-        """New text safe to show: all of it at the end, minus the holdback before."""
-        limit = len(self.text) if finished else max(self._sent, len(self.text) - self._holdback)
-        delta = self.text[self._sent : limit]
-        self._sent = limit
-        return delta
-
     @property
-    def visible_text(self) -> str:
-        """Text shown so far to a streaming client (for cumulative snapshots)."""
-        return self.text[: self._sent]
+    def settled_text(self) -> str:
+        """Text no later token can take back: all but the last ``max_stop_len - 1``
+        characters, where a stop string may still be completing (outputs show this
+        until the sequence ends, so a stream never shows what the end removes)."""
+        return self.text[: len(self.text) - self._holdback]

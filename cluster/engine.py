@@ -16,7 +16,6 @@ from typing import Any
 
 from pagedserve.cluster.beam_search import BeamSearchParams, beam_row_params
 from pagedserve.cluster.config import EngineConfig
-from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.engine_lifecycle import (
     EngineSleepingError,
     calibrate_kv_scales,
@@ -28,9 +27,9 @@ from pagedserve.cluster.engine_lifecycle import (
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
 from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
-from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
-from pagedserve.cluster.request_state import RequestState, SequenceState
+from pagedserve.cluster.request_state import RequestState, check_resumed
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.lora_request import LoRARequest
@@ -162,6 +161,7 @@ class LLMEngine:
         pooling_params: PoolingParams | None = None,
         beam: BeamSearchParams | None = None,
         export_kv: bool = False,
+        resumed_token_ids: list[int] | None = None,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem.
 
@@ -172,6 +172,11 @@ class LLMEngine:
         beam search (``params`` must be None): it answers once, at the end, with one
         completion per hypothesis, best first. With ``export_kv`` its final output carries
         the prompt's KV (``kv_transfer``, a ``KVPayload``) for another engine to import.
+        With ``resumed_token_ids`` (``n == 1``) the request continues an output another
+        engine began and lost (a dead replica, see ``resume``): those tokens are its
+        first outputs, recomputed as a preempted request's are, and its outputs carry
+        them (text included; logprobs ``{}``, not recomputed), so greedy and seeded
+        requests end as they would have where they started.
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -211,30 +216,25 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
+        resumed = check_resumed(resumed_token_ids, params, len(ids), self.max_model_len,
+                                self.model_info["vocab_size"], self.eos_token_ids,
+                                beam is not None or pooling_params is not None or export_kv)
         n_out = params.n
         if beam is not None:
             params, n_out = beam_row_params(beam, len(ids), self.max_model_len), beam.beam_width
         if lora_request is not None:
             self.loras.add(lora_request)
+        # Built first: it may still refuse ``resumed``, before the scheduler has the request.
+        group = RequestState.start(request_id, prompt if isinstance(prompt, str) else None,
+                                   ids, params, n_out, self.tokenizer, pool,
+                                   (cache_salt, lora_request) if export_kv else None, resumed)
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
                                           cache_salt, lora_request, priority, pooling_params,
                                           beam)
+        req.all_token_ids.extend(resumed)
         self.scheduler.add_request(req)
-        group = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, [],
-                       pool=pool)
-        if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None] * len(ids)
-        if export_kv:
-            group.kv_export = (cache_salt, lora_request)
-        for i in range(n_out):
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                           params.include_stop_str_in_output,
-                                           params.skip_special_tokens)
-            group.seqs.append(SequenceState(detok, CompletionOutput(
-                index=i, logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None)))
-            if i < params.n:  # (a beam search answers under its own id only)
-                self._seq_to_group[sequence_id(request_id, i)] = (group, i)
+        for i in range(min(n_out, params.n)):  # (a beam search answers under its own id only)
+            self._seq_to_group[sequence_id(request_id, i)] = (group, i)
         self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids)
         return request_id

@@ -220,10 +220,11 @@ class EngineServer:
         yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
         try:
             lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
-            if self.remote_prefill is not None:
+            if self.remote_prefill is not None and not req.resumed_token_ids:
                 await self.remote_prefill.run(self.engine, req, lora)
             outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt,
-                                        lora, req.priority)
+                                        lora, req.priority,
+                                        resumed_token_ids=req.resumed_token_ids)
             async with contextlib.AsyncExitStack() as stack:
                 interval = stack.enter_context(self.pacer.streaming()) if req.stream else None
                 paced = await stack.enter_async_context(contextlib.aclosing(pace_deltas(

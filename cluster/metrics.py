@@ -99,16 +99,23 @@ class ServerMetrics:
 
 
 class HttpMetrics:
-    """Counts of HTTP responses by route and status, kept by each ingress replica."""
+    """Counts of HTTP responses by route and status, and of requests moved off a failed
+    replica ("retry": before any token; "resume": mid-stream), kept by each ingress
+    replica."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.responses: dict[tuple[str, int], int] = {}
+        self.failovers: dict[str, int] = {"retry": 0, "resume": 0}
         self.in_flight = 0
 
     def record(self, route: str, status: int) -> None:
         with self._lock:
             self.responses[(route, status)] = self.responses.get((route, status), 0) + 1
+
+    def record_failover(self, kind: str) -> None:
+        with self._lock:
+            self.failovers[kind] = self.failovers.get(kind, 0) + 1
 
 
 class HttpMetricsMiddleware:
@@ -277,6 +284,13 @@ class _Collector:
             for (route, status), n in items:
                 fam.add_metric([route, str(status)], float(n))
             yield fam
+            moved = CounterMetricFamily(
+                f"{p}_request_failovers", "Requests moved off a failed engine replica: "
+                "retried before any token, or resumed mid-stream", labels=["kind"])
+            with self.http._lock:
+                for kind, n in self.http.failovers.items():
+                    moved.add_metric([kind], float(n))
+            yield moved
             yield GaugeMetricFamily(f"{p}_http_requests_in_flight",
                                     "HTTP requests open on this ingress replica",
                                     value=float(self.http.in_flight))

@@ -17,8 +17,8 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from pagedserve.cluster.dispatch import MAX_ATTEMPTS, overloaded_error, replica_failed_error
 from pagedserve.cluster.protocol import APIError
-from pagedserve.cluster.router import MAX_ATTEMPTS, overloaded_error, replica_failed_error
 from pagedserve.cluster.wire import EngineRequest
 
 

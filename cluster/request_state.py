@@ -44,6 +44,30 @@ class RequestState:
     kv_export: tuple[Any, Any] | None = None  # (cache_salt, lora) of an export_kv request
     kv_transfer: Any = None  # its KVPayload, once finished
 
+    @classmethod
+    def start(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+              params: SamplingParams, num_seqs: int, tokenizer: Any,
+              pool: PoolAccumulator | None = None, kv_export: tuple[Any, Any] | None = None,
+              resumed: list[int] | None = None) -> RequestState:
+        """A request's outputs before its first step: a detokeniser per sample
+        (``num_seqs``: ``n``, or a beam search's width), sample 0 begun at ``resumed``
+        (``ValueError`` if they hold a stop string)."""
+        state = cls(request_id, prompt, prompt_token_ids, params, [], pool=pool,
+                    kv_export=kv_export)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
+        lps = params.logprobs is not None
+        for i in range(num_seqs):
+            detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
+                                           params.include_stop_str_in_output,
+                                           params.skip_special_tokens)
+            state.seqs.append(SequenceState(detok, CompletionOutput(
+                index=i, logprobs=[] if lps else None,
+                cumulative_logprob=0.0 if lps else None)))
+        if resumed:
+            state.resume(resumed)
+        return state
+
     @property
     def finished(self) -> bool:
         return all(s.out.finished for s in self.seqs)
@@ -86,7 +110,8 @@ class RequestState:
                 seq.out.finish_reason, seq.out.stop_reason = "stop", stop
             elif u.finish_reason == "stop" and ids and ids[-1] not in eos_token_ids:
                 seq.out.stop_reason = ids[-1]
-        seq.out.text = seq.detok.text
+        seq.out.text = (seq.detok.text if seq.out.finish_reason is not None
+                        else seq.detok.settled_text)
         return len(ids), stopped_early
 
     def _apply_beams(self, beams: list[BeamHypothesis]) -> int:
@@ -101,6 +126,18 @@ class RequestState:
             seq.out.finish_reason = h.finish_reason
         return sum(len(h.token_ids) for h in beams)
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Start sample 0 from outputs another engine produced (``check_resumed``): its
+        text is what those tokens decode to, as it was where they were sampled."""
+        seq = self.seqs[0]
+        if seq.detok.add_tokens(token_ids) is not None:
+            raise ValueError("resumed_token_ids already contain a stop string: "
+                             "the request ended before them")
+        seq.out.token_ids.extend(token_ids)
+        seq.out.text = seq.detok.settled_text
+        if seq.out.logprobs is not None:  # not recomputed: the client has them already
+            seq.out.logprobs.extend({} for _ in token_ids)
+
     def snapshot(self) -> RequestOutput:
         outs = [CompletionOutput(s.out.index, s.out.text, list(s.out.token_ids),
                                  s.out.cumulative_logprob,
@@ -110,3 +147,30 @@ class RequestState:
                              self.finished, self.num_cached_tokens,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs),
                              self.embedding, self.kv_transfer)
+
+
+def check_resumed(token_ids: list[int] | None, params: SamplingParams, prompt_len: int,
+                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                  special: bool) -> list[int]:
+    """Validate outputs a request resumes from (``LLMEngine.add_request``); ``special``:
+    a beam search, an embedding or a KV export, which do not resume. Returns the list
+    (empty for None); a ``ValueError`` names ``resumed_token_ids`` otherwise."""
+    if not token_ids:
+        return []
+    if special or params.n != 1:
+        raise ValueError("resumed_token_ids: only a single-sample generation (n=1, no beam "
+                         "search, embedding or KV export) resumes")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+               for t in token_ids):
+        raise ValueError("resumed_token_ids must be integers within the vocabulary")
+    if params.max_tokens is not None and len(token_ids) >= params.max_tokens:
+        raise ValueError(f"resumed_token_ids: {len(token_ids)} tokens leave none of "
+                         f"max_tokens={params.max_tokens} to generate")
+    if prompt_len + len(token_ids) >= max_model_len:
+        raise ValueError(f"resumed_token_ids: prompt and outputs are "
+                         f"{prompt_len + len(token_ids)} tokens, the model's context is "
+                         f"{max_model_len}")
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if stops & set(token_ids):
+        raise ValueError("resumed_token_ids contain a stop token: the request ended there")
+    return list(token_ids)

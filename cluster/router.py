@@ -12,143 +12,32 @@ prompts). Replica capacity stays bounded by Serve's ``max_ongoing_requests``: a 
 replica is skipped by Serve's own rejection protocol, and the handle's
 ``max_queued_requests`` turns a full cluster into ``BackPressureError``.
 
-The same router also addresses one replica by id (``ReplicaCall.target_replica``), which
+How a request's chunks come back, and what happens when its replica dies, is
+``dispatch``'s. The same router also addresses one replica by id (``ReplicaCall.target_replica``), which
 the ingress uses to collect every replica's stats and health; ``known_replicas`` reads the
 replica set from the routers living in this process.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import random
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
 from typing import Any
 
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.lora_serving import adapter_affinity_key
-from pagedserve.cluster.protocol import APIError
-from pagedserve.cluster.wire import EngineChunk, EngineRequest
+from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.lora_request import lora_cache_key
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 ROUTER_CLASS_PATH = "pagedserve.cluster.router:PrefixAffinityRouter"
-MAX_ATTEMPTS = 3  # a request whose replica died before its first token moves on
-CHANNEL_GRACE_S = 30.0  # after its call returned, a request's last chunks must arrive by then
 
 logger = logging.getLogger(__name__)
-
-
-# ---- dispatch from the ingress -------------------------------------------------------
-
-
-@dataclass
-class _CallEnded:
-    """The request's ``run`` call returned (``error`` None) or failed."""
-
-    error: BaseException | None = None
-
-
-async def _watch(response: Any, q: asyncio.Queue[Any]) -> None:
-    try:
-        await response
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # the reader decides what each failure means
-        q.put_nowait(_CallEnded(e))
-    else:
-        q.put_nowait(_CallEnded())
-
-
-async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRequest
-                               ) -> AsyncIterator[EngineChunk]:
-    """One request's chunks: routed by the router below, received on ``client``'s channel.
-
-    The ``run`` call carries routing, load accounting and cancellation; its chunks arrive
-    through the channel (see ``channel``). A replica that dies (or whose TP group fails)
-    before sending a token gets the request retried on another replica; after the first
-    token the client sees the error. Leaving early (the caller cancelled or stopped
-    iterating) cancels the call, which aborts the request in the replica's scheduler.
-    """
-    exclude: list[str] = []
-    for attempt in range(MAX_ATTEMPTS):
-        r = replace(req, channel=client.channel, exclude_replicas=tuple(exclude))
-        replica, sent, retry, done = None, False, False, False
-        with client.receiving(req.request_id) as q:
-            client.ensure_subscribed()
-            response = handle.run.remote(r)
-            watcher = asyncio.ensure_future(_watch(response, q))
-            deadline: float | None = None
-            try:
-                while True:
-                    if deadline is None:
-                        item = await client.next_chunk(q)
-                    else:  # every chunk is sent: it is on its way, or it is lost
-                        try:
-                            async with asyncio.timeout_at(deadline):
-                                item = await client.next_chunk(q)
-                        except TimeoutError:
-                            raise APIError("engine replica's stream was lost", status=503,
-                                           type="service_unavailable") from None
-                    if isinstance(item, _CallEnded):
-                        if item.error is not None:
-                            raise item.error
-                        deadline = asyncio.get_running_loop().time() + CHANNEL_GRACE_S
-                        continue
-                    if item.replica in exclude:
-                        continue  # a late chunk of an attempt already given up
-                    replica = item.replica
-                    if item.error is not None:
-                        if (item.retryable and not sent and attempt + 1 < MAX_ATTEMPTS
-                                and _another_replica(handle, [*exclude, replica])):
-                            retry = done = True
-                            break
-                        raise APIError(item.error, status=item.status,
-                                       type="invalid_request_error" if item.status == 400
-                                       else "service_unavailable")
-                    sent = sent or bool(item.deltas)
-                    yield item
-                    if item.finished:
-                        done = True
-                        break
-            except BackPressureError as e:
-                raise overloaded_error(e) from None
-            except (RayActorError, ActorUnavailableError) as e:
-                if sent or attempt + 1 >= MAX_ATTEMPTS:
-                    raise replica_failed_error(e) from None
-                retry = True
-            finally:
-                if not done:
-                    # Cancels the assignment or the replica's task (-> abort in the
-                    # scheduler).
-                    with contextlib.suppress(Exception):
-                        response.cancel()
-                    watcher.cancel()
-        if not retry:
-            return
-        logger.warning("request %s: replica %s failed, retrying", req.request_id, replica)
-        if replica is not None:
-            exclude.append(replica)
-
-
-def _another_replica(handle: Any, tried: list[str]) -> bool:
-    """Whether a replica not yet tried is up (the router would otherwise send the retry
-    back to one that refused it, whose answers this reader skips as stale)."""
-    name = getattr(handle, "deployment_name", None)
-    if name is None:
-        return True
-    known = known_replicas(name, getattr(handle, "app_name", None))
-    return not known or bool(set(known) - set(tried))
 
 
 def routed_request(rid: str, ids: list[int], params: SamplingParams, salt: str | None,
@@ -164,51 +53,6 @@ def routed_request(rid: str, ids: list[int], params: SamplingParams, salt: str |
         hashes.insert(0, adapter_affinity_key(*lora))
     return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora,
                          priority=priority)
-
-
-def overloaded_error(e: BackPressureError) -> APIError:
-    """Serve's backpressure as the 503 clients retry after a second."""
-    return APIError(f"server overloaded, retry later: {e.message}", status=503,
-                    type="server_overloaded", code="overloaded", headers={"Retry-After": "1"})
-
-
-def replica_failed_error(e: Exception) -> APIError:
-    """A replica (or its actor) that died under a request, after the last retry."""
-    return APIError(f"engine replica failed: {e}", status=503, type="service_unavailable")
-
-
-async def merge_streams(client: ChannelClient, handle: Any, reqs: list[EngineRequest]
-                        ) -> AsyncIterator[tuple[int, EngineChunk]]:
-    """Chunks of several prompts' streams, interleaved as they come."""
-    if len(reqs) == 1:
-        async for c in stream_from_replicas(client, handle, reqs[0]):
-            yield 0, c
-        return
-    q: asyncio.Queue[tuple[int, EngineChunk | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, r: EngineRequest) -> None:
-        try:
-            async for c in stream_from_replicas(client, handle, r):
-                q.put_nowait((i, c))
-            q.put_nowait((i, None))
-        except Exception as e:
-            q.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await q.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 _routers: weakref.WeakSet[PrefixAffinityRouter] = weakref.WeakSet()

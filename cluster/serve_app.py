@@ -35,6 +35,7 @@ from pagedserve.cluster.admin_api import router as admin_router
 from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
+from pagedserve.cluster.dispatch import merge_streams
 from pagedserve.cluster.embeddings import EmbeddingRequest, embed_all, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.lora_serving import AdapterCatalog
@@ -66,7 +67,6 @@ from pagedserve.cluster.responses import (
 from pagedserve.cluster.router import (
     affinity_snapshot,
     known_replicas,
-    merge_streams,
     routed_request,
 )
 from pagedserve.cluster.serve_args import ServeArgs
@@ -181,7 +181,7 @@ class OpenAIServer(EngineAdmin):
                               lora[0] if lora is not None else None,
                               self.reasoning_parser if kind == "chat.completion" else None,
                               include_reasoning, thought_closed)
-        chunks = merge_streams(self._channel, self._engine, reqs)
+        chunks = merge_streams(self._channel, self._engine, reqs, _http.record_failover)
         return await render_response(self.fmt, state, chunks, stream, include_usage,
                                      continuous_usage)
 

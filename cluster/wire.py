@@ -38,6 +38,8 @@ class EngineRequest:
     lora: tuple[str, str] | None = None  # (adapter name, PEFT directory); None: base model
     priority: int = 0  # lower runs first, under the replicas' priority policy
     pooling: PoolingParams | None = None  # an embedding request (``EngineServer.embed``)
+    # Outputs a dead replica already streamed: the request goes on after them (``resume``).
+    resumed_token_ids: list[int] | None = None
 
 
 @dataclass

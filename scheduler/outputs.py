@@ -32,6 +32,9 @@ class ScheduledRequest:
     logprobs) are the prompt tokens this chunk's rows predict: row ``i`` gives
     the logprob of prompt position ``num_computed_tokens + 1 + i``.
     ``lora_id`` names the LoRA adapter the row runs with (0: none).
+    ``num_output_tokens`` counts the request's own output tokens before this step (its
+    forked siblings have none yet): seeded draws and ``min_tokens`` read it, so they
+    do not depend on worker state that a restart, a preemption or a resume loses.
     ``pooling`` ("last" or "mean") marks a row of an embedding request whose
     hidden states the runner pools; ``pool_final`` that it ends the prompt.
     """
@@ -47,6 +50,7 @@ class ScheduledRequest:
     prompt_logprob_targets: list[int] | None = None
     draft_token_ids: tuple[int, ...] = ()
     lora_id: int = 0
+    num_output_tokens: int = 0
     pooling: str | None = None
     pool_final: bool = False
 

@@ -41,6 +41,7 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
     if drafts:
         sched.draft_token_ids = drafts
     sched.lora_id = req.lora_id
+    sched.num_output_tokens = req.num_output_tokens
     pp = req.pooling_params
     if pp is not None:
         sched.pool_final = start + num_new == req.num_tokens

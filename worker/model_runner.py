@@ -131,7 +131,7 @@ class ModelRunner:
                                      f"for {r.sample_ids}")
                 out = r.output_token_ids.get(rid)
                 drafted.append(SampleRequest(rid, rid, len(rows), r.sampling_params[rid],
-                                             None if out is None else len(out), out,
+                                             r.num_output_tokens, out,
                                              r.prompt_token_ids, list(r.draft_token_ids)))
                 rows.extend(range(end - q, end))
                 continue
@@ -142,8 +142,8 @@ class ModelRunner:
                 if params is None:
                     raise ValueError(f"request {r.request_id}: no sampling params for {sid!r}")
                 out = r.output_token_ids.get(sid)
-                sample_reqs.append(SampleRequest(sid, r.request_id, row, params,
-                                                 None if out is None else len(out),
+                done = r.num_output_tokens if sid == r.request_id else 0
+                sample_reqs.append(SampleRequest(sid, r.request_id, row, params, done,
                                                  out, r.prompt_token_ids))
         return ModelInputs(
             input_ids=input_ids.to(dev),

@@ -6,13 +6,15 @@ The tensor math lives in :mod:`sampling_ops`; this class owns the per-request
 state. A draw is an inverse-CDF lookup (one uniform per row, a cumulative sum
 and a binary search), an exact categorical sample that costs a tenth of the
 exponential race ``argmax(p / E)`` over a 49k vocabulary. A seeded request
-takes its uniform from its own ``torch.Generator`` and is drawn on its own row
-with row-wise kernels only, so its tokens depend only on its own logits and
-seed: the same alone or in any batch. Logprobs are those of the raw model distribution (vLLM's default),
-before temperature or truncation. ``sample_drafted`` verifies speculative
-decoding's guesses (every position of a drafted row is drawn; a seeded request
-then consumes one uniform per position, so its tokens differ from plain
-decoding's while following the same distribution).
+takes the uniform of its output position ``p`` from ``(seed, p)`` alone
+(:func:`seeded_uniform`) and is drawn on its own row with row-wise kernels only,
+so its tokens depend only on its own logits, seed and position: the same alone
+or in any batch, after a preemption, resumed on another replica from the tokens
+it had sent, and with or without speculative decoding's guesses (no generator
+state advances by how many draws a step made). Logprobs are those of the raw
+model distribution (vLLM's default), before temperature or truncation.
+``sample_drafted`` verifies speculative decoding's guesses (every position of a
+drafted row is drawn, position ``done + j`` from its own uniform).
 """
 
 from __future__ import annotations
@@ -49,15 +51,35 @@ class SampleRequest:
     draft_prefix: list[int] | None = None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64: a bijective 64-bit mix, so nearby inputs give unrelated
+    outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) a request seeded with ``seed`` draws its output token
+    ``position`` with: 24 bits (exact in fp32, never 1.0), a function of the two
+    numbers only, the same on every device and rank."""
+    return (_splitmix64(_splitmix64(seed) ^ position) >> 40) / float(1 << 24)
+
+
 class Sampler:
-    """Stateful only for seeded generators and output counts, both dropped on finish/abort."""
+    """Stateful only for grammar matchers and, for callers that do not say a
+    sequence's output count (``SampleRequest.num_output_tokens``), a count of its
+    draws; both dropped on finish/abort."""
 
     def __init__(self, eos_token_ids: Iterable[int] = (),
                  grammar_book: Callable[[], GrammarBook] | None = None):
         """``grammar_book`` builds the structured-output state on the first constrained
         request (it loads the tokenizer); without it such requests are refused."""
         self.eos_token_ids = tuple(eos_token_ids)
-        self._generators: dict[str, torch.Generator] = {}
         self._counts: dict[str, int] = {}
         self._children: dict[str, set[str]] = {}
         self._make_book = grammar_book
@@ -67,7 +89,6 @@ class Sampler:
         """Drop state of finished or aborted requests (and of their forked sample ids)."""
         for rid in ids:
             for sid in self._children.pop(rid, set()) | {rid}:
-                self._generators.pop(sid, None)
                 self._counts.pop(sid, None)
                 if self._book is not None:
                     self._book.forget(sid)
@@ -75,15 +96,13 @@ class Sampler:
     @property
     def num_tracked(self) -> int:
         book = 0 if self._book is None else self._book.num_tracked
-        return len(self._generators) + len(self._counts) + book
+        return len(self._counts) + book
 
-    def _generator(self, sid: str, seed: int, device: torch.device) -> torch.Generator:
-        g = self._generators.get(sid)
-        if g is None:
-            g = torch.Generator(device=device)
-            g.manual_seed(seed)
-            self._generators[sid] = g
-        return g
+    def _done(self, r: SampleRequest) -> int:
+        """Output tokens ``r``'s sequence has before this draw (the plan says; else
+        this sampler's count)."""
+        done = r.num_output_tokens
+        return self._counts.get(r.sample_id, 0) if done is None else done
 
     def sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> dict[str, SampledToken]:
         """Draw one token per entry of ``reqs`` from ``logits[row]``; several may share a row."""
@@ -117,9 +136,7 @@ class Sampler:
         expanded: list[SampleRequest] = []
         for r in reqs:
             drafts = r.draft_token_ids or []
-            done = r.num_output_tokens
-            if done is None:
-                done = self._counts.get(r.sample_id, 0)
+            done = self._done(r)
             hist = r.output_token_ids
             for j in range(len(drafts) + 1):
                 expanded.append(SampleRequest(
@@ -252,10 +269,7 @@ class Sampler:
         p = r.params
         if p.min_tokens <= 0:
             return []
-        done = r.num_output_tokens
-        if done is None:
-            done = self._counts.get(r.sample_id, 0)
-        if done >= p.min_tokens:
+        if self._done(r) >= p.min_tokens:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
@@ -269,10 +283,11 @@ class Sampler:
         temps = torch.tensor([r.params.temperature for r in sub], device=dev, dtype=x.dtype)
         u = torch.rand(len(sub), device=dev)
         own_row = [r.params.seed is not None for r in sub]
-        for j, r in enumerate(sub):
-            if own_row[j]:
-                g = self._generator(r.sample_id, r.params.seed, dev)  # type: ignore[arg-type]
-                u[j] = torch.rand(1, generator=g, device=dev)[0]
+        seeded = [j for j, own in enumerate(own_row) if own]
+        if seeded:
+            u[torch.tensor(seeded, device=dev)] = torch.tensor(
+                [seeded_uniform(sub[j].params.seed, self._done(sub[j]))  # type: ignore[arg-type]
+                 for j in seeded], device=dev, dtype=u.dtype)
         z = z / temps.unsqueeze(1)
         min_p = [r.params.min_p for r in sub]
         if any(min_p):

@@ -140,7 +140,7 @@ def test_a_new_sampler_replays_the_history(tiny_llama_dir) -> None:
             llm.engine.step()
         runner = llm.engine.executor.worker.runner
         runner.sampler._book = None  # as if rank 0 had been restarted
-        runner.sampler._generators.clear()
+        runner.sampler._counts.clear()
         done = {}
         while llm.engine.has_unfinished_requests():
             for out in llm.engine.step():

@@ -177,23 +177,26 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def long_stream(app: App, max_tokens: int = 400
+def long_stream(app: App, max_tokens: int = 400, texts: list[str] | None = None
                 ) -> tuple[threading.Thread, list[BaseException]]:
-    """A ``max_tokens`` stream in a thread, returned once its first chunks arrived.
+    """A ``max_tokens`` greedy stream in a thread, returned once its first chunks arrived.
 
-    The list gets the exception the stream ended with (a killed replica or node must
-    fail it, not hang it). The tiny model decodes a token in a few milliseconds, so a
-    test that kills something under the stream asks for enough tokens to still be
-    generating when the kill lands.
+    The list gets the exception the stream ended with (a killed replica or node with no
+    other replica to resume on must fail it, not hang it); ``texts`` gets its text
+    pieces. The tiny model decodes a token in a few milliseconds, so a test that kills
+    something under the stream asks for enough tokens to still be generating when the
+    kill lands.
     """
     errors: list[BaseException] = []
     started = threading.Event()
 
     def run() -> None:
         try:
-            for k, _ in enumerate(app.openai().completions.create(
+            for k, ev in enumerate(app.openai().completions.create(
                     model="tiny-llama", prompt="Count slowly:", max_tokens=max_tokens,
-                    stream=True, extra_body={"ignore_eos": True})):
+                    stream=True, temperature=0, extra_body={"ignore_eos": True})):
+                if texts is not None:
+                    texts.extend(c.text for c in ev.choices)
                 if k == 2:
                     started.set()
                 time.sleep(0.02)

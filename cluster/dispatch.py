@@ -1,0 +1,208 @@
+"""Dispatch from the ingress: one request's chunks from the engine replicas, with failover.
+
+``stream_from_replicas`` sends a request through the deployment handle (whose
+``PrefixAffinityRouter`` picks the replica, see ``router``) and reads its chunks from
+the ingress's channel (see ``channel``). A replica that dies before sending a token gets
+the request retried on another; one that dies mid-stream gets a single-sample stream
+resumed on another from the tokens already sent (see ``resume``).
+``merge_streams`` interleaves the streams of a request's prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from pagedserve.cluster.channel import ChannelClient
+from pagedserve.cluster.protocol import APIError
+from pagedserve.cluster.resume import StreamCursor, resumable
+from pagedserve.cluster.router import known_replicas
+from pagedserve.cluster.wire import EngineChunk, EngineRequest
+
+MAX_ATTEMPTS = 3  # a request whose replica died moves on (resumed, past its first token)
+CHANNEL_GRACE_S = 30.0  # after its call returned, a request's last chunks must arrive by then
+FAILOVER_WAIT_S = 60.0  # a retried or resumed request's first chunk must arrive by then
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _CallEnded:
+    """The request's ``run`` call returned (``error`` None) or failed."""
+
+    error: BaseException | None = None
+
+
+async def _watch(response: Any, q: asyncio.Queue[Any]) -> None:
+    try:
+        await response
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the reader decides what each failure means
+        q.put_nowait(_CallEnded(e))
+    else:
+        q.put_nowait(_CallEnded())
+
+
+async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRequest,
+                               on_failover: Callable[[str], None] | None = None
+                               ) -> AsyncIterator[EngineChunk]:
+    """One request's chunks: routed by the router below, received on ``client``'s channel.
+
+    The ``run`` call carries routing, load accounting and cancellation; its chunks arrive
+    through the channel (see ``channel``). A replica that dies (or whose TP group fails)
+    before sending a token gets the request retried on another replica; one that dies
+    after gets a single-sample stream resumed on another from the tokens already sent
+    (see ``resume``), and only a request that cannot resume ends with the error.
+    ``on_failover("retry" | "resume")`` counts each. Leaving early (the caller cancelled
+    or stopped iterating) cancels the call, which aborts the request in the replica's
+    scheduler.
+    """
+    exclude: list[str] = []
+    cursor = StreamCursor() if resumable(req) else None
+    attempt_req, sent = req, False
+    for attempt in range(MAX_ATTEMPTS):
+        r = replace(attempt_req, channel=client.channel, exclude_replicas=tuple(exclude))
+        replica, retry, done = None, False, False
+        with client.receiving(req.request_id) as q:
+            client.ensure_subscribed()
+            response = handle.run.remote(r)
+            watcher = asyncio.ensure_future(_watch(response, q))
+            # A retry waits for a replica to take it (the dead one's replacement, if it
+            # was the only one), but not forever.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + FAILOVER_WAIT_S if attempt else None
+            lost = "no engine replica took the request over" if attempt else ""
+            try:
+                while True:
+                    if deadline is None:
+                        item = await client.next_chunk(q)
+                    else:  # every chunk is sent: it is on its way, or it is lost
+                        try:
+                            async with asyncio.timeout_at(deadline):
+                                item = await client.next_chunk(q)
+                        except TimeoutError:
+                            raise APIError(lost or "engine replica's stream was lost",
+                                           status=503, type="service_unavailable") from None
+                    if isinstance(item, _CallEnded):
+                        if item.error is not None:
+                            raise item.error
+                        deadline, lost = loop.time() + CHANNEL_GRACE_S, ""
+                        continue
+                    if item.replica in exclude:
+                        continue  # a late chunk of an attempt already given up
+                    if lost:  # taken over: from here on it streams as any request does
+                        deadline, lost = None, ""
+                    replica = item.replica
+                    if item.error is not None:
+                        if (item.retryable and (cursor is not None or not sent)
+                                and attempt + 1 < MAX_ATTEMPTS
+                                and _another_replica(handle, [*exclude, replica])):
+                            retry = done = True
+                            break
+                        raise APIError(item.error, status=item.status,
+                                       type="invalid_request_error" if item.status == 400
+                                       else "service_unavailable")
+                    if cursor is not None:
+                        if attempt_req is not req:  # a resumed attempt repeats them first
+                            trimmed = cursor.trim(item)
+                            if trimmed is None:
+                                continue
+                            item = trimmed
+                        cursor.record(item)
+                    sent = sent or bool(item.deltas)
+                    yield item
+                    if item.finished:
+                        done = True
+                        break
+            except BackPressureError as e:
+                raise overloaded_error(e) from None
+            except (RayActorError, ActorUnavailableError) as e:
+                # Serve drops a dead replica from the router at once, so the next attempt
+                # goes to another one, or waits for the replacement of the only one.
+                if (cursor is None and sent) or attempt + 1 >= MAX_ATTEMPTS:
+                    raise replica_failed_error(e) from None
+                retry = True
+            finally:
+                if not done:
+                    # Cancels the assignment or the replica's task (-> abort in the
+                    # scheduler).
+                    with contextlib.suppress(Exception):
+                        response.cancel()
+                    watcher.cancel()
+        if not retry:
+            return
+        resumed = cursor is not None and bool(cursor.token_ids)
+        logger.warning("request %s: replica %s failed, %s", req.request_id, replica,
+                       f"resuming after {len(cursor.token_ids)} tokens" if resumed
+                       else "retrying")
+        if on_failover is not None:
+            on_failover("resume" if resumed else "retry")
+        if resumed:
+            assert cursor is not None
+            attempt_req = cursor.resume(req)
+        if replica is not None:
+            exclude.append(replica)
+
+
+def _another_replica(handle: Any, tried: list[str]) -> bool:
+    """Whether a replica not yet tried is up (the router would otherwise send the retry
+    back to one that refused it, whose answers this reader skips as stale)."""
+    name = getattr(handle, "deployment_name", None)
+    if name is None:
+        return True
+    known = known_replicas(name, getattr(handle, "app_name", None))
+    return not known or bool(set(known) - set(tried))
+
+
+def overloaded_error(e: BackPressureError) -> APIError:
+    """Serve's backpressure as the 503 clients retry after a second."""
+    return APIError(f"server overloaded, retry later: {e.message}", status=503,
+                    type="server_overloaded", code="overloaded", headers={"Retry-After": "1"})
+
+
+def replica_failed_error(e: Exception) -> APIError:
+    """A replica (or its actor) that died under a request, after the last retry."""
+    return APIError(f"engine replica failed: {e}", status=503, type="service_unavailable")
+
+
+async def merge_streams(client: ChannelClient, handle: Any, reqs: list[EngineRequest],
+                        on_failover: Callable[[str], None] | None = None
+                        ) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """Chunks of several prompts' streams, interleaved as they come."""
+    if len(reqs) == 1:
+        async for c in stream_from_replicas(client, handle, reqs[0], on_failover):
+            yield 0, c
+        return
+    q: asyncio.Queue[tuple[int, EngineChunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, r: EngineRequest) -> None:
+        try:
+            async for c in stream_from_replicas(client, handle, r, on_failover):
+                q.put_nowait((i, c))
+            q.put_nowait((i, None))
+        except Exception as e:
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,124 @@
+"""Mid-stream failover: a replica killed under open streams; they go on from the other.
+
+Two replicas of a random tiny Llama. Two long streams (greedy with logprobs, and
+seeded sampling) share a prompt long enough that the prefix-affinity router puts both
+on one replica, which is killed while they stream. Each must still finish with exactly
+the text of the same request run uninterrupted, every token once (usage and logprob
+counts), the ingress counts two resumes, and once Serve has replaced the dead replica
+both pools are at baseline.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serving.conftest import App, Cluster, at_baseline, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPT = "Count slowly and carefully, one number after another, never stopping: " * 3
+MAX_TOKENS = 1500
+REQUESTS = {
+    "greedy": {"temperature": 0.0, "logprobs": 1},
+    "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234},
+}
+
+
+@pytest.fixture(scope="module")
+def pair(cluster: Cluster, tiny_model: Path) -> Iterator[App]:
+    app = cluster.deploy("failover", {
+        "model": str(tiny_model), "num_replicas": 2, "num_threads": 1,
+        "num_gpu_blocks": 512, "max_model_len": 4096,
+        "health_check_period_s": 1.0, "health_check_timeout_s": 10.0})
+    yield app
+    cluster.delete("failover")
+
+
+def _stream(app: App, kw: dict[str, Any], out: dict[str, Any],
+            started: threading.Event | None = None) -> None:
+    """One completion stream's text, logprobs and usage into ``out`` (or its error)."""
+    text, lps = [], []
+    try:
+        for k, ev in enumerate(app.openai().completions.create(
+                model="tiny-llama", prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                **kw)):
+            if ev.usage is not None:
+                out["usage"] = ev.usage
+            for c in ev.choices:
+                text.append(c.text)
+                if c.logprobs is not None:
+                    lps.extend(c.logprobs.token_logprobs)
+                if c.finish_reason is not None:
+                    out["finish_reason"] = c.finish_reason
+            if started is not None and k >= 3:
+                started.set()
+    except BaseException as e:  # recorded: the test says what it expected
+        out["error"] = e
+    finally:
+        if started is not None:
+            started.set()
+    out["text"], out["logprobs"] = "".join(text), lps
+
+
+def _replica_states(app: App) -> dict[str, dict[str, Any]] | None:
+    try:
+        return app.stats()
+    except httpx.HTTPError:
+        return None
+
+
+def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) -> None:
+    import ray
+
+    expected: dict[str, dict[str, Any]] = {name: {} for name in REQUESTS}
+    threads = [threading.Thread(target=_stream, args=(pair, kw, expected[name]))
+               for name, kw in REQUESTS.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for e in expected.values():
+        assert "error" not in e and e["usage"].completion_tokens == MAX_TOKENS, e
+    pair.wait_baseline()
+
+    got: dict[str, dict[str, Any]] = {name: {} for name in REQUESTS}
+    started = {name: threading.Event() for name in REQUESTS}
+    threads = [threading.Thread(target=_stream, args=(pair, kw, got[name], started[name]))
+               for name, kw in REQUESTS.items()]
+    for t in threads:
+        t.start()
+    for ev in started.values():
+        assert ev.wait(60)
+    busy = [rid for rid, s in pair.stats().items() if s["server"]["in_flight"] > 0]
+    assert len(busy) == 1, busy  # both streams on the replica holding their prefix
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(f"#EngineServer#{busy[0]}")]
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive()
+    for name in REQUESTS:
+        g, e = got[name], expected[name]
+        assert "error" not in g, (name, g.get("error"))
+        assert g["usage"].completion_tokens == MAX_TOKENS and g["finish_reason"] == "length"
+        assert g["text"] == e["text"], name
+    assert len(got["greedy"]["logprobs"]) == MAX_TOKENS
+    assert got["greedy"]["logprobs"] == pytest.approx(expected["greedy"]["logprobs"], abs=1e-3)
+
+    metrics = httpx.get(f"{pair.base}/metrics", timeout=30).text
+    assert 'pagedserve_request_failovers_total{kind="resume"} 2.0' in metrics, [
+        line for line in metrics.splitlines() if "failover" in line]
+
+    def replaced() -> bool:
+        states = _replica_states(pair)
+        return bool(states) and len(states) == 2 and busy[0] not in states and all(
+            at_baseline(s) for s in states.values())
+
+    wait_for(replaced, 120, "a replacement replica and both pools at baseline")
