@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streamed messages per second one engine replica may send in all; "
                         "stretches the interval when many streams are open "
                         "(default: 25 per core, 0: no budget)")
+    s.add_argument("--no-resume-streams", dest="resume_streams", action="store_false",
+                   help="end a stream whose replica died with an error event instead of "
+                        "resuming it on another replica from the tokens already sent")
     s.add_argument("--burst-wait-ms", type=float, default=None,
                    help="an idle engine woken by a request waits until none has arrived "
                         "for this long (at most 5 times it, and no longer once a step is "

@@ -28,7 +28,9 @@ from pagedserve.cluster.wire import EngineChunk, EngineRequest
 
 MAX_ATTEMPTS = 3  # a request whose replica died moves on (resumed, past its first token)
 CHANNEL_GRACE_S = 30.0  # after its call returned, a request's last chunks must arrive by then
-FAILOVER_WAIT_S = 60.0  # a retried or resumed request's first chunk must arrive by then
+# A retried or resumed request's first chunk must arrive by then: a dead replica's
+# replacement takes seconds; a cluster that cannot start one must not hang its clients.
+FAILOVER_WAIT_S = 60.0
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +54,23 @@ async def _watch(response: Any, q: asyncio.Queue[Any]) -> None:
 
 
 async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRequest,
-                               on_failover: Callable[[str], None] | None = None
-                               ) -> AsyncIterator[EngineChunk]:
-    """One request's chunks: routed by the router below, received on ``client``'s channel.
+                               on_failover: Callable[[str], None] | None = None,
+                               resume: bool = True) -> AsyncIterator[EngineChunk]:
+    """One request's chunks: routed by ``router.PrefixAffinityRouter``, received on
+    ``client``'s channel.
 
     The ``run`` call carries routing, load accounting and cancellation; its chunks arrive
     through the channel (see ``channel``). A replica that dies (or whose TP group fails)
     before sending a token gets the request retried on another replica; one that dies
     after gets a single-sample stream resumed on another from the tokens already sent
-    (see ``resume``), and only a request that cannot resume ends with the error.
+    (see ``resume``; unless ``resume`` is False), and only a request that cannot resume
+    ends with the error.
     ``on_failover("retry" | "resume")`` counts each. Leaving early (the caller cancelled
     or stopped iterating) cancels the call, which aborts the request in the replica's
     scheduler.
     """
     exclude: list[str] = []
-    cursor = StreamCursor() if resumable(req) else None
+    cursor = StreamCursor() if resume and resumable(req) else None
     attempt_req, sent = req, False
     for attempt in range(MAX_ATTEMPTS):
         r = replace(attempt_req, channel=client.channel, exclude_replicas=tuple(exclude))
@@ -174,18 +178,18 @@ def replica_failed_error(e: Exception) -> APIError:
 
 
 async def merge_streams(client: ChannelClient, handle: Any, reqs: list[EngineRequest],
-                        on_failover: Callable[[str], None] | None = None
-                        ) -> AsyncIterator[tuple[int, EngineChunk]]:
+                        on_failover: Callable[[str], None] | None = None,
+                        resume: bool = True) -> AsyncIterator[tuple[int, EngineChunk]]:
     """Chunks of several prompts' streams, interleaved as they come."""
     if len(reqs) == 1:
-        async for c in stream_from_replicas(client, handle, reqs[0], on_failover):
+        async for c in stream_from_replicas(client, handle, reqs[0], on_failover, resume):
             yield 0, c
         return
     q: asyncio.Queue[tuple[int, EngineChunk | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, r: EngineRequest) -> None:
         try:
-            async for c in stream_from_replicas(client, handle, r, on_failover):
+            async for c in stream_from_replicas(client, handle, r, on_failover, resume):
                 q.put_nowait((i, c))
             q.put_nowait((i, None))
         except Exception as e:

@@ -110,8 +110,8 @@ class OpenAIServer(EngineAdmin):
                  served_model_name: str | None = None, api_key: str | None = None,
                  lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
                  pooling_type: str = "last", reasoning_parser: str | None = None,
-                 scales_to_zero: bool = False, prefill: DeploymentHandle | None = None
-                 ) -> None:
+                 scales_to_zero: bool = False, prefill: DeploymentHandle | None = None,
+                 resume_streams: bool = True) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -133,6 +133,7 @@ class OpenAIServer(EngineAdmin):
         # autoscaling_config min_replicas = 0: no engine replica is a healthy, idle state.
         self.scales_to_zero = scales_to_zero
         self._prefill = prefill  # the prefill pool of a disaggregated app (stats only)
+        self.resume_streams = resume_streams
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -181,7 +182,8 @@ class OpenAIServer(EngineAdmin):
                               lora[0] if lora is not None else None,
                               self.reasoning_parser if kind == "chat.completion" else None,
                               include_reasoning, thought_closed)
-        chunks = merge_streams(self._channel, self._engine, reqs, _http.record_failover)
+        chunks = merge_streams(self._channel, self._engine, reqs, _http.record_failover,
+                               self.resume_streams)
         return await render_response(self.fmt, state, chunks, stream, include_usage,
                                      continuous_usage)
 
@@ -379,7 +381,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,
-           a.scales_to_zero(), prefill)
+           a.scales_to_zero(), prefill, a.resume_streams)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

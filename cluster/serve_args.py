@@ -67,6 +67,7 @@ class ServeArgs(BaseModel):
     placement_group_strategy: str = "PACK"
     stream_interval_ms: float = Field(default=50.0, ge=0.0)
     stream_messages_per_s: float | None = Field(default=None, ge=0.0)
+    resume_streams: bool = True  # a dead replica's streams go on elsewhere (``resume``)
     imbalance_threshold: int = 8
     enable_lora: bool = False
     max_loras: int = 1

@@ -81,13 +81,14 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "serve", "--lora-modules", "a=/x", "b=/y", "--lora-dir", "/adapters", "--max-loras",
         "2", "--max-lora-rank", "8", "--max-loaded-loras", "4", "--scheduling-policy",
         "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
-        "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5"])
+        "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5", "--no-resume-streams"])
     a = ServeArgs.parse(ns)
     assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
             a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype,
-            a.kv_offloading_size) == (
+            a.kv_offloading_size, a.resume_streams) == (
         ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
-        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5)
+        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False)
+    assert ServeArgs.parse(build_parser().parse_args(["serve"])).resume_streams is True
 
 
 @pytest.mark.parametrize(("flag", "value", "field"), [
