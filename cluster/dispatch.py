@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,22 +55,25 @@ async def _watch(response: Any, q: asyncio.Queue[Any]) -> None:
 
 async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRequest,
                                on_failover: Callable[[str], None] | None = None,
-                               resume: bool = True) -> AsyncIterator[EngineChunk]:
+                               resume: bool = True, cursor: StreamCursor | None = None
+                               ) -> AsyncIterator[EngineChunk]:
     """One request's chunks: routed by ``router.PrefixAffinityRouter``, received on
     ``client``'s channel.
 
     The ``run`` call carries routing, load accounting and cancellation; its chunks arrive
     through the channel (see ``channel``). A replica that dies (or whose TP group fails)
     before sending a token gets the request retried on another replica; one that dies
-    after gets a single-sample stream resumed on another from the tokens already sent
-    (see ``resume``; unless ``resume`` is False), and only a request that cannot resume
-    ends with the error.
+    after gets the stream resumed on another from the tokens already sent (see
+    ``resume``; an ``n > 1`` stream as one request per unfinished sample), unless
+    ``resume`` is False: then the error ends the stream. ``cursor``: the stream of
+    one sample ``split`` off such a request (its ``req`` resumes already).
     ``on_failover("retry" | "resume")`` counts each. Leaving early (the caller cancelled
     or stopped iterating) cancels the call, which aborts the request in the replica's
     scheduler.
     """
-    exclude: list[str] = []
-    cursor = StreamCursor() if resume and resumable(req) else None
+    exclude = list(req.exclude_replicas)
+    if cursor is None and resume and resumable(req):
+        cursor = StreamCursor(req.params.n)
     attempt_req, sent = req, False
     for attempt in range(MAX_ATTEMPTS):
         r = replace(attempt_req, channel=client.channel, exclude_replicas=tuple(exclude))
@@ -115,7 +118,7 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
                                        type="invalid_request_error" if item.status == 400
                                        else "service_unavailable")
                     if cursor is not None:
-                        if attempt_req is not req:  # a resumed attempt repeats them first
+                        if cursor.resuming:  # a resumed attempt repeats them first
                             trimmed = cursor.trim(item)
                             if trimmed is None:
                                 continue
@@ -143,17 +146,36 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
                     watcher.cancel()
         if not retry:
             return
-        resumed = cursor is not None and bool(cursor.token_ids)
+        resumed = cursor is not None and cursor.num_tokens > 0
         logger.warning("request %s: replica %s failed, %s", req.request_id, replica,
-                       f"resuming after {len(cursor.token_ids)} tokens" if resumed
+                       f"resuming after {cursor.num_tokens} tokens" if cursor and resumed
                        else "retrying")
         if on_failover is not None:
             on_failover("resume" if resumed else "retry")
-        if resumed:
-            assert cursor is not None
-            attempt_req = cursor.resume(req)
         if replica is not None:
             exclude.append(replica)
+        if resumed and cursor is not None:
+            if len(cursor.samples) > 1:
+                req = replace(req, exclude_replicas=tuple(exclude))
+                async with contextlib.aclosing(_resumed_samples(
+                        client, handle, cursor.split(req), on_failover)) as split:
+                    async for c in split:
+                        yield c
+                return
+            attempt_req = cursor.resume(req)
+
+
+async def _resumed_samples(client: ChannelClient, handle: Any,
+                           samples: list[tuple[int, EngineRequest, StreamCursor]],
+                           on_failover: Callable[[str], None] | None
+                           ) -> AsyncIterator[EngineChunk]:
+    """The split samples of an ``n > 1`` stream, each numbered as it was."""
+    streams = [stream_from_replicas(client, handle, r, on_failover, True, cur)
+               for _, r, cur in samples]
+    async with contextlib.aclosing(_interleave(streams)) as chunks:
+        async for k, c in chunks:
+            i = samples[k][0]
+            yield replace(c, deltas=[replace(d, index=i) for d in c.deltas])
 
 
 def _another_replica(handle: Any, tried: list[str]) -> bool:
@@ -181,21 +203,31 @@ async def merge_streams(client: ChannelClient, handle: Any, reqs: list[EngineReq
                         on_failover: Callable[[str], None] | None = None,
                         resume: bool = True) -> AsyncIterator[tuple[int, EngineChunk]]:
     """Chunks of several prompts' streams, interleaved as they come."""
-    if len(reqs) == 1:
-        async for c in stream_from_replicas(client, handle, reqs[0], on_failover, resume):
-            yield 0, c
+    async for i, c in _interleave([stream_from_replicas(client, handle, r, on_failover,
+                                                        resume) for r in reqs]):
+        yield i, c
+
+
+async def _interleave(streams: list[AsyncGenerator[EngineChunk, None]]
+                      ) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """Items of several streams as they come, tagged with the stream's index; the first
+    error ends them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for c in only:
+                yield 0, c
         return
     q: asyncio.Queue[tuple[int, EngineChunk | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, r: EngineRequest) -> None:
+    async def pump(i: int, stream: AsyncGenerator[EngineChunk, None]) -> None:
         try:
-            async for c in stream_from_replicas(client, handle, r, on_failover, resume):
+            async for c in stream:
                 q.put_nowait((i, c))
             q.put_nowait((i, None))
         except Exception as e:
             q.put_nowait((i, e))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:

@@ -14,52 +14,84 @@ valid sample of the same distribution.
 
 The new replica's outputs carry the resumed tokens and their text again (as
 ``LLMEngine.add_request`` documents); :class:`StreamCursor` drops that repeat, so
-the client sees one stream, each token once. Only single-sample requests
-(``n == 1``) resume: the samples of an ``n > 1`` request share their prompt's
-blocks and would each need their own continuation. Non-streamed requests need
-none of this: nothing reached their client, so the ingress simply retries them.
+the client sees one stream, each token once. The samples of an ``n > 1`` request
+shared their prompt's blocks on the dead replica; each unfinished one goes on as
+a request of its own (``StreamCursor.split``: sample ``i`` with ``seed + i``, the
+rule its tokens were drawn by), and finished ones are done. Non-streamed requests
+need none of this: nothing reached their client, so the ingress retries them.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from pagedserve.cluster.wire import EngineChunk, EngineRequest, SampleDelta
 
 
 def resumable(req: EngineRequest) -> bool:
-    """Whether a stream of ``req`` can go on elsewhere after tokens were sent."""
-    return req.params.n == 1 and req.pooling is None
+    """Whether a stream of ``req`` can go on elsewhere after tokens were sent (every
+    generation can; an embedding has no stream)."""
+    return req.pooling is None
+
+
+@dataclass
+class _Sample:
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finished: bool = False
 
 
 class StreamCursor:
-    """What a single-sample stream forwarded so far, and the repeat a resumed attempt
-    starts with (its first ``len(token_ids)`` tokens and their text) to drop."""
+    """What a stream forwarded so far, per sample, and the repeat a resumed attempt
+    starts with (its first tokens and their text) to drop."""
 
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self._text: list[str] = []
+    def __init__(self, n: int = 1) -> None:
+        self.samples = [_Sample() for _ in range(n)]
+        self.resuming = False  # set once an attempt resumes: its chunks go through trim
         self._skip_tokens = 0
         self._skip_text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
 
     def record(self, chunk: EngineChunk) -> None:
         """Note a chunk on its way to the client."""
         for d in chunk.deltas:
-            if d.index == 0:
-                self.token_ids.extend(d.token_ids)
-                self._text.append(d.text)
+            s = self.samples[d.index]
+            s.token_ids.extend(d.token_ids)
+            s.text.append(d.text)
+            s.finished = s.finished or d.finish_reason is not None
 
     def resume(self, req: EngineRequest) -> EngineRequest:
-        """``req`` continuing from what was forwarded; the next attempt's repeat of it
-        will be dropped. Prompt logprobs went out with the first tokens already."""
-        self._skip_tokens = len(self.token_ids)
-        self._skip_text = "".join(self._text)
-        return replace(req, resumed_token_ids=list(self.token_ids),
+        """A single-sample ``req`` continuing from what was forwarded; the next attempt's
+        repeat of it will be dropped. Prompt logprobs went out with the first tokens."""
+        assert len(self.samples) == 1, "an n > 1 stream resumes per sample (split)"
+        s = self.samples[0]
+        self.resuming = True
+        self._skip_tokens = len(s.token_ids)
+        self._skip_text = "".join(s.text)
+        return replace(req, resumed_token_ids=list(s.token_ids),
                        params=replace(req.params, prompt_logprobs=None))
 
+    def split(self, req: EngineRequest) -> list[tuple[int, EngineRequest, StreamCursor]]:
+        """Each unfinished sample of an ``n > 1`` ``req`` as a request of its own
+        (``request_id-s{i}``, ``params.for_child(i)``) resuming from its tokens, with
+        the cursor that follows it: ``(i, request, cursor)``."""
+        out = []
+        for i, s in enumerate(self.samples):
+            if s.finished:
+                continue
+            cur = StreamCursor()
+            cur.samples[0] = _Sample(list(s.token_ids), list(s.text))
+            child = replace(req, request_id=f"{req.request_id}-s{i}",
+                            params=req.params.for_child(i))
+            out.append((i, cur.resume(child), cur))
+        return out
+
     def trim(self, chunk: EngineChunk) -> EngineChunk | None:
-        """``chunk`` without what the client already has; None if nothing is left
-        (a resumed attempt's acknowledgement, or a pure repeat).
+        """``chunk`` of a resumed attempt without what the client already has; None if
+        nothing is left (the attempt's acknowledgement, or a pure repeat).
 
         The repeated text must be what was sent: a replica that decoded the same
         tokens to other text would corrupt the stream, so that is an error.

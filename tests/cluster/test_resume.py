@@ -20,6 +20,7 @@ from pagedserve.cluster.beam_search import BeamSearchParams
 from pagedserve.cluster.outputs import CompletionOutput
 from pagedserve.cluster.resume import StreamCursor, resumable
 from pagedserve.cluster.wire import EngineChunk, EngineRequest, SampleDelta
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputs
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
@@ -157,7 +158,8 @@ def _chunk(replica: str, ids: list[int], text: str, finished: bool = False) -> E
 
 def test_stream_cursor_drops_the_repeat_of_a_resumed_attempt() -> None:
     req = EngineRequest("r", [1, 2], SamplingParams(max_tokens=10, prompt_logprobs=1))
-    assert resumable(req) and not resumable(EngineRequest("r", [1], SamplingParams(n=2)))
+    assert resumable(req) and resumable(EngineRequest("r", [1], SamplingParams(n=2)))
+    assert not resumable(EngineRequest("r", [1], SamplingParams(), pooling=PoolingParams()))
     cur = StreamCursor()
     for c in (_chunk("a", [7, 8], "ab"), _chunk("a", [9], "cd")):
         cur.record(c)
@@ -174,7 +176,42 @@ def test_stream_cursor_drops_the_repeat_of_a_resumed_attempt() -> None:
     cur.record(got)
     last = cur.trim(_chunk("b", [12], "g", finished=True))
     assert last is not None and last.finished and last.deltas[0].token_ids == [12]
-    assert cur.token_ids == [7, 8, 9, 10, 11]  # (recorded by the caller, not by trim)
+    assert cur.samples[0].token_ids == [7, 8, 9, 10, 11]  # (recorded by the caller)
+    assert cur.num_tokens == 5
+
+
+def test_stream_cursor_splits_the_unfinished_samples_of_n_gt_1() -> None:
+    req = EngineRequest("r", [1, 2], SamplingParams(n=3, seed=40, max_tokens=10,
+                                                    prompt_logprobs=1), stream=True)
+    cur = StreamCursor(3)
+    cur.record(EngineChunk("r", "a", [SampleDelta(0, "ab", [7, 8]),
+                                      SampleDelta(2, "x", [5], finish_reason="stop")]))
+    cur.record(EngineChunk("r", "a", [SampleDelta(0, "c", [9])]))
+    assert cur.num_tokens == 4
+    parts = cur.split(req)
+    assert [i for i, _, _ in parts] == [0, 1]  # sample 2 had finished
+    (_, r0, c0), (_, r1, c1) = parts
+    assert (r0.request_id, r0.resumed_token_ids, r0.params.seed, r0.params.n) == (
+        "r-s0", [7, 8, 9], 40, 1)
+    assert (r1.request_id, r1.resumed_token_ids, r1.params.seed) == ("r-s1", [], 41)
+    assert r0.params.prompt_logprobs is None and r0.prompt_token_ids == [1, 2]
+    got = c0.trim(_chunk("b", [7, 8, 9, 4], "abcd"))
+    assert got is not None and got.deltas[0].token_ids == [4] and got.deltas[0].text == "d"
+    assert c1.trim(EngineChunk("r-s1", "b")) is None  # its ack
+    got = c1.trim(_chunk("b", [3], "q"))
+    assert got is not None and got.deltas[0].token_ids == [3]
+
+
+def test_each_sample_of_a_seeded_n3_request_resumes_alone(llm: LLM) -> None:
+    """What ``StreamCursor.split`` asks of a replica: sample ``i`` of a seeded ``n=3``
+    request, resumed as an ``n=1`` request with ``seed + i``, ends as it did."""
+    params = SamplingParams(n=3, temperature=1.0, seed=17, max_tokens=24, ignore_eos=True)
+    (whole,) = llm.generate([PROMPT], params)
+    assert len({tuple(o.token_ids) for o in whole.outputs}) == 3
+    for i, o in enumerate(whole.outputs):
+        part, _ = _run(llm, params.for_child(i), o.token_ids[: 5 + i])
+        assert part.token_ids == o.token_ids and part.text == o.text
+    assert_pool_at_baseline(llm)
 
 
 def test_stream_cursor_refuses_a_repeat_with_other_text() -> None:

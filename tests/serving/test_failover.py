@@ -1,11 +1,12 @@
 """Mid-stream failover: a replica killed under open streams; they go on from the other.
 
-Two replicas of a random tiny Llama. Two long streams (greedy with logprobs, and
-seeded sampling) share a prompt long enough that the prefix-affinity router puts both
-on one replica, which is killed while they stream. Each must still finish with exactly
-the text of the same request run uninterrupted, every token once (usage and logprob
-counts), the ingress counts two resumes, and once Serve has replaced the dead replica
-both pools are at baseline.
+Two replicas of a random tiny Llama. Three long streams (greedy with logprobs, seeded
+sampling, and seeded sampling with ``n=2``, whose samples go on as two requests) share a
+prompt long enough that the prefix-affinity router puts them on one replica, which is
+killed while they stream. Each choice must still finish with exactly the text of the
+same request run uninterrupted, every token once (usage and logprob counts), the
+ingress counts three resumes, and once Serve has replaced the dead replica both pools
+are at baseline.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ MAX_TOKENS = 1500
 REQUESTS = {
     "greedy": {"temperature": 0.0, "logprobs": 1},
     "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234},
+    "seeded n=2": {"temperature": 1.0, "seed": 99, "n": 2},
 }
 
 
@@ -42,8 +44,10 @@ def pair(cluster: Cluster, tiny_model: Path) -> Iterator[App]:
 
 def _stream(app: App, kw: dict[str, Any], out: dict[str, Any],
             started: threading.Event | None = None) -> None:
-    """One completion stream's text, logprobs and usage into ``out`` (or its error)."""
-    text, lps = [], []
+    """One completion stream's text per choice, logprobs and usage into ``out`` (or its
+    error)."""
+    text: dict[int, list[str]] = {}
+    lps: list[float] = []
     try:
         for k, ev in enumerate(app.openai().completions.create(
                 model="tiny-llama", prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
@@ -52,11 +56,11 @@ def _stream(app: App, kw: dict[str, Any], out: dict[str, Any],
             if ev.usage is not None:
                 out["usage"] = ev.usage
             for c in ev.choices:
-                text.append(c.text)
+                text.setdefault(c.index, []).append(c.text)
                 if c.logprobs is not None:
                     lps.extend(c.logprobs.token_logprobs)
                 if c.finish_reason is not None:
-                    out["finish_reason"] = c.finish_reason
+                    out.setdefault("finish_reasons", []).append(c.finish_reason)
             if started is not None and k >= 3:
                 started.set()
     except BaseException as e:  # recorded: the test says what it expected
@@ -64,7 +68,8 @@ def _stream(app: App, kw: dict[str, Any], out: dict[str, Any],
     finally:
         if started is not None:
             started.set()
-    out["text"], out["logprobs"] = "".join(text), lps
+    out["text"] = {i: "".join(t) for i, t in sorted(text.items())}
+    out["logprobs"] = lps
 
 
 def _replica_states(app: App) -> dict[str, dict[str, Any]] | None:
@@ -84,8 +89,10 @@ def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) ->
         t.start()
     for t in threads:
         t.join(120)
-    for e in expected.values():
-        assert "error" not in e and e["usage"].completion_tokens == MAX_TOKENS, e
+    for name, e in expected.items():
+        n = REQUESTS[name].get("n", 1)
+        assert "error" not in e and e["usage"].completion_tokens == n * MAX_TOKENS, e
+        assert len(e["text"]) == n and len(set(e["text"].values())) == n
     pair.wait_baseline()
 
     got: dict[str, dict[str, Any]] = {name: {} for name in REQUESTS}
@@ -97,7 +104,7 @@ def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) ->
     for ev in started.values():
         assert ev.wait(60)
     busy = [rid for rid, s in pair.stats().items() if s["server"]["in_flight"] > 0]
-    assert len(busy) == 1, busy  # both streams on the replica holding their prefix
+    assert len(busy) == 1, busy  # all streams on the replica holding their prefix
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].endswith(f"#EngineServer#{busy[0]}")]
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
@@ -107,13 +114,15 @@ def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) ->
     for name in REQUESTS:
         g, e = got[name], expected[name]
         assert "error" not in g, (name, g.get("error"))
-        assert g["usage"].completion_tokens == MAX_TOKENS and g["finish_reason"] == "length"
+        n = REQUESTS[name].get("n", 1)
+        assert g["usage"].completion_tokens == n * MAX_TOKENS, name
+        assert g["finish_reasons"] == ["length"] * n, name
         assert g["text"] == e["text"], name
     assert len(got["greedy"]["logprobs"]) == MAX_TOKENS
     assert got["greedy"]["logprobs"] == pytest.approx(expected["greedy"]["logprobs"], abs=1e-3)
 
     metrics = httpx.get(f"{pair.base}/metrics", timeout=30).text
-    assert 'pagedserve_request_failovers_total{kind="resume"} 2.0' in metrics, [
+    assert 'pagedserve_request_failovers_total{kind="resume"} 3.0' in metrics, [
         line for line in metrics.splitlines() if "failover" in line]
 
     def replaced() -> bool:
