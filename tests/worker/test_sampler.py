@@ -247,3 +247,31 @@ def test_min_tokens_blocks_eos_and_stop_tokens():
     # An explicit output count from the plan wins over the sampler's own count.
     req = SampleRequest("q", "q", 0, SamplingParams(**p), num_output_tokens=5)
     assert s.sample(x, [req])["q"].token_id == 2
+
+
+def test_seeded_uniforms_depend_only_on_seed_and_position_and_are_uniform():
+    from pagedserve.worker.sampler import seeded_uniform
+
+    u = [seeded_uniform(7, p) for p in range(20000)]
+    assert u == [seeded_uniform(7, p) for p in range(20000)]
+    assert all(0.0 <= x < 1.0 for x in u) and len(set(u)) > 19900
+    counts = torch.histc(torch.tensor(u), bins=10, min=0.0, max=1.0)
+    assert ((counts - 2000).abs() < 200).all(), counts  # ~4.5 sigma
+    lag = torch.tensor(u)
+    corr = torch.corrcoef(torch.stack([lag[:-1], lag[1:]]))[0, 1]
+    assert abs(float(corr)) < 0.03  # neighbouring positions are unrelated
+    assert [seeded_uniform(8, p) for p in range(50)] != u[:50]
+    assert seeded_uniform(2**63 - 1, 0) < 1.0 and seeded_uniform(2**63 + 5, 3) < 1.0
+
+
+def test_a_seeded_draw_is_the_same_at_its_position_whatever_came_before():
+    """A fresh sampler told the output count draws what a sampler that drew the
+    earlier positions itself draws (a resumed or restarted sequence)."""
+    x = _logits(1, seed=12)
+    params = SamplingParams(temperature=1.0, seed=5)
+    s = Sampler()
+    seq = [s.sample(x, [SampleRequest("a", "a", 0, params, k)])["a"].token_id
+           for k in range(12)]
+    late = [Sampler().sample(x, [SampleRequest("b", "b", 0, params, k)])["b"].token_id
+            for k in range(12)]
+    assert seq == late and len(set(seq)) > 1
