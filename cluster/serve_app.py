@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -343,6 +344,8 @@ class OpenAIServer(EngineAdmin):
         replicas = await self._each_replica("stats", 10.0)
         prefill = await self._each_prefill_replica()
         return {"model": self.served_name, "replicas": replicas,
+                "ingress": {"replica": serve.get_replica_context().replica_id.unique_id,
+                            "node_id": ray.get_runtime_context().get_node_id()},
                 "affinity_blocks": affinity_snapshot(ENGINE_DEPLOYMENT),
                 **({"prefill_replicas": prefill} if self._prefill is not None else {})}
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -68,26 +69,46 @@ def test_replicas_on_two_worker_nodes_give_the_in_process_answers(
 
 def test_a_lost_nodes_stream_resumes_on_the_other_and_a_new_node_gets_a_replica(
         nodes: Nodes, two_nodes_app: App, expected: dict[str, str]) -> None:
+    """The lost node must not be the ingress's: the ingress holds the client's HTTP stream,
+    and with it the stream ends (the proxy cannot move it). If the first stream's replica
+    shares the ingress's node, a second stream goes to the other replica (the least
+    loaded), and that node is the one removed; the first must finish untouched."""
     app = two_nodes_app
-    texts: list[str] = []
-    t, errors = long_stream(app, LONG, texts)
-    busy = [rid for rid, s in app.stats().items() if s["server"]["in_flight"] > 0]
-    assert len(busy) == 1, busy
-    lost = replica_nodes(app)[busy[0]]
+    stats = httpx.get(f"{app.base}/v1/stats", timeout=60).json()
+    ingress_node = stats["ingress"]["node_id"]
+    streams = [_stream_on_a_new_replica(app, [])]
+    placed = replica_nodes(app)
+    if placed[streams[0][0]] == ingress_node:
+        streams.append(_stream_on_a_new_replica(app, [streams[0][0]]))
+    target = streams[-1][0]
+    lost = placed[target]
+    assert lost != ingress_node
     nodes.remove_worker(lost)
     try:
-        _check_the_loss_and_a_replacement(nodes, app, expected, lost, t, errors, texts)
+        _check_the_loss_and_a_replacement(nodes, app, expected, lost, streams)
     finally:  # the next tests need two worker nodes, whatever happened here
         while len(nodes.workers) < 2:
             nodes.add_worker()
 
 
-def _check_the_loss_and_a_replacement(nodes: Nodes, app: App, expected: dict[str, str],
-                                      lost: str, t: Any, errors: list[BaseException],
-                                      texts: list[str]) -> None:
-    t.join(120)
-    # The stream went on from the surviving node's replica (see cluster/resume.py).
-    assert not t.is_alive() and not errors, errors
+def _stream_on_a_new_replica(app: App, busy: list[str]
+                             ) -> tuple[str, Any, list[BaseException], list[str]]:
+    """A long greedy stream and the replica serving it (not one of ``busy``)."""
+    texts: list[str] = []
+    t, errors = long_stream(app, LONG, texts)
+    now = [rid for rid, s in app.stats().items() if s["server"]["in_flight"] > 0]
+    new = [rid for rid in now if rid not in busy]
+    assert len(new) == 1, (now, busy)
+    return new[0], t, errors, texts
+
+
+def _check_the_loss_and_a_replacement(
+        nodes: Nodes, app: App, expected: dict[str, str], lost: str,
+        streams: list[tuple[str, Any, list[BaseException], list[str]]]) -> None:
+    for _, t, errors, _ in streams:
+        t.join(120)
+        # The lost node's stream went on from the surviving replica (cluster/resume.py).
+        assert not t.is_alive() and not errors, errors
     # The surviving node keeps serving while the lost one is replaced.
     _wait(lambda: complete_one(app, PROMPTS[0]) == expected[PROMPTS[0]], 60,
           "the surviving replica to answer")
@@ -102,5 +123,7 @@ def _check_the_loss_and_a_replacement(nodes: Nodes, app: App, expected: dict[str
     again: list[str] = []  # the same stream uninterrupted: the resumed one lost nothing
     t, errors = long_stream(app, LONG, again)
     t.join(120)
-    assert not errors and "".join(texts) == "".join(again)
+    assert not errors and again
+    for _, _, _, texts in streams:
+        assert "".join(texts) == "".join(again)
     app.wait_baseline()
