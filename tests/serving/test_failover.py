@@ -6,7 +6,8 @@ prompt long enough that the prefix-affinity router puts them on one replica, whi
 killed while they stream. Each choice must still finish with exactly the text of the
 same request run uninterrupted, every token once (usage and logprob counts), the
 ingress counts three resumes, and once Serve has replaced the dead replica both pools
-are at baseline.
+are at baseline. With ``resume_streams=False`` the same kill ends the stream with an
+error event instead.
 """
 
 from __future__ import annotations
@@ -131,3 +132,36 @@ def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) ->
             at_baseline(s) for s in states.values())
 
     wait_for(replaced, 120, "a replacement replica and both pools at baseline")
+
+
+@pytest.fixture(scope="module")
+def no_resume(cluster: Cluster, tiny_model: Path) -> Iterator[App]:
+    app = cluster.deploy("noresume", {
+        "model": str(tiny_model), "num_replicas": 2, "num_threads": 1,
+        "num_gpu_blocks": 512, "max_model_len": 4096, "resume_streams": False,
+        "health_check_period_s": 1.0, "health_check_timeout_s": 10.0})
+    yield app
+    cluster.delete("noresume")
+
+
+def test_without_resume_streams_a_killed_replicas_stream_ends_with_an_error(
+        no_resume: App) -> None:
+    import openai
+    import ray
+
+    out: dict[str, Any] = {}
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(no_resume, REQUESTS["greedy"], out, started))
+    t.start()
+    assert started.wait(60)
+    busy = [rid for rid, s in no_resume.stats().items() if s["server"]["in_flight"] > 0]
+    assert len(busy) == 1, busy
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(f"#EngineServer#{busy[0]}")]
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    t.join(120)
+    assert not t.is_alive()
+    assert isinstance(out.get("error"), openai.APIError), out.get("error")
+    assert 0 < len(out["logprobs"]) < MAX_TOKENS
+    metrics = httpx.get(f"{no_resume.base}/metrics", timeout=30).text
+    assert 'pagedserve_request_failovers_total{kind="resume"} 0.0' in metrics
