@@ -3,8 +3,8 @@
 ``stream_from_replicas`` sends a request through the deployment handle (whose
 ``PrefixAffinityRouter`` picks the replica, see ``router``) and reads its chunks from
 the ingress's channel (see ``channel``). A replica that dies before sending a token gets
-the request retried on another; one that dies mid-stream gets a single-sample stream
-resumed on another from the tokens already sent (see ``resume``).
+the request retried on another; one that dies mid-stream gets the stream resumed
+on another from the tokens already sent (see ``resume``).
 ``merge_streams`` interleaves the streams of a request's prompts.
 """
 
@@ -148,8 +148,7 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
             return
         resumed = cursor is not None and cursor.num_tokens > 0
         logger.warning("request %s: replica %s failed, %s", req.request_id, replica,
-                       f"resuming after {cursor.num_tokens} tokens" if cursor and resumed
-                       else "retrying")
+                       f"resuming after {cursor.num_tokens} tokens" if resumed else "retrying")
         if on_failover is not None:
             on_failover("resume" if resumed else "retry")
         if replica is not None:

@@ -72,8 +72,8 @@ class SampleDelta:
 class EngineChunk:
     """One streamed item from an engine replica: deltas, or an error before any token.
 
-    ``retryable`` errors (a dead tensor-parallel group) are retried by the ingress on
-    another replica as long as nothing was sent to the client yet.
+    ``retryable`` errors (a dead tensor-parallel group) move the request to another
+    replica: retried if nothing was sent to the client yet, else resumed (``resume``).
     """
 
     request_id: str

@@ -177,6 +177,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def kill_engine_replica(replica_id: str) -> None:
+    """``ray.kill`` the engine replica actor ``replica_id`` (Serve replaces it)."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(f"#EngineServer#{replica_id}")]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+
+
 def long_stream(app: App, max_tokens: int = 400, texts: list[str] | None = None
                 ) -> tuple[threading.Thread, list[BaseException]]:
     """A ``max_tokens`` greedy stream in a thread, returned once its first chunks arrived.

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.conftest import App, Cluster, at_baseline, wait_for
+from tests.serving.conftest import App, Cluster, at_baseline, kill_engine_replica, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -81,8 +81,6 @@ def _replica_states(app: App) -> dict[str, dict[str, Any]] | None:
 
 
 def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) -> None:
-    import ray
-
     expected: dict[str, dict[str, Any]] = {name: {} for name in REQUESTS}
     threads = [threading.Thread(target=_stream, args=(pair, kw, expected[name]))
                for name, kw in REQUESTS.items()]
@@ -106,9 +104,7 @@ def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) ->
         assert ev.wait(60)
     busy = [rid for rid, s in pair.stats().items() if s["server"]["in_flight"] > 0]
     assert len(busy) == 1, busy  # all streams on the replica holding their prefix
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].endswith(f"#EngineServer#{busy[0]}")]
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    kill_engine_replica(busy[0])
     for t in threads:
         t.join(120)
         assert not t.is_alive()
@@ -147,7 +143,6 @@ def no_resume(cluster: Cluster, tiny_model: Path) -> Iterator[App]:
 def test_without_resume_streams_a_killed_replicas_stream_ends_with_an_error(
         no_resume: App) -> None:
     import openai
-    import ray
 
     out: dict[str, Any] = {}
     started = threading.Event()
@@ -156,9 +151,7 @@ def test_without_resume_streams_a_killed_replicas_stream_ends_with_an_error(
     assert started.wait(60)
     busy = [rid for rid, s in no_resume.stats().items() if s["server"]["in_flight"] > 0]
     assert len(busy) == 1, busy
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].endswith(f"#EngineServer#{busy[0]}")]
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    kill_engine_replica(busy[0])
     t.join(120)
     assert not t.is_alive()
     assert isinstance(out.get("error"), openai.APIError), out.get("error")

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import App, Cluster, long_stream, wait_for
+from tests.serving.conftest import App, Cluster, kill_engine_replica, long_stream, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -88,8 +88,6 @@ def test_killed_tp_rank_makes_health_503_then_the_replica_is_replaced(
 
 def test_killed_replica_is_replaced_and_its_stream_resumes_there(apps: dict[str, App]
                                                                    ) -> None:
-    import ray
-
     app = apps["tp1"]
     expected = _greedy(app)
     whole: list[str] = []
@@ -97,12 +95,9 @@ def test_killed_replica_is_replaced_and_its_stream_resumes_there(apps: dict[str,
     t.join(60)
     assert not errors and whole
     (old,) = app.stats()
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].endswith(f"#EngineServer#{old}")]
-    assert len(names) == 1, names
     got: list[str] = []
     t, errors = long_stream(app, texts=got)  # mid-stream when its only replica dies
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    kill_engine_replica(old)
     t.join(120)
     assert not t.is_alive() and not errors, errors
     assert "".join(got) == "".join(whole)
