@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-resume-streams", dest="resume_streams", action="store_false",
                    help="end a stream whose replica died with an error event instead of "
                         "resuming it on another replica from the tokens already sent")
+    s.add_argument("--checkpoint-interval-ms", type=float, default=1000.0,
+                   help="a non-streamed request's replica sends the ingress its tokens "
+                        "this often, so that it resumes from them if the replica dies "
+                        "(0: no checkpoints, such requests start again)")
     s.add_argument("--burst-wait-ms", type=float, default=None,
                    help="an idle engine woken by a request waits until none has arrived "
                         "for this long (at most 5 times it, and no longer once a step is "

@@ -4,7 +4,8 @@
 ``PrefixAffinityRouter`` picks the replica, see ``router``) and reads its chunks from
 the ingress's channel (see ``channel``). A replica that dies before sending a token gets
 the request retried on another; one that dies mid-stream gets the stream resumed
-on another from the tokens already sent (see ``resume``).
+on another from the tokens already sent (see ``resume``), and so does a non-streamed
+request from its last checkpoint.
 ``merge_streams`` interleaves the streams of a request's prompts.
 """
 
@@ -76,7 +77,9 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
         cursor = StreamCursor(req.params.n)
     attempt_req, sent = req, False
     for attempt in range(MAX_ATTEMPTS):
-        r = replace(attempt_req, channel=client.channel, exclude_replicas=tuple(exclude))
+        # A non-streamed request sends checkpoints only where they can be resumed from.
+        r = replace(attempt_req, channel=client.channel, exclude_replicas=tuple(exclude),
+                    checkpoint=cursor is not None)
         replica, retry, done = None, False, False
         with client.receiving(req.request_id) as q:
             client.ensure_subscribed()

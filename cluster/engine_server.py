@@ -11,8 +11,12 @@ stretches so that all of the replica's streams together stay within
 CPU in the replica, the ingress, the proxy and the client, and at high
 concurrency that cost competes with the forward pass (the channel makes the
 replica-to-ingress leg one message per step; the ingress, proxy and client
-still pay per stream). A cancelled call (the client went away) closes the
-engine stream, which aborts the request in the scheduler before the next step.
+still pay per stream). A non-streamed request sends only its final chunk, or,
+when the ingress resumes requests of dead replicas (``EngineRequest.checkpoint``),
+a checkpoint of its tokens every ``checkpoint_interval_ms`` too, so that a
+request of a replica that dies goes on elsewhere instead of starting again. A
+cancelled call (the client went away) closes the engine stream, which aborts the
+request in the scheduler before the next step.
 """
 
 from __future__ import annotations
@@ -58,13 +62,15 @@ class EngineServer:
 
     def __init__(self, engine_kwargs: dict[str, Any], stream_interval_ms: float = 50.0,
                  stream_messages_per_s: float | None = None, prefill: Any = None,
-                 remote_prefill: RemotePrefillConfig | None = None) -> None:
+                 remote_prefill: RemotePrefillConfig | None = None,
+                 checkpoint_interval_ms: float = 1000.0) -> None:
         """``prefill`` (a handle to the ``PrefillServer`` pool) makes this a decode
         replica of a disaggregated app (see ``disagg``)."""
         from pagedserve.cluster.async_engine import AsyncEngine
 
         self.pacer = StreamPacer(stream_interval_ms / 1000.0,
-                                 stream_message_budget(stream_messages_per_s))
+                                 stream_message_budget(stream_messages_per_s),
+                                 checkpoint_interval_ms / 1000.0)
         self.outboxes = Outboxes()
         self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -226,9 +232,15 @@ class EngineServer:
                                         lora, req.priority,
                                         resumed_token_ids=req.resumed_token_ids)
             async with contextlib.AsyncExitStack() as stack:
-                interval = stack.enter_context(self.pacer.streaming()) if req.stream else None
+                pacing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+                if req.stream:
+                    pacing = self.pacer.streaming()
+                elif req.checkpoint:
+                    pacing = self.pacer.checkpointing()
+                interval = stack.enter_context(pacing)
                 paced = await stack.enter_async_context(contextlib.aclosing(pace_deltas(
-                    outs, tracker, interval, lambda n: self.metrics.on_tokens(timer, n))))
+                    outs, tracker, interval, lambda n: self.metrics.on_tokens(timer, n),
+                    checkpoints=not req.stream)))
                 lps_sent = False  # prompt logprobs are complete once a token is out
                 async for deltas, out in paced:
                     if out.finished:
@@ -261,6 +273,8 @@ class EngineServer:
                 **({"remote_prefill": dict(pd.stats)} if pd is not None else {}),
                 "server": self.metrics.snapshot(),
                 "streams": {"open": pacer.active, "interval_ms": 1000 * pacer.interval(),
+                            "checkpointing": pacer.checkpoints,
+                            "checkpoint_interval_ms": 1000 * pacer.checkpoint_interval(),
                             "messages_per_s_budget": pacer.budget_per_s,
                             **self.outboxes.stats()}}
 

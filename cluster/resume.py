@@ -17,8 +17,13 @@ The new replica's outputs carry the resumed tokens and their text again (as
 the client sees one stream, each token once. The samples of an ``n > 1`` request
 shared their prompt's blocks on the dead replica; each unfinished one goes on as
 a request of its own (``StreamCursor.split``: sample ``i`` with ``seed + i``, the
-rule its tokens were drawn by), and finished ones are done. Non-streamed requests
-need none of this: nothing reached their client, so the ingress retries them.
+rule its tokens were drawn by), and finished ones are done.
+
+A non-streamed request's replica sends the ingress checkpoints instead of a
+stream (its tokens so far, every ``checkpoint_interval_ms``; see
+``StreamPacer``): nothing of it reached the client, but its tokens reached the
+ingress, so it resumes from them as a stream does, and loses at most one
+interval of decoding instead of all of it.
 """
 
 from __future__ import annotations

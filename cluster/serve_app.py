@@ -377,7 +377,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         prefill = EngineServer.options(**a.prefill_options(opts)).bind(s.engine_kwargs)
     engine = EngineServer.options(**opts).bind(s.engine_kwargs, a.stream_interval_ms,
                                                a.stream_messages_per_s, prefill,
-                                               a.remote_prefill())
+                                               a.remote_prefill(), a.checkpoint_interval_ms)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
     return OpenAIServer.options(
         num_replicas=a.ingress_replicas,

@@ -68,6 +68,8 @@ class ServeArgs(BaseModel):
     stream_interval_ms: float = Field(default=50.0, ge=0.0)
     stream_messages_per_s: float | None = Field(default=None, ge=0.0)
     resume_streams: bool = True  # a dead replica's streams go on elsewhere (``resume``)
+    # Non-streamed requests send the ingress their tokens this often, to resume from too.
+    checkpoint_interval_ms: float = Field(default=1000.0, ge=0.0)
     imbalance_threshold: int = 8
     enable_lora: bool = False
     max_loras: int = 1

@@ -33,7 +33,8 @@ class EngineRequest:
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str | None = None
     exclude_replicas: tuple[str, ...] = ()
-    stream: bool = True  # False: the replica sends only the ack and the final chunk
+    stream: bool = True  # False: the replica sends only the ack and the final chunk ...
+    checkpoint: bool = False  # ... and, if True, its tokens so far now and then (``resume``)
     channel: str | None = None  # the ingress channel its chunks go to (``EngineServer.run``)
     lora: tuple[str, str] | None = None  # (adapter name, PEFT directory); None: base model
     priority: int = 0  # lower runs first, under the replicas' priority policy
@@ -188,16 +189,24 @@ class StreamPacer:
     budget_per_s``, never under the floor nor over ``MAX_STREAM_INTERVAL_S``
     (unless the floor is). First and final tokens are never held. A budget of
     0 turns the stretch off.
+
+    Non-streamed requests send checkpoints: their tokens so far, every
+    ``checkpoint_s`` (see ``checkpointing``), so that the ingress can resume
+    one whose replica dies instead of computing it again.
     """
 
-    def __init__(self, floor_s: float, budget_per_s: float) -> None:
+    def __init__(self, floor_s: float, budget_per_s: float, checkpoint_s: float = 1.0) -> None:
         if floor_s < 0:
             raise ValueError(f"stream interval must be >= 0, got {floor_s}")
         if budget_per_s < 0:
             raise ValueError(f"stream message budget must be >= 0, got {budget_per_s}")
+        if checkpoint_s < 0:
+            raise ValueError(f"checkpoint interval must be >= 0, got {checkpoint_s}")
         self.floor_s = floor_s
         self.budget_per_s = budget_per_s
+        self.checkpoint_s = checkpoint_s
         self.active = 0
+        self.checkpoints = 0  # non-streamed requests sending checkpoints
 
     def interval(self) -> float:
         if self.budget_per_s <= 0:
@@ -214,12 +223,34 @@ class StreamPacer:
         finally:
             self.active -= 1
 
+    def checkpoint_interval(self) -> float:
+        """A non-streamed request's checkpoint interval: ``checkpoint_s``, stretched so
+        that checkpoints alone stay within the budget (they are counted with the streams,
+        but never stretch them; no cap, since no client waits on them)."""
+        if self.budget_per_s <= 0:
+            return self.checkpoint_s
+        return max(self.checkpoint_s, (self.active + self.checkpoints) / self.budget_per_s)
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[Callable[[], float] | None]:
+        """Count one checkpointing request while it runs; yields the interval to pace it
+        by (None when checkpoints are off: one message at the end)."""
+        if self.checkpoint_s <= 0:
+            yield None
+            return
+        self.checkpoints += 1
+        try:
+            yield self.checkpoint_interval
+        finally:
+            self.checkpoints -= 1
+
 
 async def pace_deltas(
     outs: AsyncIterator[RequestOutput],
     tracker: DeltaTracker,
     interval_s: float | Callable[[], float] | None,
     on_tokens: Callable[[int], None] | None = None,
+    checkpoints: bool = False,
 ) -> AsyncIterator[tuple[list[SampleDelta], RequestOutput]]:
     """What an engine replica sends, and when: (deltas, latest snapshot) per message.
 
@@ -229,14 +260,19 @@ async def pace_deltas(
     the interval follows the replica's load). Held tokens go out when the
     interval ends even if the next step is slow (a long prefill in the same
     batch), not only with the next token. Closing this generator closes
-    ``outs``, which aborts the request in the engine.
+    ``outs``, which aborts the request in the engine. ``checkpoints`` (a non-streamed
+    request's, whose client waits for the end anyway): the first tokens wait an interval
+    too, and held tokens go out with the first step after the interval, not on a timer
+    (which would cost a task and a timed wait per step).
     """
     current: Callable[[], float] | None = (
         None if interval_s is None else interval_s if callable(interval_s)
         else (lambda: interval_s))
     pending: dict[int, SampleDelta] = {}
     latest: RequestOutput | None = None
-    sent_tokens, last_sent, deadline = False, 0.0, None
+    sent_tokens, last_sent, deadline = checkpoints, 0.0, None
+    if checkpoints:
+        last_sent = time.monotonic()
     nxt: asyncio.Future[RequestOutput] | None = None
     try:
         while True:
@@ -261,7 +297,7 @@ async def pace_deltas(
             if not out.finished and (gap is None or (
                     sent_tokens and time.monotonic() < last_sent + gap)):
                 merge_deltas(pending, deltas)
-                if gap is not None and deadline is None:
+                if gap is not None and deadline is None and not checkpoints:
                     deadline = last_sent + gap
                 continue
             if pending:

@@ -81,14 +81,16 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "serve", "--lora-modules", "a=/x", "b=/y", "--lora-dir", "/adapters", "--max-loras",
         "2", "--max-lora-rank", "8", "--max-loaded-loras", "4", "--scheduling-policy",
         "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
-        "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5", "--no-resume-streams"])
+        "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5", "--no-resume-streams",
+        "--checkpoint-interval-ms", "250"])
     a = ServeArgs.parse(ns)
     assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
             a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype,
-            a.kv_offloading_size, a.resume_streams) == (
+            a.kv_offloading_size, a.resume_streams, a.checkpoint_interval_ms) == (
         ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
-        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False)
-    assert ServeArgs.parse(build_parser().parse_args(["serve"])).resume_streams is True
+        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False, 250.0)
+    default = ServeArgs.parse(build_parser().parse_args(["serve"]))
+    assert (default.resume_streams, default.checkpoint_interval_ms) == (True, 1000.0)
 
 
 @pytest.mark.parametrize(("flag", "value", "field"), [

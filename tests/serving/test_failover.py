@@ -3,11 +3,13 @@
 Two replicas of a random tiny Llama. Three long streams (greedy with logprobs, seeded
 sampling, and seeded sampling with ``n=2``, whose samples go on as two requests) share a
 prompt long enough that the prefix-affinity router puts them on one replica, which is
-killed while they stream. Each choice must still finish with exactly the text of the
-same request run uninterrupted, every token once (usage and logprob counts), the
-ingress counts three resumes, and once Serve has replaced the dead replica both pools
-are at baseline. With ``resume_streams=False`` the same kill ends the stream with an
-error event instead.
+killed while they stream. A non-streamed greedy request runs there too: its replica
+sends the ingress checkpoints, so it resumes as the streams do. Each choice must still
+finish with exactly the text of the same request run uninterrupted, every token once
+(usage and logprob counts), the ingress counts four resumes, and once Serve has
+replaced the dead replica both pools are at baseline. With ``resume_streams=False``
+the same kill ends the stream with an error event instead, and the non-streamed
+request starts again on the other replica.
 """
 
 from __future__ import annotations
@@ -31,22 +33,23 @@ REQUESTS = {
     "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234},
     "seeded n=2": {"temperature": 1.0, "seed": 99, "n": 2},
 }
+WHOLE = {"temperature": 0.0, "logprobs": 1}  # the non-streamed request
 
 
 @pytest.fixture(scope="module")
 def pair(cluster: Cluster, tiny_model: Path) -> Iterator[App]:
     app = cluster.deploy("failover", {
         "model": str(tiny_model), "num_replicas": 2, "num_threads": 1,
-        "num_gpu_blocks": 512, "max_model_len": 4096,
+        "num_gpu_blocks": 512, "max_model_len": 4096, "checkpoint_interval_ms": 50,
         "health_check_period_s": 1.0, "health_check_timeout_s": 10.0})
     yield app
     cluster.delete("failover")
 
 
 def _stream(app: App, kw: dict[str, Any], out: dict[str, Any],
-            started: threading.Event | None = None) -> None:
+            started: threading.Event | None = None, events: int = 3) -> None:
     """One completion stream's text per choice, logprobs and usage into ``out`` (or its
-    error)."""
+    error); ``started`` is set once ``events`` events arrived."""
     text: dict[int, list[str]] = {}
     lps: list[float] = []
     try:
@@ -62,7 +65,7 @@ def _stream(app: App, kw: dict[str, Any], out: dict[str, Any],
                     lps.extend(c.logprobs.token_logprobs)
                 if c.finish_reason is not None:
                     out.setdefault("finish_reasons", []).append(c.finish_reason)
-            if started is not None and k >= 3:
+            if started is not None and k >= events:
                 started.set()
     except BaseException as e:  # recorded: the test says what it expected
         out["error"] = e
@@ -73,6 +76,27 @@ def _stream(app: App, kw: dict[str, Any], out: dict[str, Any],
     out["logprobs"] = lps
 
 
+def _complete(app: App, out: dict[str, Any]) -> None:
+    """The non-streamed request's text, logprobs and usage into ``out`` (or its error)."""
+    try:
+        r = app.openai().completions.create(
+            model="tiny-llama", prompt=PROMPT, max_tokens=MAX_TOKENS,
+            extra_body={"ignore_eos": True}, **WHOLE)
+        out.update(text=r.choices[0].text, logprobs=r.choices[0].logprobs.token_logprobs,
+                   usage=r.usage, finish_reason=r.choices[0].finish_reason)
+    except BaseException as e:  # recorded: the test says what it expected
+        out["error"] = e
+
+
+def _start_whole(app: App, out: dict[str, Any]) -> threading.Thread:
+    """The non-streamed request, started and seen running on a replica."""
+    t = threading.Thread(target=_complete, args=(app, out))
+    t.start()
+    wait_for(lambda: any(s["server"]["in_flight"] > 0 for s in app.stats().values()), 60,
+             "the non-streamed request running")
+    return t
+
+
 def _replica_states(app: App) -> dict[str, dict[str, Any]] | None:
     try:
         return app.stats()
@@ -80,34 +104,46 @@ def _replica_states(app: App) -> dict[str, dict[str, Any]] | None:
         return None
 
 
-def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) -> None:
-    expected: dict[str, dict[str, Any]] = {name: {} for name in REQUESTS}
-    threads = [threading.Thread(target=_stream, args=(pair, kw, expected[name]))
-               for name, kw in REQUESTS.items()]
-    for t in threads:
+def _run_all(app: App, kill: bool) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The non-streamed request, then the three streams, on one replica; with ``kill``
+    that replica is killed under them. Both runs start the same mix the same way, so
+    that their batches match: fp32 rounding depends on the batch, and a seeded draw
+    that lands within rounding of a boundary would otherwise differ for that reason."""
+    got: dict[str, dict[str, Any]] = {name: {} for name in REQUESTS}
+    whole: dict[str, Any] = {}
+    threads = [_start_whole(app, whole)]
+    started = {name: threading.Event() for name in REQUESTS}
+    # The greedy stream's 10th event comes >= 0.5 s (10 stream intervals) after the
+    # non-streamed request started: several of its 50 ms checkpoints are out.
+    threads += [threading.Thread(target=_stream, args=(app, kw, got[name], started[name],
+                                                       10 if name == "greedy" else 3))
+                for name, kw in REQUESTS.items()]
+    for t in threads[1:]:
         t.start()
+    for ev in started.values():
+        assert ev.wait(60)
+    if kill:
+        busy = [rid for rid, s in app.stats().items() if s["server"]["in_flight"] > 0]
+        assert len(busy) == 1, busy  # all requests on the replica holding their prefix
+        kill_engine_replica(busy[0])
+        whole["killed"] = busy[0]
     for t in threads:
         t.join(120)
+        assert not t.is_alive()
+    return got, whole
+
+
+def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) -> None:
+    expected, whole = _run_all(pair, kill=False)
     for name, e in expected.items():
         n = REQUESTS[name].get("n", 1)
         assert "error" not in e and e["usage"].completion_tokens == n * MAX_TOKENS, e
         assert len(e["text"]) == n and len(set(e["text"].values())) == n
+    assert "error" not in whole and whole["usage"].completion_tokens == MAX_TOKENS
+    assert whole["text"] == expected["greedy"]["text"][0]
     pair.wait_baseline()
 
-    got: dict[str, dict[str, Any]] = {name: {} for name in REQUESTS}
-    started = {name: threading.Event() for name in REQUESTS}
-    threads = [threading.Thread(target=_stream, args=(pair, kw, got[name], started[name]))
-               for name, kw in REQUESTS.items()]
-    for t in threads:
-        t.start()
-    for ev in started.values():
-        assert ev.wait(60)
-    busy = [rid for rid, s in pair.stats().items() if s["server"]["in_flight"] > 0]
-    assert len(busy) == 1, busy  # all streams on the replica holding their prefix
-    kill_engine_replica(busy[0])
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive()
+    got, got_whole = _run_all(pair, kill=True)
     for name in REQUESTS:
         g, e = got[name], expected[name]
         assert "error" not in g, (name, g.get("error"))
@@ -117,14 +153,19 @@ def test_streams_of_a_killed_replica_finish_on_the_other_unchanged(pair: App) ->
         assert g["text"] == e["text"], name
     assert len(got["greedy"]["logprobs"]) == MAX_TOKENS
     assert got["greedy"]["logprobs"] == pytest.approx(expected["greedy"]["logprobs"], abs=1e-3)
+    assert "error" not in got_whole, got_whole.get("error")
+    assert (got_whole["text"], got_whole["usage"].completion_tokens,
+            got_whole["finish_reason"]) == (whole["text"], MAX_TOKENS, "length")
+    assert got_whole["logprobs"] == pytest.approx(whole["logprobs"], abs=1e-3)
 
     metrics = httpx.get(f"{pair.base}/metrics", timeout=30).text
-    assert 'pagedserve_request_failovers_total{kind="resume"} 3.0' in metrics, [
+    # Four resumes: without checkpoints the non-streamed request would be a "retry".
+    assert 'pagedserve_request_failovers_total{kind="resume"} 4.0' in metrics, [
         line for line in metrics.splitlines() if "failover" in line]
 
     def replaced() -> bool:
         states = _replica_states(pair)
-        return bool(states) and len(states) == 2 and busy[0] not in states and all(
+        return bool(states) and len(states) == 2 and got_whole["killed"] not in states and all(
             at_baseline(s) for s in states.values())
 
     wait_for(replaced, 120, "a replacement replica and both pools at baseline")
@@ -145,7 +186,9 @@ def test_without_resume_streams_a_killed_replicas_stream_ends_with_an_error(
     import openai
 
     out: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
     started = threading.Event()
+    w = _start_whole(no_resume, whole)
     t = threading.Thread(target=_stream, args=(no_resume, REQUESTS["greedy"], out, started))
     t.start()
     assert started.wait(60)
@@ -153,8 +196,13 @@ def test_without_resume_streams_a_killed_replicas_stream_ends_with_an_error(
     assert len(busy) == 1, busy
     kill_engine_replica(busy[0])
     t.join(120)
-    assert not t.is_alive()
+    w.join(120)
+    assert not t.is_alive() and not w.is_alive()
     assert isinstance(out.get("error"), openai.APIError), out.get("error")
     assert 0 < len(out["logprobs"]) < MAX_TOKENS
+    # Nothing of it reached its client: the non-streamed request ran again, whole.
+    assert "error" not in whole, whole.get("error")
+    assert (whole["usage"].completion_tokens, whole["finish_reason"]) == (MAX_TOKENS, "length")
     metrics = httpx.get(f"{no_resume.base}/metrics", timeout=30).text
     assert 'pagedserve_request_failovers_total{kind="resume"} 0.0' in metrics
+    assert 'pagedserve_request_failovers_total{kind="retry"} 1.0' in metrics

@@ -147,3 +147,42 @@ def test_interval_is_read_afresh_so_pacing_follows_load() -> None:
     # Tokens 1-3 are held under the long interval; once it drops, step 4 flushes them
     # and every later step goes out on its own.
     assert _tokens(msgs) == [[0], [1, 2, 3], [4], [5], [6], [7]]
+
+
+def test_checkpoints_hold_the_first_tokens_too_and_send_the_rest_per_interval() -> None:
+    """A checkpointed non-streamed request: nobody waits for its first token, so it waits
+    an interval like the rest (and held tokens wait for the next step, not a timer);
+    every token still arrives once, the last with the end."""
+    async def main() -> list[list[SampleDelta]]:
+        return [d async for d, _ in pace_deltas(
+            _engine(9, {k: 0.03 for k in range(1, 10)}), DeltaTracker(1), 0.2,
+            checkpoints=True)]
+
+    msgs = asyncio.run(main())
+    toks = _tokens(msgs)
+    assert [t for m in toks for t in m] == list(range(9))
+    assert 2 <= len(msgs) < 9 and len(toks[0]) >= 2  # ~0.27 s of steps, 0.2 s apart
+    assert msgs[-1][-1].finish_reason == "length"
+    assert "".join(d.text for m in msgs for d in m) == "abcdefghi"
+    short = asyncio.run(_collect_checkpointed(60.0, 4))
+    assert _tokens(short) == [[0, 1, 2, 3]]  # shorter than an interval: one message
+
+
+async def _collect_checkpointed(interval: float, total: int) -> list[list[SampleDelta]]:
+    return [d async for d, _ in pace_deltas(_engine(total), DeltaTracker(1), interval,
+                                            checkpoints=True)]
+
+
+def test_checkpoint_interval_keeps_the_budget_without_stretching_streams() -> None:
+    pacer = StreamPacer(0.05, budget_per_s=100.0, checkpoint_s=1.0)
+    with pacer.checkpointing() as every:
+        assert every is not None and every() == 1.0 and pacer.checkpoints == 1
+        pacer.checkpoints += 299
+        assert every() == pytest.approx(3.0)  # 300 requests share 100 messages/s
+        assert pacer.interval() == 0.05  # streams are not slowed by them
+        pacer.checkpoints -= 299
+    assert pacer.checkpoints == 0
+    with StreamPacer(0.05, 100.0, checkpoint_s=0.0).checkpointing() as off:
+        assert off is None  # checkpoints off: one message at the end
+    with pytest.raises(ValueError, match="checkpoint"):
+        StreamPacer(0.05, 1.0, checkpoint_s=-1.0)
