@@ -5,7 +5,8 @@ on http://127.0.0.1:8000. ``serve`` starts a fresh local Ray instance unless it 
 ``--address`` (or ``RAY_ADDRESS``; ``--address auto`` joins the cluster started on this
 machine with ``ray start``), deploys the Serve application, prints the URL and blocks until
 Ctrl-C or SIGTERM, then removes what it created: the application, and Serve and Ray too
-when it started them.
+when it started them. Open requests get ``--drain-timeout-s`` to finish first; a second
+Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -150,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-resume-streams", dest="resume_streams", action="store_false",
                    help="end a stream whose replica died with an error event instead of "
                         "resuming it on another replica from the tokens already sent")
+    s.add_argument("--drain-timeout-s", type=float, default=600.0,
+                   help="a replica that is replaced (a redeploy), scaled down or stopped "
+                        "finishes its open requests for up to this long; past it, an "
+                        "engine replica's requests resume on another replica")
     s.add_argument("--checkpoint-interval-ms", type=float, default=1000.0,
                    help="a non-streamed request's replica sends the ingress its tokens "
                         "this often, so that it resumes from them if the replica dies "
@@ -276,19 +281,42 @@ def serve_forever(args: argparse.Namespace) -> int:
                 print(f"pagedserve: direct ingress at {direct}/v1", flush=True)
         while not stop.wait(1.0):
             pass
-        print("pagedserve: shutting down", flush=True)
+        print(f"pagedserve: shutting down (open requests get up to {args.drain_timeout_s:g} s;"
+              " Ctrl-C again to stop at once)", flush=True)
     finally:
         try:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second one stops the drain
+                signal.signal(sig, signal.default_int_handler)
+            _delete_app(args.name, args.drain_timeout_s)
             if started_serve:
                 serve.shutdown()
-            else:
-                serve.delete(args.name)
+        except KeyboardInterrupt:
+            print("pagedserve: stopping at once", file=sys.stderr, flush=True)
         finally:
             node_id = ray.get_runtime_context().get_node_id() if started_ray else None
             ray.shutdown()
             if node_id and front == "haproxy":
                 http_front.stop_leftover_haproxy(node_id)
     return 0
+
+
+def _delete_app(name: str, drain_timeout_s: float) -> None:
+    """Delete the application, its open requests given ``drain_timeout_s`` to finish
+    (``serve.delete`` itself gives up after 60 s, ``serve.shutdown`` after 30)."""
+    import time
+
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+    from pagedserve.cluster.dispatch import FAILOVER_WAIT_S
+
+    # The ingress drains FAILOVER_WAIT_S longer than the engine replicas (see build_app).
+    deadline = time.monotonic() + drain_timeout_s + FAILOVER_WAIT_S + 30.0
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(name)
+        if app is None or app.status == "NOT_STARTED":
+            return
+        time.sleep(0.5)
 
 
 def _serve_running() -> bool:

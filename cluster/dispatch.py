@@ -32,6 +32,8 @@ CHANNEL_GRACE_S = 30.0  # after its call returned, a request's last chunks must 
 # A retried or resumed request's first chunk must arrive by then: a dead replica's
 # replacement takes seconds; a cluster that cannot start one must not hang its clients.
 FAILOVER_WAIT_S = 60.0
+# Meanwhile, this often: is the application being deleted (no replacement will come)?
+SHUTDOWN_POLL_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +97,7 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
                     if deadline is None:
                         item = await client.next_chunk(q)
                     else:  # every chunk is sent: it is on its way, or it is lost
-                        try:
-                            async with asyncio.timeout_at(deadline):
-                                item = await client.next_chunk(q)
-                        except TimeoutError:
-                            raise APIError(lost or "engine replica's stream was lost",
-                                           status=503, type="service_unavailable") from None
+                        item = await _next_before(client, q, deadline, lost, handle)
                     if isinstance(item, _CallEnded):
                         if item.error is not None:
                             raise item.error
@@ -178,6 +175,41 @@ async def _resumed_samples(client: ChannelClient, handle: Any,
         async for k, c in chunks:
             i = samples[k][0]
             yield replace(c, deltas=[replace(d, index=i) for d in c.deltas])
+
+
+async def _next_before(client: ChannelClient, q: asyncio.Queue[Any], deadline: float,
+                       lost: str, handle: Any) -> Any:
+    """The next item by ``deadline``, else a 503. While a moved request waits for a
+    replica to take it (``lost``), a deleted application (a shutdown) ends the wait at
+    once: its replicas are gone and none will replace them."""
+    loop = asyncio.get_running_loop()
+    while True:
+        until = min(deadline, loop.time() + SHUTDOWN_POLL_S) if lost else deadline
+        try:
+            async with asyncio.timeout_at(until):
+                return await client.next_chunk(q)
+        except TimeoutError:
+            if loop.time() >= deadline:
+                raise APIError(lost or "engine replica's stream was lost", status=503,
+                               type="service_unavailable") from None
+            if await _app_deleting(handle):
+                raise APIError("the server is shutting down: no engine replica is left",
+                               status=503, type="service_unavailable") from None
+
+
+async def _app_deleting(handle: Any) -> bool:
+    """Whether ``handle``'s application is being deleted (False when it cannot tell)."""
+    name = getattr(handle, "app_name", None)
+    if not name:
+        return False
+    from ray import serve
+
+    try:
+        status = await asyncio.to_thread(serve.status)
+    except Exception:  # the controller is out of reach: keep waiting for it
+        return False
+    app = status.applications.get(name)
+    return app is None or app.status == "DELETING"
 
 
 def _another_replica(handle: Any, tried: list[str]) -> bool:

@@ -36,7 +36,7 @@ from pagedserve.cluster.admin_api import router as admin_router
 from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
-from pagedserve.cluster.dispatch import merge_streams
+from pagedserve.cluster.dispatch import FAILOVER_WAIT_S, merge_streams
 from pagedserve.cluster.embeddings import EmbeddingRequest, embed_all, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.lora_serving import AdapterCatalog
@@ -380,7 +380,10 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
                                                a.remote_prefill(), a.checkpoint_interval_ms)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
     return OpenAIServer.options(
+        # The ingress outlives its engine replicas' drain: what the drain cuts off must
+        # still resume (a redeploy) or end with an error event (a deletion).
         num_replicas=a.ingress_replicas,
+        graceful_shutdown_timeout_s=a.drain_timeout_s + FAILOVER_WAIT_S,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,

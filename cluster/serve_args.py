@@ -70,6 +70,9 @@ class ServeArgs(BaseModel):
     resume_streams: bool = True  # a dead replica's streams go on elsewhere (``resume``)
     # Non-streamed requests send the ingress their tokens this often, to resume from too.
     checkpoint_interval_ms: float = Field(default=1000.0, ge=0.0)
+    # A replica being replaced (a redeploy), scaled down or stopped finishes its open
+    # requests for up to this long; past it an engine replica's requests resume elsewhere.
+    drain_timeout_s: float = Field(default=600.0, ge=0.0)
     imbalance_threshold: int = 8
     enable_lora: bool = False
     max_loras: int = 1
@@ -141,6 +144,7 @@ class ServeArgs(BaseModel):
             max_queued_requests=self.max_queued_requests,
             health_check_period_s=self.health_check_period_s,
             health_check_timeout_s=self.health_check_timeout_s,
+            graceful_shutdown_timeout_s=self.drain_timeout_s,
             request_router_config=RequestRouterConfig(
                 request_router_class=ROUTER_CLASS_PATH,
                 request_router_kwargs={"imbalance_threshold": self.imbalance_threshold}),

@@ -82,15 +82,17 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "2", "--max-lora-rank", "8", "--max-loaded-loras", "4", "--scheduling-policy",
         "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
         "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5", "--no-resume-streams",
-        "--checkpoint-interval-ms", "250"])
+        "--checkpoint-interval-ms", "250", "--drain-timeout-s", "30"])
     a = ServeArgs.parse(ns)
     assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
             a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype,
-            a.kv_offloading_size, a.resume_streams, a.checkpoint_interval_ms) == (
+            a.kv_offloading_size, a.resume_streams, a.checkpoint_interval_ms,
+            a.drain_timeout_s) == (
         ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
-        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False, 250.0)
+        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False, 250.0, 30.0)
     default = ServeArgs.parse(build_parser().parse_args(["serve"]))
-    assert (default.resume_streams, default.checkpoint_interval_ms) == (True, 1000.0)
+    assert (default.resume_streams, default.checkpoint_interval_ms,
+            default.drain_timeout_s) == (True, 1000.0, 600.0)
 
 
 @pytest.mark.parametrize(("flag", "value", "field"), [
@@ -146,9 +148,11 @@ def _printed_urls(proc: subprocess.Popen[str], kinds: tuple[str, ...]) -> dict[s
     return urls
 
 
-def _terminates(proc: subprocess.Popen[str], url: str) -> None:
-    """SIGTERM ends the server cleanly, and ``url`` no longer answers."""
-    proc.send_signal(signal.SIGTERM)
+def _terminates(proc: subprocess.Popen[str], url: str, sent: bool = False) -> None:
+    """SIGTERM (unless ``sent`` already) ends the server cleanly, and ``url`` no longer
+    answers."""
+    if not sent:
+        proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(url, timeout=5)
@@ -167,8 +171,10 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def test_serve_starts_a_local_ray_serves_and_stops_on_sigterm(tiny_model: Path) -> None:
+    """... and a stream open at SIGTERM finishes first (the drain), every token of it."""
     port = free_port()
-    proc = _start_serve(tiny_model, port, "--api-key", "k3y", "--kv-cache-dtype", "fp8")
+    proc = _start_serve(tiny_model, port, "--api-key", "k3y", "--kv-cache-dtype", "fp8",
+                        "--max-model-len", "4096", "--num-gpu-blocks", "512")
     try:
         url = _printed_urls(proc, ("serving",))["serving"]
         assert url == f"http://127.0.0.1:{port}/v1", url
@@ -182,7 +188,14 @@ def test_serve_starts_a_local_ray_serves_and_stops_on_sigterm(tiny_model: Path) 
         assert [r["stats"]["memory"]["kv_cache_dtype"] for r in stats["replicas"]] == [
             "fp8_e4m3"]
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code == 200
-        _terminates(proc, f"http://127.0.0.1:{port}/health")
+        stream = client.completions.create(model="tiny-llama", prompt="Count:", max_tokens=3500,
+                                           stream=True, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True})
+        first = next(stream)  # open: the ~10 s of decoding left run into the shutdown
+        proc.send_signal(signal.SIGTERM)
+        usage = [ev.usage for ev in stream if ev.usage is not None]
+        assert first.choices and usage and usage[0].completion_tokens == 3500
+        _terminates(proc, f"http://127.0.0.1:{port}/health", sent=True)
     finally:
         _stop(proc)
 
