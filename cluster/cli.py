@@ -307,9 +307,9 @@ def _delete_app(name: str, drain_timeout_s: float) -> None:
 
     from ray import serve
 
-    serve.delete(name, _blocking=False)
     from pagedserve.cluster.dispatch import FAILOVER_WAIT_S
 
+    serve.delete(name, _blocking=False)
     # The ingress drains FAILOVER_WAIT_S longer than the engine replicas (see build_app).
     deadline = time.monotonic() + drain_timeout_s + FAILOVER_WAIT_S + 30.0
     while time.monotonic() < deadline:

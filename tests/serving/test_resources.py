@@ -69,7 +69,7 @@ def test_prefill_replicas_share_the_cores_and_sit_behind_the_engine_replicas(
     assert prefill._deployment_config.autoscaling_config is None  # a fixed pool
     assert prefill.init_args[0] == eng.init_args[0]  # the same engine settings
     assert eng.init_args[4] == RemotePrefillConfig(min_tokens=32, timeout_s=60.0)
-    assert _engine_node({}).init_args[3:] == (None, None)  # colocated by default
+    assert _engine_node({}).init_args[3:5] == (None, None)  # colocated by default
     with pytest.raises(ValueError, match="prefill_replicas"):
         build_app({"device": "cpu", "prefill_replicas": -1})
     with pytest.raises(ValueError, match="remote_prefill_min_tokens"):
@@ -92,10 +92,18 @@ def test_prefill_replicas_share_the_cores_and_sit_behind_the_engine_replicas(
 def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
     eng = _engine_node({"num_threads": 2, "replica_num_cpus": 0.5, "stream_interval_ms": 0,
-                        "dtype": "bfloat16"})
+                        "dtype": "bfloat16", "checkpoint_interval_ms": 250,
+                        "drain_timeout_s": 30})
     assert eng.init_args[0]["num_threads"] == 2 and eng.init_args[0]["dtype"] == "bfloat16"
     assert eng.ray_actor_options["num_cpus"] == 0.5
-    assert eng.init_args[1] == 0.0
+    assert eng.init_args[1] == 0.0 and eng.init_args[5] == 250.0
+    assert eng._deployment_config.graceful_shutdown_timeout_s == 30.0
+    ingress = build_app({"device": "cpu", "num_gpu_blocks": 64, "drain_timeout_s": 30})
+    # The ingress drains a failover wait longer, to resume what the engines' drain cut.
+    assert ingress._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 90.0
+    assert _engine_node({}).init_args[5] == 1000.0  # checkpoints once a second by default
+    with pytest.raises(ValueError, match="drain_timeout_s"):
+        build_app({"device": "cpu", "drain_timeout_s": -1})
     with pytest.raises(ValueError, match="stream_interval_ms"):
         build_app({"device": "cpu", "stream_interval_ms": -1})
     with pytest.raises(ValueError, match="stream_messages_per_s"):
