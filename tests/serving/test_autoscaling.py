@@ -22,6 +22,7 @@ from tests.serving.conftest import App, Cluster, wait_for
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
+FIRST_TOKENS = 900
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                "target_ongoing_requests": 2, "upscale_delay_s": 0.0,
                "downscale_delay_s": 5.0, "look_back_period_s": 1.0}
@@ -29,7 +30,7 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
 
 @pytest.fixture(scope="module")
 def scaled(cluster: Cluster) -> Iterator[App]:
-    app = cluster.deploy("scaled", {"autoscaling_config": AUTOSCALING, "num_gpu_blocks": 256,
+    app = cluster.deploy("scaled", {"autoscaling_config": AUTOSCALING, "num_gpu_blocks": 512,
                                     "max_model_len": 1024, "num_threads": 1})
     yield app
     cluster.delete("scaled")
@@ -62,10 +63,13 @@ def _stream(app: App, i: int, max_tokens: int) -> int:
 def test_replicas_scale_up_under_load_and_back_down(scaled: App) -> None:
     assert len(scaled.stats()) == 1
     with ThreadPoolExecutor(12) as pool:
-        first = [pool.submit(_stream, scaled, i, 400) for i in range(6)]
+        # Long enough to outlast the second replica's start: loading the model on cores
+        # the first replica's decoding also needs took over 25 s in a CI run, by which
+        # time 400-token streams had ended and Serve scaled the starting replica away.
+        first = [pool.submit(_stream, scaled, i, FIRST_TOKENS) for i in range(6)]
         wait_for(lambda: _replicas(scaled)[1] == 2, 120, "a second replica")
         second = [pool.submit(_stream, scaled, 100 + i, 40) for i in range(4)]
-        assert [f.result(timeout=300) for f in first] == [400] * 6
+        assert [f.result(timeout=300) for f in first] == [FIRST_TOKENS] * 6
         assert [f.result(timeout=300) for f in second] == [40] * 4
     stats = scaled.stats()
     served = {r: s["finished_requests"] for r, s in stats.items()}
