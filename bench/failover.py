@@ -279,7 +279,9 @@ def run_app(name: str, resume: bool, args: argparse.Namespace, base_url: str
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default 256, or 512 with --non-streamed (half of it is then "
+                        "worth keeping)")
     p.add_argument("--kill-after", type=int, default=128,
                    help="text pieces the client holds when the replica is killed")
     p.add_argument("--repeat", type=int, default=3)
@@ -292,8 +294,8 @@ def main() -> None:
     p.add_argument("--burst-tokens", type=int, default=256)
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args()
-    if args.non_streamed and args.max_tokens == 256:
-        args.max_tokens = 512  # long enough that half of it is worth keeping
+    if args.max_tokens is None:
+        args.max_tokens = 512 if args.non_streamed else 256
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
