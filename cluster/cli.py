@@ -41,6 +41,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="int8: projections as 8-bit weights (a scale per 32 inputs) run on "
                         "int8 activations, ~3.5x less weight memory than fp32; int4: 4-bit "
                         "weights (scale and minimum per 32), about half that again (CPU only)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs do not depend on what else is in "
+                        "its batch, bit for bit (reproducible seeded sampling, exact "
+                        "failover; CPU only, slower for short batches and long prompts)")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
@@ -191,7 +195,7 @@ def generate(args: argparse.Namespace) -> int:
         enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         kv_offloading_size=args.kv_offloading_size,
-        quantization=args.quantization)
+        quantization=args.quantization, batch_invariant=args.batch_invariant)
     lora = None
     try:
         if args.lora is not None:

@@ -47,6 +47,8 @@ class EngineConfig:
     minimum per 32 (CPU only; ``worker.layers.quant``).
     ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
+    ``batch_invariant`` makes a request's logits independent of what else runs in its
+    steps, bit for bit (CPU only; ``worker.batch_invariant``).
     """
 
     model: str | None = None
@@ -83,6 +85,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     quantization: str | None = None
+    batch_invariant: bool = False
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,6 +105,8 @@ class EngineConfig:
 
         check_quantization(self.quantization,
                            None if self.device == "auto" else self.device)
+        if self.batch_invariant:
+            self._check_batch_invariant()
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be fcfs or priority, got "
                              f"{self.scheduling_policy!r}")
@@ -150,6 +155,19 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def _check_batch_invariant(self) -> None:
+        """Refuse at once what the workers would refuse after loading the model."""
+        if self.device == "cuda":
+            raise ValueError("batch_invariant runs on CPU only (device='cuda')")
+        if self.enable_lora:
+            raise ValueError("batch_invariant does not cover LoRA adapters (enable_lora)")
+        if self.quantization:
+            raise ValueError(f"batch_invariant does not cover {self.quantization} weights "
+                             "(quantization)")
+        if self.attention_backend not in (None, "cpu"):
+            raise ValueError("batch_invariant needs the 'cpu' attention backend, not "
+                             f"{self.attention_backend!r} (attention_backend)")
 
     def cpu_tier_blocks(self, bytes_per_block: int) -> tuple[int, int]:
         """``(swap, offload)`` CPU blocks of ``bytes_per_block`` each: no swap blocks in

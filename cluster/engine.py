@@ -84,6 +84,7 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,
             calculate_kv_scales=config.calculate_kv_scales,
             quantization=config.quantization,
+            batch_invariant=config.batch_invariant,
             extra=dict(config.worker_extra),
         )
         self.executor: Executor
@@ -374,6 +375,7 @@ class LLMEngine:
                        "quantization": self.model_info.get("quantization"),
                        "weight_bytes": int(self.model_info.get("weight_bytes", 0))},
             "model": self.model_id,
+            "batch_invariant": self.config.batch_invariant,
         }
 
     def sleep(self, level: int = 1) -> None:

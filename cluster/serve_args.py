@@ -45,6 +45,7 @@ class ServeArgs(BaseModel):
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     quantization: Literal["int8", "int4"] | None = None
+    batch_invariant: bool = False  # logits independent of the batch (``worker.batch_invariant``)
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_offloading_size: float = Field(default=0.0, ge=0.0)
@@ -189,6 +190,7 @@ class ServeArgs(BaseModel):
             model=self.model, tensor_parallel_size=self.tensor_parallel_size, device=device,
             dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
+            batch_invariant=self.batch_invariant,
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             kv_offloading_size=self.kv_offloading_size,

@@ -62,6 +62,10 @@ class CpuNativeBackend(TorchBackend):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         self._rows: _Rows | None = None
+        # Prefills with more keys than this go to SDPA. Batch-invariant mode
+        # (``worker.batch_invariant``) lifts it: every row then runs the same per-row
+        # kernel in prefill and decode, whatever else is in the step.
+        self.rows_max_keys: float = ROWS_MAX_KEYS
 
     def store_kv(
         self,
@@ -109,7 +113,7 @@ class CpuNativeBackend(TorchBackend):
         native: list[int] = []
         rest: list[int] = []
         for s in seqs:
-            (native if q_lens[s] == 1 or k_lens[s] <= ROWS_MAX_KEYS else rest).append(s)
+            (native if q_lens[s] == 1 or k_lens[s] <= self.rows_max_keys else rest).append(s)
         if rest:
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, rest, starts,
                                  scale, out)

@@ -175,6 +175,23 @@ def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
     )
 
 
+def unsupported_reason(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
+                       num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the native kernel would not take a model of this shape (None: it would);
+    ``supports`` says the same of one call's tensors."""
+    if q_dtype not in _DECODE_DTYPES:
+        return f"queries in {q_dtype} (it takes float32 or bfloat16)"
+    if kv_dtype not in _KV_KINDS:
+        return f"a {kv_dtype} KV cache"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads over {num_kv_heads} KV heads"
+    if head_dim > _MAX_HEAD_DIM or head_dim % 16:
+        return f"head size {head_dim} (it takes multiples of 16 up to {_MAX_HEAD_DIM})"
+    if _loaded() is None:
+        return "the native kernels did not build (no C compiler?)"
+    return None
+
+
 def paged_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,

@@ -296,6 +296,9 @@ class WorkerConfig:
     32 inputs and runs it on int8 activations; "int4" as 4-bit codes with a scale and
     a minimum per 32 (``layers.quant``; CPU only).
 
+    ``batch_invariant`` pads GEMM rows and runs every attention row on the native
+    per-row kernel, so a row's logits do not depend on the batch (``batch_invariant``).
+
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
     (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room
     for ``max_loaded_loras`` adapters of that rank out of the KV pool.
@@ -325,6 +328,7 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     quantization: str | None = None
+    batch_invariant: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from pagedserve.kernels import get_backend
 from pagedserve.kernels.kv_quant import is_fp8, kv_dtype_name
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker import batch_invariant
 from pagedserve.worker import sleep as sleep_mode
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
@@ -161,6 +162,10 @@ class Worker:
             quantize_model(model, self.config.quantization, tied, unused)
         if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
             self.packed_weights = pack_model(model, tied)
+        if self.config.batch_invariant:
+            batch_invariant.enable(model, self.backend, model_config, self.device, self.dtype,
+                                   self.kv_dtype, self.config.quantization,
+                                   lora=self.config.max_lora_rank > 0)
         self.weight_bytes = weight_bytes(model)
         self.num_kv_heads_per_rank = model.num_kv_heads_per_rank  # known while asleep too
         if self.config.max_lora_rank:

@@ -10,7 +10,8 @@ are at baseline and the router has forgotten the dead one's prefixes. A non-stre
 greedy request whose replica is killed resumes the same way from the checkpoints its
 replica sent the ingress. With ``resume_streams=False`` the same kill ends the stream
 with an error event instead, and the non-streamed request starts again on the other
-replica.
+replica. With ``batch_invariant`` the streams and the non-streamed request share the
+killed replica's batches and still end with every logprob equal to their runs alone.
 """
 
 from __future__ import annotations
@@ -232,3 +233,52 @@ def test_without_resume_streams_a_killed_replicas_stream_ends_with_an_error(
     metrics = httpx.get(f"{no_resume.base}/metrics", timeout=30).text
     assert 'pagedserve_request_failovers_total{kind="resume"} 0.0' in metrics
     assert 'pagedserve_request_failovers_total{kind="retry"} 1.0' in metrics
+
+
+@pytest.fixture(scope="module")
+def invariant_pair(cluster: Cluster, tiny_model: Path) -> Iterator[App]:
+    app = cluster.deploy("invariant", {
+        "model": str(tiny_model), "num_replicas": 2, "num_threads": 1,
+        "num_gpu_blocks": 512, "max_model_len": 4096, "checkpoint_interval_ms": 50,
+        "batch_invariant": True, "health_check_period_s": 1.0,
+        "health_check_timeout_s": 10.0})
+    yield app
+    cluster.delete("invariant")
+
+
+def test_batch_invariant_failover_is_exact_in_a_crowd(invariant_pair: App) -> None:
+    """With ``batch_invariant``, requests that shared their replica's batches, moved
+    mid-way to another replica and recomputed there, end with the bits each gets alone:
+    texts and every logprob equal (``==``), the non-streamed request among the streams."""
+    app = invariant_pair
+    streams = {"greedy": REQUESTS["greedy"],
+               "seeded": {**REQUESTS["seeded"], "logprobs": 1}}
+    alone: dict[str, dict[str, Any]] = {name: {} for name in [*streams, "whole"]}
+    for name, kw in streams.items():
+        _stream(app, kw, alone[name])
+    _complete(app, alone["whole"])
+    for name, out in alone.items():
+        assert "error" not in out and len(out["logprobs"]) == MAX_TOKENS, name
+    assert all(s["batch_invariant"] for s in app.wait_baseline().values())
+
+    got: dict[str, dict[str, Any]] = {name: {} for name in alone}
+    started = {name: threading.Event() for name in streams}
+    threads = [_start_whole(app, got["whole"])]  # first: it has checkpoints at the kill
+    threads += [threading.Thread(target=_stream, args=(app, kw, got[name], started[name]))
+                for name, kw in streams.items()]
+    for t in threads[1:]:
+        t.start()
+    for ev in started.values():
+        assert ev.wait(60)
+    busy = [rid for rid, s in app.stats().items() if s["server"]["in_flight"] > 0]
+    assert len(busy) == 1, busy
+    kill_engine_replica(busy[0])
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive()
+    for name, want in alone.items():
+        assert "error" not in got[name], (name, got[name].get("error"))
+        assert got[name]["text"] == want["text"], name
+        assert got[name]["logprobs"] == want["logprobs"], name
+    assert _failovers(app, "resume") == 3
+    _wait_replaced(app, busy[0])

@@ -40,6 +40,9 @@ class PackableLinear(nn.Module):
     lora: LoRAWeights | None = None
     # Set by ``layers.quant`` when the engine serves int8 weights.
     quant: cpu_int8.Int8Weight | None = None
+    # Set by ``worker.batch_invariant``: the matmul's rows are padded to a multiple of
+    # this, so a row's result does not depend on how many rows share the call.
+    row_multiple: int = 0
 
     def with_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y`` (this module's matmul of ``x``) plus the step's adapter deltas."""
@@ -48,6 +51,13 @@ class PackableLinear(nn.Module):
         return y
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.row_multiple and x.dim() == 2 and (rows < self.row_multiple or rows % self.row_multiple):
+            padded = max(self.row_multiple, -(-rows // self.row_multiple) * self.row_multiple)
+            return self._matmul(F.pad(x, (0, 0, 0, padded - rows)), bias)[:rows]
+        return self._matmul(x, bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             return cpu_int8.linear(x, self.quant, bias)
         if self.packed is not None:

@@ -1,0 +1,163 @@
+"""Batch-invariant mode (``batch_invariant=True``, ``worker.batch_invariant``): a
+request's tokens and logprobs, bit for bit, do not depend on the rest of the batch.
+
+One probe request (a 300-token prompt, longer than the native kernel's default
+prefill cut-off, so the default mode runs its prefill on SDPA) is run alone on an
+engine that prefills whole prompts, and compared exactly (``==`` on floats) with the
+same probe run: among staggered requests of other lengths on an engine that chunks
+prompts into 64-token steps; after a request sharing its first 200 tokens (a prefix
+hit); in pools so small that it is preempted (recompute and swap); resumed from its
+own first tokens among others; with n-gram speculative decoding; in bf16 (against
+bf16 alone). Greedy with top-3 logprobs and seeded sampling at temperature 1 both.
+Settings the mode does not cover are ``ValueError``s naming ``batch_invariant``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.engine import LLMEngine
+from pagedserve.cluster.outputs import CompletionOutput
+
+PROBE = [(i * 37 + 11) % 20000 + 100 for i in range(300)]
+OTHERS = [[(i * 53 + k * 101) % 20000 + 100 for i in range(n)]
+          for k, n in enumerate((9, 140, 33, 257, 70))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24,
+                        ignore_eos=True, logprobs=1)
+PARAMS = {"greedy": GREEDY, "seeded": SEEDED}
+
+Schedule = list[tuple[int, str, list[int], SamplingParams, dict[str, Any]]]
+
+
+def run(engine: LLMEngine, schedule: Schedule) -> dict[str, CompletionOutput]:
+    """Add each request at its step (0 = before the first), step to the end."""
+    pending = sorted(schedule, key=lambda item: item[0])
+    names: dict[str, str] = {}
+    done: dict[str, CompletionOutput] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, name, prompt, params, kwargs = pending.pop(0)
+            names[engine.add_request(prompt, params, **kwargs)] = name
+        for out in engine.step():
+            if out.finished:
+                done[names[out.request_id]] = out.outputs[0]
+        step += 1
+    return done
+
+
+def crowd(params: SamplingParams) -> Schedule:
+    """The probe among five others, arriving over the first steps."""
+    others = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)
+    return [(0, "o0", OTHERS[0], others, {}), (0, "o1", OTHERS[1], others, {}),
+            (1, "probe", PROBE, params, {}), (2, "o2", OTHERS[2], others, {}),
+            (4, "o3", OTHERS[3], others, {}), (7, "o4", OTHERS[4], others, {})]
+
+
+def assert_same(got: CompletionOutput, want: CompletionOutput) -> None:
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs  # dicts of floats: exact equality
+
+
+def engine(model: str, **kwargs: Any) -> Iterator[LLM]:
+    llm = LLM(model=model, batch_invariant=True, **kwargs)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def whole(default_model_dir: str) -> Iterator[LLM]:
+    yield from engine(default_model_dir, num_gpu_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def chunked(default_model_dir: str) -> Iterator[LLM]:
+    yield from engine(default_model_dir, num_gpu_blocks=256, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def alone(whole: LLM) -> dict[str, CompletionOutput]:
+    return {name: run(whole.engine, [(0, "probe", PROBE, p, {})])["probe"]
+            for name, p in PARAMS.items()}
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_probe_in_a_chunked_crowd_equals_probe_alone(
+        chunked: LLM, alone: dict[str, CompletionOutput], kind: str) -> None:
+    assert_same(run(chunked.engine, crowd(PARAMS[kind]))["probe"], alone[kind])
+
+
+def test_prefix_hit_gives_the_computed_bits(chunked: LLM,
+                                            alone: dict[str, CompletionOutput]) -> None:
+    eng = chunked.engine
+    eng.reset_prefix_cache()
+    hits_before = eng.get_stats()["prefix_cache_hits"]
+    sharer = PROBE[:200] + OTHERS[0]
+    run(eng, [(0, "sharer", sharer, SamplingParams(max_tokens=2), {})])
+    got = run(eng, [(0, "probe", PROBE, GREEDY, {})])["probe"]
+    assert eng.get_stats()["prefix_cache_hits"] > hits_before
+    assert_same(got, alone["greedy"])
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_probe_equals_probe_alone(default_model_dir: str, mode: str,
+                                            alone: dict[str, CompletionOutput]) -> None:
+    # 30 blocks of 16: the probe (19 blocks at its end) and the crowd cannot all fit.
+    for llm in engine(default_model_dir, num_gpu_blocks=30, preemption_mode=mode,
+                      max_num_batched_tokens=128):
+        got = run(llm.engine, crowd(GREEDY))
+        assert llm.engine.get_stats()["num_preemptions"][mode] > 0
+        assert_same(got["probe"], alone["greedy"])
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_resumed_probe_in_a_crowd_equals_probe_alone(
+        chunked: LLM, alone: dict[str, CompletionOutput], kind: str) -> None:
+    want = alone[kind]
+    schedule = crowd(PARAMS[kind])
+    schedule[2] = (1, "probe", PROBE, PARAMS[kind],
+                   {"resumed_token_ids": want.token_ids[:9]})
+    got = run(chunked.engine, schedule)["probe"]
+    assert got.token_ids == want.token_ids
+    assert got.logprobs[9:] == want.logprobs[9:]
+
+
+def test_speculative_decoding_gives_the_plain_bits(
+        default_model_dir: str, alone: dict[str, CompletionOutput]) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    for llm in engine(default_model_dir, num_gpu_blocks=256, speculative_config=spec):
+        got = run(llm.engine, crowd(GREEDY))["probe"]
+        assert llm.engine.get_stats()["spec_decode"]["num_draft_tokens"] > 0
+        assert_same(got, alone["greedy"])
+
+
+def test_bf16_probe_in_a_crowd_equals_bf16_probe_alone(default_model_dir: str) -> None:
+    for llm in engine(default_model_dir, dtype="bfloat16", num_gpu_blocks=256,
+                      max_num_batched_tokens=64):
+        solo = run(llm.engine, [(0, "probe", PROBE, GREEDY, {})])["probe"]
+        assert_same(run(llm.engine, crowd(GREEDY))["probe"], solo)
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"device": "cuda"}, "device"),
+    ({"enable_lora": True}, "enable_lora"),
+    ({"quantization": "int8"}, "quantization"),
+    ({"attention_backend": "torch"}, "attention_backend"),
+])
+def test_uncovered_settings_are_refused_at_once(settings: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"batch_invariant.*{field}"):
+        EngineConfig(batch_invariant=True, **settings)
+
+
+def test_uncovered_models_are_refused_at_load(tiny_mixtral_dir: str,
+                                              tiny_llama_dir: str) -> None:
+    with pytest.raises(ValueError, match="batch_invariant does not cover MoE"):
+        LLM(model=tiny_mixtral_dir, batch_invariant=True, num_gpu_blocks=16)
+    with pytest.raises(ValueError, match=r"batch_invariant .*float16"):
+        LLM(model=tiny_llama_dir, batch_invariant=True, dtype="float16", num_gpu_blocks=16)

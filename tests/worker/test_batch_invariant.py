@@ -1,0 +1,66 @@
+"""Batch-invariant GEMMs (``PackableLinear.row_multiple``, set by
+``worker.batch_invariant``): a row's product has the same bits in a call of any
+number of rows, at any offset, for plain and oneDNN-prepacked weights, fp32 and bf16,
+on one and two threads; SmolLM2's projection shapes and its LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from pagedserve.worker.batch_invariant import ROW_MULTIPLE
+from pagedserve.worker.layers.packed import PackableLinear, can_pack
+
+SHAPES = [(576, 1728), (1536, 576), (576, 49152)]  # qkv, down, LM head
+ROWS = [1, 2, 3, 5, 7, 9, 16, 17, 33, 65]
+
+
+class Linear(PackableLinear):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
+def test_a_row_has_the_same_bits_in_any_call(threads: int, shape: tuple[int, int],
+                                             dtype: torch.dtype, packed: bool) -> None:
+    k, n = shape
+    if packed and not can_pack(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(k + n)
+    layer = Linear(torch.randn(n, k, generator=gen).to(dtype))
+    if packed:
+        layer.pack()
+    layer.row_multiple = ROW_MULTIPLE
+    x = torch.randn(max(ROWS) + 1, k, generator=gen).to(dtype)
+    alone = torch.cat([layer.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+    for rows in ROWS:
+        for offset in (0, 1):
+            got = layer.matmul(x[offset:offset + rows])
+            assert got.shape == (rows, n)
+            differ = (got != alone[offset:offset + rows]).any(-1).nonzero().flatten()
+            assert differ.numel() == 0, f"{rows} rows at offset {offset}: rows {differ.tolist()}"
+
+
+def test_rows_are_padded_only_when_needed() -> None:
+    layer = Linear(torch.randn(4, 3))
+    seen: list[int] = []
+    plain = layer._matmul
+    layer._matmul = lambda x, bias: (seen.append(x.shape[0]), plain(x, bias))[1]  # type: ignore
+    layer.row_multiple = 8
+    for rows in (1, 8, 9, 16):
+        assert layer.matmul(torch.randn(rows, 3)).shape == (rows, 4)
+    assert seen == [8, 8, 16, 16]

@@ -1,0 +1,96 @@
+"""Batch-invariant execution (``batch_invariant=True``): a request's logits, bit for
+bit, do not depend on which other requests share its steps, how its prompt was
+chunked, or whether a position was computed in a prefill or a decode step.
+
+Why: without it, the same seeded request can sample different tokens alone and
+under load (a draw within rounding of a CDF boundary flips), greedy logprobs differ
+in their last bits from run to run, and a request resumed on another replica after
+a failover (``cluster.resume``) may leave its uninterrupted path. With it, outputs
+are a function of the request alone: reproducible evaluations and RL rollouts,
+exact failover, debuggable serving. (vLLM's ``VLLM_BATCH_INVARIANT`` offers this on
+Hopper GPUs; this mode covers the CPU path.)
+
+Where a row's result depended on the batch here, and what this mode changes:
+
+- GEMMs. oneDNN and MKL choose kernels by the number of rows: one row is a GEMV,
+  two, three or five rows take other small-M paths, and these round differently
+  from the blocked GEMM. Every projection (and the LM head) pads its rows to a
+  multiple of ``ROW_MULTIPLE`` (at least that many), which on the CPUs measured
+  gives each row the bits it gets in any other padded call (fp32 and bf16, plain
+  and prepacked weights, 1 and 2 threads; ``tests/worker/test_batch_invariant.py``
+  checks it on the machine it runs on).
+- Attention. Decode rows and short prefills ran the native per-row kernel, long
+  prefills SDPA over the chunk, which sums in another order. Here every query row
+  runs the native kernel (``CpuNativeBackend.rows_max_keys``): a row with key length
+  L does the same arithmetic whether it is a decode token, a prefill position, a
+  resumed token or a speculative draft.
+- Norms, rotary embedding, the activation, the embedding lookup, sampling and
+  logprobs are computed per row already.
+
+Cost: a decode step of fewer than ``ROW_MULTIPLE`` sequences computes that many
+rows, and long prefills re-read their prefix once per row instead of once per
+chunk (``bench/batch_invariance.py`` measures both against the default mode).
+
+Refused with a ``ValueError`` naming ``batch_invariant``: CUDA (the GEMM and
+attention kernels there pick split strategies by batch shape; not done), the torch
+attention backend, MoE layers (experts' GEMMs take however many rows route to
+them), int4/int8 weights, LoRA adapters, and models the native kernel cannot run
+(fp16 queries, head sizes that are not multiples of 16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import cpu_native
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.cpu_backend import CpuNativeBackend
+from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.layers.packed import PackableLinear
+
+# Rows per GEMM call are padded to a multiple of this. Below 4 rows, and for the
+# fifth row of a 5-row call, MKL and oneDNN round differently from larger calls here.
+ROW_MULTIPLE = 8
+
+
+def unsupported_reason(device: torch.device, backend: AttentionBackend,
+                       model_config: ModelConfig, dtype: torch.dtype,
+                       kv_dtype: torch.dtype, quantization: str | None,
+                       lora: bool) -> str | None:
+    """Why batch-invariant mode cannot run this worker's set-up (None: it can)."""
+    if device.type != "cpu":
+        return (f"runs on CPU only; on {device.type} the GEMM and attention kernels "
+                "pick their split by batch shape")
+    if not isinstance(backend, CpuNativeBackend):
+        return (f"needs the 'cpu' attention backend (the native per-row kernels), "
+                f"not {getattr(backend, 'name', type(backend).__name__)!r}")
+    if model_config.moe is not None:
+        return "does not cover MoE layers (each expert's GEMM takes the rows routed to it)"
+    if quantization:
+        return f"does not cover {quantization} weights"
+    if lora:
+        return "does not cover LoRA adapters"
+    reason = cpu_native.unsupported_reason(dtype, kv_dtype, model_config.num_heads,
+                                           model_config.num_kv_heads, model_config.head_dim)
+    if reason is not None:
+        return f"the native attention kernel does not take {reason}"
+    return None
+
+
+def enable(model: nn.Module, backend: AttentionBackend, model_config: ModelConfig,
+           device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+           quantization: str | None = None, lora: bool = False) -> None:
+    """Switch ``model`` (built, quantised and packed) and its attention backend to
+    batch-invariant execution, or raise ``ValueError`` saying why it cannot be."""
+    reason = unsupported_reason(device, backend, model_config, dtype, kv_dtype,
+                                quantization, lora)
+    if reason is not None:
+        raise ValueError(f"batch_invariant {reason}")
+    for module in model.modules():
+        if isinstance(module, PackableLinear):
+            module.row_multiple = ROW_MULTIPLE
+    assert isinstance(backend, CpuNativeBackend)
+    backend.rows_max_keys = math.inf
