@@ -122,17 +122,17 @@ def cost(llms: dict[str, Any], chunks: list[list[int]],
     for _ in range(args.repeats):
         for mode, llm in llms.items():
             t = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in batch], gen)
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], gen, use_tqdm=False)
             wall = time.perf_counter() - t
             times[mode]["throughput_tok_s"].append(
                 sum(len(o.outputs[0].token_ids) for o in outs) / wall)
             t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": batch[0][:16]}], one)
+            llm.generate([{"prompt_token_ids": batch[0][:16]}], one, use_tqdm=False)
             times[mode]["decode_ms_per_token"].append(
                 (time.perf_counter() - t) / args.decode_len * 1e3)
             llm.reset_prefix_cache()
             t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": long_prompt}], first)
+            llm.generate([{"prompt_token_ids": long_prompt}], first, use_tqdm=False)
             times[mode]["long_prefill_s"].append(time.perf_counter() - t)
             llm.reset_prefix_cache()
     med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in times.items()}

@@ -149,6 +149,7 @@ def test_bf16_probe_in_a_crowd_equals_bf16_probe_alone(default_model_dir: str) -
     ({"enable_lora": True}, "enable_lora"),
     ({"quantization": "int8"}, "quantization"),
     ({"attention_backend": "torch"}, "attention_backend"),
+    ({"tensor_parallel_size": 4}, "tensor_parallel_size"),
 ])
 def test_uncovered_settings_are_refused_at_once(settings: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=rf"batch_invariant.*{field}"):

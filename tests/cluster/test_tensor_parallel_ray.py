@@ -53,6 +53,27 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         tp2.shutdown()
 
 
+def test_tp2_batch_invariant_probe_in_a_crowd_equals_probe_alone(
+        ray_cluster, tmp_path, default_model_dir) -> None:
+    """Each rank pads its GEMM rows and attends per row; two ranks' partial sums add
+    in one order, so a request's logprobs keep their bits whatever shares its steps.
+    (A 1024-wide model: at 512, split over two ranks, the default mode gave this probe
+    the same bits in the crowd too, and the test could not fail.)"""
+    from pagedserve.worker.testing import write_random_checkpoint
+    from tests.cluster.test_batch_invariance import GREEDY, PROBE, assert_same, crowd, run
+
+    model = write_random_checkpoint(tmp_path, "llama", default_model_dir, hidden_size=1024,
+                                    intermediate_size=3072, num_attention_heads=16,
+                                    num_key_value_heads=8)
+    llm = LLM(model=model, tensor_parallel_size=2, num_gpu_blocks=128,
+              num_threads=1, batch_invariant=True, max_num_batched_tokens=64)
+    try:
+        alone = run(llm.engine, [(0, "probe", PROBE, GREEDY, {})])["probe"]
+        assert_same(run(llm.engine, crowd(GREEDY))["probe"], alone)
+    finally:
+        llm.shutdown()
+
+
 def test_tp2_with_speculative_decoding_equals_hugging_face(ray_cluster, tiny_llama_dir) -> None:
     """Drafted rows travel in the broadcast plan; only rank 0 verifies them."""
     prompts = [list(range(100 + 9 * i, 108 + 9 * i)) * (2 + i) for i in range(3)]

@@ -51,9 +51,9 @@ class PackableLinear(nn.Module):
         return y
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.row_multiple and x.dim() == 2 and (rows < self.row_multiple or rows % self.row_multiple):
-            padded = max(self.row_multiple, -(-rows // self.row_multiple) * self.row_multiple)
+        rows, step = x.shape[0], self.row_multiple
+        if step and x.dim() == 2 and (rows < step or rows % step):
+            padded = max(step, -(-rows // step) * step)
             return self._matmul(F.pad(x, (0, 0, 0, padded - rows)), bias)[:rows]
         return self._matmul(x, bias)
 
