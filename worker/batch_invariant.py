@@ -34,8 +34,10 @@ chunk (``bench/batch_invariance.py`` measures both against the default mode).
 Refused with a ``ValueError`` naming ``batch_invariant``: CUDA (the GEMM and
 attention kernels there pick split strategies by batch shape; not done), the torch
 attention backend, MoE layers (experts' GEMMs take however many rows route to
-them), int4/int8 weights, LoRA adapters, and models the native kernel cannot run
-(fp16 queries, head sizes that are not multiples of 16).
+them), int4/int8 weights, LoRA adapters, models the native kernel cannot run
+(fp16 queries, head sizes that are not multiples of 16), and more than two
+tensor-parallel ranks (``EngineConfig``: two ranks' partial sums add in one order, a
+ring over more adds an element's partials in an order set by where chunks split).
 """
 
 from __future__ import annotations
