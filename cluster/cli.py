@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-resume-streams", dest="resume_streams", action="store_false",
                    help="end a stream whose replica died with an error event instead of "
                         "resuming it on another replica from the tokens already sent")
+    s.add_argument("--failover-wait-s", type=float, default=60.0,
+                   help="a request moved off a dead replica waits this long for a replica "
+                        "to take it (the replacement of the only one: raise it for models "
+                        "that take minutes to load), then fails with a 503")
     s.add_argument("--drain-timeout-s", type=float, default=600.0,
                    help="a replica that is replaced (a redeploy), scaled down or stopped "
                         "finishes its open requests for up to this long; past it, an "
@@ -291,7 +295,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):  # a second one stops the drain
                 signal.signal(sig, signal.default_int_handler)
-            _delete_app(args.name, args.drain_timeout_s)
+            _delete_app(args.name, args.drain_timeout_s, args.failover_wait_s)
             if started_serve:
                 serve.shutdown()
         except KeyboardInterrupt:
@@ -304,18 +308,16 @@ def serve_forever(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delete_app(name: str, drain_timeout_s: float) -> None:
+def _delete_app(name: str, drain_timeout_s: float, failover_wait_s: float) -> None:
     """Delete the application, its open requests given ``drain_timeout_s`` to finish
     (``serve.delete`` itself gives up after 60 s, ``serve.shutdown`` after 30)."""
     import time
 
     from ray import serve
 
-    from pagedserve.cluster.dispatch import FAILOVER_WAIT_S
-
     serve.delete(name, _blocking=False)
-    # The ingress drains FAILOVER_WAIT_S longer than the engine replicas (see build_app).
-    deadline = time.monotonic() + drain_timeout_s + FAILOVER_WAIT_S + 30.0
+    # The ingress drains failover_wait_s longer than the engine replicas (see build_app).
+    deadline = time.monotonic() + drain_timeout_s + failover_wait_s + 30.0
     while time.monotonic() < deadline:
         app = serve.status().applications.get(name)
         if app is None or app.status == "NOT_STARTED":

@@ -29,13 +29,28 @@ from pagedserve.cluster.wire import EngineChunk, EngineRequest
 
 MAX_ATTEMPTS = 3  # a request whose replica died moves on (resumed, past its first token)
 CHANNEL_GRACE_S = 30.0  # after its call returned, a request's last chunks must arrive by then
-# A retried or resumed request's first chunk must arrive by then: a dead replica's
-# replacement takes seconds; a cluster that cannot start one must not hang its clients.
+# A retried or resumed request's first chunk must arrive by then (the default of
+# ``FailoverPolicy.wait_s``): a dead replica's replacement takes seconds; a cluster that
+# cannot start one must not hang its clients.
 FAILOVER_WAIT_S = 60.0
 # Meanwhile, this often: is the application being deleted (no replacement will come)?
 SHUTDOWN_POLL_S = 1.0
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FailoverPolicy:
+    """What the ingress does when an engine replica dies under a request.
+
+    ``resume``: a request that has sent tokens goes on from another replica (else its
+    stream ends with an error event). ``wait_s``: how long a moved request waits for a
+    replica to take it, e.g. the replacement of the only one (a large model's replica
+    can take minutes to load), before it fails with a 503.
+    """
+
+    resume: bool = True
+    wait_s: float = FAILOVER_WAIT_S
 
 
 @dataclass
@@ -58,7 +73,8 @@ async def _watch(response: Any, q: asyncio.Queue[Any]) -> None:
 
 async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRequest,
                                on_failover: Callable[[str], None] | None = None,
-                               resume: bool = True, cursor: StreamCursor | None = None
+                               policy: FailoverPolicy = FailoverPolicy(),
+                               cursor: StreamCursor | None = None
                                ) -> AsyncIterator[EngineChunk]:
     """One request's chunks: routed by ``router.PrefixAffinityRouter``, received on
     ``client``'s channel.
@@ -68,14 +84,15 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
     before sending a token gets the request retried on another replica; one that dies
     after gets the stream resumed on another from the tokens already sent (see
     ``resume``; an ``n > 1`` stream as one request per unfinished sample), unless
-    ``resume`` is False: then the error ends the stream. ``cursor``: the stream of
+    ``policy.resume`` is False: then the error ends the stream. A moved request waits
+    ``policy.wait_s`` for a replica to take it. ``cursor``: the stream of
     one sample ``split`` off such a request (its ``req`` resumes already).
     ``on_failover("retry" | "resume")`` counts each. Leaving early (the caller cancelled
     or stopped iterating) cancels the call, which aborts the request in the replica's
     scheduler.
     """
     exclude = list(req.exclude_replicas)
-    if cursor is None and resume and resumable(req):
+    if cursor is None and policy.resume and resumable(req):
         cursor = StreamCursor(req.params.n)
     attempt_req, sent = req, False
     for attempt in range(MAX_ATTEMPTS):
@@ -90,7 +107,7 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
             # A retry waits for a replica to take it (the dead one's replacement, if it
             # was the only one), but not forever.
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + FAILOVER_WAIT_S if attempt else None
+            deadline = loop.time() + policy.wait_s if attempt else None
             lost = "no engine replica took the request over" if attempt else ""
             try:
                 while True:
@@ -157,7 +174,7 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
             if len(cursor.samples) > 1:
                 req = replace(req, exclude_replicas=tuple(exclude))
                 async with contextlib.aclosing(_resumed_samples(
-                        client, handle, cursor.split(req), on_failover)) as split:
+                        client, handle, cursor.split(req), on_failover, policy)) as split:
                     async for c in split:
                         yield c
                 return
@@ -166,10 +183,10 @@ async def stream_from_replicas(client: ChannelClient, handle: Any, req: EngineRe
 
 async def _resumed_samples(client: ChannelClient, handle: Any,
                            samples: list[tuple[int, EngineRequest, StreamCursor]],
-                           on_failover: Callable[[str], None] | None
-                           ) -> AsyncIterator[EngineChunk]:
+                           on_failover: Callable[[str], None] | None,
+                           policy: FailoverPolicy) -> AsyncIterator[EngineChunk]:
     """The split samples of an ``n > 1`` stream, each numbered as it was."""
-    streams = [stream_from_replicas(client, handle, r, on_failover, True, cur)
+    streams = [stream_from_replicas(client, handle, r, on_failover, policy, cur)
                for _, r, cur in samples]
     async with contextlib.aclosing(_interleave(streams)) as chunks:
         async for k, c in chunks:
@@ -235,10 +252,11 @@ def replica_failed_error(e: Exception) -> APIError:
 
 async def merge_streams(client: ChannelClient, handle: Any, reqs: list[EngineRequest],
                         on_failover: Callable[[str], None] | None = None,
-                        resume: bool = True) -> AsyncIterator[tuple[int, EngineChunk]]:
+                        policy: FailoverPolicy = FailoverPolicy()
+                        ) -> AsyncIterator[tuple[int, EngineChunk]]:
     """Chunks of several prompts' streams, interleaved as they come."""
     async for i, c in _interleave([stream_from_replicas(client, handle, r, on_failover,
-                                                        resume) for r in reqs]):
+                                                        policy) for r in reqs]):
         yield i, c
 
 

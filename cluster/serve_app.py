@@ -36,7 +36,7 @@ from pagedserve.cluster.admin_api import router as admin_router
 from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
-from pagedserve.cluster.dispatch import FAILOVER_WAIT_S, merge_streams
+from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.embeddings import EmbeddingRequest, embed_all, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.lora_serving import AdapterCatalog
@@ -112,7 +112,7 @@ class OpenAIServer(EngineAdmin):
                  lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
                  pooling_type: str = "last", reasoning_parser: str | None = None,
                  scales_to_zero: bool = False, prefill: DeploymentHandle | None = None,
-                 resume_streams: bool = True) -> None:
+                 failover: FailoverPolicy | None = None) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -134,7 +134,7 @@ class OpenAIServer(EngineAdmin):
         # autoscaling_config min_replicas = 0: no engine replica is a healthy, idle state.
         self.scales_to_zero = scales_to_zero
         self._prefill = prefill  # the prefill pool of a disaggregated app (stats only)
-        self.resume_streams = resume_streams
+        self.failover = failover or FailoverPolicy()
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -184,7 +184,7 @@ class OpenAIServer(EngineAdmin):
                               self.reasoning_parser if kind == "chat.completion" else None,
                               include_reasoning, thought_closed)
         chunks = merge_streams(self._channel, self._engine, reqs, _http.record_failover,
-                               self.resume_streams)
+                               self.failover)
         return await render_response(self.fmt, state, chunks, stream, include_usage,
                                      continuous_usage)
 
@@ -383,11 +383,11 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         # The ingress outlives its engine replicas' drain: what the drain cuts off must
         # still resume (a redeploy) or end with an error event (a deletion).
         num_replicas=a.ingress_replicas,
-        graceful_shutdown_timeout_s=a.drain_timeout_s + FAILOVER_WAIT_S,
+        graceful_shutdown_timeout_s=a.drain_timeout_s + a.failover_wait_s,
         ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,
-           a.scales_to_zero(), prefill, a.resume_streams)
+           a.scales_to_zero(), prefill, FailoverPolicy(a.resume_streams, a.failover_wait_s))
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

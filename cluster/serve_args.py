@@ -69,6 +69,8 @@ class ServeArgs(BaseModel):
     stream_interval_ms: float = Field(default=50.0, ge=0.0)
     stream_messages_per_s: float | None = Field(default=None, ge=0.0)
     resume_streams: bool = True  # a dead replica's streams go on elsewhere (``resume``)
+    # A request moved off a dead replica waits this long for a replica to take it.
+    failover_wait_s: float = Field(default=60.0, gt=0.0)
     # Non-streamed requests send the ingress their tokens this often, to resume from too.
     checkpoint_interval_ms: float = Field(default=1000.0, ge=0.0)
     # A replica being replaced (a redeploy), scaled down or stopped finishes its open

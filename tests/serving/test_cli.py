@@ -82,19 +82,22 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "2", "--max-lora-rank", "8", "--max-loaded-loras", "4", "--scheduling-policy",
         "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
         "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5", "--no-resume-streams",
-        "--checkpoint-interval-ms", "250", "--drain-timeout-s", "30", "--batch-invariant"])
+        "--checkpoint-interval-ms", "250", "--drain-timeout-s", "30", "--batch-invariant",
+        "--failover-wait-s", "240"])
     a = ServeArgs.parse(ns)
     assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
             a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype,
             a.kv_offloading_size, a.resume_streams, a.checkpoint_interval_ms,
-            a.drain_timeout_s, a.batch_invariant) == (
+            a.drain_timeout_s, a.batch_invariant, a.failover_wait_s) == (
         ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
-        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False, 250.0, 30.0, True)
+        {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False, 250.0, 30.0, True,
+        240.0)
     plain = ServeArgs.parse(build_parser().parse_args(["serve", "--batch-invariant"]))
     assert plain.settings().engine_kwargs["batch_invariant"] is True
     default = ServeArgs.parse(build_parser().parse_args(["serve"]))
-    assert (default.resume_streams, default.checkpoint_interval_ms,
-            default.drain_timeout_s, default.batch_invariant) == (True, 1000.0, 600.0, False)
+    assert (default.resume_streams, default.checkpoint_interval_ms, default.drain_timeout_s,
+            default.batch_invariant, default.failover_wait_s) == (True, 1000.0, 600.0, False,
+                                                                  60.0)
 
 
 @pytest.mark.parametrize(("flag", "value", "field"), [

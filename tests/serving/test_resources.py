@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.cluster import placement
+from pagedserve.cluster.dispatch import FailoverPolicy
 from pagedserve.cluster.serve_app import build_app
 
 
@@ -101,6 +102,12 @@ def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     ingress = build_app({"device": "cpu", "num_gpu_blocks": 64, "drain_timeout_s": 30})
     # The ingress drains a failover wait longer, to resume what the engines' drain cut.
     assert ingress._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 90.0
+    ingress = build_app({"device": "cpu", "num_gpu_blocks": 64, "drain_timeout_s": 30,
+                         "failover_wait_s": 300, "resume_streams": False})
+    assert ingress._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 330.0
+    assert ingress._bound_deployment.init_args[-1] == FailoverPolicy(resume=False, wait_s=300.0)
+    with pytest.raises(ValueError, match="failover_wait_s"):
+        build_app({"device": "cpu", "failover_wait_s": 0})
     assert _engine_node({}).init_args[5] == 1000.0  # checkpoints once a second by default
     with pytest.raises(ValueError, match="drain_timeout_s"):
         build_app({"device": "cpu", "drain_timeout_s": -1})

@@ -6,13 +6,16 @@ Killing a rank makes ``/health`` 503 until Serve replaces the replica (its open 
 ends with an error event: the replica is alive, its engine is not, and there is no other
 replica); killing the only replica gets it replaced, and its open stream waits for the
 replacement and goes on from there with the text it would have had (``test_failover``
-resumes on a second replica); afterwards requests succeed with the same text. A replica that is full (``max_ongoing_requests``) with a full
+resumes on a second replica); afterwards requests succeed with the same text; with a
+``failover_wait_s`` shorter than a replacement's start the stream ends with a 503 error
+event instead, at once. A replica that is full (``max_ongoing_requests``) with a full
 queue answers 503 with an OpenAI error body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +39,7 @@ def apps(cluster: Cluster, tiny_model: Path) -> Iterator[dict[str, App]]:
         "tp1": cluster.deploy("tp1", {**COMMON, "model": model}),
         "tp2": cluster.deploy("tp2", {**COMMON, "model": model, "tensor_parallel_size": 2}),
         "ovl": cluster.deploy("ovl", {**COMMON, "model": model, "max_ongoing_requests": 1,
-                                      "max_queued_requests": 1}),
+                                      "max_queued_requests": 1, "failover_wait_s": 0.5}),
     }
     yield out
     for name in out:
@@ -137,3 +140,20 @@ def test_overload_answers_503_with_an_error_body(apps: dict[str, App]) -> None:
     app.wait_baseline()
     r = app.openai().completions.create(model="tiny-llama", prompt="Hello", max_tokens=4)
     assert r.choices[0].finish_reason == "length"
+
+
+def test_a_short_failover_wait_ends_the_stream_before_the_replacement(
+        apps: dict[str, App]) -> None:
+    app = apps["ovl"]  # failover_wait_s 0.5: far shorter than a replica's start
+    wait_for(lambda: app.health().status_code == 200, 120, "a healthy replica")
+    (old,) = app.stats()
+    t, errors = long_stream(app)
+    t0 = time.monotonic()
+    kill_engine_replica(old)
+    t.join(60)
+    took = time.monotonic() - t0
+    assert not t.is_alive() and errors and isinstance(errors[0], openai.APIError), errors
+    assert "no engine replica took the request over" in str(errors[0]), errors
+    assert took < 15, took  # the default 60 s wait would have resumed on the replacement
+    wait_for(lambda: app.health().status_code == 200, 120, "a healthy replacement replica")
+    app.wait_baseline()
