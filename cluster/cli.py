@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: a request's 'priority' (lower first) orders admission "
                         "and preemption")
+    s.add_argument("--priority-aging-s", type=float, default=None, metavar="SECONDS",
+                   help="with --scheduling-policy priority: every SECONDS a request has "
+                        "waited count as one priority level more urgent, so a steady stream "
+                        "of urgent requests cannot starve it (default: strict priorities)")
     s.add_argument("--pooling-type", choices=("last", "mean"), default="last",
                    help="/v1/embeddings: the last token's final hidden state (decoder "
                         "embedders: e5-mistral, Qwen3-Embedding) or the mean of all tokens'")

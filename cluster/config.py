@@ -47,6 +47,8 @@ class EngineConfig:
     minimum per 32 (CPU only; ``worker.layers.quant``).
     ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
+    ``priority_aging_s`` (priority only) counts each that many seconds a request has
+    waited as one level more urgent, so no request starves (``scheduler.queues``).
     ``batch_invariant`` makes a request's logits independent of what else runs in its
     steps, bit for bit (CPU only; ``worker.batch_invariant``).
     """
@@ -82,6 +84,7 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loaded_loras: int | None = None
     scheduling_policy: str = "fcfs"
+    priority_aging_s: float | None = None
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     quantization: str | None = None
@@ -107,9 +110,10 @@ class EngineConfig:
                            None if self.device == "auto" else self.device)
         if self.batch_invariant:
             self._check_batch_invariant()
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError("scheduling_policy must be fcfs or priority, got "
-                             f"{self.scheduling_policy!r}")
+        from pagedserve.scheduler.config import SchedulerConfig
+
+        # The policy and its aging, checked where the scheduler checks them.
+        SchedulerConfig(policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s)
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -111,6 +111,7 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 max_loras=config.max_loras if config.enable_lora else 0,
                 policy=config.scheduling_policy,
+                priority_aging_s=config.priority_aging_s,
             ),
             CacheConfig(
                 num_gpu_blocks=num_gpu_blocks,

@@ -85,6 +85,7 @@ class ServeArgs(BaseModel):
     max_loaded_loras: int | None = None
     autoscaling_config: dict[str, Any] | None = None
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    priority_aging_s: float | None = None  # seconds waited that count as one level
     pooling_type: Literal["last", "mean"] = "last"
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     prefill_replicas: int = Field(default=0, ge=0)
@@ -204,7 +205,8 @@ class ServeArgs(BaseModel):
             enable_lora=self.enable_lora or bool(lora_modules) or lora_dir is not None,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             lora_modules=lora_modules or None, max_loaded_loras=self.max_loaded_loras,
-            scheduling_policy=self.scheduling_policy, **self.engine_kwargs)
+            scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,
+            **self.engine_kwargs)
         EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
         self.prefill_autoscaling()  # checked whatever the device
         if self.prefill_replicas and not engine_kwargs.get("enable_prefix_caching", True):

@@ -14,7 +14,8 @@ class SchedulerConfig:
     ``max_num_batched_tokens`` is the per-step token budget shared by decodes
     and prefill chunks; ``max_num_seqs`` caps running sequences; ``max_loras``
     caps the distinct LoRA adapters among them (0: no cap); ``policy`` is
-    ``fcfs`` or ``priority`` (``scheduler.queues``).
+    ``fcfs`` or ``priority`` (``scheduler.queues``), whose waits ``priority_aging_s``
+    bounds (seconds waited that count as one priority level; None: strict).
     """
 
     max_num_seqs: int = 256
@@ -24,10 +25,17 @@ class SchedulerConfig:
     preemption_mode: str = "swap"
     max_loras: int = 0
     policy: str = "fcfs"
+    priority_aging_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
+        aging = self.priority_aging_s
+        if aging is not None:
+            if isinstance(aging, bool) or not isinstance(aging, (int, float)) or not aging > 0:
+                raise ValueError(f"priority_aging_s must be None or > 0 seconds, got {aging!r}")
+            if self.policy != "priority":
+                raise ValueError("priority_aging_s needs scheduling_policy='priority'")
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"max_loras must be a non-negative integer, got {self.max_loras!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -5,8 +5,8 @@ a prefill), preempting the last running sequence (the most recently admitted;
 under the priority policy the least urgent, see ``queues``) whenever the pool
 is short; then swapped sequences come back (only in a step that preempted
 nobody); then waiting ones are admitted in queue order while the budget, the
-sequence cap, the pool and the LoRA adapter cap allow. ``update_from_output`` applies
-the sampled tokens, names newly full blocks in the prefix cache, forks
+sequence cap, the pool and the LoRA adapter cap allow. ``update_from_output``
+(``step_results``) applies the sampled tokens, names newly full blocks in the prefix cache, forks
 parallel samples and frees finished sequences at once. Beam searches
 (``beam_scheduling``) add one rule: a beam that reported its candidates is
 held (skipped, never readmitted) until its group has chosen. With KV
@@ -18,16 +18,13 @@ from __future__ import annotations
 
 from pagedserve.scheduler.admission import check_fits, lacks_room, lora_fits
 from pagedserve.scheduler.beam import BeamGroup, BeamSearchParams
-from pagedserve.scheduler.beam_scheduling import BeamScheduling, is_held
+from pagedserve.scheduler.beam_scheduling import is_held
 from pagedserve.scheduler.block_hash import make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.memory import MemoryStats, memory_stats
 from pagedserve.scheduler.outputs import (
-    ModelRunnerOutput,
-    RequestUpdate,
-    SampledToken,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -37,9 +34,10 @@ from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.spec_decode import Drafter, SpeculativeConfig
 from pagedserve.scheduler.step_plan import scheduled_request
+from pagedserve.scheduler.step_results import StepResults
 
 
-class Scheduler(BeamScheduling):
+class Scheduler(StepResults):
     """The single owner of every block decision of one engine replica."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -56,7 +54,9 @@ class Scheduler(BeamScheduling):
         )
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}
-        self.waiting, self.running, self.swapped = make_queues(scheduler_config.policy)
+        self.aging_s = scheduler_config.priority_aging_s
+        self.waiting, self.running, self.swapped = make_queues(scheduler_config.policy,
+                                                               self.aging_s)
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
         self._step_id = 0
@@ -168,7 +168,8 @@ class Scheduler(BeamScheduling):
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.swapped[0]
-            if priority and self.waiting and urgency(self.waiting[0]) < urgency(req):
+            if priority and self.waiting and (urgency(self.waiting[0], self.aging_s)
+                                              < urgency(req, self.aging_s)):
                 break  # a more urgent waiting request goes first
             if not lora_fits(req, active, self.config.max_loras):
                 break
@@ -193,7 +194,8 @@ class Scheduler(BeamScheduling):
         while (
             not preempted
             and (not self.swapped or (priority and self.waiting
-                 and urgency(self.waiting[0]) < urgency(self.swapped[0])))
+                 and urgency(self.waiting[0], self.aging_s)
+                 < urgency(self.swapped[0], self.aging_s)))
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
@@ -241,7 +243,7 @@ class Scheduler(BeamScheduling):
         preemption). A waiting request never displaces one at least as urgent."""
         while self.waiting and self.running:
             req, victim = self.waiting[0], self.running[-1]
-            if urgency(victim) <= urgency(req) or not lacks_room(
+            if urgency(victim, self.aging_s) <= urgency(req, self.aging_s) or not lacks_room(
                     req, len(self.running), self.config, self.block_size,
                     self.kv.pool.num_free_blocks):
                 return
@@ -269,110 +271,6 @@ class Scheduler(BeamScheduling):
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions["recompute"] += 1
-
-    # ---- applying a step's results ---------------------------------------------
-
-    def update_from_output(
-        self, plan: SchedulerOutput, output: ModelRunnerOutput | None
-    ) -> list[RequestUpdate]:
-        """Advance every scheduled sequence; sequences aborted mid-step are skipped."""
-        sampled = output.sampled if output is not None else {}
-        spec = output.spec_tokens if output is not None else {}
-        updates: list[RequestUpdate] = []
-        block_size = self.block_size
-        for sr in plan.scheduled:
-            req = self.requests.get(sr.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue
-            if sr.draft_token_ids:
-                self._apply_drafts(req, sr.draft_token_ids, spec.get(req.request_id), updates)
-                continue
-            req.num_computed_tokens += len(sr.token_ids)
-            if req.num_computed_tokens // block_size > req.num_hashed_blocks:
-                self.kv.cache_blocks(req)
-            if req.pooling_params is not None:
-                self._pooled(req, output, updates)
-                continue
-            if not sr.sample_ids:
-                continue
-            if req.beam is not None:
-                self._beam_sampled(req, self._sampled(sampled, req), updates)
-                continue
-            family = [req]
-            if req.pending_children:
-                for child in req.pending_children:
-                    self._fork(req, child)
-                family += req.pending_children
-                req.pending_children = []
-            for r in family:
-                tok = self._sampled(sampled, r)
-                r.all_token_ids.append(tok.token_id)
-                reason = r.stop_status(tok.token_id, self.config.max_model_len)
-                if reason is not None:
-                    self._finish(r, reason)
-                updates.append(
-                    RequestUpdate(
-                        r.request_id,
-                        r.group_id,
-                        r.index,
-                        [tok],
-                        reason is not None,
-                        reason.value if reason is not None else None,
-                        r.num_prompt_tokens,
-                        r.num_cached_tokens,
-                    )
-                )
-        return updates
-
-    @staticmethod
-    def _sampled(sampled: dict[str, SampledToken], req: Request) -> SampledToken:
-        tok = sampled.get(req.request_id)
-        if tok is None:
-            raise RuntimeError(f"runner returned no token for {req.request_id}")
-        return tok
-
-    def _apply_drafts(self, req: Request, drafts: tuple[int, ...],
-                      toks: list[SampledToken] | None,
-                      updates: list[RequestUpdate]) -> None:
-        """A drafted row: only the accepted guesses' KV counts as computed; the
-        rejected ones' slots are overwritten by the next step. Tokens after a stop
-        (EOS, a stop id, ``max_tokens``) are dropped."""
-        assert self.drafter is not None
-        toks = toks or []
-        accepted = self.drafter.count(req, drafts, [t.token_id for t in toks])
-        req.spec_token_ids = ()
-        new: list[SampledToken] = []
-        reason = None
-        for tok in toks:
-            req.all_token_ids.append(tok.token_id)
-            new.append(tok)
-            reason = req.stop_status(tok.token_id, self.config.max_model_len)
-            if reason is not None:
-                break
-        # The row computed its first token and the accepted guesses; a stop inside
-        # the guesses leaves fewer tokens than that.
-        req.num_computed_tokens = min(req.num_computed_tokens + 1 + accepted, req.num_tokens)
-        if req.num_computed_tokens // self.block_size > req.num_hashed_blocks:
-            self.kv.cache_blocks(req)
-        if reason is not None:
-            self._finish(req, reason)
-        updates.append(RequestUpdate(req.request_id, req.group_id, req.index, new,
-                                     reason is not None,
-                                     reason.value if reason is not None else None,
-                                     req.num_prompt_tokens, req.num_cached_tokens))
-
-    def _pooled(self, req: Request, output: ModelRunnerOutput | None,
-                updates: list[RequestUpdate]) -> None:
-        """An embedding request's chunk: pass the runner's pooled part on; the prompt's
-        end finishes it (nothing is sampled)."""
-        part = output.pooled.get(req.request_id) if output is not None else None
-        done = req.num_computed_tokens >= req.num_tokens
-        if done:
-            self._finish(req, RequestStatus.FINISHED_STOPPED)
-        if done or part is not None:
-            updates.append(RequestUpdate(req.request_id, req.group_id, req.index, [], done,
-                                         "stop" if done else None, req.num_prompt_tokens,
-                                         req.num_cached_tokens, part))
 
     # ---- introspection ---------------------------------------------------------------
 

@@ -52,3 +52,28 @@ def test_priority_needs_the_priority_policy(tiny_llama_dir) -> None:
         llm.shutdown()
     with pytest.raises(ValueError, match="scheduling_policy"):
         LLM(model=tiny_llama_dir, scheduling_policy="lifo")
+
+
+@pytest.mark.parametrize("aging_s, first", [(None, "urgent"), (0.001, "older")])
+def test_aging_lets_an_older_request_go_before_a_fresher_urgent_one(
+        tiny_llama_dir, aging_s: float | None, first: str) -> None:
+    """One seat. A priority-3 request, then 50 ms later a priority-0 one: strict
+    priorities run the urgent one first; aged by 1 ms a level, the older one has
+    gained ~50 levels by then and runs first."""
+    import time
+
+    llm = LLM(model=tiny_llama_dir, scheduling_policy="priority", max_num_seqs=1,
+              num_gpu_blocks=64, priority_aging_s=aging_s)
+    try:
+        engine = llm.engine
+        assert engine.scheduler.aging_s == aging_s
+        names = {engine.add_request([5, 6, 7], GREEDY, priority=3): "older"}
+        time.sleep(0.05)  # the waiting time aging counts
+        names[engine.add_request([8, 9, 10], GREEDY, priority=0)] = "urgent"
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [names[o.request_id] for o in engine.step() if o.finished]
+        assert finished[0] == first
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()

@@ -153,3 +153,46 @@ def test_an_urgent_arrival_takes_the_seat_of_the_least_urgent(mode: str,
             produced.setdefault(rid, []).extend(toks)
         assert produced == reference
         assert_baseline(sched)
+
+
+def _starvation_run(aging_s: float | None, steps: int = 80) -> int | None:
+    """One seat; a priority-5 request arrives with the first of a stream of urgent
+    (priority 0) requests, one per step (the clock: a second per step), each holding
+    the seat two steps. The step at which the priority-5 request starts, or None."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256,
+                        policy="priority", priority_aging_s=aging_s),
+        CacheConfig(num_gpu_blocks=128, block_size=4, model_id="test-model"))
+    sim = KVSim(128, 0, 4)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for step in range(steps):
+        for rid, prio in ([("low", 5)] if step == 0 else []) + [(f"u{step}", 0)]:
+            req = sched.make_request(rid, [3, 4, 5, 6], params, priority=prio)
+            req.arrival_time = 100.0 + step
+            sched.add_request(req)
+        plan = sched.schedule()
+        if any(s.request_id == "low" for s in plan.scheduled):
+            return step
+        sched.update_from_output(plan, sim.execute(plan))
+        check_invariants(sched, sim)
+    return None
+
+
+def test_aging_bounds_how_long_urgent_arrivals_can_hold_back_a_request() -> None:
+    # Strict priorities: 80 steps of urgent arrivals and it never starts.
+    assert _starvation_run(None) is None
+    # Aged by 2 s a level: it goes ahead of arrivals younger than 5 x 2 s after it,
+    # i.e. once the ten urgent requests that came first are served (two steps each).
+    start = _starvation_run(2.0)
+    assert start is not None and 18 <= start <= 22, start
+    # Aged faster, it starts sooner.
+    start_fast = _starvation_run(0.5)
+    assert start_fast is not None and start_fast < start
+
+
+def test_aging_is_refused_outside_the_priority_policy() -> None:
+    with pytest.raises(ValueError, match="priority_aging_s needs scheduling_policy"):
+        SchedulerConfig(policy="fcfs", priority_aging_s=5.0)
+    for bad in (0, -1.0, True, "5"):
+        with pytest.raises(ValueError, match="priority_aging_s must be"):
+            SchedulerConfig(policy="priority", priority_aging_s=bad)

@@ -83,17 +83,23 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
         "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5", "--no-resume-streams",
         "--checkpoint-interval-ms", "250", "--drain-timeout-s", "30", "--batch-invariant",
-        "--failover-wait-s", "240"])
+        "--failover-wait-s", "240", "--priority-aging-s", "30"])
     a = ServeArgs.parse(ns)
     assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
             a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype,
             a.kv_offloading_size, a.resume_streams, a.checkpoint_interval_ms,
-            a.drain_timeout_s, a.batch_invariant, a.failover_wait_s) == (
+            a.drain_timeout_s, a.batch_invariant, a.failover_wait_s, a.priority_aging_s) == (
         ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
         {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False, 250.0, 30.0, True,
-        240.0)
-    plain = ServeArgs.parse(build_parser().parse_args(["serve", "--batch-invariant"]))
-    assert plain.settings().engine_kwargs["batch_invariant"] is True
+        240.0, 30.0)
+    plain = ServeArgs.parse(build_parser().parse_args([
+        "serve", "--batch-invariant", "--scheduling-policy", "priority",
+        "--priority-aging-s", "30"]))
+    kwargs = plain.settings().engine_kwargs
+    assert kwargs["batch_invariant"] is True and kwargs["priority_aging_s"] == 30.0
+    with pytest.raises(ValueError, match="priority_aging_s needs scheduling_policy"):
+        ServeArgs.parse(build_parser().parse_args(["serve", "--priority-aging-s", "30"])
+                        ).settings()
     default = ServeArgs.parse(build_parser().parse_args(["serve"]))
     assert (default.resume_streams, default.checkpoint_interval_ms, default.drain_timeout_s,
             default.batch_invariant, default.failover_wait_s) == (True, 1000.0, 600.0, False,
