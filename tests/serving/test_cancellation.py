@@ -31,21 +31,25 @@ def _totals(app: App) -> dict[str, Any]:
 
 async def _stream(client: httpx.AsyncClient, app: App, prompt: str, cut_after: int | None
                   ) -> tuple[str, int]:
-    """Stream a greedy completion; close the connection after ``cut_after`` chunks."""
+    """Stream a greedy completion; close the connection after ``cut_after`` chunks.
+    Returns the text, the chunks and the tokens received (a paced chunk may carry
+    several: its logprobs list them)."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    text, chunks = "", 0
+            "ignore_eos": True, "logprobs": 1}
+    text, chunks, tokens = "", 0, 0
     async with client.stream("POST", f"{app.base}/v1/completions", json=body,
                              headers=app.headers) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            text += json.loads(line[6:])["choices"][0]["text"]
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            tokens += len(choice["logprobs"]["tokens"])
             chunks += 1
             if cut_after is not None and chunks >= cut_after:
                 break  # leaving the block closes the connection mid-stream
-    return text, chunks
+    return text, chunks, tokens
 
 
 def test_disconnected_streams_are_aborted_and_survivors_unchanged(smol: App) -> None:
@@ -56,14 +60,14 @@ def test_disconnected_streams_are_aborted_and_survivors_unchanged(smol: App) -> 
     before = smol.wait_baseline()
     (b,) = before.values()
 
-    async def run() -> list[tuple[str, int]]:
+    async def run() -> list[tuple[str, int, int]]:
         async with httpx.AsyncClient(timeout=120) as http:
             return await asyncio.gather(*(
                 _stream(http, smol, p, 3 if i % 2 == 0 else None)
                 for i, p in enumerate(PROMPTS)))
 
     results = asyncio.run(run())
-    for i, (text, chunks) in enumerate(results):
+    for i, (text, chunks, _) in enumerate(results):
         if i % 2:
             assert text == reference[i], i
         else:
@@ -73,10 +77,12 @@ def test_disconnected_streams_are_aborted_and_survivors_unchanged(smol: App) -> 
     assert a["aborted_requests"] - b["aborted_requests"] == 2
     assert a["server"]["finished"].get("abort", 0) - b["server"]["finished"].get("abort", 0) == 2
     assert a["streams"]["open"] == 0  # the replica's stream pacing forgot them too
-    # Nothing kept generating for the two clients that left: each got 3 tokens, and at
-    # most a couple of steps ran for it before the abort landed.
+    # Nothing kept generating for the two clients that left: each got its 3 chunks'
+    # tokens (one to a few each: a chunk carries what the pacing interval gathered), and
+    # at most three steps ran for it before the abort landed.
+    received = sum(results[i][2] for i in (0, 2))
     generated = a["generation_tokens"] - b["generation_tokens"]
-    assert generated <= 2 * MAX_TOKENS + 2 * 3 + 2 * 3, generated
+    assert generated <= 2 * MAX_TOKENS + received + 2 * 3, (generated, received)
 
 
 def test_non_streaming_caller_that_goes_away_is_aborted(smol: App) -> None:
