@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-requests", type=int, default=128,
                    help="requests waiting for a replica before new ones get 503")
     s.add_argument("--ingress-replicas", type=int, default=1)
+    s.add_argument("--no-ingress-on-head", dest="ingress_on_head", action="store_false",
+                   help="let Serve place the ingress replicas on any node (default: on the "
+                        "head, so that losing a worker node never breaks a client's "
+                        "connection; its engine replicas' requests resume elsewhere)")
     s.add_argument("--stream-interval-ms", type=float, default=50.0,
                    help="send a stream's tokens at most once per interval, merged "
                         "(0: every step; Ray Serve LLM's default is 50)")

@@ -65,6 +65,26 @@ def replica_runtime_env() -> dict[str, Any]:
     return {"env_vars": {k: os.environ.get(k, "0") for k in keys}}
 
 
+# Ray gives the head node this resource (1.0); asking for a sliver of it pins an actor there.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def ingress_actor_options(on_head: bool) -> dict[str, Any]:
+    """The ingress replicas' actor options: no CPU of their own, on the head when
+    ``on_head``.
+
+    The ingress holds each client's HTTP connection: failover moves a request off a
+    dead engine replica, but a stream whose ingress dies ends with a broken connection.
+    The head is the one node whose loss ends the cluster anyway (and where Serve's
+    HTTP proxy listens in a ``ray up`` cluster), so with the ingress there, losing any
+    worker node never breaks a client's connection.
+    """
+    opts: dict[str, Any] = {"num_cpus": 0, "runtime_env": replica_runtime_env()}
+    if on_head:
+        opts["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    return opts
+
+
 def local_cluster_env(dashboard: bool = False) -> dict[str, str]:
     """Environment for a Ray cluster that ``pagedserve`` starts itself (set before ``ray.init``).
 

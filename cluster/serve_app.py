@@ -46,7 +46,7 @@ from pagedserve.cluster.metrics import (
     call_each_replica,
     render_prometheus,
 )
-from pagedserve.cluster.placement import replica_runtime_env
+from pagedserve.cluster.placement import ingress_actor_options
 from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -384,7 +384,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         # still resume (a redeploy) or end with an error event (a deletion).
         num_replicas=a.ingress_replicas,
         graceful_shutdown_timeout_s=a.drain_timeout_s + a.failover_wait_s,
-        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
+        ray_actor_options=ingress_actor_options(a.ingress_on_head),
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,
            a.scales_to_zero(), prefill, FailoverPolicy(a.resume_streams, a.failover_wait_s))

@@ -62,6 +62,7 @@ class ServeArgs(BaseModel):
     max_queued_requests: int = 128
     api_key: str | None = None
     ingress_replicas: int = 1
+    ingress_on_head: bool = True  # the ingress (clients' connections) outlives worker nodes
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 60.0
     replica_num_cpus: float | None = None

@@ -106,6 +106,12 @@ def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
                          "failover_wait_s": 300, "resume_streams": False})
     assert ingress._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 330.0
     assert ingress._bound_deployment.init_args[-1] == FailoverPolicy(resume=False, wait_s=300.0)
+    # The ingress (clients' connections) is pinned to the head unless told otherwise.
+    pinned = build_app({"device": "cpu", "num_gpu_blocks": 64})
+    opts = pinned._bound_deployment.ray_actor_options
+    assert opts["num_cpus"] == 0 and opts["resources"] == {"node:__internal_head__": 0.001}
+    free = build_app({"device": "cpu", "num_gpu_blocks": 64, "ingress_on_head": False})
+    assert "resources" not in free._bound_deployment.ray_actor_options
     with pytest.raises(ValueError, match="failover_wait_s"):
         build_app({"device": "cpu", "failover_wait_s": 0})
     assert _engine_node({}).init_args[5] == 1000.0  # checkpoints once a second by default
