@@ -255,7 +255,11 @@ def serve_forever(args: argparse.Namespace) -> int:
     from pagedserve.cluster.placement import local_cluster_env
     from pagedserve.cluster.serve_app import build_app
 
-    app = build_app(args)  # validates the engine settings before anything starts
+    try:
+        app = build_app(args)  # validates the engine settings before anything starts
+    except ValueError as e:  # (pydantic's ValidationError is one too)
+        print(f"pagedserve serve: {e}", file=sys.stderr)
+        return 2
     started_ray = address is None
     try:
         front = http_front.resolve_ingress(args.ingress) if started_ray else "cluster's"

@@ -124,6 +124,20 @@ def test_generate_rejects_bad_settings(flag: str, value: str, field: str) -> Non
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(("flags", "field"), [
+    (["--kv-cache-dtype", "int4"], "kv_cache_dtype"),
+    (["--batch-invariant", "--quantization", "int8"], "batch_invariant"),
+    (["--priority-aging-s", "5"], "priority_aging_s"),
+    (["--failover-wait-s", "0"], "failover_wait_s"),
+])
+def test_serve_rejects_bad_settings_before_starting_anything(flags: list[str],
+                                                             field: str) -> None:
+    out = subprocess.run([*CLI, "serve", *flags], capture_output=True, text=True,
+                         timeout=300, env=_env())
+    assert out.returncode == 2 and field in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def _start_serve(tiny_model: Path, port: int, *extra: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [*CLI, "serve", "--model", str(tiny_model), "--port", str(port), "--num-gpu-blocks",
