@@ -166,9 +166,6 @@ class EngineConfig:
             raise ValueError("batch_invariant runs on CPU only (device='cuda')")
         if self.enable_lora:
             raise ValueError("batch_invariant does not cover LoRA adapters (enable_lora)")
-        if self.quantization:
-            raise ValueError(f"batch_invariant does not cover {self.quantization} weights "
-                             "(quantization)")
         if self.attention_backend not in (None, "cpu"):
             raise ValueError("batch_invariant needs the 'cpu' attention backend, not "
                              f"{self.attention_backend!r} (attention_backend)")

@@ -25,7 +25,9 @@ Where a row's result depended on the batch here, and what this mode changes:
   L does the same arithmetic whether it is a decode token, a prefill position, a
   resumed token or a speculative draft.
 - Norms, rotary embedding, the activation, the embedding lookup, sampling and
-  logprobs are computed per row already.
+  logprobs are computed per row already, and so are int8 / int4 projections on the
+  native VNNI kernel (activations quantised per row and group of 32, exact integer
+  dot products, each row's groups summed in one order).
 
 Cost: a decode step of fewer than ``ROW_MULTIPLE`` sequences computes that many
 rows, and long prefills re-read their prefix once per row instead of once per
@@ -34,7 +36,7 @@ chunk (``bench/batch_invariance.py`` measures both against the default mode).
 Refused with a ``ValueError`` naming ``batch_invariant``: CUDA (the GEMM and
 attention kernels there pick split strategies by batch shape; not done), the torch
 attention backend, MoE layers (experts' GEMMs take however many rows route to
-them), int4/int8 weights, LoRA adapters, models the native kernel cannot run
+them), int4/int8 weights without the native kernel, LoRA adapters, models the native kernel cannot run
 (fp16 queries, head sizes that are not multiples of 16), and more than two
 tensor-parallel ranks (``EngineConfig``: two ranks' partial sums add in one order, a
 ring over more adds an element's partials in an order set by where chunks split).
@@ -47,7 +49,7 @@ import math
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_int8, cpu_native
 from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.cpu_backend import CpuNativeBackend
 from pagedserve.worker.config import ModelConfig
@@ -71,8 +73,9 @@ def unsupported_reason(device: torch.device, backend: AttentionBackend,
                 f"not {getattr(backend, 'name', type(backend).__name__)!r}")
     if model_config.moe is not None:
         return "does not cover MoE layers (each expert's GEMM takes the rows routed to it)"
-    if quantization:
-        return f"does not cover {quantization} weights"
+    if quantization and not cpu_int8.native_available():
+        return (f"does not cover {quantization} weights without the native VNNI kernel "
+                "(its torch fallback is not batch-invariant)")
     if lora:
         return "does not cover LoRA adapters"
     reason = cpu_native.unsupported_reason(dtype, kv_dtype, model_config.num_heads,

@@ -7,8 +7,8 @@ engine that prefills whole prompts, and compared exactly (``==`` on floats) with
 same probe run: among staggered requests of other lengths on an engine that chunks
 prompts into 64-token steps; after a request sharing its first 200 tokens (a prefix
 hit); in pools so small that it is preempted (recompute and swap); resumed from its
-own first tokens among others; with n-gram speculative decoding; in bf16 (against
-bf16 alone). Greedy with top-3 logprobs and seeded sampling at temperature 1 both.
+own first tokens among others; with n-gram speculative decoding; in bf16, int8 and
+int4 (each against its own run alone). Greedy with top-3 logprobs and seeded sampling at temperature 1 both.
 Settings the mode does not cover are ``ValueError``s naming ``batch_invariant``.
 """
 
@@ -144,10 +144,27 @@ def test_bf16_probe_in_a_crowd_equals_bf16_probe_alone(default_model_dir: str) -
         assert_same(run(llm.engine, crowd(GREEDY))["probe"], solo)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_probe_in_a_crowd_equals_quantized_probe_alone(
+        default_model_dir: str, quantization: str) -> None:
+    from pagedserve.kernels import cpu_int8
+
+    if not cpu_int8.native_available():
+        with pytest.raises(ValueError, match="batch_invariant does not cover"):
+            LLM(batch_invariant=True, quantization=quantization, num_gpu_blocks=16)
+        return
+    # Alone with its prompt in one step, then chunked in a crowd (the int8 / int4 GEMMs
+    # are row-invariant by themselves: what differs by default is the attention).
+    for llm in engine(default_model_dir, quantization=quantization, num_gpu_blocks=256):
+        solo = run(llm.engine, [(0, "probe", PROBE, GREEDY, {})])["probe"]
+    for llm in engine(default_model_dir, quantization=quantization, num_gpu_blocks=256,
+                      max_num_batched_tokens=64):
+        assert_same(run(llm.engine, crowd(GREEDY))["probe"], solo)
+
+
 @pytest.mark.parametrize("settings, field", [
     ({"device": "cuda"}, "device"),
     ({"enable_lora": True}, "enable_lora"),
-    ({"quantization": "int8"}, "quantization"),
     ({"attention_backend": "torch"}, "attention_backend"),
     ({"tensor_parallel_size": 4}, "tensor_parallel_size"),
 ])
