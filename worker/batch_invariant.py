@@ -8,7 +8,7 @@ in their last bits from run to run, and a request resumed on another replica aft
 a failover (``cluster.resume``) may leave its uninterrupted path. With it, outputs
 are a function of the request alone: reproducible evaluations and RL rollouts,
 exact failover, debuggable serving. (vLLM's ``VLLM_BATCH_INVARIANT`` offers this on
-Hopper GPUs; this mode covers the CPU path.)
+Hopper and Blackwell GPUs; this mode covers the CPU path.)
 
 Where a row's result depended on the batch here, and what this mode changes:
 
@@ -36,8 +36,9 @@ chunk (``bench/batch_invariance.py`` measures both against the default mode).
 Refused with a ``ValueError`` naming ``batch_invariant``: CUDA (the GEMM and
 attention kernels there pick split strategies by batch shape; not done), the torch
 attention backend, MoE layers (experts' GEMMs take however many rows route to
-them), int4/int8 weights without the native kernel, LoRA adapters, models the native kernel cannot run
-(fp16 queries, head sizes that are not multiples of 16), and more than two
+them), int4/int8 weights without the native kernel, LoRA adapters, models the
+native kernel cannot run (fp16 queries, head sizes that are not multiples of 16),
+and more than two
 tensor-parallel ranks (``EngineConfig``: two ranks' partial sums add in one order, a
 ring over more adds an element's partials in an order set by where chunks split).
 """
@@ -75,7 +76,7 @@ def unsupported_reason(device: torch.device, backend: AttentionBackend,
         return "does not cover MoE layers (each expert's GEMM takes the rows routed to it)"
     if quantization and not cpu_int8.native_available():
         return (f"does not cover {quantization} weights without the native VNNI kernel "
-                "(its torch fallback is not batch-invariant)")
+                "(its torch fallback is not checked for batch invariance)")
     if lora:
         return "does not cover LoRA adapters"
     reason = cpu_native.unsupported_reason(dtype, kv_dtype, model_config.num_heads,
