@@ -18,7 +18,8 @@ Where a row's result depended on the batch here, and what this mode changes:
   multiple of ``ROW_MULTIPLE`` (at least that many), which on the CPUs measured
   gives each row the bits it gets in any other padded call (fp32 and bf16, plain
   and prepacked weights, 1 and 2 threads; ``tests/worker/test_batch_invariant.py``
-  checks it on the machine it runs on).
+  checks it on the machine it runs on, and ``enable`` tries each kind of projection
+  at load: a CPU where the padding does not suffice is refused, not silently varying).
 - Attention. Decode rows and short prefills ran the native per-row kernel, long
   prefills SDPA over the chunk, which sums in another order. Here every query row
   runs the native kernel (``CpuNativeBackend.rows_max_keys``): a row with key length
@@ -98,5 +99,32 @@ def enable(model: nn.Module, backend: AttentionBackend, model_config: ModelConfi
     for module in model.modules():
         if isinstance(module, PackableLinear):
             module.row_multiple = ROW_MULTIPLE
+    bad = varying_gemm(model, model_config.hidden_size, dtype)
+    if bad is not None:
+        raise ValueError(
+            f"batch_invariant: on this CPU the {bad} GEMM gives a row other bits in calls "
+            f"of other sizes even with rows padded to a multiple of {ROW_MULTIPLE}")
     assert isinstance(backend, CpuNativeBackend)
     backend.rows_max_keys = math.inf
+
+
+def varying_gemm(model: nn.Module, hidden: int, dtype: torch.dtype) -> str | None:
+    """The first kind of projection whose padded matmul still gives a row different bits
+    alone and among 2, 3, 5 or 9 rows (None: none). One module of each kind and input
+    width is tried, at load, so that a CPU whose BLAS needs more than ``ROW_MULTIPLE``
+    rows of padding is refused instead of silently varying (~50 ms for SmolLM2)."""
+    gen = torch.Generator().manual_seed(0)
+    seen: set[tuple[type, int]] = set()
+    for module in model.modules():
+        if not isinstance(module, PackableLinear):
+            continue
+        width = getattr(module, "lora_in_features", hidden)
+        if (type(module), width) in seen:
+            continue
+        seen.add((type(module), width))
+        x = torch.randn(9, width, generator=gen).to(dtype)
+        with torch.no_grad():
+            alone = torch.cat([module.matmul(x[i:i + 1]) for i in range(9)])
+            if any(not torch.equal(module.matmul(x[:n]), alone[:n]) for n in (2, 3, 5, 9)):
+                return type(module).__name__
+    return None

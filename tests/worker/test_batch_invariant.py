@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedserve.worker.batch_invariant import ROW_MULTIPLE
+from pagedserve.worker.batch_invariant import ROW_MULTIPLE, varying_gemm
 from pagedserve.worker.layers.packed import PackableLinear, can_pack
 
 SHAPES = [(576, 1728), (1536, 576), (576, 49152)]  # qkv, down, LM head
@@ -64,3 +64,21 @@ def test_rows_are_padded_only_when_needed() -> None:
     for rows in (1, 8, 9, 16):
         assert layer.matmul(torch.randn(rows, 3)).shape == (rows, 4)
     assert seen == [8, 8, 16, 16]
+
+
+class RowCountLinear(Linear):
+    """A GEMM whose rows depend on how many share the call, even padded: what a BLAS
+    with another small-M path than the one measured here would do."""
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return super()._matmul(x, bias) * (1.0 + 1e-6 * x.shape[0])
+
+
+def test_a_gemm_that_varies_even_padded_is_found_at_load() -> None:
+    good, bad = Linear(torch.randn(12, 16)), RowCountLinear(torch.randn(12, 16))
+    for layer in (good, bad):
+        layer.row_multiple = 8
+    assert varying_gemm(nn.ModuleList([good]), 16, torch.float32) is None
+    assert varying_gemm(nn.ModuleList([good, bad]), 16, torch.float32) == "RowCountLinear"
+    bad.row_multiple = 32  # padded past every size tried: the rows agree again
+    assert varying_gemm(nn.ModuleList([bad]), 16, torch.float32) is None
