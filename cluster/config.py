@@ -164,8 +164,6 @@ class EngineConfig:
         """Refuse at once what the workers would refuse after loading the model."""
         if self.device == "cuda":
             raise ValueError("batch_invariant runs on CPU only (device='cuda')")
-        if self.enable_lora:
-            raise ValueError("batch_invariant does not cover LoRA adapters (enable_lora)")
         if self.attention_backend not in (None, "cpu"):
             raise ValueError("batch_invariant needs the 'cpu' attention backend, not "
                              f"{self.attention_backend!r} (attention_backend)")

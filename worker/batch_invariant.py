@@ -28,7 +28,8 @@ Where a row's result depended on the batch here, and what this mode changes:
 - Norms, rotary embedding, the activation, the embedding lookup, sampling and
   logprobs are computed per row already, and so are int8 / int4 projections on the
   native VNNI kernel (activations quantised per row and group of 32, exact integer
-  dot products, each row's groups summed in one order).
+  dot products, each row's groups summed in one order) and LoRA deltas on the native
+  LoRA kernel (each row's delta summed in one order, whatever adapters share the step).
 
 Cost: a decode step of fewer than ``ROW_MULTIPLE`` sequences computes that many
 rows, and long prefills re-read their prefix once per row instead of once per
@@ -37,7 +38,7 @@ chunk (``bench/batch_invariance.py`` measures both against the default mode).
 Refused with a ``ValueError`` naming ``batch_invariant``: CUDA (the GEMM and
 attention kernels there pick split strategies by batch shape; not done), the torch
 attention backend, MoE layers (experts' GEMMs take however many rows route to
-them), int4/int8 weights without the native kernel, LoRA adapters, models the
+them), int4/int8 weights or LoRA adapters without their native kernels, models the
 native kernel cannot run (fp16 queries, head sizes that are not multiples of 16),
 and more than two
 tensor-parallel ranks (``EngineConfig``: two ranks' partial sums add in one order, a
@@ -51,7 +52,7 @@ import math
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_int8, cpu_native
+from pagedserve.kernels import cpu_int8, cpu_lora, cpu_native
 from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.cpu_backend import CpuNativeBackend
 from pagedserve.worker.config import ModelConfig
@@ -78,8 +79,9 @@ def unsupported_reason(device: torch.device, backend: AttentionBackend,
     if quantization and not cpu_int8.native_available():
         return (f"does not cover {quantization} weights without the native VNNI kernel "
                 "(its torch fallback is not checked for batch invariance)")
-    if lora:
-        return "does not cover LoRA adapters"
+    if lora and not cpu_lora.available(device, dtype):
+        return ("does not cover LoRA adapters without the native LoRA kernel (its torch "
+                "fallback is not checked for batch invariance)")
     reason = cpu_native.unsupported_reason(dtype, kv_dtype, model_config.num_heads,
                                            model_config.num_kv_heads, model_config.head_dim)
     if reason is not None:

@@ -8,13 +8,14 @@ same probe run: among staggered requests of other lengths on an engine that chun
 prompts into 64-token steps; after a request sharing its first 200 tokens (a prefix
 hit); in pools so small that it is preempted (recompute and swap); resumed from its
 own first tokens among others; with n-gram speculative decoding; in bf16, int8 and
-int4 (each against its own run alone). Greedy with top-3 logprobs and seeded sampling at temperature 1 both.
+int4 (each against its own run alone); under a LoRA adapter among others. Greedy with top-3 logprobs and seeded sampling at temperature 1 both.
 Settings the mode does not cover are ``ValueError``s naming ``batch_invariant``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,9 +163,35 @@ def test_quantized_probe_in_a_crowd_equals_quantized_probe_alone(
         assert_same(run(llm.engine, crowd(GREEDY))["probe"], solo)
 
 
+def test_lora_probe_among_other_adapters_equals_lora_probe_alone(
+        tmp_path: Path, default_model_dir: str) -> None:
+    """A probe under one adapter, in a crowd under another adapter, the same one and
+    none, on the native LoRA kernel (a 512-wide random Llama: the default mode fails
+    this test)."""
+    import tests.cluster.conftest  # noqa: F401  (lora_fixtures imports its fixtures)
+    from pagedserve.scheduler.lora_request import LoRARequest
+    from pagedserve.worker.testing import write_random_checkpoint
+    from tests.cluster.lora_fixtures import ALL7, write_adapter
+
+    model = write_random_checkpoint(tmp_path / "base", "llama", default_model_dir,
+                                    hidden_size=512, intermediate_size=1024,
+                                    num_attention_heads=8, num_key_value_heads=4)
+    a1, a2 = (LoRARequest(f"a{i}", i, write_adapter(model, tmp_path / f"a{i}", i, ALL7))
+              for i in (1, 2))
+    with_a1 = {"lora_request": a1}
+    for llm in engine(model, num_gpu_blocks=256, enable_lora=True, max_loras=3):
+        solo = run(llm.engine, [(0, "probe", PROBE, GREEDY, with_a1)])["probe"]
+    schedule = crowd(GREEDY)
+    for i, kwargs in ((0, {"lora_request": a2}), (2, with_a1), (3, with_a1),
+                      (4, {"lora_request": a2})):  # 2: the probe
+        schedule[i] = (*schedule[i][:4], kwargs)
+    for llm in engine(model, num_gpu_blocks=256, enable_lora=True, max_loras=3,
+                      max_num_batched_tokens=64):
+        assert_same(run(llm.engine, schedule)["probe"], solo)
+
+
 @pytest.mark.parametrize("settings, field", [
     ({"device": "cuda"}, "device"),
-    ({"enable_lora": True}, "enable_lora"),
     ({"attention_backend": "torch"}, "attention_backend"),
     ({"tensor_parallel_size": 4}, "tensor_parallel_size"),
 ])
