@@ -8,12 +8,13 @@ same probe run: among staggered requests of other lengths on an engine that chun
 prompts into 64-token steps; after a request sharing its first 200 tokens (a prefix
 hit); in pools so small that it is preempted (recompute and swap); resumed from its
 own first tokens among others; with n-gram speculative decoding; in bf16, int8 and
-int4 (each against its own run alone); under a LoRA adapter among others. Greedy with top-3 logprobs and seeded sampling at temperature 1 both.
-Settings the mode does not cover are ``ValueError``s naming ``batch_invariant``.
+int4 (each against its own run alone); under a LoRA adapter among others. Greedy
+with top-3 logprobs and seeded sampling at temperature 1 both. Settings the mode does not cover are ``ValueError``s naming ``batch_invariant``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,20 +67,26 @@ def assert_same(got: CompletionOutput, want: CompletionOutput) -> None:
     assert got.logprobs == want.logprobs  # dicts of floats: exact equality
 
 
+@contextlib.contextmanager
 def engine(model: str, **kwargs: Any) -> Iterator[LLM]:
+    """A batch-invariant engine, shut down whatever the block raised."""
     llm = LLM(model=model, batch_invariant=True, **kwargs)
-    yield llm
-    llm.shutdown()
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
 
 
 @pytest.fixture(scope="module")
 def whole(default_model_dir: str) -> Iterator[LLM]:
-    yield from engine(default_model_dir, num_gpu_blocks=128)
+    with engine(default_model_dir, num_gpu_blocks=128) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
 def chunked(default_model_dir: str) -> Iterator[LLM]:
-    yield from engine(default_model_dir, num_gpu_blocks=256, max_num_batched_tokens=64)
+    with engine(default_model_dir, num_gpu_blocks=256, max_num_batched_tokens=64) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +117,8 @@ def test_prefix_hit_gives_the_computed_bits(chunked: LLM,
 def test_preempted_probe_equals_probe_alone(default_model_dir: str, mode: str,
                                             alone: dict[str, CompletionOutput]) -> None:
     # 30 blocks of 16: the probe (19 blocks at its end) and the crowd cannot all fit.
-    for llm in engine(default_model_dir, num_gpu_blocks=30, preemption_mode=mode,
-                      max_num_batched_tokens=128):
+    with engine(default_model_dir, num_gpu_blocks=30, preemption_mode=mode,
+                      max_num_batched_tokens=128) as llm:
         got = run(llm.engine, crowd(GREEDY))
         assert llm.engine.get_stats()["num_preemptions"][mode] > 0
         assert_same(got["probe"], alone["greedy"])
@@ -132,15 +139,15 @@ def test_resumed_probe_in_a_crowd_equals_probe_alone(
 def test_speculative_decoding_gives_the_plain_bits(
         default_model_dir: str, alone: dict[str, CompletionOutput]) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    for llm in engine(default_model_dir, num_gpu_blocks=256, speculative_config=spec):
+    with engine(default_model_dir, num_gpu_blocks=256, speculative_config=spec) as llm:
         got = run(llm.engine, crowd(GREEDY))["probe"]
         assert llm.engine.get_stats()["spec_decode"]["num_draft_tokens"] > 0
         assert_same(got, alone["greedy"])
 
 
 def test_bf16_probe_in_a_crowd_equals_bf16_probe_alone(default_model_dir: str) -> None:
-    for llm in engine(default_model_dir, dtype="bfloat16", num_gpu_blocks=256,
-                      max_num_batched_tokens=64):
+    with engine(default_model_dir, dtype="bfloat16", num_gpu_blocks=256,
+                      max_num_batched_tokens=64) as llm:
         solo = run(llm.engine, [(0, "probe", PROBE, GREEDY, {})])["probe"]
         assert_same(run(llm.engine, crowd(GREEDY))["probe"], solo)
 
@@ -156,10 +163,10 @@ def test_quantized_probe_in_a_crowd_equals_quantized_probe_alone(
         return
     # Alone with its prompt in one step, then chunked in a crowd (the int8 / int4 GEMMs
     # are row-invariant by themselves: what differs by default is the attention).
-    for llm in engine(default_model_dir, quantization=quantization, num_gpu_blocks=256):
+    with engine(default_model_dir, quantization=quantization, num_gpu_blocks=256) as llm:
         solo = run(llm.engine, [(0, "probe", PROBE, GREEDY, {})])["probe"]
-    for llm in engine(default_model_dir, quantization=quantization, num_gpu_blocks=256,
-                      max_num_batched_tokens=64):
+    with engine(default_model_dir, quantization=quantization, num_gpu_blocks=256,
+                      max_num_batched_tokens=64) as llm:
         assert_same(run(llm.engine, crowd(GREEDY))["probe"], solo)
 
 
@@ -179,14 +186,14 @@ def test_lora_probe_among_other_adapters_equals_lora_probe_alone(
     a1, a2 = (LoRARequest(f"a{i}", i, write_adapter(model, tmp_path / f"a{i}", i, ALL7))
               for i in (1, 2))
     with_a1 = {"lora_request": a1}
-    for llm in engine(model, num_gpu_blocks=256, enable_lora=True, max_loras=3):
+    with engine(model, num_gpu_blocks=256, enable_lora=True, max_loras=3) as llm:
         solo = run(llm.engine, [(0, "probe", PROBE, GREEDY, with_a1)])["probe"]
     schedule = crowd(GREEDY)
     for i, kwargs in ((0, {"lora_request": a2}), (2, with_a1), (3, with_a1),
                       (4, {"lora_request": a2})):  # 2: the probe
         schedule[i] = (*schedule[i][:4], kwargs)
-    for llm in engine(model, num_gpu_blocks=256, enable_lora=True, max_loras=3,
-                      max_num_batched_tokens=64):
+    with engine(model, num_gpu_blocks=256, enable_lora=True, max_loras=3,
+                      max_num_batched_tokens=64) as llm:
         assert_same(run(llm.engine, schedule)["probe"], solo)
 
 
