@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -55,6 +56,8 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 # reads with their kernel codes (KV_* in cpu_paged_decode.c; each widened exactly).
 _DECODE_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in cpu_paged_decode.c
+# Prefill rows of one sequence that read its K/V together (``row_chunks``).
+ROWS_PER_CHUNK = 16
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
              torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _lock = threading.Lock()
@@ -119,9 +122,9 @@ def load() -> ctypes.CDLL | None:
             logger.warning("native CPU kernels off: build failed: %s", detail.strip()[:500])
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
-                                        i64, i64, ctypes.c_float, ptr, ctypes.c_int,
-                                        ctypes.c_int]
+        lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64,
+                                        i64, i64, i64, i64, ctypes.c_float, ptr,
+                                        ctypes.c_int, ctypes.c_int]
         lib.paged_decode_kv.restype = ctypes.c_int
         lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
         lib.store_kv_rows.restype = ctypes.c_int
@@ -192,6 +195,20 @@ def unsupported_reason(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: i
     return None
 
 
+def row_chunks(group_sizes: Sequence[int], rows: int = ROWS_PER_CHUNK) -> torch.Tensor:
+    """Row offsets for :func:`paged_decode`'s ``chunks``: each group of consecutive rows
+    (one sequence's rows, sharing its block table) cut into runs of at most ``rows``."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    offsets = [0]
+    for size in group_sizes:
+        end = offsets[-1] + size
+        offsets.extend(range(offsets[-1] + rows, end, rows))
+        if size > 0:
+            offsets.append(end)
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
 def paged_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -201,6 +218,7 @@ def paged_decode(
     max_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    chunks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention [S, Hq, D] of ``q`` over keys ``[0, lens[s])``; zero rows for len 0.
 
@@ -209,6 +227,10 @@ def paged_decode(
     so -1 padding there is fine; a needed entry out of range raises. ``out``
     (fp32, contiguous, ``q``'s shape; only for fp32 ``q``) receives the result
     instead of a fresh tensor: a prefill's rows then skip an allocation and a copy.
+    ``chunks`` (int32 row offsets, ascending from 0 to S) groups rows that share a
+    block table (one sequence's prefill rows): each group reads its K/V once for all
+    its rows, with every row's result bit-identical to running it alone
+    (:func:`row_chunks` builds them); None runs every row alone.
     """
     lib = _loaded()
     if lib is None:
@@ -238,13 +260,24 @@ def paged_decode(
     if value_cache.dtype != key_cache.dtype or key_cache.dtype not in _KV_KINDS:
         raise ValueError(f"native paged decode reads {list(_KV_KINDS)} caches, got "
                          f"{key_cache.dtype} / {value_cache.dtype}")
+    chunk_ptr, num_chunks = None, 0
+    if chunks is not None:
+        chunks = chunks.to(torch.int32).contiguous()
+        num_chunks = chunks.numel() - 1
+        if chunks.dim() != 1 or num_chunks < 1 or int(chunks[0]) != 0 or int(chunks[-1]) != s:
+            raise ValueError(f"chunks must be row offsets from 0 to {s}, got "
+                             f"{chunks.tolist()[:8]}")
+        chunk_ptr = chunks.data_ptr()
     rc = lib.paged_decode_kv(
         q32.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0],
-        tables.data_ptr(), tables.stride(0), lens32.data_ptr(), s, hq, hkv, d, bsz,
-        float(scale), out.data_ptr(), torch.get_num_threads(), _KV_KINDS[key_cache.dtype],
+        tables.data_ptr(), tables.stride(0), lens32.data_ptr(), s, chunk_ptr, num_chunks,
+        hq, hkv, d, bsz, float(scale), out.data_ptr(), torch.get_num_threads(),
+        _KV_KINDS[key_cache.dtype],
     )
     if rc == -2:
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")
+    if rc == -4:
+        raise ValueError(f"chunks must be ascending row offsets, got {chunks.tolist()[:8]}")
     if rc == -3:
         raise ValueError(f"native paged decode takes head sizes <= {_MAX_HEAD_DIM} in "
                          f"multiples of 16, got {d}")

@@ -96,7 +96,7 @@ static inline int64_t kv_elem_size(int kind)
 /* Head row src (D elements) as fp32: the row itself for fp32 caches, else
  * widened once into buf, so the G query heads sharing it do not each convert. */
 static inline __attribute__((always_inline)) const float *
-row_f32(const char *src, int64_t D, int kind, float *buf)
+row_f32(const char *__restrict src, int64_t D, int kind, float *__restrict buf)
 {
     if (kind == KV_F32)
         return (const float *)src;
@@ -158,14 +158,31 @@ static inline __attribute__((always_inline)) v16f reduce16(const v16f *p)
     return __builtin_shuffle(c[0], c[1], l4) + __builtin_shuffle(c[0], c[1], h4);
 }
 
-/* KV heads [h0, h1) of one sequence, D a multiple of 16. Tokens are visited in
+/* Tile [t0, t0 + n) of KV head h's rows in cache c as fp32 row pointers: into
+ * the pool itself for fp32 caches, else widened into buf (TILE rows of D). */
+static inline __attribute__((always_inline)) void
+tile_rows(const float **rows, const char *c, const int32_t *table, int64_t t0, int64_t n,
+          int64_t h, int64_t B, int64_t blk_stride, int64_t tok_stride, int64_t D,
+          int kind, float *buf)
+{
+    const int64_t es = kv_elem_size(kind);
+    for (int64_t j = 0; j < n; j++) {
+        const char *src = token_row(c, table, t0 + j, B, blk_stride, tok_stride, h, D, es);
+        rows[j] = row_f32(src, D, kind, buf + j * D);
+    }
+}
+
+/* KV heads [h0, h1) of one query row (a decode row, or a prefill row alone),
+ * D a multiple of 16: attend_rows_impl for R = 1, with the same arithmetic in
+ * the same order, but laid out for one row's memory-bound pass (1.5-2x
+ * attend_rows_impl's speed there). Tokens are visited in
  * memory order (a token's rows for all its heads are contiguous), TILE at a
  * time, each row widened once for the G query heads that share it. Scores:
  * each query head's dot products with the tile's keys are left as partial
  * vectors and reduced sixteen at a time; values: one pass over each token's
  * rows, accumulated into the output rows (in L1). */
 static inline __attribute__((always_inline)) int
-attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
+attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
             int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
             int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
             int kind, v16f *part)
@@ -173,6 +190,7 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
     float wide[MAX_HEAD_DIM];
+    const int64_t Lp = (L + TILE - 1) / TILE * TILE; /* as in attend_rows_impl */
     const int64_t nb = (L + B - 1) / B;
     for (int64_t j = 0; j < nb; j++)
         if (table[j] < 0 || table[j] >= num_blocks)
@@ -199,7 +217,7 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
             for (int64_t j = n; j < TILE; j++)
                 p[j] = (v16f){0};
             const v16f s = reduce16(p) * scale;
-            float *dst = sc + i * L + t0;
+            float *dst = sc + i * Lp + t0;
             if (n == TILE)
                 *(v16f *)dst = s;
             else
@@ -208,7 +226,7 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
         }
     }
     for (int64_t i = 0; i < nq; i++) {
-        float *row = sc + i * L;
+        float *row = sc + i * Lp;
         float mx = row[0];
         for (int64_t t = 1; t < L; t++)
             mx = row[t] > mx ? row[t] : mx;
@@ -229,7 +247,7 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
         for (int64_t h = 0; h < nh; h++) {
             const float *vh = row_f32(v + h * D * es, D, kind, wide);
             for (int64_t g = 0; g < G; g++) {
-                const float w = sc[(h * G + g) * L + t];
+                const float w = sc[(h * G + g) * Lp + t];
                 float *oi = o + (h * G + g) * D;
                 for (int64_t c = 0; c < nv; c++)
                     *(v16f *)(oi + 16 * c) += w * *(const v16f *)(vh + 16 * c);
@@ -239,21 +257,184 @@ attend_impl(const float *q, const char *kc, const char *vc, const int32_t *table
     return 0;
 }
 
-/* attend_impl with the common head sizes and each cache kind as constants. */
-#define ATTEND_ARGS q, kc, vc, table, L, h0, h1, G
+/* Query head g of KV head h of the m / G-th row (m = r * G + g). */
+static inline const float *q_head(const float *q, int64_t row_stride, int64_t m, int64_t G,
+                                  int64_t h, int64_t D)
+{
+    return q + (m / G) * row_stride + (h * G + m % G) * D;
+}
+
+/* KV heads [h0, h1) of R query rows that share one block table (one sequence's
+ * consecutive prefill rows, or a decode row alone); row r attends to keys
+ * [0, lens[r]) and reads q / writes out at r * row_stride floats. D a multiple of
+ * 16. Keys are taken TILE at a time, per KV head: the tile's rows are widened
+ * once and then stay in L1 while every query head of every row that shares them
+ * passes over them, so a prefill's K/V cross the cache hierarchy once per R rows
+ * instead of once per row, and each query (scores) or output accumulator
+ * (values) stays in registers for the whole tile. Scores: a query head's dot
+ * products with the tile's keys are left as partial vectors and reduced sixteen
+ * at a time; values: accumulated key by key.
+ *
+ * A row's arithmetic is the same sequence of operations whatever R is and
+ * whichever rows share its call (the loops over rows only skip keys past a row's
+ * length): batch-invariant mode relies on a row's bits not depending on how the
+ * scheduler cut its prefill. */
+static inline __attribute__((always_inline)) int
+attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_t R,
+            const char *kc, const char *vc, const int32_t *table, int64_t h0, int64_t h1,
+            int64_t G, int64_t D, int64_t B, int64_t num_blocks, int64_t tok_stride,
+            int64_t blk_stride, float scale, float *sc, float *out, int kind)
+{
+    const int64_t es = kv_elem_size(kind);
+    const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
+    float buf[TILE * MAX_HEAD_DIM];
+    const float *rows[TILE];
+    v16f part[2][TILE];
+    int64_t L = 0;
+    for (int64_t r = 0; r < R; r++)
+        L = lens[r] > L ? lens[r] : L;
+    /* Score rows start 64-byte aligned (sc is), so a vectorised loop over a row
+     * splits it the same way wherever the row sits. */
+    const int64_t Lp = (L + TILE - 1) / TILE * TILE;
+    const int64_t nb = (L + B - 1) / B;
+    for (int64_t j = 0; j < nb; j++)
+        if (table[j] < 0 || table[j] >= num_blocks)
+            return -2;
+    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+        const int64_t n = L - t0 < TILE ? L - t0 : TILE;
+        for (int64_t j = 0; j < n; j++)
+            prefetch_next(kc, table, t0 + j, L, B, blk_stride, tok_stride, h0, D, nh * D, es);
+        for (int64_t h = 0; h < nh; h++) {
+            tile_rows(rows, kc, table, t0, n, h0 + h, B, blk_stride, tok_stride, D, kind, buf);
+            /* Query heads (r, g) two at a time, m = r * G + g: each key chunk loaded
+             * once for both. All n keys are scored; those past a row's length
+             * are zeroed before the reduction, as attend_row_impl pads its last tile. */
+            for (int64_t m = 0; m < R * G; m += 2) {
+                const int64_t two = m + 1 < R * G;
+                const float *qa = q_head(q, row_stride, m, G, h0 + h, D);
+                const float *qb = q_head(q, row_stride, m + two, G, h0 + h, D);
+                v16f va[MAX_HEAD_DIM / 16], vb[MAX_HEAD_DIM / 16];
+                for (int64_t c = 0; c < nv; c++) {
+                    va[c] = *(const v16f *)(qa + 16 * c);
+                    vb[c] = *(const v16f *)(qb + 16 * c);
+                }
+                for (int64_t j = 0; j < n; j++) {
+                    v16f a = {0}, b = {0};
+                    for (int64_t c = 0; c < nv; c++) {
+                        const v16f k = *(const v16f *)(rows[j] + 16 * c);
+                        a += va[c] * k;
+                        b += vb[c] * k;
+                    }
+                    part[0][j] = a;
+                    part[1][j] = b;
+                }
+                for (int64_t u = 0; u <= two; u++) {
+                    const int64_t r = (m + u) / G;
+                    const int64_t nr = lens[r] - t0 < n ? lens[r] - t0 : n;
+                    if (nr <= 0)
+                        continue;
+                    for (int64_t j = nr; j < TILE; j++)
+                        part[u][j] = (v16f){0};
+                    const v16f sv = reduce16(part[u]) * scale;
+                    float *dst = sc + (r * nq + h * G + (m + u) % G) * Lp + t0;
+                    if (nr == TILE)
+                        *(v16f *)dst = sv;
+                    else
+                        for (int64_t j = 0; j < nr; j++)
+                            dst[j] = sv[j];
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t Lr = lens[r];
+        for (int64_t i = 0; i < nq && Lr > 0; i++) {
+            float *row = sc + (r * nq + i) * Lp;
+            float mx = row[0];
+            for (int64_t t = 1; t < Lr; t++)
+                mx = row[t] > mx ? row[t] : mx;
+            float sum = 0.f;
+            for (int64_t t = 0; t < Lr; t++) {
+                row[t] = exp_nonpos(row[t] - mx);
+                sum += row[t];
+            }
+            const float inv = 1.f / sum;
+            for (int64_t t = 0; t < Lr; t++)
+                row[t] *= inv;
+        }
+        memset(out + r * row_stride + h0 * G * D, 0, (size_t)(nq * D) * sizeof(float));
+    }
+    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+        const int64_t n = L - t0 < TILE ? L - t0 : TILE;
+        for (int64_t j = 0; j < n; j++)
+            prefetch_next(vc, table, t0 + j, L, B, blk_stride, tok_stride, h0, D, nh * D, es);
+        for (int64_t h = 0; h < nh; h++) {
+            tile_rows(rows, vc, table, t0, n, h0 + h, B, blk_stride, tok_stride, D, kind, buf);
+            /* Two query heads at a time again: each value chunk loaded once for
+             * both accumulators, over the keys both rows reach, then each alone. */
+            for (int64_t m = 0; m < R * G; m += 2) {
+                const int64_t two = m + 1 < R * G;
+                const int64_t ra = m / G, rb = (m + two) / G;
+                const int64_t na = lens[ra] - t0 < n ? lens[ra] - t0 : n;
+                const int64_t nb2 = two ? (lens[rb] - t0 < n ? lens[rb] - t0 : n) : 0;
+                const float *wa = sc + (ra * nq + h * G + m % G) * Lp + t0;
+                const float *wb = sc + (rb * nq + h * G + (m + two) % G) * Lp + t0;
+                float *oa = out + ra * row_stride + ((h0 + h) * G + m % G) * D;
+                float *ob = out + rb * row_stride + ((h0 + h) * G + (m + two) % G) * D;
+                v16f a[MAX_HEAD_DIM / 16], b[MAX_HEAD_DIM / 16];
+                for (int64_t c = 0; c < nv; c++) {
+                    a[c] = *(const v16f *)(oa + 16 * c);
+                    b[c] = *(const v16f *)(ob + 16 * c);
+                }
+                const int64_t both = na < nb2 ? na : nb2;
+                int64_t j = 0;
+                for (; j < both; j++)
+                    for (int64_t c = 0; c < nv; c++) {
+                        const v16f v = *(const v16f *)(rows[j] + 16 * c);
+                        a[c] += wa[j] * v;
+                        b[c] += wb[j] * v;
+                    }
+                for (int64_t k = j; k < na; k++)
+                    for (int64_t c = 0; c < nv; c++)
+                        a[c] += wa[k] * *(const v16f *)(rows[k] + 16 * c);
+                for (int64_t k = j; k < nb2; k++)
+                    for (int64_t c = 0; c < nv; c++)
+                        b[c] += wb[k] * *(const v16f *)(rows[k] + 16 * c);
+                for (int64_t c = 0; c < nv; c++) {
+                    if (na > 0)
+                        *(v16f *)(oa + 16 * c) = a[c];
+                    if (nb2 > 0)
+                        *(v16f *)(ob + 16 * c) = b[c];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* attend_*_impl with the common head sizes and each cache kind as constants. */
+#define ATTEND_ARGS q, row_stride, lens, R, kc, vc, table, h0, h1, G
 #define ATTEND_TAIL B, num_blocks, tok_stride, blk_stride, scale, sc, out
+#define ATTEND_D(K, DD)                                                                      \
+    do {                                                                                     \
+        if (R == 1)                                                                          \
+            return attend_row_impl(q, kc, vc, table, lens[0], h0, h1, G, DD, ATTEND_TAIL,    \
+                                   K, part);                                                 \
+        return attend_rows_impl(ATTEND_ARGS, DD, ATTEND_TAIL, K);                            \
+    } while (0)
 #define ATTEND_KIND(K)                                                                       \
     do {                                                                                     \
         if (D == 64)                                                                         \
-            return attend_impl(ATTEND_ARGS, 64, ATTEND_TAIL, K, part);                       \
+            ATTEND_D(K, 64);                                                                 \
         if (D == 128)                                                                        \
-            return attend_impl(ATTEND_ARGS, 128, ATTEND_TAIL, K, part);                      \
-        return attend_impl(ATTEND_ARGS, D, ATTEND_TAIL, K, part);                            \
+            ATTEND_D(K, 128);                                                                \
+        ATTEND_D(K, D);                                                                      \
     } while (0)
-static int attend(const float *q, const char *kc, const char *vc, const int32_t *table,
-                  int64_t L, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
-                  int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale,
-                  float *sc, float *out, int kind, v16f *part)
+static int attend(const float *q, int64_t row_stride, const int32_t *lens, int64_t R,
+                  const char *kc, const char *vc, const int32_t *table, int64_t h0,
+                  int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
+                  int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
+                  int kind, v16f *part)
 {
     switch (kind) {
     case KV_BF16:
@@ -270,51 +451,63 @@ static int attend(const float *q, const char *kc, const char *vc, const int32_t 
 }
 
 /*
- * Returns 0; -1 when a scratch allocation failed; -2 when a block id a
- * sequence needs is outside [0, num_blocks). On error out is undefined.
+ * A task is a group of rows (chunks[c] to chunks[c + 1]; every row its own
+ * group when chunks is NULL) that share the first row's block table, over all
+ * KV heads or, when there are too few groups to keep every thread busy, over
+ * one KV head. Returns 0; -1 when a scratch allocation failed; -2 when a block
+ * id a row needs is outside [0, num_blocks). On error out is undefined.
  */
 static int paged_decode(const float *q, const char *key_cache, const char *value_cache,
                         int64_t num_blocks, const int32_t *tables, int64_t table_stride,
-                        const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t B, float scale, float *out, int nthreads, int kind)
+                        const int32_t *lens, int64_t S, const int32_t *chunks,
+                        int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
+                        float scale, float *out, int nthreads, int kind)
 {
     const int64_t G = Hq / Hkv;
     const int64_t tok_stride = Hkv * D;
     const int64_t blk_stride = B * tok_stride;
-    /* A task is a whole sequence (its K/V rows are read contiguously) unless
-     * there are too few sequences to keep every thread busy: then one KV head. */
-    const int64_t split = S >= 4 * (int64_t)nthreads ? 1 : Hkv;
+    const int64_t ntasks = chunks == NULL ? S : num_chunks;
+    /* Groups of rows always split by KV head: their score rows (R x G x keys)
+     * then stay in L2 for the softmax and value passes. */
+    const int64_t split = chunks == NULL && ntasks >= 4 * (int64_t)nthreads ? 1 : Hkv;
     const int64_t per = Hkv / split;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(min : failed)
     {
         float *sc = NULL;
         int64_t cap = 0;
-        /* Partial score vectors of one tile: TILE per query head of a task. */
+        /* Partial score vectors of one tile for attend_row_impl: TILE per query head. */
         v16f *part = (v16f *)malloc((size_t)(per * G * TILE) * sizeof(v16f));
         if (part == NULL)
             failed = -1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < S * split; task++) {
-            const int64_t s = task / split;
+        for (int64_t task = 0; task < ntasks * split; task++) {
+            const int64_t c = task / split;
+            const int64_t s = chunks == NULL ? c : chunks[c];
+            const int64_t R = chunks == NULL ? 1 : chunks[c + 1] - s;
             const int64_t h0 = (task % split) * per;
-            const int64_t L = lens[s];
+            int64_t L = 0;
+            for (int64_t r = 0; r < R; r++)
+                L = lens[s + r] > L ? lens[s + r] : L;
             if (L <= 0 || failed < 0 || part == NULL) {
-                memset(out + (s * Hq + h0 * G) * D, 0, (size_t)(per * G * D) * sizeof(float));
+                for (int64_t r = 0; r < R; r++)
+                    memset(out + ((s + r) * Hq + h0 * G) * D, 0,
+                           (size_t)(per * G * D) * sizeof(float));
                 continue;
             }
-            if (L * per * G > cap) {
+            const int64_t need = R * ((L + TILE - 1) / TILE * TILE) * per * G;
+            if (need > cap) {
                 free(sc);
-                cap = L * per * G;
-                sc = (float *)malloc((size_t)cap * sizeof(float));
+                cap = need;
+                sc = (float *)aligned_alloc(64, (size_t)cap * sizeof(float));
                 if (sc == NULL) {
                     cap = 0;
                     failed = -1;
                     continue;
                 }
             }
-            const int rc = attend(q + s * Hq * D, key_cache, value_cache,
-                                  tables + s * table_stride, L, h0, h0 + per, G, D, B,
+            const int rc = attend(q + s * Hq * D, Hq * D, lens + s, R, key_cache, value_cache,
+                                  tables + s * table_stride, h0, h0 + per, G, D, B,
                                   num_blocks, tok_stride, blk_stride, scale, sc,
                                   out + s * Hq * D, kind, part);
             if (rc < failed)
@@ -330,14 +523,18 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
  * out are fp32. */
 int paged_decode_kv(const float *q, const void *key_cache, const void *value_cache,
                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
-                    const int32_t *lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                    int64_t B, float scale, float *out, int nthreads, int kind)
+                    const int32_t *lens, int64_t S, const int32_t *chunks,
+                    int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
+                    float scale, float *out, int nthreads, int kind)
 {
     if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM || D % 16 != 0)
         return -3;
+    for (int64_t c = 0; chunks != NULL && c < num_chunks; c++)
+        if (chunks[c] < 0 || chunks[c + 1] <= chunks[c] || chunks[c + 1] > S)
+            return -4;
     return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
-                        tables, table_stride, lens, S, Hq, Hkv, D, B, scale, out, nthreads,
-                        kind);
+                        tables, table_stride, lens, S, chunks, num_chunks, Hq, Hkv, D, B,
+                        scale, out, nthreads, kind);
 }
 
 /* Store T new tokens' K and V rows (row_bytes each, already in the cache's element

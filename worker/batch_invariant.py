@@ -18,13 +18,16 @@ Where a row's result depended on the batch here, and what this mode changes:
   multiple of ``ROW_MULTIPLE`` (at least that many), which on the CPUs measured
   gives each row the bits it gets in any other padded call (fp32 and bf16, plain
   and prepacked weights, 1 and 2 threads; ``tests/worker/test_batch_invariant.py``
-  checks it on the machine it runs on, and ``enable`` tries each kind of projection
-  at load: a CPU where the padding does not suffice is refused, not silently varying).
+  checks it on the machine it runs on). ``enable`` tries each kind of projection at
+  load and, on a CPU whose BLAS takes a small-M path past 8 rows, the larger
+  multiples in ``ROW_MULTIPLES``; a CPU where none suffices is refused, not left
+  silently varying.
 - Attention. Decode rows and short prefills ran the native per-row kernel, long
   prefills SDPA over the chunk, which sums in another order. Here every query row
   runs the native kernel (``CpuNativeBackend.rows_max_keys``): a row with key length
   L does the same arithmetic whether it is a decode token, a prefill position, a
-  resumed token or a speculative draft.
+  resumed token or a speculative draft, and whichever run of a prefill's rows it
+  shares K/V tiles with (``enable`` checks that too at load, on this CPU's build).
 - Norms, rotary embedding, the activation, the embedding lookup, sampling and
   logprobs are computed per row already, and so are int8 / int4 projections on the
   native VNNI kernel (activations quantised per row and group of 32, exact integer
@@ -32,8 +35,9 @@ Where a row's result depended on the batch here, and what this mode changes:
   LoRA kernel (each row's delta summed in one order, whatever adapters share the step).
 
 Cost: a decode step of fewer than ``ROW_MULTIPLE`` sequences computes that many
-rows, and long prefills re-read their prefix once per row instead of once per
-chunk (``bench/batch_invariance.py`` measures both against the default mode).
+rows, and prefills past ``cpu_backend.ROWS_MAX_KEYS`` keys run on the native rows
+kernel where the default mode switches to SDPA (``bench/batch_invariance.py``
+measures both against the default mode).
 
 Refused with a ``ValueError`` naming ``batch_invariant``: CUDA (the GEMM and
 attention kernels there pick split strategies by batch shape; not done), the torch
@@ -47,6 +51,7 @@ ring over more adds an element's partials in an order set by where chunks split)
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -55,12 +60,18 @@ from torch import nn
 from pagedserve.kernels import cpu_int8, cpu_lora, cpu_native
 from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.cpu_backend import CpuNativeBackend
+from pagedserve.kernels.testing import make_paged_batch
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.packed import PackableLinear
+
+logger = logging.getLogger(__name__)
 
 # Rows per GEMM call are padded to a multiple of this. Below 4 rows, and for the
 # fifth row of a 5-row call, MKL and oneDNN round differently from larger calls here.
 ROW_MULTIPLE = 8
+# Multiples tried at load, in order: the first that gives every row the same bits is
+# kept (a larger one costs a decode step of few sequences more padded rows).
+ROW_MULTIPLES = (ROW_MULTIPLE, 16, 32)
 
 
 def unsupported_reason(device: torch.device, backend: AttentionBackend,
@@ -98,23 +109,62 @@ def enable(model: nn.Module, backend: AttentionBackend, model_config: ModelConfi
                                 quantization, lora)
     if reason is not None:
         raise ValueError(f"batch_invariant {reason}")
-    for module in model.modules():
-        if isinstance(module, PackableLinear):
-            module.row_multiple = ROW_MULTIPLE
-    bad = varying_gemm(model, model_config.hidden_size, dtype)
-    if bad is not None:
+    choose_row_multiple(model, model_config.hidden_size, dtype)
+    if varying_attention(model_config, dtype, kv_dtype):
         raise ValueError(
-            f"batch_invariant: on this CPU the {bad} GEMM gives a row other bits in calls "
-            f"of other sizes even with rows padded to a multiple of {ROW_MULTIPLE}")
+            "batch_invariant: on this CPU the native attention kernel gives a prefill row "
+            "other bits in a run of rows than alone")
     assert isinstance(backend, CpuNativeBackend)
     backend.rows_max_keys = math.inf
 
 
+def varying_attention(model_config: ModelConfig, dtype: torch.dtype,
+                      kv_dtype: torch.dtype) -> bool:
+    """Whether the native kernel's runs of prefill rows (one code path) give a row
+    other bits than the row alone (the decode path, another): the two are written to
+    do the same arithmetic in the same order, which the compiler could still break
+    on another CPU or compiler, so it is tried at load (~ms) with this model's heads."""
+    hq, hkv, d = model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
+    q_len, k_len = 37, 70  # a run cut mid-tile, cached context before it
+    b = make_paged_batch([q_len], [k_len], hq, hkv, d, 16, dtype=dtype, kv_dtype=kv_dtype)
+    tables = b.block_table.expand(q_len, -1).contiguous()
+    lens = torch.arange(k_len - q_len + 1, k_len + 1, dtype=torch.int32)
+
+    def rows(chunks: torch.Tensor | None) -> torch.Tensor:
+        return cpu_native.paged_decode(b.q, b.key_cache, b.value_cache, tables, lens, k_len,
+                                       d ** -0.5, chunks=chunks)
+
+    alone = rows(None)
+    return any(not torch.equal(rows(cpu_native.row_chunks([q_len], n)), alone)
+               for n in (2, 5, cpu_native.ROWS_PER_CHUNK))
+
+
+def choose_row_multiple(model: nn.Module, hidden: int, dtype: torch.dtype) -> int:
+    """Set every projection's ``row_multiple`` to the first of ``ROW_MULTIPLES`` under
+    which no GEMM varies (``varying_gemm``) and return it; ``ValueError`` naming the
+    GEMM when none does."""
+    bad = None
+    for multiple in ROW_MULTIPLES:
+        for module in model.modules():
+            if isinstance(module, PackableLinear):
+                module.row_multiple = multiple
+        bad = varying_gemm(model, hidden, dtype)
+        if bad is None:
+            if multiple != ROW_MULTIPLE:
+                logger.info("batch_invariant: GEMM rows padded to a multiple of %d on "
+                            "this CPU", multiple)
+            return multiple
+    raise ValueError(
+        f"batch_invariant: on this CPU the {bad} GEMM gives a row other bits in calls of "
+        f"other sizes even with rows padded to a multiple of {ROW_MULTIPLES[-1]}")
+
+
 def varying_gemm(model: nn.Module, hidden: int, dtype: torch.dtype) -> str | None:
     """The first kind of projection whose padded matmul still gives a row different bits
-    alone and among 2, 3, 5 or 9 rows (None: none). One module of each kind and input
-    width is tried, at load, so that a CPU whose BLAS needs more than ``ROW_MULTIPLE``
-    rows of padding is refused instead of silently varying (~50 ms for SmolLM2)."""
+    alone and among 2, 3 or 5 rows or across padded sizes (m + 1 and 2m + 3 rows, m
+    its ``row_multiple``) (None: none). One module of each kind and input width is
+    tried, at load, so that a CPU whose BLAS needs more padding than the multiple
+    gives is caught instead of silently varying (~50 ms for SmolLM2 at m = 8)."""
     gen = torch.Generator().manual_seed(0)
     seen: set[tuple[type, int]] = set()
     for module in model.modules():
@@ -124,9 +174,11 @@ def varying_gemm(model: nn.Module, hidden: int, dtype: torch.dtype) -> str | Non
         if (type(module), width) in seen:
             continue
         seen.add((type(module), width))
-        x = torch.randn(9, width, generator=gen).to(dtype)
+        m = max(module.row_multiple, 1)
+        sizes = (2, 3, 5, m + 1, 2 * m + 3)
+        x = torch.randn(sizes[-1], width, generator=gen).to(dtype)
         with torch.no_grad():
-            alone = torch.cat([module.matmul(x[i:i + 1]) for i in range(9)])
-            if any(not torch.equal(module.matmul(x[:n]), alone[:n]) for n in (2, 3, 5, 9)):
+            alone = torch.cat([module.matmul(x[i:i + 1]) for i in range(sizes[-1])])
+            if any(not torch.equal(module.matmul(x[:n]), alone[:n]) for n in sizes):
                 return type(module).__name__
     return None

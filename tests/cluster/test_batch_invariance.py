@@ -1,8 +1,9 @@
 """Batch-invariant mode (``batch_invariant=True``, ``worker.batch_invariant``): a
 request's tokens and logprobs, bit for bit, do not depend on the rest of the batch.
 
-One probe request (a 300-token prompt, longer than the native kernel's default
-prefill cut-off, so the default mode runs its prefill on SDPA) is run alone on an
+One probe request (a 300-token prompt, longer than the native kernel's prefill
+cut-off, set to 192 keys here, so the default mode would run its prefill on SDPA)
+is run alone on an
 engine that prefills whole prompts, and compared exactly (``==`` on floats) with the
 same probe run: among staggered requests of other lengths on an engine that chunks
 prompts into 64-token steps; after a request sharing its first 200 tokens (a prefix
@@ -25,6 +26,7 @@ from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
 from pagedserve.cluster.outputs import CompletionOutput
+from pagedserve.kernels import cpu_backend
 
 PROBE = [(i * 37 + 11) % 20000 + 100 for i in range(300)]
 OTHERS = [[(i * 53 + k * 101) % 20000 + 100 for i in range(n)]
@@ -75,6 +77,17 @@ def engine(model: str, **kwargs: Any) -> Iterator[LLM]:
         yield llm
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_native_cutoff() -> Iterator[None]:
+    """The default mode's native-rows cut-off (2,048 keys) below the probe's length, as
+    a shorter one (192 before runs of rows) would be: the mode's own switch, every
+    row on the native kernel, is then what keeps the probe's prefill off SDPA, and a
+    300-token probe tests it instead of one past 2,048 tokens."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_backend, "ROWS_MAX_KEYS", 192)
+        yield
 
 
 @pytest.fixture(scope="module")

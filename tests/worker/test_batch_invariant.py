@@ -1,17 +1,25 @@
 """Batch-invariant GEMMs (``PackableLinear.row_multiple``, set by
 ``worker.batch_invariant``): a row's product has the same bits in a call of any
 number of rows, at any offset, for plain and oneDNN-prepacked weights, fp32 and bf16,
-on one and two threads; SmolLM2's projection shapes and its LM head."""
+on one and two threads; SmolLM2's projection shapes and its LM head. And the load-time
+checks that refuse the mode where a GEMM or the attention kernel's runs of rows vary."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from pagedserve.worker.batch_invariant import ROW_MULTIPLE, varying_gemm
+from pagedserve.kernels import available_backends, cpu_native
+from pagedserve.worker.batch_invariant import (
+    ROW_MULTIPLE,
+    choose_row_multiple,
+    varying_attention,
+    varying_gemm,
+)
 from pagedserve.worker.layers.packed import PackableLinear, can_pack
 
 SHAPES = [(576, 1728), (1536, 576), (576, 49152)]  # qkv, down, LM head
@@ -74,11 +82,56 @@ class RowCountLinear(Linear):
         return super()._matmul(x, bias) * (1.0 + 1e-6 * x.shape[0])
 
 
+class SmallCallLinear(Linear):
+    """A GEMM whose calls of fewer than 16 rows take another path (another rounding):
+    what a BLAS with a wider small-M path than the one measured here would do."""
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = super()._matmul(x, bias)
+        return out * (1.0 + 1e-6) if x.shape[0] < 16 else out
+
+
 def test_a_gemm_that_varies_even_padded_is_found_at_load() -> None:
     good, bad = Linear(torch.randn(12, 16)), RowCountLinear(torch.randn(12, 16))
     for layer in (good, bad):
         layer.row_multiple = 8
     assert varying_gemm(nn.ModuleList([good]), 16, torch.float32) is None
     assert varying_gemm(nn.ModuleList([good, bad]), 16, torch.float32) == "RowCountLinear"
-    bad.row_multiple = 32  # padded past every size tried: the rows agree again
-    assert varying_gemm(nn.ModuleList([bad]), 16, torch.float32) is None
+    bad.row_multiple = 32  # every call padded past the sizes within one multiple...
+    # ...still differs across padded sizes (33 and 67 rows against 32 alone).
+    assert varying_gemm(nn.ModuleList([bad]), 16, torch.float32) == "RowCountLinear"
+    with pytest.raises(ValueError, match=r"RowCountLinear.*multiple of 32"):
+        choose_row_multiple(nn.ModuleList([good, bad]), 16, torch.float32)
+
+
+def test_a_wider_small_call_path_gets_a_larger_multiple() -> None:
+    model = nn.ModuleList([Linear(torch.randn(12, 16)), SmallCallLinear(torch.randn(12, 16))])
+    assert choose_row_multiple(model, 16, torch.float32) == 16
+    assert [layer.row_multiple for layer in model] == [16, 16]
+    assert choose_row_multiple(nn.ModuleList([Linear(torch.randn(12, 16))]), 16,
+                               torch.float32) == ROW_MULTIPLE
+
+
+@pytest.mark.skipif("cpu" not in available_backends("cpu"), reason="no native kernel")
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.float32, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.float8_e4m3fn)])
+def test_attention_runs_of_rows_pass_the_load_check(dtype: torch.dtype,
+                                                    kv_dtype: torch.dtype) -> None:
+    smollm2 = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64)
+    assert not varying_attention(smollm2, dtype, kv_dtype)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif("cpu" not in available_backends("cpu"), reason="no native kernel")
+def test_attention_whose_runs_of_rows_vary_is_found_at_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a compiler that builds the run-of-rows path with other rounding would do.
+    plain = cpu_native.paged_decode
+
+    def drifting(*args, chunks=None, **kwargs):
+        out = plain(*args, chunks=chunks, **kwargs)
+        return out if chunks is None else out * (1.0 + 1e-6)
+
+    monkeypatch.setattr(cpu_native, "paged_decode", drifting)
+    smollm2 = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64)
+    assert varying_attention(smollm2, torch.float32, torch.float32)  # type: ignore[arg-type]
