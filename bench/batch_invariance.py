@@ -12,8 +12,9 @@ default mode and ``batch_invariant=True``, run side by side on the same inputs:
 - Cost, the engines alternating, ``--repeats`` each, medians: throughput of
   ``--requests`` requests of ``--out-len`` tokens in one ``generate`` call; one
   request's decode (ms per output token: a step of one row computes eight); and time
-  to the first token of one ``--long-len``-token prompt (every prefill row on the
-  per-row attention kernel). Printed as invariant / default (> 1: slower).
+  to the first token of one prompt of each ``--long-len`` (invariant: every prefill
+  row on the native rows kernel; default: SDPA past ``cpu_backend.ROWS_MAX_KEYS``
+  keys). Printed as invariant / default (> 1: slower).
 
     python bench/batch_invariance.py
     python bench/batch_invariance.py --json bench/figures/batch_invariance.json
@@ -115,9 +116,13 @@ def cost(llms: dict[str, Any], chunks: list[list[int]],
     gen = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=args.decode_len, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1)
-    long_prompt = [t for c in chunks[-4:] for t in c][:args.long_len]
+    text = [t for c in chunks[args.requests + 1:] for t in c]
+    if len(text) < max(args.long_len):
+        raise SystemExit(f"only {len(text)} tokens of text for --long-len")
+    longs = {n: text[:n] for n in args.long_len}
     times: dict[str, dict[str, list[float]]] = {
-        m: {"throughput_tok_s": [], "decode_ms_per_token": [], "long_prefill_s": []}
+        m: {"throughput_tok_s": [], "decode_ms_per_token": [],
+            **{f"prefill_{n}_s": [] for n in longs}}
         for m in llms}
     for _ in range(args.repeats):
         for mode, llm in llms.items():
@@ -130,16 +135,18 @@ def cost(llms: dict[str, Any], chunks: list[list[int]],
             llm.generate([{"prompt_token_ids": batch[0][:16]}], one, use_tqdm=False)
             times[mode]["decode_ms_per_token"].append(
                 (time.perf_counter() - t) / args.decode_len * 1e3)
-            llm.reset_prefix_cache()
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": long_prompt}], first, use_tqdm=False)
-            times[mode]["long_prefill_s"].append(time.perf_counter() - t)
+            for n, long_prompt in longs.items():
+                llm.reset_prefix_cache()
+                t = time.perf_counter()
+                llm.generate([{"prompt_token_ids": long_prompt}], first, use_tqdm=False)
+                times[mode][f"prefill_{n}_s"].append(time.perf_counter() - t)
             llm.reset_prefix_cache()
     med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in times.items()}
     ratio = {
         "throughput": med["default"]["throughput_tok_s"] / med["invariant"]["throughput_tok_s"],
         "decode": med["invariant"]["decode_ms_per_token"] / med["default"]["decode_ms_per_token"],
-        "long_prefill": med["invariant"]["long_prefill_s"] / med["default"]["long_prefill_s"],
+        **{f"prefill_{n}": med["invariant"][f"prefill_{n}_s"] / med["default"][f"prefill_{n}_s"]
+           for n in longs},
     }
     return {"median": med, "runs": times, "invariant_over_default": ratio}
 
@@ -153,7 +160,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--decode-len", type=int, default=64)
-    ap.add_argument("--long-len", type=int, default=1024)
+    ap.add_argument("--long-len", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per engine")
     ap.add_argument("--json", default=None, help="write the figures here")
@@ -163,7 +170,8 @@ def main() -> None:
 
     llms = {m: LLM(batch_invariant=flag, num_gpu_blocks=1024, num_threads=args.threads)
             for m, flag in MODES.items()}
-    chunks = text_chunks(llms["default"].get_tokenizer(), "pydoc", 48, size=512)
+    chunks = text_chunks(llms["default"].get_tokenizer(), "pydoc",
+                         max(48, args.requests + 1 + -(-max(args.long_len) // 512)), size=512)
     det = determinism(llms, chunks, args)
     print(f"determinism: a {args.probe_len}-token probe, {args.probe_out} tokens, alone vs "
           f"{args.trials} crowds of 1-{args.crowd}")
@@ -177,7 +185,8 @@ def main() -> None:
     print(f"  {'':<28} {'default':>10} {'invariant':>10} {'invariant/default':>18}")
     rows = [("throughput (tok/s)", "throughput_tok_s", "throughput"),
             ("decode, 1 request (ms/tok)", "decode_ms_per_token", "decode"),
-            (f"prefill {args.long_len} tokens (s)", "long_prefill_s", "long_prefill")]
+            *[(f"prefill {n} tokens (s)", f"prefill_{n}_s", f"prefill_{n}")
+              for n in args.long_len]]
     for label, key, rkey in rows:
         print(f"  {label:<28} {c['median']['default'][key]:>10.3f} "
               f"{c['median']['invariant'][key]:>10.3f} "

@@ -375,8 +375,8 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
             for (int64_t m = 0; m < R * G; m += 2) {
                 const int64_t two = m + 1 < R * G;
                 const int64_t ra = m / G, rb = (m + two) / G;
-                const int64_t na = lens[ra] - t0 < n ? lens[ra] - t0 : n;
-                const int64_t nb2 = two ? (lens[rb] - t0 < n ? lens[rb] - t0 : n) : 0;
+                const int64_t n_a = lens[ra] - t0 < n ? lens[ra] - t0 : n;
+                const int64_t n_b = two ? (lens[rb] - t0 < n ? lens[rb] - t0 : n) : 0;
                 const float *wa = sc + (ra * nq + h * G + m % G) * Lp + t0;
                 const float *wb = sc + (rb * nq + h * G + (m + two) % G) * Lp + t0;
                 float *oa = out + ra * row_stride + ((h0 + h) * G + m % G) * D;
@@ -386,7 +386,7 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
                     a[c] = *(const v16f *)(oa + 16 * c);
                     b[c] = *(const v16f *)(ob + 16 * c);
                 }
-                const int64_t both = na < nb2 ? na : nb2;
+                const int64_t both = n_a < n_b ? n_a : n_b;
                 int64_t j = 0;
                 for (; j < both; j++)
                     for (int64_t c = 0; c < nv; c++) {
@@ -394,16 +394,16 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
                         a[c] += wa[j] * v;
                         b[c] += wb[j] * v;
                     }
-                for (int64_t k = j; k < na; k++)
+                for (int64_t k = j; k < n_a; k++)
                     for (int64_t c = 0; c < nv; c++)
                         a[c] += wa[k] * *(const v16f *)(rows[k] + 16 * c);
-                for (int64_t k = j; k < nb2; k++)
+                for (int64_t k = j; k < n_b; k++)
                     for (int64_t c = 0; c < nv; c++)
                         b[c] += wb[k] * *(const v16f *)(rows[k] + 16 * c);
                 for (int64_t c = 0; c < nv; c++) {
-                    if (na > 0)
+                    if (n_a > 0)
                         *(v16f *)(oa + 16 * c) = a[c];
-                    if (nb2 > 0)
+                    if (n_b > 0)
                         *(v16f *)(ob + 16 * c) = b[c];
                 }
             }
