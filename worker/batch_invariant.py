@@ -33,6 +33,12 @@ Where a row's result depended on the batch here, and what this mode changes:
   native VNNI kernel (activations quantised per row and group of 32, exact integer
   dot products, each row's groups summed in one order) and LoRA deltas on the native
   LoRA kernel (each row's delta summed in one order, whatever adapters share the step).
+- Mixtures of experts. The native expert kernels (``kernels/cpu_moe.c``, and
+  ``moe_int8`` for int8 experts) sum each row alone, in one order, and a token's
+  experts in ascending expert order, however many rows route to an expert; the
+  router's and the shared expert's gate GEMMs are padded like the projections
+  (``SparseMoE.row_multiple``). Experts off the native kernels (the torch loop runs
+  one GEMM per expert over the rows routed to it) are refused.
 
 Cost: a decode step of fewer than ``ROW_MULTIPLE`` sequences computes that many
 rows, and prefills past ``cpu_backend.ROWS_MAX_KEYS`` keys run on the native rows
@@ -41,8 +47,8 @@ measures both against the default mode).
 
 Refused with a ``ValueError`` naming ``batch_invariant``: CUDA (the GEMM and
 attention kernels there pick split strategies by batch shape; not done), the torch
-attention backend, MoE layers (experts' GEMMs take however many rows route to
-them), int4/int8 weights or LoRA adapters without their native kernels, models the
+attention backend, MoE experts, int4/int8 weights or LoRA adapters without their
+native kernels, models the
 native kernel cannot run (fp16 queries, head sizes that are not multiples of 16),
 and more than two
 tensor-parallel ranks (``EngineConfig``: two ranks' partial sums add in one order, a
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -62,6 +69,7 @@ from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.cpu_backend import CpuNativeBackend
 from pagedserve.kernels.testing import make_paged_batch
 from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.packed import PackableLinear
 
 logger = logging.getLogger(__name__)
@@ -85,8 +93,6 @@ def unsupported_reason(device: torch.device, backend: AttentionBackend,
     if not isinstance(backend, CpuNativeBackend):
         return (f"needs the 'cpu' attention backend (the native per-row kernels), "
                 f"not {getattr(backend, 'name', type(backend).__name__)!r}")
-    if model_config.moe is not None:
-        return "does not cover MoE layers (each expert's GEMM takes the rows routed to it)"
     if quantization and not cpu_int8.native_available():
         return (f"does not cover {quantization} weights without the native VNNI kernel "
                 "(its torch fallback is not checked for batch invariance)")
@@ -107,6 +113,10 @@ def enable(model: nn.Module, backend: AttentionBackend, model_config: ModelConfi
     batch-invariant execution, or raise ``ValueError`` saying why it cannot be."""
     reason = unsupported_reason(device, backend, model_config, dtype, kv_dtype,
                                 quantization, lora)
+    if reason is None and any(isinstance(m, SparseMoE) and m.native is None
+                              and m.int8_native is None for m in model.modules()):
+        reason = ("does not cover MoE experts off the native expert kernels (the torch "
+                  "loop's GEMM per expert takes however many rows route to it)")
     if reason is not None:
         raise ValueError(f"batch_invariant {reason}")
     choose_row_multiple(model, model_config.hidden_size, dtype)
@@ -146,7 +156,7 @@ def choose_row_multiple(model: nn.Module, hidden: int, dtype: torch.dtype) -> in
     bad = None
     for multiple in ROW_MULTIPLES:
         for module in model.modules():
-            if isinstance(module, PackableLinear):
+            if isinstance(module, PackableLinear | SparseMoE):
                 module.row_multiple = multiple
         bad = varying_gemm(model, hidden, dtype)
         if bad is None:
@@ -159,26 +169,42 @@ def choose_row_multiple(model: nn.Module, hidden: int, dtype: torch.dtype) -> in
         f"other sizes even with rows padded to a multiple of {ROW_MULTIPLES[-1]}")
 
 
+def _gemms(model: nn.Module, hidden: int
+           ) -> Iterator[tuple[str, int, int, Callable[[torch.Tensor], torch.Tensor]]]:
+    """(name, input width, row multiple, row-wise GEMM) of one module of each kind and
+    input width: the projections, and each MoE layer's router and shared-expert gate."""
+    seen: set[tuple[str, int]] = set()
+    for module in model.modules():
+        if isinstance(module, PackableLinear):
+            width = getattr(module, "lora_in_features", hidden)
+            found = [(type(module).__name__, width, module.matmul)]
+        elif isinstance(module, SparseMoE):
+            found = [(f"{type(module).__name__} {name}", hidden,
+                      lambda t, m=module, w=w: m.gate_linear(t, w))
+                     for name, w in (("router", module.router),
+                                     ("shared expert gate", module.shared_gate))
+                     if w is not None]
+        else:
+            continue
+        for name, width, fn in found:
+            if (name, width) not in seen:
+                seen.add((name, width))
+                yield name, width, module.row_multiple, fn
+
+
 def varying_gemm(model: nn.Module, hidden: int, dtype: torch.dtype) -> str | None:
-    """The first kind of projection whose padded matmul still gives a row different bits
+    """The first kind of GEMM whose padded matmul still gives a row different bits
     alone and among 2, 3 or 5 rows or across padded sizes (m + 1 and 2m + 3 rows, m
     its ``row_multiple``) (None: none). One module of each kind and input width is
     tried, at load, so that a CPU whose BLAS needs more padding than the multiple
     gives is caught instead of silently varying (~50 ms for SmolLM2 at m = 8)."""
     gen = torch.Generator().manual_seed(0)
-    seen: set[tuple[type, int]] = set()
-    for module in model.modules():
-        if not isinstance(module, PackableLinear):
-            continue
-        width = getattr(module, "lora_in_features", hidden)
-        if (type(module), width) in seen:
-            continue
-        seen.add((type(module), width))
-        m = max(module.row_multiple, 1)
+    for name, width, multiple, fn in _gemms(model, hidden):
+        m = max(multiple, 1)
         sizes = (2, 3, 5, m + 1, 2 * m + 3)
         x = torch.randn(sizes[-1], width, generator=gen).to(dtype)
         with torch.no_grad():
-            alone = torch.cat([module.matmul(x[i:i + 1]) for i in range(sizes[-1])])
-            if any(not torch.equal(module.matmul(x[:n]), alone[:n]) for n in sizes):
-                return type(module).__name__
+            alone = torch.cat([fn(x[i:i + 1]) for i in range(sizes[-1])])
+            if any(not torch.equal(fn(x[:n]), alone[:n]) for n in sizes):
+                return name
     return None

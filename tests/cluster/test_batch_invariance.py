@@ -27,6 +27,7 @@ from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
 from pagedserve.cluster.outputs import CompletionOutput
 from pagedserve.kernels import cpu_backend
+from pagedserve.worker.testing import write_random_checkpoint
 
 PROBE = [(i * 37 + 11) % 20000 + 100 for i in range(300)]
 OTHERS = [[(i * 53 + k * 101) % 20000 + 100 for i in range(n)]
@@ -220,9 +221,32 @@ def test_uncovered_settings_are_refused_at_once(settings: dict[str, Any], field:
         EngineConfig(batch_invariant=True, **settings)
 
 
-def test_uncovered_models_are_refused_at_load(tiny_mixtral_dir: str,
-                                              tiny_llama_dir: str) -> None:
-    with pytest.raises(ValueError, match="batch_invariant does not cover MoE"):
-        LLM(model=tiny_mixtral_dir, batch_invariant=True, num_gpu_blocks=16)
+@pytest.mark.parametrize(("kind", "quantization"), [
+    ("mixtral", None), ("qwen2_moe", None), ("qwen3_moe", None), ("mixtral", "int8")])
+def test_moe_probe_in_a_chunked_crowd_equals_probe_alone(
+        kind: str, quantization: str | None, request: pytest.FixtureRequest) -> None:
+    # Random Mixtral (top 2, renormalised), Qwen2-MoE (a gated shared expert) and
+    # Qwen3-MoE (top 3 of 8, a dense layer): routed experts on the native kernel (int8
+    # experts on ``moe_int8``), the router and shared gate GEMMs padded. The default
+    # mode fails this (its logprobs differ in the crowd).
+    from pagedserve.kernels import cpu_int8
+
+    if quantization and not cpu_int8.native_available():
+        pytest.skip("no native int8 kernel on this CPU")
+    model = request.getfixturevalue(f"tiny_{kind}_dir")
+    with engine(model, num_gpu_blocks=128, quantization=quantization) as llm:
+        solo = run(llm.engine, [(0, "probe", PROBE, GREEDY, {})])["probe"]
+    with engine(model, num_gpu_blocks=256, max_num_batched_tokens=64,
+                quantization=quantization) as llm:
+        assert_same(run(llm.engine, crowd(GREEDY))["probe"], solo)
+
+
+def test_uncovered_models_are_refused_at_load(tiny_llama_dir: str, default_model_dir: str,
+                                              tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"batch_invariant .*float16"):
         LLM(model=tiny_llama_dir, batch_invariant=True, dtype="float16", num_gpu_blocks=16)
+    # Experts 24 wide: off the native expert kernel (it takes multiples of 16).
+    odd = write_random_checkpoint(tmp_path / "odd_moe", "mixtral", default_model_dir,
+                                  intermediate_size=24)
+    with pytest.raises(ValueError, match="batch_invariant does not cover MoE experts off"):
+        LLM(model=odd, batch_invariant=True, num_gpu_blocks=16)

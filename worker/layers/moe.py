@@ -34,7 +34,7 @@ from pagedserve.worker.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from pagedserve.worker.layers.packed import PACK_BATCH_HINT
+from pagedserve.worker.layers.packed import PACK_BATCH_HINT, padded_rows
 from pagedserve.worker.moe_config import MoEConfig
 from pagedserve.worker.parallel import ParallelContext
 
@@ -85,6 +85,8 @@ class SparseMoE(nn.Module):
         self.int8: list[tuple[cpu_int8.Int8Weight, cpu_int8.Int8Weight]] | None = None
         # ... or, with the native kernel, stacked for it (``cpu_int8.moe_experts``).
         self.int8_native: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+        # Set by ``worker.batch_invariant``: router GEMM rows padded to a multiple of it.
+        self.row_multiple = 0
         self.router = _param((moe.num_experts, hidden), dtype, device)
         self.w13 = _param((moe.num_experts, 2 * self.local_i, hidden), dtype, device)
         self.w2 = _param((moe.num_experts, hidden, self.local_i), dtype, device)
@@ -95,9 +97,14 @@ class SparseMoE(nn.Module):
             self.shared_down = RowParallelLinear(s, hidden, False, ctx, dtype, device)
             self.shared_gate = _param((1, hidden), dtype, device)
 
+    def gate_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The router's (or the shared expert's gate's) small GEMM, its rows padded to
+        ``row_multiple`` (set by ``worker.batch_invariant``) like the projections'."""
+        return padded_rows(lambda t: F.linear(t, weight), x, self.row_multiple)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` through the router's top-k experts (and the shared one)."""
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(self.gate_linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
@@ -106,7 +113,7 @@ class SparseMoE(nn.Module):
             # The down projection's partial sum, gated (a per-row scalar, the same on
             # every rank), joins the experts' before the one all-reduce.
             shared = self.shared_down.matmul(silu_and_mul(self.shared_gate_up(x)))
-            shared.mul_(torch.sigmoid(F.linear(x, self.shared_gate)))
+            shared.mul_(torch.sigmoid(self.gate_linear(x, self.shared_gate)))
             out += shared
         return self.ctx.all_reduce(out)
 

@@ -15,6 +15,7 @@ freezing pass emits); anything unexpected at pack time leaves the plain
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,19 @@ logger = logging.getLogger(__name__)
 
 # Batch size the packed layout is tuned for; any batch size is computed correctly.
 PACK_BATCH_HINT = 64
+
+
+def padded_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                multiple: int) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (a GEMM), with ``x``'s rows padded with zeros to
+    a multiple of ``multiple`` (at least that many; 0: as they are) and the padding cut
+    off again: BLAS libraries pick kernels by the number of rows, so padding makes a
+    row's bits independent of how many rows share the call (batch-invariant mode)."""
+    rows = x.shape[0]
+    if multiple and x.dim() == 2 and (rows < multiple or rows % multiple):
+        padded = max(multiple, -(-rows // multiple) * multiple)
+        return fn(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
+    return fn(x)
 
 
 class PackableLinear(nn.Module):
@@ -51,11 +65,7 @@ class PackableLinear(nn.Module):
         return y
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows, step = x.shape[0], self.row_multiple
-        if step and x.dim() == 2 and (rows < step or rows % step):
-            padded = max(step, -(-rows // step) * step)
-            return self._matmul(F.pad(x, (0, 0, 0, padded - rows)), bias)[:rows]
-        return self._matmul(x, bias)
+        return padded_rows(lambda t: self._matmul(t, bias), x, self.row_multiple)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
