@@ -167,11 +167,6 @@ class EngineConfig:
         if self.attention_backend not in (None, "cpu"):
             raise ValueError("batch_invariant needs the 'cpu' attention backend, not "
                              f"{self.attention_backend!r} (attention_backend)")
-        if self.tensor_parallel_size > 2:
-            # Two ranks' partial sums add in one order; a ring over more ranks adds an
-            # element's partials in an order set by where the tensor's chunks split.
-            raise ValueError("batch_invariant covers tensor_parallel_size 1 and 2, got "
-                             f"{self.tensor_parallel_size} (tensor_parallel_size)")
 
     def cpu_tier_blocks(self, bytes_per_block: int) -> tuple[int, int]:
         """``(swap, offload)`` CPU blocks of ``bytes_per_block`` each: no swap blocks in

@@ -48,11 +48,13 @@ measures both against the default mode).
 Refused with a ``ValueError`` naming ``batch_invariant``: CUDA (the GEMM and
 attention kernels there pick split strategies by batch shape; not done), the torch
 attention backend, MoE experts, int4/int8 weights or LoRA adapters without their
-native kernels, models the
-native kernel cannot run (fp16 queries, head sizes that are not multiples of 16),
-and more than two
-tensor-parallel ranks (``EngineConfig``: two ranks' partial sums add in one order, a
-ring over more adds an element's partials in an order set by where chunks split).
+native kernels, and models the native kernel cannot run (fp16 queries, head sizes
+that are not multiples of 16).
+
+Tensor parallelism: two ranks' partial sums add in one order; over more ranks the
+all-reduces gather every rank's partials and add them in rank order
+(``ParallelContext.fixed_order``) instead of a ring whose order moves with the
+tensor's size.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from pagedserve.kernels.testing import make_paged_batch
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.packed import PackableLinear
+from pagedserve.worker.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +111,8 @@ def unsupported_reason(device: torch.device, backend: AttentionBackend,
 
 def enable(model: nn.Module, backend: AttentionBackend, model_config: ModelConfig,
            device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-           quantization: str | None = None, lora: bool = False) -> None:
+           quantization: str | None = None, lora: bool = False,
+           ctx: ParallelContext | None = None) -> None:
     """Switch ``model`` (built, quantised and packed) and its attention backend to
     batch-invariant execution, or raise ``ValueError`` saying why it cannot be."""
     reason = unsupported_reason(device, backend, model_config, dtype, kv_dtype,
@@ -126,6 +130,8 @@ def enable(model: nn.Module, backend: AttentionBackend, model_config: ModelConfi
             "other bits in a run of rows than alone")
     assert isinstance(backend, CpuNativeBackend)
     backend.rows_max_keys = math.inf
+    if ctx is not None:
+        ctx.fixed_order = True
 
 
 def varying_attention(model_config: ModelConfig, dtype: torch.dtype,

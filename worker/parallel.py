@@ -23,17 +23,35 @@ class ParallelContext:
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    # Set by ``worker.batch_invariant``: sums add every element's partials in rank
+    # order (see ``all_reduce``), whatever the tensor's size.
+    fixed_order: bool = False
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over ranks in place; a no-op at world size 1."""
+        """Sum ``x`` over ranks in place; a no-op at world size 1.
+
+        Two ranks' partials add in one order (fp addition commutes). Over more, a ring
+        all-reduce adds an element's partials in an order set by where the tensor's
+        chunks split, which moves with its number of rows; with ``fixed_order`` every
+        rank gathers all partials and adds them rank by rank instead (world-size times
+        the bytes, so only where a row's bits must not depend on the batch).
+        """
         if self.world_size == 1:
             return x
         import torch.distributed as dist
 
+        if self.fixed_order and self.world_size > 2:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
+            return x
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -165,7 +165,7 @@ class Worker:
         if self.config.batch_invariant:
             batch_invariant.enable(model, self.backend, model_config, self.device, self.dtype,
                                    self.kv_dtype, self.config.quantization,
-                                   lora=self.config.max_lora_rank > 0)
+                                   lora=self.config.max_lora_rank > 0, ctx=self.ctx)
         self.weight_bytes = weight_bytes(model)
         self.num_kv_heads_per_rank = model.num_kv_heads_per_rank  # known while asleep too
         if self.config.max_lora_rank:

@@ -214,7 +214,6 @@ def test_lora_probe_among_other_adapters_equals_lora_probe_alone(
 @pytest.mark.parametrize("settings, field", [
     ({"device": "cuda"}, "device"),
     ({"attention_backend": "torch"}, "attention_backend"),
-    ({"tensor_parallel_size": 4}, "tensor_parallel_size"),
 ])
 def test_uncovered_settings_are_refused_at_once(settings: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=rf"batch_invariant.*{field}"):

@@ -1,5 +1,6 @@
 """TP=2 over Ray actors (gloo) gives the same tokens as TP=1; a killed rank fails
-the engine cleanly (every request ended, pool back at baseline)."""
+the engine cleanly (every request ended, pool back at baseline); batch invariance
+holds at TP=2 and TP=4."""
 
 from __future__ import annotations
 
@@ -53,10 +54,12 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         tp2.shutdown()
 
 
-def test_tp2_batch_invariant_probe_in_a_crowd_equals_probe_alone(
-        ray_cluster, tmp_path, default_model_dir) -> None:
+@pytest.mark.parametrize("tp", [2, 4])
+def test_batch_invariant_probe_in_a_crowd_equals_probe_alone(
+        ray_cluster, tmp_path, default_model_dir, tp: int) -> None:
     """Each rank pads its GEMM rows and attends per row; two ranks' partial sums add
-    in one order, so a request's logprobs keep their bits whatever shares its steps.
+    in one order, and over four the all-reduces add the gathered partials in rank
+    order, so a request's logprobs keep their bits whatever shares its steps.
     (A 1024-wide model: at 512, split over two ranks, the default mode gave this probe
     the same bits in the crowd too, and the test could not fail.)"""
     from pagedserve.worker.testing import write_random_checkpoint
@@ -65,7 +68,7 @@ def test_tp2_batch_invariant_probe_in_a_crowd_equals_probe_alone(
     model = write_random_checkpoint(tmp_path, "llama", default_model_dir, hidden_size=1024,
                                     intermediate_size=3072, num_attention_heads=16,
                                     num_key_value_heads=8)
-    llm = LLM(model=model, tensor_parallel_size=2, num_gpu_blocks=128,
+    llm = LLM(model=model, tensor_parallel_size=tp, num_gpu_blocks=128,
               num_threads=1, batch_invariant=True, max_num_batched_tokens=64)
     try:
         alone = run(llm.engine, [(0, "probe", PROBE, GREEDY, {})])["probe"]
