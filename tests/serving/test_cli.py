@@ -115,7 +115,7 @@ def test_serve_flags_reach_the_serve_args() -> None:
     ("--kv-offloading-size", "-1", "kv_offloading_size"),
     ("--speculative-config", '{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ("--speculative-config", "ngram", "--speculative-config: not JSON"),
-    ("--batch-invariant", "--tensor-parallel-size=4", "batch_invariant"),
+    ("--batch-invariant", "--device=cuda", "batch_invariant"),
 ])
 def test_generate_rejects_bad_settings(flag: str, value: str, field: str) -> None:
     out = subprocess.run([*CLI, "generate", flag, value, "hi"], capture_output=True,
@@ -126,7 +126,7 @@ def test_generate_rejects_bad_settings(flag: str, value: str, field: str) -> Non
 
 @pytest.mark.parametrize(("flags", "field"), [
     (["--kv-cache-dtype", "int4"], "kv_cache_dtype"),
-    (["--batch-invariant", "--tensor-parallel-size", "4"], "batch_invariant"),
+    (["--batch-invariant", "--device", "cuda"], "batch_invariant"),
     (["--priority-aging-s", "5"], "priority_aging_s"),
     (["--failover-wait-s", "0"], "failover_wait_s"),
 ])
