@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_cascade, cpu_native
 from pagedserve.kernels.metadata import VarlenMetadata
 from pagedserve.kernels.torch_ref import TorchBackend
 
@@ -70,6 +70,11 @@ class CpuNativeBackend(TorchBackend):
         self.rows_max_keys: float = ROWS_MAX_KEYS
         # Rows of one sequence that share K/V tiles (1: every row alone, as before runs).
         self.rows_per_chunk: int = cpu_native.ROWS_PER_CHUNK
+        # Decode steps split off prefixes of at least this many tokens that rows share
+        # (``cpu_cascade``); 0 turns it off (batch-invariant mode does).
+        self.shared_prefix_min_tokens: int = cpu_cascade.MIN_PREFIX_TOKENS
+        self._prefix_plan: cpu_cascade.SharedPrefixPlan | None = None
+        self._prefix_key: tuple[torch.Tensor, list[int]] | None = None  # what it was for
 
     def store_kv(
         self,
@@ -94,6 +99,16 @@ class CpuNativeBackend(TorchBackend):
     ) -> torch.Tensor:
         if not cpu_native.supports(q, key_cache, value_cache):
             return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host, scale)
+        if self.shared_prefix_min_tokens and len(lens_host) > 1:
+            key = self._prefix_key
+            if key is None or key[0] is not block_table or key[1] != lens_host:
+                # Once per step (every layer gets the same table), a plan or None.
+                self._prefix_plan = cpu_cascade.plan_shared_prefixes(
+                    block_table, lens_host, key_cache.shape[1], self.shared_prefix_min_tokens)
+                self._prefix_key = (block_table, lens_host)
+            plan = self._prefix_plan
+            if plan is not None:
+                return cpu_cascade.shared_prefix_decode(q, key_cache, value_cache, plan, scale)
         return cpu_native.paged_decode(q, key_cache, value_cache, block_table, lens,
                                        max(lens_host), scale)
 

@@ -124,7 +124,7 @@ def load() -> ctypes.CDLL | None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64,
                                         i64, i64, i64, i64, ctypes.c_float, ptr,
-                                        ctypes.c_int, ctypes.c_int]
+                                        ctypes.c_int, ctypes.c_int, ptr]
         lib.paged_decode_kv.restype = ctypes.c_int
         lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
         lib.store_kv_rows.restype = ctypes.c_int
@@ -219,6 +219,7 @@ def paged_decode(
     scale: float,
     out: torch.Tensor | None = None,
     chunks: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention [S, Hq, D] of ``q`` over keys ``[0, lens[s])``; zero rows for len 0.
 
@@ -230,7 +231,10 @@ def paged_decode(
     ``chunks`` (int32 row offsets, ascending from 0 to S) groups rows that share a
     block table (one sequence's prefill rows): each group reads its K/V once for all
     its rows, with every row's result bit-identical to running it alone
-    (:func:`row_chunks` builds them); None runs every row alone.
+    (:func:`row_chunks` builds them); None runs every row alone. ``stats`` (fp32,
+    contiguous ``[S, Hq, 2]``) receives each row and head's softmax statistics, its
+    largest scaled score and the sum of ``exp(score - max)``, for merging attention
+    over split key ranges (:func:`merge_attention`; rows of length 0 keep theirs).
     """
     lib = _loaded()
     if lib is None:
@@ -260,6 +264,9 @@ def paged_decode(
     if value_cache.dtype != key_cache.dtype or key_cache.dtype not in _KV_KINDS:
         raise ValueError(f"native paged decode reads {list(_KV_KINDS)} caches, got "
                          f"{key_cache.dtype} / {value_cache.dtype}")
+    if stats is not None and (stats.shape != (s, hq, 2) or stats.dtype != torch.float32
+                              or not stats.is_contiguous()):
+        raise ValueError(f"stats must be a contiguous fp32 tensor of shape {(s, hq, 2)}")
     chunk_ptr, num_chunks = None, 0
     if chunks is not None:
         chunks = chunks.to(torch.int32).contiguous()
@@ -272,7 +279,7 @@ def paged_decode(
         q32.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0],
         tables.data_ptr(), tables.stride(0), lens32.data_ptr(), s, chunk_ptr, num_chunks,
         hq, hkv, d, bsz, float(scale), out.data_ptr(), torch.get_num_threads(),
-        _KV_KINDS[key_cache.dtype],
+        _KV_KINDS[key_cache.dtype], None if stats is None else stats.data_ptr(),
     )
     if rc == -2:
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")

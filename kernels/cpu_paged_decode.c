@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) int
 attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
             int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
             int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-            int kind, v16f *part)
+            int kind, v16f *part, float *lse)
 {
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
@@ -238,6 +238,10 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < L; t++)
             row[t] *= inv;
+        if (lse != NULL) {
+            lse[2 * (h0 * G + i)] = mx;
+            lse[2 * (h0 * G + i) + 1] = sum;
+        }
     }
     float *o = out + h0 * G * D;
     memset(o, 0, (size_t)(nq * D) * sizeof(float));
@@ -283,7 +287,7 @@ static inline __attribute__((always_inline)) int
 attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_t R,
             const char *kc, const char *vc, const int32_t *table, int64_t h0, int64_t h1,
             int64_t G, int64_t D, int64_t B, int64_t num_blocks, int64_t tok_stride,
-            int64_t blk_stride, float scale, float *sc, float *out, int kind)
+            int64_t blk_stride, float scale, float *sc, float *out, int kind, float *lse)
 {
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
@@ -361,6 +365,10 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
             const float inv = 1.f / sum;
             for (int64_t t = 0; t < Lr; t++)
                 row[t] *= inv;
+            if (lse != NULL) {
+                lse[2 * (r * (row_stride / D) + h0 * G + i)] = mx;
+                lse[2 * (r * (row_stride / D) + h0 * G + i) + 1] = sum;
+            }
         }
         memset(out + r * row_stride + h0 * G * D, 0, (size_t)(nq * D) * sizeof(float));
     }
@@ -419,8 +427,8 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
     do {                                                                                     \
         if (R == 1)                                                                          \
             return attend_row_impl(q, kc, vc, table, lens[0], h0, h1, G, DD, ATTEND_TAIL,    \
-                                   K, part);                                                 \
-        return attend_rows_impl(ATTEND_ARGS, DD, ATTEND_TAIL, K);                            \
+                                   K, part, lse);                                            \
+        return attend_rows_impl(ATTEND_ARGS, DD, ATTEND_TAIL, K, lse);                       \
     } while (0)
 #define ATTEND_KIND(K)                                                                       \
     do {                                                                                     \
@@ -434,7 +442,7 @@ static int attend(const float *q, int64_t row_stride, const int32_t *lens, int64
                   const char *kc, const char *vc, const int32_t *table, int64_t h0,
                   int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
                   int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-                  int kind, v16f *part)
+                  int kind, v16f *part, float *lse)
 {
     switch (kind) {
     case KV_BF16:
@@ -461,7 +469,7 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
                         int64_t num_blocks, const int32_t *tables, int64_t table_stride,
                         const int32_t *lens, int64_t S, const int32_t *chunks,
                         int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
-                        float scale, float *out, int nthreads, int kind)
+                        float scale, float *out, int nthreads, int kind, float *lse)
 {
     const int64_t G = Hq / Hkv;
     const int64_t tok_stride = Hkv * D;
@@ -509,7 +517,8 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
             const int rc = attend(q + s * Hq * D, Hq * D, lens + s, R, key_cache, value_cache,
                                   tables + s * table_stride, h0, h0 + per, G, D, B,
                                   num_blocks, tok_stride, blk_stride, scale, sc,
-                                  out + s * Hq * D, kind, part);
+                                  out + s * Hq * D, kind, part,
+                                  lse == NULL ? NULL : lse + 2 * s * Hq);
             if (rc < failed)
                 failed = rc;
         }
@@ -520,12 +529,16 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
 }
 
 /* Exported entry: caches of the given kind (KV_* above, raw elements); q and
- * out are fp32. */
+ * out are fp32. lse (NULL or [S, Hq, 2] fp32) receives each row and query
+ * head's softmax statistics, its largest scaled score m and sum of exp(score -
+ * m), for merging attention over split key ranges (rows with no keys leave
+ * theirs unwritten; no logf here: a libm call in the softmax loop cost decode
+ * 15-45%). */
 int paged_decode_kv(const float *q, const void *key_cache, const void *value_cache,
                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
                     const int32_t *lens, int64_t S, const int32_t *chunks,
                     int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
-                    float scale, float *out, int nthreads, int kind)
+                    float scale, float *out, int nthreads, int kind, float *lse)
 {
     if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM || D % 16 != 0)
         return -3;
@@ -534,7 +547,7 @@ int paged_decode_kv(const float *q, const void *key_cache, const void *value_cac
             return -4;
     return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
                         tables, table_stride, lens, S, chunks, num_chunks, Hq, Hkv, D, B,
-                        scale, out, nthreads, kind);
+                        scale, out, nthreads, kind, lse);
 }
 
 /* Store T new tokens' K and V rows (row_bytes each, already in the cache's element

@@ -28,6 +28,8 @@ Where a row's result depended on the batch here, and what this mode changes:
   L does the same arithmetic whether it is a decode token, a prefill position, a
   resumed token or a speculative draft, and whichever run of a prefill's rows it
   shares K/V tiles with (``enable`` checks that too at load, on this CPU's build).
+  Decode steps do not split off shared prefixes (``kernels.cpu_cascade``: the
+  merged softmax is the same sum in another order).
 - Norms, rotary embedding, the activation, the embedding lookup, sampling and
   logprobs are computed per row already, and so are int8 / int4 projections on the
   native VNNI kernel (activations quantised per row and group of 32, exact integer
@@ -130,6 +132,7 @@ def enable(model: nn.Module, backend: AttentionBackend, model_config: ModelConfi
             "other bits in a run of rows than alone")
     assert isinstance(backend, CpuNativeBackend)
     backend.rows_max_keys = math.inf
+    backend.shared_prefix_min_tokens = 0  # a split softmax sums in another order
     if ctx is not None:
         ctx.fixed_order = True
 

@@ -1,0 +1,64 @@
+"""Decode steps whose requests share a cached prompt split it off (``kernels.cpu_cascade``)
+and give the tokens of an engine that reads every row's whole context, and of
+Hugging Face; batch-invariant engines never split."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.kernels import available_backends, cpu_cascade
+from tests.cluster.conftest import hf_greedy
+
+pytestmark = pytest.mark.skipif(
+    "cpu" not in available_backends("cpu"), reason="no C compiler for the native kernel"
+)
+SYSTEM = [(i * 41 + 7) % 20000 + 100 for i in range(330)]  # 20 full blocks of 16, shared
+TAILS = [[(i * 13 + k * 977) % 20000 + 100 for i in range(5 + 3 * k)] for k in range(4)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def split_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """How many rows each split decode call took."""
+    calls: list[int] = []
+    real = cpu_cascade.shared_prefix_decode
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_cascade, "shared_prefix_decode", counting)
+    yield calls
+
+
+def generate(model: str, **kwargs) -> list[list[int]]:
+    llm = LLM(model=model, num_gpu_blocks=256, **kwargs)
+    try:
+        llm.generate([{"prompt_token_ids": SYSTEM}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)  # the system prompt now sits in the prefix cache
+        outs = llm.generate([{"prompt_token_ids": SYSTEM + t} for t in TAILS], GREEDY,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def test_requests_after_one_system_prompt_decode_through_the_split(
+        default_model_dir: str, split_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    split = generate(default_model_dir)
+    assert split_calls and max(split_calls) == 4  # the four requests' decode steps
+    assert split == hf_greedy(default_model_dir, [SYSTEM + t for t in TAILS], 12)
+    split_calls.clear()
+    monkeypatch.setattr(cpu_cascade, "MIN_PREFIX_TOKENS", 10**9)
+    assert generate(default_model_dir) == split
+    assert split_calls == []
+
+
+def test_batch_invariant_engines_do_not_split(default_model_dir: str,
+                                              split_calls: list[int]) -> None:
+    generate(default_model_dir, batch_invariant=True)
+    assert split_calls == []
