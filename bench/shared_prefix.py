@@ -15,8 +15,14 @@ hold ``own`` tokens each (ragged by up to 15), timed side by side in one process
 cascade/plain < 1: the cascade is faster. The last case shares nothing: the
 planning's cost when there is nothing to split.
 
+``--engine`` adds the whole step: two engines of the default model (SmolLM2 fp32)
+in one process, the split on and off, each with a ``--system``-token system prompt
+in its prefix cache, then ``--requests`` requests of that prompt plus a short
+question of their own generating ``--out-len`` tokens greedily; the engines
+alternate, ``--engine-reps`` each, and the decode throughput's ratio is printed.
+
     python bench/shared_prefix.py
-    python bench/shared_prefix.py --json bench/figures/shared_prefix.json
+    python bench/shared_prefix.py --engine --json bench/figures/shared_prefix.json
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import platform
 import subprocess
 import time
+from typing import Any
 
 import torch
 
@@ -87,6 +94,40 @@ def time_case(shape: tuple[int, int, int], rows: int, prefix: int, own: int, rep
     return {**best, "plan": plan_s, "split": plan is not None, "max_abs_diff": err}
 
 
+def engine_case(args: argparse.Namespace) -> dict[str, Any]:
+    """Output tokens/s of the same shared-prompt workload, split on and off."""
+    from pagedserve.cluster import LLM, SamplingParams
+
+    llms = {"cascade": LLM(num_gpu_blocks=2048, max_num_seqs=args.requests)}
+    plain = LLM(num_gpu_blocks=2048, max_num_seqs=args.requests)
+    plain.engine.executor.worker.backend.shared_prefix_min_tokens = 0
+    llms["plain"] = plain
+    system = [(i * 41 + 7) % 20000 + 100 for i in range(args.system)]
+    prompts = [{"prompt_token_ids": system + [(i * 13 + k * 977) % 20000 + 100
+                                              for i in range(16)]}
+               for k in range(args.requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
+    rates: dict[str, list[float]] = {name: [] for name in llms}
+    tokens: dict[str, list[list[int]]] = {}
+    for llm in llms.values():
+        llm.generate([{"prompt_token_ids": system}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+    for _ in range(args.engine_reps):
+        for name, llm in llms.items():
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            rates[name].append(args.requests * args.out_len / (time.perf_counter() - t0))
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    for llm in llms.values():
+        llm.shutdown()
+    best = {name: max(v) for name, v in rates.items()}
+    same = sum(a == b for a, b in zip(tokens["cascade"], tokens["plain"], strict=True))
+    return {"system": args.system, "requests": args.requests, "out_len": args.out_len,
+            "tok_s": rates, "best_tok_s": best,
+            "cascade_over_plain_time": best["plain"] / best["cascade"],
+            "same_tokens": f"{same}/{args.requests}"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
@@ -94,6 +135,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--engine", action="store_true", help="also time whole engines")
+    ap.add_argument("--system", type=int, default=2048, help="shared prompt tokens")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--engine-reps", type=int, default=3)
     args = ap.parse_args()
     if cpu_native.load() is None:
         raise SystemExit("the native CPU kernels did not build (no C compiler?)")
@@ -117,6 +163,14 @@ def main() -> None:
             print(f"{shape_name:9s} {n:4d} {prefix:6d} {own:5d} {row['cascade_ms']:10.2f} "
                   f"{row['plain_ms']:9.2f} {row['plan_ms']:8.2f} "
                   f"{row['cascade_over_plain']:13.2f}")
+    engine = None
+    if args.engine:
+        engine = engine_case(args)
+        print(f"engines: {args.requests} requests after a {args.system}-token system prompt, "
+              f"{args.out_len} tokens each: cascade {engine['best_tok_s']['cascade']:.1f} "
+              f"tok/s, plain {engine['best_tok_s']['plain']:.1f} tok/s (best of "
+              f"{args.engine_reps}); cascade/plain time "
+              f"{engine['cascade_over_plain_time']:.2f}; same tokens {engine['same_tokens']}")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=False).stdout.strip()
@@ -124,7 +178,7 @@ def main() -> None:
                 "threads": torch.get_num_threads(), "commit": commit,
                 "kv_dtype": args.kv_dtype, "min_prefix": cpu_cascade.MIN_PREFIX_TOKENS}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "engine": engine}, f, indent=1)
 
 
 if __name__ == "__main__":
