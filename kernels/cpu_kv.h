@@ -138,4 +138,28 @@ static inline __attribute__((always_inline)) v16f reduce16(const v16f *p)
 }
 
 
+/* Scores row[0, L) (L > 0, 64-byte aligned) -> their softmax, in place; stats
+ * (NULL or 2 floats) <- the max score and the sum of exp(score - max). One
+ * function for the one-row and the runs kernels: a row's softmax is the same
+ * arithmetic in both. */
+static inline __attribute__((always_inline)) void softmax_row(float *row, int64_t L,
+                                                              float *stats)
+{
+    float mx = row[0];
+    for (int64_t t = 1; t < L; t++)
+        mx = row[t] > mx ? row[t] : mx;
+    float sum = 0.f;
+    for (int64_t t = 0; t < L; t++) {
+        row[t] = exp_nonpos(row[t] - mx);
+        sum += row[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < L; t++)
+        row[t] *= inv;
+    if (stats != NULL) {
+        stats[0] = mx;
+        stats[1] = sum;
+    }
+}
+
 #endif

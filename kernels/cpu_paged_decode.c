@@ -89,22 +89,7 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
         }
     }
     for (int64_t i = 0; i < nq; i++) {
-        float *row = sc + i * Lp;
-        float mx = row[0];
-        for (int64_t t = 1; t < L; t++)
-            mx = row[t] > mx ? row[t] : mx;
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; t++) {
-            row[t] = exp_nonpos(row[t] - mx);
-            sum += row[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; t++)
-            row[t] *= inv;
-        if (lse != NULL) {
-            lse[2 * (h0 * G + i)] = mx;
-            lse[2 * (h0 * G + i) + 1] = sum;
-        }
+        softmax_row(sc + i * Lp, L, lse == NULL ? NULL : lse + 2 * (h0 * G + i));
     }
     float *o = out + h0 * G * D;
     memset(o, 0, (size_t)(nq * D) * sizeof(float));

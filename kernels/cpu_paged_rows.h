@@ -118,22 +118,8 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
     for (int64_t r = 0; r < R; r++) {
         const int64_t Lr = lens[r];
         for (int64_t i = 0; i < nq && Lr > 0; i++) {
-            float *row = sc + (r * nq + i) * Lp;
-            float mx = row[0];
-            for (int64_t t = 1; t < Lr; t++)
-                mx = row[t] > mx ? row[t] : mx;
-            float sum = 0.f;
-            for (int64_t t = 0; t < Lr; t++) {
-                row[t] = exp_nonpos(row[t] - mx);
-                sum += row[t];
-            }
-            const float inv = 1.f / sum;
-            for (int64_t t = 0; t < Lr; t++)
-                row[t] *= inv;
-            if (lse != NULL) {
-                lse[2 * (r * (row_stride / D) + h0 * G + i)] = mx;
-                lse[2 * (r * (row_stride / D) + h0 * G + i) + 1] = sum;
-            }
+            softmax_row(sc + (r * nq + i) * Lp, Lr,
+                        lse == NULL ? NULL : lse + 2 * (r * (row_stride / D) + h0 * G + i));
         }
         memset(out + r * row_stride + h0 * G * D, 0, (size_t)(nq * D) * sizeof(float));
     }
