@@ -27,6 +27,7 @@ import math
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +63,12 @@ def time_case(shape: tuple[int, int, int], n: int, tokens: int, reps: int) -> di
     err = (outs["runs"] - outs["sdpa"]).abs().max().item()
     if err > 1e-4:
         raise AssertionError(f"native rows and SDPA differ by {err}")
+    return best_interleaved(fns, reps)
+
+
+def best_interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Best-of-``reps`` seconds per call of each function, calls interleaved, so that
+    background load on a shared, noisy machine slows every candidate alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -38,6 +40,10 @@ import torch
 
 from pagedserve.kernels import cpu_cascade, cpu_native
 from pagedserve.kernels.cpu_backend import CpuNativeBackend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from prefill_rows import best_interleaved  # a sibling script
 
 SHAPES = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}
 CASES = [  # rows, shared prefix tokens, own tokens
@@ -81,16 +87,10 @@ def time_case(shape: tuple[int, int, int], rows: int, prefix: int, own: int, rep
     err = (outs["cascade"] - outs["plain"]).abs().max().item()
     if err > 1e-4:
         raise AssertionError(f"cascade and plain differ by {err}")
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    best = best_interleaved(fns, reps)
     t0 = time.perf_counter()
     plan = cpu_cascade.plan_shared_prefixes(table, lens_host, BLOCK)
     plan_s = time.perf_counter() - t0
-    best = {name: min(v) for name, v in times.items()}
     return {**best, "plan": plan_s, "split": plan is not None, "max_abs_diff": err}
 
 

@@ -138,6 +138,15 @@ static inline __attribute__((always_inline)) v16f reduce16(const v16f *p)
 }
 
 
+/* Whether every block the first L tokens of a table name lies in [0, num_blocks). */
+static inline int table_ok(const int32_t *table, int64_t L, int64_t B, int64_t num_blocks)
+{
+    for (int64_t j = 0; j < (L + B - 1) / B; j++)
+        if (table[j] < 0 || table[j] >= num_blocks)
+            return 0;
+    return 1;
+}
+
 /* Scores row[0, L) (L > 0, 64-byte aligned) -> their softmax, in place; stats
  * (NULL or 2 floats) <- the max score and the sum of exp(score - max). One
  * function for the one-row and the runs kernels: a row's softmax is the same

@@ -54,10 +54,8 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
     float wide[MAX_HEAD_DIM];
     const int64_t Lp = (L + TILE - 1) / TILE * TILE; /* as in attend_rows_impl */
-    const int64_t nb = (L + B - 1) / B;
-    for (int64_t j = 0; j < nb; j++)
-        if (table[j] < 0 || table[j] >= num_blocks)
-            return -2;
+    if (!table_ok(table, L, B, num_blocks))
+        return -2;
     for (int64_t t0 = 0; t0 < L; t0 += TILE) {
         const int64_t n = L - t0 < TILE ? L - t0 : TILE;
         for (int64_t j = 0; j < n; j++) {
