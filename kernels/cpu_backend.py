@@ -28,6 +28,10 @@ from pagedserve.kernels.torch_ref import TorchBackend
 # (``python bench/prefill_rows.py`` measures both sides).
 ROWS_MAX_KEYS = 2048
 
+# A mixed step's decode sequences, their rows in the batch, and the split of the
+# prefixes they share.
+_DecodeSplit = tuple[list[int], torch.Tensor, cpu_cascade.SharedPrefixPlan]
+
 
 class _Rows:
     """A step's prefill rows as native decode rows (built once, shared by every layer)."""
@@ -75,6 +79,9 @@ class CpuNativeBackend(TorchBackend):
         self.shared_prefix_min_tokens: int = cpu_cascade.MIN_PREFIX_TOKENS
         self._prefix_plan: cpu_cascade.SharedPrefixPlan | None = None
         self._prefix_key: tuple[torch.Tensor, list[int]] | None = None  # what it was for
+        # The same for the decode rows of a step that also carries prefill rows.
+        self._mixed_split: _DecodeSplit | None = None
+        self._mixed_key: tuple[VarlenMetadata, torch.Tensor, list[int]] | None = None
 
     def store_kv(
         self,
@@ -136,6 +143,16 @@ class CpuNativeBackend(TorchBackend):
         if rest:
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, rest, starts,
                                  scale, out)
+        if native and self.shared_prefix_min_tokens:
+            split = self._split_decode_rows(md, block_table, native, starts,
+                                            key_cache.shape[1])
+            if split is not None:
+                dec, rows, plan = split
+                o = cpu_cascade.shared_prefix_decode(q.index_select(0, rows), key_cache,
+                                                     value_cache, plan, scale)
+                out.index_copy_(0, rows, o.to(out.dtype))
+                taken = set(dec)
+                native = [s for s in native if s not in taken]
         if not native:
             return
         if self._rows is None or not self._rows.matches(md, block_table, native):
@@ -153,3 +170,24 @@ class CpuNativeBackend(TorchBackend):
         o = cpu_native.paged_decode(q.index_select(0, r.rows), key_cache, value_cache, r.tables,
                                     r.lens, r.max_len, scale, chunks=r.chunks)
         out.index_copy_(0, r.rows, o.to(out.dtype))
+
+    def _split_decode_rows(self, md: VarlenMetadata, block_table: torch.Tensor,
+                           native: list[int], starts: list[int], block_size: int
+                           ) -> _DecodeSplit | None:
+        """A mixed step's decode sequences, their rows and the plan splitting off the
+        prefixes they share (``cpu_cascade``), or None; planned once per step."""
+        key = self._mixed_key
+        if key is not None and key[0] is md and key[1] is block_table and key[2] == native:
+            return self._mixed_split
+        q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
+        dec = [s for s in native if q_lens[s] == 1]
+        split = None
+        if len(dec) > 1:
+            ids = torch.tensor(dec, device=block_table.device)
+            plan = cpu_cascade.plan_shared_prefixes(
+                block_table.index_select(0, ids), [k_lens[s] for s in dec], block_size,
+                self.shared_prefix_min_tokens)
+            if plan is not None:
+                split = (dec, torch.tensor([starts[s] for s in dec]), plan)
+        self._mixed_key, self._mixed_split = (md, block_table, list(native)), split
+        return split

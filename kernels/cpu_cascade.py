@@ -1,14 +1,18 @@
 """Shared-prefix decode on the native CPU kernel (cascade attention).
 
-Decode attention on a CPU is memory-bound: every row streams its whole context
-from DRAM every step. Rows whose block tables start with the same blocks (requests
-after one long system prompt, hit in the prefix cache; the ``n`` samples or beams
-of one prompt) hold the same K/V there, so reading it once per row is waste. Here
+Decode attention reads each row's whole context every step; at contexts of 2k tokens
+that is about half of a 64-row SmolLM2 decode step on a 2-core CPU. Rows whose block tables
+start with the same blocks (requests after one long system prompt, hit in the
+prefix cache; the ``n`` samples or beams of one prompt) hold the same K/V there,
+so reading it once per row is waste. Here
 such a group attends to the shared prefix once per run of rows (the native kernel's
 ``chunks``: one K/V pass per 16 rows), each row attends to the rest of its context
 alone, and the two partial results are merged by their softmax statistics
 (max score and sum of exponentials), as vLLM's cascade attention and FlashInfer's
 merge-state do on GPUs.
+
+The backend (``CpuNativeBackend``) plans the split once per step, for a pure decode
+step's rows and for the decode rows of a step that also carries prefill rows.
 
 The merged result is the same attention summed in another order, within fp32
 rounding of the one-pass kernel but not bit-equal to it, so batch-invariant mode

@@ -235,7 +235,7 @@ def paged_decode(
     (:func:`row_chunks` builds them); None runs every row alone. ``stats`` (fp32,
     contiguous ``[S, Hq, 2]``) receives each row and head's softmax statistics, its
     largest scaled score and the sum of ``exp(score - max)``, for merging attention
-    over split key ranges (:func:`merge_attention`; rows of length 0 keep theirs).
+    over split key ranges (``cpu_cascade.merge_attention``; rows of length 0 keep theirs).
     """
     lib = _loaded()
     if lib is None:

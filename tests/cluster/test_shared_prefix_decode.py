@@ -1,6 +1,7 @@
 """Decode steps whose requests share a cached prompt split it off (``kernels.cpu_cascade``)
 and give the tokens of an engine that reads every row's whole context, and of
-Hugging Face; batch-invariant engines never split."""
+Hugging Face, in pure decode steps and beside a chunked prefill; batch-invariant
+engines never split."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.kernels import available_backends, cpu_cascade
+from pagedserve.kernels.cpu_backend import CpuNativeBackend
 from tests.cluster.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(
@@ -56,6 +58,34 @@ def test_requests_after_one_system_prompt_decode_through_the_split(
     monkeypatch.setattr(cpu_cascade, "MIN_PREFIX_TOKENS", 10**9)
     assert generate(default_model_dir) == split
     assert split_calls == []
+
+
+def test_decode_rows_beside_a_chunked_prefill_split_too(
+        default_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fifth, unrelated 600-token prompt prefills in 64-token chunks while the four
+    # decode: those steps are mixed, and their decode rows still split.
+    mixed: list[int] = []
+    real = CpuNativeBackend._split_decode_rows
+
+    def counting(self, *args, **kwargs):
+        split = real(self, *args, **kwargs)
+        if split is not None:
+            mixed.append(len(split[0]))
+        return split
+
+    monkeypatch.setattr(CpuNativeBackend, "_split_decode_rows", counting)
+    other = [(i * 29 + 3) % 20000 + 100 for i in range(600)]
+    prompts = [SYSTEM + t for t in TAILS] + [other]
+    llm = LLM(model=default_model_dir, num_gpu_blocks=256, max_num_batched_tokens=64)
+    try:
+        llm.generate([{"prompt_token_ids": SYSTEM}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert mixed and max(mixed) == 4
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(default_model_dir, prompts, 12)
 
 
 def test_batch_invariant_engines_do_not_split(default_model_dir: str,

@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.kernels import available_backends, cpu_cascade, cpu_native
 from pagedserve.kernels.cpu_backend import CpuNativeBackend
+from pagedserve.kernels.metadata import build_varlen_metadata
 
 pytestmark = pytest.mark.skipif(
     "cpu" not in available_backends("cpu"), reason="no C compiler for the native kernel"
@@ -130,3 +131,21 @@ def test_backend_splits_decode_steps_with_a_shared_prefix_only() -> None:
                        cpu_native.paged_decode(q2, kc2, vc2, table2, lens_t, max(lens),
                                                scale))
     assert be._prefix_plan is None
+
+
+def test_mixed_steps_split_their_decode_rows_too() -> None:
+    # Six decode rows sharing 30 blocks beside a 40-token prefill: the decode rows go
+    # through the split, the prefill through the native rows, in one varlen call.
+    dec = [520 + 9 * i for i in range(6)]
+    _, kc, vc, table = shared_batch([*dec, 40], [30] * 6 + [0])
+    q_lens, k_lens = [1] * 6 + [40], [*dec, 40]
+    q = torch.randn(sum(q_lens), 9, 64, generator=torch.Generator().manual_seed(3))
+    md = build_varlen_metadata(q_lens, k_lens)
+    be, off = CpuNativeBackend(), CpuNativeBackend()
+    off.shared_prefix_min_tokens = 0
+    got = be.varlen_attention(q, kc, vc, table, md, 0.125)
+    assert be._mixed_split is not None and be._mixed_split[0] == list(range(6))
+    plain = off.varlen_attention(q, kc, vc, table, md, 0.125)
+    assert off._mixed_split is None
+    assert (got - plain).abs().max() < 1e-5
+    assert torch.equal(got[6:], plain[6:])  # the prefill rows: the same kernel call
