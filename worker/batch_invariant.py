@@ -206,7 +206,7 @@ def varying_gemm(model: nn.Module, hidden: int, dtype: torch.dtype) -> str | Non
     alone and among 2, 3 or 5 rows or across padded sizes (m + 1 and 2m + 3 rows, m
     its ``row_multiple``) (None: none). One module of each kind and input width is
     tried, at load, so that a CPU whose BLAS needs more padding than the multiple
-    gives is caught instead of silently varying (~50 ms for SmolLM2 at m = 8)."""
+    gives is caught instead of silently varying (~110 ms for SmolLM2 at m = 8)."""
     gen = torch.Generator().manual_seed(0)
     for name, width, multiple, fn in _gemms(model, hidden):
         m = max(multiple, 1)
