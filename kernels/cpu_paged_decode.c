@@ -48,7 +48,7 @@ static inline __attribute__((always_inline)) int
 attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
             int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
             int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-            int kind, v16f *part, float *lse)
+            int kind, v16f *part, float *stats)
 {
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
@@ -87,7 +87,7 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
         }
     }
     for (int64_t i = 0; i < nq; i++) {
-        softmax_row(sc + i * Lp, L, lse == NULL ? NULL : lse + 2 * (h0 * G + i));
+        softmax_row(sc + i * Lp, L, stats == NULL ? NULL : stats + 2 * (h0 * G + i));
     }
     float *o = out + h0 * G * D;
     memset(o, 0, (size_t)(nq * D) * sizeof(float));
@@ -114,8 +114,8 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
     do {                                                                                     \
         if (R == 1)                                                                          \
             return attend_row_impl(q, kc, vc, table, lens[0], h0, h1, G, DD, ATTEND_TAIL,    \
-                                   K, part, lse);                                            \
-        return attend_rows_impl(ATTEND_ARGS, DD, ATTEND_TAIL, K, lse);                       \
+                                   K, part, stats);                                          \
+        return attend_rows_impl(ATTEND_ARGS, DD, ATTEND_TAIL, K, stats);                     \
     } while (0)
 #define ATTEND_KIND(K)                                                                       \
     do {                                                                                     \
@@ -129,7 +129,7 @@ static int attend(const float *q, int64_t row_stride, const int32_t *lens, int64
                   const char *kc, const char *vc, const int32_t *table, int64_t h0,
                   int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
                   int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-                  int kind, v16f *part, float *lse)
+                  int kind, v16f *part, float *stats)
 {
     switch (kind) {
     case KV_BF16:
@@ -156,7 +156,7 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
                         int64_t num_blocks, const int32_t *tables, int64_t table_stride,
                         const int32_t *lens, int64_t S, const int32_t *chunks,
                         int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
-                        float scale, float *out, int nthreads, int kind, float *lse)
+                        float scale, float *out, int nthreads, int kind, float *stats)
 {
     const int64_t G = Hq / Hkv;
     const int64_t tok_stride = Hkv * D;
@@ -205,7 +205,7 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
                                   tables + s * table_stride, h0, h0 + per, G, D, B,
                                   num_blocks, tok_stride, blk_stride, scale, sc,
                                   out + s * Hq * D, kind, part,
-                                  lse == NULL ? NULL : lse + 2 * s * Hq);
+                                  stats == NULL ? NULL : stats + 2 * s * Hq);
             if (rc < failed)
                 failed = rc;
         }
@@ -216,7 +216,7 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
 }
 
 /* Exported entry: caches of the given kind (KV_* above, raw elements); q and
- * out are fp32. lse (NULL or [S, Hq, 2] fp32) receives each row and query
+ * out are fp32. stats (NULL or [S, Hq, 2] fp32) receives each row and query
  * head's softmax statistics, its largest scaled score m and sum of exp(score -
  * m), for merging attention over split key ranges (rows with no keys leave
  * theirs unwritten; no logf here: a libm call in the softmax loop cost decode
@@ -225,7 +225,7 @@ int paged_decode_kv(const float *q, const void *key_cache, const void *value_cac
                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
                     const int32_t *lens, int64_t S, const int32_t *chunks,
                     int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
-                    float scale, float *out, int nthreads, int kind, float *lse)
+                    float scale, float *out, int nthreads, int kind, float *stats)
 {
     if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM || D % 16 != 0)
         return -3;
@@ -234,7 +234,7 @@ int paged_decode_kv(const float *q, const void *key_cache, const void *value_cac
             return -4;
     return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
                         tables, table_stride, lens, S, chunks, num_chunks, Hq, Hkv, D, B,
-                        scale, out, nthreads, kind, lse);
+                        scale, out, nthreads, kind, stats);
 }
 
 /* Store T new tokens' K and V rows (row_bytes each, already in the cache's element

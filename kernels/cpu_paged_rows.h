@@ -34,9 +34,9 @@ static inline const float *q_head(const float *q, int64_t row_stride, int64_t m,
 }
 
 /* KV heads [h0, h1) of R query rows that share one block table (one sequence's
- * consecutive prefill rows, or a decode row alone); row r attends to keys
- * [0, lens[r]) and reads q / writes out at r * row_stride floats. D a multiple of
- * 16. Keys are taken TILE at a time, per KV head: the tile's rows are widened
+ * consecutive prefill rows, or decode rows over one shared prefix); row r attends
+ * to keys [0, lens[r]) and reads q / writes out at r * row_stride floats. D a
+ * multiple of 16. Keys are taken TILE at a time, per KV head: the tile's rows are widened
  * once and then stay in L1 while every query head of every row that shares them
  * passes over them, so a prefill's K/V cross the cache hierarchy once per R rows
  * instead of once per row, and each query (scores) or output accumulator
@@ -50,9 +50,10 @@ static inline const float *q_head(const float *q, int64_t row_stride, int64_t m,
  * scheduler cut its prefill. */
 static inline __attribute__((always_inline)) int
 attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_t R,
-            const char *kc, const char *vc, const int32_t *table, int64_t h0, int64_t h1,
-            int64_t G, int64_t D, int64_t B, int64_t num_blocks, int64_t tok_stride,
-            int64_t blk_stride, float scale, float *sc, float *out, int kind, float *lse)
+                 const char *kc, const char *vc, const int32_t *table, int64_t h0,
+                 int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
+                 int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
+                 int kind, float *stats)
 {
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
@@ -117,7 +118,7 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
         const int64_t Lr = lens[r];
         for (int64_t i = 0; i < nq && Lr > 0; i++) {
             softmax_row(sc + (r * nq + i) * Lp, Lr,
-                        lse == NULL ? NULL : lse + 2 * (r * (row_stride / D) + h0 * G + i));
+                        stats == NULL ? NULL : stats + 2 * (r * (row_stride / D) + h0 * G + i));
         }
         memset(out + r * row_stride + h0 * G * D, 0, (size_t)(nq * D) * sizeof(float));
     }
