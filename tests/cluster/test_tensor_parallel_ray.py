@@ -77,6 +77,22 @@ def test_batch_invariant_probe_in_a_crowd_equals_probe_alone(
         llm.shutdown()
 
 
+def test_tp2_shared_prefix_decode_equals_hugging_face(ray_cluster, tiny_llama_dir) -> None:
+    """Each rank splits its heads' decode attention over the cached system prompt
+    (``kernels.cpu_cascade``) from the same block tables; the tokens stay HF's."""
+    from tests.cluster.test_shared_prefix_decode import GREEDY, SYSTEM, TAILS
+
+    prompts = [SYSTEM + t for t in TAILS]
+    llm = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=128,
+              num_threads=1)
+    try:
+        llm.generate([{"prompt_token_ids": SYSTEM}], SamplingParams(max_tokens=1))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama_dir, prompts, 12)
+    finally:
+        llm.shutdown()
+
+
 def test_tp2_with_speculative_decoding_equals_hugging_face(ray_cluster, tiny_llama_dir) -> None:
     """Drafted rows travel in the broadcast plan; only rank 0 verifies them."""
     prompts = [list(range(100 + 9 * i, 108 + 9 * i)) * (2 + i) for i in range(3)]
