@@ -137,7 +137,8 @@ class LLMEngine:
         self.stats: dict[str, float] = {
             "steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
             "aborted_requests": 0, "execute_seconds": 0.0, "kv_exported_blocks": 0,
-            "kv_imported_blocks": 0, "kv_import_failures": 0}
+            "kv_imported_blocks": 0, "kv_import_failures": 0, "shared_prefix_steps": 0,
+            "shared_prefix_rows": 0, "shared_prefix_keys_saved": 0}
         if config.calculate_kv_scales and str(info["kv_cache_dtype"]).startswith("fp8"):
             calibrate_kv_scales(self)
             self.stats = dict.fromkeys(self.stats, 0)  # start-up work is not served work
@@ -305,6 +306,8 @@ class LLMEngine:
         """Apply sampled tokens; returns a snapshot of every request that progressed."""
         updates = self.scheduler.update_from_output(plan, output)
         self.stats["steps"] += 1
+        for name, n in (output.counters if output else {}).items():
+            self.stats[name] = self.stats.get(name, 0) + n
         for rid, (first, entries) in (output.prompt_logprobs if output else {}).items():
             group = self._groups.get(rid)
             if group is not None and group.prompt_logprobs is not None:

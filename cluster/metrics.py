@@ -245,6 +245,12 @@ class _Collector:
              ("remote_prefill", "remote_prefills")),
             ("remote_prefill_failures", "Remote prefills that failed and ran locally instead",
              ("remote_prefill", "failures")),
+            ("shared_prefix_steps", "Decode steps whose attention split off prefixes that "
+             "rows share (cascade attention)", ("shared_prefix_steps",)),
+            ("shared_prefix_rows", "Decode rows that read a shared prefix once per run of rows",
+             ("shared_prefix_rows",)),
+            ("shared_prefix_keys_saved", "Prefix keys per layer not read again thanks to the "
+             "split", ("shared_prefix_keys_saved",)),
         ]
         for name, doc, path in counters:
             fam = CounterMetricFamily(f"{p}_{name}", doc, labels=["replica"])

@@ -35,6 +35,11 @@ class AttentionBackend(ABC):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
+    def take_counters(self) -> dict[str, int]:
+        """Counters since the last call (how often a backend's shortcut engaged, once
+        per step, not per layer), which the engine adds to its stats; most have none."""
+        return {}
+
     def supports_block_size(self, block_size: int) -> bool:
         """Whether this backend accepts caches with ``block_size`` tokens per block."""
         return block_size >= 1

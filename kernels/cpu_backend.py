@@ -17,6 +17,7 @@ path, so every batch the torch backend accepts works here too.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import torch
 
@@ -82,6 +83,11 @@ class CpuNativeBackend(TorchBackend):
         # The same for the decode rows of a step that also carries prefill rows.
         self._mixed_split: _DecodeSplit | None = None
         self._mixed_key: tuple[VarlenMetadata, torch.Tensor, list[int]] | None = None
+        self._counters: Counter[str] = Counter()
+
+    def take_counters(self) -> dict[str, int]:
+        counters, self._counters = dict(self._counters), Counter()
+        return counters
 
     def store_kv(
         self,
@@ -113,6 +119,8 @@ class CpuNativeBackend(TorchBackend):
                 self._prefix_plan = cpu_cascade.plan_shared_prefixes(
                     block_table, lens_host, key_cache.shape[1], self.shared_prefix_min_tokens)
                 self._prefix_key = (block_table, lens_host)
+                if self._prefix_plan is not None:
+                    self._counters.update(self._prefix_plan.counters())
             plan = self._prefix_plan
             if plan is not None:
                 return cpu_cascade.shared_prefix_decode(q, key_cache, value_cache, plan, scale)
@@ -189,5 +197,6 @@ class CpuNativeBackend(TorchBackend):
                 self.shared_prefix_min_tokens)
             if plan is not None:
                 split = (dec, torch.tensor([starts[s] for s in dec]), plan)
+                self._counters.update(plan.counters())
         self._mixed_key, self._mixed_split = (md, block_table, list(native)), split
         return split

@@ -46,6 +46,13 @@ class SharedPrefixPlan:
     max_prefix: int
     max_suffix: int
 
+    def counters(self) -> dict[str, int]:
+        """What the split saves per layer: rows that read a shared prefix, and prefix
+        keys not read again (one read per run of rows instead of one per row)."""
+        firsts = self.prefix_lens.index_select(0, self.chunks[:-1].long())
+        return {"shared_prefix_steps": 1, "shared_prefix_rows": int(self.order.numel()),
+                "shared_prefix_keys_saved": int(self.prefix_lens.sum() - firsts.sum())}
+
 
 def plan_shared_prefixes(block_table: torch.Tensor, lens: list[int], block_size: int,
                          min_tokens: int = MIN_PREFIX_TOKENS) -> SharedPrefixPlan | None:

@@ -113,6 +113,8 @@ class ModelRunnerOutput:
     correction, or one past the last draft when all were accepted).
     ``pooled`` answers pooling rows with an opaque per-row result (a tensor
     payload the engine combines; the scheduler only passes it on).
+    ``counters`` are the attention backend's per-step counts (``take_counters``),
+    which the engine sums into its stats.
     """
 
     step_id: int
@@ -121,6 +123,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(
         default_factory=dict)
     pooled: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

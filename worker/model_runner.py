@@ -203,6 +203,9 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
+        counters = self.kv_cache.backend.take_counters()  # every rank's, rank 0's reported
+        if out is not None:
+            out.counters = counters
         if inputs.prompt_logprob_jobs:
             prompt_lps = compute_prompt_logprobs(self.model, hidden, inputs.prompt_logprob_jobs)
             if out is not None and prompt_lps is not None:

@@ -36,13 +36,17 @@ def split_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield calls
 
 
-def generate(model: str, **kwargs) -> list[list[int]]:
+def generate(model: str, stats: dict | None = None, **kwargs) -> list[list[int]]:
+    """The four requests' greedy tokens after the system prompt is cached; the
+    engine's stats go into ``stats`` when given."""
     llm = LLM(model=model, num_gpu_blocks=256, **kwargs)
     try:
         llm.generate([{"prompt_token_ids": SYSTEM}], SamplingParams(max_tokens=1),
                      use_tqdm=False)  # the system prompt now sits in the prefix cache
         outs = llm.generate([{"prompt_token_ids": SYSTEM + t} for t in TAILS], GREEDY,
                             use_tqdm=False)
+        if stats is not None:
+            stats.update(llm.engine.get_stats())
         return [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
@@ -51,13 +55,21 @@ def generate(model: str, **kwargs) -> list[list[int]]:
 def test_requests_after_one_system_prompt_decode_through_the_split(
         default_model_dir: str, split_calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    split = generate(default_model_dir)
+    stats: dict = {}
+    split = generate(default_model_dir, stats)
     assert split_calls and max(split_calls) == 4  # the four requests' decode steps
     assert split == hf_greedy(default_model_dir, [SYSTEM + t for t in TAILS], 12)
+    # The stats count each split step once (not per layer): its rows, and the 320
+    # shared keys each row but the first of its run did not read again.
+    layers = 30  # SmolLM2-135M
+    steps, rows = stats["shared_prefix_steps"], stats["shared_prefix_rows"]
+    assert steps == len(split_calls) // layers and rows == sum(split_calls) // layers
+    assert steps >= 11 and stats["shared_prefix_keys_saved"] == 320 * (rows - steps)
     split_calls.clear()
     monkeypatch.setattr(cpu_cascade, "MIN_PREFIX_TOKENS", 10**9)
-    assert generate(default_model_dir) == split
+    assert generate(default_model_dir, stats) == split
     assert split_calls == []
+    assert stats["shared_prefix_steps"] == stats["shared_prefix_rows"] == 0
 
 
 def test_decode_rows_beside_a_chunked_prefill_split_too(

@@ -89,6 +89,10 @@ def test_tp2_shared_prefix_decode_equals_hugging_face(ray_cluster, tiny_llama_di
         llm.generate([{"prompt_token_ids": SYSTEM}], SamplingParams(max_tokens=1))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama_dir, prompts, 12)
+        # Rank 0's counts come back with its sampled tokens, once per step.
+        stats = llm.engine.get_stats()
+        steps, rows = stats["shared_prefix_steps"], stats["shared_prefix_rows"]
+        assert steps >= 11 and stats["shared_prefix_keys_saved"] == 320 * (rows - steps)
     finally:
         llm.shutdown()
 

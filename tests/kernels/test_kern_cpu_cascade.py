@@ -77,6 +77,18 @@ def test_plan_groups_rows_by_their_common_leading_blocks() -> None:
     # Below the threshold, or without two rows sharing, there is nothing to split.
     assert cpu_cascade.plan_shared_prefixes(table, lens, B, min_tokens=500) is None
     assert cpu_cascade.plan_shared_prefixes(table[3:4], lens[3:4], B, min_tokens=64) is None
+    # What it saves: each run (here one per group) reads its prefix once, not per row.
+    assert plan.counters() == {"shared_prefix_steps": 1, "shared_prefix_rows": 5,
+                               "shared_prefix_keys_saved": 480 * 2 + 304 * 1}
+
+
+def test_plan_counters_count_one_prefix_read_per_run_of_rows() -> None:
+    # 20 rows sharing 25 blocks: runs of 16 and 4 rows, two prefix reads of 400 keys.
+    lens = [450] * 20
+    *_, table = shared_batch(lens, [25] * 20)
+    plan = cpu_cascade.plan_shared_prefixes(table, lens, B)
+    assert plan is not None and plan.chunks.tolist() == [0, 16, 20]
+    assert plan.counters()["shared_prefix_keys_saved"] == 400 * (20 - 2)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
