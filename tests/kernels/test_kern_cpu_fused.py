@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_fused, cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler")
 RTOL = 2e-6  # fp32, only the summation order and the exp polynomial differ
@@ -31,7 +31,7 @@ def test_rms_norm_matches_torch(rows: int, with_residual: bool) -> None:
     x = torch.randn(rows, 576, generator=g) * 3
     res = torch.randn(rows, 576, generator=g) if with_residual else None
     w = torch.rand(576, generator=g) + 0.5
-    got = cpu_native.rms_norm(x, res, w, 1e-5)
+    got = cpu_fused.rms_norm(x, res, w, 1e-5)
     assert got is not None
     ref_out, ref_res = _norm_ref(x, res, w, 1e-5)
     torch.testing.assert_close(got[0], ref_out, rtol=RTOL, atol=1e-6)
@@ -46,7 +46,7 @@ def test_rms_norm_reads_strided_rows_and_leaves_inputs_alone() -> None:
     res = torch.randn(5, 64)
     x0, res0 = x.clone(), res.clone()
     w = torch.rand(64) + 0.5
-    out, new_res = cpu_native.rms_norm(x, res, w, 1e-6)
+    out, new_res = cpu_fused.rms_norm(x, res, w, 1e-6)
     torch.testing.assert_close(out, _norm_ref(x0, res0, w, 1e-6)[0], rtol=RTOL, atol=1e-6)
     assert torch.equal(x, x0) and torch.equal(res, res0) and new_res.data_ptr() != res.data_ptr()
 
@@ -55,12 +55,12 @@ def test_rms_norm_reads_strided_rows_and_leaves_inputs_alone() -> None:
 def test_silu_and_mul_matches_torch(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     gu = torch.randn(rows, 2 * 384, generator=g) * 6  # deep into both tails of the sigmoid
-    got = cpu_native.silu_and_mul(gu)
+    got = cpu_fused.silu_and_mul(gu)
     assert got is not None
     ref = F.silu(gu[:, :384]) * gu[:, 384:]
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-6)
     strided = torch.randn(3, 1000)[:, :768]
-    torch.testing.assert_close(cpu_native.silu_and_mul(strided),
+    torch.testing.assert_close(cpu_fused.silu_and_mul(strided),
                                F.silu(strided[:, :384]) * strided[:, 384:],
                                rtol=RTOL, atol=1e-6)
 
@@ -86,7 +86,7 @@ def test_rope_matches_torch_on_strided_qkv_rows(tokens: int) -> None:
     k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
     before = qkv.clone()
     for x in (q, k):
-        got = cpu_native.rope(x, cos, sin)
+        got = cpu_fused.rope(x, cos, sin)
         assert got is not None and got.is_contiguous()
         torch.testing.assert_close(got, _rope_ref(x, cos, sin), rtol=RTOL, atol=1e-5)
     assert torch.equal(qkv, before)
@@ -107,10 +107,10 @@ def test_bf16_rms_norm_rounds_where_the_torch_path_does(with_residual: bool) -> 
     res = torch.randn(70, 576, generator=g).bfloat16() if with_residual else None
     norm = RMSNorm(576, 1e-5, torch.bfloat16, torch.device("cpu"))
     norm.weight.data = (torch.rand(576, generator=g) + 0.5).bfloat16()
-    got_out, got_res = cpu_native.rms_norm(x, res, norm.weight, 1e-5)
+    got_out, got_res = cpu_fused.rms_norm(x, res, norm.weight, 1e-5)
     assert got_out.dtype == got_res.dtype == torch.bfloat16
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_native, "rms_norm", lambda *a: None)  # the module's torch path
+        mp.setattr(cpu_fused, "rms_norm", lambda *a: None)  # the module's torch path
         ref_out, ref_res = norm(x, res)
     assert torch.equal(got_res, ref_res)
     torch.testing.assert_close(got_out.float(), ref_out.float(), rtol=BF16_ULP, atol=1e-6)
@@ -124,7 +124,7 @@ def test_bf16_rope_matches_the_fp32_math_rounded_once() -> None:
     q = qkv[:, : 9 * 64].view(33, 9, 64)
     rot = RotaryEmbedding(64, 1e5, None, torch.device("cpu"))
     cos, sin = rot.cos_sin(torch.randint(0, 8192, (33,), generator=g), torch.bfloat16)
-    got = cpu_native.rope(q, cos, sin)
+    got = cpu_fused.rope(q, cos, sin)
     assert got is not None and got.dtype == torch.bfloat16
     want = _rope_ref(q.float(), cos.float(), sin.float()).bfloat16()
     torch.testing.assert_close(got.float(), want.float(), rtol=BF16_ULP, atol=1e-6)
@@ -133,18 +133,18 @@ def test_bf16_rope_matches_the_fp32_math_rounded_once() -> None:
 def test_other_tensors_get_none_so_the_caller_uses_torch(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     w = torch.ones(8)
-    assert cpu_native.rms_norm(torch.randn(2, 8, dtype=torch.float16), None,
+    assert cpu_fused.rms_norm(torch.randn(2, 8, dtype=torch.float16), None,
                                w.half(), 1e-5) is None
-    assert cpu_native.rms_norm(torch.randn(8, 2).t(), None, w.view(2, 4)[0], 1e-5) is None
-    assert cpu_native.rms_norm(torch.randn(2, 8), torch.randn(2, 4), w, 1e-5) is None
-    assert cpu_native.silu_and_mul(torch.randn(2, 7)) is None  # no even split
-    assert cpu_native.silu_and_mul(torch.randn(2, 8, dtype=torch.bfloat16)) is None
+    assert cpu_fused.rms_norm(torch.randn(8, 2).t(), None, w.view(2, 4)[0], 1e-5) is None
+    assert cpu_fused.rms_norm(torch.randn(2, 8), torch.randn(2, 4), w, 1e-5) is None
+    assert cpu_fused.silu_and_mul(torch.randn(2, 7)) is None  # no even split
+    assert cpu_fused.silu_and_mul(torch.randn(2, 8, dtype=torch.bfloat16)) is None
     cs = torch.randn(2, 1, 4)
-    assert cpu_native.rope(torch.randn(2, 3, 8).transpose(0, 1), cs, cs) is None  # odd strides
-    assert cpu_native.rope(torch.randn(2, 3, 8).half(), cs.half(), cs.half()) is None
-    assert cpu_native.rope(torch.randn(2, 3, 8), torch.randn(2, 1, 3), cs) is None
+    assert cpu_fused.rope(torch.randn(2, 3, 8).transpose(0, 1), cs, cs) is None  # odd strides
+    assert cpu_fused.rope(torch.randn(2, 3, 8).half(), cs.half(), cs.half()) is None
+    assert cpu_fused.rope(torch.randn(2, 3, 8), torch.randn(2, 1, 3), cs) is None
     monkeypatch.setattr(cpu_native, "_tried", True)
     monkeypatch.setattr(cpu_native, "_lib", None)  # no library (switched off, no compiler)
-    assert cpu_native.rms_norm(torch.randn(2, 8), None, w, 1e-5) is None
-    assert cpu_native.silu_and_mul(torch.randn(2, 8)) is None
-    assert cpu_native.rope(torch.randn(2, 3, 8), cs, cs) is None
+    assert cpu_fused.rms_norm(torch.randn(2, 8), None, w, 1e-5) is None
+    assert cpu_fused.silu_and_mul(torch.randn(2, 8)) is None
+    assert cpu_fused.rope(torch.randn(2, 3, 8), cs, cs) is None

@@ -1,7 +1,7 @@
 """RMSNorm computed in float32, as Hugging Face Llama does, with an optional fused residual add.
 
 On CPU in fp32 the native kernel does the add and the norm in one pass per row
-(``kernels.cpu_native.rms_norm``); elsewhere, and without a C compiler, torch ops.
+(``kernels.cpu_fused.rms_norm``); elsewhere, and without a C compiler, torch ops.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_fused
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(norm(x + residual), x + residual)``; the sum feeds the next residual."""
-        fused = cpu_native.rms_norm(x, residual, self.weight, self.eps)
+        fused = cpu_fused.rms_norm(x, residual, self.weight, self.eps)
         if fused is not None:
             return fused
         if residual is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_fused
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -111,7 +111,7 @@ class RotaryEmbedding:
 
         Returns a new contiguous tensor; on CPU fp32 one native pass does it.
         """
-        fused = cpu_native.rope(x, cos, sin)
+        fused = cpu_fused.rope(x, cos, sin)
         if fused is not None:
             return fused
         half = x.shape[-1] // 2
