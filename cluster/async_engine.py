@@ -19,7 +19,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedserve.cluster.beam_search import BeamSearchParams, BeamSearchSequence, beam_sequences
@@ -32,7 +32,12 @@ from pagedserve.cluster.engine_lifecycle import (
     start_update,
     start_wake,
 )
-from pagedserve.cluster.kv_transfer import KVPayload, begin_import, end_import, reserved_shards
+from pagedserve.cluster.kv_transfer import (
+    KVPayload,
+    begin_import,
+    end_import,
+    reserved_shards,
+)
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -227,24 +232,29 @@ class AsyncEngine:
 
         The blocks are taken and named on the loop thread, like every scheduler
         change; the copy runs on a thread of its own while steps go on (the blocks
-        are held, so no step touches them). A caller cancelled meanwhile still waits
-        for the copy to end before the blocks are released: a block must never be
+        are held, so no step touches them). With KV offloading, the prefixes the
+        blocks held are first copied to the CPU tier on the step thread, between two
+        steps (as ``kv_transfer.keep_evicted`` does). A caller cancelled meanwhile still waits
+        for each copy to end before the blocks are released: a block must never be
         handed to another request while bytes are still landing in it.
         """
         engine = self.engine
         res = begin_import(engine, payload)
         written = False
         try:
-            if res.blocks:
-                job = self._transfer_thread.submit(engine.executor.write_kv_blocks,
-                                                   res.block_ids,
-                                                   reserved_shards(payload, res))
+            plan = res.offload_plan()
+            if plan is not None:  # the copy on the step thread, the naming here
+                copied = False
                 try:
-                    await asyncio.wrap_future(job)
+                    await _finish(self._step_thread.submit(engine.executor.execute_model,
+                                                           plan))
+                    copied = True
                 finally:
-                    if not job.cancelled():
-                        with contextlib.suppress(Exception):
-                            job.result()  # (cancelled: wait for the copy; it is short)
+                    engine.scheduler.kv.commit_offloads(res, copied)
+            if res.blocks:
+                await _finish(self._transfer_thread.submit(
+                    engine.executor.write_kv_blocks, res.block_ids,
+                    reserved_shards(payload, res)))
             written = True
         finally:
             named = end_import(engine, res, written)
@@ -324,6 +334,17 @@ class AsyncEngine:
         self._step_thread.shutdown(wait=False, cancel_futures=True)
         self._transfer_thread.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
+
+
+async def _finish(job: Future[Any]) -> None:
+    """Await a thread's job; if the caller is cancelled meanwhile, still wait for the
+    job to end (bytes may be landing in blocks about to be released), then re-raise."""
+    try:
+        await asyncio.wrap_future(job)
+    finally:
+        if not job.cancelled():
+            with contextlib.suppress(Exception):
+                job.result()  # (cancelled: wait for the copy; it is short)
 
 
 def configure_gc_for_serving() -> None:

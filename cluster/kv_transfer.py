@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.scheduler.kv_cache_manager import ImportReservation
+from pagedserve.scheduler.kv_import import ImportReservation
 from pagedserve.scheduler.lora_request import LoRARequest
 
 if TYPE_CHECKING:
@@ -119,6 +119,21 @@ def _pick(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t.index_select(1, idx)
 
 
+def keep_evicted(engine: LLMEngine, res: ImportReservation) -> None:
+    """Copy the prefixes the reservation evicted to the CPU tier and name them there
+    (KV offloading; nothing to do otherwise). Run it between two steps and before
+    the shipped KV is written: the copy reads the blocks that write overwrites."""
+    plan = res.offload_plan()
+    if plan is None:
+        return
+    copied = False
+    try:
+        engine.executor.execute_model(plan)
+        copied = True
+    finally:
+        engine.scheduler.kv.commit_offloads(res, copied)
+
+
 def end_import(engine: LLMEngine, res: ImportReservation, written: bool) -> int:
     """Name the written blocks and release the reservation; returns blocks named."""
     named = engine.scheduler.kv.commit_import(res, written)
@@ -136,6 +151,7 @@ def import_prompt_kv(engine: LLMEngine, payload: KVPayload) -> int:
     res = begin_import(engine, payload)
     written = False
     try:
+        keep_evicted(engine, res)
         if res.blocks:
             engine.executor.write_kv_blocks(res.block_ids, reserved_shards(payload, res))
         written = True

@@ -12,30 +12,12 @@ from dataclasses import dataclass
 from pagedserve.scheduler.block_hash import BlockHash
 from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from pagedserve.scheduler.cpu_block_pool import CpuBlockPool
+from pagedserve.scheduler.kv_import import KVImportMixin
 from pagedserve.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass(slots=True)
-class ImportReservation:
-    """Blocks held while another replica's KV is written into them.
-
-    ``indices[i]`` is the position in the shipped hash list whose content goes
-    to ``blocks[i]``; ``held`` are blocks this pool already had under the
-    shipped hashes, pinned so that taking fresh blocks cannot evict them.
-    """
-
-    hashes: list[BlockHash]
-    indices: list[int]
-    blocks: list[KVCacheBlock]
-    held: list[KVCacheBlock]
-
-    @property
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
 
 
 @dataclass(slots=True)
@@ -46,7 +28,7 @@ class SwappedBlocks:
     hashes: list[BlockHash | None]
 
 
-class KVCacheManager:
+class KVCacheManager(KVImportMixin):
     """Owns ``request_id -> [KVCacheBlock]`` and every change to it.
 
     With ``enable_offload`` the CPU tier is also a second level of the prefix
@@ -54,7 +36,8 @@ class KVCacheManager:
     there by the step that reuses them (``end_step``), and an admitted request
     whose prefix continues there loads those blocks into fresh device blocks
     (``get_offloaded_blocks``), which it names by their hashes once the step ran,
-    as it would blocks it computed.
+    as it would blocks it computed. KV shipped from another replica goes through
+    ``KVImportMixin`` (``kv_import``).
     """
 
     def __init__(
@@ -336,58 +319,3 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds, on both tiers; returns how many."""
         return self.pool.reset_prefix_cache() + self.cpu_pool.reset()
-
-    # ---- KV transfer between replicas ---------------------------------------
-
-    def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
-        """Device ids of the longest leading run of ``hashes`` cached here: what a
-        prefill replica ships (a hit must start at the first block to be of use)."""
-        ids: list[int] = []
-        for h in hashes:
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            ids.append(block.block_id)
-        return ids
-
-    def reserve_import(self, hashes: list[BlockHash]) -> ImportReservation:
-        """Fresh blocks for the shipped hashes this pool lacks, from the first on.
-
-        Hashes cached here already are pinned and skipped. When the free blocks run
-        out, the rest is left out (a later hit would need every block before it), so
-        the request recomputes that part. Nothing is named until ``commit_import``,
-        so no lookup can find a block whose content has not arrived yet.
-        """
-        if not self.pool.enable_caching:
-            return ImportReservation(list(hashes), [], [], [])
-        held: list[KVCacheBlock] = []
-        missing: list[int] = []
-        for i, h in enumerate(hashes):
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                missing.append(i)
-            elif missing:  # would need a missing block before it: not worth pinning
-                break
-            else:
-                held.append(block)
-        self.pool.touch(held)
-        room = self.pool.num_free_blocks
-        if len(missing) > room:
-            missing = missing[:room]
-        fresh = self.pool.allocate(len(missing))
-        # Written beside the step loop, before any step could copy their old content
-        # out: what these blocks held is not offloaded.
-        self.pool.evicted.clear()
-        return ImportReservation(list(hashes), missing, fresh, held)
-
-    def commit_import(self, res: ImportReservation, written: bool) -> int:
-        """Name the written blocks by their hashes (if ``written``) and release every
-        block of the reservation to the free queue, tail first, where the next
-        request with this prefix finds them. Returns how many blocks were named."""
-        named = 0
-        if written:
-            for i, block in zip(res.indices, res.blocks, strict=True):
-                named += self.pool.cache_full_block(block, res.hashes[i])
-        self.pool.free(reversed(res.held + res.blocks))
-        res.blocks, res.held, res.indices = [], [], []
-        return named

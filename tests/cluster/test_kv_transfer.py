@@ -195,6 +195,46 @@ def test_async_import_then_generate_and_a_cancelled_import_frees_its_blocks(
     assert_pool_at_baseline(decode_llm)
 
 
+@pytest.mark.parametrize("path", ["sync", "async"])
+def test_with_offloading_an_import_keeps_the_prefixes_it_evicts(tiny_llama_dir, engines,
+                                                                 path: str) -> None:
+    """An 8-block decode pool that caches one prompt imports another of 7 blocks: the
+    blocks it takes held the first prompt's prefix, which goes to the CPU tier first,
+    so asking the first prompt again loads its blocks instead of computing them."""
+    prefill_llm, _, plain = engines
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=8, num_offload_blocks=16)
+    try:
+        engine = llm.engine
+        B = engine.scheduler.block_size
+        first = [(17 * j) % 3000 + 500 for j in range(4 * B + 3)]
+        other = [(19 * j) % 3000 + 700 for j in range(7 * B + 1)]
+        ref = plain.generate([first], GREEDY)[0].outputs[0].token_ids
+        assert llm.generate([first], GREEDY)[0].outputs[0].token_ids == ref
+        payload = prefill(prefill_llm, [other])[0]
+        assert payload.num_blocks == 7
+        if path == "sync":
+            assert import_prompt_kv(engine, payload) == 7
+        else:
+            async def main() -> int:
+                aeng = AsyncEngine(engine=engine)
+                try:
+                    return await aeng.import_kv(payload)
+                finally:
+                    aeng._transfer_thread.shutdown(wait=True)
+                    aeng._step_thread.shutdown(wait=True)
+
+            assert asyncio.run(main()) == 7
+        offloaded = engine.get_stats()["kv_offload"]["offloaded_blocks"]
+        assert offloaded >= 3  # at least the prompt blocks the device lost
+        again = llm.generate([first], GREEDY)[0]
+        assert again.outputs[0].token_ids == ref
+        assert again.num_cached_tokens == 4 * B  # device and CPU hits: all 4 full blocks
+        assert engine.get_stats()["kv_offload"]["cpu_hit_tokens"] >= 3 * B
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_export_is_refused_for_beams_and_embeddings(engines) -> None:
     from pagedserve.cluster.beam_search import BeamSearchParams
     from pagedserve.scheduler.pooling_params import PoolingParams

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedserve.scheduler.block_hash import hash_prompt_blocks
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.kv_import import ImportReservation
 from tests.scheduler.helpers import req
 
 B = 4
@@ -89,4 +90,57 @@ def test_without_prefix_caching_nothing_is_taken() -> None:
     kv = KVCacheManager(8, B, enable_caching=False)
     res = kv.reserve_import(hashes(2))
     assert res.blocks == [] and kv.commit_import(res, written=True) == 0
+    assert at_baseline(kv)
+
+
+def _cached_then_imported(kv: KVCacheManager) -> tuple[list[bytes], ImportReservation]:
+    """Four blocks of one prefix cached (free) on a 4-block pool, then an import of
+    three other blocks that must evict three of them."""
+    old = hashes(4, start=1000)
+    first = kv.reserve_import(old)
+    kv.commit_import(first, written=True)
+    assert len(kv.cached_prefix(old)) == 4 and kv.pool.num_free_blocks == 4
+    return old, kv.reserve_import(hashes(3))
+
+
+def test_with_offloading_the_prefixes_an_import_evicts_go_to_the_cpu_tier() -> None:
+    kv = KVCacheManager(4, B, num_cpu_blocks=8, enable_offload=True)
+    old, res = _cached_then_imported(kv)
+    assert len(res.blocks) == 3
+    # The evicted blocks' contents are copied out of the very blocks the import
+    # writes, into CPU blocks the reservation owns; nothing is named before the copy.
+    assert sorted(d for d, _ in res.offloads) == sorted(res.block_ids)
+    assert set(res.offload_hashes) < set(old) and len(res.offload_hashes) == 3
+    assert not kv.cpu_pool.cached and kv.cpu_pool.num_owned_blocks == 3
+    plan = res.offload_plan()
+    assert plan is not None and plan.blocks_to_swap_out == res.offloads and not plan.scheduled
+    evicted = list(res.offload_hashes)
+    assert kv.commit_offloads(res, copied=True) == 3
+    assert set(kv.cpu_pool.cached) == set(evicted)
+    assert kv.offload_stats["offloaded_blocks"] == 3 and kv.cpu_pool.num_owned_blocks == 0
+    kv.commit_import(res, written=True)
+    # A request for the old prefix now finds one block on the device and the rest on
+    # the CPU tier (the leading run, from where the device's hits stop).
+    r = req("again", [*range(1000, 1000 + 4 * B), 7])
+    hits, _ = kv.get_computed_blocks(r)
+    assert len(hits) + len(kv.get_offloaded_blocks(r, len(hits))) == 4
+    assert at_baseline(kv)
+
+
+def test_offload_copies_that_never_ran_are_freed_unnamed() -> None:
+    for copied_then_failed in (False, True):
+        kv = KVCacheManager(4, B, num_cpu_blocks=8, enable_offload=True)
+        _, res = _cached_then_imported(kv)
+        if copied_then_failed:
+            kv.commit_offloads(res, copied=False)
+        kv.commit_import(res, written=False)  # (without commit_offloads: the same)
+        assert not kv.cpu_pool.cached and kv.cpu_pool.num_free_blocks == 8
+        assert kv.offload_stats["offloaded_blocks"] == 0 and at_baseline(kv)
+
+
+def test_without_offloading_an_import_evicts_and_copies_nothing() -> None:
+    kv = KVCacheManager(4, B, num_cpu_blocks=8)
+    _, res = _cached_then_imported(kv)
+    assert res.offloads == [] and res.offload_plan() is None
+    kv.commit_import(res, written=True)
     assert at_baseline(kv)
