@@ -105,12 +105,19 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with ``chat_template_kwargs`` as extra
-        template variables, e.g. Qwen3's ``enable_thinking``), then generate."""
+        template variables, e.g. Qwen3's ``enable_thinking``; ``continue_final_message``
+        leaves the last message open, so the model goes on with it: set
+        ``add_generation_prompt=False`` with it, as in vLLM), then generate."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.engine.tokenizer
         extra = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            extra["continue_final_message"] = True
         prompts = [
             list(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                          tokenize=True, return_dict=False, **extra))

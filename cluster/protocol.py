@@ -293,6 +293,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model goes on with the last message
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -302,6 +303,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def check(self) -> None:
         self._check_unsupported()
         check_template_kwargs(self.chat_template_kwargs)
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs requires logprobs to be true",
@@ -323,29 +325,19 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's ``POST /tokenize``: a prompt, or chat messages through the chat template."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    def check(self) -> None:
-        check_template_kwargs(self.chat_template_kwargs)
-        if (self.prompt is None) == (self.messages is None):
-            raise APIError("give exactly one of prompt and messages", param="prompt")
-        if self.messages is not None and not self.messages:
-            raise APIError("messages must not be empty", param="messages")
-
-
 # Arguments of apply_chat_template that the server sets itself.
 _TEMPLATE_RESERVED = {"conversation", "tools", "tokenize", "add_generation_prompt",
-                      "return_dict", "chat_template", "tokenizer", "documents"}
+                      "return_dict", "chat_template", "tokenizer", "documents",
+                      "continue_final_message"}
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """A prompt either opens a new assistant turn or leaves the last message open, as
+    in vLLM (which asks for ``add_generation_prompt: false`` to be said explicitly)."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be "
+                       "true: set add_generation_prompt to false to continue the final "
+                       "message", param="continue_final_message")
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
@@ -354,14 +346,6 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
     if taken:
         raise APIError(f"chat_template_kwargs may not set {taken}",
                        param="chat_template_kwargs")
-
-
-class DetokenizeRequest(BaseModel):
-    """vLLM's ``POST /detokenize``."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    model: str | None = None
-    tokens: list[int]
 
 
 def max_tokens_for(requested: int | None, prompt_len: int, info: dict[str, Any],

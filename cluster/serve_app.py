@@ -52,8 +52,6 @@ from pagedserve.cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
     max_tokens_for,
     validation_error_body,
 )
@@ -71,6 +69,7 @@ from pagedserve.cluster.router import (
     routed_request,
 )
 from pagedserve.cluster.serve_args import ServeArgs
+from pagedserve.cluster.tokenize_api import DetokenizeRequest, TokenizeRequest
 from pagedserve.cluster.tools import ToolContext, chat_prompt_ids
 from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -254,7 +253,8 @@ class OpenAIServer(EngineAdmin):
         info = await self._engine_info()
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
-                                           body.tools, body.chat_template_kwargs))
+                                           body.tools, body.chat_template_kwargs,
+                                           body.continue_final_message))
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                              body.max_tokens_param, body.n),
@@ -279,9 +279,11 @@ class OpenAIServer(EngineAdmin):
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                   tools: list[dict[str, Any]] | None,
-                  template_kwargs: dict[str, Any] | None) -> list[int]:
+                  template_kwargs: dict[str, Any] | None,
+                  continue_final_message: bool = False) -> list[int]:
         return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in messages],
-                               add_generation_prompt, tools, template_kwargs)
+                               add_generation_prompt, tools, template_kwargs,
+                               continue_final_message)
 
     @api.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
@@ -311,7 +313,7 @@ class OpenAIServer(EngineAdmin):
         info = await self._engine_info()
         if body.messages is not None:
             ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
-                                 body.chat_template_kwargs)
+                                 body.chat_template_kwargs, body.continue_final_message)
         else:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": info["max_model_len"]}

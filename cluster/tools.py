@@ -271,13 +271,18 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
     """The prompt the chat template makes of ``messages`` (and ``tools``, and extra
-    template variables such as Qwen3's ``enable_thinking``); a template that cannot
-    render them is a 400 on ``messages``."""
+    template variables such as Qwen3's ``enable_thinking``; with
+    ``continue_final_message``, the last message left open for the model to go on
+    with, as transformers renders it); a template that cannot render them is a 400
+    on ``messages``."""
     extra = dict(template_kwargs or {})
     if tools:
         extra["tools"] = tools
+    if continue_final_message:
+        extra["continue_final_message"] = True
     try:
         return list(tokenizer.apply_chat_template(
             template_messages(messages), tokenize=True,

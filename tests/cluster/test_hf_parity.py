@@ -28,6 +28,27 @@ def test_default_model_chat_answer_equals_hugging_face(smol_llm, default_model_d
     assert out.outputs[0].token_ids == ref
 
 
+def test_continue_final_message_goes_on_with_the_assistant_turn(smol_llm,
+                                                                default_model_dir) -> None:
+    """vLLM's ``continue_final_message``: the prompt ends inside the assistant's open
+    message (no end-of-turn token), and the answer is its continuation, HF's tokens."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    out = smol_llm.chat(messages, params, add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    tok = smol_llm.get_tokenizer()
+    ids = list(tok.apply_chat_template(messages, continue_final_message=True, tokenize=True,
+                                       return_dict=False))
+    assert out.prompt_token_ids == ids
+    assert tok.decode(ids).endswith("The capital of France is")  # no <|im_end|> after it
+    assert out.outputs[0].token_ids == hf_greedy(default_model_dir, [ids], 8,
+                                                 ignore_eos=False)[0]
+    assert out.outputs[0].text.startswith(" Paris")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        smol_llm.chat(messages, params, continue_final_message=True)
+
+
 def test_default_model_mixed_batch_equals_hugging_face(smol_llm, default_model_dir) -> None:
     prompts = ["The quick brown fox", "In 1492, Columbus",
                "def fibonacci(n):\n    ", "Paris is the capital of"]

@@ -118,6 +118,21 @@ def test_tokenize_and_detokenize(smol: App) -> None:
     assert chat["count"] == usage.prompt_tokens
     assert post("/detokenize", {"tokens": chat["tokens"]}).json()["prompt"] == tok.decode(
         chat["tokens"])
+    # vLLM's continue_final_message: the assistant's open turn, continued.
+    opened = [*FRANCE, {"role": "assistant", "content": "The capital of France is"}]
+    cont = post("/tokenize", {"messages": opened, "add_generation_prompt": False,
+                              "continue_final_message": True}).json()
+    assert cont["tokens"] == list(tok.apply_chat_template(
+        opened, continue_final_message=True, tokenize=True, return_dict=False))
+    r = smol.openai().chat.completions.create(
+        model=MODEL, messages=opened, max_tokens=6, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert r.usage.prompt_tokens == cont["count"]
+    assert r.choices[0].message.content.startswith(" Paris")
+    both = post("/v1/chat/completions", {"model": MODEL, "messages": opened,
+                                         "continue_final_message": True})
+    assert both.status_code == 400
+    assert both.json()["error"]["param"] == "continue_final_message"
     for path, body, param in (("/tokenize", {"prompt": "a", "messages": FRANCE}, "prompt"),
                               ("/tokenize", {}, "prompt"),
                               ("/detokenize", {"tokens": [10**9]}, "tokens")):

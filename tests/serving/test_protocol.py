@@ -16,6 +16,7 @@ from pagedserve.cluster.protocol import (
     CompletionRequest,
 )
 from pagedserve.cluster.responses import Formatter, ResponseState
+from pagedserve.cluster.tokenize_api import TokenizeRequest
 from pagedserve.cluster.wire import DeltaTracker, EngineChunk
 
 
@@ -104,6 +105,22 @@ def _out(texts: list[str], ids: list[list[int]], finish: list[str | None],
         lp[tok] for lp, tok in zip(lps[i], x)), None if lps is None else lps[i], f)
         for i, (t, x, f) in enumerate(zip(texts, ids, finish))]
     return RequestOutput("r", None, [1, 2, 3], outs, all(finish), 2)
+
+
+def test_continue_final_message_excludes_a_generation_prompt() -> None:
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    for body in (ChatCompletionRequest(messages=msgs, continue_final_message=True),
+                 TokenizeRequest(messages=msgs, continue_final_message=True)):
+        with pytest.raises(APIError) as e:
+            body.check()
+        assert e.value.param == "continue_final_message"
+    ChatCompletionRequest(messages=msgs, continue_final_message=True,
+                          add_generation_prompt=False).check()
+    TokenizeRequest(prompt="Hi", continue_final_message=True).check()  # no template: moot
+    with pytest.raises(APIError) as e:  # not through the template variables either
+        ChatCompletionRequest(messages=msgs, add_generation_prompt=False,
+                              chat_template_kwargs={"continue_final_message": True}).check()
+    assert e.value.param == "chat_template_kwargs"
 
 
 def test_delta_tracker_sends_each_token_once() -> None:
