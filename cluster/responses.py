@@ -205,6 +205,11 @@ class Formatter:
 
     def stream_events(self, st: ResponseState, i: int, chunk: Any, continuous_usage: bool
                       ) -> list[str]:
+        return [sse(ev) for ev in self.stream_chunks(st, i, chunk, continuous_usage)]
+
+    def stream_chunks(self, st: ResponseState, i: int, chunk: Any, continuous_usage: bool
+                      ) -> list[dict[str, Any]]:
+        """The streamed chunk objects (one per choice the engine chunk advanced)."""
         events = []
         obj = "chat.completion.chunk" if st.kind == "chat.completion" else "text_completion"
         for c_idx, d, lp, text in self._apply(st, i, chunk):
@@ -234,7 +239,7 @@ class Formatter:
                   "choices": [choice]}
             if continuous_usage:
                 ev["usage"] = st.usage()
-            events.append(sse(ev))
+            events.append(ev)
         return events
 
     @staticmethod

@@ -20,7 +20,7 @@ import dataclasses
 import hmac
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import ray
@@ -63,13 +63,16 @@ from pagedserve.cluster.responses import (
     now,
     render_response,
 )
+from pagedserve.cluster.responses_api import ResponsesEndpoint
+from pagedserve.cluster.responses_api import router as responses_router
 from pagedserve.cluster.router import (
     affinity_snapshot,
     known_replicas,
     routed_request,
 )
 from pagedserve.cluster.serve_args import ServeArgs
-from pagedserve.cluster.tokenize_api import DetokenizeRequest, TokenizeRequest
+from pagedserve.cluster.tokenize_api import TokenizeEndpoints
+from pagedserve.cluster.tokenize_api import router as tokenize_router
 from pagedserve.cluster.tools import ToolContext, chat_prompt_ids
 from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -98,12 +101,14 @@ api.add_middleware(HttpMetricsMiddleware, metrics=_http)
 
 
 api.include_router(admin_router)
+api.include_router(responses_router)
+api.include_router(tokenize_router)
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
-class OpenAIServer(EngineAdmin):
+class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints):
     """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
 
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
@@ -176,16 +181,25 @@ class OpenAIServer(EngineAdmin):
                        echo: list[tuple[str, list[int]]] | None = None,
                        tools: ToolContext | None = None, include_reasoning: bool = True,
                        thought_closed: bool = False) -> Response:
+        state, chunks = self._start(rid, reqs, kind, logprobs, echo, tools, include_reasoning,
+                                    thought_closed)
+        return await render_response(self.fmt, state, chunks, stream, include_usage,
+                                     continuous_usage)
+
+    def _start(self, rid: str, reqs: list[EngineRequest], kind: str, logprobs: bool,
+               echo: list[tuple[str, list[int]]] | None = None,
+               tools: ToolContext | None = None, include_reasoning: bool = True,
+               thought_closed: bool = False
+               ) -> tuple[ResponseState, AsyncIterator[tuple[int, Any]]]:
+        """Send ``reqs`` to the replicas: the state their chunks fold into, and the chunks."""
         lora = reqs[0].lora
         state = ResponseState(kind, rid, [(len(r.prompt_token_ids), r.params.n) for r in reqs],
                               logprobs, reqs[0].params.logprobs, echo, tools,
                               lora[0] if lora is not None else None,
                               self.reasoning_parser if kind == "chat.completion" else None,
                               include_reasoning, thought_closed)
-        chunks = merge_streams(self._channel, self._engine, reqs, _http.record_failover,
-                               self.failover)
-        return await render_response(self.fmt, state, chunks, stream, include_usage,
-                                     continuous_usage)
+        return state, merge_streams(self._channel, self._engine, reqs, _http.record_failover,
+                                    self.failover)
 
     async def _replica_ids(self) -> list[str]:
         ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
@@ -249,23 +263,10 @@ class OpenAIServer(EngineAdmin):
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._authorize(raw)
         body.check()
-        lora = self._check_model(body.model)
-        info = await self._engine_info()
-        tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-        ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
-                                           body.tools, body.chat_template_kwargs,
-                                           body.continue_final_message))
-        params = body.sampling_params(
-            max_tokens_for(body.requested_max_tokens(), len(ids), info,
-                             body.max_tokens_param, body.n),
-            body.engine_logprobs(), info["vocab_size"],
-            tools.structured() if tools is not None else None)
-        closed = thought_closed(self.tokenizer, ids)
-        params = defer_constraint(params, self.reasoning_parser, closed)
         rid = new_id("chatcmpl")
-        req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
-                             body.priority)
+        req, tools, closed = await self._chat_request(rid, body)
         if body.use_beam_search:
+            lora = req.lora
             return await answer_beam_search(
                 self._engine, "chat.completion", rid, lora[0] if lora else self.served_name,
                 body, [req], {"logprobs": bool(body.logprobs), "tools": bool(body.tools)},
@@ -276,6 +277,27 @@ class OpenAIServer(EngineAdmin):
                                    bool(so and so.continuous_usage_stats), body.logprobs,
                                    tools=tools, include_reasoning=body.include_reasoning,
                                    thought_closed=closed)
+
+    async def _chat_request(self, rid: str, body: ChatCompletionRequest
+                            ) -> tuple[EngineRequest, ToolContext | None, bool]:
+        """A checked chat body as the engine request, its tool context, and whether the
+        prompt already closed a reasoning model's thought."""
+        lora = self._check_model(body.model)
+        info = await self._engine_info()
+        tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
+                                           body.tools, body.chat_template_kwargs,
+                                           body.continue_final_message))
+        params = body.sampling_params(
+            max_tokens_for(body.requested_max_tokens(), len(ids), info,
+                           body.max_tokens_param, body.n),
+            body.engine_logprobs(), info["vocab_size"],
+            tools.structured() if tools is not None else None)
+        closed = thought_closed(self.tokenizer, ids)
+        params = defer_constraint(params, self.reasoning_parser, closed)
+        req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
+                             body.priority)
+        return req, tools, closed
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                   tools: list[dict[str, Any]] | None,
@@ -303,29 +325,6 @@ class OpenAIServer(EngineAdmin):
         results = await embed_all(self._engine, reqs)
         return embedding_response(body.model or self.served_name, results,
                                   body.encoding_format)
-
-    @api.post("/tokenize")
-    async def tokenize(self, body: TokenizeRequest, raw: Request) -> dict[str, Any]:
-        """vLLM's: the token ids a completions prompt or a chat would start from."""
-        self._authorize(raw)
-        body.check()
-        self._check_model(body.model)
-        info = await self._engine_info()
-        if body.messages is not None:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
-                                 body.chat_template_kwargs, body.continue_final_message)
-        else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": info["max_model_len"]}
-
-    @api.post("/detokenize")
-    async def detokenize(self, body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
-        self._authorize(raw)
-        self._check_model(body.model)
-        info = await self._engine_info()
-        if any(not 0 <= t < info["vocab_size"] for t in body.tokens):
-            raise APIError("tokens must be within the vocabulary", param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     @api.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:

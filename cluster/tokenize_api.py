@@ -1,11 +1,13 @@
-"""vLLM's ``POST /tokenize`` and ``POST /detokenize`` bodies: the token ids a prompt or a
-chat would run on, and text back from ids (the checks shared with chat completions
-live in ``protocol``)."""
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: the token ids a prompt or a chat
+would run on, and text back from ids (the checks shared with chat completions live in
+``protocol``). The routes live on an ``APIRouter`` bound to this module's mixin;
+``OpenAIServer`` inherits it."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from pagedserve.cluster.protocol import (
@@ -14,6 +16,8 @@ from pagedserve.cluster.protocol import (
     check_continuation,
     check_template_kwargs,
 )
+
+router = APIRouter()
 
 
 class TokenizeRequest(BaseModel):
@@ -45,3 +49,31 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+class TokenizeEndpoints:
+    """Mixed into ``OpenAIServer``, which provides ``_authorize``, ``_check_model``,
+    ``_engine_info``, ``_chat_ids`` and the tokenizer."""
+
+    @router.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest, raw: Request) -> dict[str, Any]:
+        """vLLM's: the token ids a completions prompt or a chat would start from."""
+        self._authorize(raw)
+        body.check()
+        self._check_model(body.model)
+        info = await self._engine_info()
+        if body.messages is not None:
+            ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
+                                 body.chat_template_kwargs, body.continue_final_message)
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": info["max_model_len"]}
+
+    @router.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
+        self._authorize(raw)
+        self._check_model(body.model)
+        info = await self._engine_info()
+        if any(not 0 <= t < info["vocab_size"] for t in body.tokens):
+            raise APIError("tokens must be within the vocabulary", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}

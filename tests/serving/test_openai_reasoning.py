@@ -94,3 +94,26 @@ def test_chat_template_kwargs(think: App) -> None:
     for route in ("/v1/chat/completions", "/tokenize"):
         r = httpx.post(f"{think.base}{route}", json=body, headers=think.headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_responses_api_puts_the_thought_in_a_reasoning_item(think: App) -> None:
+    """``POST /v1/responses``: the thought is a reasoning item before the message,
+    streamed as reasoning text events, the same split as chat completions."""
+    msg = _chat(think, structured_outputs=THINK)["choices"][0]["message"]
+    client = think.openai()
+    kw: dict[str, Any] = {"model": MODEL, "input": FRANCE, "temperature": 0,
+                          "max_output_tokens": 40,
+                          "extra_body": {"structured_outputs": THINK}}
+    r = client.responses.create(**kw)
+    thought, answer = r.output
+    assert thought.type == "reasoning" and thought.content[0].text == msg["reasoning"]
+    assert answer.type == "message" and r.output_text == msg["content"]
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = {k: "".join(e.delta for e in events if e.type == f"response.{k}.delta")
+                for k in ("reasoning_text", "output_text")}
+    assert streamed == {"reasoning_text": msg["reasoning"], "output_text": msg["content"]}
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert [o.id for o in final.output] == [e.item.id for e in events
+                                           if e.type == "response.output_item.added"]
