@@ -32,12 +32,7 @@ from pagedserve.cluster.engine_lifecycle import (
     start_update,
     start_wake,
 )
-from pagedserve.cluster.kv_transfer import (
-    KVPayload,
-    begin_import,
-    end_import,
-    reserved_shards,
-)
+from pagedserve.cluster.kv_transfer import KVPayload, begin_import, end_import, reserved_shards
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -234,9 +229,10 @@ class AsyncEngine:
         change; the copy runs on a thread of its own while steps go on (the blocks
         are held, so no step touches them). With KV offloading, the prefixes the
         blocks held are first copied to the CPU tier on the step thread, between two
-        steps (as ``kv_transfer.keep_evicted`` does). A caller cancelled meanwhile still waits
-        for each copy to end before the blocks are released: a block must never be
-        handed to another request while bytes are still landing in it.
+        steps (as ``kv_transfer.keep_evicted`` does offline). A caller cancelled
+        meanwhile still waits for each copy to end before the blocks are released: a
+        block must never be handed to another request while bytes are still landing
+        in it.
         """
         engine = self.engine
         res = begin_import(engine, payload)

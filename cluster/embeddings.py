@@ -1,4 +1,5 @@
-"""``POST /v1/embeddings``: the OpenAI request, the replica calls, the response.
+"""``POST /v1/embeddings``: the OpenAI request, the replica calls, the response; and the
+bodies of vLLM's score and rerank routes (``pooling_api``), which embed their texts.
 
 Each input is one engine request (``EngineRequest.pooling`` set) sent with the
 prefix-affinity router like a completion, so inputs that share a prefix meet
@@ -61,6 +62,72 @@ class EmbeddingRequest(BaseModel):
                 ids = ids[-self.truncate_prompt_tokens:]
             out.append(ids)
         return out
+
+
+class _TextPairs(BaseModel):
+    """What score and rerank share: the model, vLLM's routing extras, and text inputs
+    turned into token ids like embeddings' (``truncate_prompt_tokens`` too)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+    def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
+                  ) -> list[list[int]]:
+        k = self.truncate_prompt_tokens
+        if k is not None and k < 1:
+            raise APIError("truncate_prompt_tokens must be >= 1",
+                           param="truncate_prompt_tokens")
+        ids = [tokenizer.encode(x) for x in batch]
+        return [x[-k:] if k is not None else x for x in ids]
+
+
+class ScoreRequest(_TextPairs):
+    """vLLM's ``POST /score``: ``text_1`` (one text, or a list as long as ``text_2``)
+    against ``text_2``."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        seconds = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        firsts = [self.text_1] * len(seconds) if isinstance(self.text_1, str) \
+            else list(self.text_1)
+        if not seconds or not firsts:
+            raise APIError("text_1 and text_2 must not be empty",
+                           param="text_2" if not seconds else "text_1")
+        if len(firsts) != len(seconds):
+            raise APIError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: "
+                           "give one text_1, or as many as text_2", param="text_1")
+        if len(seconds) > MAX_INPUTS:
+            raise APIError(f"at most {MAX_INPUTS} pairs per request", param="text_2")
+        if not all(firsts) or not all(seconds):
+            raise APIError("texts must not be empty", param="text_1" if not all(firsts)
+                           else "text_2")
+        return firsts, seconds
+
+
+class RerankRequest(_TextPairs):
+    """Jina's / Cohere's ``POST /rerank`` (vLLM serves it too)."""
+
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    return_documents: bool = True
+
+    def checked_documents(self) -> list[str]:
+        if not self.query:
+            raise APIError("query must not be empty", param="query")
+        if not self.documents or not all(self.documents):
+            raise APIError("documents must be a non-empty list of non-empty texts",
+                           param="documents")
+        if len(self.documents) > MAX_INPUTS:
+            raise APIError(f"at most {MAX_INPUTS} documents per request", param="documents")
+        if self.top_n is not None and self.top_n < 1:
+            raise APIError("top_n must be a positive integer", param="top_n")
+        return list(self.documents)
 
 
 async def embed_all(handle: Any, reqs: list[EngineRequest]) -> list[dict[str, Any]]:

@@ -10,7 +10,6 @@ Every scheduler mutation happens on one thread, so no lock is needed.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from typing import Any
 
@@ -29,7 +28,7 @@ from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
-from pagedserve.cluster.request_state import RequestState, check_resumed
+from pagedserve.cluster.request_state import RequestState, check_resumed, with_bad_word_ids
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.lora_request import LoRARequest
@@ -41,7 +40,12 @@ from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
-logger = logging.getLogger(__name__)
+# Counted over the steps (``get_stats``; shared_prefix_*: the backend's take_counters).
+STAT_COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "finished_requests",
+                 "aborted_requests", "execute_seconds", "kv_exported_blocks",
+                 "kv_imported_blocks", "kv_import_failures", "shared_prefix_steps",
+                 "shared_prefix_rows", "shared_prefix_keys_saved")
+
 
 class LLMEngine:
     """One engine replica's core, usable synchronously (``step``) or split in phases."""
@@ -134,14 +138,10 @@ class LLMEngine:
         self.sleep_level = 0  # 1 or 2 while asleep (see ``engine_lifecycle``)
         self.unavailable: str | None = None  # why new requests are refused, if they are
         self.weights_changed = False  # new weights loaded while asleep
-        self.stats: dict[str, float] = {
-            "steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0,
-            "aborted_requests": 0, "execute_seconds": 0.0, "kv_exported_blocks": 0,
-            "kv_imported_blocks": 0, "kv_import_failures": 0, "shared_prefix_steps": 0,
-            "shared_prefix_rows": 0, "shared_prefix_keys_saved": 0}
+        self.stats: dict[str, float] = dict.fromkeys(STAT_COUNTERS, 0)
         if config.calculate_kv_scales and str(info["kv_cache_dtype"]).startswith("fp8"):
             calibrate_kv_scales(self)
-            self.stats = dict.fromkeys(self.stats, 0)  # start-up work is not served work
+            self.stats = dict.fromkeys(STAT_COUNTERS, 0)  # start-up work is not served work
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -209,6 +209,7 @@ class LLMEngine:
             if params.n != 1:
                 raise ValueError("n must be 1 for an embedding request")
             pool = PoolAccumulator(pooling_params, int(self.model_info["hidden_size"]))
+        params = with_bad_word_ids(params, self.tokenizer)
         params.check_token_ids(self.model_info["vocab_size"])
         if params.structured_outputs is not None:
             from pagedserve.worker.structured import check_structured_outputs

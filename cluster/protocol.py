@@ -78,6 +78,7 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -100,6 +101,7 @@ class _SamplingRequest(BaseModel):
     priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority
     use_beam_search: bool = False  # vLLM's: n beams per prompt (cluster/beam_serving.py)
     length_penalty: float = 1.0  # beam search only
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:N"
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -126,7 +128,8 @@ class _SamplingRequest(BaseModel):
         kw: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []), bad_words=self.bad_words,
+            ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             allowed_token_ids=self.allowed_token_ids,

@@ -9,7 +9,7 @@ stop string ended a sequence the scheduler still runs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
@@ -174,3 +174,18 @@ def check_resumed(token_ids: list[int] | None, params: SamplingParams, prompt_le
     if stops & set(token_ids):
         raise ValueError("resumed_token_ids contain a stop token: the request ended there")
     return list(token_ids)
+
+
+def with_bad_word_ids(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """``params`` with ``bad_words`` tokenized (``bad_words_token_ids``), as vLLM does:
+    each word as written and after a space (its spelling mid-text), so neither form
+    can be generated. Explicit ``bad_words_token_ids`` are kept."""
+    if not params.bad_words:
+        return params
+    seqs = [list(ids) for ids in params.bad_words_token_ids or []]
+    for word in params.bad_words:
+        for prefix in ("", " "):
+            ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return replace(params, bad_words_token_ids=seqs)

@@ -60,18 +60,20 @@ class ResponseState:
                  top_n: int | None = None, echo: list[tuple[str, list[int]]] | None = None,
                  tools: ToolContext | None = None, model: str | None = None,
                  reasoning: str | None = None, include_reasoning: bool = True,
-                 thought_closed: bool = False) -> None:
+                 thought_closed: bool = False, tokens_as_ids: bool = False) -> None:
         """``prompts``: ``(prompt_tokens, n)`` per prompt, in order; ``top_n``: alternatives
         per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token);
         ``echo``: each prompt's text and ids, which lead its choices (completions ``echo``);
         ``tools``: how a chat output turns into tool calls; ``model``: the name the
         response carries when not the server's (a LoRA adapter's); ``reasoning``: the
         reasoning parser splitting a chat output, whose thought is left out unless
-        ``include_reasoning`` (``thought_closed``: the prompt ended the thought)."""
+        ``include_reasoning`` (``thought_closed``: the prompt ended the thought);
+        ``tokens_as_ids``: logprob entries name tokens ``token_id:N`` (vLLM's
+        ``return_tokens_as_token_ids``, for tokens that do not decode alone)."""
         self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
         self.top_n, self.echo, self.tools, self.model = top_n, echo, tools, model
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
-        self.thought_closed = thought_closed
+        self.thought_closed, self.tokens_as_ids = thought_closed, tokens_as_ids
         self.n = [n for _, n in prompts]
         self.prompt_tokens = [p for p, _ in prompts]
         self.cached = [0] * len(prompts)
@@ -92,29 +94,33 @@ class Formatter:
     def _text(self, token_id: int) -> str:
         return self.tok.decode([token_id])
 
+    def _label(self, token_id: int, as_id: bool) -> str:
+        """How a logprob entry names a token: its text, or ``token_id:N``."""
+        return f"token_id:{token_id}" if as_id else self._text(token_id)
+
     def _chat_logprobs(self, tokens: list[int], tops: list[dict[int, float]],
-                       sampled: list[float | None], top_n: int | None = None
-                       ) -> list[dict[str, Any]]:
+                       sampled: list[float | None], top_n: int | None = None,
+                       as_id: bool = False) -> list[dict[str, Any]]:
         out = []
         for tid, top, lp in zip(tokens, tops, sampled):
-            s = self._text(tid)
-            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": self._text(t), "logprob": v,
+            s = self._label(tid, as_id)
+            out.append({"token": s, "logprob": lp, "bytes": list(self._text(tid).encode()),
+                        "top_logprobs": [{"token": self._label(t, as_id), "logprob": v,
                                           "bytes": list(self._text(t).encode())}
                                          for t, v in sorted(top.items(),
                                                             key=lambda kv: -kv[1])[:top_n]]})
         return out
 
     def _completion_logprobs(self, tokens: list[int], tops: list[dict[int, float]],
-                             sampled: list[float | None], offset: int) -> dict[str, Any]:
+                             sampled: list[float | None], offset: int,
+                             as_id: bool = False) -> dict[str, Any]:
         strs, offsets = [], []
         for tid in tokens:
-            s = self._text(tid)
-            strs.append(s)
+            strs.append(self._label(tid, as_id))
             offsets.append(offset)
-            offset += len(s)
+            offset += len(self._text(tid))  # offsets stay in the text
         return {"tokens": strs, "token_logprobs": list(sampled),
-                "top_logprobs": [{self._text(t): v for t, v in
+                "top_logprobs": [{self._label(t, as_id): v for t, v in
                                   sorted(top.items(), key=lambda kv: -kv[1])} for top in tops],
                 "text_offset": offsets}
 
@@ -134,11 +140,13 @@ class Formatter:
             if st.logprobs and d.logprobs is not None:
                 sampled = d.sampled_logprobs or [None] * len(d.token_ids)
                 if st.kind == "chat.completion":
-                    lp = self._chat_logprobs(d.token_ids, d.logprobs, sampled, st.top_n)
+                    lp = self._chat_logprobs(d.token_ids, d.logprobs, sampled, st.top_n,
+                                             st.tokens_as_ids)
                     c.logprobs = (c.logprobs or []) + lp
                 else:
                     lp = self._completion_logprobs(d.token_ids, d.logprobs, sampled,
-                                                   sum(len(t) for t in c.text))
+                                                   sum(len(t) for t in c.text),
+                                                   st.tokens_as_ids)
                     if c.logprobs is None:
                         c.logprobs = {k: [] for k in lp}
                     for k, v in lp.items():
@@ -165,7 +173,7 @@ class Formatter:
         entries = prompt_lps if prompt_lps is not None else [None] * len(ids)
         lp = self._completion_logprobs(ids, [e or {} for e in entries],
                                        [None if e is None else e.get(t)
-                                        for e, t in zip(entries, ids)], 0)
+                                        for e, t in zip(entries, ids)], 0, st.tokens_as_ids)
         lp["top_logprobs"] = [None if e is None else top
                               for e, top in zip(entries, lp["top_logprobs"])]
         c.logprobs = {k: list(v) for k, v in lp.items()}
@@ -286,15 +294,9 @@ class Formatter:
                     "choices": [], "usage": st.usage()})
 
 
-async def render_response(fmt: Formatter, state: ResponseState,
-                          chunks: AsyncIterator[tuple[int, Any]], stream: bool,
-                          include_usage: bool, continuous_usage: bool) -> Response:
-    """The HTTP answer from the replicas' chunks: one JSON body, or server-sent events
-    (the first chunk awaited before the 200, so an early error is a plain HTTP error)."""
-    if not stream:
-        async for i, c in chunks:
-            fmt.add(state, i, c)
-        return JSONResponse(fmt.full_response(state))
+async def started(chunks: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Await the first chunk now, so an early error is a plain HTTP error (before a
+    stream's 200); then every chunk, closing ``chunks`` when done."""
     try:
         first = await anext(chunks)
     except StopAsyncIteration:
@@ -303,11 +305,30 @@ async def render_response(fmt: Formatter, state: ResponseState,
         await chunks.aclose()
         raise
 
-    async def events() -> AsyncIterator[str]:
+    async def every() -> AsyncIterator[tuple[int, Any]]:
         try:
             if first is not None:
-                for ev in fmt.stream_events(state, *first, continuous_usage):
-                    yield ev
+                yield first
+            async for c in chunks:
+                yield c
+        finally:
+            await chunks.aclose()
+
+    return every()
+
+
+async def render_response(fmt: Formatter, state: ResponseState,
+                          chunks: AsyncIterator[tuple[int, Any]], stream: bool,
+                          include_usage: bool, continuous_usage: bool) -> Response:
+    """The HTTP answer from the replicas' chunks: one JSON body, or server-sent events."""
+    if not stream:
+        async for i, c in chunks:
+            fmt.add(state, i, c)
+        return JSONResponse(fmt.full_response(state))
+    chunks = await started(chunks)
+
+    async def events() -> AsyncIterator[str]:
+        try:
             async for i, c in chunks:
                 for ev in fmt.stream_events(state, i, c, continuous_usage):
                     yield ev

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.protocol import APIError
-from pagedserve.cluster.responses import Formatter, ResponseState, now
+from pagedserve.cluster.responses import Formatter, ResponseState, now, started
 from pagedserve.cluster.responses_protocol import (
     ResponsesRequest,
     response_object,
@@ -221,22 +221,12 @@ async def render_responses(builder: ResponseBuilder, st: ResponseState,
         async for i, c in chunks:
             fmt.add(st, i, c)
         return JSONResponse(builder.response(st))
-    try:
-        first = await anext(chunks)
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await chunks.aclose()
-        raise
+    chunks = await started(chunks)
 
     async def events() -> AsyncIterator[str]:
         try:
             for ev in builder.start(st):
                 yield ev
-            if first is not None:
-                for chunk in fmt.stream_chunks(st, *first, False):
-                    for ev in builder.feed(chunk):
-                        yield ev
             async for i, c in chunks:
                 for chunk in fmt.stream_chunks(st, i, c, False):
                     for ev in builder.feed(chunk):

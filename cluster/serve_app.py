@@ -37,7 +37,6 @@ from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
-from pagedserve.cluster.embeddings import EmbeddingRequest, embed_all, embedding_response
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.lora_serving import AdapterCatalog
 from pagedserve.cluster.metrics import (
@@ -47,6 +46,8 @@ from pagedserve.cluster.metrics import (
     render_prometheus,
 )
 from pagedserve.cluster.placement import ingress_actor_options
+from pagedserve.cluster.pooling_api import PoolingEndpoints
+from pagedserve.cluster.pooling_api import router as pooling_router
 from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -75,8 +76,6 @@ from pagedserve.cluster.tokenize_api import TokenizeEndpoints
 from pagedserve.cluster.tokenize_api import router as tokenize_router
 from pagedserve.cluster.tools import ToolContext, chat_prompt_ids
 from pagedserve.cluster.wire import EngineRequest
-from pagedserve.scheduler.pooling_params import PoolingParams
-from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +102,13 @@ api.add_middleware(HttpMetricsMiddleware, metrics=_http)
 api.include_router(admin_router)
 api.include_router(responses_router)
 api.include_router(tokenize_router)
+api.include_router(pooling_router)
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
-class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints):
+class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEndpoints):
     """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
 
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
@@ -180,16 +180,16 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints):
                        include_usage: bool, continuous_usage: bool, logprobs: bool,
                        echo: list[tuple[str, list[int]]] | None = None,
                        tools: ToolContext | None = None, include_reasoning: bool = True,
-                       thought_closed: bool = False) -> Response:
+                       thought_closed: bool = False, tokens_as_ids: bool = False) -> Response:
         state, chunks = self._start(rid, reqs, kind, logprobs, echo, tools, include_reasoning,
-                                    thought_closed)
+                                    thought_closed, tokens_as_ids)
         return await render_response(self.fmt, state, chunks, stream, include_usage,
                                      continuous_usage)
 
     def _start(self, rid: str, reqs: list[EngineRequest], kind: str, logprobs: bool,
                echo: list[tuple[str, list[int]]] | None = None,
                tools: ToolContext | None = None, include_reasoning: bool = True,
-               thought_closed: bool = False
+               thought_closed: bool = False, tokens_as_ids: bool = False
                ) -> tuple[ResponseState, AsyncIterator[tuple[int, Any]]]:
         """Send ``reqs`` to the replicas: the state their chunks fold into, and the chunks."""
         lora = reqs[0].lora
@@ -197,7 +197,7 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints):
                               logprobs, reqs[0].params.logprobs, echo, tools,
                               lora[0] if lora is not None else None,
                               self.reasoning_parser if kind == "chat.completion" else None,
-                              include_reasoning, thought_closed)
+                              include_reasoning, thought_closed, tokens_as_ids)
         return state, merge_streams(self._channel, self._engine, reqs, _http.record_failover,
                                     self.failover)
 
@@ -257,7 +257,8 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints):
         return await self._respond(rid, reqs, "text_completion", body.stream,
                                    bool(so and so.include_usage),
                                    bool(so and so.continuous_usage_stats),
-                                   body.logprobs is not None, echo if body.echo else None)
+                                   body.logprobs is not None, echo if body.echo else None,
+                                   tokens_as_ids=body.return_tokens_as_token_ids)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -276,7 +277,8 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints):
                                    bool(so and so.include_usage),
                                    bool(so and so.continuous_usage_stats), body.logprobs,
                                    tools=tools, include_reasoning=body.include_reasoning,
-                                   thought_closed=closed)
+                                   thought_closed=closed,
+                                   tokens_as_ids=body.return_tokens_as_token_ids)
 
     async def _chat_request(self, rid: str, body: ChatCompletionRequest
                             ) -> tuple[EngineRequest, ToolContext | None, bool]:
@@ -306,25 +308,6 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints):
         return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in messages],
                                add_generation_prompt, tools, template_kwargs,
                                continue_final_message)
-
-    @api.post("/v1/embeddings")
-    async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
-        """OpenAI's embeddings: the model's final hidden states pooled per input."""
-        self._authorize(raw)
-        batch = body.inputs()
-        lora = self._check_model(body.model)
-        info = await self._engine_info()
-        pooling = PoolingParams(self.pooling_type, body.normalize, body.dimensions)
-        params = SamplingParams(max_tokens=1)
-        rid = new_id("embd")
-        prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
-        reqs = [dataclasses.replace(routed_request(f"{rid}-{i}", ids, params, body.cache_salt,
-                                                   info, False, lora, body.priority),
-                                    pooling=pooling)
-                for i, ids in enumerate(prompts)]
-        results = await embed_all(self._engine, reqs)
-        return embedding_response(body.model or self.served_name, results,
-                                  body.encoding_format)
 
     @api.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:

@@ -95,7 +95,10 @@ class SamplingParams:
     to those tokens (they win over ``min_tokens``' ban on EOS and stop ids when
     nothing else would be left). ``truncate_prompt_tokens=k`` keeps the prompt's
     last ``k`` tokens. ``structured_outputs`` constrains the text (see
-    :class:`StructuredOutputs`).
+    :class:`StructuredOutputs`). ``bad_words`` (vLLM's) are never generated: the
+    engine writes each word's token ids (as written, and after a space) into
+    ``bad_words_token_ids``, and the sampler forbids a sequence's last token
+    whenever the output ends with the ones before it.
     """
 
     n: int = 1
@@ -120,6 +123,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -165,6 +170,19 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, "
+                                 f"got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+            for ids in self.bad_words_token_ids:
+                if not ids:
+                    raise ValueError("bad_words_token_ids must not hold an empty sequence")
+                for t in ids:
+                    _check_int("bad_words_token_ids", t, lo=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
@@ -189,7 +207,9 @@ class SamplingParams:
         (only the model knows its size, so this is not part of construction)."""
         for name, tokens in (("stop_token_ids", self.stop_token_ids),
                              ("logit_bias", self.logit_bias or ()),
-                             ("allowed_token_ids", self.allowed_token_ids or ())):
+                             ("allowed_token_ids", self.allowed_token_ids or ()),
+                             ("bad_words_token_ids",
+                              [t for ids in self.bad_words_token_ids or () for t in ids])):
             bad = [t for t in tokens if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} must be token ids below the vocabulary size "
@@ -204,8 +224,10 @@ class SamplingParams:
     @property
     def needs_output_history(self) -> bool:
         """Whether the sampler needs the sequence's output tokens in each step plan:
-        penalties count them, and a grammar replays them after a restart."""
-        return self.uses_penalties or self.structured_outputs is not None
+        penalties count them, a grammar replays them after a restart, and a bad word
+        of several tokens is matched against their tail."""
+        return (self.uses_penalties or self.structured_outputs is not None
+                or any(len(ids) > 1 for ids in self.bad_words_token_ids or ()))
 
     @property
     def greedy(self) -> bool:

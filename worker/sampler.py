@@ -1,6 +1,6 @@
 """Token sampling on rank 0: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs,
-``allowed_token_ids``, ``min_tokens``, ``logit_bias``, presence / frequency / repetition
-penalties, and structured outputs (grammar masks, :mod:`structured`).
+``allowed_token_ids``, ``min_tokens``, ``bad_words``, ``logit_bias``, presence / frequency /
+repetition penalties, and structured outputs (grammar masks, :mod:`structured`).
 
 The tensor math lives in :mod:`sampling_ops`; this class owns the per-request
 state. A draw is an inverse-CDF lookup (one uniform per row, a cumulative sum
@@ -265,13 +265,20 @@ class Sampler:
             self._book.mask_rows(x, empty, [matchers[rows.index(i)] for i in empty])
 
     def _banned(self, r: SampleRequest) -> list[int]:
-        """Tokens a sequence may not draw yet: EOS and stop ids before ``min_tokens``."""
+        """Tokens a sequence may not draw now: EOS and stop ids before ``min_tokens``,
+        and the last token of every bad word whose other tokens end the output."""
         p = r.params
-        if p.min_tokens <= 0:
-            return []
-        if self._done(r) >= p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        banned: list[int] = []
+        if p.bad_words_token_ids:
+            out = r.output_token_ids or []
+            for ids in p.bad_words_token_ids:
+                head = len(ids) - 1
+                if head == 0 or (len(out) >= head and out[len(out) - head:] == ids[:-1]):
+                    banned.append(ids[-1])
+        if p.min_tokens <= 0 or self._done(r) >= p.min_tokens:
+            return banned
+        return banned + list(p.stop_token_ids) + ([] if p.ignore_eos
+                                                  else list(self.eos_token_ids))
 
     def _sample_random(self, x: torch.Tensor, reqs: list[SampleRequest], greedy: list[bool]
                        ) -> torch.Tensor:

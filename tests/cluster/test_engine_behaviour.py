@@ -189,6 +189,27 @@ def test_stop_strings_and_logprobs(smol_llm) -> None:
     assert out.cumulative_logprob <= 0.0
 
 
+def test_bad_words_are_never_generated(smol_llm) -> None:
+    """vLLM's ``bad_words``: "Paris" (one token after a space) and "capital of France"
+    (three tokens, banned only at its last one) do not appear; what comes before the
+    first point where a ban bites is the unconstrained greedy answer."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    base = dict(temperature=0.0, max_tokens=12)
+    free = smol_llm.chat(msgs, SamplingParams(**base))[0].outputs[0]
+    assert free.text == "The capital of France is Paris."
+    for word, kept in (("Paris", "The capital of France is"),
+                       ("capital of France", "The capital of")):
+        out = smol_llm.chat(msgs, SamplingParams(**base, bad_words=[word]))[0].outputs[0]
+        assert word not in out.text and out.text.startswith(kept), out.text
+        assert out.token_ids[:len(kept.split())] == free.token_ids[:len(kept.split())]
+    with pytest.raises(ValueError, match="bad_words"):
+        smol_llm.generate(["hi"], SamplingParams(bad_words=[""]))
+    # Seeded samples keep the ban too, both siblings of n=2.
+    out = smol_llm.chat(msgs, SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12,
+                                             bad_words=["Paris"]))[0]
+    assert all("Paris" not in c.text for c in out.outputs)
+
+
 def test_async_engine_cancellation_aborts_and_frees(tiny_llama_dir) -> None:
     async def scenario() -> None:
         engine = AsyncEngine(EngineConfig(model=tiny_llama_dir, num_gpu_blocks=64))

@@ -1,7 +1,7 @@
 """Random batches of requests, valid and not, through one engine under memory pressure.
 
 Each example adds a few requests with random sampling settings (penalties,
-``logit_bias``, ``min_tokens``, stop ids, seeds, logprobs, ``n``), some with
+``logit_bias``, ``min_tokens``, stop ids, bad words, seeds, logprobs, ``n``), some with
 out-of-range values or token ids, each with a random LoRA adapter (or none; at
 most one adapter runs at a time) and priority, may abort one mid-generation, and
 runs the engine dry; about two requests in seven are embeddings (last or mean
@@ -79,6 +79,7 @@ SETTINGS = st.fixed_dictionaries({}, optional={
     "seed": _mostly([None, 0, 7, 2**31], -1),
     "min_tokens": st.integers(0, 6),
     "stop_token_ids": st.lists(_mostly([2, 7, 300], VOCAB + 5), max_size=2),
+    "bad_words_token_ids": _mostly([None, [[42]], [[5, 42], [300]]], [[]]),
     "logprobs": _mostly([None, 0, 3], 50),
     "presence_penalty": _mostly([0.0, 1.5, -0.5], 2.5),
     "frequency_penalty": _mostly([0.0, 0.7, -2.0], 3.0),
@@ -110,6 +111,9 @@ HEAVY = [  # more than the pool holds: forces preemption with penalties and fork
     (list(range(400, 455)), 30, {"logit_bias": {42: 3.0}, "min_tokens": 5}, 1, 0, None),
     (list(range(500, 570)), 1, {}, 0, 0, "mean"),
     (list(range(600, 630)), 30, {}, 2, 0, "beam3"),
+    # Biased towards 42, then 5: both bans must bite (42 always, 5 right after a 5).
+    (list(range(700, 720)), 12, {"logit_bias": {42: 100.0, 5: 90.0},
+                                 "bad_words_token_ids": [[42], [5, 5]]}, 0, 0, None),
 ]
 
 
@@ -155,7 +159,8 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
             if fcfs and priority and "scheduling_policy" in str(e):
                 continue
             assert _named_field(str(e), {"stop_token_ids", "logit_bias", "allowed_token_ids",
-                                         "structured_outputs", "prompt", "n"}), e
+                                         "structured_outputs", "prompt", "n",
+                                         "bad_words_token_ids"}), e
             continue
         assert not (fcfs and priority), "a priority under FCFS must be refused"
         if beam is not None:
@@ -206,6 +211,13 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
             if params.allowed_token_ids and params.structured_outputs is None:
                 # (with a grammar that allows none of them, the grammar wins)
                 assert set(sample.token_ids) <= set(params.allowed_token_ids)
+            if (params.bad_words_token_ids and not params.allowed_token_ids
+                    and params.structured_outputs is None):
+                # (allowed ids that are all banned win, and so does a grammar)
+                toks = sample.token_ids
+                for word in params.bad_words_token_ids:
+                    assert not any(toks[k:k + len(word)] == word
+                                   for k in range(len(toks) - len(word) + 1)), (word, toks)
             spec = params.structured_outputs
             if spec is not None and not params.allowed_token_ids and not params.stop_token_ids:
                 text = sample.text  # a prefix of a valid output, whole when it stopped

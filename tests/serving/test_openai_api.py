@@ -160,6 +160,20 @@ def test_logprobs(smol: App) -> None:
     assert "".join(t.token for t in content) == c.choices[0].message.content + "<|im_end|>"
     assert c.usage.completion_tokens == len(content)
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    # vLLM's return_tokens_as_token_ids: the same entries, tokens named by id.
+    tok = load_tokenizer(resolve_model(None))
+    ids = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                         max_tokens=8, logprobs=True, top_logprobs=3,
+                                         extra_body={"return_tokens_as_token_ids": True})
+    named = ids.choices[0].logprobs.content
+    assert [t.logprob for t in named] == [t.logprob for t in content]
+    assert [tok.decode([int(t.token.removeprefix("token_id:"))]) for t in named] == \
+        [t.token for t in content]
+    r2 = client.completions.create(model=MODEL, prompt="One, two, three,", temperature=0,
+                                   max_tokens=6, logprobs=2,
+                                   extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in r2.choices[0].logprobs.tokens)
+    assert r2.choices[0].logprobs.text_offset == lp.text_offset
 
 
 BAD: list[tuple[str, Any, str | None]] = [
@@ -188,6 +202,8 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": 0},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": FRANCE, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": FRANCE, "bad_words": "Paris"}, "bad_words"),
+    ("/v1/chat/completions", {"messages": FRANCE, "bad_words": [" "]}, "bad_words"),
 ]
 
 
@@ -223,6 +239,10 @@ def test_penalties_and_logit_bias_are_honoured(smol: App) -> None:
         model=MODEL, messages=FRANCE, temperature=0, max_tokens=24, frequency_penalty=2.0,
         presence_penalty=2.0, extra_body={"repetition_penalty": 1.5})
     assert penalised.choices[0].message.content != plain.choices[0].message.content
+    banned = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                            max_tokens=24, extra_body={"bad_words": ["Paris"]})
+    text = banned.choices[0].message.content
+    assert "Paris" not in text and text.startswith("The capital of France is")
     # vLLM's allowed_token_ids and truncate_prompt_tokens (echo shows what the model saw).
     allowed = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=6,
                                         temperature=1.0, seed=3,

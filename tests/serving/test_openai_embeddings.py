@@ -1,7 +1,9 @@
-"""``POST /v1/embeddings`` through Ray Serve with the OpenAI client.
+"""``POST /v1/embeddings`` through Ray Serve with the OpenAI client, and vLLM's
+``/score`` and ``/rerank`` on top of it.
 
 The default model's embeddings over HTTP equal the offline engine's
-``LLM.embed`` (text and token-id inputs, a batch, ``dimensions``, base64),
+``LLM.embed`` (text and token-id inputs, a batch, ``dimensions``, base64), scores
+are the cosine similarities of those embeddings,
 usage counts the input tokens, bad inputs are 400s with OpenAI error bodies,
 an unknown model is a 404, and the replica's pool is back at baseline after.
 """
@@ -79,6 +81,51 @@ def test_unknown_model_is_404_and_key_is_required(smol) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(f"{smol.base}/v1/embeddings", json={"input": "hi"}, timeout=60)
     assert r.status_code == 401
+    smol.wait_baseline()
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(smol, offline) -> None:
+    """vLLM's /score (one text against several, and pairwise) and /rerank: each score
+    is the dot product of the offline engine's unit embeddings; rerank orders them."""
+    full = offline["full"]
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{smol.base}{path}", headers=smol.headers, json=body, timeout=60)
+
+    r = post("/score", {"text_1": TEXTS[0], "text_2": TEXTS}).json()
+    assert [d["index"] for d in r["data"]] == [0, 1, 2] and r["object"] == "list"
+    want = [_dot(full[0], v) for v in full]
+    assert max(abs(d["score"] - w) for d, w in zip(r["data"], want, strict=True)) < 1e-4
+    assert abs(r["data"][0]["score"] - 1.0) < 1e-4  # a text against itself
+    # Each distinct text is embedded once.
+    assert r["usage"]["prompt_tokens"] == sum(len(i) for i in offline["ids"])
+    pair = post("/v1/score", {"text_1": TEXTS[1:], "text_2": TEXTS[:2]}).json()
+    want = [_dot(full[1], full[0]), _dot(full[2], full[1])]
+    assert max(abs(d["score"] - w) for d, w in zip(pair["data"], want, strict=True)) < 1e-4
+    ranked = post("/rerank", {"query": TEXTS[0], "documents": [*TEXTS[1:], TEXTS[0]],
+                              "top_n": 2}).json()
+    scores = [_dot(full[0], v) for v in (full[1], full[2], full[0])]
+    best = sorted(range(3), key=lambda i: -scores[i])[:2]
+    assert [x["index"] for x in ranked["results"]] == best and best[0] == 2
+    assert ranked["results"][0]["document"] == {"text": TEXTS[0]}
+    bare = post("/v1/rerank", {"query": TEXTS[0], "documents": TEXTS,
+                               "return_documents": False}).json()
+    assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
+    for path, body, param in (
+            ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "text_1"),
+            ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+            ("/score", {"text_1": "", "text_2": "b"}, "text_1"),
+            ("/rerank", {"query": "q", "documents": []}, "documents"),
+            ("/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
+            ("/rerank", {"query": "", "documents": ["d"]}, "query")):
+        bad = post(path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (body, bad.text)
+    assert httpx.post(f"{smol.base}/score", json={"text_1": "a", "text_2": "b"},
+                      timeout=60).status_code == 401
     smol.wait_baseline()
 
 

@@ -202,6 +202,33 @@ def test_chat_top_logprobs_has_exactly_the_requested_count() -> None:
     assert [t["token"] for t in entry["top_logprobs"]] == ["d"]
 
 
+def test_tokens_as_ids_name_logprob_tokens_by_id() -> None:
+    """vLLM's ``return_tokens_as_token_ids``: every logprob entry names its token
+    ``token_id:N``, streamed or not; the text and its offsets stay the decoded text."""
+    fmt = Formatter(_Tok(), "m")
+    for kind in ("text_completion", "chat.completion"):
+        st = ResponseState(kind, "id", [(3, 1)], logprobs=True, tokens_as_ids=True)
+        for c in _chunks():
+            fmt.add(st, 0, c)
+        choice = fmt.full_response(st)["choices"][0]
+        streamed = ResponseState(kind, "id2", [(3, 1)], logprobs=True, tokens_as_ids=True)
+        chunks = [p for c in _chunks() for p in fmt.stream_chunks(streamed, 0, c, False)]
+        if kind == "chat.completion":
+            entries = choice["logprobs"]["content"]
+            assert [e["token"] for e in entries] == ["token_id:0", "token_id:1"]
+            assert entries[0]["bytes"] == list(b"a")
+            assert {t["token"] for t in entries[0]["top_logprobs"]} == {"token_id:0",
+                                                                        "token_id:1"}
+            assert [e["token"] for p in chunks if p["choices"][0]["logprobs"]
+                    for e in p["choices"][0]["logprobs"]["content"]] == ["token_id:0",
+                                                                         "token_id:1"]
+            assert choice["message"]["content"] == "ab"
+        else:
+            assert choice["logprobs"]["tokens"] == ["token_id:0", "token_id:1"]
+            assert choice["logprobs"]["text_offset"] == [0, 1] and choice["text"] == "ab"
+            assert set(choice["logprobs"]["top_logprobs"][0]) == {"token_id:0", "token_id:1"}
+
+
 def test_metrics_render_as_valid_prometheus_text() -> None:
     m = ServerMetrics()
     t = RequestTimer()

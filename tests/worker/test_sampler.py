@@ -249,6 +249,44 @@ def test_min_tokens_blocks_eos_and_stop_tokens():
     assert s.sample(x, [req])["q"].token_id == 2
 
 
+def test_bad_words_ban_a_last_token_only_after_the_rest_of_the_word():
+    x = torch.zeros(3, V)
+    x[:, 5] = 10.0  # 5 is always the likeliest, then 6, then 7
+    x[:, 6] = 9.0
+    x[:, 7] = 8.0
+    s = Sampler()
+    # Word [5] alone is always banned; word [3, 6] only right after a 3; [1, 2, 7]
+    # only after 1, 2.
+    p = SamplingParams(temperature=0.0, bad_words_token_ids=[[5], [3, 6], [1, 2, 7]])
+    reqs = [SampleRequest("a", "a", 0, p, output_token_ids=[]),
+            SampleRequest("b", "b", 1, p, output_token_ids=[9, 3]),
+            SampleRequest("c", "c", 2, p, output_token_ids=[3, 1, 2])]
+    out = s.sample(x, reqs)
+    assert [out[k].token_id for k in "abc"] == [6, 7, 6]
+    c2 = SampleRequest("c2", "c2", 0, p, output_token_ids=[3, 6, 2])  # not [1, 2]
+    assert s.sample(x[:1], [c2])["c2"].token_id == 6
+    # A drafted row: each position sees the guesses before it as output.
+    d = SampleRequest("d", "d", 0, p, output_token_ids=[4], draft_token_ids=[3])
+    got = s.sample_drafted(torch.stack([x[0], x[0]]), [d])["d"]
+    assert [t.token_id for t in got] == [6]  # the guess 3 is rejected: 6 wins at pos 0
+    first = x[0].clone()
+    first[3] = 20.0  # position 0 takes the guess 3; at position 1 it is output
+    d = SampleRequest("e", "e", 0, p, output_token_ids=[4], draft_token_ids=[3])
+    got = s.sample_drafted(torch.stack([first, x[0]]), [d])["e"]
+    assert [t.token_id for t in got] == [3, 7]  # after the guess 3, 6 is banned too
+
+
+def test_bad_words_settings_are_checked() -> None:
+    for kw in ({"bad_words": "Paris"}, {"bad_words": [""]}, {"bad_words": [" "]},
+               {"bad_words_token_ids": [[]]}, {"bad_words_token_ids": [[-1]]}):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[3, V]]).check_token_ids(V)
+    assert SamplingParams(bad_words_token_ids=[[3, 4]]).needs_output_history
+    assert not SamplingParams(bad_words_token_ids=[[3]]).needs_output_history
+
+
 def test_seeded_uniforms_depend_only_on_seed_and_position_and_are_uniform():
     from pagedserve.worker.sampler import seeded_uniform
 

@@ -1,0 +1,101 @@
+"""The pooling routes: OpenAI's ``POST /v1/embeddings``, and vLLM's ``POST /score`` and
+``POST /rerank`` (also under ``/v1/``) on top of it.
+
+Score and rerank answer how related two texts are with the cosine similarity of
+their embeddings, as vLLM does for embedding models (bi-encoders): every distinct
+text is embedded once, through the same replicas, router and continuous batches as
+``/v1/embeddings``, and each pair's score is the dot product of the two unit
+vectors. ``/rerank`` (Jina's and Cohere's shape) orders documents by their score
+against the query. The routes live on an ``APIRouter`` bound to this module's
+mixin; ``OpenAIServer`` inherits it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from pagedserve.cluster.embeddings import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    embed_all,
+    embedding_response,
+)
+from pagedserve.cluster.responses import new_id, now
+from pagedserve.cluster.router import routed_request
+from pagedserve.scheduler.pooling_params import PoolingParams
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+router = APIRouter()
+
+
+class PoolingEndpoints:
+    """Mixed into ``OpenAIServer``, which provides ``_authorize``, ``_check_model``,
+    ``_engine_info``, the engine handle, the tokenizer, ``pooling_type`` and
+    ``served_name``."""
+
+    async def _embed(self, body: Any, batch: list[str | list[int]], prefix: str,
+                     normalize: bool = True, dimensions: int | None = None
+                     ) -> list[dict[str, Any]]:
+        """Each input's ``{"embedding", "prompt_tokens"}``, in order."""
+        lora = self._check_model(body.model)
+        info = await self._engine_info()
+        pooling = PoolingParams(self.pooling_type, normalize, dimensions)
+        params = SamplingParams(max_tokens=1)
+        rid = new_id(prefix)
+        prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
+        reqs = [dataclasses.replace(routed_request(f"{rid}-{i}", ids, params, body.cache_salt,
+                                                   info, False, lora, body.priority),
+                                    pooling=pooling)
+                for i, ids in enumerate(prompts)]
+        return await embed_all(self._engine, reqs)
+
+    async def _pair_scores(self, body: Any, firsts: list[str], seconds: list[str]
+                           ) -> tuple[list[float], int]:
+        """Cosine similarity of each pair, and the prompt tokens embedded (each distinct
+        text once)."""
+        texts = list(dict.fromkeys(firsts + seconds))
+        results = await self._embed(body, list(texts), "score")
+        vecs = {t: r["embedding"] for t, r in zip(texts, results, strict=True)}
+        scores = [sum(a * b for a, b in zip(vecs[x], vecs[y], strict=True))
+                  for x, y in zip(firsts, seconds, strict=True)]
+        return scores, sum(r["prompt_tokens"] for r in results)
+
+    @router.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
+        """OpenAI's embeddings: the model's final hidden states pooled per input."""
+        self._authorize(raw)
+        results = await self._embed(body, body.inputs(), "embd", body.normalize,
+                                    body.dimensions)
+        return embedding_response(body.model or self.served_name, results,
+                                  body.encoding_format)
+
+    @router.post("/score")
+    @router.post("/v1/score")
+    async def score(self, body: ScoreRequest, raw: Request) -> dict[str, Any]:
+        """vLLM's: ``text_1`` against each ``text_2`` (or pairwise, two equal lists)."""
+        self._authorize(raw)
+        firsts, seconds = body.pairs()
+        scores, tokens = await self._pair_scores(body, firsts, seconds)
+        return {"id": new_id("score"), "object": "list", "created": now(),
+                "model": body.model or self.served_name,
+                "data": [{"index": i, "object": "score", "score": s}
+                         for i, s in enumerate(scores)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    @router.post("/rerank")
+    @router.post("/v1/rerank")
+    async def rerank(self, body: RerankRequest, raw: Request) -> dict[str, Any]:
+        """Jina's / Cohere's: the documents by relevance to the query, best first."""
+        self._authorize(raw)
+        docs = body.checked_documents()
+        scores, tokens = await self._pair_scores(body, [body.query] * len(docs), docs)
+        order = sorted(range(len(docs)), key=lambda i: -scores[i])[:body.top_n or len(docs)]
+        return {"id": new_id("rerank"), "model": body.model or self.served_name,
+                "usage": {"total_tokens": tokens},
+                "results": [{"index": i, "relevance_score": scores[i],
+                             **({"document": {"text": docs[i]}}
+                                if body.return_documents else {})} for i in order]}
