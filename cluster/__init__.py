@@ -12,10 +12,13 @@ from pagedserve.cluster.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
-           "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams"]
+           "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams",
+           "ScoringOutput", "ScoringRequestOutput"]

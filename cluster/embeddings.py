@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -92,21 +93,27 @@ class ScoreRequest(_TextPairs):
     text_2: str | list[str]
 
     def pairs(self) -> tuple[list[str], list[str]]:
-        seconds = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
-        firsts = [self.text_1] * len(seconds) if isinstance(self.text_1, str) \
-            else list(self.text_1)
-        if not seconds or not firsts:
-            raise APIError("text_1 and text_2 must not be empty",
-                           param="text_2" if not seconds else "text_1")
-        if len(firsts) != len(seconds):
-            raise APIError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: "
-                           "give one text_1, or as many as text_2", param="text_1")
-        if len(seconds) > MAX_INPUTS:
-            raise APIError(f"at most {MAX_INPUTS} pairs per request", param="text_2")
-        if not all(firsts) or not all(seconds):
-            raise APIError("texts must not be empty", param="text_1" if not all(firsts)
-                           else "text_2")
-        return firsts, seconds
+        try:
+            return pair_texts(self.text_1, self.text_2)
+        except ValueError as e:
+            raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def pair_texts(first: str | Sequence[str], second: str | Sequence[str],
+               names: tuple[str, str] = ("text_1", "text_2")) -> tuple[list[str], list[str]]:
+    """vLLM's score pairing: one first text against each second one, or two lists of
+    the same length pairwise; a ``ValueError`` that starts with the field's name."""
+    seconds = [second] if isinstance(second, str) else list(second)
+    firsts = [first] * len(seconds) if isinstance(first, str) else list(first)
+    for name, texts in ((names[1], seconds), (names[0], firsts)):
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise ValueError(f"{name} must be a non-empty text or list of non-empty texts")
+    if len(firsts) != len(seconds):
+        raise ValueError(f"{names[0]} has {len(firsts)} texts and {names[1]} "
+                         f"{len(seconds)}: give one, or as many as {names[1]}")
+    if len(seconds) > MAX_INPUTS:
+        raise ValueError(f"{names[1]} may hold at most {MAX_INPUTS} texts")
+    return firsts, seconds
 
 
 class RerankRequest(_TextPairs):

@@ -7,8 +7,15 @@ from typing import Any
 
 from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_sequences
 from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.embeddings import pair_texts
 from pagedserve.cluster.engine import LLMEngine
-from pagedserve.cluster.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedserve.cluster.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -168,6 +175,28 @@ class LLM:
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
                                        EmbeddingOutput(o.embedding or []), o.finished)
                 for o in outs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool | None = None,
+        lora_request: LoRARequest | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` as it runs for embedding models: the cosine similarity
+        of the two texts' embeddings, ``data_1`` against each of ``data_2`` (or two
+        lists pairwise); each distinct text is embedded once."""
+        firsts, seconds = pair_texts(data_1, data_2, ("data_1", "data_2"))
+        texts = list(dict.fromkeys(firsts + seconds))
+        embs = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request,
+                                          truncate_prompt_tokens=truncate_prompt_tokens),
+                        strict=True))
+        return [ScoringRequestOutput(
+            f"score-{i}", embs[a].prompt_token_ids + embs[b].prompt_token_ids,
+            ScoringOutput(sum(x * y for x, y in zip(embs[a].outputs.embedding,
+                                                    embs[b].outputs.embedding, strict=True))))
+            for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))]
 
     def _add_all(self, requests: list[tuple[str | list[int], dict[str, Any]]]) -> list[str]:
         """Queue every request; if one is refused, withdraw those already queued (none

@@ -59,3 +59,20 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: how related the two texts of a pair are."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (vLLM's shape; the ids are both texts')."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

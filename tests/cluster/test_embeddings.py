@@ -162,6 +162,31 @@ def test_bad_embedding_requests_raise_value_errors(tiny_llama_dir) -> None:
         llm.shutdown()
 
 
+def test_score_is_the_cosine_of_the_embeddings(tiny_llama_dir) -> None:
+    """vLLM's ``LLM.score`` for embedding models: one text against several, or two
+    lists pairwise; a text against itself scores 1."""
+    texts = ["t5 t6 t7", "t9 t10 t11 t12", "t5 t6 t8"]
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=32)
+    try:
+        vecs = _vectors(llm.embed(texts))
+        got = llm.score(texts[0], texts)
+        assert [o.outputs.score for o in got] == pytest.approx(
+            [float(vecs[0] @ v) for v in vecs], abs=1e-5)
+        assert got[0].outputs.score == pytest.approx(1.0, abs=1e-5)
+        tok = llm.get_tokenizer()
+        assert got[1].prompt_token_ids == tok.encode(texts[0]) + tok.encode(texts[1])
+        pair = llm.score(texts[:2], texts[1:])
+        assert [o.outputs.score for o in pair] == pytest.approx(
+            [float(vecs[0] @ vecs[1]), float(vecs[1] @ vecs[2])], abs=1e-5)
+        for a, b, name in ((texts[:2], texts, "data_1"), ("x", [], "data_2"),
+                           ("", "x", "data_1")):
+            with pytest.raises(ValueError, match=name):
+                llm.score(a, b)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_base_model_checkpoints_serve_embeddings_only(tmp_path, default_model_dir,
                                                       kind: str) -> None:
