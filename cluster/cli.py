@@ -53,6 +53,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
+                   help="at most this many of one prompt's tokens per step, so prompts "
+                        "behind a long one start in the same steps (default 0: no cap)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per rank")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of each GPU for weights, activations and KV pool (CUDA)")
@@ -202,6 +205,7 @@ def generate(args: argparse.Namespace) -> int:
         model=args.model, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
         dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         num_threads=args.num_threads, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank,

@@ -49,6 +49,8 @@ class EngineConfig:
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
     ``priority_aging_s`` (priority only) counts each that many seconds a request has
     waited as one level more urgent, so no request starves (``scheduler.queues``).
+    ``long_prefill_token_threshold`` (0: off) caps one prompt's tokens per step, so
+    prompts that arrive behind a long one start in the same steps (vLLM's option).
     ``batch_invariant`` makes a request's logits independent of what else runs in its
     steps, bit for bit (CPU only; ``worker.batch_invariant``).
     """
@@ -85,6 +87,7 @@ class EngineConfig:
     max_loaded_loras: int | None = None
     scheduling_policy: str = "fcfs"
     priority_aging_s: float | None = None
+    long_prefill_token_threshold: int = 0
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     quantization: str | None = None
@@ -112,8 +115,11 @@ class EngineConfig:
             self._check_batch_invariant()
         from pagedserve.scheduler.config import SchedulerConfig
 
-        # The policy and its aging, checked where the scheduler checks them.
-        SchedulerConfig(policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s)
+        # The policy, its aging and the prompt cap, checked where the scheduler checks them.
+        SchedulerConfig(policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,
+                        long_prefill_token_threshold=self.long_prefill_token_threshold,
+                        enable_chunked_prefill=self.enable_chunked_prefill,
+                        max_num_batched_tokens=2**30, max_model_len=2**30)
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -116,6 +116,7 @@ class LLMEngine:
                 max_loras=config.max_loras if config.enable_lora else 0,
                 policy=config.scheduling_policy,
                 priority_aging_s=config.priority_aging_s,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             CacheConfig(
                 num_gpu_blocks=num_gpu_blocks,

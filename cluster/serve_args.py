@@ -87,6 +87,7 @@ class ServeArgs(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     priority_aging_s: float | None = None  # seconds waited that count as one level
+    long_prefill_token_threshold: int = Field(default=0, ge=0)  # one prompt's tokens a step
     pooling_type: Literal["last", "mean"] = "last"
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     prefill_replicas: int = Field(default=0, ge=0)
@@ -207,6 +208,7 @@ class ServeArgs(BaseModel):
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             lora_modules=lora_modules or None, max_loaded_loras=self.max_loaded_loras,
             scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             **self.engine_kwargs)
         EngineConfig(**engine_kwargs)  # a bad setting fails here, naming the field
         self.prefill_autoscaling()  # checked whatever the device

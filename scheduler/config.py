@@ -16,6 +16,9 @@ class SchedulerConfig:
     caps the distinct LoRA adapters among them (0: no cap); ``policy`` is
     ``fcfs`` or ``priority`` (``scheduler.queues``), whose waits ``priority_aging_s``
     bounds (seconds waited that count as one priority level; None: strict).
+    ``long_prefill_token_threshold`` (vLLM's; 0: off) caps the tokens one prompt may
+    take in a step, so a long prompt's chunks leave room for other prompts in the
+    same step instead of holding every new arrival back until it is done.
     """
 
     max_num_seqs: int = 256
@@ -26,6 +29,7 @@ class SchedulerConfig:
     max_loras: int = 0
     policy: str = "fcfs"
     priority_aging_s: float | None = None
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -36,6 +40,12 @@ class SchedulerConfig:
                 raise ValueError(f"priority_aging_s must be None or > 0 seconds, got {aging!r}")
             if self.policy != "priority":
                 raise ValueError("priority_aging_s needs scheduling_policy='priority'")
+        thr = self.long_prefill_token_threshold
+        if isinstance(thr, bool) or not isinstance(thr, int) or thr < 0:
+            raise ValueError("long_prefill_token_threshold must be a non-negative integer, "
+                             f"got {thr!r}")
+        if thr and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"max_loras must be a non-negative integer, got {self.max_loras!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

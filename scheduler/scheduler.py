@@ -133,7 +133,7 @@ class Scheduler(StepResults):
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             if num_new == 0:  # a held beam: it waits for its siblings
                 i += 1
                 continue
@@ -173,7 +173,7 @@ class Scheduler(StepResults):
                 break  # a more urgent waiting request goes first
             if not lora_fits(req, active, self.config.max_loras):
                 break
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             blocks_after = cdiv(req.num_computed_tokens + num_new, self.block_size)
             extra = max(0, blocks_after - len(self.kv.swapped[req.request_id].cpu_block_ids))
             if self.kv.num_blocks_to_swap_in(req) + extra > self.kv.pool.num_free_blocks:
@@ -213,10 +213,9 @@ class Scheduler(StepResults):
             else:  # every prompt position's logits (or state) is wanted: compute them all
                 hits, loads, num_hit, device_hit = [], [], 0, None
             num_new = req.num_tokens - num_hit
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = self._chunk(num_new, budget)
             req.num_computed_tokens = num_hit
             copies = self.kv.allocate_slots(req, num_new, hits, loads)
             if copies is None:
@@ -249,6 +248,12 @@ class Scheduler(StepResults):
                 return
             self.running.pop()
             self._preempt(victim, out)
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """The tokens a request runs this step: what it has left, within the step's
+        budget and the per-prompt cap (``long_prefill_token_threshold``)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(remaining, budget, cap) if cap else min(remaining, budget)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return scheduled_request(req, num_new, self.kv.block_ids(req.request_id))

@@ -79,14 +79,18 @@ def test_random_checkpoint_batch_equals_hugging_face(fixture, request) -> None:
         llm.shutdown()
 
 
-def test_chunked_prefill_equals_hugging_face(tiny_llama_dir) -> None:
+@pytest.mark.parametrize("kw", [dict(max_num_batched_tokens=8, max_num_seqs=4),
+                                dict(long_prefill_token_threshold=7)],
+                         ids=["budget", "per-prompt cap"])
+def test_chunked_prefill_equals_hugging_face(tiny_llama_dir, kw: dict) -> None:
     prompts = prompts_of_mixed_lengths()
     ref = hf_greedy(tiny_llama_dir, prompts, 12)
-    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=128, max_num_batched_tokens=8,
-              max_num_seqs=4)
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=128, **kw)
     try:
         outs = llm.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == ref
+        if "long_prefill_token_threshold" in kw:  # the cap reached the scheduler
+            assert llm.engine.scheduler.config.long_prefill_token_threshold == 7
     finally:
         llm.shutdown()
 

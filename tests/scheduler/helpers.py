@@ -24,6 +24,7 @@ def make_scheduler(
     speculative_config: SpeculativeConfig | None = None,
     copy_period: int | None = None,
     enable_kv_offload: bool = False,
+    long_prefill_token_threshold: int = 0,
 ) -> tuple[Scheduler, KVSim]:
     sched = Scheduler(
         SchedulerConfig(
@@ -31,6 +32,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         CacheConfig(
             num_gpu_blocks=num_gpu_blocks,

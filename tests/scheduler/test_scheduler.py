@@ -4,10 +4,12 @@ import pickle
 
 import pytest
 
+from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.request import RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from tests.scheduler.helpers import (
     assert_baseline,
+    check_invariants,
     make_scheduler,
     req,
     run_to_completion,
@@ -67,6 +69,51 @@ def test_chunked_prefill_gives_the_same_tokens(budget: int) -> None:
         sched.add_request(req(rid, p, 12, sched=sched))
     assert run_to_completion(sched, sim) == ref
     assert_baseline(sched)
+
+
+@pytest.mark.parametrize("cap", [1, 5, 16])
+def test_long_prefill_threshold_caps_each_prompt_and_changes_no_token(cap: int) -> None:
+    sched, sim = make_scheduler(num_gpu_blocks=512, long_prefill_token_threshold=cap)
+    for rid, p in PROMPTS.items():
+        sched.add_request(req(rid, p, 12, sched=sched))
+    outputs: dict[str, list[int]] = {}
+    first = True
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        assert all(len(r.token_ids) <= cap for r in plan.scheduled)
+        if first:  # as many prompts start as the budget holds, in arrival order
+            ids = [r.request_id for r in plan.scheduled]
+            assert ids == list(PROMPTS)[:len(ids)] and len(ids) >= min(6, 64 // cap)
+            first = False
+        for u in sched.update_from_output(plan, sim.execute(plan)):
+            outputs.setdefault(u.request_id, []).extend(t.token_id for t in u.new_tokens)
+        check_invariants(sched, sim)
+    assert outputs == reference_outputs()
+    assert_baseline(sched)
+
+
+def test_a_short_prompt_starts_beside_a_long_one_under_the_threshold() -> None:
+    """Without the cap a 200-token prompt takes the whole 64-token budget for four steps
+    and the 5-token prompt behind it waits; with a cap of 32 both run in step one."""
+    for cap, short_starts_at in ((0, 3), (32, 0)):
+        sched, sim = make_scheduler(num_gpu_blocks=512, long_prefill_token_threshold=cap)
+        sched.add_request(req("long", list(range(1, 201)), 4, sched=sched))
+        sched.add_request(req("short", [7, 8, 9, 10, 11], 4, sched=sched))
+        first = None
+        for k in range(6):
+            if "short" in step(sched, sim):
+                first = k
+                break
+        assert first == short_starts_at, (cap, first)
+
+
+def test_long_prefill_threshold_is_checked() -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+            SchedulerConfig(long_prefill_token_threshold=bad)
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        SchedulerConfig(long_prefill_token_threshold=8, enable_chunked_prefill=False,
+                        max_num_batched_tokens=4096)
 
 
 @pytest.mark.parametrize("mode,cpu_blocks", [("swap", 64), ("recompute", 0), ("swap", 3)])

@@ -94,9 +94,10 @@ def test_serve_flags_reach_the_serve_args() -> None:
         240.0, 30.0)
     plain = ServeArgs.parse(build_parser().parse_args([
         "serve", "--batch-invariant", "--scheduling-policy", "priority",
-        "--priority-aging-s", "30"]))
+        "--priority-aging-s", "30", "--long-prefill-token-threshold", "256"]))
     kwargs = plain.settings().engine_kwargs
     assert kwargs["batch_invariant"] is True and kwargs["priority_aging_s"] == 30.0
+    assert kwargs["long_prefill_token_threshold"] == 256
     with pytest.raises(ValueError, match="priority_aging_s needs scheduling_policy"):
         ServeArgs.parse(build_parser().parse_args(["serve", "--priority-aging-s", "30"])
                         ).settings()
@@ -116,6 +117,7 @@ def test_serve_flags_reach_the_serve_args() -> None:
     ("--speculative-config", '{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ("--speculative-config", "ngram", "--speculative-config: not JSON"),
     ("--batch-invariant", "--device=cuda", "batch_invariant"),
+    ("--long-prefill-token-threshold", "-5", "long_prefill_token_threshold"),
 ])
 def test_generate_rejects_bad_settings(flag: str, value: str, field: str) -> None:
     out = subprocess.run([*CLI, "generate", flag, value, "hi"], capture_output=True,
