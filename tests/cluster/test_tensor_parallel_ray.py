@@ -177,6 +177,36 @@ def test_tp2_kv_transfer_ships_each_rank_its_own_shard(ray_cluster, tiny_llama_d
         tp1.shutdown()
 
 
+def test_tp2_import_offloads_what_it_evicts_on_every_rank(ray_cluster, tiny_llama_dir) -> None:
+    """With KV offloading, a TP=2 import into a full pool first copies the prefix it
+    evicts to each rank's CPU tier (a cache-ops-only plan broadcast to the ranks), so
+    the evicted prompt then hits every block with TP=1's tokens."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+    from tests.cluster.test_kv_transfer import prefill
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(model=tiny_llama_dir, tensor_parallel_size=2, num_threads=1)
+    src = LLM(**kw, num_gpu_blocks=64)
+    try:
+        B = src.engine.scheduler.block_size
+        first = [(17 * j) % 3000 + 500 for j in range(4 * B + 3)]
+        other = [(19 * j) % 3000 + 700 for j in range(7 * B + 1)]
+        ref = src.generate([first], params)[0].outputs[0].token_ids
+        (payload,) = prefill(src, [other])
+    finally:
+        src.shutdown()
+    dst = LLM(**kw, num_gpu_blocks=8, num_offload_blocks=16)
+    try:
+        assert dst.generate([first], params)[0].outputs[0].token_ids == ref
+        assert import_prompt_kv(dst.engine, payload) == 7
+        again = dst.generate([first], params)[0]
+        assert again.outputs[0].token_ids == ref and again.num_cached_tokens == 4 * B
+        assert dst.engine.get_stats()["kv_offload"]["cpu_hit_tokens"] >= 3 * B
+        assert_pool_at_baseline(dst)
+    finally:
+        dst.shutdown()
+
+
 def test_tp2_sleep_and_new_weights_on_every_rank(ray_cluster, tiny_llama_dir, tmp_path
                                                  ) -> None:
     """Each rank frees its shard asleep, reloads its shard of the new checkpoint, and the
