@@ -312,14 +312,27 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
     @api.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:
         self._authorize(raw)
-        info = await self._engine_info()
-        created = now()
-        base = {"id": self.served_name, "object": "model", "created": created,
-                "owned_by": "pagedserve", "root": self.model_id, "parent": None,
-                "max_model_len": info["max_model_len"]}
+        base = await self._model_card()
         adapters = [{**base, "id": name, "root": path, "parent": self.served_name}
                     for name, path in self.adapters.available()]
         return {"object": "list", "data": [base, *adapters]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str, raw: Request) -> dict[str, Any]:
+        """OpenAI's model retrieval: the base model or an adapter, by any name the
+        other routes take; a 404 ``model_not_found`` otherwise."""
+        self._authorize(raw)
+        lora = self._check_model(model)
+        base = await self._model_card()
+        if lora is None:
+            return {**base, "id": model}
+        return {**base, "id": model, "root": lora[1], "parent": self.served_name}
+
+    async def _model_card(self) -> dict[str, Any]:
+        info = await self._engine_info()
+        return {"id": self.served_name, "object": "model", "created": now(),
+                "owned_by": "pagedserve", "root": self.model_id, "parent": None,
+                "max_model_len": info["max_model_len"]}
 
     @api.get("/v1/stats")
     async def stats(self, raw: Request) -> dict[str, Any]:

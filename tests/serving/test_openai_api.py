@@ -336,6 +336,13 @@ def test_api_key_is_required_on_the_api_only(smol: App) -> None:
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     models = smol.openai().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    one = smol.openai().models.retrieve(MODEL)  # GET /v1/models/{model}
+    assert one.id == MODEL and one.model_dump() == models.data[0].model_dump() | {
+        "created": one.created}
+    with pytest.raises(openai.NotFoundError):
+        smol.openai().models.retrieve("no-such-model")
+    r = httpx.get(f"{smol.base}/v1/models/{MODEL}", timeout=30)
+    assert r.status_code == 401
     assert smol.health().status_code == 200  # probes need no key
     assert API_KEY not in httpx.get(f"{smol.base}/metrics", timeout=30).text
 

@@ -78,6 +78,11 @@ def test_models_lists_the_adapters_with_their_parent(lora_app: App) -> None:
     assert by_id["sql"]["parent"] == by_id["pirate"]["parent"] == base
     assert by_id[base]["parent"] is None
     assert by_id["pirate"]["root"].endswith("pirate")
+    one = httpx.get(f"{lora_app.base}/v1/models/pirate", timeout=30).json()
+    assert one == by_id["pirate"] | {"created": one["created"]}
+    # Ray Serve LLM's BASE:ADAPTER name, retrieved as asked.
+    both = httpx.get(f"{lora_app.base}/v1/models/{base}:sql", timeout=30).json()
+    assert both["id"] == f"{base}:sql" and both["parent"] == base
 
 
 def test_completions_and_chat_per_adapter_equal_the_offline_engine(
