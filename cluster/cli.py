@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEFT adapters loaded at start; requests name them in 'model'")
     s.add_argument("--lora-dir", default=None,
                    help="adapters loaded on first use: 'model': NAME serves LORA_DIR/NAME")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: "
+                        "serve an adapter directory under a name at run time")
     s.add_argument("--max-loaded-loras", type=int, default=None,
                    help="adapters a replica keeps loaded; more unload the least recently "
                         "used idle one (default: 16, or --max-loras if more)")

@@ -60,15 +60,24 @@ class LoRARegistry:
 
     def resolve(self, name: str, path: str) -> LoRARequest:
         """The request for adapter ``name`` at ``path``: the loaded (or already resolved)
-        one, else a new one with a fresh id, loaded by its first request. A name
-        already bound to another path is a ``ValueError``."""
+        one, else a new one with a fresh id, loaded by its first request. A name the
+        ingress moved to another path (``/v1/load_lora_adapter`` with ``load_inplace``)
+        drops its old adapter first; while requests still use that one, a
+        ``ValueError``."""
         self._check_enabled()
         known = self._by_name.get(name)
         if known is not None:
-            if known.lora_path != path:
-                raise ValueError(f"LoRA adapter {name!r} is loaded from {known.lora_path!r}, "
-                                 f"not {path!r}")
-            return known
+            if known.lora_path == path:
+                return known
+            busy = self.in_use(known.lora_int_id)
+            if busy:
+                raise ValueError(f"LoRA adapter {name!r} is in use from "
+                                 f"{known.lora_path!r} by {busy} unfinished requests; "
+                                 f"retry for {path!r} when they finish")
+            if known.lora_int_id in self._by_id:
+                self.executor.remove_lora(known.lora_int_id)
+                del self._by_id[known.lora_int_id]
+            del self._by_name[name]
         self._last_id += 1
         lora = LoRARequest(name, self._last_id, path)
         self._by_name[name] = lora

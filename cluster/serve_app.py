@@ -38,7 +38,8 @@ from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
-from pagedserve.cluster.lora_serving import AdapterCatalog
+from pagedserve.cluster.lora_serving import AdapterCatalog, LoRAEndpoints
+from pagedserve.cluster.lora_serving import router as lora_router
 from pagedserve.cluster.metrics import (
     HttpMetrics,
     HttpMetricsMiddleware,
@@ -103,12 +104,14 @@ api.include_router(admin_router)
 api.include_router(responses_router)
 api.include_router(tokenize_router)
 api.include_router(pooling_router)
+api.include_router(lora_router)
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
-class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEndpoints):
+class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEndpoints,
+                   LoRAEndpoints):
     """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
 
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
@@ -116,7 +119,8 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
                  lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
                  pooling_type: str = "last", reasoning_parser: str | None = None,
                  scales_to_zero: bool = False, prefill: DeploymentHandle | None = None,
-                 failover: FailoverPolicy | None = None) -> None:
+                 failover: FailoverPolicy | None = None,
+                 allow_runtime_lora_updating: bool = False) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -139,6 +143,7 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
         self.scales_to_zero = scales_to_zero
         self._prefill = prefill  # the prefill pool of a disaggregated app (stats only)
         self.failover = failover or FailoverPolicy()
+        self.lora_updates = allow_runtime_lora_updating
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -384,7 +389,8 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
         ray_actor_options=ingress_actor_options(a.ingress_on_head),
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,
-           a.scales_to_zero(), prefill, FailoverPolicy(a.resume_streams, a.failover_wait_s))
+           a.scales_to_zero(), prefill, FailoverPolicy(a.resume_streams, a.failover_wait_s),
+           a.allow_runtime_lora_updating)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -83,6 +83,7 @@ class ServeArgs(BaseModel):
     max_lora_rank: int = 16
     lora_modules: dict[str, str] | list[str] | None = None
     lora_dir: str | None = None
+    allow_runtime_lora_updating: bool = False  # vLLM's /v1/load_lora_adapter and unload
     max_loaded_loras: int | None = None
     autoscaling_config: dict[str, Any] | None = None
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -188,6 +189,9 @@ class ServeArgs(BaseModel):
                         for name, path in parse_lora_modules(self.lora_modules).items()}
         lora_dir = os.path.abspath(self.lora_dir) if self.lora_dir else None
         AdapterCatalog(lora_modules, lora_dir, ())  # a bad name or directory fails here
+        if self.allow_runtime_lora_updating and self.ingress_replicas != 1:
+            raise ValueError("allow_runtime_lora_updating needs ingress_replicas=1 (each "
+                             "ingress replica keeps its own list; use lora_dir instead)")
         threads = self.num_threads
         if device == "cpu" and threads is None:
             threads = cpu_threads_per_rank(self.max_replicas(), self.tensor_parallel_size)
@@ -204,7 +208,8 @@ class ServeArgs(BaseModel):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, num_threads=threads,
             burst_wait_ms=self.burst_wait_ms,
-            enable_lora=self.enable_lora or bool(lora_modules) or lora_dir is not None,
+            enable_lora=self.enable_lora or bool(lora_modules) or lora_dir is not None
+            or self.allow_runtime_lora_updating,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             lora_modules=lora_modules or None, max_loaded_loras=self.max_loaded_loras,
             scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,

@@ -138,6 +138,34 @@ def test_remove_lora_is_refused_while_a_request_uses_it(tiny_llama_dir, llama_lo
         llm.shutdown()
 
 
+def test_a_name_moved_to_another_path_drops_its_old_adapter_when_idle(
+        tiny_llama_dir, llama_loras, llama_refs) -> None:
+    """What a replica does when the ingress serves a name from a new directory
+    (``/v1/load_lora_adapter`` with ``load_inplace``): refused while requests use the
+    old adapter, then the old one is unloaded and the new one serves the name."""
+    names = sorted(llama_loras)
+    old, new = llama_loras[names[0]], llama_loras[names[1]]
+    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_lora_rank=8, num_gpu_blocks=64)
+    engine = llm.engine
+    try:
+        loras = engine.loras
+        first = loras.resolve("moving", old.lora_path)
+        engine.add_request(PROMPTS[1], GREEDY, request_id="busy", lora_request=first)
+        engine.step()
+        with pytest.raises(ValueError, match="in use"):
+            loras.resolve("moving", new.lora_path)
+        assert engine.abort_request("busy")
+        moved = loras.resolve("moving", new.lora_path)
+        assert moved.lora_int_id != first.lora_int_id and moved.lora_path == new.lora_path
+        assert first not in engine.list_loras()
+        got = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=moved))
+        assert got == llama_refs[names[1]]
+        assert [lr.lora_name for lr in engine.list_loras()] == ["moving"]
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_the_least_recently_used_idle_adapter_is_unloaded_to_make_room(
         tiny_llama_dir, llama_loras, llama_refs) -> None:
     """``max_loaded_loras``: one more adapter unloads the LRU idle one, which its next

@@ -48,7 +48,8 @@ def lora_app(cluster: Cluster, adapters: dict[str, str]) -> Iterator[App]:
     app = cluster.deploy("lora", {"num_gpu_blocks": 128, "max_model_len": 512,
                                   "num_threads": 2, "max_num_seqs": 16, "max_loras": 2,
                                   "lora_modules": [f"sql={adapters['static']}"],
-                                  "lora_dir": adapters["lora_dir"]})
+                                  "lora_dir": adapters["lora_dir"],
+                                  "allow_runtime_lora_updating": True})
     yield app
     cluster.delete("lora")
 
@@ -159,6 +160,8 @@ def test_bad_lora_settings_fail_before_deploying(tmp_path: Path) -> None:
         ServeArgs(lora_modules=[f"x={tmp_path}"]).settings()
     with pytest.raises(ValueError, match="lora_dir"):
         ServeArgs(lora_dir=str(tmp_path / "missing")).settings()
+    with pytest.raises(ValueError, match="ingress_replicas"):
+        ServeArgs(allow_runtime_lora_updating=True, ingress_replicas=2).settings()
 
 
 def test_an_adapter_stream_cut_mid_generation_is_aborted(lora_app: App) -> None:
@@ -180,3 +183,46 @@ def test_an_adapter_stream_cut_mid_generation_is_aborted(lora_app: App) -> None:
     ok = httpx.post(f"{lora_app.base}/v1/completions", timeout=60,
                     json={"model": "sql", "prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_adapters_loaded_and_unloaded_at_run_time(lora_app: App, smol: App,
+                                                  adapters: dict[str, str],
+                                                  offline: dict[str, Any]) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: a name serves the
+    directory it was given (a new path with load_inplace, a new adapter to the
+    replicas), then stops; bad bodies are 400s naming the field; off by default."""
+    def post(path: str, body: dict[str, Any], app: App = lora_app) -> httpx.Response:
+        return httpx.post(f"{app.base}{path}", json=body, headers=app.headers, timeout=60)
+
+    def answer(model: str) -> str:
+        r = post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 12,
+                                     "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    pirate = str(Path(adapters["lora_dir"]) / "pirate")
+    ok = post("/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": adapters["static"]})
+    assert ok.status_code == 200 and ok.json()["success"], ok.text
+    assert answer("rt") == offline["completion"]["sql"]
+    ids = {m["id"] for m in httpx.get(f"{lora_app.base}/v1/models", timeout=30).json()["data"]}
+    assert "rt" in ids
+    again = post("/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": pirate})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+    assert post("/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": pirate,
+                                          "load_inplace": True}).status_code == 200
+    assert answer("rt") == offline["completion"]["pirate"]
+    for body, param in (({"lora_name": "x", "lora_path": "relative/dir"}, "lora_path"),
+                        ({"lora_name": "x", "lora_path": adapters["lora_dir"]}, "lora_path"),
+                        ({"lora_name": "../x", "lora_path": pirate}, "lora_name"),
+                        ({"lora_name": "sql", "lora_path": pirate}, "lora_name"),
+                        ({"lora_name": "x"}, "lora_path")):
+        bad = post("/v1/load_lora_adapter", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert post("/v1/unload_lora_adapter", {"lora_name": "rt"}).status_code == 200
+    gone = post("/v1/completions", {"model": "rt", "prompt": PROMPT, "max_tokens": 2})
+    assert gone.status_code == 404
+    assert post("/v1/unload_lora_adapter", {"lora_name": "rt"}).status_code == 404
+    assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 404
+    off = post("/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": pirate}, smol)
+    assert off.status_code == 400 and "allow-runtime-lora-updating" in off.text
+    lora_app.wait_baseline()
