@@ -28,13 +28,13 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from provenance import machine, tree_commit
 from quant import text_chunks  # CPython's pydoc topics, tokenised in chunks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -192,11 +192,8 @@ def main() -> None:
               f"{c['median']['invariant'][key]:>10.3f} "
               f"{c['invariant_over_default'][rkey]:>17.2f}x")
     print("  (invariant/default: time over time, > 1 = the invariant mode is slower)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=os.path.dirname(os.path.abspath(__file__))
-                            ).stdout.strip()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"tree {commit}")
+    commit = tree_commit()
+    print(f"machine: {machine()}; tree {commit}")
     for llm in llms.values():
         llm.shutdown()
     if args.json:

@@ -21,13 +21,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from provenance import machine, tree_commit
 from quant import text_chunks  # CPython's pydoc topics, tokenised in chunks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,11 +102,8 @@ def main() -> None:
         ratios[key] = capped[key] / base[key]
         print(f"  {label:<26} {base[key]:>9.3f} {capped[key]:>9.3f} {ratios[key]:>12.2f}x")
     print(f"  same tokens with and without the cap: {same}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=os.path.dirname(os.path.abspath(__file__))
-                            ).stdout.strip()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"tree {commit}")
+    commit = tree_commit()
+    print(f"machine: {machine()}; tree {commit}")
     for llm in llms.values():
         llm.shutdown()
     if args.json:

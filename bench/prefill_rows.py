@@ -24,8 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
-import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,10 @@ from pagedserve.kernels import build_varlen_metadata, cpu_backend, cpu_native
 from pagedserve.kernels.cpu_backend import CpuNativeBackend
 from pagedserve.kernels.testing import make_paged_batch
 from pagedserve.kernels.torch_ref import TorchBackend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from provenance import tree_commit  # a sibling script
 
 SHAPES = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}  # query heads, KV heads, head dim
 CASES = [(1, 128), (1, 512), (4, 512), (1, 1024), (1, 2048), (1, 4096)]  # prompts x tokens
@@ -107,10 +112,8 @@ def main() -> None:
                   f"{row['alone_ms']:9.2f} {row['sdpa_ms']:9.2f} "
                   f"{row['runs_over_alone']:10.2f} {row['runs_over_sdpa']:9.2f}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
         meta = {"machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(), "commit": commit,
+                "threads": torch.get_num_threads(), "commit": tree_commit(),
                 "rows_per_chunk": cpu_native.ROWS_PER_CHUNK,
                 "rows_max_keys": cpu_backend.ROWS_MAX_KEYS}
         with open(args.json, "w") as f:

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from typing import Any
@@ -44,6 +43,7 @@ from pagedserve.kernels.cpu_backend import CpuNativeBackend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from prefill_rows import best_interleaved  # a sibling script
+from provenance import tree_commit
 
 SHAPES = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}
 CASES = [  # rows, shared prefix tokens, own tokens
@@ -172,10 +172,8 @@ def main() -> None:
               f"{args.engine_reps}); cascade/plain time "
               f"{engine['cascade_over_plain_time']:.2f}; same tokens {engine['same_tokens']}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
         meta = {"machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(), "commit": commit,
+                "threads": torch.get_num_threads(), "commit": tree_commit(),
                 "kv_dtype": args.kv_dtype, "min_prefix": cpu_cascade.MIN_PREFIX_TOKENS}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "engine": engine}, f, indent=1)

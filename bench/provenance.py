@@ -1,0 +1,27 @@
+"""Where a benchmark's figures came from, for the JSON files the README quotes: the
+tree they ran on (``+dirty`` when it had uncommitted changes, which a commit hash
+alone would hide) and the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def tree_commit() -> str:
+    """The checkout's short commit hash, ``+dirty`` if files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=_HERE,
+                              check=False).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    return f"{commit}+dirty" if commit and git("status", "--porcelain", "--untracked-files=no") \
+        else commit
+
+
+def machine() -> str:
+    """The CPU (or architecture) and its core count, as the benches print it."""
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
