@@ -23,9 +23,7 @@ default mode and ``batch_invariant=True``, run side by side on the same inputs:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -34,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from provenance import machine, tree_commit
+from provenance import machine, tree_commit, write_figures
 from quant import text_chunks  # CPython's pydoc topics, tokenised in chunks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -197,10 +195,7 @@ def main() -> None:
     for llm in llms.values():
         llm.shutdown()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "machine": platform.platform(),
-                       "cpus": os.cpu_count(), "commit": commit, "determinism": det,
-                       "cost": c}, f, indent=1)
+        write_figures(args.json, args, commit, determinism=det, cost=c)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from provenance import machine, tree_commit
+from provenance import machine, tree_commit, write_figures
 from quant import text_chunks  # CPython's pydoc topics, tokenised in chunks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,10 +106,8 @@ def main() -> None:
     for llm in llms.values():
         llm.shutdown()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "machine": platform.platform(),
-                       "cpus": os.cpu_count(), "commit": commit, "medians": med,
-                       "cap_over_no_cap": ratios, "same_tokens": same}, f, indent=1)
+        write_figures(args.json, args, commit, medians=med, cap_over_no_cap=ratios,
+                      same_tokens=same)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ alone would hide) and the machine."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,3 +27,10 @@ def tree_commit() -> str:
 def machine() -> str:
     """The CPU (or architecture) and its core count, as the benches print it."""
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def write_figures(path: str, args: Any, commit: str, **results: Any) -> None:
+    """The figures as JSON: the arguments, the machine, the tree, then ``results``."""
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "machine": platform.platform(),
+                   "cpus": os.cpu_count(), "commit": commit, **results}, f, indent=1)
