@@ -25,7 +25,6 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -38,6 +37,7 @@ from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
+from pagedserve.cluster.http_errors import install_error_handlers
 from pagedserve.cluster.lora_serving import AdapterCatalog, LoRAEndpoints
 from pagedserve.cluster.lora_serving import router as lora_router
 from pagedserve.cluster.metrics import (
@@ -55,7 +55,6 @@ from pagedserve.cluster.protocol import (
     ChatMessage,
     CompletionRequest,
     max_tokens_for,
-    validation_error_body,
 )
 from pagedserve.cluster.reasoning import defer_constraint, thought_closed
 from pagedserve.cluster.responses import (
@@ -87,16 +86,7 @@ api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 _http = HttpMetrics()
 
 
-@api.exception_handler(APIError)
-async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-    return JSONResponse(validation_error_body(e.errors()), status_code=400)
-
-
+install_error_handlers(api)
 api.add_middleware(HttpMetricsMiddleware, metrics=_http)
 
 
