@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
     _engine_flags(s)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API (several: each is accepted, the "
+                        "first answers)")
     s.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: a request's 'priority' (lower first) orders admission "
                         "and preemption")
@@ -300,7 +302,8 @@ def serve_forever(args: argparse.Namespace) -> int:
         serve.run(app, name=args.name, route_prefix=args.route_prefix, blocking=False)
         prefix = args.route_prefix.rstrip("/")
         url = f"http://{args.host}:{args.port}{prefix}"
-        print(f"pagedserve: serving {args.served_model_name or args.model or 'SmolLM2-135M'}"
+        names = " / ".join(args.served_model_name or [args.model or "SmolLM2-135M"])
+        print(f"pagedserve: serving {names}"
               f" at {url}/v1 (health: {url}/health, metrics: {url}/metrics; "
               f"front: {front})", flush=True)
         if front == "direct":

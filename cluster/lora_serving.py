@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.cluster.protocol import APIError
+from pagedserve.cluster.responses import now
 from pagedserve.scheduler.lora_request import lora_cache_key
 
 router = APIRouter()
@@ -143,6 +144,41 @@ class LoRAEndpoints:
         self._check_updates(raw)
         self.adapters.unregister(body.lora_name)
         return {"success": True, "lora_name": body.lora_name}
+
+
+models_router = APIRouter()
+
+
+class ModelEndpoints:
+    """``GET /v1/models`` and ``/v1/models/{model}``: the served names and the adapters.
+    Mixed into ``OpenAIServer``, which provides ``_authorize``, ``_check_model``,
+    ``_engine_info``, the names and ``adapters``."""
+
+    @models_router.get("/v1/models")
+    async def models(self, raw: Request) -> dict[str, Any]:
+        self._authorize(raw)
+        base = await self._model_card()
+        aliases = [{**base, "id": name} for name in self.aliases]
+        adapters = [{**base, "id": name, "root": path, "parent": self.served_name}
+                    for name, path in self.adapters.available()]
+        return {"object": "list", "data": [base, *aliases, *adapters]}
+
+    @models_router.get("/v1/models/{model:path}")
+    async def model(self, model: str, raw: Request) -> dict[str, Any]:
+        """OpenAI's model retrieval: the base model or an adapter, by any name the
+        other routes take; a 404 ``model_not_found`` otherwise."""
+        self._authorize(raw)
+        lora = self._check_model(model)
+        base = await self._model_card()
+        if lora is None:
+            return {**base, "id": model}
+        return {**base, "id": model, "root": lora[1], "parent": self.served_name}
+
+    async def _model_card(self) -> dict[str, Any]:
+        info = await self._engine_info()
+        return {"id": self.served_name, "object": "model", "created": now(),
+                "owned_by": "pagedserve", "root": self.model_id, "parent": None,
+                "max_model_len": info["max_model_len"]}
 
 
 def adapter_affinity_key(name: str, path: str) -> bytes:

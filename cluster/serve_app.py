@@ -25,10 +25,12 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
 from pagedserve.cluster.admin_api import EngineAdmin
 from pagedserve.cluster.admin_api import router as admin_router
@@ -37,8 +39,13 @@ from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
-from pagedserve.cluster.http_errors import install_error_handlers
-from pagedserve.cluster.lora_serving import AdapterCatalog, LoRAEndpoints
+from pagedserve.cluster.http_errors import api_error, http_error, validation_error
+from pagedserve.cluster.lora_serving import (
+    AdapterCatalog,
+    LoRAEndpoints,
+    ModelEndpoints,
+    models_router,
+)
 from pagedserve.cluster.lora_serving import router as lora_router
 from pagedserve.cluster.metrics import (
     HttpMetrics,
@@ -61,7 +68,6 @@ from pagedserve.cluster.responses import (
     Formatter,
     ResponseState,
     new_id,
-    now,
     render_response,
 )
 from pagedserve.cluster.responses_api import ResponsesEndpoint
@@ -86,7 +92,23 @@ api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 _http = HttpMetrics()
 
 
-install_error_handlers(api)
+
+
+@api.exception_handler(APIError)
+async def _api_error(raw: Request, e: APIError) -> JSONResponse:
+    return await api_error(raw, e)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(raw: Request, e: RequestValidationError) -> JSONResponse:
+    return await validation_error(raw, e)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(raw: Request, e: HTTPException) -> JSONResponse:
+    return await http_error(raw, e)
+
+
 api.add_middleware(HttpMetricsMiddleware, metrics=_http)
 
 
@@ -95,17 +117,19 @@ api.include_router(responses_router)
 api.include_router(tokenize_router)
 api.include_router(pooling_router)
 api.include_router(lora_router)
+api.include_router(models_router)
 
 
 @serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEndpoints,
-                   LoRAEndpoints):
+                   LoRAEndpoints, ModelEndpoints):
     """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
 
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
-                 served_model_name: str | None = None, api_key: str | None = None,
+                 served_model_name: str | list[str] | None = None,
+                 api_key: str | None = None,
                  lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
                  pooling_type: str = "last", reasoning_parser: str | None = None,
                  scales_to_zero: bool = False, prefill: DeploymentHandle | None = None,
@@ -116,7 +140,12 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
         resolved = resolve_model(model)
         self.tokenizer = load_tokenizer(resolved)
         self.model_id = resolved.model_id
-        self.served_name = served_model_name or resolved.model_id
+        # vLLM's served names: the first answers in responses, each names the model.
+        names = [served_model_name] if isinstance(served_model_name, str) \
+            else list(served_model_name or [resolved.model_id])
+        self.served_name = names[0]
+        self.aliases = [n for n in dict.fromkeys(names[1:]) if n != names[0]]
+        self.base_names = (self.served_name, *self.aliases, self.model_id)
         self.api_key = api_key
         self.app_name = serve.get_replica_context().app_name
         self._engine = engine
@@ -125,8 +154,7 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
         self._info: dict[str, Any] | None = None
         self._info_lock = asyncio.Lock()
         self.fmt = Formatter(self.tokenizer, self.served_name)
-        self.adapters = AdapterCatalog(lora_modules, lora_dir,
-                                       (self.served_name, self.model_id))
+        self.adapters = AdapterCatalog(lora_modules, lora_dir, self.base_names)
         self.pooling_type = pooling_type
         self.reasoning_parser = reasoning_parser
         # autoscaling_config min_replicas = 0: no engine replica is a healthy, idle state.
@@ -146,11 +174,10 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
     def _check_model(self, name: str | None) -> tuple[str, str] | None:
         """None for the base model, ``(name, path)`` for a LoRA adapter, named alone (vLLM)
         or as ``BASE:ADAPTER`` (Ray Serve LLM); else a 404."""
-        if name is None or name in (self.served_name, self.model_id):
+        if name is None or name in self.base_names:
             return None
         base, sep, adapter = name.partition(":")
-        lora = self.adapters.lookup(adapter if sep and base in (self.served_name,
-                                                                self.model_id) else name)
+        lora = self.adapters.lookup(adapter if sep and base in self.base_names else name)
         if lora is None:
             more = " or a LoRA adapter (GET /v1/models)" if self.adapters.enabled else ""
             raise APIError(f"model {name!r} does not exist; this server serves "
@@ -303,31 +330,6 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
         return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in messages],
                                add_generation_prompt, tools, template_kwargs,
                                continue_final_message)
-
-    @api.get("/v1/models")
-    async def models(self, raw: Request) -> dict[str, Any]:
-        self._authorize(raw)
-        base = await self._model_card()
-        adapters = [{**base, "id": name, "root": path, "parent": self.served_name}
-                    for name, path in self.adapters.available()]
-        return {"object": "list", "data": [base, *adapters]}
-
-    @api.get("/v1/models/{model:path}")
-    async def model(self, model: str, raw: Request) -> dict[str, Any]:
-        """OpenAI's model retrieval: the base model or an adapter, by any name the
-        other routes take; a 404 ``model_not_found`` otherwise."""
-        self._authorize(raw)
-        lora = self._check_model(model)
-        base = await self._model_card()
-        if lora is None:
-            return {**base, "id": model}
-        return {**base, "id": model, "root": lora[1], "parent": self.served_name}
-
-    async def _model_card(self) -> dict[str, Any]:
-        info = await self._engine_info()
-        return {"id": self.served_name, "object": "model", "created": now(),
-                "owned_by": "pagedserve", "root": self.model_id, "parent": None,
-                "max_model_len": info["max_model_len"]}
 
     @api.get("/v1/stats")
     async def stats(self, raw: Request) -> dict[str, Any]:

@@ -37,7 +37,7 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # vLLM's: several names for one model
     tensor_parallel_size: int = 1
     num_replicas: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"

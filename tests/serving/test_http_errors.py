@@ -4,10 +4,11 @@ included (FastAPI alone answers those ``{"detail": ...}``); no Ray needed."""
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from pagedserve.cluster.http_errors import install_error_handlers
+from pagedserve.cluster.http_errors import api_error, validation_error
 from pagedserve.cluster.protocol import APIError
 
 
@@ -36,8 +37,9 @@ class Body(BaseModel):
 
 
 def test_api_errors_and_bad_bodies_too() -> None:
-    app = FastAPI()
-    install_error_handlers(app)
+    app = FastAPI()  # the handlers serve_app's call
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
 
     @app.post("/fail")
     async def fail(body: Body) -> dict:

@@ -49,7 +49,8 @@ def lora_app(cluster: Cluster, adapters: dict[str, str]) -> Iterator[App]:
                                   "num_threads": 2, "max_num_seqs": 16, "max_loras": 2,
                                   "lora_modules": [f"sql={adapters['static']}"],
                                   "lora_dir": adapters["lora_dir"],
-                                  "allow_runtime_lora_updating": True})
+                                  "allow_runtime_lora_updating": True,
+                                  "served_model_name": ["smol", "smol-alias"]})
     yield app
     cluster.delete("lora")
 
@@ -75,9 +76,15 @@ def test_models_lists_the_adapters_with_their_parent(lora_app: App) -> None:
     data = httpx.get(f"{lora_app.base}/v1/models", timeout=30).json()["data"]
     by_id = {m["id"]: m for m in data}
     base = data[0]["id"]
-    assert set(by_id) == {base, "sql", "pirate"}
+    assert [m["id"] for m in data[:2]] == ["smol", "smol-alias"]  # vLLM's served names
+    assert set(by_id) == {base, "smol-alias", "sql", "pirate"}
     assert by_id["sql"]["parent"] == by_id["pirate"]["parent"] == base
-    assert by_id[base]["parent"] is None
+    assert by_id[base]["parent"] is None and by_id["smol-alias"]["parent"] is None
+    # Either served name names the base model, alone or as BASE:ADAPTER's base.
+    for model, answered in (("smol-alias", "smol"), ("smol-alias:sql", "sql")):
+        r = httpx.post(f"{lora_app.base}/v1/completions", timeout=60,
+                       json={"model": model, "prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == answered, r.text
     assert by_id["pirate"]["root"].endswith("pirate")
     one = httpx.get(f"{lora_app.base}/v1/models/pirate", timeout=30).json()
     assert one == by_id["pirate"] | {"created": one["created"]}
