@@ -1,4 +1,5 @@
-"""Which OpenAI ``model`` names are LoRA adapters, for the HTTP ingress.
+"""Which OpenAI ``model`` names are LoRA adapters, for the HTTP ingress, and the routes
+that list the names (``/v1/models``) and add adapters at run time.
 
 Three sources, as in vLLM and Ray Serve LLM: ``lora_modules`` (name -> PEFT
 directory, loaded on every replica at start), ``lora_dir`` (Ray Serve LLM's
@@ -80,7 +81,6 @@ class AdapterCatalog:
                 if hit is not None:
                     found[path.name] = hit[1]
         return list(found.items())
-
 
     def register(self, name: str, path: str, replace: bool = False) -> None:
         """Serve ``path`` as ``name`` from now on (a 400 naming the field otherwise)."""

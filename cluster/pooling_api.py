@@ -58,7 +58,7 @@ class PoolingEndpoints:
         """Cosine similarity of each pair, and the prompt tokens embedded (each distinct
         text once)."""
         texts = list(dict.fromkeys(firsts + seconds))
-        results = await self._embed(body, list(texts), "score")
+        results = await self._embed(body, texts, "score")
         vecs = {t: r["embedding"] for t, r in zip(texts, results, strict=True)}
         scores = [sum(a * b for a, b in zip(vecs[x], vecs[y], strict=True))
                   for x, y in zip(firsts, seconds, strict=True)]
