@@ -103,9 +103,11 @@ def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     # The ingress drains a failover wait longer, to resume what the engines' drain cut.
     assert ingress._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 90.0
     ingress = build_app({"device": "cpu", "num_gpu_blocks": 64, "drain_timeout_s": 30,
-                         "failover_wait_s": 300, "resume_streams": False})
+                         "failover_wait_s": 300, "resume_streams": False,
+                         "allow_runtime_lora_updating": True})
     assert ingress._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 330.0
-    assert ingress._bound_deployment.init_args[-1] == FailoverPolicy(resume=False, wait_s=300.0)
+    *_, failover, lora_updates = ingress._bound_deployment.init_args
+    assert failover == FailoverPolicy(resume=False, wait_s=300.0) and lora_updates is True
     # The ingress (clients' connections) is pinned to the head unless told otherwise.
     pinned = build_app({"device": "cpu", "num_gpu_blocks": 64})
     opts = pinned._bound_deployment.ray_actor_options
