@@ -361,21 +361,17 @@ class LLMEngine:
         self.executor.check_health()
 
     def get_stats(self) -> dict[str, Any]:
-        mem = self.scheduler.memory_stats().as_dict()
+        sched, mem = self.scheduler, self.scheduler.memory_stats().as_dict()
+        queues = {"running": sched.running, "waiting": sched.waiting, "swapped": sched.swapped}
         return {
             **self.stats,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": len(self.scheduler.swapped),
-            "num_preemptions": dict(self.scheduler.num_preemptions),
-            "prefix_cache_queries": self.scheduler.kv.prefix_queries,
-            "prefix_cache_hits": self.scheduler.kv.prefix_hits,
-            "kv_offload": {"enabled": self.scheduler.kv.offload_enabled,
-                           **self.scheduler.kv.offload_stats},
-            "spec_decode": dict(self.scheduler.spec_stats),
-            "lora": self.loras.stats({"running": self.scheduler.running,
-                                      "waiting": self.scheduler.waiting,
-                                      "swapped": self.scheduler.swapped}),
+            **{f"num_{name}": len(q) for name, q in queues.items()},
+            "num_preemptions": dict(sched.num_preemptions),
+            "prefix_cache_queries": sched.kv.prefix_queries,
+            "prefix_cache_hits": sched.kv.prefix_hits,
+            "kv_offload": {"enabled": sched.kv.offload_enabled, **sched.kv.offload_stats},
+            "spec_decode": dict(sched.spec_stats),
+            "lora": self.loras.stats(queues),
             "memory": {**mem, "kv_cache_dtype": self.model_info["kv_cache_dtype"],
                        "bytes_per_block": int(self.model_info["bytes_per_block"]),
                        "quantization": self.model_info.get("quantization"),
