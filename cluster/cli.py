@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: "
                         "serve an adapter directory under a name at run time")
+    s.add_argument("--enable-responses-store", action="store_true",
+                   help="keep /v1/responses answers (store): previous_response_id, "
+                        "background, GET/DELETE /v1/responses/{id} and cancel")
+    s.add_argument("--responses-store-max-entries", type=int, default=10_000,
+                   help="stored responses kept; past it the least recently used finished "
+                        "one is dropped")
     s.add_argument("--max-loaded-loras", type=int, default=None,
                    help="adapters a replica keeps loaded; more unload the least recently "
                         "used idle one (default: 16, or --max-loras if more)")

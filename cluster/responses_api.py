@@ -9,7 +9,9 @@ calls. Streamed, the chat deltas become the Responses events in their order:
 its part and text deltas and their ``done`` events, and last
 ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut the
 answer) carrying the whole response; an error after the first event is an
-``error`` event. Every event has a ``sequence_number``.
+``error`` event. Every event has a ``sequence_number``. With the responses store
+(``--enable-responses-store``), a finished response is stored before the client
+sees it, and ``background`` ones run on in this replica (``responses_stored``).
 
 The route lives on an ``APIRouter`` bound to this mixin; ``OpenAIServer`` inherits it.
 """
@@ -18,13 +20,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.protocol import APIError
+from pagedserve.cluster.response_store import ACTIVE
 from pagedserve.cluster.responses import Formatter, ResponseState, now, started
 from pagedserve.cluster.responses_protocol import (
     ResponsesRequest,
@@ -32,8 +35,10 @@ from pagedserve.cluster.responses_protocol import (
     responses_error,
     responses_usage,
 )
+from pagedserve.cluster.responses_stored import start_background
 
 router = APIRouter()
+Saver = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def _id(prefix: str) -> str:
@@ -47,8 +52,10 @@ def _output_text(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, 
 class ResponseBuilder:
     """One response's output items and events, from the chat path's state and chunks."""
 
-    def __init__(self, body: ResponsesRequest, rid: str, model: str, fmt: Formatter) -> None:
+    def __init__(self, body: ResponsesRequest, rid: str, model: str, fmt: Formatter,
+                 stored: bool = False) -> None:
         self.body, self.id, self.model, self.fmt = body, rid, model, fmt
+        self.stored = stored  # echoed as ``store``
         self.created = now()
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # in output order, as they stand
@@ -57,14 +64,16 @@ class ResponseBuilder:
         self.logprobs: list[dict[str, Any]] = []  # of the message
         self.backlog: list[dict[str, Any]] = []  # logprobs not sent yet
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> item
+        self.final: dict[str, Any] | None = None  # the streamed response, once finished
 
     # ---- whole responses --------------------------------------------------------------
 
     def response(self, st: ResponseState, status: str | None = None) -> dict[str, Any]:
-        """The ``response`` object: in progress (no output yet), or finished from ``st``."""
-        if status == "in_progress":
+        """The ``response`` object: queued or in progress (no output yet), or finished
+        from ``st``."""
+        if status in ACTIVE:
             return response_object(self.id, self.body, self.model, self.created, status,
-                                   [], None)
+                                   [], None, stored=self.stored)
         (choice,) = self.fmt.full_response(st)["choices"]
         message = choice["message"]
         cut = choice["finish_reason"] == "length"
@@ -90,7 +99,14 @@ class ResponseBuilder:
             if thought else 0
         return response_object(self.id, self.body, self.model, self.created, done, output,
                                responses_usage(st.usage(), reasoning_tokens),
-                               "max_output_tokens" if cut else None)
+                               "max_output_tokens" if cut else None, self.stored)
+
+    def failed(self, e: APIError) -> dict[str, Any]:
+        """A background response that ended in an error."""
+        r = response_object(self.id, self.body, self.model, self.created, "failed", [],
+                            None, stored=self.stored)
+        err = responses_error(e)
+        return {**r, "error": {"code": str(err.code), "message": err.message}}
 
     def _item_id(self, kind: str) -> str:
         """A streamed item keeps its id in the final response."""
@@ -136,7 +152,7 @@ class ResponseBuilder:
                                   output_index=idx, arguments=item["arguments"]))
             item["status"] = "completed"
             out.append(self.event("response.output_item.done", output_index=idx, item=item))
-        r = self.response(st)
+        r = self.final = self.response(st)
         kind = "response.incomplete" if r["status"] == "incomplete" else "response.completed"
         return [*out, self.event(kind, response=r)]
 
@@ -213,14 +229,19 @@ class ResponseBuilder:
 
 
 async def render_responses(builder: ResponseBuilder, st: ResponseState,
-                           chunks: AsyncIterator[tuple[int, Any]], stream: bool) -> Response:
+                           chunks: AsyncIterator[tuple[int, Any]], stream: bool,
+                           save: Saver | None = None) -> Response:
     """The response body, or its events (the first chunk awaited before the 200, so an
-    early error is a plain HTTP error, as on the other routes)."""
+    early error is a plain HTTP error, as on the other routes); ``save`` stores the
+    finished response before the client sees it, so a next turn can name it at once."""
     fmt = builder.fmt
     if not stream:
         async for i, c in chunks:
             fmt.add(st, i, c)
-        return JSONResponse(builder.response(st))
+        r = builder.response(st)
+        if save is not None:
+            await save(r)
+        return JSONResponse(r)
     chunks = await started(chunks)
 
     async def events() -> AsyncIterator[str]:
@@ -231,7 +252,10 @@ async def render_responses(builder: ResponseBuilder, st: ResponseState,
                 for chunk in fmt.stream_chunks(st, i, c, False):
                     for ev in builder.feed(chunk):
                         yield ev
-            for ev in builder.finish(st):
+            last = builder.finish(st)
+            if save is not None and builder.final is not None:
+                await save(builder.final)
+            for ev in last:
                 yield ev
         except APIError as e:
             err = responses_error(e)
@@ -245,19 +269,33 @@ async def render_responses(builder: ResponseBuilder, st: ResponseState,
 
 class ResponsesEndpoint:
     """Mixed into ``OpenAIServer``, which provides the chat path (``_chat_request``,
-    ``_start``), ``_authorize``, ``fmt`` and ``served_name``."""
+    ``_start``), ``_authorize``, ``fmt``, ``served_name`` and ``responses_store``."""
 
     @router.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, raw: Request) -> Response:
         self._authorize(raw)
         rid = _id("resp")
+        store = self.responses_store
         try:
-            chat = body.to_chat()
+            stored = body.check_storage(store is not None)
+            items = body.input_items()
+            history = [] if store is None or body.previous_response_id is None \
+                else await store("conversation", body.previous_response_id)
+            chat = body.to_chat(history + items)
             req, tools, closed = await self._chat_request(rid, chat)
         except APIError as e:
             raise responses_error(e) from None
         st, chunks = self._start(rid, [req], "chat.completion", chat.logprobs, tools=tools,
                                  thought_closed=closed)
         lora = req.lora
-        builder = ResponseBuilder(body, rid, lora[0] if lora else self.served_name, self.fmt)
-        return await render_responses(builder, st, chunks, body.stream)
+        builder = ResponseBuilder(body, rid, lora[0] if lora else self.served_name, self.fmt,
+                                  stored)
+        if store is None or not stored:
+            return await render_responses(builder, st, chunks, body.stream)
+        if body.background:
+            return await start_background(store, builder, st, chunks, items)
+
+        async def save(r: dict[str, Any]) -> None:
+            await store("put", r, items, body.previous_response_id)
+
+        return await render_responses(builder, st, chunks, body.stream, save)

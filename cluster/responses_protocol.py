@@ -6,13 +6,15 @@ flat function tools, ``text.format`` for ``response_format``), and an answer
 whose output is a list of items (a reasoning item, a message with
 ``output_text``, function calls) instead of choices. Running it through the chat
 path keeps one implementation of templates, tools, reasoning parsers, output
-constraints, routing and failover; only the shapes differ. This server keeps no
-responses (``store`` is answered ``false``, as vLLM does without its store), so
-``previous_response_id`` and ``background`` are refused.
+constraints, routing and failover; only the shapes differ. With the responses
+store (``response_store``), ``previous_response_id`` prepends the stored
+conversation's items to ``input``; without it (the default, as vLLM's) ``store``
+is answered ``false`` and ``previous_response_id`` and ``background`` are refused.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -54,6 +56,8 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
     priority: int = 0
     cache_salt: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -62,15 +66,46 @@ class ResponsesRequest(BaseModel):
     def logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or [])
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat completion this response runs as; a 400 naming the Responses field
-        when it cannot be one."""
-        if self.previous_response_id is not None:
-            raise APIError("previous_response_id needs stored responses, which this server "
-                           "does not keep: send the whole conversation in input",
-                           param="previous_response_id")
-        if self.background:
-            raise APIError("background responses are not supported", param="background")
+    def check_storage(self, has_store: bool) -> bool:
+        """Whether this response is stored; a 400 for what needs a store it cannot have."""
+        if not has_store:
+            if self.previous_response_id is not None:
+                raise APIError("previous_response_id needs stored responses, which this "
+                               "server does not keep (serve with --enable-responses-store), "
+                               "or send the whole conversation in input",
+                               param="previous_response_id")
+            if self.background:
+                raise APIError("background responses need the responses store (serve "
+                               "with --enable-responses-store)", param="background")
+            return False
+        if self.background and self.store is False:
+            raise APIError("background responses must be stored (store: true)",
+                           param="background")
+        if self.background and self.stream:
+            raise APIError("streamed background responses are not supported: poll "
+                           "GET /v1/responses/{id}", param="background")
+        return self.store is not False
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """``input`` as items with ids (a string is one user message), as stored and as
+        ``GET /v1/responses/{id}/input_items`` lists them."""
+        items = [{"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": self.input}]}] \
+            if isinstance(self.input, str) else self.input
+        if not items:
+            raise APIError("input must not be empty", param="input")
+        out = []
+        for item in items:
+            kind = item.get("type", "message")
+            prefix = {"message": "msg", "function_call": "fc",
+                      "function_call_output": "fco", "reasoning": "rs"}.get(kind, "item")
+            out.append({"id": f"{prefix}_{uuid.uuid4().hex}", **item, "type": kind})
+        return out
+
+    def to_chat(self, items: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat completion this response runs as (over ``items``: a stored
+        conversation's and this input's; this input's alone when None); a 400 naming
+        the Responses field when it cannot be one."""
         if self.truncation not in (None, "disabled"):
             raise APIError("truncation must be 'disabled'", param="truncation")
         unknown = sorted(set(self.include or []) - {LOGPROBS_INCLUDE})
@@ -81,10 +116,12 @@ class ResponsesRequest(BaseModel):
             raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
                            param="top_logprobs")
         body: dict[str, Any] = {
-            "model": self.model, "messages": self._messages(),
+            "model": self.model,
+            "messages": self._messages(self.input_items() if items is None else items),
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
-            "repetition_penalty": self.repetition_penalty, "stream": self.stream,
+            "repetition_penalty": self.repetition_penalty, "stop": self.stop,
+            "ignore_eos": self.ignore_eos, "stream": self.stream,
             "tools": self._tools(), "tool_choice": self._tool_choice(),
             "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": self._format(), "logprobs": self.logprobs(),
@@ -104,17 +141,13 @@ class ResponsesRequest(BaseModel):
             raise responses_error(e) from None
         return chat
 
-    def _messages(self) -> list[dict[str, Any]]:
-        """Chat messages: the instructions as a system message, then ``input``'s items
+    def _messages(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Chat messages: the instructions as a system message, then the items
         (messages; function calls and their outputs as assistant tool calls and tool
         turns; earlier reasoning items dropped, as chat templates drop thoughts)."""
         out: list[dict[str, Any]] = []
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) \
-            else self.input
-        if not items:
-            raise APIError("input must not be empty", param="input")
         for item in items:
             kind = item.get("type", "message")
             if kind == "message":
@@ -202,8 +235,8 @@ def responses_error(e: APIError) -> APIError:
 
 def response_object(rid: str, body: ResponsesRequest, model: str, created: int,
                     status: str, output: list[dict[str, Any]],
-                    usage: dict[str, Any] | None, incomplete: str | None = None
-                    ) -> dict[str, Any]:
+                    usage: dict[str, Any] | None, incomplete: str | None = None,
+                    stored: bool = False) -> dict[str, Any]:
     """The ``response`` object, echoing the request's settings as OpenAI does."""
     fmt = (body.text or {}).get("format") or {"type": "text"}
     return {
@@ -215,9 +248,10 @@ def response_object(rid: str, body: ResponsesRequest, model: str, created: int,
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "text": {"format": fmt}, "reasoning": body.reasoning, "store": False,
-        "previous_response_id": None, "metadata": body.metadata or {}, "user": body.user,
-        "top_logprobs": body.top_logprobs, "truncation": "disabled", "background": False}
+        "text": {"format": fmt}, "reasoning": body.reasoning, "store": stored,
+        "previous_response_id": body.previous_response_id, "metadata": body.metadata or {},
+        "user": body.user, "top_logprobs": body.top_logprobs, "truncation": "disabled",
+        "background": bool(body.background)}
 
 
 def responses_usage(chat_usage: dict[str, Any], reasoning_tokens: int) -> dict[str, Any]:

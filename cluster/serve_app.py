@@ -64,6 +64,7 @@ from pagedserve.cluster.protocol import (
     max_tokens_for,
 )
 from pagedserve.cluster.reasoning import defer_constraint, thought_closed
+from pagedserve.cluster.response_store import ResponseStoreServer, StoreClient
 from pagedserve.cluster.responses import (
     Formatter,
     ResponseState,
@@ -72,6 +73,8 @@ from pagedserve.cluster.responses import (
 )
 from pagedserve.cluster.responses_api import ResponsesEndpoint
 from pagedserve.cluster.responses_api import router as responses_router
+from pagedserve.cluster.responses_stored import StoredResponsesEndpoints
+from pagedserve.cluster.responses_stored import router as stored_router
 from pagedserve.cluster.router import (
     affinity_snapshot,
     known_replicas,
@@ -90,8 +93,6 @@ INGRESS_DEPLOYMENT = "OpenAIServer"
 
 api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 _http = HttpMetrics()
-
-
 
 
 @api.exception_handler(APIError)
@@ -114,6 +115,7 @@ api.add_middleware(HttpMetricsMiddleware, metrics=_http)
 
 api.include_router(admin_router)
 api.include_router(responses_router)
+api.include_router(stored_router)
 api.include_router(tokenize_router)
 api.include_router(pooling_router)
 api.include_router(lora_router)
@@ -123,8 +125,8 @@ api.include_router(models_router)
 @serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
-class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEndpoints,
-                   LoRAEndpoints, ModelEndpoints):
+class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
+                   TokenizeEndpoints, PoolingEndpoints, LoRAEndpoints, ModelEndpoints):
     """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
 
     def __init__(self, engine: DeploymentHandle, model: str | None = None,
@@ -134,7 +136,8 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
                  pooling_type: str = "last", reasoning_parser: str | None = None,
                  scales_to_zero: bool = False, prefill: DeploymentHandle | None = None,
                  failover: FailoverPolicy | None = None,
-                 allow_runtime_lora_updating: bool = False) -> None:
+                 allow_runtime_lora_updating: bool = False,
+                 responses_store: DeploymentHandle | None = None) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -162,6 +165,7 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, TokenizeEndpoints, PoolingEnd
         self._prefill = prefill  # the prefill pool of a disaggregated app (stats only)
         self.failover = failover or FailoverPolicy()
         self.lora_updates = allow_runtime_lora_updating
+        self.responses_store = StoreClient(responses_store) if responses_store else None
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -373,6 +377,8 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
                                                a.stream_messages_per_s, prefill,
                                                a.remote_prefill(), a.checkpoint_interval_ms)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
+    store = ResponseStoreServer.bind(a.responses_store_max_entries) \
+        if a.enable_responses_store else None
     return OpenAIServer.options(
         # The ingress outlives its engine replicas' drain: what the drain cuts off must
         # still resume (a redeploy) or end with an error event (a deletion).
@@ -382,7 +388,7 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,
            a.scales_to_zero(), prefill, FailoverPolicy(a.resume_streams, a.failover_wait_s),
-           a.allow_runtime_lora_updating)
+           a.allow_runtime_lora_updating, responses_store=store)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -85,6 +85,9 @@ class ServeArgs(BaseModel):
     lora_dir: str | None = None
     allow_runtime_lora_updating: bool = False  # vLLM's /v1/load_lora_adapter and unload
     max_loaded_loras: int | None = None
+    # The Responses API's store (previous_response_id, background, GET/DELETE/cancel).
+    enable_responses_store: bool = False
+    responses_store_max_entries: int = Field(default=10_000, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     priority_aging_s: float | None = None  # seconds waited that count as one level

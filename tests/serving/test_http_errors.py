@@ -22,7 +22,7 @@ def test_the_ingress_answers_unknown_routes_and_methods_in_openai_shape() -> Non
     from pagedserve.cluster.serve_app import api
 
     client = TestClient(api)
-    for method, path, status in (("GET", "/v1/responses/resp_1", 404),
+    for method, path, status in (("GET", "/v1/files/file_1", 404),
                                  ("POST", "/v1/nope", 404),
                                  ("GET", "/v1/chat/completions", 405),
                                  ("DELETE", "/v1/models", 405)):

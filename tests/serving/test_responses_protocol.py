@@ -51,8 +51,6 @@ def test_settings_map_to_chat_fields() -> None:
 
 
 @pytest.mark.parametrize(("kw", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"top_logprobs": 99}, "top_logprobs"),
@@ -69,9 +67,53 @@ def test_what_a_chat_cannot_carry_names_the_responses_field(kw: dict, param: str
     assert e.value.param == param, e.value.message
 
 
+@pytest.mark.parametrize(("kw", "has_store", "param"), [
+    ({"previous_response_id": "resp_1"}, False, "previous_response_id"),
+    ({"background": True}, False, "background"),
+    ({"background": True, "store": False}, True, "background"),
+    ({"background": True, "stream": True}, True, "background"),
+])
+def test_what_needs_a_store_it_cannot_have_is_refused(kw: dict, has_store: bool,
+                                                      param: str) -> None:
+    with pytest.raises(APIError) as e:
+        ResponsesRequest(**{"input": "hi", **kw}).check_storage(has_store)
+    assert e.value.param == param, e.value.message
+
+
+def test_storage_follows_store_and_the_server() -> None:
+    assert ResponsesRequest(input="hi").check_storage(True) is True  # OpenAI's default
+    assert ResponsesRequest(input="hi", store=False).check_storage(True) is False
+    assert ResponsesRequest(input="hi", store=True).check_storage(False) is False
+
+
+def test_input_items_get_ids_and_a_stored_conversation_leads_the_chat() -> None:
+    body = ResponsesRequest(instructions="Be brief.", input="And Rome?")
+    (item,) = body.input_items()
+    assert item["id"].startswith("msg_") and item["type"] == "message"
+    assert item["content"] == [{"type": "input_text", "text": "And Rome?"}]
+    # A stored turn: its input and output items (ids, statuses, annotations kept).
+    history = [{"id": "msg_1", "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+               {"id": "rs_1", "type": "reasoning", "summary": [], "content": []},
+               {"id": "msg_2", "type": "message", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "Sunny.", "annotations": [],
+                             "logprobs": []}]}]
+    got = [m.as_template_dict() for m in body.to_chat([*history, item]).messages]
+    assert got == [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": "Sunny."},
+                   {"role": "user", "content": "And Rome?"}]
+
+
 def test_chat_errors_are_renamed() -> None:
     e = responses_error(APIError("max_completion_tokens must be at least 1",
                                  param="max_completion_tokens"))
     assert (e.param, e.message) == ("max_output_tokens", "max_output_tokens must be at least 1")
     e = responses_error(APIError("messages too long", param="messages", code="context_length"))
     assert (e.param, e.code, e.status) == ("input", "context_length", 400)
+
+
+def test_vllm_stop_extras_reach_the_chat() -> None:
+    chat = ResponsesRequest(input="hi", stop=["\n"], ignore_eos=True).to_chat()
+    params = chat.sampling_params(8, None, 49152)
+    assert params.stop == ["\n"] and params.ignore_eos is True

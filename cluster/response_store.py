@@ -1,0 +1,209 @@
+"""Stored responses for the Responses API: ``store``, ``previous_response_id``,
+``background``, and the ``GET`` / ``DELETE`` / ``cancel`` / ``input_items`` routes.
+
+Why a deployment of its own: with several ingress replicas a conversation's next
+turn, a poll of a background response or its cancel may reach any of them, so the
+records live in one place every ingress replica calls (``ResponseStoreServer``, one
+replica, no CPU reserved). Each record keeps the response as it stands, its own
+input items and the id of the response it continued; a conversation is found by
+walking those links, so a long chat costs one copy of each turn, not one per turn.
+Memory is bounded: past ``max_entries`` the least recently used finished record is
+dropped (a conversation that continues it then gets a 404 naming it), as a server
+without a database must. A record lives as long as the store's replica: a restart
+of the app loses them, and a background response whose ingress replica died stays
+``in_progress`` until deleted.
+
+``ResponseStore`` holds the logic (tested without Ray); the deployment wraps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+
+from pagedserve.cluster.protocol import APIError
+
+STORE_DEPLOYMENT = "ResponseStore"
+ACTIVE = ("queued", "in_progress")
+
+
+def not_found(rid: str, param: str | None = None) -> APIError:
+    return APIError(f"response with id {rid!r} not found", status=404, param=param,
+                    code="response_not_found")
+
+
+@dataclass
+class Record:
+    """One stored response: the object as it stands, its input items, the one it continued."""
+
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    previous: str | None
+    background: bool = False
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ResponseStore:
+    """Responses by id, least recently used first, at most ``max_entries`` of them."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        if max_entries < 1:
+            raise ValueError(f"responses_store_max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.records: OrderedDict[str, Record] = OrderedDict()
+
+    def _record(self, rid: str, param: str | None = None) -> Record:
+        rec = self.records.get(rid)
+        if rec is None:
+            raise not_found(rid, param)
+        self.records.move_to_end(rid)
+        return rec
+
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
+            previous: str | None, background: bool = False) -> None:
+        """Store a new response (finished, or a background one just queued)."""
+        self.records[response["id"]] = Record(response, input_items, previous, background)
+        self.records.move_to_end(response["id"])
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished records past the bound (a running
+        background response is kept: its task still writes to it)."""
+        excess = len(self.records) - self.max_entries
+        for rid in [r for r, rec in self.records.items()
+                    if rec.response["status"] not in ACTIVE][:max(excess, 0)]:
+            del self.records[rid]
+
+    def update(self, response: dict[str, Any]) -> bool:
+        """A background response's progress or end; False (and nothing written) once it
+        was cancelled or deleted, so a cancel is never overwritten by the answer."""
+        rec = self.records.get(response["id"])
+        if rec is None or rec.response["status"] == "cancelled":
+            return False
+        rec.response = response
+        if response["status"] not in ACTIVE:
+            rec.cancelled.set()  # releases the task's wait, which then reads False
+            self._evict()
+        return True
+
+    def get(self, rid: str) -> dict[str, Any]:
+        return self._record(rid).response
+
+    def delete(self, rid: str) -> dict[str, Any]:
+        rec = self._record(rid)
+        del self.records[rid]
+        rec.cancelled.set()  # a deleted background response stops generating
+        return {"id": rid, "object": "response", "deleted": True}
+
+    def cancel(self, rid: str) -> dict[str, Any]:
+        """OpenAI's cancel: only background responses; idempotent once cancelled."""
+        rec = self._record(rid)
+        status = rec.response["status"]
+        if not rec.background:
+            raise APIError("only background responses can be cancelled", param="response_id")
+        if status == "cancelled":
+            return rec.response
+        if status not in ACTIVE:
+            raise APIError(f"cannot cancel a response that is {status}", param="response_id")
+        rec.response = {**rec.response, "status": "cancelled"}
+        rec.cancelled.set()
+        return rec.response
+
+    async def wait_cancelled(self, rid: str) -> bool:
+        """Returns once ``rid`` ends: True when cancelled or deleted, False when it finished."""
+        rec = self.records.get(rid)
+        if rec is None:
+            return True
+        await rec.cancelled.wait()
+        now = self.records.get(rid)
+        return now is None or now.response["status"] == "cancelled"
+
+    def conversation(self, rid: str) -> list[dict[str, Any]]:
+        """The items a response continuing ``rid`` starts from: each earlier turn's input
+        items and output, oldest first; a 404 naming ``previous_response_id`` when a link
+        is gone, a 400 while ``rid`` is still running."""
+        chain: list[Record] = []
+        seen: set[str] = set()
+        at: str | None = rid
+        while at is not None and at not in seen:
+            seen.add(at)
+            rec = self._record(at, "previous_response_id")
+            if rec.response["status"] in ACTIVE:
+                raise APIError(f"response {at!r} is still {rec.response['status']}",
+                               param="previous_response_id")
+            chain.append(rec)
+            at = rec.previous
+        items: list[dict[str, Any]] = []
+        for rec in reversed(chain):
+            items += rec.input_items + rec.response["output"]
+        return items
+
+    def input_items(self, rid: str, limit: int = 20, order: str = "desc",
+                    after: str | None = None) -> dict[str, Any]:
+        """One page of ``rid``'s input items, as OpenAI lists them."""
+        if not 1 <= limit <= 100:
+            raise APIError("limit must be in [1, 100]", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError("order must be 'asc' or 'desc'", param="order")
+        items = list(self._record(rid).input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [i.get("id") for i in items]
+            if after not in ids:
+                raise APIError(f"no input item {after!r} in response {rid!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page,
+                "first_id": page[0].get("id") if page else None,
+                "last_id": page[-1].get("id") if page else None,
+                "has_more": len(items) > limit}
+
+
+def _answer(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """An ``APIError`` crosses the handle as data: the ingress raises it again."""
+    try:
+        return {"ok": fn(*args, **kwargs)}
+    except APIError as e:
+        return {"error": {"message": e.message, "status": e.status, "type": e.type,
+                          "param": e.param, "code": e.code}}
+
+
+@serve.deployment(name=STORE_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
+                  ray_actor_options={"num_cpus": 0})
+class ResponseStoreServer:
+    """The store, one replica for every ingress replica (background waits are long
+    calls, hence the large bound on ongoing requests)."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self.store = ResponseStore(max_entries)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if method not in ("put", "update", "get", "delete", "cancel", "conversation",
+                          "input_items"):
+            raise ValueError(f"unknown store method {method!r}")
+        return _answer(getattr(self.store, method), *args, **kwargs)
+
+    async def wait_cancelled(self, rid: str) -> bool:
+        return await self.store.wait_cancelled(rid)
+
+
+class StoreClient:
+    """The ingress's side: the store's methods as coroutines raising the ``APIError``
+    the store answered."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        answer = await self.handle.call.remote(method, *args, **kwargs)
+        if "error" in answer:
+            raise APIError(**answer["error"])
+        return answer["ok"]
+
+    async def wait_cancelled(self, rid: str) -> bool:
+        return bool(await self.handle.wait_cancelled.remote(rid))

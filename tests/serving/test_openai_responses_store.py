@@ -1,0 +1,157 @@
+"""Stored responses over HTTP (``--enable-responses-store``) on the default model, two
+ingress replicas sharing one store, read with the ``openai`` client:
+``previous_response_id`` continues the stored conversation (the answer equals the
+chat completion of the whole conversation), ``GET`` / ``DELETE`` / ``input_items``
+follow OpenAI, background responses are polled to the foreground answer, and a
+cancel or delete mid-generation stops it and frees the engine's blocks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.conftest import SMOL_ARGS, App, Cluster, wait_for
+from tests.serving.test_openai_api import MODEL
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def stored(cluster: Cluster) -> Iterator[App]:
+    app = cluster.deploy("stored", {**SMOL_ARGS, "enable_responses_store": True,
+                                    "ingress_replicas": 2})
+    yield app
+    cluster.delete("stored")
+
+
+def _get(app: App, path: str, **params: Any) -> httpx.Response:
+    return httpx.get(f"{app.base}/v1/responses/{path}", params=params, headers=app.headers,
+                     timeout=60)
+
+
+def _create(app: App, **kw: Any) -> Any:
+    return app.openai().responses.create(model=MODEL, temperature=0, **kw)
+
+
+def test_a_conversation_continues_from_the_stored_response(stored: App) -> None:
+    first = _create(stored, instructions="Answer briefly.",
+                    input="My name is Ada and I like green. Say hello.", max_output_tokens=16)
+    assert first.store is True and first.status in ("completed", "incomplete")
+    second = _create(stored, previous_response_id=first.id, input="What is my name?",
+                     max_output_tokens=16)
+    assert second.previous_response_id == first.id
+    # The same answer as the chat completion of the whole conversation; instructions are
+    # not carried over (OpenAI's rule), so the second turn has no system message.
+    chat = stored.openai().chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=16, messages=[
+            {"role": "user", "content": "My name is Ada and I like green. Say hello."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    third = _create(stored, previous_response_id=second.id, input="And my colour?",
+                    max_output_tokens=16)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+
+def test_get_input_items_and_delete_follow_openai(stored: App) -> None:
+    client = stored.openai()
+    made = _create(stored, input="What is the capital of France?", max_output_tokens=20,
+                   metadata={"k": "v"})
+    # Any ingress replica answers: the store is shared (several calls reach both).
+    for _ in range(6):
+        got = client.responses.retrieve(made.id)
+        assert got.model_dump() == made.model_dump()
+    items = client.responses.input_items.list(made.id)
+    (item,) = items.data
+    assert item.type == "message" and item.role == "user" and item.id.startswith("msg_")
+    assert item.content[0].text == "What is the capital of France?"
+    # Streamed, the final event's response is what is stored.
+    events = list(client.responses.create(model=MODEL, input="Hi!", temperature=0,
+                                          max_output_tokens=8, stream=True))
+    final = events[-1].response
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    # Deleted: gone for GET and for a conversation that names it.
+    assert client.responses.delete(made.id) is None  # the client reads the 200 body
+    r = _get(stored, made.id)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        _create(stored, previous_response_id=made.id, input="And Italy?")
+    assert e.value.body["param"] == "previous_response_id"
+    # store: false is not kept.
+    kept = _create(stored, input="Hi!", max_output_tokens=4, store=False)
+    assert kept.store is False and _get(stored, kept.id).status_code == 404
+
+
+def test_a_background_response_is_polled_to_the_foreground_answer(stored: App) -> None:
+    client = stored.openai()
+    queued = _create(stored, input="What is the capital of France?", max_output_tokens=20,
+                     background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background is True
+    done = wait_for(lambda: (r := client.responses.retrieve(queued.id)).status == "completed"
+                    and r, 60, "the background response to finish", 0.2)
+    fore = _create(stored, input="What is the capital of France?", max_output_tokens=20)
+    assert done.output_text == fore.output_text == "The capital of France is Paris."
+    assert done.usage.output_tokens == fore.usage.output_tokens
+    # Finished responses do not cancel; foreground ones never do.
+    for rid in (queued.id, fore.id):
+        r = httpx.post(f"{stored.base}/v1/responses/{rid}/cancel", headers=stored.headers,
+                       timeout=30)
+        assert r.status_code == 400, r.text
+    # A background response continues a conversation like any other.
+    nxt = _create(stored, previous_response_id=queued.id, input="And Italy?",
+                  max_output_tokens=12)
+    assert nxt.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
+
+
+@pytest.mark.parametrize("how", ["cancel", "delete"])
+def test_cancel_or_delete_stops_a_background_response_and_frees_its_blocks(
+        stored: App, how: str) -> None:
+    client = stored.openai()
+    bg = _create(stored, input="Count to a thousand.", max_output_tokens=900,
+                 background=True, extra_body={"ignore_eos": True})
+    wait_for(lambda: client.responses.retrieve(bg.id).status == "in_progress", 60,
+             "the background response to start")
+    busy = stored.stats()
+    assert sum(s["num_running"] for s in busy.values()) == 1
+    t0 = time.monotonic()
+    if how == "cancel":
+        cancelled = client.responses.cancel(bg.id)
+        assert cancelled.status == "cancelled"
+        assert client.responses.cancel(bg.id).status == "cancelled"  # idempotent
+    else:
+        client.responses.delete(bg.id)
+    stored.wait_baseline(timeout=20)  # the engine aborted it and freed its blocks
+    assert time.monotonic() - t0 < 20
+    if how == "cancel":  # the cancel stands: the answer is never written over it
+        got = client.responses.retrieve(bg.id)
+        assert got.status == "cancelled" and got.output == []
+    else:
+        assert _get(stored, bg.id).status_code == 404
+
+
+def test_bad_store_requests_are_openai_errors(stored: App, smol: App) -> None:
+    r = _get(stored, "resp_nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+    r = _get(stored, "resp_nope/input_items")
+    assert r.status_code == 404
+    made = _create(stored, input="Hi!", max_output_tokens=4)
+    for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "nope"}, "after")):
+        r = _get(stored, f"{made.id}/input_items", **params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{stored.base}/v1/responses", headers=stored.headers, timeout=30,
+                   json={"model": MODEL, "input": "hi", "background": True, "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    # Without the store (the default app): every stored-response route is a 404 saying so.
+    for path in ("resp_x", "resp_x/input_items"):
+        r = _get(smol, path)
+        assert r.status_code == 404 and "--enable-responses-store" in r.text
+    r = httpx.post(f"{smol.base}/v1/responses/resp_x/cancel", headers=smol.headers,
+                   timeout=30)
+    assert r.status_code == 404

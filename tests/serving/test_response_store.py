@@ -1,0 +1,125 @@
+"""The responses store's rules without Ray (milliseconds): conversations follow the
+links, the bound drops the least recently used finished record, cancel and delete
+release a background response's wait, and a cancel is never overwritten."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pagedserve.cluster.protocol import APIError
+from pagedserve.cluster.response_store import ResponseStore
+
+
+def _resp(rid: str, status: str = "completed", text: str = "") -> dict[str, Any]:
+    out = [{"id": f"msg_out_{rid}", "type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": text}]}] if text else []
+    return {"id": rid, "object": "response", "status": status, "output": out}
+
+
+def _items(rid: str, text: str) -> list[dict[str, Any]]:
+    return [{"id": f"msg_in_{rid}", "type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": text}]}]
+
+
+def _texts(items: list[dict[str, Any]]) -> list[str]:
+    return [i["content"][0]["text"] for i in items]
+
+
+def test_a_conversation_is_every_earlier_turn_oldest_first() -> None:
+    s = ResponseStore()
+    s.put(_resp("r1", text="A1"), _items("r1", "Q1"), None)
+    s.put(_resp("r2", text="A2"), _items("r2", "Q2"), "r1")
+    s.put(_resp("r3", text="A3"), _items("r3", "Q3"), "r2")
+    assert _texts(s.conversation("r3")) == ["Q1", "A1", "Q2", "A2", "Q3", "A3"]
+    assert _texts(s.conversation("r1")) == ["Q1", "A1"]
+    s.put(_resp("r2b", text="B2"), _items("r2b", "Q2b"), "r1")  # a branch
+    assert _texts(s.conversation("r2b")) == ["Q1", "A1", "Q2b", "B2"]
+    s.delete("r1")
+    with pytest.raises(APIError) as e:
+        s.conversation("r3")
+    assert (e.value.status, e.value.param) == (404, "previous_response_id")
+    assert "'r1'" in e.value.message
+
+
+def test_the_bound_drops_the_least_recently_used_finished_record() -> None:
+    s = ResponseStore(max_entries=2)
+    s.put(_resp("a"), [], None)
+    s.put(_resp("running", "in_progress"), [], None, background=True)
+    s.get("a")  # used: "running" is older now, but a running record is kept
+    s.put(_resp("b"), [], None)
+    assert set(s.records) == {"running", "b"}
+    s.get("running")
+    s.put(_resp("c"), [], None)
+    assert set(s.records) == {"running", "c"}
+    assert s.update(_resp("running"))  # finished: now it may go
+    s.put(_resp("d"), [], None)
+    assert len(s.records) == 2
+    with pytest.raises(ValueError, match="max_entries"):
+        ResponseStore(0)
+
+
+def test_cancel_releases_the_wait_and_wins_over_the_answer() -> None:
+    async def run() -> None:
+        s = ResponseStore()
+        s.put(_resp("bg", "queued"), [], None, background=True)
+        waiting = asyncio.ensure_future(s.wait_cancelled("bg"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        assert s.update(_resp("bg", "in_progress"))
+        assert not waiting.done()
+        assert s.cancel("bg")["status"] == "cancelled"
+        assert await waiting is True
+        assert s.cancel("bg")["status"] == "cancelled"  # idempotent
+        assert not s.update(_resp("bg", text="late"))  # the answer lost the race
+        assert s.get("bg")["status"] == "cancelled" and s.get("bg")["output"] == []
+
+        s.put(_resp("done", "queued"), [], None, background=True)
+        waiting = asyncio.ensure_future(s.wait_cancelled("done"))
+        await asyncio.sleep(0)
+        assert s.update(_resp("done", text="ok"))
+        assert await waiting is False  # finished, not cancelled
+        with pytest.raises(APIError, match="completed"):
+            s.cancel("done")
+
+        s.put(_resp("gone", "in_progress"), [], None, background=True)
+        waiting = asyncio.ensure_future(s.wait_cancelled("gone"))
+        await asyncio.sleep(0)
+        s.delete("gone")
+        assert await waiting is True
+        assert not s.update(_resp("gone", text="late"))
+        assert "gone" not in s.records
+
+    asyncio.run(run())
+
+
+def test_only_background_responses_cancel_and_unknown_ids_are_404() -> None:
+    s = ResponseStore()
+    s.put(_resp("fg"), [], None)
+    with pytest.raises(APIError, match="background"):
+        s.cancel("fg")
+    for method in (s.get, s.delete, s.cancel, s.input_items):
+        with pytest.raises(APIError) as e:
+            method("nope")
+        assert e.value.status == 404
+    s.put(_resp("run", "in_progress"), [], None, background=True)
+    with pytest.raises(APIError, match="still in_progress"):
+        s.conversation("run")
+
+
+def test_input_items_page_like_openai() -> None:
+    s = ResponseStore()
+    items = [{"id": f"i{k}", "type": "message"} for k in range(5)]
+    s.put(_resp("r"), items, None)
+    page = s.input_items("r", limit=2)
+    assert [i["id"] for i in page["data"]] == ["i4", "i3"]
+    assert (page["first_id"], page["last_id"], page["has_more"]) == ("i4", "i3", True)
+    page = s.input_items("r", limit=2, after="i3")
+    assert [i["id"] for i in page["data"]] == ["i2", "i1"]
+    page = s.input_items("r", order="asc", after="i2")
+    assert [i["id"] for i in page["data"]] == ["i3", "i4"] and not page["has_more"]
+    for kw in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "x"}):
+        with pytest.raises(APIError):
+            s.input_items("r", **kw)
