@@ -10,8 +10,9 @@ walking those links, so a long chat costs one copy of each turn, not one per tur
 Memory is bounded: past ``max_entries`` the least recently used finished record is
 dropped (a conversation that continues it then gets a 404 naming it), as a server
 without a database must. A record lives as long as the store's replica: a restart
-of the app loses them, and a background response whose ingress replica died stays
-``in_progress`` until deleted.
+of the app loses them. A background response's task beats every few seconds; one
+whose beats stopped for ``stale_s`` (its ingress replica died) reads as ``failed``,
+never ``in_progress`` for ever.
 
 ``ResponseStore`` holds the logic (tested without Ray); the deployment wraps it.
 """
@@ -19,6 +20,7 @@ of the app loses them, and a background response whose ingress replica died stay
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,8 @@ from pagedserve.cluster.protocol import APIError
 
 STORE_DEPLOYMENT = "ResponseStore"
 ACTIVE = ("queued", "in_progress")
+HEARTBEAT_S = 2.0  # a background task's beat
+STALE_S = 15.0  # beats missed this long: its ingress replica is gone
 
 
 def not_found(rid: str, param: str | None = None) -> APIError:
@@ -44,16 +48,18 @@ class Record:
     input_items: list[dict[str, Any]]
     previous: str | None
     background: bool = False
+    owner: str | None = None  # the ingress replica generating a background response
+    seen: float = field(default_factory=time.monotonic)  # its last beat
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ResponseStore:
     """Responses by id, least recently used first, at most ``max_entries`` of them."""
 
-    def __init__(self, max_entries: int = 10_000) -> None:
+    def __init__(self, max_entries: int = 10_000, stale_s: float = STALE_S) -> None:
         if max_entries < 1:
             raise ValueError(f"responses_store_max_entries must be >= 1, got {max_entries}")
-        self.max_entries = max_entries
+        self.max_entries, self.stale_s = max_entries, stale_s
         self.records: OrderedDict[str, Record] = OrderedDict()
 
     def _record(self, rid: str, param: str | None = None) -> Record:
@@ -61,29 +67,59 @@ class ResponseStore:
         if rec is None:
             raise not_found(rid, param)
         self.records.move_to_end(rid)
+        self._expire(rec)
         return rec
 
+    def _expire(self, rec: Record) -> None:
+        """A background response nobody generates any more is failed, not in progress."""
+        if rec.response["status"] in ACTIVE and rec.background \
+                and time.monotonic() - rec.seen > self.stale_s:
+            rec.response = {**rec.response, "status": "failed", "error": {
+                "code": "server_error",
+                "message": f"the ingress replica {rec.owner} generating this response "
+                           "stopped; create it again"}}
+            rec.cancelled.set()
+
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
-            previous: str | None, background: bool = False) -> None:
-        """Store a new response (finished, or a background one just queued)."""
-        self.records[response["id"]] = Record(response, input_items, previous, background)
+            previous: str | None, background: bool = False, owner: str | None = None
+            ) -> None:
+        """Store a new response (finished, or a background one just queued by ``owner``)."""
+        self.records[response["id"]] = Record(response, input_items, previous, background,
+                                              owner)
         self.records.move_to_end(response["id"])
         self._evict()
+
+    def beat(self, rid: str) -> bool:
+        """A background task is alive; False once its response no longer runs."""
+        rec = self.records.get(rid)
+        if rec is None or rec.response["status"] not in ACTIVE:
+            return False
+        rec.seen = time.monotonic()
+        return True
+
+    def owner(self, rid: str) -> str | None:
+        """The ingress replica that generates (or generated) a background response."""
+        return self._record(rid).owner
 
     def _evict(self) -> None:
         """Drop the least recently used finished records past the bound (a running
         background response is kept: its task still writes to it)."""
         excess = len(self.records) - self.max_entries
+        if excess <= 0:
+            return
+        for rec in self.records.values():
+            self._expire(rec)
         for rid in [r for r, rec in self.records.items()
-                    if rec.response["status"] not in ACTIVE][:max(excess, 0)]:
+                    if rec.response["status"] not in ACTIVE][:excess]:
             del self.records[rid]
 
     def update(self, response: dict[str, Any]) -> bool:
         """A background response's progress or end; False (and nothing written) once it
         was cancelled or deleted, so a cancel is never overwritten by the answer."""
         rec = self.records.get(response["id"])
-        if rec is None or rec.response["status"] == "cancelled":
-            return False
+        if rec is None or rec.response["status"] not in ACTIVE:
+            return False  # cancelled, or failed for missed beats
+        rec.seen = time.monotonic()
         rec.response = response
         if response["status"] not in ACTIVE:
             rec.cancelled.set()  # releases the task's wait, which then reads False
@@ -183,8 +219,8 @@ class ResponseStoreServer:
         self.store = ResponseStore(max_entries)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        if method not in ("put", "update", "get", "delete", "cancel", "conversation",
-                          "input_items"):
+        if method not in ("put", "update", "beat", "owner", "get", "delete", "cancel",
+                          "conversation", "input_items"):
             raise ValueError(f"unknown store method {method!r}")
         return _answer(getattr(self.store, method), *args, **kwargs)
 

@@ -5,7 +5,8 @@
 A background response is answered ``queued`` at once; the ingress replica that took
 it keeps generating in a task of its own (the HTTP request is over), writes
 ``in_progress`` at the first tokens and the finished response (or ``failed``) at
-the end. A cancel or a delete, reaching any ingress replica, marks the record in the
+the end, and beats meanwhile (the store fails it when the beats stop: its replica
+died). A cancel or a delete, reaching any ingress replica, marks the record in the
 store, which releases the task's wait on it: the task then cancels its generation
 as a client that went away would, so the engine aborts the request and frees its
 blocks before its next step.
@@ -20,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from ray import serve
 
 from pagedserve.cluster.protocol import APIError
-from pagedserve.cluster.response_store import StoreClient
+from pagedserve.cluster.response_store import HEARTBEAT_S, StoreClient
 from pagedserve.cluster.responses import ResponseState
 
 if TYPE_CHECKING:
@@ -39,7 +41,8 @@ async def start_background(store: StoreClient, builder: ResponseBuilder, st: Res
                            items: list[dict[str, Any]]) -> JSONResponse:
     """Store the response as ``queued``, answer that, and generate it in a task."""
     queued = builder.response(st, "queued")
-    await store("put", queued, items, builder.body.previous_response_id, True)
+    await store("put", queued, items, builder.body.previous_response_id, True,
+                serve.get_replica_context().replica_id.unique_id)
     task = asyncio.get_running_loop().create_task(_run(store, builder, st, chunks))
     _RUNNING.add(task)
     task.add_done_callback(_RUNNING.discard)
@@ -57,8 +60,13 @@ async def _run(store: StoreClient, builder: ResponseBuilder, st: ResponseState,
             builder.fmt.add(st, i, c)
         return builder.response(st)
 
+    async def beat() -> None:
+        while await store("beat", builder.id):
+            await asyncio.sleep(HEARTBEAT_S)
+
     gen = asyncio.ensure_future(generate())
     stop = asyncio.ensure_future(store.wait_cancelled(builder.id))
+    alive = asyncio.ensure_future(beat())
     try:
         await asyncio.wait({gen, stop}, return_when=asyncio.FIRST_COMPLETED)
         if gen.done():
@@ -74,9 +82,9 @@ async def _run(store: StoreClient, builder: ResponseBuilder, st: ResponseState,
     except Exception:  # a store that went away: nothing left to tell
         logger.exception("background response %s could not be stored", builder.id)
     finally:
-        for t in (gen, stop):
+        for t in (gen, stop, alive):
             t.cancel()
-        await asyncio.gather(gen, stop, return_exceptions=True)
+        await asyncio.gather(gen, stop, alive, return_exceptions=True)
         await chunks.aclose()  # aborts the engine request if it still runs
 
 

@@ -155,3 +155,28 @@ def test_bad_store_requests_are_openai_errors(stored: App, smol: App) -> None:
     r = httpx.post(f"{smol.base}/v1/responses/resp_x/cancel", headers=smol.headers,
                    timeout=30)
     assert r.status_code == 404
+
+
+def test_a_background_response_whose_ingress_replica_dies_reads_failed(stored: App) -> None:
+    """Chaos: the replica generating it is killed; the other answers it as failed (no
+    eternal in_progress), and the engine ends the orphaned request."""
+    import ray
+    from ray import serve
+
+    client = stored.openai()
+    bg = _create(stored, input="Count to a thousand.", max_output_tokens=900,
+                 background=True, extra_body={"ignore_eos": True})
+    wait_for(lambda: client.responses.retrieve(bg.id).status == "in_progress", 60,
+             "the background response to start")
+    store = serve.get_deployment_handle("ResponseStore", app_name="stored")
+    owner = store.call.remote("owner", bg.id).result()["ok"]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(f"#OpenAIServer#{owner}")]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    t0 = time.monotonic()
+    failed = wait_for(lambda: (r := _get(stored, bg.id)).status_code == 200
+                      and r.json()["status"] == "failed" and r.json(), 60,
+                      "the orphaned response to read failed")
+    assert owner in failed["error"]["message"] and time.monotonic() - t0 < 40
+    stored.wait_baseline(timeout=60)

@@ -123,3 +123,26 @@ def test_input_items_page_like_openai() -> None:
     for kw in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "x"}):
         with pytest.raises(APIError):
             s.input_items("r", **kw)
+
+
+def test_a_background_response_whose_beats_stop_reads_failed() -> None:
+    async def run() -> None:
+        s = ResponseStore(max_entries=1, stale_s=0.2)
+        s.put(_resp("bg", "in_progress"), [], None, background=True, owner="ing1")
+        waiting = asyncio.ensure_future(s.wait_cancelled("bg"))
+        for _ in range(3):  # beats keep it running past stale_s
+            await asyncio.sleep(0.1)
+            assert s.beat("bg") and s.get("bg")["status"] == "in_progress"
+        assert s.owner("bg") == "ing1"
+        await asyncio.sleep(0.3)
+        got = s.get("bg")
+        assert got["status"] == "failed" and "ing1" in got["error"]["message"]
+        await asyncio.wait_for(waiting, 1)  # its task, if alive after all, stops
+        assert not s.beat("bg") and not s.update(_resp("bg", text="late"))
+        # A stale record does not pin the bound either.
+        s.put(_resp("bg2", "in_progress"), [], None, background=True)
+        await asyncio.sleep(0.3)
+        s.put(_resp("new"), [], None)
+        assert list(s.records) == ["new"]
+
+    asyncio.run(run())
