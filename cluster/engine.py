@@ -310,10 +310,11 @@ class LLMEngine:
         self.stats["steps"] += 1
         for name, n in (output.counters if output else {}).items():
             self.stats[name] = self.stats.get(name, 0) + n
-        for rid, (first, entries) in (output.prompt_logprobs if output else {}).items():
+        for rid, (first, entries, ranks) in (output.prompt_logprobs if output else {}).items():
             group = self._groups.get(rid)
             if group is not None and group.prompt_logprobs is not None:
                 group.prompt_logprobs[first : first + len(entries)] = entries
+                group.prompt_ranks[first : first + len(ranks)] = ranks
         touched: dict[str, RequestState] = {}
         now = time.monotonic()
         for u in updates:

@@ -245,12 +245,13 @@ class EngineServer:
                 async for deltas, out in paced:
                     if out.finished:
                         reason = out.outputs[0].finish_reason or "stop"
-                    first_lps = None
+                    first_lps = first_ranks = None
                     if deltas and not lps_sent:
                         first_lps, lps_sent = out.prompt_logprobs, True
+                        first_ranks = out.prompt_logprob_ranks
                     yield EngineChunk(rid, self.replica_id, deltas, len(out.prompt_token_ids),
                                       out.num_cached_tokens, out.finished,
-                                      prompt_logprobs=first_lps)
+                                      prompt_logprobs=first_lps, prompt_ranks=first_ranks)
         except ValueError as e:
             reason = "rejected"
             yield EngineChunk(rid, self.replica_id, error=str(e), status=400)

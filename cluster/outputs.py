@@ -28,7 +28,8 @@ class RequestOutput:
     """A snapshot of a request after a step (or at the end, for ``LLM.generate``).
 
     ``prompt_logprobs`` (when asked for) has one entry per prompt token, the
-    first None: the token's logprob plus the top alternatives, as in vLLM.
+    first None: the token's logprob plus the top alternatives, as in vLLM;
+    ``prompt_logprob_ranks`` the token's rank among all (1: the likeliest).
     ``embedding`` is set once an embedding (pooling) request has finished;
     ``kv_transfer`` (a ``KVPayload``) once an ``export_kv`` request has.
     """
@@ -42,6 +43,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     embedding: list[float] | None = None
     kv_transfer: Any = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 @dataclass

@@ -102,11 +102,19 @@ class _SamplingRequest(BaseModel):
     use_beam_search: bool = False  # vLLM's: n beams per prompt (cluster/beam_serving.py)
     length_penalty: float = 1.0  # beam search only
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:N"
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
+                               param="prompt_logprobs")
+            if self.stream or self.use_beam_search:
+                raise APIError("prompt_logprobs are not available with stream or "
+                               "use_beam_search (as in vLLM)", param="prompt_logprobs")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         vocab_size: int | None = None,
@@ -136,7 +144,8 @@ class _SamplingRequest(BaseModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=structured,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self._token_bias())
+            repetition_penalty=self.repetition_penalty, logit_bias=self._token_bias(),
+            prompt_logprobs=self.prompt_logprobs)
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

@@ -37,6 +37,7 @@ class RequestState:
     seqs: list[SequenceState]
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each target's rank
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     pool: PoolAccumulator | None = None
@@ -56,6 +57,7 @@ class RequestState:
                     kv_export=kv_export)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)
+            state.prompt_ranks = [None] * len(prompt_token_ids)
         lps = params.logprobs is not None
         for i in range(num_seqs):
             detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
@@ -146,7 +148,8 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              self.finished, self.num_cached_tokens,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-                             self.embedding, self.kv_transfer)
+                             self.embedding, self.kv_transfer,
+                             None if self.prompt_logprobs is None else list(self.prompt_ranks))
 
 
 def check_resumed(token_ids: list[int] | None, params: SamplingParams, prompt_len: int,

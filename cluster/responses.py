@@ -40,6 +40,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def _likeliest(entry: dict[int, float], n: int | None, keep: int) -> dict[int, float]:
+    """``entry``'s ``n`` likeliest tokens, and ``keep``."""
+    best = set(sorted(entry, key=lambda t: -entry[t])[:n])
+    return {t: v for t, v in entry.items() if t == keep or t in best}
+
+
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
@@ -79,6 +85,14 @@ class ResponseState:
         self.cached = [0] * len(prompts)
         self.offsets = [sum(self.n[:i]) for i in range(len(prompts))]
         self.choices = [_Choice() for _ in range(sum(self.n))]
+        self.prompt_lp_k: int | None = None
+        self.prompt_ids: list[list[int]] = []
+        self.prompt_lps: list[list[dict[str, Any] | None] | None] = [None] * len(prompts)
+
+    def want_prompt_logprobs(self, k: int, prompt_ids: list[list[int]]) -> None:
+        """Answer vLLM's ``prompt_logprobs`` (the top ``k`` and each token's rank) for
+        the prompts ``prompt_ids``: per choice in completions, once in chat."""
+        self.prompt_lp_k, self.prompt_ids = k, prompt_ids
 
     def usage(self) -> dict[str, Any]:
         return usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self.choices),
@@ -129,6 +143,9 @@ class Formatter:
         """Fold a chunk into ``st``; returns ``(choice index, delta, delta logprobs, delta
         text)`` (the text and logprobs lead with the echoed prompt on a choice's first)."""
         st.cached[i] = max(st.cached[i], chunk.cached_tokens)
+        if st.prompt_lp_k is not None and chunk.prompt_logprobs is not None:
+            st.prompt_lps[i] = self._vllm_prompt_logprobs(
+                st.prompt_ids[i], chunk.prompt_logprobs, chunk.prompt_ranks, st.prompt_lp_k)
         out = []
         for d in chunk.deltas:
             c_idx = st.offsets[i] + d.index
@@ -160,6 +177,25 @@ class Formatter:
             out.append((c_idx, d, lp, echo_text + d.text))
         return out
 
+    def _vllm_prompt_logprobs(self, ids: list[int], entries: list[dict[int, float] | None],
+                              ranks: list[int | None] | None, k: int
+                              ) -> list[dict[str, Any] | None]:
+        """vLLM's shape: per prompt token (None for the first) ``{token id: {logprob,
+        rank, decoded_token}}``, the token itself first, then the ``k`` likeliest (the
+        entries may hold more, when ``echo`` asked for more)."""
+        out: list[dict[str, Any] | None] = []
+        for pos, (tid, e) in enumerate(zip(ids, entries)):
+            if e is None:
+                out.append(None)
+                continue
+            rank = ranks[pos] if ranks is not None else None
+            d = {str(tid): {"logprob": e[tid], "rank": rank, "decoded_token": self._text(tid)}}
+            for r, t in enumerate(sorted(e, key=lambda t: -e[t])[:k], 1):
+                d.setdefault(str(t), {"logprob": e[t], "rank": r,
+                                      "decoded_token": self._text(t)})
+            out.append(d)
+        return out
+
     def _echo(self, st: ResponseState, c: _Choice, text: str, ids: list[int],
               prompt_lps: list[dict[int, float] | None] | None
               ) -> tuple[str, dict[str, list[Any]] | None]:
@@ -171,6 +207,9 @@ class Formatter:
         if not st.logprobs:
             return text, None
         entries = prompt_lps if prompt_lps is not None else [None] * len(ids)
+        if st.prompt_lp_k is not None:  # the engine's entries may hold more alternatives
+            entries = [None if e is None else _likeliest(e, st.top_n, tid)
+                       for e, tid in zip(entries, ids)]
         lp = self._completion_logprobs(ids, [e or {} for e in entries],
                                        [None if e is None else e.get(t)
                                         for e, t in zip(entries, ids)], 0, st.tokens_as_ids)
@@ -207,9 +246,14 @@ class Formatter:
             else:
                 choices.append({"index": k, "text": text, "logprobs": c.logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": st.id, "object": st.kind, "created": st.created,
-                "model": st.model or self.model,
-                "choices": choices, "usage": st.usage()}
+                if st.prompt_lp_k is not None:  # vLLM's, per choice
+                    prompt = max(i for i, off in enumerate(st.offsets) if off <= k)
+                    choices[-1]["prompt_logprobs"] = st.prompt_lps[prompt]
+        body = {"id": st.id, "object": st.kind, "created": st.created,
+                "model": st.model or self.model, "choices": choices, "usage": st.usage()}
+        if st.prompt_lp_k is not None and st.kind == "chat.completion":
+            body["prompt_logprobs"] = st.prompt_lps[0]  # vLLM's, once for the prompt
+        return body
 
     def stream_events(self, st: ResponseState, i: int, chunk: Any, continuous_usage: bool
                       ) -> list[str]:

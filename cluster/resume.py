@@ -110,7 +110,7 @@ class StreamCursor:
             deltas.append(d)
         if not deltas and not chunk.finished and chunk.error is None:
             return None
-        return replace(chunk, deltas=deltas, prompt_logprobs=None)
+        return replace(chunk, deltas=deltas, prompt_logprobs=None, prompt_ranks=None)
 
     def _trim_delta(self, d: SampleDelta) -> SampleDelta:
         k = min(self._skip_tokens, len(d.token_ids))

@@ -206,9 +206,12 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
                        include_usage: bool, continuous_usage: bool, logprobs: bool,
                        echo: list[tuple[str, list[int]]] | None = None,
                        tools: ToolContext | None = None, include_reasoning: bool = True,
-                       thought_closed: bool = False, tokens_as_ids: bool = False) -> Response:
+                       thought_closed: bool = False, tokens_as_ids: bool = False,
+                       prompt_logprobs: int | None = None) -> Response:
         state, chunks = self._start(rid, reqs, kind, logprobs, echo, tools, include_reasoning,
                                     thought_closed, tokens_as_ids)
+        if prompt_logprobs is not None:  # vLLM's field, from the chunks' prompt logprobs
+            state.want_prompt_logprobs(prompt_logprobs, [r.prompt_token_ids for r in reqs])
         return await render_response(self.fmt, state, chunks, stream, include_usage,
                                      continuous_usage)
 
@@ -272,7 +275,9 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
             if body.echo:  # the prompt's own logprobs lead the choice's when both are asked
                 whole = isinstance(p, str) and body.truncate_prompt_tokens is None
                 echo.append((p if whole else self.tokenizer.decode(ids), ids))
-                params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+                if body.logprobs is not None:
+                    params = dataclasses.replace(params, prompt_logprobs=max(
+                        body.logprobs, body.prompt_logprobs or 0))
             reqs.append(routed_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
                                        body.stream, lora, body.priority))
         if body.use_beam_search:
@@ -284,7 +289,8 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
                                    bool(so and so.include_usage),
                                    bool(so and so.continuous_usage_stats),
                                    body.logprobs is not None, echo if body.echo else None,
-                                   tokens_as_ids=body.return_tokens_as_token_ids)
+                                   tokens_as_ids=body.return_tokens_as_token_ids,
+                                   prompt_logprobs=body.prompt_logprobs)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -304,7 +310,8 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
                                    bool(so and so.continuous_usage_stats), body.logprobs,
                                    tools=tools, include_reasoning=body.include_reasoning,
                                    thought_closed=closed,
-                                   tokens_as_ids=body.return_tokens_as_token_ids)
+                                   tokens_as_ids=body.return_tokens_as_token_ids,
+                                   prompt_logprobs=body.prompt_logprobs)
 
     async def _chat_request(self, rid: str, body: ChatCompletionRequest
                             ) -> tuple[EngineRequest, ToolContext | None, bool]:

@@ -87,6 +87,7 @@ class EngineChunk:
     status: int = 200
     retryable: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first tokens
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank, with them
 
 
 def chunk_to_wire(c: EngineChunk) -> tuple:
@@ -105,12 +106,13 @@ def chunk_to_wire(c: EngineChunk) -> tuple:
     prompt_lps = None if c.prompt_logprobs is None else [
         None if lp is None else list(lp.items()) for lp in c.prompt_logprobs]
     return (c.request_id, c.replica, deltas, c.prompt_tokens, c.cached_tokens, c.finished,
-            c.error, c.status, c.retryable, prompt_lps)
+            c.error, c.status, c.retryable, prompt_lps, c.prompt_ranks)
 
 
 def chunk_from_wire(t: tuple | list) -> EngineChunk:
     """Inverse of :func:`chunk_to_wire` (msgpack may hand back lists for tuples)."""
-    rid, replica, deltas, prompt_tokens, cached, finished, error, status, retryable, plps = t
+    (rid, replica, deltas, prompt_tokens, cached, finished, error, status, retryable, plps,
+     ranks) = t
     return EngineChunk(
         rid, replica,
         [SampleDelta(i, text, list(ids),
@@ -119,7 +121,8 @@ def chunk_from_wire(t: tuple | list) -> EngineChunk:
          for i, text, ids, lps, sampled, fr, sr in deltas],
         prompt_tokens, cached, finished, error, status, retryable,
         None if plps is None else [None if lp is None else {int(k): v for k, v in lp}
-                                   for lp in plps])
+                                   for lp in plps],
+        None if ranks is None else list(ranks))
 
 
 def merge_deltas(acc: dict[int, SampleDelta], new: list[SampleDelta]) -> None:

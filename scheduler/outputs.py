@@ -14,6 +14,10 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagedserve.scheduler.beam import BeamHypothesis
 
+# One request's prompt logprobs from one step: (first prompt position,
+# [{token: logprob}, ...] with the target and the top k, [the target's rank, ...]).
+PromptLogprobs = tuple[int, list[dict[int, float]], list[int]]
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -106,7 +110,7 @@ class SampledToken:
 class ModelRunnerOutput:
     """Rank 0's answer: one sampled token per sequence id in any ``sample_ids``, and
     per request that asked for them, the prompt logprobs of this step's rows as
-    ``(first prompt position, [{token: logprob}, ...])``.
+    ``(first prompt position, [{token: logprob}, ...], [target rank, ...])``.
 
     Rows with draft tokens answer in ``spec_tokens`` instead of ``sampled``:
     the drafts the sampler accepted, then the token it drew itself (a
@@ -120,8 +124,7 @@ class ModelRunnerOutput:
     step_id: int
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     spec_tokens: dict[str, list[SampledToken]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(
-        default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     pooled: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
 

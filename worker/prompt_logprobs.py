@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.scheduler.outputs import PromptLogprobs
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
 ROWS_PER_SLICE = 256
@@ -30,17 +31,19 @@ class PromptLogprobJob:
 
 
 def compute_prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor,
-                            jobs: list[PromptLogprobJob]
-                            ) -> dict[str, tuple[int, list[dict[int, float]]]] | None:
-    """``{request_id: (first position, [{token: logprob}, ...])}`` on rank 0, else None.
+                            jobs: list[PromptLogprobJob]) -> dict[str, PromptLogprobs] | None:
+    """``{request_id: (first position, [{token: logprob}, ...], [rank, ...])}`` on rank
+    0, else None.
 
     Each entry holds the target token and the ``top_k`` likeliest tokens, as vLLM's
-    prompt logprobs do.
+    prompt logprobs do; ``rank`` is the target's (1 + the tokens likelier than it),
+    which vLLM's HTTP answer carries and the top ``k`` alone cannot tell.
     """
-    result: dict[str, tuple[int, list[dict[int, float]]]] = {}
+    result: dict[str, PromptLogprobs] = {}
     rank0 = True
     for job in jobs:
         entries: list[dict[int, float]] = []
+        ranks: list[int] = []
         for lo in range(0, len(job.targets), ROWS_PER_SLICE):
             targets = job.targets[lo : lo + ROWS_PER_SLICE]
             rows = hidden[job.first_row + lo : job.first_row + lo + len(targets)]
@@ -50,7 +53,9 @@ def compute_prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor,
                 continue
             lp = torch.log_softmax(logits.float(), dim=-1)
             t = torch.tensor(targets, device=lp.device)
-            chosen = lp.gather(1, t.unsqueeze(1)).squeeze(1).tolist()
+            chosen_t = lp.gather(1, t.unsqueeze(1))
+            chosen = chosen_t.squeeze(1).tolist()
+            ranks += ((lp > chosen_t).sum(dim=1) + 1).tolist()
             if job.top_k > 0:
                 top_v, top_i = (x.tolist() for x in lp.topk(job.top_k, dim=-1))
             else:
@@ -59,5 +64,5 @@ def compute_prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor,
                 entry = dict(zip(top_i[j], top_v[j]))
                 entry[target] = chosen[j]
                 entries.append(entry)
-        result[job.request_id] = (job.first_position, entries)
+        result[job.request_id] = (job.first_position, entries, ranks)
     return result if rank0 else None

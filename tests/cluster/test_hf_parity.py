@@ -173,8 +173,16 @@ def test_prompt_logprobs_equal_hugging_face(tiny_llama_dir, chunked: bool) -> No
                     assert set(entry) == set(top.indices.tolist()) | {ids[pos]}
                     for tok, lp in entry.items():
                         assert lp == pytest.approx(ref[pos - 1, tok].item(), abs=1e-4)
+                    # The token's rank among the whole vocabulary (1 = likeliest): HF's,
+                    # up to tokens within float noise of it.
+                    row, target = ref[pos - 1], ref[pos - 1, ids[pos]]
+                    lo = int((row > target + 1e-4).sum()) + 1
+                    hi = int((row > target - 1e-4).sum()) + 1
+                    assert lo <= out.prompt_logprob_ranks[pos] <= hi
+                assert out.prompt_logprob_ranks[0] is None
+                assert max(out.prompt_logprob_ranks[1:]) > 3  # some lie beyond the top 3
         plain = llm.generate(prompts[:1], SamplingParams(max_tokens=1))[0]
-        assert plain.prompt_logprobs is None
+        assert plain.prompt_logprobs is None and plain.prompt_logprob_ranks is None
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()

@@ -285,3 +285,7 @@ def test_chunk_wire_format_survives_msgpack() -> None:
     assert chunk_from_wire(raw) == chunk
     err = EngineChunk("r", "rep", error="boom", status=503, retryable=True)
     assert chunk_from_wire(msgpack.unpackb(msgpack.packb(chunk_to_wire(err)))) == err
+    first = EngineChunk("r", "rep", prompt_logprobs=[None, {4: -1.5, 9: -0.2}],
+                        prompt_ranks=[None, 2])
+    raw = msgpack.unpackb(msgpack.packb(chunk_to_wire(first)), strict_map_key=False)
+    assert chunk_from_wire(raw) == first
