@@ -23,7 +23,6 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -36,7 +35,6 @@ from pagedserve.cluster.admin_api import EngineAdmin
 from pagedserve.cluster.admin_api import router as admin_router
 from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
-from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.http_errors import api_error, http_error, validation_error
@@ -50,9 +48,9 @@ from pagedserve.cluster.lora_serving import router as lora_router
 from pagedserve.cluster.metrics import (
     HttpMetrics,
     HttpMetricsMiddleware,
-    call_each_replica,
-    render_prometheus,
 )
+from pagedserve.cluster.observe_api import ClusterView
+from pagedserve.cluster.observe_api import router as observe_router
 from pagedserve.cluster.placement import ingress_actor_options
 from pagedserve.cluster.pooling_api import PoolingEndpoints
 from pagedserve.cluster.pooling_api import router as pooling_router
@@ -76,7 +74,6 @@ from pagedserve.cluster.responses_api import router as responses_router
 from pagedserve.cluster.responses_stored import StoredResponsesEndpoints
 from pagedserve.cluster.responses_stored import router as stored_router
 from pagedserve.cluster.router import (
-    affinity_snapshot,
     known_replicas,
     routed_request,
 )
@@ -114,6 +111,7 @@ api.add_middleware(HttpMetricsMiddleware, metrics=_http)
 
 
 api.include_router(admin_router)
+api.include_router(observe_router)
 api.include_router(responses_router)
 api.include_router(stored_router)
 api.include_router(tokenize_router)
@@ -125,7 +123,7 @@ api.include_router(models_router)
 @serve.deployment(name=INGRESS_DEPLOYMENT, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
-class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
+class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesEndpoints,
                    TokenizeEndpoints, PoolingEndpoints, LoRAEndpoints, ModelEndpoints):
     """The HTTP front: OpenAI API, health, metrics and stats over every engine replica."""
 
@@ -166,6 +164,7 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
         self.failover = failover or FailoverPolicy()
         self.lora_updates = allow_runtime_lora_updating
         self.responses_store = StoreClient(responses_store) if responses_store else None
+        self.http_metrics = _http
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -229,29 +228,6 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
                               include_reasoning, thought_closed, tokens_as_ids)
         return state, merge_streams(self._channel, self._engine, reqs, _http.record_failover,
                                     self.failover)
-
-    async def _replica_ids(self) -> list[str]:
-        ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
-        if not ids and not self.scales_to_zero:  # the handle's router starts with a call
-            await self._engine_info()
-            ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
-        return ids
-
-    async def _each_replica(self, method: str, timeout_s: float) -> list[dict[str, Any]]:
-        return await call_each_replica(self._engine, await self._replica_ids(), method,
-                                       timeout_s)
-
-    async def _prefill_ids(self) -> list[str]:
-        """The prefill pool's replicas (its handle's router starts with a call)."""
-        if not known_replicas(PREFILL_DEPLOYMENT, self.app_name):
-            await self._prefill.info.remote()
-        return known_replicas(PREFILL_DEPLOYMENT, self.app_name)
-
-    async def _each_prefill_replica(self) -> list[dict[str, Any]]:
-        """The prefill pool's stats (none unless disaggregated)."""
-        if self._prefill is None:
-            return []
-        return await call_each_replica(self._prefill, await self._prefill_ids(), "stats", 10.0)
 
     # ---- endpoints ---------------------------------------------------------------------
 
@@ -341,35 +317,6 @@ class OpenAIServer(EngineAdmin, ResponsesEndpoint, StoredResponsesEndpoints,
         return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in messages],
                                add_generation_prompt, tools, template_kwargs,
                                continue_final_message)
-
-    @api.get("/v1/stats")
-    async def stats(self, raw: Request) -> dict[str, Any]:
-        """Every engine replica's stats (pool, prefix cache, queues) and the router's table."""
-        self._authorize(raw)
-        replicas = await self._each_replica("stats", 10.0)
-        prefill = await self._each_prefill_replica()
-        return {"model": self.served_name, "replicas": replicas,
-                "ingress": {"replica": serve.get_replica_context().replica_id.unique_id,
-                            "node_id": ray.get_runtime_context().get_node_id()},
-                "affinity_blocks": affinity_snapshot(ENGINE_DEPLOYMENT),
-                **({"prefill_replicas": prefill} if self._prefill is not None else {})}
-
-    @api.get("/health")
-    async def health(self) -> JSONResponse:
-        """200 only if every engine replica generates a token right now; with scale to
-        zero, also when there is none (the next request starts one)."""
-        results = await self._each_replica("probe", 30.0)
-        idle = self.scales_to_zero and not results
-        healthy = idle or (bool(results) and all("error" not in r for r in results))
-        body = {"status": "ok" if healthy else "unhealthy", "replicas": results,
-                **({"scaled_to_zero": True} if idle else {})}
-        return JSONResponse(body, status_code=200 if healthy else 503)
-
-    @api.get("/metrics")
-    async def metrics(self) -> Response:
-        replicas = await self._each_replica("stats", 10.0) + await self._each_prefill_replica()
-        return Response(render_prometheus(replicas, _http),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.Application:
