@@ -142,40 +142,6 @@ def test_stop_sequences(smol: App) -> None:
     assert streamed == "The capital of France is "
 
 
-def test_logprobs(smol: App) -> None:
-    client = smol.openai()
-    r = client.completions.create(model=MODEL, prompt="One, two, three,", temperature=0,
-                                  max_tokens=6, logprobs=2)
-    lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens == 6
-    assert "".join(lp.tokens) == r.choices[0].text
-    for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
-        assert len(top) <= 2 and tok_lp <= 0.0
-        assert tok_lp == pytest.approx(max(top.values()))  # greedy takes the top token
-    assert lp.text_offset[0] == 0
-    c = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
-                                       max_tokens=8, logprobs=True, top_logprobs=3)
-    content = c.choices[0].logprobs.content
-    # The EOS token is sampled and counted too; its text is the special token itself.
-    assert "".join(t.token for t in content) == c.choices[0].message.content + "<|im_end|>"
-    assert c.usage.completion_tokens == len(content)
-    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
-    # vLLM's return_tokens_as_token_ids: the same entries, tokens named by id.
-    tok = load_tokenizer(resolve_model(None))
-    ids = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
-                                         max_tokens=8, logprobs=True, top_logprobs=3,
-                                         extra_body={"return_tokens_as_token_ids": True})
-    named = ids.choices[0].logprobs.content
-    assert [t.logprob for t in named] == [t.logprob for t in content]
-    assert [tok.decode([int(t.token.removeprefix("token_id:"))]) for t in named] == \
-        [t.token for t in content]
-    r2 = client.completions.create(model=MODEL, prompt="One, two, three,", temperature=0,
-                                   max_tokens=6, logprobs=2,
-                                   extra_body={"return_tokens_as_token_ids": True})
-    assert all(t.startswith("token_id:") for t in r2.choices[0].logprobs.tokens)
-    assert r2.choices[0].logprobs.text_offset == lp.text_offset
-
-
 BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", "{not json", None),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model"),  # 404, as OpenAI's
@@ -286,46 +252,6 @@ def test_structured_outputs_over_http(smol: App) -> None:
             response_format={"type": "json_schema",
                              "json_schema": {"name": "a", "schema": {"type": "no-such"}}})
     assert e.value.body["param"] == "response_format"
-    smol.wait_baseline()
-
-
-def test_completion_echo_leads_with_the_prompt_and_its_logprobs(smol: App) -> None:
-    """lm-eval-harness's log-likelihood request: echo, logprobs=1, one new token; and
-    the same echo streamed."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    prompt = "The capital of France is"
-    r = smol.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=1,
-                                         temperature=0, logprobs=1, echo=True)
-    c = r.choices[0]
-    assert c.text.startswith(prompt) and len(c.text) > len(prompt)
-    path = resolve_model(SMOL_ARGS.get("model")).path
-    ids = load_tokenizer(path).encode(prompt)
-    lp = c.logprobs
-    assert len(lp.tokens) == len(ids) + 1 and r.usage.prompt_tokens == len(ids)
-    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.text_offset[0] == 0 and lp.text_offset[-1] >= len(prompt) - 1
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-    for pos in range(1, len(ids)):
-        assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-3)
-        assert 1 <= len(lp.top_logprobs[pos]) <= 2  # the top token, and the prompt's own
-    assert lp.token_logprobs[-1] == pytest.approx(ref[-1].max().item(), abs=1e-3)
-    plain = smol.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=1,
-                                             temperature=0)
-    assert c.text == prompt + plain.choices[0].text
-    events = list(smol.openai().completions.create(
-        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True,
-        stream=True))
-    first = events[0].choices[0]
-    assert first.text.startswith(prompt) and first.logprobs.token_logprobs[0] is None
-    assert first.logprobs.token_logprobs[1:len(ids)] == lp.token_logprobs[1:len(ids)]
-    streamed = "".join(e.choices[0].text for e in events if e.choices)
-    whole = smol.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=3,
-                                             temperature=0, echo=True)
-    assert streamed == whole.choices[0].text and streamed.startswith(prompt)
     smol.wait_baseline()
 
 
