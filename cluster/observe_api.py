@@ -1,5 +1,6 @@
 """The ingress's view of the cluster: ``GET /v1/stats``, ``/health`` and ``/metrics``
-over every engine replica (and a disaggregated app's prefill pool), and the replica
+over every engine replica (and a disaggregated app's prefill pool), vLLM's
+``/ping`` (SageMaker's health check), ``/load`` and ``/version``, and the replica
 lists the admin routes fan out to.
 
 Why the ingress asks each replica itself: Serve's handle routes a call to one
@@ -9,6 +10,7 @@ replica; stats, health probes and metrics must reach them all, by id
 The routes live on an ``APIRouter`` bound to this mixin; ``OpenAIServer`` inherits it.
 """
 
+import importlib.metadata
 from typing import Any
 
 import ray
@@ -65,6 +67,8 @@ class ClusterView:
                 **({"prefill_replicas": prefill} if self._prefill is not None else {})}
 
     @router.get("/health")
+    @router.get("/ping")
+    @router.post("/ping")
     async def health(self) -> JSONResponse:
         """200 only if every engine replica generates a token right now; with scale to
         zero, also when there is none (the next request starts one)."""
@@ -74,6 +78,18 @@ class ClusterView:
         body = {"status": "ok" if healthy else "unhealthy", "replicas": results,
                 **({"scaled_to_zero": True} if idle else {})}
         return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @router.get("/load")
+    async def load(self) -> dict[str, int]:
+        """vLLM's: the requests in flight, here over every engine replica (a load
+        balancer in front of several apps picks the least loaded)."""
+        replicas = await self._each_replica("stats", 10.0)
+        return {"server_load": sum(r["stats"]["server"]["in_flight"]
+                                   for r in replicas if "stats" in r)}
+
+    @router.get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": importlib.metadata.version("pagedserve")}
 
     @router.get("/metrics")
     async def metrics(self) -> Response:

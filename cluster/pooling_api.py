@@ -88,6 +88,7 @@ class PoolingEndpoints:
 
     @router.post("/rerank")
     @router.post("/v1/rerank")
+    @router.post("/v2/rerank")
     async def rerank(self, body: RerankRequest, raw: Request) -> dict[str, Any]:
         """Jina's / Cohere's: the documents by relevance to the query, best first."""
         self._authorize(raw)

@@ -12,7 +12,9 @@ dropped (a conversation that continues it then gets a 404 naming it), as a serve
 without a database must. A record lives as long as the store's replica: a restart
 of the app loses them. A background response's task beats every few seconds; one
 whose beats stopped for ``stale_s`` (its ingress replica died) reads as ``failed``,
-never ``in_progress`` for ever.
+never ``in_progress`` for ever. A streamed background response keeps its events
+(``wait_events``: a client that lost the stream resumes it after the last
+sequence number it saw) until ``EVENTS_KEEP_S`` after it ended.
 
 ``ResponseStore`` holds the logic (tested without Ray); the deployment wraps it.
 """
@@ -20,8 +22,9 @@ never ``in_progress`` for ever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ STORE_DEPLOYMENT = "ResponseStore"
 ACTIVE = ("queued", "in_progress")
 HEARTBEAT_S = 2.0  # a background task's beat
 STALE_S = 15.0  # beats missed this long: its ingress replica is gone
+EVENTS_KEEP_S = 600.0  # a finished streamed response's events, for late resumes
 
 
 def not_found(rid: str, param: str | None = None) -> APIError:
@@ -51,6 +55,13 @@ class Record:
     owner: str | None = None  # the ingress replica generating a background response
     seen: float = field(default_factory=time.monotonic)  # its last beat
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    events: list[str] | None = None  # a streamed background response's, in order
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced per change
+
+    def notify(self) -> None:
+        """Wake whoever follows the events (a new event, or the end)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
 
 
 class ResponseStore:
@@ -61,6 +72,7 @@ class ResponseStore:
             raise ValueError(f"responses_store_max_entries must be >= 1, got {max_entries}")
         self.max_entries, self.stale_s = max_entries, stale_s
         self.records: OrderedDict[str, Record] = OrderedDict()
+        self.ended_streams: deque[tuple[float, str]] = deque()  # (when, id), oldest first
 
     def _record(self, rid: str, param: str | None = None) -> Record:
         rec = self.records.get(rid)
@@ -78,16 +90,30 @@ class ResponseStore:
                 "code": "server_error",
                 "message": f"the ingress replica {rec.owner} generating this response "
                            "stopped; create it again"}}
-            rec.cancelled.set()
+            self._ended(rec)
+
+    def _ended(self, rec: Record) -> None:
+        """``rec`` is no longer generated: release its task's wait and its followers."""
+        rec.cancelled.set()
+        rec.notify()
+        if rec.events is not None:
+            self.ended_streams.append((time.monotonic(), rec.response["id"]))
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
-            previous: str | None, background: bool = False, owner: str | None = None
-            ) -> None:
-        """Store a new response (finished, or a background one just queued by ``owner``)."""
-        self.records[response["id"]] = Record(response, input_items, previous, background,
-                                              owner)
+            previous: str | None, background: bool = False, owner: str | None = None,
+            streamed: bool = False) -> None:
+        """Store a new response (finished, or a background one just queued by ``owner``,
+        whose events are kept when ``streamed``)."""
+        rec = Record(response, input_items, previous, background, owner)
+        rec.events = [] if streamed else None
+        self.records[response["id"]] = rec
         self.records.move_to_end(response["id"])
         self._evict()
+        now = time.monotonic()
+        while self.ended_streams and now - self.ended_streams[0][0] > EVENTS_KEEP_S:
+            old = self.records.get(self.ended_streams.popleft()[1])
+            if old is not None:
+                old.events = None
 
     def beat(self, rid: str) -> bool:
         """A background task is alive; False once its response no longer runs."""
@@ -113,18 +139,48 @@ class ResponseStore:
                     if rec.response["status"] not in ACTIVE][:excess]:
             del self.records[rid]
 
-    def update(self, response: dict[str, Any]) -> bool:
-        """A background response's progress or end; False (and nothing written) once it
-        was cancelled or deleted, so a cancel is never overwritten by the answer."""
+    def update(self, response: dict[str, Any], events: list[str] | None = None) -> bool:
+        """A background response's progress or end (with its last ``events`` when
+        streamed); False (and nothing written) once it was cancelled or deleted, so a
+        cancel is never overwritten by the answer."""
         rec = self.records.get(response["id"])
         if rec is None or rec.response["status"] not in ACTIVE:
             return False  # cancelled, or failed for missed beats
         rec.seen = time.monotonic()
         rec.response = response
+        if events and rec.events is not None:
+            rec.events += events
+            rec.notify()
         if response["status"] not in ACTIVE:
-            rec.cancelled.set()  # releases the task's wait, which then reads False
+            self._ended(rec)  # its task's wait then reads False: finished, not cancelled
             self._evict()
         return True
+
+    def append(self, rid: str, events: list[str]) -> bool:
+        """A streamed background response's new events; False once it no longer runs."""
+        rec = self.records.get(rid)
+        if rec is None or rec.response["status"] not in ACTIVE or rec.events is None:
+            return False
+        rec.seen = time.monotonic()
+        rec.events += events
+        rec.notify()
+        return True
+
+    async def wait_events(self, rid: str, after: int, timeout_s: float) -> dict[str, Any]:
+        """The events after sequence number ``after`` (waiting up to ``timeout_s`` for
+        one), and whether the response has ended."""
+        rec = self._record(rid)
+        if rec.events is None:
+            why = "are no longer kept (GET it without stream)" if rec.background \
+                and rec.response["status"] not in ACTIVE else \
+                "are only kept for responses created with background and stream"
+            raise APIError(f"the events of response {rid!r} {why}", param="stream")
+        if len(rec.events) <= after + 1 and rec.response["status"] in ACTIVE:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rec.changed.wait(), timeout_s)
+            rec = self._record(rid)  # deleted meanwhile: a 404
+        return {"events": (rec.events or [])[after + 1:],
+                "done": rec.response["status"] not in ACTIVE}
 
     def get(self, rid: str) -> dict[str, Any]:
         return self._record(rid).response
@@ -133,6 +189,7 @@ class ResponseStore:
         rec = self._record(rid)
         del self.records[rid]
         rec.cancelled.set()  # a deleted background response stops generating
+        rec.notify()
         return {"id": rid, "object": "response", "deleted": True}
 
     def cancel(self, rid: str) -> dict[str, Any]:
@@ -146,7 +203,7 @@ class ResponseStore:
         if status not in ACTIVE:
             raise APIError(f"cannot cancel a response that is {status}", param="response_id")
         rec.response = {**rec.response, "status": "cancelled"}
-        rec.cancelled.set()
+        self._ended(rec)
         return rec.response
 
     async def wait_cancelled(self, rid: str) -> bool:
@@ -205,8 +262,12 @@ def _answer(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
         return {"ok": fn(*args, **kwargs)}
     except APIError as e:
-        return {"error": {"message": e.message, "status": e.status, "type": e.type,
-                          "param": e.param, "code": e.code}}
+        return _error(e)
+
+
+def _error(e: APIError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "status": e.status, "type": e.type,
+                      "param": e.param, "code": e.code}}
 
 
 @serve.deployment(name=STORE_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
@@ -219,13 +280,19 @@ class ResponseStoreServer:
         self.store = ResponseStore(max_entries)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        if method not in ("put", "update", "beat", "owner", "get", "delete", "cancel",
-                          "conversation", "input_items"):
+        if method not in ("put", "update", "append", "beat", "owner", "get", "delete",
+                          "cancel", "conversation", "input_items"):
             raise ValueError(f"unknown store method {method!r}")
         return _answer(getattr(self.store, method), *args, **kwargs)
 
     async def wait_cancelled(self, rid: str) -> bool:
         return await self.store.wait_cancelled(rid)
+
+    async def wait_events(self, rid: str, after: int, timeout_s: float) -> dict[str, Any]:
+        try:
+            return {"ok": await self.store.wait_events(rid, after, timeout_s)}
+        except APIError as e:
+            return _error(e)
 
 
 class StoreClient:
@@ -236,10 +303,16 @@ class StoreClient:
         self.handle = handle
 
     async def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        answer = await self.handle.call.remote(method, *args, **kwargs)
-        if "error" in answer:
-            raise APIError(**answer["error"])
-        return answer["ok"]
+        return _unwrap(await self.handle.call.remote(method, *args, **kwargs))
+
+    async def wait_events(self, rid: str, after: int, timeout_s: float) -> dict[str, Any]:
+        return _unwrap(await self.handle.wait_events.remote(rid, after, timeout_s))
 
     async def wait_cancelled(self, rid: str) -> bool:
         return bool(await self.handle.wait_cancelled.remote(rid))
+
+
+def _unwrap(answer: dict[str, Any]) -> Any:
+    if "error" in answer:
+        raise APIError(**answer["error"])
+    return answer["ok"]

@@ -81,9 +81,6 @@ class ResponsesRequest(BaseModel):
         if self.background and self.store is False:
             raise APIError("background responses must be stored (store: true)",
                            param="background")
-        if self.background and self.stream:
-            raise APIError("streamed background responses are not supported: poll "
-                           "GET /v1/responses/{id}", param="background")
         return self.store is not False
 
     def input_items(self) -> list[dict[str, Any]]:

@@ -300,6 +300,23 @@ def test_health_metrics_and_stats(smol: App) -> None:
     assert s["finished_requests"] >= 1 and s["model"] == MODEL
 
 
+def test_vllm_ping_load_and_version(smol: App) -> None:
+    for method in ("GET", "POST"):  # SageMaker's health check
+        r = httpx.request(method, f"{smol.base}/ping", timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert httpx.get(f"{smol.base}/version", timeout=10).json()["version"]
+    smol.wait_baseline()
+    assert httpx.get(f"{smol.base}/load", timeout=30).json() == {"server_load": 0}
+    body = {"model": MODEL, "messages": FRANCE, "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{smol.base}/v1/chat/completions", json=body,
+                      headers=smol.headers, timeout=60) as stream:
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)  # generating now
+        assert httpx.get(f"{smol.base}/load", timeout=30).json() == {"server_load": 1}
+    smol.wait_baseline()
+
+
 def test_batched_prompts_with_n_fan_out_concurrently(smol: App) -> None:
     """Several engine calls from one HTTP request: each gets its own replica assignment."""
     client = smol.openai()

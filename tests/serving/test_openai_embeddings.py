@@ -115,6 +115,9 @@ def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(smol, offlin
     bare = post("/v1/rerank", {"query": TEXTS[0], "documents": TEXTS,
                                "return_documents": False}).json()
     assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
+    v2 = post("/v2/rerank", {"query": TEXTS[0], "documents": TEXTS,
+                             "return_documents": False}).json()  # vLLM's Cohere v2 path
+    assert [x["index"] for x in v2["results"]] == [x["index"] for x in bare["results"]]
     for path, body, param in (
             ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "text_1"),
             ("/score", {"text_1": "a", "text_2": []}, "text_2"),

@@ -2,8 +2,9 @@
 ingress replicas sharing one store, read with the ``openai`` client:
 ``previous_response_id`` continues the stored conversation (the answer equals the
 chat completion of the whole conversation), ``GET`` / ``DELETE`` / ``input_items``
-follow OpenAI, background responses are polled to the foreground answer, and a
-cancel or delete mid-generation stops it and frees the engine's blocks."""
+follow OpenAI, background responses are polled to the foreground answer (streamed
+ones resume after a lost connection), and a cancel or delete mid-generation stops
+it and frees the engine's blocks."""
 
 from __future__ import annotations
 
@@ -107,6 +108,40 @@ def test_a_background_response_is_polled_to_the_foreground_answer(stored: App) -
     nxt = _create(stored, previous_response_id=queued.id, input="And Italy?",
                   max_output_tokens=12)
     assert nxt.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
+
+
+def test_a_streamed_background_response_resumes_after_a_lost_connection(stored: App) -> None:
+    """The client drops the stream after a few events; generation goes on, and a GET
+    with ``stream`` and ``starting_after`` (on either ingress replica) continues from
+    the next event to the end: together, the foreground answer."""
+    client = stored.openai()
+    seen = []
+    with client.responses.create(model=MODEL, input="What is the capital of France?",
+                                 temperature=0, max_output_tokens=20, background=True,
+                                 stream=True) as events:
+        for ev in events:
+            seen.append(ev)
+            if ev.type == "response.output_text.delta" and len(seen) >= 6:
+                break  # the connection closes here
+    rid = seen[0].response.id
+    assert seen[0].type == "response.created" and seen[0].response.background is True
+    done = wait_for(lambda: client.responses.retrieve(rid).status == "completed", 60,
+                    "the background response to finish after the client left")
+    rest = list(client.responses.retrieve(rid, stream=True,
+                                          starting_after=seen[-1].sequence_number))
+    every = seen + rest
+    assert [e.sequence_number for e in every] == list(range(len(every)))
+    assert every[-1].type == "response.completed"
+    text = "".join(e.delta for e in every if e.type == "response.output_text.delta")
+    fore = _create(stored, input="What is the capital of France?", max_output_tokens=20)
+    assert text == every[-1].response.output_text == fore.output_text
+    assert client.responses.retrieve(rid).model_dump() == every[-1].response.model_dump()
+    assert done
+    # From the start, the whole stream again; a response not streamed has no events.
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in again] == list(range(len(every)))
+    r = _get(stored, f"{fore.id}", stream="true")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
 @pytest.mark.parametrize("how", ["cancel", "delete"])

@@ -146,3 +146,61 @@ def test_a_background_response_whose_beats_stop_reads_failed() -> None:
         assert list(s.records) == ["new"]
 
     asyncio.run(run())
+
+
+def test_streamed_events_are_followed_resumed_and_end() -> None:
+    async def run() -> None:
+        s = ResponseStore()
+        s.put(_resp("bg", "queued"), [], None, background=True, streamed=True)
+        assert s.append("bg", ["e0", "e1"])
+        assert await s.wait_events("bg", -1, 0.0) == {"events": ["e0", "e1"], "done": False}
+        assert (await s.wait_events("bg", 0, 0.0))["events"] == ["e1"]  # starting_after
+        waiting = asyncio.ensure_future(s.wait_events("bg", 1, 5.0))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        s.append("bg", ["e2"])
+        assert await waiting == {"events": ["e2"], "done": False}
+        waiting = asyncio.ensure_future(s.wait_events("bg", 2, 5.0))
+        await asyncio.sleep(0)
+        assert s.update(_resp("bg", text="ok"), ["e3", "done"])  # the end, atomically
+        assert await waiting == {"events": ["e3", "done"], "done": True}
+        assert await s.wait_events("bg", 4, 5.0) == {"events": [], "done": True}
+        assert not s.append("bg", ["late"])
+        # A timeout returns nothing new; a cancel or a delete ends the followers.
+        s.put(_resp("c", "in_progress"), [], None, background=True, streamed=True)
+        assert await s.wait_events("c", -1, 0.05) == {"events": [], "done": False}
+        waiting = asyncio.ensure_future(s.wait_events("c", -1, 5.0))
+        await asyncio.sleep(0)
+        s.cancel("c")
+        assert await waiting == {"events": [], "done": True}
+        s.put(_resp("d", "in_progress"), [], None, background=True, streamed=True)
+        waiting = asyncio.ensure_future(s.wait_events("d", -1, 5.0))
+        await asyncio.sleep(0)
+        s.delete("d")
+        with pytest.raises(APIError) as e:
+            await waiting
+        assert e.value.status == 404
+        # Only streamed background responses keep events.
+        s.put(_resp("plain"), [], None)
+        with pytest.raises(APIError, match="background and stream") as e:
+            await s.wait_events("plain", -1, 0.0)
+        assert e.value.param == "stream"
+
+    asyncio.run(run())
+
+
+def test_ended_streams_drop_their_events_after_a_while(monkeypatch: Any) -> None:
+    import pagedserve.cluster.response_store as rs
+
+    async def run() -> None:
+        s = ResponseStore()
+        s.put(_resp("bg", "in_progress"), [], None, background=True, streamed=True)
+        s.update(_resp("bg", text="ok"), ["e0"])
+        monkeypatch.setattr(rs, "EVENTS_KEEP_S", 0.0)
+        await asyncio.sleep(0.01)
+        s.put(_resp("next"), [], None)  # a put purges what has been kept long enough
+        assert s.get("bg")["status"] == "completed"
+        with pytest.raises(APIError, match="no longer kept"):
+            await s.wait_events("bg", -1, 0.0)
+
+    asyncio.run(run())

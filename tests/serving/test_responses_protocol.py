@@ -71,7 +71,6 @@ def test_what_a_chat_cannot_carry_names_the_responses_field(kw: dict, param: str
     ({"previous_response_id": "resp_1"}, False, "previous_response_id"),
     ({"background": True}, False, "background"),
     ({"background": True, "store": False}, True, "background"),
-    ({"background": True, "stream": True}, True, "background"),
 ])
 def test_what_needs_a_store_it_cannot_have_is_refused(kw: dict, has_store: bool,
                                                       param: str) -> None:
