@@ -215,3 +215,34 @@ def test_a_background_response_whose_ingress_replica_dies_reads_failed(stored: A
                       "the orphaned response to read failed")
     assert owner in failed["error"]["message"] and time.monotonic() - t0 < 40
     stored.wait_baseline(timeout=60)
+
+
+def test_concurrent_background_responses_end_each_their_own_way(stored: App) -> None:
+    """Four at once, two streamed: one cancelled, one deleted, one followed to the end
+    after its client left, one polled; each ends as told, the others are untouched,
+    and the engine returns to baseline."""
+    client = stored.openai()
+
+    def start(n: int, stream: bool = False) -> str:
+        kw = dict(model=MODEL, input=f"Count to {n}.", temperature=0, background=True,
+                  max_output_tokens=120, extra_body={"ignore_eos": True})
+        if not stream:
+            return client.responses.create(**kw).id
+        with client.responses.create(stream=True, **kw) as events:
+            return next(iter(events)).response.id  # then the client leaves
+
+    ids = [start(10), start(20, stream=True), start(30), start(40, stream=True)]
+    wait_for(lambda: all(client.responses.retrieve(r).status == "in_progress" for r in ids),
+             60, "all four to start")
+    assert client.responses.cancel(ids[0]).status == "cancelled"
+    client.responses.delete(ids[3])
+    for rid in ids[1:3]:
+        wait_for(lambda rid=rid: client.responses.retrieve(rid).status == "incomplete", 120,
+                 f"{rid} to run to max_output_tokens")
+    followed = list(client.responses.retrieve(ids[1], stream=True))
+    assert followed[-1].type == "response.incomplete"
+    assert followed[-1].response.usage.output_tokens == 120
+    assert client.responses.retrieve(ids[2]).usage.output_tokens == 120
+    assert client.responses.retrieve(ids[0]).status == "cancelled"
+    assert _get(stored, ids[3]).status_code == 404
+    stored.wait_baseline(timeout=30)
