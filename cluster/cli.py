@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--remote-prefill-min-tokens", type=int, default=64,
                    help="with --prefill-replicas: a prompt whose part missing from the "
                         "decode replica's cache is shorter is computed there")
+    s.add_argument("--remote-prefill-max-inflight", type=int, default=None, metavar="N",
+                   help="with --prefill-replicas: a decode replica waiting on N remote "
+                        "prefills computes the next prompt itself (default: no bound)")
     s.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
                    help="chat answers of thinking models: the text between <think> and "
                         "</think> goes to the message's 'reasoning', the rest to 'content'")

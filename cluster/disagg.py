@@ -16,7 +16,12 @@ Differences from those, by design:
   prefix cache (or is short: ``remote_prefill_min_tokens``) is computed there;
 - the transfer can only make a request cheaper, never change it: a prefill
   replica that fails, times out or dies mid-call (chaos) costs the decode
-  replica the computation, not the request (counted as ``failures``).
+  replica the computation, not the request (counted as ``failures``);
+- with ``max_inflight``, a decode replica that already waits on that many
+  remote prefills computes the next prompt itself (``overflow``), as Dynamo's
+  conditional disaggregation does past its prefill queue bound: when the
+  prefill pool falls behind, its queue stops growing from this replica and
+  the first tokens stop waiting on it.
 """
 
 from __future__ import annotations
@@ -44,10 +49,14 @@ class RemotePrefillConfig:
 
     min_tokens: int = 64
     timeout_s: float = 60.0
+    max_inflight: int | None = None  # remote prefills one decode replica waits on at once
 
     def __post_init__(self) -> None:
         if self.min_tokens < 1:
             raise ValueError(f"remote_prefill_min_tokens must be >= 1, got {self.min_tokens}")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError("remote_prefill_max_inflight must be >= 1, got "
+                             f"{self.max_inflight}")
         if self.timeout_s <= 0:
             raise ValueError(f"remote_prefill_timeout_s must be > 0, got {self.timeout_s}")
 
@@ -65,9 +74,10 @@ class RemotePrefiller:
     def __init__(self, handle: Any, config: RemotePrefillConfig) -> None:
         self.handle = handle
         self.config = config
+        self.inflight = 0
         self.stats: dict[str, float] = {
-            "remote_prefills": 0, "skipped": 0, "failures": 0, "imported_blocks": 0,
-            "received_bytes": 0, "seconds": 0.0}
+            "remote_prefills": 0, "skipped": 0, "overflow": 0, "failures": 0,
+            "imported_blocks": 0, "received_bytes": 0, "seconds": 0.0}
 
     def wanted(self, engine: Any, req: EngineRequest, lora: Any) -> bool:
         """Whether the prompt's part missing here is long enough to send away."""
@@ -84,7 +94,12 @@ class RemotePrefiller:
         if not self.wanted(engine, req, lora):
             self.stats["skipped"] += 1
             return
+        cap = self.config.max_inflight
+        if cap is not None and self.inflight >= cap:
+            self.stats["overflow"] += 1
+            return
         t0 = time.monotonic()
+        self.inflight += 1
         response = self.handle.prefill.remote(prefill_request(req))
         try:
             async with asyncio.timeout(self.config.timeout_s):
@@ -104,4 +119,5 @@ class RemotePrefiller:
             logger.warning("remote prefill of %s failed, computing it locally: %s",
                            req.request_id, e)
         finally:
+            self.inflight -= 1
             self.stats["seconds"] += time.monotonic() - t0

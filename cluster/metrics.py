@@ -245,6 +245,8 @@ class _Collector:
              ("remote_prefill", "remote_prefills")),
             ("remote_prefill_failures", "Remote prefills that failed and ran locally instead",
              ("remote_prefill", "failures")),
+            ("remote_prefill_overflow", "Prompts computed locally past remote_prefill_max_inflight",
+             ("remote_prefill", "overflow")),
             ("shared_prefix_steps", "Decode steps whose attention split off prefixes that "
              "rows share (cascade attention)", ("shared_prefix_steps",)),
             ("shared_prefix_rows", "Decode rows that read a shared prefix once per run of rows",

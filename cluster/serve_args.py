@@ -97,6 +97,7 @@ class ServeArgs(BaseModel):
     prefill_replicas: int = Field(default=0, ge=0)
     remote_prefill_min_tokens: int = Field(default=64, ge=1)
     remote_prefill_timeout_s: float = Field(default=60.0, gt=0.0)
+    remote_prefill_max_inflight: int | None = Field(default=None, ge=1)
     prefill_autoscaling_config: dict[str, Any] | None = None
 
     @classmethod
@@ -183,7 +184,8 @@ class ServeArgs(BaseModel):
         if not self.prefill_replicas:
             return None
         return RemotePrefillConfig(self.remote_prefill_min_tokens,
-                                   self.remote_prefill_timeout_s)
+                                   self.remote_prefill_timeout_s,
+                                   self.remote_prefill_max_inflight)
 
     def settings(self) -> ServeSettings:
         """Resolve the device and threads, check the adapters and the engine config."""

@@ -71,6 +71,8 @@ def test_prefill_replicas_share_the_cores_and_sit_behind_the_engine_replicas(
     assert prefill.init_args[0] == eng.init_args[0]  # the same engine settings
     assert eng.init_args[4] == RemotePrefillConfig(min_tokens=32, timeout_s=60.0)
     assert _engine_node({}).init_args[3:5] == (None, None)  # colocated by default
+    bounded = _engine_node({"prefill_replicas": 1, "remote_prefill_max_inflight": 4})
+    assert bounded.init_args[4].max_inflight == 4
     with pytest.raises(ValueError, match="prefill_replicas"):
         build_app({"device": "cpu", "prefill_replicas": -1})
     with pytest.raises(ValueError, match="remote_prefill_min_tokens"):
