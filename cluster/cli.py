@@ -1,4 +1,7 @@
-"""The ``pagedserve`` command: ``generate`` offline, or ``serve`` an OpenAI-compatible API.
+"""The ``pagedserve`` command: generate offline, serve the OpenAI API, run request files.
+
+``generate`` runs the offline engine, ``serve`` the OpenAI-compatible API, and
+``run-batch`` a file of OpenAI batch requests through it (``run_batch``).
 
 ``pagedserve`` with no arguments serves the embedded default model (SmolLM2-135M-Instruct)
 on http://127.0.0.1:8000. ``serve`` starts a fresh local Ray instance unless it is given
@@ -6,7 +9,7 @@ on http://127.0.0.1:8000. ``serve`` starts a fresh local Ray instance unless it 
 machine with ``ray start``), deploys the Serve application, prints the URL and blocks until
 Ctrl-C or SIGTERM, then removes what it created: the application, and Serve and Ray too
 when it started them. Open requests get ``--drain-timeout-s`` to finish first; a second
-Ctrl-C stops at once.
+Ctrl-C stops at once (``local_app``).
 """
 
 from __future__ import annotations
@@ -98,6 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-lora-rank", type=int, default=16)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
+    _serve_flags(s)
+
+    b = sub.add_parser("run-batch", help="run a file of OpenAI batch requests through a "
+                       "local deployment of the app (vLLM's run-batch)")
+    _serve_flags(b)
+    b.add_argument("-i", "--input-file", required=True,
+                   help="JSONL of {custom_id, method, url, body} lines ('-': stdin)")
+    b.add_argument("-o", "--output-file", required=True,
+                   help="JSONL of {id, custom_id, response, error} lines, in input order "
+                        "('-': stdout)")
+    b.add_argument("--max-concurrency", type=int, default=64,
+                   help="requests in flight at once")
+    b.set_defaults(ingress="proxy", port=0, host="127.0.0.1")
+    return parser
+
+
+def _serve_flags(s: argparse.ArgumentParser) -> None:
+    """The app's settings, shared by ``serve`` and ``run-batch``."""
     _engine_flags(s)
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name in the API (several: each is accepted, the "
@@ -206,7 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "each ingress replica's own port; 'proxy': Serve's Python proxy; "
                         "'direct': the proxy, and the replicas' ports printed at start; "
                         "'auto' (default): haproxy where ray[serve] installed its binary")
-    return parser
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -262,105 +282,29 @@ def generate(args: argparse.Namespace) -> int:
 
 def serve_forever(args: argparse.Namespace) -> int:
     """Deploy, print the URL, block until a signal, then undo what this process started."""
-    address = args.address or os.environ.get("RAY_ADDRESS") or None
-    if address is None:
-        # A new single-user cluster: no token auth, so `--address` clients can join it.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    from ray import serve
-
     from pagedserve.cluster import http_front
-    from pagedserve.cluster.placement import local_cluster_env
-    from pagedserve.cluster.serve_app import build_app
+    from pagedserve.cluster.local_app import SetupError, local_app
 
-    try:
-        app = build_app(args)  # validates the engine settings before anything starts
-    except ValueError as e:  # (pydantic's ValidationError is one too)
-        print(f"pagedserve serve: {e}", file=sys.stderr)
-        return 2
-    started_ray = address is None
-    try:
-        front = http_front.resolve_ingress(args.ingress) if started_ray else "cluster's"
-    except ValueError as e:
-        print(f"pagedserve serve: {e}", file=sys.stderr)
-        return 2
-    if started_ray:
-        # Every rank gets at least one logical CPU and a TP replica's scheduler one more,
-        # even on a machine with fewer cores (serve_app sizes threads by real cores).
-        need = args.num_replicas * (args.tensor_parallel_size + 1)
-        os.environ.update(local_cluster_env(args.dashboard))
-        os.environ.update(http_front.ingress_env(front))
-        ray.init(address="local", include_dashboard=args.dashboard,
-                 num_cpus=args.num_cpus or max(os.cpu_count() or 1, need),
-                 num_gpus=args.num_gpus)
-    else:
-        if args.ingress != "auto":
-            print("pagedserve: --ingress applies to a Ray that pagedserve starts; "
-                  "this cluster's own setting is kept", file=sys.stderr)
-        ray.init(address=address)
-    started_serve = started_ray or not _serve_running()
-    serve.start(http_options={"host": args.host, "port": args.port})
-    if not started_serve:
-        print("pagedserve: Serve already runs on this cluster; its HTTP host/port are kept",
-              file=sys.stderr)
-    app = build_app(args)  # again, now that Ray knows the cluster's GPUs (device auto)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.run(app, name=args.name, route_prefix=args.route_prefix, blocking=False)
-        prefix = args.route_prefix.rstrip("/")
-        url = f"http://{args.host}:{args.port}{prefix}"
-        names = " / ".join(args.served_model_name or [args.model or "SmolLM2-135M"])
-        print(f"pagedserve: serving {names}"
-              f" at {url}/v1 (health: {url}/health, metrics: {url}/metrics; "
-              f"front: {front})", flush=True)
-        if front == "direct":
-            for direct in http_front.direct_ingress_urls(args.name, args.host):
-                print(f"pagedserve: direct ingress at {direct}/v1", flush=True)
-        while not stop.wait(1.0):
-            pass
-        print(f"pagedserve: shutting down (open requests get up to {args.drain_timeout_s:g} s;"
-              " Ctrl-C again to stop at once)", flush=True)
-    finally:
-        try:
-            for sig in (signal.SIGINT, signal.SIGTERM):  # a second one stops the drain
-                signal.signal(sig, signal.default_int_handler)
-            _delete_app(args.name, args.drain_timeout_s, args.failover_wait_s)
-            if started_serve:
-                serve.shutdown()
-        except KeyboardInterrupt:
-            print("pagedserve: stopping at once", file=sys.stderr, flush=True)
-        finally:
-            node_id = ray.get_runtime_context().get_node_id() if started_ray else None
-            ray.shutdown()
-            if node_id and front == "haproxy":
-                http_front.stop_leftover_haproxy(node_id)
+        with local_app(args, "serve") as (url, front):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            names = " / ".join(args.served_model_name or [args.model or "SmolLM2-135M"])
+            print(f"pagedserve: serving {names}"
+                  f" at {url}/v1 (health: {url}/health, metrics: {url}/metrics; "
+                  f"front: {front})", flush=True)
+            if front == "direct":
+                for direct in http_front.direct_ingress_urls(args.name, args.host):
+                    print(f"pagedserve: direct ingress at {direct}/v1", flush=True)
+            while not stop.wait(1.0):
+                pass
+            print("pagedserve: shutting down (open requests get up to "
+                  f"{args.drain_timeout_s:g} s; Ctrl-C again to stop at once)", flush=True)
+    except SetupError as e:
+        print(f"pagedserve serve: {e}", file=sys.stderr)
+        return 2
     return 0
-
-
-def _delete_app(name: str, drain_timeout_s: float, failover_wait_s: float) -> None:
-    """Delete the application, its open requests given ``drain_timeout_s`` to finish
-    (``serve.delete`` itself gives up after 60 s, ``serve.shutdown`` after 30)."""
-    import time
-
-    from ray import serve
-
-    serve.delete(name, _blocking=False)
-    # The ingress drains failover_wait_s longer than the engine replicas (see build_app).
-    deadline = time.monotonic() + drain_timeout_s + failover_wait_s + 30.0
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(name)
-        if app is None or app.status == "NOT_STARTED":
-            return
-        time.sleep(0.5)
-
-
-def _serve_running() -> bool:
-    """Whether this cluster already runs a Serve controller (then we only add our app)."""
-    from ray.serve.context import _get_global_client
-
-    return _get_global_client(raise_if_no_controller_running=False) is not None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -372,6 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: Any = parser.parse_args(argv)
     if args.command == "generate":
         return generate(args)
+    if args.command == "run-batch":
+        from pagedserve.cluster.run_batch import run_batch
+
+        return run_batch(args)
     return serve_forever(args)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -44,6 +45,50 @@ def test_generate_prints_the_completion(tiny_model: Path) -> None:
     finally:
         llm.shutdown()
     assert out.stdout.rstrip("\n") == ref.outputs[0].text
+
+
+def test_run_batch_answers_each_line_as_the_http_api_does(tiny_model: Path,
+                                                          tmp_path: Path) -> None:
+    """vLLM's run-batch: a completion equals the offline engine's greedy text, a chat
+    and an embedding answer 200, a bad body is its 400, lines that are no request get
+    ``error``; outputs in input order, and the app, Serve and Ray are gone after."""
+    from pagedserve.cluster import LLM, SamplingParams
+
+    lines = [
+        {"custom_id": "c1", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Hello world", "max_tokens": 8, "temperature": 0}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "hi", "max_tokens": -1}},
+        {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings",
+         "body": {"input": "hello"}},
+        {"custom_id": "s", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "hi", "stream": True}},
+        {"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([*(json.dumps(x) for x in lines), "not json"]) + "\n")
+    out = subprocess.run([*CLI, "run-batch", "-i", str(src), "-o", "-", "--model",
+                          str(tiny_model), "--num-gpu-blocks", "64", "--max-model-len", "512",
+                          "--max-concurrency", "3"],
+                         capture_output=True, text=True, timeout=300, env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [g["custom_id"] for g in got] == [x["custom_id"] for x in lines] + [None]
+    status = [g["response"]["status_code"] if g["response"] else None for g in got]
+    assert status == [200, 200, 400, 200, None, None, None]
+    assert [g["error"]["code"] if g["error"] else None for g in got] == \
+        [None] * 4 + ["invalid_body", "invalid_method", "invalid_json"]
+    assert got[2]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert len(got[3]["response"]["body"]["data"][0]["embedding"]) == 64
+    llm = LLM(model=str(tiny_model), num_gpu_blocks=32)
+    try:
+        (ref,) = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=8))
+    finally:
+        llm.shutdown()
+    assert got[0]["response"]["body"]["choices"][0]["text"] == ref.outputs[0].text
+    assert "7 lines, 3 answered 200" in out.stderr
 
 
 def test_generate_with_a_lora_adapter(tiny_model: Path, tmp_path: Path) -> None:
