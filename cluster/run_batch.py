@@ -10,7 +10,10 @@ structured outputs, logprobs, embeddings, adapters, errors), on as many replicas
 and tensor-parallel ranks as the flags ask for. An HTTP error is an answer too
 (its status and OpenAI error body, as OpenAI's batches report them); ``error`` is
 set only for a line that is no request (bad JSON, no ``custom_id``, another
-method or URL, ``stream``). A 503 (the replicas' queues full) is retried.
+method or URL, ``stream``). A 503 (the replicas' queues full) is retried. Lines
+are read as places in flight free up and answers written (and flushed) as soon as
+every line before them is answered, so a large file is never held whole and a
+killed batch keeps the answers it had.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
         "/v1/score", "/v1/rerank", "/score", "/rerank", "/v2/rerank")
-RETRY_503 = 60  # attempts, a second apart: a full queue drains meanwhile
+RETRY_503 = 60  # attempts, RETRY_WAIT_S apart: a full queue drains meanwhile
+RETRY_WAIT_S = 1.0
 
 
 def parse_line(line: str) -> tuple[str | None, str, dict[str, Any]] | dict[str, Any]:
@@ -65,7 +69,7 @@ async def _send(client: Any, base: str, url: str, body: dict[str, Any]) -> dict[
         r = await client.post(base + url, json=body)
         if r.status_code != 503:
             break
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(RETRY_WAIT_S)
     try:
         payload = r.json()
     except ValueError:
@@ -76,60 +80,82 @@ async def _send(client: Any, base: str, url: str, body: dict[str, Any]) -> dict[
             "body": payload}
 
 
-async def run_lines(base: str, lines: list[str], concurrency: int,
-                    api_key: str | None = None) -> list[dict[str, Any]]:
-    """Every line's output, at most ``concurrency`` requests in flight."""
+async def run_lines(base: str, lines: Iterable[str], concurrency: int,
+                    sink: Callable[[dict[str, Any]], None], api_key: str | None = None,
+                    transport: Any = None) -> dict[str, int]:
+    """Send every line (at most ``concurrency`` requests in flight, lines read as places
+    free up) and give ``sink`` each output in input order as soon as all before it are
+    out; returns the counts."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    ready: dict[int, dict[str, Any]] = {}
+    counts = {"lines": 0, "ok": 0}
 
-    async def one(client: Any, line: str) -> dict[str, Any]:
-        parsed = parse_line(line)
-        if isinstance(parsed, dict):
-            cid = None
+    def emit(k: int, out: dict[str, Any]) -> None:
+        ready[k] = out
+        while counts["lines"] in ready:
+            done = ready.pop(counts["lines"])
+            counts["lines"] += 1
+            counts["ok"] += bool(done["response"] and done["response"]["status_code"] == 200)
+            sink(done)
+
+    async def one(client: Any, k: int, line: str) -> None:
+        try:
+            parsed = parse_line(line)
+            if isinstance(parsed, dict):
+                emit(k, _output(_custom_id(line), None, parsed))
+                return
+            cid, url, body = parsed
             try:
-                obj = json.loads(line)
-                cid = obj.get("custom_id") if isinstance(obj, dict) else None
-            except ValueError:
-                pass
-            return _output(cid if isinstance(cid, str) else None, None, parsed)
-        cid, url, body = parsed
-        async with gate:
-            try:
-                return _output(cid, await _send(client, base, url, body), None)
+                emit(k, _output(cid, await _send(client, base, url, body), None))
             except Exception as e:  # a lost connection is this line's error, not the batch's
-                return _output(cid, None, {"code": "request_failed", "message": str(e)})
+                emit(k, _output(cid, None, {"code": "request_failed", "message": str(e)}))
+        finally:
+            gate.release()
 
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits) as client:
-        return list(await asyncio.gather(*(one(client, line) for line in lines)))
+    running: set[asyncio.Task[None]] = set()
+    async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits,
+                                 transport=transport) as client:
+        for k, line in enumerate(lines):
+            await gate.acquire()
+            task = asyncio.ensure_future(one(client, k, line))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        await asyncio.gather(*running)
+    return counts
 
 
-def _read(path: str) -> list[str]:
-    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    return [line for line in text.splitlines() if line.strip()]
+def _custom_id(line: str) -> str | None:
+    """A line's ``custom_id`` when it has a usable one (for a line that is no request)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) else None
 
 
-def _write(path: str, outputs: list[dict[str, Any]]) -> None:
-    text = "".join(json.dumps(o, separators=(",", ":")) + "\n" for o in outputs)
-    if path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        Path(path).write_text(text, encoding="utf-8")
+def _lines(f: TextIO) -> Iterator[str]:
+    for line in f:
+        if line.strip():
+            yield line
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def _stdout_to_stderr() -> Iterator[TextIO]:
     """Whatever Ray prints while the app runs goes to stderr (file descriptor 1 too):
-    stdout may be the output file."""
+    stdout may be the output file, which is yielded."""
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
+    real = os.fdopen(os.dup(saved), "w", encoding="utf-8")
     try:
-        yield
+        yield real
     finally:
+        real.close()
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
@@ -142,21 +168,30 @@ def run_batch(args: Any) -> int:
     if args.max_concurrency < 1:
         print("pagedserve run-batch: --max-concurrency must be >= 1", file=sys.stderr)
         return 2
-    try:
-        lines = _read(args.input_file)
-    except OSError as e:
-        print(f"pagedserve run-batch: cannot read {args.input_file}: {e}", file=sys.stderr)
-        return 2
     t0 = time.monotonic()
     try:
-        with _stdout_to_stderr(), local_app(args, "run-batch", quiet=True) as (base, _):
+        with contextlib.ExitStack() as stack:
+            src = sys.stdin if args.input_file == "-" else stack.enter_context(
+                Path(args.input_file).open(encoding="utf-8"))
+            real_stdout = stack.enter_context(_stdout_to_stderr())
+            dst = real_stdout if args.output_file == "-" else stack.enter_context(
+                Path(args.output_file).open("w", encoding="utf-8"))
+
+            def sink(out: dict[str, Any]) -> None:
+                dst.write(json.dumps(out, separators=(",", ":")) + "\n")
+                dst.flush()  # a killed batch keeps the answers before it
+
+            base, _ = stack.enter_context(local_app(args, "run-batch", quiet=True))
             api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
-            outputs = asyncio.run(run_lines(base, lines, args.max_concurrency, api_key))
+            counts = asyncio.run(run_lines(base, _lines(src), args.max_concurrency, sink,
+                                           api_key))
+    except OSError as e:
+        print(f"pagedserve run-batch: {e}", file=sys.stderr)
+        return 2
     except SetupError as e:
         print(f"pagedserve run-batch: {e}", file=sys.stderr)
         return 2
-    _write(args.output_file, outputs)
-    ok = sum(1 for o in outputs if o["response"] and o["response"]["status_code"] == 200)
-    print(f"pagedserve run-batch: {len(outputs)} lines, {ok} answered 200, "
-          f"{len(outputs) - ok} not, in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    n, ok = counts["lines"], counts["ok"]
+    print(f"pagedserve run-batch: {n} lines, {ok} answered 200, {n - ok} not, "
+          f"in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return 0
