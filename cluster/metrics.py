@@ -167,8 +167,9 @@ def _hist_family(name: str, doc: str, replicas: list[dict[str, Any]], key: str
 
 
 class _Collector:
-    def __init__(self, replicas: list[dict[str, Any]], http: HttpMetrics | None) -> None:
-        self.replicas, self.http = replicas, http
+    def __init__(self, replicas: list[dict[str, Any]], http: HttpMetrics | None,
+                 store: dict[str, int] | None = None) -> None:
+        self.replicas, self.http, self.store = replicas, http, store
 
     def collect(self) -> Iterable[Any]:
         p = PREFIX
@@ -302,6 +303,12 @@ class _Collector:
             yield GaugeMetricFamily(f"{p}_http_requests_in_flight",
                                     "HTTP requests open on this ingress replica",
                                     value=float(self.http.in_flight))
+        for key, what in (("entries", "Responses kept by the responses store"),
+                          ("background_running", "Background responses generating"),
+                          ("events_kept", "Streamed background events kept for resuming")):
+            if self.store is not None:
+                yield GaugeMetricFamily(f"{p}_responses_store_{key}", what,
+                                        value=float(self.store[key]))
 
 
 def _dig(d: dict[str, Any], path: tuple[str, ...]) -> Any:
@@ -334,8 +341,10 @@ async def call_each_replica(handle: Any, replica_ids: list[str], method: str,
     return list(await asyncio.gather(*(call(r) for r in replica_ids)))
 
 
-def render_prometheus(replicas: list[dict[str, Any]], http: HttpMetrics | None = None) -> bytes:
-    """Prometheus text for ``[{"replica": id, "stats": engine stats or None}, ...]``."""
+def render_prometheus(replicas: list[dict[str, Any]], http: HttpMetrics | None = None,
+                      store: dict[str, int] | None = None) -> bytes:
+    """Prometheus text for ``[{"replica": id, "stats": engine stats or None}, ...]`` (and
+    the responses store's ``stats``, when the app has one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(replicas, http))  # type: ignore[arg-type]
+    registry.register(_Collector(replicas, http, store))  # type: ignore[arg-type]
     return generate_latest(registry)

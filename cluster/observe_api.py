@@ -10,6 +10,7 @@ replica; stats, health probes and metrics must reach them all, by id
 The routes live on an ``APIRouter`` bound to this mixin; ``OpenAIServer`` inherits it.
 """
 
+import asyncio
 import importlib.metadata
 from typing import Any
 
@@ -29,7 +30,7 @@ router = APIRouter()
 class ClusterView:
     """Mixed into ``OpenAIServer``, which provides ``_authorize``, ``_engine_info``, the
     handles (``_engine``, ``_prefill``), ``app_name``, ``served_name``,
-    ``scales_to_zero`` and ``http_metrics``."""
+    ``scales_to_zero``, ``http_metrics`` and ``responses_store``."""
 
     async def _replica_ids(self) -> list[str]:
         ids = known_replicas(ENGINE_DEPLOYMENT, self.app_name)
@@ -54,13 +55,26 @@ class ClusterView:
             return []
         return await call_each_replica(self._prefill, await self._prefill_ids(), "stats", 10.0)
 
+    async def _store_stats(self) -> dict[str, int] | None:
+        """The responses store's counts; None without a store (or when it does not answer:
+        the engines' stats still do)."""
+        if self.responses_store is None:
+            return None
+        try:
+            async with asyncio.timeout(10.0):
+                return await self.responses_store("stats")
+        except Exception:  # a store restarting: the rest of the page stays useful
+            return None
+
     @router.get("/v1/stats")
     async def stats(self, raw: Request) -> dict[str, Any]:
         """Every engine replica's stats (pool, prefix cache, queues) and the router's table."""
         self._authorize(raw)
         replicas = await self._each_replica("stats", 10.0)
         prefill = await self._each_prefill_replica()
+        store = await self._store_stats()
         return {"model": self.served_name, "replicas": replicas,
+                **({"responses_store": store} if store is not None else {}),
                 "ingress": {"replica": serve.get_replica_context().replica_id.unique_id,
                             "node_id": ray.get_runtime_context().get_node_id()},
                 "affinity_blocks": affinity_snapshot(ENGINE_DEPLOYMENT),
@@ -94,5 +108,6 @@ class ClusterView:
     @router.get("/metrics")
     async def metrics(self) -> Response:
         replicas = await self._each_replica("stats", 10.0) + await self._each_prefill_replica()
-        return Response(render_prometheus(replicas, self.http_metrics),
+        return Response(render_prometheus(replicas, self.http_metrics,
+                                          await self._store_stats()),
                         media_type="text/plain; version=0.0.4; charset=utf-8")

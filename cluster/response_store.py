@@ -123,6 +123,14 @@ class ResponseStore:
         rec.seen = time.monotonic()
         return True
 
+    def stats(self) -> dict[str, int]:
+        """What the store holds, for ``/v1/stats`` and ``/metrics``."""
+        recs = list(self.records.values())
+        return {"entries": len(recs), "max_entries": self.max_entries,
+                "background_running": sum(r.background and r.response["status"] in ACTIVE
+                                          for r in recs),
+                "events_kept": sum(len(r.events) for r in recs if r.events is not None)}
+
     def owner(self, rid: str) -> str | None:
         """The ingress replica that generates (or generated) a background response."""
         return self._record(rid).owner
@@ -281,7 +289,7 @@ class ResponseStoreServer:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         if method not in ("put", "update", "append", "beat", "owner", "get", "delete",
-                          "cancel", "conversation", "input_items"):
+                          "cancel", "conversation", "input_items", "stats"):
             raise ValueError(f"unknown store method {method!r}")
         return _answer(getattr(self.store, method), *args, **kwargs)
 

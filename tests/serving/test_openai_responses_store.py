@@ -234,6 +234,9 @@ def test_concurrent_background_responses_end_each_their_own_way(stored: App) -> 
     ids = [start(10), start(20, stream=True), start(30), start(40, stream=True)]
     wait_for(lambda: all(client.responses.retrieve(r).status == "in_progress" for r in ids),
              60, "all four to start")
+    stats = httpx.get(f"{stored.base}/v1/stats", headers=stored.headers, timeout=30).json()
+    assert stats["responses_store"]["background_running"] == 4
+    assert stats["responses_store"]["events_kept"] >= 2  # the streamed ones' first events
     assert client.responses.cancel(ids[0]).status == "cancelled"
     client.responses.delete(ids[3])
     for rid in ids[1:3]:
@@ -246,3 +249,6 @@ def test_concurrent_background_responses_end_each_their_own_way(stored: App) -> 
     assert client.responses.retrieve(ids[0]).status == "cancelled"
     assert _get(stored, ids[3]).status_code == 404
     stored.wait_baseline(timeout=30)
+    metrics = httpx.get(f"{stored.base}/metrics", timeout=30).text
+    assert "pagedserve_responses_store_background_running 0.0" in metrics
+    assert "pagedserve_responses_store_entries " in metrics

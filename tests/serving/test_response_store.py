@@ -165,6 +165,8 @@ def test_streamed_events_are_followed_resumed_and_end() -> None:
         assert s.update(_resp("bg", text="ok"), ["e3", "done"])  # the end, atomically
         assert await waiting == {"events": ["e3", "done"], "done": True}
         assert await s.wait_events("bg", 4, 5.0) == {"events": [], "done": True}
+        assert s.stats() == {"entries": 1, "max_entries": 10_000, "background_running": 0,
+                             "events_kept": 5}
         assert not s.append("bg", ["late"])
         # A timeout returns nothing new; a cancel or a delete ends the followers.
         s.put(_resp("c", "in_progress"), [], None, background=True, streamed=True)
