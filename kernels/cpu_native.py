@@ -11,9 +11,9 @@ torch makes several, and the multi-LoRA deltas of a batch (``cpu_lora.c``,
 wrapped by ``cpu_lora``).
 
 Why C + ctypes rather than a torch C++ extension: the kernel needs no torch
-headers, so it compiles in well under a second with the system C compiler and
-no build-time torch (a torch build dependency would make pip fetch a CUDA
-wheel). The shared object is cached under ``$PAGEDSERVE_CACHE_DIR`` (default
+headers, so it compiles in seconds with the system C compiler (about 25 s on a
+2-core AVX2 machine, sources compiled side by side) and no build-time torch (a
+torch build dependency would make pip fetch a CUDA wheel). The shared object is cached under ``$PAGEDSERVE_CACHE_DIR`` (default
 ``~/.cache/pagedserve``) keyed by source, compiler flags and this CPU's
 feature flags, because ``-march=native`` code must not move to another CPU.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -37,7 +38,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -62,6 +63,8 @@ _MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in cpu_paged_decode.c
 ROWS_PER_CHUNK = 16
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
              torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+# Per source; a build that takes longer fails (and is not tried again, see ``load``).
+_BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -83,22 +86,73 @@ def _cpu_fingerprint() -> str:
     return f"{platform.machine()}|{flags}"
 
 
-def _build(cc: str, out: Path) -> None:
+def _has_wide_vectors(fingerprint: str) -> bool:
+    """Whether this CPU has 512-bit vectors (or is not x86, where the flag does not apply)."""
+    return platform.machine() not in ("x86_64", "AMD64") or " avx512f" in fingerprint
+
+
+def _source_flags(source: Path, fingerprint: str) -> list[str]:
+    """Compiler flags of one source on this CPU.
+
+    The attention kernels hold sixteen-lane vectors of whole head rows in arrays. On
+    an x86 CPU without AVX-512, GCC splits each into two 256-bit halves, and at -O2 /
+    -O3 its redundancy-elimination passes then take minutes on the one file (357 s
+    on a 2-core AVX2 EPYC), longer than the build may take. -O1 with complete loop
+    peeling and unswitching (what the kernels' fixed-trip loops need to stay in
+    registers) builds in seconds there and decodes as fast as the -O3 build
+    (``bench/kernels.py --backends cpu``, both builds side by side on that machine).
+    """
+    if source.name == "cpu_paged_decode.c" and not _has_wide_vectors(fingerprint):
+        return [f for f in _FLAGS if f != "-O3"] + ["-O1", "-fpeel-loops", "-funswitch-loops"]
+    return _FLAGS
+
+
+def _build(cc: str, out: Path, fingerprint: str) -> None:
+    """Compile every source (at once, one process each) and link them into ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a temp name and rename: concurrent workers never load a half-written file.
-    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    try:
-        subprocess.run([cc, *_FLAGS, f"-I{_HERE}", *map(str, _SOURCES), "-o", str(tmp_path),
-                        "-lm"],
-                       check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp_path, out)
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = [Path(tmp) / f"{src.stem}.o" for src in _SOURCES]
+        procs = [subprocess.Popen([cc, *_source_flags(src, fingerprint), "-c", f"-I{_HERE}",
+                                   str(src), "-o", str(obj)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for src, obj in zip(_SOURCES, objects, strict=True)]
+        try:
+            for proc in procs:
+                _, err = proc.communicate(timeout=_BUILD_TIMEOUT_S)
+                if proc.returncode:
+                    raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        # Link to a temp name and rename: another process never loads a half-written file.
+        linked = Path(tmp) / out.name
+        subprocess.run([cc, "-shared", "-fopenmp", *map(str, objects), "-o", str(linked), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        os.replace(linked, out)
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """One process builds at a time: ranks starting together wait for the first build
+    instead of each compiling the same library on the same cores."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it once per source/CPU; None if unavailable."""
+    """The compiled kernel library, building it once per source/CPU; None if unavailable.
+
+    A build that fails leaves a ``.failed`` note next to where the library would be,
+    so later processes go straight to the torch path instead of compiling again;
+    delete it (or change the sources) to retry.
+    """
     global _lib, _tried
     with _lock:
         if _tried:
@@ -110,18 +164,31 @@ def load() -> ctypes.CDLL | None:
         if cc is None or not all(p.exists() for p in _SOURCES + _HEADERS):
             logger.info("native CPU kernels off: no C compiler found")
             return None
+        fingerprint = _cpu_fingerprint()
         key = hashlib.sha256(
             b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-            + " ".join(_FLAGS).encode() + _cpu_fingerprint().encode()
+            + " ".join(" ".join(_source_flags(p, fingerprint)) for p in _SOURCES).encode()
+            + fingerprint.encode()
         ).hexdigest()[:16]
         path = _cache_dir() / f"cpu_kernels_{key}.so"
+        failed = path.with_suffix(".failed")
         try:
-            if not path.exists():
-                _build(cc, path)
+            with _build_lock(path):
+                if failed.exists():
+                    logger.warning("native CPU kernels off: an earlier build failed (%s)",
+                                   failed)
+                    return None
+                if not path.exists():
+                    try:
+                        _build(cc, path, fingerprint)
+                    except (OSError, subprocess.SubprocessError) as e:
+                        detail = getattr(e, "stderr", "") or str(e)
+                        failed.write_text(f"{e}\n{detail}")
+                        raise
             lib = ctypes.CDLL(str(path))
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
-            logger.warning("native CPU kernels off: build failed: %s", detail.strip()[:500])
+            logger.warning("native CPU kernels off: build failed: %s", str(detail).strip()[:500])
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64,

@@ -128,3 +128,40 @@ def test_missing_compiler_falls_back(fresh_loader, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("CC", str(fresh_loader / "no-such-cc"))
     assert cpu_native.load() is None
     assert get_backend().name == "torch"
+
+
+def test_a_failed_build_is_noted_and_not_retried(fresh_loader, monkeypatch: pytest.MonkeyPatch
+                                                 ) -> None:
+    """A compiler that fails leaves a ``.failed`` note: the next process goes straight to
+    the torch path instead of compiling again (ranks starting together each paid the
+    whole build before)."""
+    cc = fresh_loader / "failing-cc"
+    calls = fresh_loader / "calls"
+    cc.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'no such intrinsic' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert cpu_native.load() is None
+    notes = list((fresh_loader / "native").glob("cpu_kernels_*.failed"))
+    assert len(notes) == 1 and "no such intrinsic" in notes[0].read_text()
+    compiled = len(calls.read_text().split())
+    assert compiled >= 1  # (the first failure stops the others, which may not have run)
+    cpu_native._tried = False
+    assert cpu_native.load() is None
+    assert len(calls.read_text().split()) == compiled  # not run again
+    notes[0].unlink()
+    cpu_native._tried = False
+    assert cpu_native.load() is None
+    assert len(calls.read_text().split()) > compiled  # deleting the note retries
+
+
+def test_attention_kernels_build_at_o1_without_512_bit_vectors(monkeypatch) -> None:
+    """Without AVX-512, GCC -O3 takes minutes on the attention kernels' split vectors;
+    they build at -O1 with loop peeling there, and at -O3 elsewhere."""
+    monkeypatch.setattr(cpu_native.platform, "machine", lambda: "x86_64")
+    decode = cpu_native._HERE / "cpu_paged_decode.c"
+    lora = cpu_native._HERE / "cpu_lora.c"
+    avx2 = "flags : fpu sse2 avx avx2 fma"
+    narrow = cpu_native._source_flags(decode, avx2)
+    assert "-O1" in narrow and "-fpeel-loops" in narrow and "-O3" not in narrow
+    assert cpu_native._source_flags(lora, avx2) == cpu_native._FLAGS
+    assert cpu_native._source_flags(decode, avx2 + " avx512f avx512bw") == cpu_native._FLAGS
