@@ -30,6 +30,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="cut the layers into this many stages, each its own tensor-parallel "
+                        "group of Ray actors (for a model one group cannot hold)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", default="auto",
                    help="weights, activations and KV cache: auto (bf16 on CUDA, fp32 on CPU), "
@@ -236,7 +239,8 @@ def generate(args: argparse.Namespace) -> int:
     from pagedserve.scheduler.sampling_params import SamplingParams
 
     engine_kwargs = dict(
-        model=args.model, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+        model=args.model, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, device=args.device,
         dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

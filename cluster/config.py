@@ -17,6 +17,8 @@ class EngineConfig:
 
     On CPU the KV pool is sized by ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
     (default 512 MiB); on CUDA by ``gpu_memory_utilization`` after profiling.
+    ``pipeline_parallel_size`` cuts the layers into that many stages, each a group of
+    ``tensor_parallel_size`` Ray actors (``worker.pipeline``).
     ``swap_space_bytes`` sizes the CPU swap tier (0 disables swap: preemption
     then always recomputes). ``kv_offloading_size`` (GiB, vLLM's option; or
     ``num_offload_blocks``) adds that much to the CPU tier and makes it a second
@@ -57,6 +59,7 @@ class EngineConfig:
 
     model: str | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     executor: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
@@ -126,6 +129,7 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}"
             )
+        self._check_pipeline()
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype != "auto":
@@ -165,6 +169,27 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def _check_pipeline(self) -> None:
+        """``pipeline_parallel_size``: a positive integer, its stages as Ray actors, and
+        none of what stages cannot serve yet (refused before any actor starts)."""
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+        if pp == 1:
+            return
+        if self.executor == "local":
+            raise ValueError("pipeline_parallel_size > 1 needs executor 'ray' (or 'auto'): "
+                             "each stage is its own process")
+        if self.enable_lora:
+            raise ValueError("enable_lora is not supported with pipeline_parallel_size > 1")
+        if self.batch_invariant:
+            raise ValueError("batch_invariant is not supported with pipeline_parallel_size > 1")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: ``tensor_parallel_size`` per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _check_batch_invariant(self) -> None:
         """Refuse at once what the workers would refuse after loading the model."""
@@ -230,4 +255,4 @@ class EngineConfig:
     def resolved_executor(self) -> str:
         if self.executor != "auto":
             return self.executor
-        return "local" if self.tensor_parallel_size == 1 else "ray"
+        return "local" if self.world_size == 1 else "ray"

@@ -39,6 +39,7 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
+from pagedserve.worker.pipeline import check_stages_fit
 
 # Counted over the steps (``get_stats``; shared_prefix_*: the backend's take_counters).
 STAT_COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "finished_requests",
@@ -72,6 +73,7 @@ class LLMEngine:
             block_size=block_size,
             attention_backend=config.attention_backend,
             tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
             num_gpu_blocks=config.num_gpu_blocks,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes
             if config.kv_cache_memory_bytes or config.num_gpu_blocks or self.device == "cuda"
@@ -91,6 +93,8 @@ class LLMEngine:
             batch_invariant=config.batch_invariant,
             extra=dict(config.worker_extra),
         )
+        if config.pipeline_parallel_size > 1:
+            check_stages_fit(resolved.path, config.pipeline_parallel_size)
         self.executor: Executor
         if config.resolved_executor() == "ray":
             self.executor = RayExecutor(wcfg, use_gpu=self.device == "cuda")

@@ -1,4 +1,4 @@
-"""Executors run one step plan on every tensor-parallel rank and return rank 0's tokens.
+"""Executors run one step plan on every rank and return the sampling rank's tokens.
 
 ``LocalExecutor`` holds a single rank in-process (offline use, tests, TP=1
 serving); ``RayExecutor`` holds the ranks as Ray actors in one placement
@@ -122,12 +122,14 @@ class LocalExecutor(Executor):
 
 
 class RayExecutor(Executor):
-    """TP ranks as Ray actors placed in one placement group.
+    """TP ranks (of every pipeline stage) as Ray actors placed in one placement group.
 
     Inside a Serve replica deployed with ``placement_group_bundles`` the
-    replica occupies bundle 0 and the ranks take bundles 1..TP; otherwise the
-    executor creates (and later removes) its own group. Rank 0 reports its
-    address and a free port, every rank then joins ``tcp://ip:port``.
+    replica occupies bundle 0 and the ranks take bundles 1..world; otherwise the
+    executor creates (and later removes) its own group. Ranks are numbered stage by
+    stage; each stage is its own process group: its rank 0 reports its address and a
+    free port, and that stage's ranks join ``tcp://ip:port``. Stages pass hidden
+    states through Ray's object store, so they need no process group between them.
     """
 
     def __init__(self, worker_config: WorkerConfig, use_gpu: bool,
@@ -141,35 +143,40 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(include_dashboard=False, log_to_driver=False)
-        tp = worker_config.tensor_parallel_size
+        tp, pp = worker_config.tensor_parallel_size, worker_config.pipeline_parallel_size
+        world = tp * pp
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
         pg = get_current_placement_group()
         self._own_pg = None
         offset = 0
-        if pg is not None and len(pg.bundle_specs) >= tp + 1:
+        if pg is not None and len(pg.bundle_specs) >= world + 1:
             offset = 1
         else:
-            pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
+            pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
             ray.get(pg.ready(), timeout=ready_timeout_s)
             self._own_pg = pg
         self._ray = ray
         self.workers = []
-        for rank in range(tp):
+        for i in range(world):
             actor_cls = ray.remote(RayWorkerWrapper).options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
                 max_concurrency=2,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=rank + offset,
+                    pg, placement_group_bundle_index=i + offset,
                     placement_group_capture_child_tasks=False,
                 ),
             )
-            self.workers.append(actor_cls.remote(replace(worker_config, rank=rank)))
-        ip, port = self._get(self.workers[0].get_node_ip_and_free_port.remote(),
-                             timeout=ready_timeout_s)
-        init_method = f"tcp://{ip}:{port}"
-        self._get([w.load_model.remote(init_method) for w in self.workers],
-                  timeout=ready_timeout_s)
+            cfg = replace(worker_config, rank=i % tp, pp_rank=i // tp)
+            self.workers.append(actor_cls.remote(cfg))
+        self.stages = [self.workers[s * tp:(s + 1) * tp] for s in range(pp)]
+        # Rank 0 of the last stage samples: its result is the step's.
+        self._sampler_index = (pp - 1) * tp
+        addrs = self._get([stage[0].get_node_ip_and_free_port.remote() for stage in self.stages],
+                          timeout=ready_timeout_s)
+        self._get([w.load_model.remote(f"tcp://{ip}:{port}")
+                   for stage, (ip, port) in zip(self.stages, addrs, strict=True)
+                   for w in stage], timeout=ready_timeout_s)
 
     def _get(self, refs: Any, timeout: float | None = None) -> Any:
         try:
@@ -178,7 +185,12 @@ class RayExecutor(Executor):
             raise ExecutorDeadError(f"tensor-parallel group failed: {e}") from e
 
     def model_info(self) -> dict[str, Any]:
-        return self._get(self.workers[0].get_model_info.remote())
+        """Rank 0's facts; with pipeline stages a block's bytes are the largest stage's
+        (what sizes the swap tier must fit on every rank)."""
+        infos = self._get([stage[0].get_model_info.remote() for stage in self.stages])
+        info = dict(infos[0])
+        info["bytes_per_block"] = max(int(i["bytes_per_block"]) for i in infos)
+        return info
 
     def determine_num_blocks(self) -> int:
         return min(self._get([w.determine_num_blocks.remote() for w in self.workers]))
@@ -188,8 +200,17 @@ class RayExecutor(Executor):
                    for w in self.workers])
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Every rank runs the plan; each stage after the first starts from the object
+        its predecessor's rank 0 returns (Ray hands it over when it exists, so the
+        driver submits the whole chain at once and waits only for the end)."""
         ref = self._ray.put(plan)
-        return self._get([w.execute_model.remote(ref) for w in self.workers])[0]
+        refs: list[Any] = []
+        previous = None
+        for stage in self.stages:
+            stage_refs = [w.execute_model.remote(ref, previous) for w in stage]
+            refs += stage_refs
+            previous = stage_refs[0]
+        return self._get(refs)[self._sampler_index]
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
         return self._get([w.read_kv_blocks.remote(block_ids) for w in self.workers])

@@ -35,6 +35,7 @@ class KVLayout:
 
     model_id: str
     tensor_parallel_size: int
+    pipeline_parallel_size: int
     num_layers: int
     block_size: int
     num_kv_heads_per_rank: int
@@ -45,7 +46,8 @@ class KVLayout:
     def of(cls, engine: LLMEngine) -> KVLayout:
         info = engine.model_info
         return cls(engine.model_id, int(info["tensor_parallel_size"]),
-                   int(info["num_layers"]), engine.scheduler.block_size,
+                   int(info.get("pipeline_parallel_size", 1)), int(info["num_layers"]),
+                   engine.scheduler.block_size,
                    int(info["num_kv_heads_per_rank"]), int(info["head_dim"]),
                    str(info["kv_cache_dtype"]))
 
@@ -60,10 +62,12 @@ class KVLayout:
 
 @dataclass
 class KVPayload:
-    """The K/V of a prompt's leading full blocks, per tensor-parallel rank.
+    """The K/V of a prompt's leading full blocks, per rank.
 
-    ``shards[r]`` is rank ``r``'s ``(keys, values)``, each
-    ``[layers, len(block_hashes), block_size, kv_heads_per_rank, head_dim]`` on the CPU.
+    ``shards[r]`` is rank ``r``'s ``(keys, values)`` (ranks stage by stage, then by
+    tensor-parallel rank), each
+    ``[stage layers, len(block_hashes), block_size, kv_heads_per_rank, head_dim]`` on the
+    CPU.
     """
 
     layout: KVLayout
@@ -97,8 +101,8 @@ def export_prompt_kv(engine: LLMEngine, token_ids: list[int], cache_salt: str | 
 def begin_import(engine: LLMEngine, payload: KVPayload) -> ImportReservation:
     """Check the layout and take blocks for what ``engine`` lacks (scheduler thread)."""
     KVLayout.of(engine).check_compatible(payload.layout)
-    if len(payload.shards) != (payload.layout.tensor_parallel_size if payload.num_blocks
-                               else 0):
+    ranks = payload.layout.tensor_parallel_size * payload.layout.pipeline_parallel_size
+    if len(payload.shards) != (ranks if payload.num_blocks else 0):
         raise ValueError(f"shipped KV has {len(payload.shards)} rank shards for "
                          f"{payload.num_blocks} blocks")
     return engine.scheduler.kv.reserve_import(payload.block_hashes)

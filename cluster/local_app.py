@@ -55,7 +55,7 @@ def local_app(args: Any, command: str, quiet: bool = False) -> Iterator[tuple[st
     if started_ray:
         # Every rank gets at least one logical CPU and a TP replica's scheduler one more,
         # even on a machine with fewer cores (serve_app sizes threads by real cores).
-        need = args.num_replicas * (args.tensor_parallel_size + 1)
+        need = args.num_replicas * (args.tensor_parallel_size * args.pipeline_parallel_size + 1)
         os.environ.update(local_cluster_env(args.dashboard))
         os.environ.update(http_front.ingress_env(front))
         ray.init(address="local", include_dashboard=args.dashboard,

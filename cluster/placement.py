@@ -12,13 +12,14 @@ import os
 from typing import Any
 
 
-def cpu_threads_per_rank(num_replicas: int, tp: int) -> int:
+def cpu_threads_per_rank(num_replicas: int, ranks: int) -> int:
     """Default torch threads per CPU rank: a node's cores shared by every rank.
 
     Ray's CPU count is what the operator declared; on a one-node cluster it is
     capped by this machine's cores, since tests and the CLI declare extra
-    logical CPUs so that placement groups fit on small machines. With TP > 1
-    each replica's scheduler bundle keeps one CPU of its own.
+    logical CPUs so that placement groups fit on small machines. With more than
+    one rank per replica (TP x PP), each replica's scheduler bundle keeps one CPU
+    of its own.
     """
     import ray
 
@@ -28,8 +29,8 @@ def cpu_threads_per_rank(num_replicas: int, tp: int) -> int:
         declared = max((int(n["Resources"].get("CPU", 0)) for n in nodes), default=0)
         if declared:
             cores = min(declared, cores) if len(nodes) == 1 else declared
-    reserved = num_replicas if tp > 1 else 0
-    return max(1, (cores - reserved) // max(1, num_replicas * tp))
+    reserved = num_replicas if ranks > 1 else 0
+    return max(1, (cores - reserved) // max(1, num_replicas * ranks))
 
 
 STREAM_MESSAGES_PER_CORE = 25.0
@@ -110,20 +111,20 @@ def local_cluster_env(dashboard: bool = False) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
-def engine_replica_options(gpu: bool, threads: int | None, tp: int,
+def engine_replica_options(gpu: bool, threads: int | None, ranks: int,
                            replica_num_cpus: float | None, strategy: str) -> dict[str, Any]:
-    """Serve deployment options placing one engine replica and its TP ranks.
+    """Serve deployment options placing one engine replica and its rank actors.
 
-    TP = 1: the replica runs the forward itself and reserves the rank's
-    resources. TP > 1: a placement group with the replica's own bundle (its
-    scheduler) plus one bundle per rank actor.
+    One rank (TP = PP = 1): the replica runs the forward itself and reserves the
+    rank's resources. More (TP x PP): a placement group with the replica's own
+    bundle (its scheduler) plus one bundle per rank actor.
     """
     rank_cpus = 1.0 if gpu else float(threads or 1)
     env = replica_runtime_env()
-    if tp > 1:
+    if ranks > 1:
         replica_cpus = replica_num_cpus if replica_num_cpus is not None else 1.0
         rank = {"CPU": rank_cpus, "GPU": 1.0} if gpu else {"CPU": rank_cpus}
-        bundles = [{"CPU": replica_cpus}] + [dict(rank) for _ in range(tp)]
+        bundles = [{"CPU": replica_cpus}] + [dict(rank) for _ in range(ranks)]
         return {"placement_group_bundles": bundles, "placement_group_strategy": strategy,
                 "ray_actor_options": {"num_cpus": replica_cpus, "runtime_env": env}}
     replica_cpus = replica_num_cpus if replica_num_cpus is not None else rank_cpus

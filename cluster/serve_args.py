@@ -39,6 +39,7 @@ class ServeArgs(BaseModel):
     model: str | None = None
     served_model_name: str | list[str] | None = None  # vLLM's: several names for one model
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages of layers, each a TP group (``worker.pipeline``)
     num_replicas: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: str = "auto"
@@ -127,6 +128,11 @@ class ServeArgs(BaseModel):
                              "(the pool's size until Serve scales it)")
         return cfg
 
+    @property
+    def world_size(self) -> int:
+        """Rank actors of one engine replica: a TP group per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def max_replicas(self) -> int:
         """The most engine replicas there can be, prefill ones included: what CPU threads
         are sized for."""
@@ -161,7 +167,7 @@ class ServeArgs(BaseModel):
                 request_router_kwargs={"imbalance_threshold": self.imbalance_threshold}),
         )
         opts.update(engine_replica_options(s.device == "cuda", s.threads,
-                                           self.tensor_parallel_size, self.replica_num_cpus,
+                                           self.world_size, self.replica_num_cpus,
                                            self.placement_group_strategy))
         autoscaling = self.autoscaling()
         if autoscaling is not None:  # Serve scales on each replica's ongoing requests
@@ -199,9 +205,10 @@ class ServeArgs(BaseModel):
                              "ingress replica keeps its own list; use lora_dir instead)")
         threads = self.num_threads
         if device == "cpu" and threads is None:
-            threads = cpu_threads_per_rank(self.max_replicas(), self.tensor_parallel_size)
+            threads = cpu_threads_per_rank(self.max_replicas(), self.world_size)
         engine_kwargs: dict[str, Any] = dict(
-            model=self.model, tensor_parallel_size=self.tensor_parallel_size, device=device,
+            model=self.model, tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, device=device,
             dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
             batch_invariant=self.batch_invariant,

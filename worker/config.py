@@ -311,6 +311,8 @@ class WorkerConfig:
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
     rank: int = 0
+    pipeline_parallel_size: int = 1
+    pp_rank: int = 0
     dist_init_method: str | None = None
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -344,6 +346,7 @@ class WorkerConfig:
             raise ValueError(
                 f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}"
             )
+        self._check_pipeline()
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -362,6 +365,23 @@ class WorkerConfig:
             raise ValueError(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         parse_dtype(self.dtype)
+
+    def _check_pipeline(self) -> None:
+        """The stage index, and what pipeline stages cannot serve yet."""
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+        if not 0 <= self.pp_rank < pp:
+            raise ValueError(f"pp_rank must be in [0, {pp}), got {self.pp_rank}")
+        if pp > 1 and self.max_lora_rank:
+            raise ValueError("LoRA adapters are not supported with pipeline_parallel_size > 1")
+        if pp > 1 and self.batch_invariant:
+            raise ValueError("batch_invariant is not supported with pipeline_parallel_size > 1")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole engine: every stage's tensor-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

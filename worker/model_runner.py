@@ -22,6 +22,7 @@ from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.pipeline import IntermediateTensors
 from pagedserve.worker.pooling import PoolJob, pool_hidden
 from pagedserve.worker.prompt_logprobs import PromptLogprobJob, compute_prompt_logprobs
 from pagedserve.worker.sampler import Sampler, SampleRequest
@@ -55,8 +56,9 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         # The torch reference backend reads lengths back to the host, which graph
         # capture forbids; the Triton and flash paths are sync-free.
+        # A pipeline stage runs eagerly: its input or output is not a whole forward's.
         if (enable_cuda_graph and device.type == "cuda" and kv_cache.backend.name != "torch"
-                and model.graph_capturable):
+                and model.graph_capturable and model.stage.size == 1):
             max_blocks = -(-model.config.max_model_len // self.block_size)
             self.graphs = DecodeGraphRunner(model, kv_cache, device, max_num_seqs, max_blocks)
             with torch.inference_mode():
@@ -156,17 +158,21 @@ class ModelRunner:
             pool_jobs=pool_jobs,
         )
 
-    def forward_hidden(self, inputs: ModelInputs) -> torch.Tensor:
+    def forward_hidden(self, inputs: ModelInputs,
+                       intermediate: IntermediateTensors | None = None
+                       ) -> torch.Tensor | IntermediateTensors:
         """Final hidden states for every token of the step (CUDA graph for decode if
         captured; steps with LoRA rows run eagerly, since their grouping varies, and so
-        does the step that calibrates fp8 KV scales)."""
+        does the step that calibrates fp8 KV scales). A pipeline stage before the last
+        returns what the next stage continues from."""
         lora_rows = self.lora is not None and self.lora.batch.groups
         if (self.graphs is not None and inputs.md.is_decode and not lora_rows
                 and not self.model.kv_scales_pending):
             out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.md)
             if out is not None:
                 return out
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.md)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.md,
+                          intermediate)
 
     def _set_lora_batch(self, plan: SchedulerOutput) -> None:
         """Tell the projections which rows run with which LoRA adapter this step."""
@@ -184,13 +190,20 @@ class ModelRunner:
         self.kv_cache.copy(plan.blocks_to_copy)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Apply the plan's cache ops, run the forward, and sample (rank 0 only returns)."""
+    def execute(self, plan: SchedulerOutput, intermediate: IntermediateTensors | None = None
+                ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Apply the plan's cache ops, run the forward, and sample (rank 0 only returns).
+
+        A pipeline stage before the last stops after its layers: its rank 0 returns
+        the hidden states on the host for the next stage (every rank of a stage holds
+        the same ones), and only the last stage samples.
+        """
         done = list(plan.finished_ids) + list(plan.aborted_ids)
         if done:
             self.sampler.forget(done)
         self.apply_cache_ops(plan)
-        out = ModelRunnerOutput(step_id=plan.step_id) if self.ctx.is_first else None
+        samples = self.ctx.is_first and self.model.stage.is_last
+        out = ModelRunnerOutput(step_id=plan.step_id) if samples else None
         if not plan.scheduled:
             return out
         if self.lora is not None and len({r.lora_id for r in plan.scheduled}) > 1:
@@ -199,11 +212,13 @@ class ModelRunner:
         inputs = self.prepare_inputs(plan)
         self._set_lora_batch(plan)
         try:
-            hidden = self.forward_hidden(inputs)
+            hidden = self.forward_hidden(inputs, intermediate)
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
         counters = self.kv_cache.backend.take_counters()  # every rank's, rank 0's reported
+        if isinstance(hidden, IntermediateTensors):
+            return hidden.to(torch.device("cpu")) if self.ctx.is_first else None
         if out is not None:
             out.counters = counters
         if inputs.prompt_logprob_jobs:

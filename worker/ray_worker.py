@@ -23,6 +23,7 @@ import ray
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.parallel import get_node_ip_and_free_port
+from pagedserve.worker.pipeline import IntermediateTensors
 from pagedserve.worker.worker import Worker
 
 T = TypeVar("T")
@@ -51,8 +52,10 @@ class RayWorkerWrapper:
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None) -> None:
         self._on_compute_thread(self.worker.init_kv_cache, num_gpu_blocks, num_cpu_blocks)
 
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self._on_compute_thread(self.worker.execute_model, plan)
+    def execute_model(self, plan: SchedulerOutput,
+                      intermediate: IntermediateTensors | None = None
+                      ) -> ModelRunnerOutput | IntermediateTensors | None:
+        return self._on_compute_thread(self.worker.execute_model, plan, intermediate)
 
     def read_kv_blocks(self, block_ids: list[int]) -> tuple[Any, Any]:
         return self._on_compute_thread(self.worker.read_kv_blocks, block_ids)

@@ -37,6 +37,7 @@ from pagedserve.worker.loaders import (
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
+from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sleep import SleepState
 
@@ -115,7 +116,7 @@ class Worker:
         if self.device.type == "cpu":
             threads = cfg.num_threads
             if threads is None and "OMP_NUM_THREADS" not in os.environ:
-                threads = max(1, len(os.sched_getaffinity(0)) // cfg.tensor_parallel_size)
+                threads = max(1, len(os.sched_getaffinity(0)) // cfg.world_size)
             if threads:
                 torch.set_num_threads(threads)
                 self.num_threads = threads
@@ -152,13 +153,16 @@ class Worker:
         the new one is complete, so a load that fails leaves the old one serving)."""
         assert self.ctx is not None
         cls = MODEL_REGISTRY[model_config.model_type]
-        model = cls(model_config, self.ctx, self.backend, self.dtype, self.device)
+        stage = PipelineStage.of(model_config.num_layers, self.config.pipeline_parallel_size,
+                                 self.config.pp_rank)
+        model = cls(model_config, self.ctx, self.backend, self.dtype, self.device, stage)
         model.load_weights(iter_safetensors(resolved.path))
         model.eval()
         self.packed_weights = False
-        tied = {id(model.embed_tokens.weight)}
+        tied = {id(model.embed_tokens.weight)} if model.embed_tokens is not None else set()
         if self.config.quantization:
-            unused = {id(model.lm_head)} if model_config.embedding_only else set()
+            head = model.lm_head
+            unused = {id(head)} if model_config.embedding_only and head is not None else set()
             quantize_model(model, self.config.quantization, tied, unused)
         if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
             self.packed_weights = pack_model(model, tied)
@@ -172,9 +176,16 @@ class Worker:
             self.lora = LoRAManager(model, self.config.max_lora_rank, self.dtype, self.device)
         self.model = model
 
+    @property
+    def num_local_layers(self) -> int:
+        """Decoder layers this rank holds (its pipeline stage's; all without one)."""
+        assert self.model_config is not None
+        return PipelineStage.of(self.model_config.num_layers, self.config.pipeline_parallel_size,
+                                self.config.pp_rank).num_layers
+
     def _block_bytes(self) -> int:
         assert self.model_config is not None
-        return bytes_per_block(self.model_config.num_layers, self.config.block_size,
+        return bytes_per_block(self.num_local_layers, self.config.block_size,
                                self.num_kv_heads_per_rank, self.model_config.head_dim,
                                self.kv_dtype)
 
@@ -211,8 +222,14 @@ class Worker:
         rows = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
         plan, blocks = profile_plan(n_tok, rows, self.config.block_size)
         self.init_kv_cache(blocks, 0, cuda_graphs=False, calibrate=False)
+        intermediate = None
+        if not self.model.stage.is_first:  # a later stage's input, as large as a real one
+            shape = (n_tok, self.model_config.hidden_size)
+            intermediate = IntermediateTensors(
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
         try:
-            self.execute_model(plan)
+            self.execute_model(plan, intermediate)
         finally:
             self.kv_cache = self.runner = None
 
@@ -240,7 +257,7 @@ class Worker:
         """
         assert self.model is not None and self.model_config is not None and self.ctx
         cpu_blocks = self.config.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks
-        self.kv_cache = KVCache(self.model_config.num_layers, num_gpu_blocks,
+        self.kv_cache = KVCache(self.num_local_layers, num_gpu_blocks,
                                 self.config.block_size, self.num_kv_heads_per_rank,
                                 self.model_config.head_dim, self.kv_dtype, self.device,
                                 self.backend, cpu_blocks)
@@ -276,14 +293,23 @@ class Worker:
 
     # ----- steps -------------------------------------------------------------------------
 
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step plan; rank 0 returns the sampled tokens, other ranks None."""
+    def execute_model(self, plan: SchedulerOutput,
+                      intermediate: IntermediateTensors | None = None
+                      ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Run one step plan; rank 0 returns the sampled tokens, other ranks None.
+
+        Under pipeline parallelism a stage after the first continues from
+        ``intermediate`` (the previous stage's output), and rank 0 of a stage before
+        the last returns its own ``IntermediateTensors`` (on the host) instead.
+        """
         if self.runner is None:
             raise RuntimeError("init_kv_cache must be called before execute_model")
         n = self.num_threads
         if n is not None and getattr(_thread_state, "threads", None) != n:
             _apply_threads_here(n)
-        return self.runner.execute(plan)
+        if intermediate is not None:
+            intermediate = intermediate.to(self.device)
+        return self.runner.execute(plan, intermediate)
 
     def read_kv_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K and V of device blocks, for another replica (see ``KVCache``)."""
@@ -358,6 +384,7 @@ class Worker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": kv_dtype_name(self.kv_dtype),
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "pipeline_parallel_size": self.config.pipeline_parallel_size,
             "attention_backend": getattr(self.backend, "name", None),
             "load_time_s": self.load_time_s,
             "packed_weights": self.packed_weights,

@@ -56,6 +56,18 @@ def test_tensor_parallel_ranks_reserve_their_threads(monkeypatch: pytest.MonkeyP
     assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
 
 
+def test_pipeline_stages_reserve_a_bundle_per_rank(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path) -> None:
+    """TP=2 x PP=2: four rank bundles behind the replica's own, threads over all four."""
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 16)
+    eng = _engine_node({"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    assert eng.init_args[0]["pipeline_parallel_size"] == 2
+    assert eng.init_args[0]["num_threads"] == 3  # (16 - 1) // 4
+    assert eng._replica_config.placement_group_bundles == [{"CPU": 1.0}] + [{"CPU": 3.0}] * 4
+    with pytest.raises(ValueError, match="enable_lora is not supported"):
+        build_app({"device": "cpu", "pipeline_parallel_size": 2, "lora_dir": str(tmp_path)})
+
+
 def test_prefill_replicas_share_the_cores_and_sit_behind_the_engine_replicas(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedserve.cluster.disagg import PREFILL_DEPLOYMENT, RemotePrefillConfig

@@ -33,6 +33,7 @@ from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -122,21 +123,32 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, stage: PipelineStage | None = None):
         super().__init__()
         self.config, self.ctx = cfg, ctx
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype,
-                                                   device)
+        # A pipeline stage builds only its layers; the first embeds, the last holds the
+        # final norm and the head (which loads the embedding's rows when they are tied
+        # and the embedding lives on another stage).
+        self.stage = stage or PipelineStage.of(cfg.num_layers)
+        first, last = self.stage.is_first, self.stage.is_last
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx,
+                                                       dtype, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, ctx, backend, dtype, device, i)
-            for i in range(cfg.num_layers)
+            for i in range(self.stage.start, self.stage.end)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
-        if cfg.tie_word_embeddings or cfg.embedding_only:
-            # (an embedding checkpoint has no head; sharing costs no memory, and the
-            # engine never generates with it)
-            self.lm_head.tie_to(self.embed_tokens)
+        self.norm: RMSNorm | None = None
+        self.lm_head: ParallelLMHead | None = None
+        if last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
+            if self.embed_tokens is not None and (cfg.tie_word_embeddings
+                                                  or cfg.embedding_only):
+                # (an embedding checkpoint has no head; sharing costs no memory, and the
+                # engine never generates with it)
+                self.lm_head.tie_to(self.embed_tokens)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
 
     @property
@@ -159,18 +171,35 @@ class LlamaForCausalLM(nn.Module):
         return any(a.calibrating for a in self.attention_layers())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                md: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` for the flat batch ``input_ids[T]`` at ``positions[T]``."""
-        x = self.embed_tokens(input_ids)
+                md: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """Hidden states ``[T, hidden]`` for the flat batch ``input_ids[T]`` at ``positions[T]``.
+
+        A stage after the first continues from ``intermediate`` (the previous stage's
+        output) instead of embedding; a stage before the last returns its layers'
+        output as ``IntermediateTensors`` instead of normalising it.
+        """
+        residual: torch.Tensor | None = None
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(input_ids)
+        elif intermediate is None:
+            raise ValueError(f"pipeline stage {self.stage.rank} needs the previous stage's "
+                             "hidden states")
+        else:
+            x, residual = intermediate.hidden, intermediate.residual
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, md)
+        if self.norm is None:
+            assert residual is not None  # every stage holds at least one layer
+            return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[N, vocab]`` on rank 0 (None elsewhere); every rank must call it."""
+        if self.lm_head is None:
+            raise RuntimeError(f"pipeline stage {self.stage.rank} holds no LM head")
         return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> None:
@@ -184,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and (self.config.tie_word_embeddings
                                               or self.config.embedding_only):
                 continue
+            if not self._on_this_stage(name):
+                continue  # never read: another stage loads it
             self._load_one(name, lazy)
             pending.discard(name)
         if pending:
@@ -191,15 +222,37 @@ class LlamaForCausalLM(nn.Module):
             more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
 
+    def _tied_head_loads_embedding(self) -> bool:
+        """Whether this stage's head takes the embedding's rows itself (tied weights,
+        the embedding on another stage)."""
+        cfg = self.config
+        return (self.lm_head is not None and self.embed_tokens is None
+                and (cfg.tie_word_embeddings or cfg.embedding_only))
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this pipeline stage."""
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens is not None or self._tied_head_loads_embedding()
+        if name in ("model.norm.weight", "lm_head.weight"):
+            return self.lm_head is not None
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) >= self.config.num_layers:
+            return True  # loading it fails, naming it
+        return self.stage.start <= int(m.group(1)) < self.stage.end
+
     def _expected_names(self) -> set[str]:
         cfg = self.config
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not cfg.tie_word_embeddings and not cfg.embedding_only:
-            names.add("lm_head.weight")
-        for i in range(cfg.num_layers):
+        names = set()
+        if self.embed_tokens is not None or self._tied_head_loads_embedding():
+            names.add("model.embed_tokens.weight")
+        if self.lm_head is not None:
+            names.add("model.norm.weight")
+            if not cfg.tie_word_embeddings and not cfg.embedding_only:
+                names.add("lm_head.weight")
+        for i in range(self.stage.start, self.stage.end):
             p = f"model.layers.{i}."
             names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            mlp = self.layers[i].mlp
+            mlp = self.layers[i - self.stage.start].mlp
             if isinstance(mlp, SparseMoE):
                 names |= {f"{p}{mlp.checkpoint_prefix}.{n}" for n in mlp.expected_names()}
             else:
@@ -215,18 +268,24 @@ class LlamaForCausalLM(nn.Module):
 
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
         if name == "model.embed_tokens.weight":
-            self.embed_tokens.load(lazy)
+            if self.embed_tokens is not None:
+                self.embed_tokens.load(lazy)
+            else:
+                assert self.lm_head is not None
+                self.lm_head.load(lazy)
             return
         if name == "lm_head.weight":
+            assert self.lm_head is not None
             self.lm_head.load(lazy)
             return
         if name == "model.norm.weight":
+            assert self.norm is not None
             _copy_full(name, self.norm.weight, lazy)
             return
         m = _LAYER_RE.match(name)
-        if m is None or int(m.group(1)) >= len(self.layers):
+        if m is None or int(m.group(1)) >= self.config.num_layers:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        layer = self.layers[int(m.group(1))]
+        layer = self.layers[int(m.group(1)) - self.stage.start]
         rest = m.group(2)
         module, _, kind = rest.rpartition(".")
         is_bias = kind == "bias"

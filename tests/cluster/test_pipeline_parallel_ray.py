@@ -1,0 +1,140 @@
+"""Pipeline parallelism over Ray actors: stages of layers, hidden states handed on
+through the object store. Greedy tokens equal Hugging Face's (mixed batches, chunked
+prefill, prefix-cache hits), PP x TP equals TP=1, preemption gives the same tokens,
+a killed stage fails the engine cleanly, and what stages cannot serve is refused
+before any actor starts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.worker.testing import write_random_checkpoint
+from tests.cluster.conftest import hf_greedy
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+
+ray = pytest.importorskip("ray")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def three_layer_llama(tmp_path_factory, default_model_dir) -> str:
+    """Three layers: two stages of 2 and 1 (the uneven split)."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("pp_llama"), "llama",
+                                   default_model_dir, num_hidden_layers=3)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_pp2_equals_hugging_face(ray_cluster, three_layer_llama) -> None:
+    prompts = prompts_of_mixed_lengths()
+    ref = hf_greedy(three_layer_llama, prompts, 12)
+    whole = LLM(model=three_layer_llama, num_gpu_blocks=64)
+    try:
+        whole_bytes = whole.engine.model_info["bytes_per_block"]
+    finally:
+        whole.shutdown()
+    # A step budget of 24 tokens splits the longer prompts over several steps.
+    llm = LLM(model=three_layer_llama, pipeline_parallel_size=2, num_gpu_blocks=64,
+              num_threads=1, max_num_batched_tokens=24)
+    try:
+        info = llm.engine.model_info
+        assert info["pipeline_parallel_size"] == 2
+        # A block costs the larger stage (2 of 3 layers) what it costs it, not the whole.
+        assert info["bytes_per_block"] * 3 == whole_bytes * 2
+        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        # The same prompts again hit the prefix cache on every stage's pool.
+        again = llm.generate(prompts, GREEDY)
+        assert _tokens(again) == ref
+        assert sum(o.num_cached_tokens for o in again) > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_pp2_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
+    """Four actors: two stages, each a gloo group of two ranks splitting the KV heads;
+    rank 0 of the last stage samples."""
+    prompts = prompts_of_mixed_lengths(4)
+    tp1 = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        ref = _tokens(tp1.generate(prompts, GREEDY))
+        seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
+        ref_seeded = _tokens(tp1.generate(prompts, seeded))
+    finally:
+        tp1.shutdown()
+    llm = LLM(model=tiny_llama_dir, pipeline_parallel_size=2, tensor_parallel_size=2,
+              num_gpu_blocks=64, num_threads=1)
+    try:
+        assert len(llm.engine.executor.workers) == 4
+        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        assert _tokens(llm.generate(prompts, seeded)) == ref_seeded
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_llama,
+                                                     mode: str) -> None:
+    """Swaps travel in the plan and every stage moves its own layers' blocks."""
+    prompts = prompts_of_mixed_lengths()
+    ref = hf_greedy(three_layer_llama, prompts, 12)
+    llm = LLM(model=three_layer_llama, pipeline_parallel_size=2, num_gpu_blocks=12,
+              preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0,
+              max_num_batched_tokens=64, num_threads=1)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        assert llm.engine.scheduler.num_preemptions[mode] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_killed_stage_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir) -> None:
+    llm = LLM(model=tiny_llama_dir, pipeline_parallel_size=2, num_gpu_blocks=64,
+              num_threads=1)
+    try:
+        engine = llm.engine
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=100, ignore_eos=True),
+                           request_id="victim")
+        engine.step()
+        ray.kill(engine.executor.stages[1][0])  # the sampling stage
+        with pytest.raises(Exception, match="tensor-parallel group failed"):
+            for _ in range(50):
+                engine.step()
+        engine.fail_all(RuntimeError("stage died"))
+        assert_pool_at_baseline(llm)
+        with pytest.raises(RuntimeError, match="dead"):
+            engine.check_health()
+    finally:
+        llm.shutdown()
+
+
+def test_what_stages_cannot_serve_is_refused_before_any_actor(ray_cluster, tiny_llama_dir
+                                                              ) -> None:
+    before = len(ray.util.placement_group_table())
+    with pytest.raises(ValueError, match="larger than the model's 2 layers"):
+        LLM(model=tiny_llama_dir, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="enable_lora is not supported"):
+        LLM(model=tiny_llama_dir, pipeline_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="needs executor 'ray'"):
+        LLM(model=tiny_llama_dir, pipeline_parallel_size=2, executor="local")
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive"):
+        LLM(model=tiny_llama_dir, pipeline_parallel_size=0)
+    assert len(ray.util.placement_group_table()) == before  # no stage was placed

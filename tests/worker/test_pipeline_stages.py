@@ -1,0 +1,110 @@
+"""Pipeline stages in one process: each stage builds and loads only its layers, and
+chaining the stages' forwards gives the whole model's logits and greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage, layer_partition
+from pagedserve.worker.worker import Worker
+from tests.worker.helpers import (
+    BlockAllocator,
+    load_hf,
+    make_worker,
+    plan,
+    request,
+    save_tiny_model,
+)
+
+PROMPTS = {"a": [5, 9, 17, 33, 4, 12, 7], "b": [8, 70, 12, 44, 90, 3, 61, 22, 19, 30, 2]}
+
+
+def test_layer_partition_is_even_and_gives_the_rest_before_the_last_stage() -> None:
+    assert layer_partition(3, 2) == [(0, 2), (2, 3)]
+    assert layer_partition(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert layer_partition(30, 1) == [(0, 30)]
+    assert layer_partition(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    stage = PipelineStage.of(10, 4, 3)
+    assert (stage.start, stage.end, stage.is_first, stage.is_last) == (8, 10, False, True)
+    with pytest.raises(ValueError, match="larger than the model's 2 layers"):
+        layer_partition(2, 3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive"):
+        layer_partition(2, 0)
+    with pytest.raises(ValueError, match="pipeline stage must be in"):
+        PipelineStage.of(4, 2, 2)
+
+
+def _stages(path, pp: int, **kw) -> list[Worker]:
+    return [make_worker(path, num_blocks=40, pipeline_parallel_size=pp, pp_rank=r, **kw)
+            for r in range(pp)]
+
+
+def _chain(stages: list[Worker], p) -> object:
+    """Run a plan through every stage as the executor does (hidden states on the host)."""
+    carried = None
+    for w in stages:
+        out = w.execute_model(p, carried)
+        if isinstance(out, IntermediateTensors):
+            assert out.hidden.device.type == "cpu"
+        carried = out
+    return carried
+
+
+def _greedy(run, n: int) -> dict[str, list[int]]:
+    alloc = BlockAllocator(40, 4, seed=3)
+    toks: dict[str, list[int]] = {r: [] for r in PROMPTS}
+    reqs = [request(alloc, r, p, 0) for r, p in PROMPTS.items()]
+    for step in range(n):
+        out = run(plan(step, reqs))
+        reqs = []
+        for r, p in PROMPTS.items():
+            toks[r].append(out.sampled[r].token_id)
+            reqs.append(request(alloc, r, [toks[r][-1]], len(p) + len(toks[r]) - 1))
+    return toks
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("qwen2", True)])
+def test_three_stages_equal_the_whole_model(tmp_path, kind: str, tied: bool) -> None:
+    """A 5-layer model in stages of 2, 2 and 1 layers (the tied head of the last stage
+    loads the embedding's rows itself) gives the whole model's greedy tokens, which
+    are Hugging Face's."""
+    path = save_tiny_model(tmp_path / kind, kind, num_hidden_layers=5,
+                           tie_word_embeddings=tied)
+    whole = make_worker(path, num_blocks=40)
+    stages = _stages(path, 3)
+    assert [len(w.model.layers) for w in stages] == [2, 2, 1]
+    assert stages[0].model.embed_tokens is not None and stages[0].model.lm_head is None
+    assert stages[1].model.embed_tokens is None and stages[1].model.norm is None
+    assert stages[2].model.embed_tokens is None and stages[2].model.lm_head is not None
+    # Each stage's KV pool holds its own layers only.
+    assert [len(w.kv_cache.key_caches) for w in stages] == [2, 2, 1]
+    assert sum(w._block_bytes() for w in stages) == whole._block_bytes()
+    # No stage holds another's weights: the middle one has neither embedding nor head.
+    assert stages[1].weight_bytes < whole.weight_bytes / 2
+
+    ref = _greedy(whole.execute_model, 6)
+    assert _greedy(lambda p: _chain(stages, p), 6) == ref
+    hf = load_hf(path)
+    for r, p in PROMPTS.items():
+        out = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):]
+        assert out.tolist() == ref[r][:len(out)]  # (HF stops at EOS; this loop does not)
+
+
+def test_a_later_stage_without_hidden_states_fails_clearly(tmp_path) -> None:
+    path = save_tiny_model(tmp_path / "m", num_hidden_layers=2)
+    (_, last) = _stages(path, 2)
+    alloc = BlockAllocator(40, 4)
+    with pytest.raises(ValueError, match="needs the previous stage's hidden states"):
+        last.execute_model(plan(0, [request(alloc, "a", PROMPTS["a"], 0)]))
+
+
+def test_stage_settings_are_checked() -> None:
+    from pagedserve.worker.config import WorkerConfig
+
+    with pytest.raises(ValueError, match="pp_rank must be in"):
+        WorkerConfig(pipeline_parallel_size=2, pp_rank=2)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        WorkerConfig(pipeline_parallel_size=2, max_lora_rank=8)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive"):
+        WorkerConfig(pipeline_parallel_size=0)
