@@ -101,7 +101,9 @@ def make(codes: torch.Tensor, scale: torch.Tensor, zero: int,
          bits: int = 8) -> Int8Weight:
     """An :class:`Int8Weight` from plain codes ``[N, K]`` and per-group ``scale``/``offs``
     ``[N, K/32]``, packed when the native kernel is there (or as ``pack_for_kernel`` says);
-    ``bits`` 4 packs codes 0..15 two to a byte."""
+    ``bits`` 4 packs codes 0..15 two to a byte. 4-bit codes are packed by default even
+    without the kernel: kept one to a byte they would take more memory than int8's,
+    which is the point of choosing them (:func:`reference` unpacks them per call)."""
     n, k = codes.shape
     if k % GROUP or tuple(scale.shape) != (n, k // GROUP):
         raise ValueError(f"codes {tuple(codes.shape)} and scale {tuple(scale.shape)} "
@@ -116,7 +118,7 @@ def make(codes: torch.Tensor, scale: torch.Tensor, zero: int,
     codes, scale = codes.to(torch.uint8).contiguous(), scale.float().contiguous()
     offs = offs.float().contiguous() if offs is not None else None
     if pack_for_kernel is None:
-        pack_for_kernel = native_available()
+        pack_for_kernel = bits == 4 or native_available()
     w = Int8Weight(codes, scale, offs, zero, n, k, packed=False, bits=bits)
     return pack(w) if pack_for_kernel else w
 

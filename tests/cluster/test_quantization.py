@@ -121,7 +121,7 @@ def test_int4_serves_the_default_files_own_4bit_weights() -> None:
         with safe_open(files[0], "pt") as f:
             for i in (0, 17, 29):
                 q = model.layers[i].mlp.down_proj.quant
-                assert q.bits == 4 and q.packed == cpu_int8.native_available()
+                assert q.bits == 4 and q.packed  # two codes a byte, kernel or not
                 want = f.get_tensor(f"model.layers.{i}.mlp.down_proj.weight").float()
                 assert torch.equal(q.dequantize(), want)
         assert model.lm_head.quant.bits == 8
