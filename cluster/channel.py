@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 SUBSCRIPTION_IDLE_S = 2.0  # a replica ends a subscription idle this long with nothing in flight
 ORPHAN_S = 60.0  # chunks nobody subscribed to for this long are dropped (the ingress died)
+ABANDONED_S = 10.0  # a request whose chunks nobody has taken for this long is aborted
 RESUBSCRIBE_EVERY_S = 0.5  # a waiting request re-checks its ingress's subscriptions this often
 
 
@@ -42,6 +43,9 @@ class _Box:
     in_flight: int = 0
     subscribers: int = 0
     since: float = field(default_factory=time.monotonic)  # unsubscribed since
+    pending_since: float = 0.0  # when the oldest chunk not yet taken was sent
+    owner: Any = None  # the subscribing ingress's actor handle, to ask if it still lives
+    owner_dead: bool = False
 
 
 class Outboxes:
@@ -76,6 +80,8 @@ class Outboxes:
         box.in_flight += 1
 
         def send(item: Any) -> None:
+            if not box.items:
+                box.pending_since = time.monotonic()
             box.items.append(item)
             box.event.set()
             self.chunks_sent += 1
@@ -85,9 +91,15 @@ class Outboxes:
         finally:
             box.in_flight -= 1
 
-    async def subscribe(self, channel: str) -> AsyncIterator[list[Any]]:
-        """Batches of ``channel``'s chunks, in order, until it is idle with nothing in flight."""
+    async def subscribe(self, channel: str, owner: Any = None) -> AsyncIterator[list[Any]]:
+        """Batches of ``channel``'s chunks, in order, until it is idle with nothing in flight.
+
+        ``owner`` is whatever the caller can later check the ingress's life with (see
+        ``watched``).
+        """
         box = self._box(channel)
+        if owner is not None:
+            box.owner = owner
         box.subscribers += 1
         try:
             while True:
@@ -110,6 +122,31 @@ class Outboxes:
             box.subscribers -= 1
             box.since = time.monotonic()
 
+    def abandoned(self, channel: str, after_s: float = ABANDONED_S) -> bool:
+        """Whether ``channel``'s ingress is gone: known dead, or its chunks have waited,
+        unsubscribed, for over ``after_s``.
+
+        Ray neither cancels a running actor call nor ends a streamed one when its caller
+        dies, so without this an orphaned request would hold its blocks and a batch slot
+        to its last token. A live ingress re-subscribes within ``RESUBSCRIBE_EVERY_S``
+        while it has a request waiting; a killed one is found by ``watched``'s pings.
+        """
+        box = self._boxes.get(channel)
+        return box is not None and (box.owner_dead or (
+            box.subscribers == 0 and bool(box.items)
+            and time.monotonic() - box.pending_since > after_s))
+
+    def watched(self) -> list[tuple[str, Any]]:
+        """``(channel, owner)`` of every channel with a request in flight whose ingress
+        is not yet known dead: the ones worth checking (``mark_owner_dead``)."""
+        return [(ch, b.owner) for ch, b in self._boxes.items()
+                if b.in_flight and b.owner is not None and not b.owner_dead]
+
+    def mark_owner_dead(self, channel: str) -> None:
+        box = self._boxes.get(channel)
+        if box is not None:
+            box.owner_dead = True
+
     def stats(self) -> dict[str, int]:
         return {"channels": len(self._boxes), "chunks_sent": self.chunks_sent,
                 "messages_sent": self.messages_sent,
@@ -126,8 +163,11 @@ class ChannelClient:
     ended an idle subscription is picked up.
     """
 
-    def __init__(self, handle: Any, replicas: Callable[[], list[str]]) -> None:
+    def __init__(self, handle: Any, replicas: Callable[[], list[str]], owner: Any = None) -> None:
+        """``owner``: this ingress's own actor handle, which replicas ping to learn that
+        it died with requests in flight (``Outboxes.abandoned``)."""
         self.channel = uuid.uuid4().hex
+        self._owner = owner
         self._stream = handle.options(stream=True)
         self._replicas = replicas
         self._subs: dict[str, asyncio.Task[None]] = {}
@@ -141,7 +181,8 @@ class ChannelClient:
     async def _pump(self, replica: str) -> None:
         ended_idle = False
         try:
-            gen = self._stream.subscribe.remote(ReplicaCall(replica), self.channel)
+            gen = self._stream.subscribe.remote(ReplicaCall(replica), self.channel,
+                                                self._owner)
             async for batch in gen:
                 for raw in batch:
                     chunk = chunk_from_wire(raw)

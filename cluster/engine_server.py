@@ -54,6 +54,7 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "EngineServer"
+INGRESS_CHECK_S = 3.0  # how often an ingress with requests in flight is asked if it lives
 
 
 @serve.deployment(name=ENGINE_DEPLOYMENT, graceful_shutdown_timeout_s=5)
@@ -72,6 +73,7 @@ class EngineServer:
                                  stream_message_budget(stream_messages_per_s),
                                  checkpoint_interval_ms / 1000.0)
         self.outboxes = Outboxes()
+        self._watchdog: asyncio.Task[None] | None = None
         self.engine = AsyncEngine(EngineConfig(**engine_kwargs))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()  # which node, for operators
@@ -104,6 +106,10 @@ class EngineServer:
                     send(chunk_to_wire(chunk))
                     sent += 1
                     terminal = chunk.finished or chunk.error is not None
+                    if not terminal and self.outboxes.abandoned(req.channel):
+                        logger.warning("aborting %s: its ingress is gone",
+                                       req.request_id)
+                        break  # closing the stream aborts it and frees its blocks
             if not terminal:  # never leave the ingress waiting for an end that won't come
                 send(chunk_to_wire(EngineChunk(req.request_id, self.replica_id,
                                                error="engine stream ended early",
@@ -203,10 +209,32 @@ class EngineServer:
             self.metrics.in_flight -= 1
             self.metrics.on_end(timer, reason)
 
-    async def subscribe(self, call: ReplicaCall, channel: str) -> AsyncIterator[list[tuple]]:
-        """One ingress's chunks from this replica, a list per message (see ``channel``)."""
-        async for batch in self.outboxes.subscribe(channel):
+    async def subscribe(self, call: ReplicaCall, channel: str,
+                        owner: Any = None) -> AsyncIterator[list[tuple]]:
+        """One ingress's chunks from this replica, a list per message (see ``channel``).
+
+        ``owner`` is the ingress's actor handle: while it has requests in flight here,
+        it is pinged, and if it died they are aborted (``Outboxes.abandoned``).
+        """
+        if owner is not None and (self._watchdog is None or self._watchdog.done()):
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_ingresses())
+        async for batch in self.outboxes.subscribe(channel, owner):
             yield batch
+
+    async def _watch_ingresses(self) -> None:
+        """Every ``INGRESS_CHECK_S``, ask each ingress with requests in flight if it lives."""
+        async def check(channel: str, owner: Any) -> None:
+            try:
+                await asyncio.wait_for(owner.__ray_ready__.remote(), INGRESS_CHECK_S)
+            except ray.exceptions.ActorDiedError:
+                logger.warning("ingress of channel %s died: aborting its requests", channel)
+                self.outboxes.mark_owner_dead(channel)
+            except Exception as e:  # slow or unreachable for now: alive until known dead
+                logger.debug("ingress of channel %s did not answer: %r", channel, e)
+
+        while True:
+            await asyncio.sleep(INGRESS_CHECK_S)
+            await asyncio.gather(*(check(ch, o) for ch, o in self.outboxes.watched()))
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[tuple]:
         """Stream one request on its own (``stream=True`` handle): ack, then deltas.

@@ -23,6 +23,7 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -151,7 +152,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         self.app_name = serve.get_replica_context().app_name
         self._engine = engine
         self._channel = ChannelClient(
-            engine, lambda: known_replicas(ENGINE_DEPLOYMENT, self.app_name))
+            engine, lambda: known_replicas(ENGINE_DEPLOYMENT, self.app_name),
+            ray.get_runtime_context().current_actor)
         self._info: dict[str, Any] | None = None
         self._info_lock = asyncio.Lock()
         self.fmt = Formatter(self.tokenizer, self.served_name)

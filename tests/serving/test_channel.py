@@ -74,6 +74,39 @@ def test_channels_are_separate_and_orphans_are_dropped() -> None:
     asyncio.run(scenario())
 
 
+def test_a_channel_is_abandoned_only_when_its_chunks_wait_unsubscribed_too_long() -> None:
+    async def scenario() -> None:
+        boxes = Outboxes(idle_s=0.02)
+        with boxes.sending("ing") as send:
+            sub = boxes.subscribe("ing")
+            send("a")
+            assert await _take(sub, 1) == [["a"]]
+            await sub.aclose()  # the ingress died with a request in flight
+            time.sleep(0.03)
+            assert not boxes.abandoned("ing", after_s=0.02)  # nothing waiting yet
+            send("b")
+            assert not boxes.abandoned("ing", after_s=0.02)  # waited too briefly
+            time.sleep(0.03)
+            assert boxes.abandoned("ing", after_s=0.02)
+            sub = boxes.subscribe("ing")  # a live ingress comes back for them
+            assert await _take(sub, 1) == [["b"]]
+            send("c")
+            time.sleep(0.03)
+            assert not boxes.abandoned("ing", after_s=0.02)  # subscribed: not abandoned
+        assert not boxes.abandoned("nobody")
+        with boxes.sending("k"):
+            sub = boxes.subscribe("k", owner="ingress-k")
+            nxt = asyncio.ensure_future(anext(sub))
+            await asyncio.sleep(0)
+            assert boxes.watched() == [("k", "ingress-k")]  # in flight: worth a ping
+            boxes.mark_owner_dead("k")  # the ping said it died
+            assert boxes.abandoned("k") and boxes.watched() == []
+            nxt.cancel()
+        assert boxes.watched() == []  # nothing in flight: nothing to check
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.ray
 def test_concurrent_streams_share_messages_end_to_end(smol: App) -> None:
     """Eight streams at once through HTTP: fewer channel messages than chunks."""
