@@ -23,9 +23,10 @@
  * 4-row block) under OpenMP, rows innermost so a thread's consecutive tasks
  * reuse the same weights from cache.
  *
- * Without AVX512-VNNI (or AVX512BW) both entries return -1 and the caller
- * uses the torch path (cpu_int8.reference, the expert loop), which computes
- * the same integers.
+ * Without AVX512-VNNI (or AVX512BW) the tile runs on AVX2 instead (same
+ * integers, a quarter of the multiply-adds an instruction); without AVX2 and
+ * FMA either, both entries return -1 and the caller uses the torch path
+ * (cpu_int8.reference, the expert loop), which computes the same integers.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,35 +40,6 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
-
-/* Quantise rows of x: q[m][k] int8, sx[m][g] and xs[m][g] = sx * sum(q). */
-static void quantize_rows(const float *x, int64_t xs_stride, int64_t M, int64_t K,
-                          int8_t *q, float *sx, float *xsum, int32_t *qsum)
-{
-    const int64_t G = K / GROUP;
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * xs_stride;
-        for (int64_t g = 0; g < G; g++) {
-            const float *v = xr + g * GROUP;
-            float amax = 0.f;
-            for (int i = 0; i < GROUP; i++)
-                amax = fmaxf(amax, fabsf(v[i]));
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            int32_t s = 0;
-            int8_t *qo = q + m * K + g * GROUP;
-            for (int i = 0; i < GROUP; i++) {
-                const int32_t r = (int32_t)nearbyintf(v[i] * inv);
-                qo[i] = (int8_t)r;
-                s += r;
-            }
-            const float scale = amax / 127.f;
-            sx[m * G + g] = scale;
-            qsum[m * G + g] = s;
-            xsum[m * G + g] = scale * (float)s;
-        }
-    }
-}
 
 /* NR rows x NB2 blocks of 16 outputs, all groups; FOUR: 4-bit codes, two to a byte
  * (byte i of a group's packed vector v holds vector v's code i in its low nibble
@@ -135,6 +107,42 @@ tile(const int NR, const int NB2, const int FOUR, const int8_t *q, const float *
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         for (int r = 0; r < NR; r++)
             _mm512_mask_storeu_ps(out + (m0 + r) * out_stride + n0, mask, acc[r][b]);
+    }
+}
+
+#define INT8_NATIVE 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "cpu_int8_avx2.h"
+#define INT8_NATIVE 2
+#endif
+
+#ifdef INT8_NATIVE
+/* Quantise rows of x: q[m][k] int8, sx[m][g] and xs[m][g] = sx * sum(q). */
+static void quantize_rows(const float *x, int64_t xs_stride, int64_t M, int64_t K,
+                          int8_t *q, float *sx, float *xsum, int32_t *qsum)
+{
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * xs_stride;
+        for (int64_t g = 0; g < G; g++) {
+            const float *v = xr + g * GROUP;
+            float amax = 0.f;
+            for (int i = 0; i < GROUP; i++)
+                amax = fmaxf(amax, fabsf(v[i]));
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            int32_t s = 0;
+            int8_t *qo = q + m * K + g * GROUP;
+            for (int i = 0; i < GROUP; i++) {
+                const int32_t r = (int32_t)nearbyintf(v[i] * inv);
+                qo[i] = (int8_t)r;
+                s += r;
+            }
+            const float scale = amax / 127.f;
+            sx[m * G + g] = scale;
+            qsum[m * G + g] = s;
+            xsum[m * G + g] = scale * (float)s;
+        }
     }
 }
 
@@ -216,7 +224,8 @@ static int64_t plan_tasks(task_t *tasks, const int64_t *offsets, int64_t E, int6
     return n;
 }
 
-int int8_linear_supported(void) { return 1; }
+/* 1: the AVX512-VNNI kernel, 2: the AVX2 one. */
+int int8_linear_supported(void) { return INT8_NATIVE; }
 
 /* x [M][K] fp32 (row stride x_stride), out [M][N] fp32 (row stride out_stride);
  * codes of `bits` 8 or 4 (two to a byte). Returns 0, or -1 when this build

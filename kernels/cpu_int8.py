@@ -5,7 +5,8 @@ weights' bytes: codes and a scale per 32 weights take 1.125 bytes a weight
 against fp32's 4 and bf16's 2. And quantising the activations too (per row
 and group of 32, llama.cpp's scheme, finer than vLLM's per-token W8A8) lets
 AVX512-VNNI run 64 multiply-adds an instruction, 4x fp32's FMAs, so large
-batches gain as well (``cpu_int8.c``).
+batches gain as well (``cpu_int8.c``; CPUs with AVX2 but not VNNI run the
+same integers through 256-bit byte multiplies, still faster than fp32).
 
 A weight is ``W[n, g*32 + i] = scale[n, g] * (codes[n, g*32 + i] - zero) +
 offs[n, g]`` (``offs`` optional): GGUF's Q8_0, Q4_0 and Q4_1 blocks exactly,
@@ -32,7 +33,8 @@ _REF_CHUNK = 1 << 24
 
 
 def native_available() -> bool:
-    """Whether the compiled library has the VNNI kernel (``int8_linear_supported``)."""
+    """Whether the compiled library has an int8 kernel, AVX512-VNNI or AVX2
+    (``int8_linear_supported``: 1 or 2)."""
     lib = cpu_native.load()
     return lib is not None and bool(lib.int8_linear_supported())
 

@@ -51,7 +51,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "cpu_paged_decode.c", _HERE / "cpu_fused_ops.c", _HERE / "cpu_lora.c",
             _HERE / "cpu_moe.c", _HERE / "cpu_int8.c"]
 _HEADERS = [_HERE / "cpu_math.h", _HERE / "cpu_vec.h", _HERE / "cpu_kv.h",
-            _HERE / "cpu_paged_rows.h"]
+            _HERE / "cpu_paged_rows.h", _HERE / "cpu_int8_avx2.h"]
 # Associative math lets the dot products vectorise; the kernel never forms inf/nan.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]

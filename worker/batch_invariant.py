@@ -32,7 +32,7 @@ Where a row's result depended on the batch here, and what this mode changes:
   merged softmax is the same sum in another order).
 - Norms, rotary embedding, the activation, the embedding lookup, sampling and
   logprobs are computed per row already, and so are int8 / int4 projections on the
-  native VNNI kernel (activations quantised per row and group of 32, exact integer
+  native int8 kernel (activations quantised per row and group of 32, exact integer
   dot products, each row's groups summed in one order) and LoRA deltas on the native
   LoRA kernel (each row's delta summed in one order, whatever adapters share the step).
 - Mixtures of experts. The native expert kernels (``kernels/cpu_moe.c``, and
@@ -99,7 +99,7 @@ def unsupported_reason(device: torch.device, backend: AttentionBackend,
         return (f"needs the 'cpu' attention backend (the native per-row kernels), "
                 f"not {getattr(backend, 'name', type(backend).__name__)!r}")
     if quantization and not cpu_int8.native_available():
-        return (f"does not cover {quantization} weights without the native VNNI kernel "
+        return (f"does not cover {quantization} weights without the native int8 kernel "
                 "(its torch fallback is not checked for batch invariance)")
     if lora and not cpu_lora.available(device, dtype):
         return ("does not cover LoRA adapters without the native LoRA kernel (its torch "

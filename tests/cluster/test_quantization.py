@@ -190,10 +190,10 @@ def test_bad_quantization_settings_name_the_field(tmp_path, default_model_dir) -
         LLM(model=path, quantization="int8", num_gpu_blocks=16)
 
 
-@pytest.mark.skipif(not cpu_int8.native_available(), reason="no AVX512-VNNI kernel here")
+@pytest.mark.skipif(not cpu_int8.native_available(), reason="no native int8 kernel here")
 def test_without_the_native_kernel_the_torch_path_scores_the_same(
         tiny_llama_dir, monkeypatch) -> None:
-    """Weights kept plain (as on a CPU without VNNI) run ``cpu_int8.reference``: the same
+    """Weights kept plain (as on a CPU without AVX2) run ``cpu_int8.reference``: the same
     integers summed in another order. Rounding activations to int8 turns an ulp into a
     step now and then, so the paths are compared teacher-forced on the same sequences:
     the same top-1 token almost everywhere and logprobs within a hair."""

@@ -18,7 +18,7 @@ import torch
 from pagedserve.kernels import cpu_int8
 
 native = pytest.mark.skipif(not cpu_int8.native_available(),
-                            reason="no AVX512-VNNI native kernel on this CPU / build")
+                            reason="no native int8 kernel (AVX512-VNNI or AVX2) on this CPU / build")
 
 
 def _weight(n: int, k: int, kind: str, seed: int = 0,
@@ -86,6 +86,26 @@ def test_activations_on_the_grid_are_exact(kind: str) -> None:
         w = _weight(n, k, kind, seed=11, pack=pack)
         exact = (x.double() @ w.dequantize().double().T).float()
         torch.testing.assert_close(cpu_int8.linear(x, w), exact, atol=2e-5, rtol=2e-6)
+
+
+@native
+@pytest.mark.parametrize("zero", [128, 0, 255])
+def test_extreme_8bit_codes_do_not_saturate(zero: int) -> None:
+    """Codes 0 and 255 (Q8_0's -128 and 127) against activations of +-127 in the same
+    pair: the largest products any byte-multiply path forms (AVX2's vpmaddubsw sums a
+    pair in 16 bits), exact against float64 for any zero point."""
+    n, k = 33, 64
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    codes[::2] = 255
+    codes[:, 1::4] = 0
+    codes[5] = torch.arange(k, dtype=torch.uint8) * 4  # a spread of the byte range
+    x = torch.full((3, k), 127.0)
+    x[:, 2::3] = -127.0
+    x[1] = -x[1]
+    scale = torch.full((n, k // 32), 0.5)
+    w = cpu_int8.make(codes, scale, zero, pack_for_kernel=True)
+    exact = (x.double() @ w.dequantize().double().T).float()
+    assert cpu_int8.linear(x, w).equal(exact)
 
 
 def test_quantize_symmetric_round_trip_and_pack_unpack() -> None:

@@ -170,7 +170,7 @@ def test_int8_experts_follow_the_block_and_each_row_alone() -> None:
         odd.quantize("layers.0.mlp")
 
 
-@pytest.mark.skipif(not cpu_int8.native_available(), reason="no AVX512-VNNI kernel here")
+@pytest.mark.skipif(not cpu_int8.native_available(), reason="no native int8 kernel here")
 @pytest.mark.parametrize("rows", [1, 5, 33, 200])
 def test_int8_expert_kernel_equals_the_expert_loop(rows, monkeypatch) -> None:
     """One native call per layer (``moe_int8``) against the loop of int8 matmuls per expert
