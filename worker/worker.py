@@ -26,7 +26,7 @@ from pagedserve.worker import sleep as sleep_mode
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
-from pagedserve.worker.layers.packed import can_pack, pack_model
+from pagedserve.worker.layers.packed import can_pack, pack_model, slow_half_precision
 from pagedserve.worker.layers.quant import quantize_model, weight_bytes
 from pagedserve.worker.loaders import (
     ResolvedModel,
@@ -164,6 +164,8 @@ class Worker:
             head = model.lm_head
             unused = {id(head)} if model_config.embedding_only and head is not None else set()
             quantize_model(model, self.config.quantization, tied, unused)
+        if (slow := slow_half_precision(self.device, self.dtype)) is not None:
+            logger.warning(slow)
         if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):
             self.packed_weights = pack_model(model, tied)
         if self.config.batch_invariant:

@@ -7,10 +7,12 @@ and a pure decode step, all over shuffled, interleaved block tables.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from pagedserve.worker.layers.packed import can_pack
+from pagedserve.worker.layers.packed import can_pack, slow_half_precision
 from tests.worker.helpers import (
     BlockAllocator,
     all_logits,
@@ -126,12 +128,16 @@ def test_greedy_generation_matches_hf_generate(tmp_path):
         assert out[r] == ref[0, len(p):].tolist()
 
 
-def test_bfloat16_runs_close_to_fp32(tmp_path):
+def test_bfloat16_runs_close_to_fp32(tmp_path, caplog):
     """bf16 weights and KV cache (native decode and row ops on CPU): logits within bf16
-    error of HF fp32."""
+    error of HF fp32; a CPU that would emulate bf16 matmuls says so at load."""
     path = save_tiny_model(tmp_path / "m", "qwen2", seed=3)
     hf = load_hf(path)
-    worker = make_worker(path, num_blocks=16, block_size=4, dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.worker"):
+        worker = make_worker(path, num_blocks=16, block_size=4, dtype="bfloat16")
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert any("--quantization int8" in r.message for r in caplog.records) != native
+    assert slow_half_precision(torch.device("cpu"), torch.float32) is None
     assert worker.kv_cache.key_caches[0].dtype == torch.bfloat16
     # Where the CPU has bf16 dot products the projections are oneDNN-packed in bf16 too.
     assert worker.packed_weights == can_pack(torch.device("cpu"), torch.bfloat16)

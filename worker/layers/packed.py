@@ -98,6 +98,26 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
+def slow_half_precision(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a 16-bit model dtype will be slow on this CPU, or None.
+
+    Without native bf16 (AVX512-BF16, AMX) or fp16 dot products, oneDNN and MKL
+    emulate them: SmolLM2 in bf16 ran 0.21x fp32's tokens/s on a batch on an AVX2
+    EPYC (``bench/quant.py``), so a user who asked for it to save memory is told
+    what to use instead."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    ops = torch.ops.mkldnn
+    probe = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else \
+        "_is_mkldnn_fp16_supported"
+    native = getattr(ops, probe, None)
+    if native is not None and native():
+        return None
+    return (f"this CPU has no native {dtype} dot products, so {dtype} matmuls are emulated "
+            "and run several times slower than float32; for less memory at speed use "
+            "--quantization int8 (or int4) with the default float32")
+
+
 def pack_model(model: nn.Module, shared: set[int] | None = None) -> bool:
     """Pack every projection of ``model`` after a numerical self-check; False if skipped.
 
