@@ -14,6 +14,7 @@ a working tokenizer.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -91,10 +92,22 @@ def _moe_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, np.ndarray]
     return [(f"blk.{layer}.ffn_gate_inp.weight", data)]
 
 
+@functools.cache
+def _smollm2_tokenizer() -> dict[str, object]:
+    """The default file's tokenizer fields, read once (each read parses 49k strings)."""
+    from gguf import GGUFReader
+
+    src = GGUFReader(str(default_gguf_path())).fields
+    names = ("model", "pre", "tokens", "token_type", "merges")
+    out = {n: src[f"tokenizer.ggml.{n}"].contents() for n in names}
+    out["chat_template"] = src["tokenizer.chat_template"].contents()
+    return out
+
+
 def _write_gguf(model, dest: Path, arch: str) -> Path:
     """What llama.cpp's converter writes (F32 tensors): a tied head has no ``output.weight``;
     ``llama`` files have Q/K permuted and, with llama3 scaling, a ``rope_freqs`` tensor."""
-    from gguf import GGUFReader, GGUFWriter, RopeScalingType
+    from gguf import GGUFWriter, RopeScalingType
 
     cfg = model.config
     path = dest / f"tiny-{arch}.gguf"
@@ -110,15 +123,15 @@ def _write_gguf(model, dest: Path, arch: str) -> Path:
     w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    src = GGUFReader(str(default_gguf_path())).fields
-    w.add_tokenizer_model(str(src["tokenizer.ggml.model"].contents()))
-    w.add_tokenizer_pre(str(src["tokenizer.ggml.pre"].contents()))
-    w.add_token_list(src["tokenizer.ggml.tokens"].contents())
-    w.add_token_types(src["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(src["tokenizer.ggml.merges"].contents())
+    tok = _smollm2_tokenizer()
+    w.add_tokenizer_model(str(tok["model"]))
+    w.add_tokenizer_pre(str(tok["pre"]))
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["token_type"])
+    w.add_token_merges(tok["merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_chat_template(str(src["tokenizer.chat_template"].contents()))
+    w.add_chat_template(str(tok["chat_template"]))
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if experts:  # as llama.cpp's converter writes a mixture of experts
         w.add_expert_count(experts)

@@ -106,12 +106,23 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def read_gguf_tensors(gguf_path: str | Path, num_heads: int, num_kv_heads: int
-                      ) -> dict[str, torch.Tensor]:
-    """Dequantise every tensor to fp32 under its HF name, Q/K un-permuted for ``llama`` files."""
-    from gguf import GGUFReader, dequantize
+def _reader(gguf: str | Path | Any) -> Any:
+    """A ``GGUFReader`` of ``gguf`` (a path), or ``gguf`` itself if it is one already.
 
-    reader = GGUFReader(str(gguf_path))
+    Opening one parses every metadata field in Python, the vocabulary's strings one by
+    one: about 5 s for a 49k-token file here, so a conversion opens it once."""
+    from gguf import GGUFReader
+
+    return gguf if isinstance(gguf, GGUFReader) else GGUFReader(str(gguf))
+
+
+def read_gguf_tensors(gguf: str | Path | Any, num_heads: int, num_kv_heads: int
+                      ) -> dict[str, torch.Tensor]:
+    """Dequantise every tensor to fp32 under its HF name, Q/K un-permuted for ``llama`` files
+    (``gguf``: a path or an open ``GGUFReader``)."""
+    from gguf import dequantize
+
+    reader = _reader(gguf)
     arch = str(reader.fields["general.architecture"].contents())
     moe = expert_count(reader.fields, arch) > 0
     out: dict[str, torch.Tensor] = {}
@@ -192,11 +203,12 @@ def _rope_scaling(fields: Any, arch: str) -> dict[str, Any] | None:
     return rope
 
 
-def gguf_extras(gguf_path: str | Path) -> GGUFExtras:
-    """The head size and RoPE settings transformers' GGUF loading drops (see ``GGUFExtras``)."""
-    from gguf import GGUFReader, dequantize
+def gguf_extras(gguf: str | Path | Any) -> GGUFExtras:
+    """The head size and RoPE settings transformers' GGUF loading drops (see ``GGUFExtras``;
+    ``gguf``: a path or an open ``GGUFReader``)."""
+    from gguf import dequantize
 
-    reader = GGUFReader(str(gguf_path))
+    reader = _reader(gguf)
     arch = str(reader.fields["general.architecture"].contents())
     field = reader.fields.get(f"{arch}.attention.key_length")
     head_dim = None if field is None else int(field.contents())
@@ -213,17 +225,18 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     folder, fname = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
-    extras = gguf_extras(gguf_path)
+    reader = _reader(gguf_path)
+    extras = gguf_extras(reader)
     if extras.head_dim is not None:
         config.head_dim = extras.head_dim
-    tensors = read_gguf_tensors(gguf_path, config.num_attention_heads,
+    tensors = read_gguf_tensors(reader, config.num_attention_heads,
                                 config.num_key_value_heads)
     # llama.cpp omits ``output.weight`` exactly when the head is tied to the embedding;
     # the config transformers derives may say otherwise (Qwen3's default is untied).
     config.tie_word_embeddings = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
-    _write_moe_fields(gguf_path, out / "config.json")
+    _write_moe_fields(reader.fields, out / "config.json")
     rope = None
     if extras.rope_factors is not None:
         rope = {"rope_type": "freq_factors", "freq_factors": extras.rope_factors}
@@ -249,11 +262,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     }))
 
 
-def _write_moe_fields(gguf_path: Path, cfg_path: Path) -> None:
+def _write_moe_fields(fields: Any, cfg_path: Path) -> None:
     """Give a mixture-of-experts file's config the expert fields (``loaders.gguf_moe``)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf_path)).fields
     arch = str(fields["general.architecture"].contents())
     if expert_count(fields, arch):
         cfg = json.loads(cfg_path.read_text())
