@@ -1,7 +1,7 @@
 """Engine replicas scale with load (Serve's ``autoscaling_config``) and lose nothing.
 
-One replica at rest; concurrent long streams push the ongoing requests past the
-target, Serve starts a second replica, the router sends new requests to it
+One replica at rest; a standing load of six concurrent streams pushes the ongoing
+requests past the target, Serve starts a second replica, the router sends new requests to it
 (least loaded), and every stream, old and new, finishes with all its tokens.
 When the load is gone the app scales back to one replica, whose pool is at its
 baseline. With ``min_replicas: 0`` the app starts with no engine replica, the
@@ -11,6 +11,7 @@ is back to none, healthy, and wakes again for the next request.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,10 +23,10 @@ from tests.serving.conftest import App, Cluster, wait_for
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
-FIRST_TOKENS = 900
+LOAD_TOKENS = 120
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                "target_ongoing_requests": 2, "upscale_delay_s": 0.0,
-               "downscale_delay_s": 5.0, "look_back_period_s": 1.0}
+               "downscale_delay_s": 5.0, "look_back_period_s": 1.0, "metrics_interval_s": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +61,30 @@ def _stream(app: App, i: int, max_tokens: int) -> int:
     return n
 
 
+def _keep_loading(app: App, slot: int, stop: threading.Event) -> list[int]:
+    """Stream LOAD_TOKENS-token completions back to back until ``stop``: the tokens each
+    delivered. A standing load ends one short stream after ``stop``, where one long
+    stream had to outlast an unknown replica start (over 25 s in a CI run: loading the
+    model on the cores the first replica decodes on) and then ran on to its end."""
+    counts: list[int] = []
+    while not stop.is_set():
+        counts.append(_stream(app, 1000 * slot + len(counts), LOAD_TOKENS))
+    return counts
+
+
 def test_replicas_scale_up_under_load_and_back_down(scaled: App) -> None:
     assert len(scaled.stats()) == 1
+    stop = threading.Event()
     with ThreadPoolExecutor(12) as pool:
-        # Long enough to outlast the second replica's start: loading the model on cores
-        # the first replica's decoding also needs took over 25 s in a CI run, by which
-        # time 400-token streams had ended and Serve scaled the starting replica away.
-        first = [pool.submit(_stream, scaled, i, FIRST_TOKENS) for i in range(6)]
-        wait_for(lambda: _replicas(scaled)[1] == 2, 120, "a second replica")
-        second = [pool.submit(_stream, scaled, 100 + i, 40) for i in range(4)]
-        assert [f.result(timeout=300) for f in first] == [FIRST_TOKENS] * 6
-        assert [f.result(timeout=300) for f in second] == [40] * 4
+        load = [pool.submit(_keep_loading, scaled, i, stop) for i in range(6)]
+        try:
+            wait_for(lambda: _replicas(scaled)[1] == 2, 120, "a second replica")
+            second = [pool.submit(_stream, scaled, 100 + i, 40) for i in range(4)]
+            assert [f.result(timeout=300) for f in second] == [40] * 4
+        finally:
+            stop.set()
+        counts = [f.result(timeout=300) for f in load]
+    assert all(counts) and {n for c in counts for n in c} == {LOAD_TOKENS}, counts
     stats = scaled.stats()
     served = {r: s["finished_requests"] for r, s in stats.items()}
     # The replica started for the load served some of the requests sent after it came
@@ -82,7 +96,7 @@ def test_replicas_scale_up_under_load_and_back_down(scaled: App) -> None:
 
 ZERO = {"min_replicas": 0, "max_replicas": 1, "initial_replicas": 0,
         "target_ongoing_requests": 2, "upscale_delay_s": 0.0, "downscale_delay_s": 2.0,
-        "look_back_period_s": 1.0}
+        "look_back_period_s": 1.0, "metrics_interval_s": 0.5}
 
 
 def _engine_replicas(name: str) -> int:
