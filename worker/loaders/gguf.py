@@ -23,6 +23,7 @@ config keys kept by ``loaders.gguf_moe``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -30,6 +31,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,13 +221,38 @@ def gguf_extras(gguf: str | Path | Any) -> GGUFExtras:
     return GGUFExtras(head_dim, factors, _rope_scaling(reader.fields, arch))
 
 
+@contextlib.contextmanager
+def _lent_reader(path: Path, reader: Any) -> Iterator[None]:
+    """Hand ``reader`` to transformers' GGUF loading for ``path`` while this block runs.
+
+    ``AutoConfig`` and ``AutoTokenizer`` each open the file again (``from gguf import
+    GGUFReader`` inside ``load_gguf_checkpoint``), another ~5 s apiece for a 49k-token
+    vocabulary. The reader is a read-only memory map, so sharing the parsed one is safe;
+    any other path still gets a fresh reader."""
+    import gguf
+
+    fresh = gguf.GGUFReader
+
+    def open_reader(p: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(p).resolve() == path:
+            return reader
+        return fresh(p, *args, **kwargs)
+
+    gguf.GGUFReader = open_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = fresh
+
+
 def _convert_into(gguf_path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     folder, fname = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
     reader = _reader(gguf_path)
+    with _lent_reader(gguf_path, reader):
+        config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
     extras = gguf_extras(reader)
     if extras.head_dim is not None:
         config.head_dim = extras.head_dim
@@ -253,7 +280,9 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
             rope["rope_theta"] = theta
         cfg["rope_parameters"] = rope
         cfg_path.write_text(json.dumps(cfg, indent=2))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+    with _lent_reader(gguf_path, reader):
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname,
+                                                  local_files_only=True)
     tokenizer.save_pretrained(str(out))
     st = gguf_path.stat()
     (out / _SOURCE_FILE).write_text(json.dumps({
