@@ -122,10 +122,32 @@ class Cluster:
         serve.run(build_app(args), name=name, route_prefix=f"/{name}")
         return App(name, f"http://127.0.0.1:{self.port}/{name}", args.get("api_key"))
 
+    def deploy_many(self, specs: dict[str, dict[str, Any]]) -> dict[str, App]:
+        """Deploy several applications at once (``serve.run_many``): their replicas start
+        side by side, where one ``deploy`` after another waits for each in turn."""
+        from ray import serve
+        from ray.serve.api import RunTarget
+
+        from pagedserve.cluster.serve_app import build_app
+
+        serve.run_many([RunTarget(build_app(args), name=name, route_prefix=f"/{name}")
+                        for name, args in specs.items()])
+        return {name: App(name, f"http://127.0.0.1:{self.port}/{name}", args.get("api_key"))
+                for name, args in specs.items()}
+
     def delete(self, name: str) -> None:
         from ray import serve
 
         serve.delete(name)
+
+    def delete_many(self, names: list[str]) -> None:
+        """Delete several applications, their replicas draining side by side."""
+        from ray import serve
+
+        for name in names:
+            serve.delete(name, _blocking=False)
+        wait_for(lambda: not set(names) & set(serve.status().applications), 300,
+                 f"applications {names} deleted")
 
 
 @pytest.fixture(scope="package")

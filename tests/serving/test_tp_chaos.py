@@ -35,15 +35,14 @@ COMMON = {"num_gpu_blocks": 64, "max_model_len": 512, "num_threads": 1,
 @pytest.fixture(scope="module")
 def apps(cluster: Cluster, tiny_model: Path) -> Iterator[dict[str, App]]:
     model = str(tiny_model)
-    out = {
-        "tp1": cluster.deploy("tp1", {**COMMON, "model": model}),
-        "tp2": cluster.deploy("tp2", {**COMMON, "model": model, "tensor_parallel_size": 2}),
-        "ovl": cluster.deploy("ovl", {**COMMON, "model": model, "max_ongoing_requests": 1,
-                                      "max_queued_requests": 1, "failover_wait_s": 0.5}),
-    }
+    out = cluster.deploy_many({
+        "tp1": {**COMMON, "model": model},
+        "tp2": {**COMMON, "model": model, "tensor_parallel_size": 2},
+        "ovl": {**COMMON, "model": model, "max_ongoing_requests": 1,
+                "max_queued_requests": 1, "failover_wait_s": 0.5},
+    })
     yield out
-    for name in out:
-        cluster.delete(name)
+    cluster.delete_many(list(out))
 
 
 def _greedy(app: App) -> list[tuple[str, list[float]]]:
