@@ -188,7 +188,20 @@ def test_qwen3_gguf_converts_and_runs(tmp_path, pagedserve_cache):
                 p.add_(torch.randn_like(p) * 0.1)
     gguf_path = _write_gguf(model, tmp_path, "qwen3")
 
-    resolved = resolve_model(str(gguf_path))
+    import gguf
+
+    opened: list[str] = []
+    real = gguf.GGUFReader.__init__
+
+    def counting(self, path, *args, **kwargs) -> None:
+        opened.append(str(path))
+        real(self, path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFReader, "__init__", counting)
+        resolved = resolve_model(str(gguf_path))
+    # Parsing the fields costs seconds for a 49k vocabulary: the conversion does it once.
+    assert opened == [str(gguf_path)], opened
     tok = load_tokenizer(resolved)
     prompt = tok.encode("the capital of France is")
     assert tok.decode(prompt) == "the capital of France is"

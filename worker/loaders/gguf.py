@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,7 @@ def _reader(gguf: str | Path | Any) -> Any:
 
     Opening one parses every metadata field in Python, the vocabulary's strings one by
     one: about 5 s for a 49k-token file here, so a conversion opens it once."""
-    from gguf import GGUFReader
+    from gguf.gguf_reader import GGUFReader  # the class itself, even during _lent_reader
 
     return gguf if isinstance(gguf, GGUFReader) else GGUFReader(str(gguf))
 
@@ -221,6 +222,9 @@ def gguf_extras(gguf: str | Path | Any) -> GGUFExtras:
     return GGUFExtras(head_dim, factors, _rope_scaling(reader.fields, arch))
 
 
+_LENDING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _lent_reader(path: Path, reader: Any) -> Iterator[None]:
     """Hand ``reader`` to transformers' GGUF loading for ``path`` while this block runs.
@@ -228,21 +232,23 @@ def _lent_reader(path: Path, reader: Any) -> Iterator[None]:
     ``AutoConfig`` and ``AutoTokenizer`` each open the file again (``from gguf import
     GGUFReader`` inside ``load_gguf_checkpoint``), another ~5 s apiece for a 49k-token
     vocabulary. The reader is a read-only memory map, so sharing the parsed one is safe;
-    any other path still gets a fresh reader."""
+    any other path still gets a fresh reader. One lender at a time: two conversions in
+    one process's threads must not restore each other's stand-in."""
     import gguf
 
-    fresh = gguf.GGUFReader
+    with _LENDING:
+        fresh = gguf.GGUFReader
 
-    def open_reader(p: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
-        if not args and not kwargs and Path(p).resolve() == path:
-            return reader
-        return fresh(p, *args, **kwargs)
+        def open_reader(p: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
+            if not args and not kwargs and Path(p).resolve() == path:
+                return reader
+            return fresh(p, *args, **kwargs)
 
-    gguf.GGUFReader = open_reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = fresh
+        gguf.GGUFReader = open_reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = fresh
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:
