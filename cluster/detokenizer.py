@@ -46,15 +46,20 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_tokens(self, token_ids: Sequence[int]) -> str | None:
+    def add_tokens(self, token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
         """Append tokens; return the stop string if one now appears in the text.
 
         Tokens after the one that completed a stop string are not read:
         ``num_consumed`` says how many of ``token_ids`` were (a step that
         accepted several speculated tokens may run past a stop string).
+        ``stop_terminated``: the last token is the EOS or a stop token id that
+        ended the sequence; as in vLLM its text is left out unless
+        ``include_stop_str_in_output`` (it would show as ``</s>`` with
+        ``skip_special_tokens=False``, or as a word for a plain stop id).
         """
         self.num_consumed = 0
-        for tok in token_ids:
+        silent = stop_terminated and not self.include_stop and len(token_ids) > 0
+        for tok in token_ids[:-1] if silent else token_ids:
             self.num_consumed += 1
             self._ids.append(tok)
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
@@ -67,6 +72,8 @@ class IncrementalDetokenizer:
                 hit = self._find_stop(before)
                 if hit is not None:
                     return hit
+        if silent:
+            self.num_consumed += 1
         return None
 
     def _find_stop(self, before: int) -> str | None:

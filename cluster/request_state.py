@@ -90,7 +90,7 @@ class RequestState:
                 seq.out.finish_reason = u.finish_reason
             return 0, False
         ids = [t.token_id for t in u.new_tokens]
-        stop = seq.detok.add_tokens(ids)
+        stop = seq.detok.add_tokens(ids, u.finished and u.finish_reason == "stop")
         new_tokens = u.new_tokens
         if stop is not None:  # tokens past a stop string are dropped
             ids = ids[: seq.detok.num_consumed]

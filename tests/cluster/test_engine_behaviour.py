@@ -146,6 +146,32 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(tiny_llama_dir) -> Non
         llm.shutdown()
 
 
+def test_the_token_that_stops_a_sequence_is_not_in_its_text(tiny_llama_dir) -> None:
+    """vLLM's rule: the EOS or stop token id that ends a sequence stays in
+    ``token_ids`` but not in ``text``, unless ``include_stop_str_in_output``; so
+    ``skip_special_tokens=False`` shows no trailing ``<|im_end|>`` and a plain-word stop
+    id does not show its word."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        tok = llm.get_tokenizer()
+        word = tok.encode(" Paris", add_special_tokens=False)[-1]
+        eos = llm.engine.eos_token_ids[0]
+        base = dict(max_tokens=4, temperature=0.0)
+        cases = [SamplingParams(**base, logit_bias={word: 100.0}, stop_token_ids=[word]),
+                 SamplingParams(**base, logit_bias={word: 100.0}, stop_token_ids=[word],
+                                include_stop_str_in_output=True),
+                 SamplingParams(**base, logit_bias={eos: 100.0}, skip_special_tokens=False),
+                 SamplingParams(**base, logit_bias={eos: 100.0}, skip_special_tokens=False,
+                                include_stop_str_in_output=True)]
+        out = [o.outputs[0] for o in llm.generate([[5, 6, 7]] * 4, cases)]
+        assert [o.token_ids for o in out] == [[word], [word], [eos], [eos]]
+        assert [o.finish_reason for o in out] == ["stop"] * 4
+        assert [o.stop_reason for o in out] == [word, word, None, None]
+        assert [o.text for o in out] == ["", tok.decode([word]), "", tok.decode([eos])]
+    finally:
+        llm.shutdown()
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_tail(tiny_llama_dir) -> None:
     llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
     try:
