@@ -81,7 +81,7 @@ from pagedserve.cluster.router import (
 from pagedserve.cluster.serve_args import ServeArgs
 from pagedserve.cluster.tokenize_api import TokenizeEndpoints
 from pagedserve.cluster.tokenize_api import router as tokenize_router
-from pagedserve.cluster.tools import ToolContext, chat_prompt_ids
+from pagedserve.cluster.tools import ToolContext, chat_prompt_ids, mistral_tool_format
 from pagedserve.cluster.wire import EngineRequest
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
 
         resolved = resolve_model(model)
         self.tokenizer = load_tokenizer(resolved)
+        self.mistral_tools = mistral_tool_format(self.tokenizer)
         self.model_id = resolved.model_id
         # vLLM's served names: the first answers in responses, each names the model.
         names = [served_model_name] if isinstance(served_model_name, str) \
@@ -297,7 +298,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         prompt already closed a reasoning model's thought."""
         lora = self._check_model(body.model)
         info = await self._engine_info()
-        tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                         self.mistral_tools)
         ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
                                            body.tools, body.chat_template_kwargs,
                                            body.continue_final_message))
@@ -306,6 +308,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                            body.max_tokens_param, body.n),
             body.engine_logprobs(), info["vocab_size"],
             tools.structured() if tools is not None else None)
+        if tools is not None and tools.keeps_special_tokens:  # [TOOL_CALLS] is one
+            params.skip_special_tokens = False
         closed = thought_closed(self.tokenizer, ids)
         params = defer_constraint(params, self.reasoning_parser, closed)
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,

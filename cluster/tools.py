@@ -13,15 +13,20 @@ How each choice is honoured (vLLM's approach):
   (the Hermes format that Qwen2.5 / Qwen3 chat templates teach) become calls,
   the text before them the message content; an output that is as a whole a JSON
   call or list of calls (Llama 3.x's ``{"name": ..., "parameters": ...}``,
-  maybe after ``<|python_tag|>``) becomes calls too;
+  maybe after ``<|python_tag|>``) becomes calls too; so do Mistral's
+  ``[TOOL_CALLS]`` calls, both the JSON list of Mistral 7B v0.3 and the
+  ``name[ARGS]{...}`` form of later models (the marker is a special token, so
+  a Mistral tokenizer's requests keep special tokens in the text, as vLLM's
+  Mistral parser does, and their calls get the 9-character alphanumeric ids that
+  Mistral's chat templates require when the calls come back in ``messages``);
 - ``"none"``: plain text (the tools still reach the chat template).
 
 Streams carry content as it comes. A named function's arguments stream as
 ``tool_calls`` fragments while they are written (the first carries the id and
 name); other calls go out whole in one ``tool_calls`` delta when the choice
 ends (OpenAI's clients accumulate deltas, so both are valid). Under ``auto``
-the text from ``<tool_call>`` on is held back, and so is a tail that could be
-the start of that tag, and an output that starts like a JSON call.
+the text from ``<tool_call>`` (or ``[TOOL_CALLS]``) on is held back, and so is a
+tail that could be the start of either, and an output that starts like a JSON call.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,14 +45,33 @@ from pagedserve.scheduler.sampling_params import StructuredOutputs
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_CALL_MARKERS = (TOOL_CALL_OPEN, MISTRAL_CALLS)
+_ALNUM = string.ascii_letters + string.digits
 _HERMES = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE),
                      re.DOTALL)
 
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
+def _call(name: str, arguments: Any, short_id: bool = False) -> dict[str, Any]:
+    """An OpenAI tool call; ``short_id``: Mistral's 9 alphanumeric characters."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": args}}
+    cid = "".join(secrets.choice(_ALNUM) for _ in range(9)) if short_id \
+        else f"call_{uuid.uuid4().hex[:24]}"
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def mistral_tool_format(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` has Mistral's ``[TOOL_CALLS]`` special token (its models
+    call tools after it, and its templates want 9-character call ids)."""
+    special = getattr(tokenizer, "all_special_tokens", None) or []
+    added = getattr(tokenizer, "get_added_vocab", lambda: {})()
+    return MISTRAL_CALLS in special or MISTRAL_CALLS in added
+
+
+def _first_marker(text: str) -> int:
+    """Where the first ``<tool_call>`` or ``[TOOL_CALLS]`` starts, -1 for none."""
+    found = [i for i in (text.find(m) for m in _CALL_MARKERS) if i >= 0]
+    return min(found, default=-1)
 
 
 def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -75,12 +101,14 @@ class ToolContext:
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     name: str | None = None
     parallel: bool = True
+    mistral: bool = False  # the model writes [TOOL_CALLS]; its call ids are 9 characters
 
     @classmethod
     def from_request(cls, tools: list[dict[str, Any]] | None, tool_choice: Any,
-                     parallel: bool | None) -> ToolContext | None:
+                     parallel: bool | None, mistral: bool = False) -> ToolContext | None:
         """None when the request has no tools (``tool_choice`` is then an error unless
-        it is ``"none"``)."""
+        it is ``"none"``). ``mistral``: the model's tokenizer is Mistral's
+        (:func:`mistral_tool_format`)."""
         if not tools:
             if tool_choice not in (None, "none"):
                 raise APIError("tool_choice needs tools", param="tool_choice")
@@ -88,7 +116,7 @@ class ToolContext:
         schemas = check_tools(tools)
         parallel = True if parallel is None else parallel
         if tool_choice is None or tool_choice in ("auto", "none", "required"):
-            return cls(tool_choice or "auto", schemas, None, parallel)
+            return cls(tool_choice or "auto", schemas, None, parallel, mistral)
         fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
@@ -97,7 +125,13 @@ class ToolContext:
         if name not in schemas:
             raise APIError(f"tool_choice names {name!r}, which is not in tools",
                            param="tool_choice")
-        return cls("named", schemas, name, parallel)
+        return cls("named", schemas, name, parallel, mistral)
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output must keep special tokens for :meth:`parse` to see the
+        calls (Mistral's ``[TOOL_CALLS]`` under ``auto``)."""
+        return self.mistral and self.mode == "auto"
 
     def structured(self) -> StructuredOutputs | None:
         """The output constraint for ``named`` and ``required``."""
@@ -127,16 +161,20 @@ class ToolContext:
             except ValueError:
                 return text, []
             assert self.name is not None
-            return None, [_call(self.name, text)]
+            return None, [_call(self.name, text, self.mistral)]
         if self.mode == "required":
             try:
                 items = json.loads(text)
-                return None, [_call(it["name"], it["parameters"]) for it in items]
+                return None, [_call(it["name"], it["parameters"], self.mistral)
+                              for it in items]
             except (ValueError, TypeError, KeyError):
                 return text, []
-        content, calls = parse_hermes(text, set(self.schemas))
+        names = set(self.schemas)
+        content, calls = parse_hermes(text, names, self.mistral)
         if not calls:
-            calls = parse_json_calls(text, set(self.schemas))
+            content, calls = parse_mistral(text, names)
+        if not calls:
+            calls = parse_json_calls(text, names, self.mistral)
             if calls:
                 content = None
         return content, calls
@@ -150,7 +188,8 @@ class ToolContext:
         return engine_reason
 
 
-def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_hermes(text: str, names: set[str], short_ids: bool = False
+                 ) -> tuple[str | None, list[dict[str, Any]]]:
     """Hermes-style ``<tool_call>`` blocks of known functions become calls; the text
     before the first block is the content. A block that is not a JSON call of a
     known function leaves the whole text as content."""
@@ -163,14 +202,49 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[dict[str,
             return text, []
         if name not in names:
             return text, []
-        calls.append(_call(name, args))
+        calls.append(_call(name, args, short_ids))
     if not calls:
         return text, []
     content = text[: text.index(TOOL_CALL_OPEN)].strip()
     return content or None, calls
 
 
-def parse_json_calls(text: str, names: set[str]) -> list[dict[str, Any]]:
+def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Mistral's calls of known functions after ``[TOOL_CALLS]``: a JSON list of
+    ``{"name", "arguments"}`` (7B v0.3), or one ``name[ARGS]{...}`` per marker (later
+    models; ``name{...}`` and a ``[CALL_ID]`` before ``[ARGS]`` are read too). The text
+    before the first marker is the content; anything that does not parse leaves the
+    whole text as content."""
+    at = text.find(MISTRAL_CALLS)
+    if at < 0:
+        return text, []
+    calls: list[dict[str, Any]] = []
+    for part in text[at:].split(MISTRAL_CALLS)[1:]:
+        part = part.strip()
+        if part[:1] in ("[", "{"):
+            got = parse_json_calls(part, names, True)
+            if not got:
+                return text, []
+            calls.extend(got)
+            continue
+        name, sep, body = part.partition(MISTRAL_ARGS)
+        if not sep:
+            brace = part.find("{")
+            name, body = (part[:brace], part[brace:]) if brace >= 0 else (part, "")
+        name = name.partition(MISTRAL_CALL_ID)[0].strip()
+        try:
+            args = json.loads(body)
+        except ValueError:
+            return text, []
+        if name not in names or not isinstance(args, dict):
+            return text, []
+        calls.append(_call(name, args, True))
+    content = text[:at].strip()
+    return (content or None, calls) if calls else (text, [])
+
+
+def parse_json_calls(text: str, names: set[str], short_ids: bool = False
+                     ) -> list[dict[str, Any]]:
     """Llama 3.x's format: the whole output is a JSON call (``{"name": ...,
     "parameters": ...}``, optionally after ``<|python_tag|>``), or a list of them,
     of known functions; anything else is no call."""
@@ -189,7 +263,7 @@ def parse_json_calls(text: str, names: set[str]) -> list[dict[str, Any]]:
         args = it.get("parameters", it.get("arguments", {}))
         if not isinstance(args, dict):
             return []
-        calls.append(_call(it["name"], args))
+        calls.append(_call(it["name"], args, short_ids))
     return calls
 
 
@@ -208,7 +282,7 @@ class ToolStream:
         assert self.ctx.mode == "named" and self.ctx.name is not None
         self.text += delta
         if self._named is None:
-            self._named = _call(self.ctx.name, "")
+            self._named = _call(self.ctx.name, "", self.ctx.mistral)
             return {"index": 0, "id": self._named["id"], "type": "function",
                     "function": {"name": self.ctx.name, "arguments": delta}}
         return {"index": 0, "function": {"arguments": delta}} if delta else None
@@ -224,11 +298,12 @@ class ToolStream:
         head = self.text.lstrip()
         if head[:1] in ("{", "[") or (head and PYTHON_TAG.startswith(head[:len(PYTHON_TAG)])):
             return ""  # may be a whole-output JSON call: decided at the end
-        at = self.text.find(TOOL_CALL_OPEN)
+        at = _first_marker(self.text)
         limit = at if at >= 0 else len(self.text)
-        if at < 0:  # hold back a tail that may be the tag's beginning
-            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text)), 0, -1):
-                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
+        if at < 0:  # hold back a tail that may be a marker's beginning
+            longest = max(len(m) for m in _CALL_MARKERS) - 1
+            for k in range(min(longest, len(self.text)), 0, -1):
+                if any(m.startswith(self.text[-k:]) for m in _CALL_MARKERS):
                     limit = len(self.text) - k
                     break
         out = self.text[self.sent:limit] if limit > self.sent else ""
@@ -241,7 +316,7 @@ class ToolStream:
         if not calls:
             rest, self.sent = self.text[self.sent:], len(self.text)
             return rest, []
-        at = self.text.find(TOOL_CALL_OPEN)
+        at = _first_marker(self.text)
         if self.ctx.mode != "auto" or at < 0:  # (a whole-output JSON call has no content)
             return "", calls
         # (content is what came before the first call, right-stripped as ``parse`` does)

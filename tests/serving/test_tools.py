@@ -1,6 +1,7 @@
 """Tool calling without a server: request checks, the output constraints each
 ``tool_choice`` imposes, parsing finished outputs, and streaming (content shown at once,
-``<tool_call>`` blocks held back, even when the tag is split across deltas)."""
+``<tool_call>`` blocks held back, even when the tag is split across deltas), and
+Mistral's ``[TOOL_CALLS]`` through a real tokenizer's incremental detokenisation."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import (
     ToolContext,
     ToolStream,
+    mistral_tool_format,
     parse_hermes,
     parse_json_calls,
+    parse_mistral,
     template_messages,
 )
 
@@ -151,3 +154,83 @@ def test_llama3_json_calls_in_auto(size: int) -> None:
     # JSON that is no call is content after all, streamed whole at the end.
     assert _stream(auto, '{"answer": 42}', size) == ('{"answer": 42}', [])
     assert _stream(auto, "<|im_start|> hi", size) == ("<|im_start|> hi", [])
+
+
+def _short_id(call: dict) -> bool:
+    return len(call["id"]) == 9 and call["id"].isalnum()
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_mistral_tool_calls_in_both_formats(size: int) -> None:
+    """7B v0.3 writes ``[TOOL_CALLS] [{...}, ...]``; later models one
+    ``[TOOL_CALLS]name[ARGS]{...}`` per call. Calls get 9-character ids."""
+    auto = ToolContext.from_request([WEATHER, TIME], "auto", None, mistral=True)
+    assert auto.keeps_special_tokens
+    assert not ToolContext.from_request([WEATHER], "auto", None).keeps_special_tokens
+    assert not ToolContext.from_request([WEATHER], "none", None, mistral=True
+                                        ).keeps_special_tokens
+    v03 = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+           '{"name": "get_time", "arguments": {"zone": "UTC"}}]')
+    v11 = ('Checking both.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+           '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}')
+    for text, content in ((v03, None), (v11, "Checking both.")):
+        got, calls = auto.parse(text)
+        assert got == content
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in calls] == [("get_weather", {"city": "Oslo"}), ("get_time",
+                                                                         {"zone": "UTC"})]
+        assert all(_short_id(c) for c in calls)
+        assert auto.finish_reason(calls, "stop") == "tool_calls"
+        shown, streamed = _stream(auto, text, size)
+        assert shown == (content or "")  # nothing of the marker or the calls shown
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    # Variants later templates write: no [ARGS], and a [CALL_ID] before it.
+    _, calls = parse_mistral('[TOOL_CALLS]get_time{"zone": "CET"}', {"get_time"})
+    assert json.loads(calls[0]["function"]["arguments"]) == {"zone": "CET"}
+    _, calls = parse_mistral('[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "CET"}',
+                             {"get_time"})
+    assert calls[0]["function"]["name"] == "get_time"
+    # An unknown function, arguments that are no JSON object, or a call cut short by
+    # max_tokens: the whole text stays content.
+    for bad in ('[TOOL_CALLS]rm_rf[ARGS]{}', '[TOOL_CALLS]get_time[ARGS]{"zone": "C',
+                '[TOOL_CALLS]get_time[ARGS][1]', 'Hi [TOOL_CALLS] [{"name": "x"}]',
+                '[TOOL_CALLS]'):
+        assert parse_mistral(bad, {"get_time"}) == (bad, [])
+        assert _stream(auto, bad, size) == (bad, [])
+    assert _stream(auto, "a [TOOL", size) == ("a [TOOL", [])  # only looked like the marker
+    named = ToolContext.from_request([WEATHER], {"type": "function",
+                                                 "function": {"name": "get_weather"}},
+                                     None, mistral=True)
+    assert _short_id(named.parse('{"city": "Rome"}')[1][0])
+    assert _short_id(ToolStream(named).named_fragment("{"))
+
+
+def test_mistral_calls_survive_incremental_detokenisation() -> None:
+    """A tokenizer with Mistral's special tokens (SmolLM2's, with ``[TOOL_CALLS]`` and
+    ``[ARGS]`` added): the calls reach the parser through the engine's incremental
+    detokeniser only when special tokens are kept, which a Mistral tool request does."""
+    from pagedserve.cluster.detokenizer import IncrementalDetokenizer
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    assert not mistral_tool_format(tok)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    assert mistral_tool_format(tok)
+    auto = ToolContext.from_request([WEATHER], "auto", None, mistral=mistral_tool_format(tok))
+    text = 'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "São Paulo"}'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("[TOOL_CALLS]") in ids
+    prompt = tok.encode("Weather?", add_special_tokens=False)
+    for keep in (True, False):
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=not keep)
+        ts, shown = ToolStream(auto), ""
+        for t in ids:
+            before = len(detok.text)
+            detok.add_tokens([t])
+            shown += ts.feed(detok.text[before:])
+        rest, calls = ts.finish()
+        if keep:
+            assert (shown + rest).strip() == "Let me look."
+            assert json.loads(calls[0]["function"]["arguments"]) == {"city": "São Paulo"}
+        else:  # the markers are gone: plain text, no call
+            assert calls == [] and "[TOOL_CALLS]" not in shown + rest
