@@ -99,6 +99,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority
+    request_id: str | None = None  # vLLM's: names the response (else X-Request-Id does)
     use_beam_search: bool = False  # vLLM's: n beams per prompt (cluster/beam_serving.py)
     length_penalty: float = 1.0  # beam search only
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:N"

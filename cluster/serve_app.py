@@ -67,8 +67,8 @@ from pagedserve.cluster.response_store import ResponseStoreServer, StoreClient
 from pagedserve.cluster.responses import (
     Formatter,
     ResponseState,
-    new_id,
     render_response,
+    request_ids,
 )
 from pagedserve.cluster.responses_api import ResponsesEndpoint
 from pagedserve.cluster.responses_api import router as responses_router
@@ -240,7 +240,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         body.check()
         lora = self._check_model(body.model)
         info = await self._engine_info()
-        rid = new_id("cmpl")
+        rid, eid = request_ids("cmpl", body.request_id, raw.headers.get("x-request-id"))
         reqs, echo = [], []
         for i, p in enumerate(body.prompts()):
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
@@ -257,7 +257,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                 if body.logprobs is not None:
                     params = dataclasses.replace(params, prompt_logprobs=max(
                         body.logprobs, body.prompt_logprobs or 0))
-            reqs.append(routed_request(f"{rid}-{i}", ids, params, body.cache_salt, info,
+            reqs.append(routed_request(f"{eid}-{i}", ids, params, body.cache_salt, info,
                                        body.stream, lora, body.priority))
         if body.use_beam_search:
             return await answer_beam_search(
@@ -275,8 +275,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._authorize(raw)
         body.check()
-        rid = new_id("chatcmpl")
-        req, tools, closed = await self._chat_request(rid, body)
+        rid, eid = request_ids("chatcmpl", body.request_id, raw.headers.get("x-request-id"))
+        req, tools, closed = await self._chat_request(eid, body)
         if body.use_beam_search:
             lora = req.lora
             return await answer_beam_search(
@@ -294,8 +294,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
 
     async def _chat_request(self, rid: str, body: ChatCompletionRequest
                             ) -> tuple[EngineRequest, ToolContext | None, bool]:
-        """A checked chat body as the engine request, its tool context, and whether the
-        prompt already closed a reasoning model's thought."""
+        """A checked chat body as the engine request (``rid``, the engine's id), its tool
+        context, and whether the prompt already closed a reasoning model's thought."""
         lora = self._check_model(body.model)
         info = await self._engine_info()
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,

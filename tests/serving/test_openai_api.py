@@ -144,6 +144,7 @@ def test_stop_sequences(smol: App) -> None:
 
 BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", "{not json", None),
+    ("/v1/chat/completions", {"messages": FRANCE, "request_id": ""}, "request_id"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model"),  # 404, as OpenAI's
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
@@ -190,6 +191,30 @@ def test_bad_inputs_get_400_and_the_server_keeps_serving(smol: App) -> None:
     r = smol.openai().chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
                                               max_tokens=24)
     assert r.choices[0].message.content == "The capital of France is Paris."
+    smol.wait_baseline()
+
+
+def test_x_request_id_names_the_response_even_when_reused(smol: App) -> None:
+    """Serve's front echoes ``X-Request-Id``; the response's id carries it (vLLM's
+    ``chatcmpl-<id>``), streamed and not, and two requests sharing one both run."""
+    import concurrent.futures
+
+    def chat(stream: bool) -> tuple[httpx.Response, list[str]]:
+        body = {"messages": FRANCE, "max_tokens": 8, "temperature": 0, "stream": stream}
+        r = httpx.post(f"{smol.base}/v1/chat/completions", json=body, timeout=60,
+                       headers={**smol.headers, "X-Request-Id": "trace-42"})
+        ids = [json.loads(line[6:])["id"] for line in r.text.splitlines()
+               if line.startswith("data: {")] if stream else [r.json()["id"]]
+        return r, ids
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(chat, [False, True]))
+    for r, ids in answers:
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+        assert ids and set(ids) == {"chatcmpl-trace-42"}
+    r = httpx.post(f"{smol.base}/v1/completions", headers=smol.headers, timeout=60,
+                   json={"prompt": "hi", "max_tokens": 2, "request_id": "mine"})
+    assert r.json()["id"] == "cmpl-mine"
     smol.wait_baseline()
 
 

@@ -15,7 +15,7 @@ from pagedserve.cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from pagedserve.cluster.responses import Formatter, ResponseState
+from pagedserve.cluster.responses import Formatter, ResponseState, request_ids
 from pagedserve.cluster.tokenize_api import TokenizeRequest
 from pagedserve.cluster.wire import DeltaTracker, EngineChunk
 
@@ -289,3 +289,19 @@ def test_chunk_wire_format_survives_msgpack() -> None:
                         prompt_ranks=[None, 2])
     raw = msgpack.unpackb(msgpack.packb(chunk_to_wire(first)), strict_map_key=False)
     assert chunk_from_wire(raw) == first
+
+
+def test_request_ids_follow_the_body_then_the_header() -> None:
+    """vLLM's rule: the body's ``request_id``, else ``X-Request-Id``, names the response;
+    the engine's id is that plus a random suffix, unique even when a client reuses one."""
+    rid, eid = request_ids("chatcmpl", None, "trace-42")
+    assert rid == "chatcmpl-trace-42" and eid.startswith(rid + ".")
+    assert request_ids("chatcmpl", None, "trace-42")[1] != eid
+    assert request_ids("cmpl", "mine", "trace-42")[0] == "cmpl-mine"
+    for header in (None, "", "x" * 300, "bad\nid"):  # a fresh id instead
+        rid, _ = request_ids("cmpl", None, header)
+        assert len(rid) == len("cmpl-") + 32
+    for given in ("", "x" * 300, "tab\there"):
+        with pytest.raises(APIError) as e:
+            request_ids("cmpl", given, None)
+        assert e.value.param == "request_id"
