@@ -2,11 +2,42 @@
 
 Importing this package needs only torch; triton and flash_attn are imported
 when their backend is requested.
+
+This folder is also reachable as a bare ``kernels`` whenever the checkout's root
+is on ``sys.path``: pytest's rootdir, ``python -m`` run from the checkout, and
+every Ray worker (Ray adds the driver's working directory to its workers' path).
+The name belongs to Hugging Face's ``kernels`` distribution, which transformers
+(5.x) imports as soon as it is installed, so such an import hands over to that
+distribution (:func:`_hand_over_bare_name`); without it this folder still
+answers, as before.
 """
 
-from pagedserve.kernels.backend import AttentionBackend, available_backends, get_backend
-from pagedserve.kernels.metadata import VarlenMetadata, build_varlen_metadata
-from pagedserve.kernels.reference import dense_causal_attention
+import sys as _sys
+
+
+def _hand_over_bare_name() -> bool:
+    """Load the installed ``kernels`` distribution into ``sys.modules["kernels"]``;
+    the ``import`` statement that is running this file returns what is there.
+    False when no other ``kernels`` is on the path."""
+    import importlib.util
+    import os
+    from importlib.machinery import PathFinder
+
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = [p for p in _sys.path if os.path.realpath(p or os.curdir) != root]
+    spec = PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    _sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+    return True
+
+
+if __name__ != "kernels" or not _hand_over_bare_name():
+    from pagedserve.kernels.backend import AttentionBackend, available_backends, get_backend
+    from pagedserve.kernels.metadata import VarlenMetadata, build_varlen_metadata
+    from pagedserve.kernels.reference import dense_causal_attention
 
 __all__ = [
     "AttentionBackend",
