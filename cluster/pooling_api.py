@@ -24,7 +24,8 @@ from pagedserve.cluster.embeddings import (
     embed_all,
     embedding_response,
 )
-from pagedserve.cluster.responses import new_id, now
+from pagedserve.cluster.request_ids import new_id
+from pagedserve.cluster.responses import now
 from pagedserve.cluster.router import routed_request
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams

@@ -63,12 +63,12 @@ from pagedserve.cluster.protocol import (
     max_tokens_for,
 )
 from pagedserve.cluster.reasoning import defer_constraint, thought_closed
+from pagedserve.cluster.request_ids import request_ids
 from pagedserve.cluster.response_store import ResponseStoreServer, StoreClient
 from pagedserve.cluster.responses import (
     Formatter,
     ResponseState,
     render_response,
-    request_ids,
 )
 from pagedserve.cluster.responses_api import ResponsesEndpoint
 from pagedserve.cluster.responses_api import router as responses_router

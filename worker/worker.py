@@ -19,11 +19,11 @@ import torch
 
 from pagedserve.kernels import get_backend
 from pagedserve.kernels.kv_quant import is_fp8, kv_dtype_name
-from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import batch_invariant
 from pagedserve.worker import sleep as sleep_mode
 from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.packed import can_pack, pack_model, slow_half_precision
@@ -43,9 +43,6 @@ from pagedserve.worker.sleep import SleepState
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 2 << 30
-
-
 _thread_state = threading.local()
 
 
@@ -59,28 +56,6 @@ def _apply_threads_here(n: int) -> None:
     """
     torch.set_num_threads(n)
     _thread_state.threads = n
-
-
-def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int
-                 ) -> tuple[SchedulerOutput, int]:
-    """A step of ``num_tokens`` prompt tokens over as many sequences as may run at once.
-
-    Every sequence samples with top-k/top-p, so the logits rows and the
-    sampler's sort are as large as a real step's. Returns the plan and the
-    number of blocks its sequences use (numbered from 0).
-    """
-    k = max(1, min(max_num_seqs, num_tokens))
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
-    scheduled, next_block = [], 0
-    for i in range(k):
-        n = num_tokens // k + (i < num_tokens % k)
-        need = -(-n // block_size)
-        rid = f"profile-{i}"
-        scheduled.append(ScheduledRequest(rid, [0] * n, 0,
-                                          list(range(next_block, next_block + need)),
-                                          [rid], {rid: params}))
-        next_block += need
-    return SchedulerOutput(step_id=-1, scheduled=scheduled), next_block
 
 
 class Worker:

@@ -15,7 +15,8 @@ from pagedserve.cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from pagedserve.cluster.responses import Formatter, ResponseState, request_ids
+from pagedserve.cluster.request_ids import request_ids
+from pagedserve.cluster.responses import Formatter, ResponseState
 from pagedserve.cluster.tokenize_api import TokenizeRequest
 from pagedserve.cluster.wire import DeltaTracker, EngineChunk
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.kv_budget import profile_plan
 from pagedserve.worker.layers.rotary import attention_factor, compute_inv_freq
 from pagedserve.worker.loaders import resolve_model
 from pagedserve.worker.loaders.gguf import reverse_permute
 from pagedserve.worker.parallel import ParallelContext, get_node_ip_and_free_port
-from pagedserve.worker.worker import profile_plan
 from tests.worker.helpers import TINY, make_worker, save_tiny_model
 
 BASE = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=96,

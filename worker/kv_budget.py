@@ -1,0 +1,35 @@
+"""What sizes a rank's KV pool: the CPU default budget, and the profiling step.
+
+On CUDA the pool gets what ``gpu_memory_utilization`` leaves after the largest
+step the engine may plan (:func:`profile_plan`), as in vLLM's profiling run; on
+CPU an explicit byte or block budget, else :data:`CPU_DEFAULT_KV_BYTES`.
+"""
+
+from __future__ import annotations
+
+from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int
+                 ) -> tuple[SchedulerOutput, int]:
+    """A step of ``num_tokens`` prompt tokens over as many sequences as may run at once.
+
+    Every sequence samples with top-k/top-p, so the logits rows and the
+    sampler's sort are as large as a real step's. Returns the plan and the
+    number of blocks its sequences use (numbered from 0).
+    """
+    k = max(1, min(max_num_seqs, num_tokens))
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
+    scheduled, next_block = [], 0
+    for i in range(k):
+        n = num_tokens // k + (i < num_tokens % k)
+        need = -(-n // block_size)
+        rid = f"profile-{i}"
+        scheduled.append(ScheduledRequest(rid, [0] * n, 0,
+                                          list(range(next_block, next_block + need)),
+                                          [rid], {rid: params}))
+        next_block += need
+    return SchedulerOutput(step_id=-1, scheduled=scheduled), next_block
