@@ -38,6 +38,7 @@ class EmbeddingRequest(BaseModel):
     normalize: bool = True
     cache_salt: str | None = None
     priority: int = 0
+    request_id: str | None = None  # vLLM's: names the response (else X-Request-Id)
 
     def inputs(self) -> list[str | list[int]]:
         """The batch as a list; an empty input or batch is a 400."""
@@ -74,6 +75,7 @@ class _TextPairs(BaseModel):
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
     priority: int = 0
+    request_id: str | None = None  # vLLM's: names the response (else X-Request-Id)
 
     def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
                   ) -> list[list[int]]:

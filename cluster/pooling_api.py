@@ -24,7 +24,7 @@ from pagedserve.cluster.embeddings import (
     embed_all,
     embedding_response,
 )
-from pagedserve.cluster.request_ids import new_id
+from pagedserve.cluster.request_ids import request_ids
 from pagedserve.cluster.responses import now
 from pagedserve.cluster.router import routed_request
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -38,28 +38,28 @@ class PoolingEndpoints:
     ``_engine_info``, the engine handle, the tokenizer, ``pooling_type`` and
     ``served_name``."""
 
-    async def _embed(self, body: Any, batch: list[str | list[int]], prefix: str,
+    async def _embed(self, body: Any, batch: list[str | list[int]], eid: str,
                      normalize: bool = True, dimensions: int | None = None
                      ) -> list[dict[str, Any]]:
-        """Each input's ``{"embedding", "prompt_tokens"}``, in order."""
+        """Each input's ``{"embedding", "prompt_tokens"}``, in order; ``eid`` names the
+        inputs' engine requests (``<eid>-<i>``)."""
         lora = self._check_model(body.model)
         info = await self._engine_info()
         pooling = PoolingParams(self.pooling_type, normalize, dimensions)
         params = SamplingParams(max_tokens=1)
-        rid = new_id(prefix)
         prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
-        reqs = [dataclasses.replace(routed_request(f"{rid}-{i}", ids, params, body.cache_salt,
+        reqs = [dataclasses.replace(routed_request(f"{eid}-{i}", ids, params, body.cache_salt,
                                                    info, False, lora, body.priority),
                                     pooling=pooling)
                 for i, ids in enumerate(prompts)]
         return await embed_all(self._engine, reqs)
 
-    async def _pair_scores(self, body: Any, firsts: list[str], seconds: list[str]
+    async def _pair_scores(self, body: Any, firsts: list[str], seconds: list[str], eid: str
                            ) -> tuple[list[float], int]:
         """Cosine similarity of each pair, and the prompt tokens embedded (each distinct
         text once)."""
         texts = list(dict.fromkeys(firsts + seconds))
-        results = await self._embed(body, texts, "score")
+        results = await self._embed(body, texts, eid)
         vecs = {t: r["embedding"] for t, r in zip(texts, results, strict=True)}
         scores = [sum(a * b for a, b in zip(vecs[x], vecs[y], strict=True))
                   for x, y in zip(firsts, seconds, strict=True)]
@@ -69,10 +69,12 @@ class PoolingEndpoints:
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
         """OpenAI's embeddings: the model's final hidden states pooled per input."""
         self._authorize(raw)
-        results = await self._embed(body, body.inputs(), "embd", body.normalize,
+        rid, eid = request_ids("embd", body.request_id, raw.headers.get("x-request-id"))
+        results = await self._embed(body, body.inputs(), eid, body.normalize,
                                     body.dimensions)
-        return embedding_response(body.model or self.served_name, results,
-                                  body.encoding_format)
+        return {"id": rid, "created": now(),
+                **embedding_response(body.model or self.served_name, results,
+                                     body.encoding_format)}
 
     @router.post("/score")
     @router.post("/v1/score")
@@ -80,8 +82,9 @@ class PoolingEndpoints:
         """vLLM's: ``text_1`` against each ``text_2`` (or pairwise, two equal lists)."""
         self._authorize(raw)
         firsts, seconds = body.pairs()
-        scores, tokens = await self._pair_scores(body, firsts, seconds)
-        return {"id": new_id("score"), "object": "list", "created": now(),
+        rid, eid = request_ids("score", body.request_id, raw.headers.get("x-request-id"))
+        scores, tokens = await self._pair_scores(body, firsts, seconds, eid)
+        return {"id": rid, "object": "list", "created": now(),
                 "model": body.model or self.served_name,
                 "data": [{"index": i, "object": "score", "score": s}
                          for i, s in enumerate(scores)],
@@ -94,9 +97,10 @@ class PoolingEndpoints:
         """Jina's / Cohere's: the documents by relevance to the query, best first."""
         self._authorize(raw)
         docs = body.checked_documents()
-        scores, tokens = await self._pair_scores(body, [body.query] * len(docs), docs)
+        rid, eid = request_ids("rerank", body.request_id, raw.headers.get("x-request-id"))
+        scores, tokens = await self._pair_scores(body, [body.query] * len(docs), docs, eid)
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[:body.top_n or len(docs)]
-        return {"id": new_id("rerank"), "model": body.model or self.served_name,
+        return {"id": rid, "model": body.model or self.served_name,
                 "usage": {"total_tokens": tokens},
                 "results": [{"index": i, "relevance_score": scores[i],
                              **({"document": {"text": docs[i]}}

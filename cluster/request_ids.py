@@ -1,8 +1,9 @@
 """Request ids: what names a response, and what names its requests in the engine.
 
-vLLM's rule: a completion is ``<prefix>-<id>`` where ``<id>`` is the body's
-``request_id``, else the ``X-Request-Id`` header, else a fresh one; the engine's
-own id adds a random suffix so that ids stay unique while a client reuses one.
+vLLM's rule: a response (completion, chat, embeddings, score, rerank) is
+``<prefix>-<id>`` where ``<id>`` is the body's ``request_id``, else the
+``X-Request-Id`` header, else a fresh one; the engine's own id adds a random
+suffix so that ids stay unique while a client reuses one.
 """
 
 from __future__ import annotations
@@ -11,16 +12,11 @@ import uuid
 
 from pagedserve.cluster.protocol import APIError
 
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 MAX_REQUEST_ID_CHARS = 256
 
 
 def request_ids(prefix: str, given: str | None, header: str | None) -> tuple[str, str]:
-    """``(response id, engine id)`` of a completion. As in vLLM, the body's
+    """``(response id, engine id)`` of one response. As in vLLM, the body's
     ``request_id`` or else the ``X-Request-Id`` header names the response
     (``prefix-<id>``); Serve's front sets that header on every request that lacks one
     and echoes it back, so the client, Serve's logs and the engine's agree on it. The

@@ -53,6 +53,12 @@ def test_embeddings_equal_the_offline_engine(smol, offline) -> None:
                      json={"input": TEXTS[0], "encoding_format": "base64"}).json()
     data = base64.b64decode(raw["data"][0]["embedding"])
     _close(list(struct.unpack(f"<{len(data) // 4}f", data)), offline["full"][0])
+    assert raw["id"].startswith("embd-") and raw["created"] > 0
+    named = httpx.post(f"{smol.base}/v1/embeddings", timeout=60,  # vLLM's ids
+                       headers={**smol.headers, "X-Request-Id": "trace-7"},
+                       json={"input": TEXTS[0]})
+    assert named.json()["id"] == "embd-trace-7"
+    assert named.headers["x-request-id"] == "trace-7"
     smol.wait_baseline()
 
 
@@ -103,11 +109,13 @@ def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(smol, offlin
     assert abs(r["data"][0]["score"] - 1.0) < 1e-4  # a text against itself
     # Each distinct text is embedded once.
     assert r["usage"]["prompt_tokens"] == sum(len(i) for i in offline["ids"])
+    assert r["id"].startswith("score-")
     pair = post("/v1/score", {"text_1": TEXTS[1:], "text_2": TEXTS[:2]}).json()
     want = [_dot(full[1], full[0]), _dot(full[2], full[1])]
     assert max(abs(d["score"] - w) for d, w in zip(pair["data"], want, strict=True)) < 1e-4
     ranked = post("/rerank", {"query": TEXTS[0], "documents": [*TEXTS[1:], TEXTS[0]],
-                              "top_n": 2}).json()
+                              "top_n": 2, "request_id": "r1"}).json()
+    assert ranked["id"] == "rerank-r1"
     scores = [_dot(full[0], v) for v in (full[1], full[2], full[0])]
     best = sorted(range(3), key=lambda i: -scores[i])[:2]
     assert [x["index"] for x in ranked["results"]] == best and best[0] == 2
@@ -124,7 +132,8 @@ def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(smol, offlin
             ("/score", {"text_1": "", "text_2": "b"}, "text_1"),
             ("/rerank", {"query": "q", "documents": []}, "documents"),
             ("/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
-            ("/rerank", {"query": "", "documents": ["d"]}, "query")):
+            ("/rerank", {"query": "", "documents": ["d"]}, "query"),
+            ("/score", {"text_1": "a", "text_2": "b", "request_id": ""}, "request_id")):
         bad = post(path, body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (body, bad.text)
     assert httpx.post(f"{smol.base}/score", json={"text_1": "a", "text_2": "b"},
