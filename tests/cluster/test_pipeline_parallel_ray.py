@@ -18,6 +18,8 @@ from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.ray
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 

@@ -16,6 +16,8 @@ from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
