@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.scheduler.spec_decode import SpeculativeConfig
+from pagedserve.worker.config import WorkerConfig
 
 EXECUTORS = ("auto", "local", "ray")
 FLASH_BLOCK_SIZE = 256
+ENGINE_CPU_KV_BYTES = 512 << 20  # the KV pool on CPU when no budget is given
 
 
 @dataclass(frozen=True)
@@ -256,3 +258,41 @@ class EngineConfig:
         if self.executor != "auto":
             return self.executor
         return "local" if self.world_size == 1 else "ray"
+
+    def worker_config(self, model_path: str, device: str) -> WorkerConfig:
+        """What every rank of this engine loads and sizes (``model_path``: the resolved
+        local checkpoint). The largest step the scheduler may plan sizes the CUDA
+        profiling forward; without chunked prefill a whole prompt is one step (the
+        worker caps it at the model's length)."""
+        step_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            step_tokens = max(step_tokens, self.max_model_len or 2**31 - 1)
+        spec = self.speculative_config
+        assert not isinstance(spec, dict), "EngineConfig parses speculative_config"
+        return WorkerConfig(
+            model=model_path,
+            dtype=self.resolved_dtype(device),
+            device=device,
+            block_size=self.resolved_block_size(device),
+            attention_backend=self.attention_backend,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes
+            if self.kv_cache_memory_bytes or self.num_gpu_blocks or device == "cuda"
+            else ENGINE_CPU_KV_BYTES,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            seed=self.seed,
+            max_num_batched_tokens=step_tokens,
+            enable_cuda_graph=device == "cuda" and not self.enforce_eager,
+            max_num_seqs=self.max_num_seqs,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            num_threads=self.num_threads,
+            max_lora_rank=self.max_lora_rank if self.enable_lora else 0,
+            max_loaded_loras=self.resolved_max_loaded_loras() if self.enable_lora else 0,
+            kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
+            quantization=self.quantization,
+            batch_invariant=self.batch_invariant,
+            extra=dict(self.worker_extra),
+        )

@@ -37,7 +37,6 @@ from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
 from pagedserve.worker.pipeline import check_stages_fit
 
@@ -57,42 +56,8 @@ class LLMEngine:
         resolved = resolve_model(config.model)
         self.model_id = resolved.model_id
         self.tokenizer = load_tokenizer(resolved)
-        dtype = config.resolved_dtype(self.device)
-        block_size = config.resolved_block_size(self.device)
-        # The largest step the scheduler may plan: the CUDA profiling forward runs it.
-        step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        if not config.enable_chunked_prefill:
-            # A whole prompt is one step; the worker caps this at the model's length.
-            step_tokens = max(step_tokens, config.max_model_len or 2**31 - 1)
-        spec = config.speculative_config
-        assert not isinstance(spec, dict), "EngineConfig parses speculative_config"
-        wcfg = WorkerConfig(
-            model=resolved.path,
-            dtype=dtype,
-            device=self.device,
-            block_size=block_size,
-            attention_backend=config.attention_backend,
-            tensor_parallel_size=config.tensor_parallel_size,
-            pipeline_parallel_size=config.pipeline_parallel_size,
-            num_gpu_blocks=config.num_gpu_blocks,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes
-            if config.kv_cache_memory_bytes or config.num_gpu_blocks or self.device == "cuda"
-            else 512 * 2**20,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            seed=config.seed,
-            max_num_batched_tokens=step_tokens,
-            enable_cuda_graph=self.device == "cuda" and not config.enforce_eager,
-            max_num_seqs=config.max_num_seqs,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            num_threads=config.num_threads,
-            max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
-            max_loaded_loras=config.resolved_max_loaded_loras() if config.enable_lora else 0,
-            kv_cache_dtype=config.kv_cache_dtype,
-            calculate_kv_scales=config.calculate_kv_scales,
-            quantization=config.quantization,
-            batch_invariant=config.batch_invariant,
-            extra=dict(config.worker_extra),
-        )
+        wcfg = config.worker_config(resolved.path, self.device)
+        block_size = wcfg.block_size
         if config.pipeline_parallel_size > 1:
             check_stages_fit(resolved.path, config.pipeline_parallel_size)
         self.executor: Executor
@@ -130,7 +95,7 @@ class LLMEngine:
                 model_id=self.model_id,
                 enable_kv_offload=num_offload > 0,
             ),
-            spec,
+            config.speculative_config,
         )
         self.loras = LoRARegistry(self.executor, config.enable_lora,
                                   config.resolved_max_loaded_loras(), self._lora_in_use)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def ray_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
