@@ -20,9 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="session")
 def smollm(pagedserve_cache):
-    t0 = time.perf_counter()
-    resolved = resolve_model(None)
-    return resolved, time.perf_counter() - t0
+    return resolve_model(None)
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +34,7 @@ def hf_gguf_model():
 
 
 def test_converted_weights_equal_transformers_gguf(smollm, hf_gguf_model):
-    resolved, _ = smollm
+    resolved = smollm
     ours = load_file(f"{resolved.path}/model.safetensors")
     ref = hf_gguf_model.state_dict()
     ref = {k: v for k, v in ref.items() if "rotary_emb" not in k}
@@ -53,7 +51,7 @@ def test_second_resolve_reuses_cache(smollm, pagedserve_cache, monkeypatch):
     if no other test in the session resolved the model before."""
     import pagedserve.worker.loaders.gguf as gguf_loader
 
-    resolved, _ = smollm
+    resolved = smollm
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the cached conversion was converted again")
@@ -70,7 +68,7 @@ def test_second_resolve_reuses_cache(smollm, pagedserve_cache, monkeypatch):
 
 def test_logits_and_greedy_answer(smollm, hf_gguf_model):
     """Our runner's greedy answer is the one DESIGN.md records for HF transformers."""
-    resolved, _ = smollm
+    resolved = smollm
     tok = load_tokenizer(resolved)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
