@@ -180,15 +180,20 @@ class PrefixAffinityRouter(RequestRouter):
                                       request_metadata: Any = None) -> None:
         """Hand ``replica`` to exactly the request it was chosen for.
 
-        Serve 2.60 matches by ``internal_request_id``, which every call made while serving
-        one HTTP request shares (a multi-prompt completion, the health fan-out). Two such
-        calls routed at once would swap replicas, and the second would never be assigned.
-        The metadata object itself is unique per call, so match on identity first.
+        Serve (2.57 to 2.60 at least) matches by ``internal_request_id``, which every call
+        made while serving one HTTP request shares (a multi-prompt completion, the health
+        fan-out). Two such calls routed at once would swap replicas, and the second would
+        never be assigned. The metadata object itself is unique per call, so match on
+        identity first. These are Serve's private helpers: Serve 2.60 also cancels the
+        task routing the request (``_cancel_routing_task_for_pending_request``), 2.57 has
+        no such task and no such method.
         """
         if request_metadata is not None:
             for pr in self._pending_requests_to_fulfill:
                 if pr.metadata is request_metadata and not pr.future.done():
-                    self._cancel_routing_task_for_pending_request(pr)
+                    cancel = getattr(self, "_cancel_routing_task_for_pending_request", None)
+                    if cancel is not None:
+                        cancel(pr)
                     self._record_queue_wait_time(pr)
                     pr.future.set_result(replica)
                     self._remove_pending_request_from_indices(pr)
