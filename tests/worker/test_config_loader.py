@@ -240,7 +240,12 @@ def test_concurrent_conversions_do_the_work_once(tmp_path, monkeypatch):
     final = results[0]
     assert (final / "config.json").is_file()
     assert [p.name for p in final.parent.iterdir() if not p.name.endswith(".lock")] == [final.name]
-    # A new file version (mtime changes) gets a new cache entry.
+    # Another transformers release gets a cache entry of its own (the config and
+    # tokenizer files are transformers'), and so does a new file version (mtime changes).
+    with monkeypatch.context() as m:
+        m.setattr(gguf_mod, "transformers_version", lambda: "0.0.1")
+        assert gguf_mod.cache_dir_for(src) != final
+    assert gguf_mod.cache_dir_for(src) == final
     os.utime(src, ns=(1, 1))
     assert gguf_mod.cache_dir_for(src) != final
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -81,11 +82,22 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "pagedserve"
 
 
+def transformers_version() -> str:
+    """The installed transformers release (read from its metadata, not imported)."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
 def cache_dir_for(gguf_path: str | Path) -> Path:
-    """Cache directory for this exact file version (path, size, mtime, format version)."""
+    """Cache directory for this exact file version (path, size, mtime, format version)
+    and transformers release: the config and tokenizer files in it are transformers',
+    written by one release, and another one need not read them the same way."""
     p = Path(gguf_path).resolve()
     st = p.stat()
-    key = f"{p}|{st.st_size}|{st.st_mtime_ns}|v{CACHE_FORMAT_VERSION}"
+    key = (f"{p}|{st.st_size}|{st.st_mtime_ns}|v{CACHE_FORMAT_VERSION}"
+           f"|transformers={transformers_version()}")
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{p.stem}-{digest}"
 
@@ -293,7 +305,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     st = gguf_path.stat()
     (out / _SOURCE_FILE).write_text(json.dumps({
         "gguf": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-        "format_version": CACHE_FORMAT_VERSION,
+        "format_version": CACHE_FORMAT_VERSION, "transformers": transformers_version(),
     }))
 
 
