@@ -1,7 +1,8 @@
 """The ``pagedserve`` command: generate offline, serve the OpenAI API, run request files.
 
 ``generate`` runs the offline engine, ``serve`` the OpenAI-compatible API, and
-``run-batch`` a file of OpenAI batch requests through it (``run_batch``).
+``run-batch`` a file of OpenAI batch requests through it (``run_batch``); ``cache`` lists
+or prunes the converted models and compiled kernels (``cache_cmd``).
 
 ``pagedserve`` with no arguments serves the embedded default model (SmolLM2-135M-Instruct)
 on http://127.0.0.1:8000. ``serve`` starts a fresh local Ray instance unless it is given
@@ -23,6 +24,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.cluster import cache_cmd
 from pagedserve.cluster.http_front import INGRESS_MODES
 
 
@@ -117,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-concurrency", type=int, default=64,
                    help="requests in flight at once")
     b.set_defaults(ingress="proxy", port=0, host="127.0.0.1")
+    cache_cmd.add_parser(sub)
     return parser
 
 
@@ -320,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: Any = parser.parse_args(argv)
     if args.command == "generate":
         return generate(args)
+    if args.command == "cache":
+        return cache_cmd.run(args)
     if args.command == "run-batch":
         from pagedserve.cluster.run_batch import run_batch
 

@@ -70,9 +70,22 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where the compiled libraries (and ``.failed`` build notes) live."""
     root = os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
     return Path(root) / "native"
+
+
+def library_path() -> Path:
+    """The library this checkout's sources build on this CPU (built or not): its name
+    holds a digest of the sources, the compiler flags and the CPU's feature flags."""
+    fingerprint = _cpu_fingerprint()
+    key = hashlib.sha256(
+        b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+        + " ".join(" ".join(_source_flags(p, fingerprint)) for p in _SOURCES).encode()
+        + fingerprint.encode()
+    ).hexdigest()[:16]
+    return cache_dir() / f"cpu_kernels_{key}.so"
 
 
 def _cpu_fingerprint() -> str:
@@ -164,13 +177,7 @@ def load() -> ctypes.CDLL | None:
         if cc is None or not all(p.exists() for p in _SOURCES + _HEADERS):
             logger.info("native CPU kernels off: no C compiler found")
             return None
-        fingerprint = _cpu_fingerprint()
-        key = hashlib.sha256(
-            b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-            + " ".join(" ".join(_source_flags(p, fingerprint)) for p in _SOURCES).encode()
-            + fingerprint.encode()
-        ).hexdigest()[:16]
-        path = _cache_dir() / f"cpu_kernels_{key}.so"
+        path = library_path()
         failed = path.with_suffix(".failed")
         try:
             with _build_lock(path):
@@ -180,7 +187,7 @@ def load() -> ctypes.CDLL | None:
                     return None
                 if not path.exists():
                     try:
-                        _build(cc, path, fingerprint)
+                        _build(cc, path, _cpu_fingerprint())
                     except (OSError, subprocess.SubprocessError) as e:
                         detail = getattr(e, "stderr", "") or str(e)
                         failed.write_text(f"{e}\n{detail}")

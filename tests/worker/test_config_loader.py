@@ -226,7 +226,7 @@ def test_concurrent_conversions_do_the_work_once(tmp_path, monkeypatch):
         calls.append(out)
         time.sleep(0.3)
         (out / "config.json").write_text("{}")
-        (out / gguf_mod._SOURCE_FILE).write_text("{}")
+        (out / gguf_mod.SOURCE_FILE).write_text("{}")
 
     monkeypatch.setattr(gguf_mod, "_convert_into", fake_convert)
     results = []

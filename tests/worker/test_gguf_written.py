@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from pagedserve.worker.loaders import default_gguf_path, load_tokenizer, resolve_model
+from pagedserve.worker.loaders.gguf_cache import gguf_entries
 from tests.worker.helpers import BlockAllocator, all_logits, make_worker, plan, request
 
 pytestmark = pytest.mark.slow
@@ -234,7 +235,12 @@ def test_llama3_rope_scaling_survives_a_llama_gguf(tmp_path, pagedserve_cache):
                 p.mul_(4.0)
             else:
                 p.add_(torch.randn_like(p) * 0.1)
-    resolved = resolve_model(str(_write_gguf(model, tmp_path, "llama")))
+    gguf_path = _write_gguf(model, tmp_path, "llama")
+    resolved = resolve_model(str(gguf_path))
+    # The real conversion's source record is what ``pagedserve cache`` reads: this
+    # entry is the current one (tests/cluster/test_cache_cmd.py covers the stale kinds).
+    entry, = (e for e in gguf_entries() if e.path == Path(resolved.path))
+    assert not entry.stale and entry.source == str(gguf_path.resolve()), entry
     worker = make_worker(resolved.path, num_blocks=24, block_size=4)
     assert worker.model_config.rope_scaling["rope_type"] == "freq_factors"
     prompt = list(range(300, 340))

@@ -2,9 +2,11 @@
 
 Dequantising a GGUF takes tens of seconds, so the converted copy is kept under
 ``$PAGEDSERVE_CACHE_DIR`` (default ``~/.cache/pagedserve``), keyed by the
-file's path, size and mtime. It is written into a temporary directory and
-renamed into place, and concurrent converters serialise on a lock file, so
-several processes starting at once are safe and only one does the work.
+file's path, size and mtime, the cache format and the transformers release.
+It is written into a temporary directory and renamed into place, and
+concurrent converters serialise on a lock file, so several processes starting
+at once are safe and only one does the work.
+``gguf_cache`` lists the entries and removes the stale ones.
 
 llama.cpp's converter permutes the Q and K projections of ``llama``
 architecture files (to its interleaved RoPE layout); we undo it with exactly
@@ -50,7 +52,7 @@ from pagedserve.worker.loaders.gguf_moe import (
 
 # 2: llama.cpp's rope_freqs kept as rope "freq_factors"; 3: rope.scaling.* keys read
 CACHE_FORMAT_VERSION = 3
-_SOURCE_FILE = "pagedserve_source.json"
+SOURCE_FILE = "pagedserve_source.json"
 
 _ROPE_FREQS = "rope_freqs.weight"
 _GLOBAL_NAMES = {
@@ -303,7 +305,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
                                                   local_files_only=True)
     tokenizer.save_pretrained(str(out))
     st = gguf_path.stat()
-    (out / _SOURCE_FILE).write_text(json.dumps({
+    (out / SOURCE_FILE).write_text(json.dumps({
         "gguf": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
         "format_version": CACHE_FORMAT_VERSION, "transformers": transformers_version(),
     }))
@@ -318,18 +320,22 @@ def _write_moe_fields(fields: Any, cfg_path: Path) -> None:
 
 
 def convert_gguf_cached(gguf_path: str | Path) -> Path:
-    """Return an HF directory equivalent to ``gguf_path``, converting it once per file version."""
+    """Return an HF directory equivalent to ``gguf_path``, converting it once per file version.
+
+    A conversion also removes the entries of the file's earlier versions
+    (``gguf_cache.drop_superseded``).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = Path(gguf_path).resolve()
     if not src.is_file():
         raise FileNotFoundError(f"GGUF file not found: {src}")
     final = cache_dir_for(src)
-    if (final / _SOURCE_FILE).is_file():
+    if (final / SOURCE_FILE).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent converter finishes first, then we reuse
-        if (final / _SOURCE_FILE).is_file():
+        if (final / SOURCE_FILE).is_file():
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
@@ -341,4 +347,7 @@ def convert_gguf_cached(gguf_path: str | Path) -> Path:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+    from pagedserve.worker.loaders.gguf_cache import drop_superseded
+
+    drop_superseded(src)
     return final
