@@ -38,6 +38,13 @@ def test_ray_cluster_configs_validate(name: str) -> None:
     cmds = " ".join(cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
     for port in map(int, re.findall(r"(?:--port=|:)(\d{4,5})\b", cmds)):
         assert not 10002 <= port <= 19999, port  # Ray's worker port range
+    # pagedserve is on no package index: each node installs the checkout copied to it.
+    mounts = [m.replace("~", "$HOME") for m in cfg["file_mounts"]]
+    for role in ("head", "worker"):
+        cmds = cfg.get("setup_commands", []) + cfg.get(f"{role}_setup_commands", [])
+        installs = [c for c in cmds if re.search(r"pip install .*pagedserve", c)]
+        assert installs and all(any(f'"{m}' in c for m in mounts) for c in installs), \
+            (role, installs)
 
 
 def _emitted_metric_names() -> set[str]:
