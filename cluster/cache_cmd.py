@@ -79,17 +79,22 @@ def all_entries() -> list[CacheEntry]:
     return gguf_entries() + native_entries()
 
 
-def _remove(entry: CacheEntry) -> bool:
-    """Delete one stale entry; False when a live process holds it."""
-    if entry.kind == "gguf":
-        return remove_entry(entry)
-    with lock_if_free(entry.path.with_suffix(".lock")) as free:
-        if free:
+def _remove(entry: CacheEntry) -> str:
+    """Delete one stale entry; returns why it stays (a live process holds it, or the
+    file system refused), empty when it is gone."""
+    try:
+        if entry.kind == "gguf":
+            return "" if remove_entry(entry) else "a running process holds its lock"
+        with lock_if_free(entry.path.with_suffix(".lock")) as free:
+            if not free:
+                return "a running process holds its lock"
             if entry.path.is_dir():
-                shutil.rmtree(entry.path, ignore_errors=True)
+                shutil.rmtree(entry.path)
             else:
                 entry.path.unlink(missing_ok=True)
-        return free
+    except OSError as e:
+        return str(e)
+    return ""
 
 
 def _mb(n: int) -> str:
@@ -120,7 +125,7 @@ def list_cache(as_json: bool) -> int:
 
 
 def prune_cache(dry_run: bool) -> int:
-    """Remove every stale entry; 1 if one of them turned out to be in use."""
+    """Remove every stale entry; 1 if one of them stays (in use, or not ours to delete)."""
     freed, kept = 0, []
     for e in all_entries():
         if not e.stale:
@@ -128,13 +133,13 @@ def prune_cache(dry_run: bool) -> int:
         if dry_run:
             print(f"would remove {e.path} ({_mb(e.size_bytes)}; {e.reason})")
             freed += e.size_bytes
-        elif _remove(e):
+        elif not (why := _remove(e)):
             print(f"removed {e.path} ({_mb(e.size_bytes)}; {e.reason})")
             freed += e.size_bytes
         else:
-            kept.append(e.path)
-    for path in kept:
-        print(f"kept {path}: a running process holds its lock")
+            kept.append(f"kept {e.path}: {why}")
+    for line in kept:
+        print(line)
     verb = "would free" if dry_run else "freed"
     print(f"{verb} {_mb(freed)} under {cache_root()}")
     return 1 if kept else 0

@@ -169,6 +169,29 @@ def test_prune_leaves_what_a_live_process_holds(cache: Path, tmp_path: Path,
     assert not stale.exists() and not in_flight.exists() and current.is_dir()
 
 
+def test_prune_reports_what_the_file_system_refuses(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry that cannot be removed (another user's, a read-only mount) is named with
+    the error and prune exits 1; the rest still goes."""
+    src = tmp_path / "model.gguf"
+    src.write_bytes(b"GGUF")
+    gguf_dir = gguf_loader.convert_gguf_cached(src).parent
+    (gguf_dir / "theirs").mkdir()
+    old_lib = cpu_native.cache_dir() / "cpu_kernels_0000000000000000.so"
+    old_lib.parent.mkdir(parents=True)
+    old_lib.write_bytes(b"\x7fELF old")
+
+    def refuse(a: Path, b: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(a))
+
+    monkeypatch.setattr(gguf_cache.os, "rename", refuse)
+    assert cli.main(["cache", "prune"]) == 1
+    out = capsys.readouterr().out
+    assert f"kept {gguf_dir / 'theirs'}: [Errno 13] Permission denied" in out
+    assert f"removed {old_lib}" in out and not old_lib.exists()
+
+
 def test_a_build_folder_is_busy_until_it_is_old(cache: Path) -> None:
     """``TemporaryDirectory`` build folders carry no lock of their own: a young one is a
     build in progress, one older than any build may take was left by a killed build."""

@@ -39,6 +39,8 @@ from pagedserve.worker.loaders import gguf as gguf_loader
 logger = logging.getLogger(__name__)
 
 _PRUNING = ".pruning-"
+# Why an entry of an earlier version of its file is stale: the one kind removed unasked.
+EARLIER_VERSION = "converted from an earlier version of the file"
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,12 @@ def lock_if_free(lock: Path) -> Iterator[bool]:
     if not lock.exists():
         yield True
         return
-    with open(lock, "a") as f:
+    try:
+        f = open(lock, "a")  # noqa: SIM115 - closed below, after the caller's block
+    except OSError:  # another user's lock we may not open: theirs to manage
+        yield False
+        return
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -127,7 +134,7 @@ def _why_not_current(entry: Path, record: dict | None) -> str:
             return ""
     st = src.stat()
     if (record.get("size"), record.get("mtime_ns")) != (st.st_size, st.st_mtime_ns):
-        return "converted from an earlier version of the file"
+        return EARLIER_VERSION
     if record.get("format_version") != gguf_loader.CACHE_FORMAT_VERSION:
         return (f"cache format v{record.get('format_version')} "
                 f"(this install writes v{gguf_loader.CACHE_FORMAT_VERSION})")
@@ -177,12 +184,13 @@ def gguf_entries() -> list[CacheEntry]:
 
 
 def remove_entry(entry: CacheEntry) -> bool:
-    """Delete one GGUF cache entry; False when a live process holds it (then it stays)."""
+    """Delete one GGUF cache entry; False when a live process holds it (then it stays).
+    An ``OSError`` (the file system refusing) propagates."""
     path = entry.path
     if path.name.startswith("."):
         with lock_if_free(_lock_path(_target_name(path))) as free:
             if free:
-                shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(path)
             return free
     with lock_if_free(_lock_path(path.name)) as free:
         if not free:
@@ -192,7 +200,7 @@ def remove_entry(entry: CacheEntry) -> bool:
             os.rename(path, doomed)
         except FileNotFoundError:
             return True
-        shutil.rmtree(doomed, ignore_errors=True)
+        shutil.rmtree(doomed)  # left half-deleted, it lists as an unfinished removal
     return True
 
 
@@ -204,7 +212,7 @@ def drop_superseded(gguf_path: Path) -> None:
     for entry in gguf_entries():
         if entry.source != src or not entry.stale:
             continue
-        if entry.reason == "converted from an earlier version of the file":
+        if entry.reason == EARLIER_VERSION:
             with contextlib.suppress(OSError):
                 if remove_entry(entry):
                     logger.info("removed %s (%s)", entry.path, entry.reason)
