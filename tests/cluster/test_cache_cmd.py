@@ -192,6 +192,21 @@ def test_prune_reports_what_the_file_system_refuses(
     assert f"removed {old_lib}" in out and not old_lib.exists()
 
 
+def test_cleaning_after_a_conversion_never_fails_the_load(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> list[gguf_cache.CacheEntry]:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(gguf_cache, "gguf_entries", broken)
+    src = tmp_path / "model.gguf"
+    src.write_bytes(b"GGUF")
+    with caplog.at_level("WARNING", logger=gguf_cache.__name__):
+        entry = gguf_loader.convert_gguf_cached(src)
+    assert (entry / gguf_loader.SOURCE_FILE).is_file()
+    assert "could not clean the GGUF cache" in caplog.text
+
+
 def test_a_build_folder_is_busy_until_it_is_old(cache: Path) -> None:
     """``TemporaryDirectory`` build folders carry no lock of their own: a young one is a
     build in progress, one older than any build may take was left by a killed build."""

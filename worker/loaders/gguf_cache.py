@@ -206,8 +206,15 @@ def remove_entry(entry: CacheEntry) -> bool:
 
 def drop_superseded(gguf_path: Path) -> None:
     """After converting ``gguf_path``: remove the entries of its earlier file versions,
-    which no install can load again, and log what other stale entries of it remain."""
-    src = str(Path(gguf_path).resolve())
+    which no install can load again, and log what other stale entries of it remain.
+    Cleaning never fails the load that triggered it: an error is logged and left."""
+    try:
+        _drop_superseded(str(Path(gguf_path).resolve()))
+    except Exception as e:  # housekeeping: the converted model is fine either way
+        logger.warning("could not clean the GGUF cache after converting %s: %r", gguf_path, e)
+
+
+def _drop_superseded(src: str) -> None:
     others = []
     for entry in gguf_entries():
         if entry.source != src or not entry.stale:
