@@ -156,11 +156,11 @@ def _target_name(temp: Path) -> str:
 
 def _temp_entry(path: Path) -> CacheEntry:
     """A dot-named folder: a conversion (or a removal) in flight, or one that died."""
-    with lock_if_free(_lock_path(_target_name(path))) as free:
-        pass
+    with lock_if_free(_lock_path(_target_name(path))) as free:  # a probe, released at once
+        busy = not free
     what = "removal" if _PRUNING in path.name else "conversion"
-    return CacheEntry("gguf", path, tree_size(path), None, stale=free, busy=not free,
-                      reason=f"unfinished {what}" if free else f"{what} in progress")
+    return CacheEntry("gguf", path, tree_size(path), None, stale=not busy, busy=busy,
+                      reason=f"{what} in progress" if busy else f"unfinished {what}")
 
 
 def gguf_entries() -> list[CacheEntry]:
