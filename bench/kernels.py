@@ -22,6 +22,15 @@ so one GPU window tells which defaults reach the HBM goal.
 
 from __future__ import annotations
 
+if __name__ == "kernels":
+    # ``python bench/<any>.py`` puts bench/ first on sys.path, so transformers' own
+    # ``from kernels import ...`` (Hugging Face's distribution, which it depends on)
+    # finds this script; give the name to the distribution, as ``pagedserve.kernels``
+    # does for the checkout's folder.
+    from pagedserve.kernels import hand_over_bare_name
+
+    hand_over_bare_name()
+
 import argparse
 import json
 import math

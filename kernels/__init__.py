@@ -8,23 +8,26 @@ is on ``sys.path``: pytest's rootdir, ``python -m`` run from the checkout, and
 every Ray worker (Ray adds the driver's working directory to its workers' path).
 The name belongs to Hugging Face's ``kernels`` distribution, which transformers
 (5.x) imports as soon as it is installed, so such an import hands over to that
-distribution (:func:`_hand_over_bare_name`); without it this folder still
+distribution (:func:`hand_over_bare_name`); without it this folder still
 answers, as before.
 """
 
 import sys as _sys
 
 
-def _hand_over_bare_name() -> bool:
+def hand_over_bare_name() -> bool:
     """Load the installed ``kernels`` distribution into ``sys.modules["kernels"]``;
-    the ``import`` statement that is running this file returns what is there.
-    False when no other ``kernels`` is on the path."""
+    the ``import`` statement that is running the shadowing file returns what is there.
+    The checkout has two files of that name: this folder (its root on ``sys.path``)
+    and ``bench/kernels.py`` (``bench/`` on it when a benchmark runs as a script);
+    both are skipped. False when no other ``kernels`` is on the path."""
     import importlib.util
     import os
     from importlib.machinery import PathFinder
 
     root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = [p for p in _sys.path if os.path.realpath(p or os.curdir) != root]
+    ours = {root, os.path.join(root, "bench")}
+    path = [p for p in _sys.path if os.path.realpath(p or os.curdir) not in ours]
     spec = PathFinder.find_spec("kernels", path)
     if spec is None or spec.loader is None:
         return False
@@ -34,7 +37,7 @@ def _hand_over_bare_name() -> bool:
     return True
 
 
-if __name__ != "kernels" or not _hand_over_bare_name():
+if __name__ != "kernels" or not hand_over_bare_name():
     from pagedserve.kernels.backend import AttentionBackend, available_backends, get_backend
     from pagedserve.kernels.metadata import VarlenMetadata, build_varlen_metadata
     from pagedserve.kernels.reference import dense_causal_attention

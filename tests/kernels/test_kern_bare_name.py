@@ -63,3 +63,22 @@ def test_transformers_hub_kernels_imports_from_the_checkout() -> None:
     if got["kernels"] is not None:  # transformers imported the distribution, not this folder
         assert got["file"] is not None
         assert not Path(got["file"]).resolve().is_relative_to(ROOT)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers is not installed")
+def test_bench_scripts_can_import_transformers() -> None:
+    """``python bench/<script>.py`` puts bench/ first on the path, where ``kernels.py`` (the
+    kernel benchmark) stood in for the distribution: every benchmark that loads a
+    Hugging Face model failed at ``from kernels import CUDAProperties``."""
+    bench = str(ROOT / "bench")
+    code = (f"import json, sys; sys.path.insert(0, {bench!r})\n"
+            "from transformers.integrations import hub_kernels\n"
+            "k = sys.modules.get('kernels')\n"
+            "print(json.dumps({'file': getattr(k, '__file__', None)}))")
+    got = _imports(code, [])
+    if got["file"] is not None:
+        assert Path(got["file"]).resolve() != ROOT / "bench" / "kernels.py"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--help"],
+                         cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert run.returncode == 0 and "--sweep" in run.stdout  # still runs as a script
