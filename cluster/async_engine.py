@@ -4,6 +4,8 @@ The loop runs ``schedule`` and ``process`` on the event loop thread and only
 the forward (``execute``) in a worker thread, so an abort (a client that went
 away, a cancelled Serve call) lands between phases: its blocks are freed at
 once, and the step already running simply has its result for it ignored.
+With pipeline stages the loop keeps one plan per stage in flight
+(``LLMEngine.submit_plans``) and waits only for the oldest.
 
 An idle engine woken by a request first waits for the rest of its burst, for
 as long as ``BurstPolicy`` says (see ``burst``): a share of the step it would
@@ -104,12 +106,17 @@ class AsyncEngine:
             try:
                 # Every phase is inside: an error in scheduling or detokenising must fail
                 # the waiting callers too, not end this task and leave them hanging.
-                plan = engine.schedule()
-                started = time.perf_counter()
-                output = await asyncio.get_running_loop().run_in_executor(
-                    self._step_thread, engine.execute, plan)
-                self.burst.observe_step(plan.num_scheduled_tokens,
-                                        time.perf_counter() - started)
+                if engine.max_concurrent_batches == 1:
+                    plan = engine.schedule()
+                    started = time.perf_counter()
+                    output = await asyncio.get_running_loop().run_in_executor(
+                        self._step_thread, engine.execute, plan)
+                    seconds = time.perf_counter() - started
+                else:  # pipeline stages: start what fits, then wait for the oldest plan
+                    engine.submit_plans()
+                    plan, output, seconds = await asyncio.get_running_loop().run_in_executor(
+                        self._step_thread, engine.collect_oldest)
+                self.burst.observe_step(plan.num_scheduled_tokens, seconds)
                 results = engine.process(plan, output)
             except Exception as e:
                 self._fail_everyone(e)

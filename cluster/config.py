@@ -20,7 +20,10 @@ class EngineConfig:
     On CPU the KV pool is sized by ``num_gpu_blocks`` or ``kv_cache_memory_bytes``
     (default 512 MiB); on CUDA by ``gpu_memory_utilization`` after profiling.
     ``pipeline_parallel_size`` cuts the layers into that many stages, each a group of
-    ``tensor_parallel_size`` Ray actors (``worker.pipeline``).
+    ``tensor_parallel_size`` Ray actors (``worker.pipeline``). ``max_concurrent_batches``
+    (default: one per stage) is how many step plans are in flight at once, so every
+    stage works on a micro-batch of its own instead of waiting for the others; 1
+    runs one plan through the stages at a time.
     ``swap_space_bytes`` sizes the CPU swap tier (0 disables swap: preemption
     then always recomputes). ``kv_offloading_size`` (GiB, vLLM's option; or
     ``num_offload_blocks``) adds that much to the CPU tier and makes it a second
@@ -62,6 +65,7 @@ class EngineConfig:
     model: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    max_concurrent_batches: int | None = None
     executor: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
@@ -178,6 +182,12 @@ class EngineConfig:
         pp = self.pipeline_parallel_size
         if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
             raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+        depth = self.max_concurrent_batches
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                                  or not 1 <= depth <= pp):
+            raise ValueError(f"max_concurrent_batches must be an integer from 1 to "
+                             f"pipeline_parallel_size ({pp}), got {depth!r}: a plan "
+                             "beyond one per stage would only wait")
         if pp == 1:
             return
         if self.executor == "local":
@@ -187,6 +197,10 @@ class EngineConfig:
             raise ValueError("enable_lora is not supported with pipeline_parallel_size > 1")
         if self.batch_invariant:
             raise ValueError("batch_invariant is not supported with pipeline_parallel_size > 1")
+
+    def resolved_max_concurrent_batches(self) -> int:
+        """Plans in flight at once: as given, else one per pipeline stage."""
+        return self.max_concurrent_batches or self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:

@@ -29,6 +29,7 @@ from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
 from pagedserve.cluster.request_state import RequestState, check_resumed, with_bad_word_ids
+from pagedserve.cluster.step_pipeline import StepPipeline
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.lora_request import LoRARequest
@@ -44,7 +45,7 @@ from pagedserve.worker.pipeline import check_stages_fit
 STAT_COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "finished_requests",
                  "aborted_requests", "execute_seconds", "kv_exported_blocks",
                  "kv_imported_blocks", "kv_import_failures", "shared_prefix_steps",
-                 "shared_prefix_rows", "shared_prefix_keys_saved")
+                 "shared_prefix_rows", "shared_prefix_keys_saved", "pipelined_steps")
 
 
 class LLMEngine:
@@ -70,6 +71,10 @@ class LLMEngine:
         self.eos_token_ids = tuple(info["eos_token_ids"])
         max_len = min(config.max_model_len or info["max_model_len"], info["max_model_len"])
         self.max_model_len = max_len
+        # Plans in flight at once: one per pipeline stage unless the config says fewer.
+        self.max_concurrent_batches = min(config.resolved_max_concurrent_batches(),
+                                          self.executor.max_concurrent_batches)
+        self.pipeline = StepPipeline(self.max_concurrent_batches)
         num_gpu_blocks = self.executor.determine_num_blocks()
         num_swap, num_offload = config.cpu_tier_blocks(int(info["bytes_per_block"]))
         num_cpu_blocks = num_swap + num_offload
@@ -86,6 +91,7 @@ class LLMEngine:
                 policy=config.scheduling_policy,
                 priority_aging_s=config.priority_aging_s,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_concurrent_batches=self.max_concurrent_batches,
             ),
             CacheConfig(
                 num_gpu_blocks=num_gpu_blocks,
@@ -245,7 +251,10 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self.scheduler.has_unfinished_requests()
+        """Requests left, or plans in flight (whose results must come back even when
+        every request in them was aborted)."""
+        return (bool(self._groups) or self.scheduler.has_unfinished_requests()
+                or len(self.pipeline) > 0)
 
     def num_waiting_tokens(self) -> int:
         """Prompt tokens queued for the next steps (what an idle engine's first step would run)."""
@@ -311,15 +320,38 @@ class LLMEngine:
         return results
 
     def step(self) -> list[RequestOutput]:
-        """One synchronous step: schedule, run the TP group, apply the tokens."""
-        plan = self.schedule()
-        return self.process(plan, self.execute(plan))
+        """One synchronous step: schedule, run the TP group, apply the tokens (with
+        several plans in flight: keep the pipeline full, apply the oldest plan's)."""
+        if self.max_concurrent_batches == 1:
+            plan = self.schedule()
+            return self.process(plan, self.execute(plan))
+        self.submit_plans()
+        if not self.pipeline:
+            return []
+        plan, output, _ = self.collect_oldest()
+        return self.process(plan, output)
+
+    # ---- pipelined steps (``max_concurrent_batches > 1``) ------------------------------
+
+    def submit_plans(self) -> None:
+        """Start plans until ``max_concurrent_batches`` are in flight or nothing more
+        can start now; returns at once (the stages run them; see ``step_pipeline``)."""
+        self.stats["pipelined_steps"] += self.pipeline.fill(
+            self.schedule, self.executor.submit_model, self.scheduler.has_unfinished_requests)
+
+    def collect_oldest(self) -> tuple[SchedulerOutput, ModelRunnerOutput | None, float]:
+        """Wait for the oldest plan in flight: it, its output and its seconds since
+        submission. Blocks: the async engine calls it on its step thread."""
+        plan, output, seconds, waited = self.pipeline.collect_oldest(self.executor.collect)
+        self.stats["execute_seconds"] += waited
+        return plan, output, seconds
 
     # ---- health and teardown ----------------------------------------------------------
 
     def fail_all(self, error: BaseException) -> list[str]:
         """The TP group died: abort everything so the pool is back at baseline."""
         self.dead = error
+        self.pipeline.clear()
         ids = list(self._groups)
         for rid in ids:
             self.abort_request(rid)

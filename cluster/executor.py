@@ -8,6 +8,7 @@ group. The engine talks to both through the same five calls.
 from __future__ import annotations
 
 import abc
+import itertools
 import logging
 import os
 from dataclasses import replace
@@ -27,6 +28,9 @@ class ExecutorDeadError(RuntimeError):
 class Executor(abc.ABC):
     """The engine's view of its tensor-parallel group."""
 
+    # How many plans may be in flight at once (``submit_model`` before ``collect``).
+    max_concurrent_batches: int = 1
+
     @abc.abstractmethod
     def model_info(self) -> dict[str, Any]: ...
 
@@ -38,6 +42,15 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None: ...
+
+    def submit_model(self, plan: SchedulerOutput) -> Any:
+        """Start a step and return a handle for ``collect``; plans run in the order they
+        are submitted. Here the step runs now; a pipeline returns at once."""
+        return self.execute_model(plan)
+
+    def collect(self, handle: Any) -> ModelRunnerOutput | None:
+        """Wait for a submitted step's output."""
+        return handle
 
     @abc.abstractmethod
     def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
@@ -156,12 +169,16 @@ class RayExecutor(Executor):
             ray.get(pg.ready(), timeout=ready_timeout_s)
             self._own_pg = pg
         self._ray = ray
+        self.max_concurrent_batches = pp  # one micro-batch per stage
+        self._step_seq = itertools.count()
         self.workers = []
         for i in range(world):
             actor_cls = ray.remote(RayWorkerWrapper).options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
-                max_concurrency=2,
+                # A health check answers next to one running step and the
+                # ``max_concurrent_batches - 1`` waiting for their turn.
+                max_concurrency=pp + 1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=i + offset,
                     placement_group_capture_child_tasks=False,
@@ -200,17 +217,29 @@ class RayExecutor(Executor):
                    for w in self.workers])
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.collect(self.submit_model(plan))
+
+    def submit_model(self, plan: SchedulerOutput) -> list[Any]:
         """Every rank runs the plan; each stage after the first starts from the object
         its predecessor's rank 0 returns (Ray hands it over when it exists, so the
-        driver submits the whole chain at once and waits only for the end)."""
-        ref = self._ray.put(plan)
+        driver submits the whole chain at once and waits only for the end). The
+        plan's sequence number keeps every rank running plans in submission order
+        while several are in flight (a threaded actor may receive them out of order)."""
+        seq = next(self._step_seq)
+        try:
+            ref = self._ray.put(plan)
+        except Exception as e:
+            raise ExecutorDeadError(f"tensor-parallel group failed: {e}") from e
         refs: list[Any] = []
         previous = None
         for stage in self.stages:
-            stage_refs = [w.execute_model.remote(ref, previous) for w in stage]
+            stage_refs = [w.execute_model.remote(ref, previous, seq) for w in stage]
             refs += stage_refs
             previous = stage_refs[0]
-        return self._get(refs)[self._sampler_index]
+        return refs
+
+    def collect(self, handle: list[Any]) -> ModelRunnerOutput | None:
+        return self._get(handle)[self._sampler_index]
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
         return self._get([w.read_kv_blocks.remote(block_ids) for w in self.workers])

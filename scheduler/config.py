@@ -19,6 +19,9 @@ class SchedulerConfig:
     ``long_prefill_token_threshold`` (vLLM's; 0: off) caps the tokens one prompt may
     take in a step, so a long prompt's chunks leave room for other prompts in the
     same step instead of holding every new arrival back until it is done.
+    ``max_concurrent_batches`` is how many plans may be in flight at once (a pipeline's
+    stages each working on its own micro-batch, vLLM's batch queue): a plan takes
+    at most its share of the running sequences and never one still in flight.
     """
 
     max_num_seqs: int = 256
@@ -30,6 +33,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     priority_aging_s: float | None = None
     long_prefill_token_threshold: int = 0
+    max_concurrent_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -48,7 +52,8 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"max_loras must be a non-negative integer, got {self.max_loras!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "max_concurrent_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -12,6 +12,10 @@ parallel samples and frees finished sequences at once. Beam searches
 held (skipped, never readmitted) until its group has chosen. With KV
 offloading the plan also carries the copies of evicted prefix blocks to the
 CPU tier and the loads of CPU hits back (``KVCacheManager.end_step``).
+With ``max_concurrent_batches > 1`` (pipeline stages each on a micro-batch) a
+plan may be scheduled before the previous ones come back: it skips the sequences
+still in flight, never preempts one (a step is writing its blocks), and takes at
+most ``1 / max_concurrent_batches`` of the running sequences.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class Scheduler(StepResults):
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
         self._step_id = 0
+        # Sequences of plans whose results ``update_from_output`` has not applied yet.
+        self.in_flight: set[str] = set()
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.drafter = (Drafter(speculative_config, scheduler_config.max_model_len)
                         if speculative_config is not None else None)
@@ -130,9 +136,16 @@ class Scheduler(StepResults):
         self._unblock_held_beams()
 
         drafter = self.drafter if self.drafter and self.drafter.active(len(self.running)) else None
-        i = 0
-        while i < len(self.running) and budget > 0:
+        in_flight = self.in_flight
+        # With several plans in flight each takes its share of the running sequences,
+        # so the pipeline's stages get micro-batches of about the same size.
+        share = -(-len(self.running) // self.config.max_concurrent_batches)
+        i = taken = 0
+        while i < len(self.running) and budget > 0 and taken < share:
             req = self.running[i]
+            if req.request_id in in_flight:  # its last step's tokens are not back yet
+                i += 1
+                continue
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             if num_new == 0:  # a held beam: it waits for its siblings
                 i += 1
@@ -147,6 +160,8 @@ class Scheduler(StepResults):
                 num_new = 1
                 copies = self.kv.allocate_slots(req, num_new)
             while copies is None:
+                if self.running[-1].request_id in in_flight:
+                    break  # a step still writes the victim's blocks: this row waits a step
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted = True
@@ -159,6 +174,7 @@ class Scheduler(StepResults):
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             i += 1
+            taken += 1
 
         active = {r.lora_id for r in self.running if r.lora_id} if self.config.max_loras else set()
         while (
@@ -233,6 +249,8 @@ class Scheduler(StepResults):
         offloads, loads = self.kv.end_step()
         out.blocks_to_swap_out.extend(offloads)
         out.blocks_to_swap_in.extend(loads)
+        if self.config.max_concurrent_batches > 1:
+            in_flight.update(r.request_id for r in out.scheduled)
         return out
 
     def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
@@ -242,6 +260,8 @@ class Scheduler(StepResults):
         preemption). A waiting request never displaces one at least as urgent."""
         while self.waiting and self.running:
             req, victim = self.waiting[0], self.running[-1]
+            if victim.request_id in self.in_flight:
+                return  # a step still writes its blocks
             if urgency(victim, self.aging_s) <= urgency(req, self.aging_s) or not lacks_room(
                     req, len(self.running), self.config, self.block_size,
                     self.kv.pool.num_free_blocks):

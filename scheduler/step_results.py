@@ -24,11 +24,13 @@ class StepResults(BeamScheduling):
     """Advance requests from a step's plan and the runner's output."""
 
     drafter: Drafter | None
+    in_flight: set[str]
 
     def update_from_output(
         self, plan: SchedulerOutput, output: ModelRunnerOutput | None
     ) -> list[RequestUpdate]:
         """Advance every scheduled sequence; sequences aborted mid-step are skipped."""
+        self.in_flight.difference_update(sr.request_id for sr in plan.scheduled)
         sampled = output.sampled if output is not None else {}
         spec = output.spec_tokens if output is not None else {}
         updates: list[RequestUpdate] = []

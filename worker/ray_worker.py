@@ -6,14 +6,17 @@ this wrapper only forwards calls, so a Worker behaves the same in-process and
 inside an actor. Rank 0's actor reports its address for the
 ``tcp://ip:port`` init method that every rank then passes to ``load_model``.
 
-The actor runs with two threads (so a health check answers during a long
+The actor runs with two threads or more (so a health check answers during a long
 forward), but every call that computes runs on one thread of the wrapper's
 own: OpenMP pools belong to the thread that opens a parallel region, and a
 second pool on a CPU rank makes libgomp throttle the forward's spin-wait.
+Under pipeline parallelism a stage holds a call per plan in flight; they reach
+that thread in the driver's order (``execute_model``'s ``seq``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -28,12 +31,18 @@ from pagedserve.worker.worker import Worker
 
 T = TypeVar("T")
 
+# How long a pipelined plan waits for its predecessor to arrive: only a failed earlier
+# stage (whose successors Ray never calls) leaves a gap, and the engine is dead then.
+STEP_ORDER_TIMEOUT_S = 600.0
+
 
 class RayWorkerWrapper:
     """Holds one Worker inside an actor process."""
 
     def __init__(self, config: WorkerConfig):
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-rank")
+        self._turn = threading.Condition()
+        self._next_seq = 0  # the next pipelined plan this rank may start
         self.worker = self._on_compute_thread(Worker, config)
 
     def _on_compute_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -53,9 +62,23 @@ class RayWorkerWrapper:
         self._on_compute_thread(self.worker.init_kv_cache, num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, plan: SchedulerOutput,
-                      intermediate: IntermediateTensors | None = None
+                      intermediate: IntermediateTensors | None = None,
+                      seq: int | None = None
                       ) -> ModelRunnerOutput | IntermediateTensors | None:
-        return self._on_compute_thread(self.worker.execute_model, plan, intermediate)
+        """Run a plan; with ``seq`` (the driver's count of plans) only after every
+        earlier plan has been handed to the compute thread, so pipelined plans
+        reach each rank's KV pool in the order the scheduler made them."""
+        if seq is None:
+            return self._on_compute_thread(self.worker.execute_model, plan, intermediate)
+        with self._turn:
+            if not self._turn.wait_for(lambda: self._next_seq >= seq,
+                                       timeout=STEP_ORDER_TIMEOUT_S):
+                raise RuntimeError(f"step {seq} waited {STEP_ORDER_TIMEOUT_S:.0f} s for step "
+                                   f"{self._next_seq}, which never came (an earlier stage failed)")
+            job = self._compute.submit(self.worker.execute_model, plan, intermediate)
+            self._next_seq = seq + 1
+            self._turn.notify_all()
+        return job.result()
 
     def read_kv_blocks(self, block_ids: list[int]) -> tuple[Any, Any]:
         return self._on_compute_thread(self.worker.read_kv_blocks, block_ids)

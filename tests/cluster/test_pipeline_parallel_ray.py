@@ -1,16 +1,22 @@
 """Pipeline parallelism over Ray actors: stages of layers, hidden states handed on
 through the object store. Greedy tokens equal Hugging Face's (mixed batches, chunked
-prefill, prefix-cache hits), PP x TP equals TP=1, preemption gives the same tokens,
+prefill, prefix-cache hits) with one plan per stage in flight, PP x TP equals TP=1,
+preemption gives the same tokens, streams aborted mid-generation free everything,
 a killed stage fails the engine cleanly, and what stages cannot serve is refused
 before any actor starts."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.cluster.async_engine import AsyncEngine
+from pagedserve.cluster.config import EngineConfig
 from pagedserve.worker.testing import write_random_checkpoint
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
@@ -60,6 +66,10 @@ def test_pp2_equals_hugging_face(ray_cluster, three_layer_llama) -> None:
         # A block costs the larger stage (2 of 3 layers) what it costs it, not the whole.
         assert info["bytes_per_block"] * 3 == whole_bytes * 2
         assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        # One plan per stage in flight: most plans started while another was running.
+        stats = llm.engine.get_stats()
+        assert llm.engine.max_concurrent_batches == 2
+        assert stats["pipelined_steps"] > stats["steps"] / 3
         # The same prompts again hit the prefix cache on every stage's pool.
         again = llm.generate(prompts, GREEDY)
         assert _tokens(again) == ref
@@ -108,6 +118,46 @@ def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_ll
         llm.shutdown()
 
 
+@pytest.mark.parametrize("depth", [2, 1])
+def test_pp2_streams_aborted_mid_generation_free_everything(ray_cluster, three_layer_llama,
+                                                            depth: int) -> None:
+    """Async serving with both stages busy: half the streams are dropped after a few
+    tokens (their plans may still be in flight), the rest finish with Hugging Face's
+    tokens, and the pool is back at baseline. ``depth=1`` (no overlap) too."""
+    prompts = prompts_of_mixed_lengths(8)
+    ref = hf_greedy(three_layer_llama, prompts, 12)
+
+    async def scenario() -> tuple[list[list[int] | None], AsyncEngine]:
+        engine = AsyncEngine(EngineConfig(model=three_layer_llama, pipeline_parallel_size=2,
+                                          num_gpu_blocks=64, num_threads=1,
+                                          max_num_batched_tokens=32,
+                                          max_concurrent_batches=depth))
+
+        async def consume(i: int, prompt: list[int]) -> list[int] | None:
+            async with contextlib.aclosing(engine.generate(prompt, GREEDY)) as stream:
+                async for out in stream:
+                    if i % 2 and len(out.outputs[0].token_ids) >= 1 + i // 2:
+                        return None  # closing the stream aborts the request
+                    tokens = out.outputs[0].token_ids
+            return tokens
+
+        try:
+            got = await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts)))
+            while engine.engine.has_unfinished_requests():  # aborted plans still coming back
+                await asyncio.sleep(0.01)
+        finally:
+            await engine.shutdown()
+        return got, engine
+
+    got, engine = asyncio.run(scenario())
+    assert [t for t in got if t is not None] == ref[0::2]
+    assert all(t is None for t in got[1::2])
+    stats = engine.engine.get_stats()
+    assert stats["aborted_requests"] == 4
+    assert (stats["pipelined_steps"] > 0) == (depth == 2)
+    assert_pool_at_baseline(SimpleNamespace(engine=engine.engine))
+
+
 def test_killed_stage_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir) -> None:
     llm = LLM(model=tiny_llama_dir, pipeline_parallel_size=2, num_gpu_blocks=64,
               num_threads=1)
@@ -139,4 +189,9 @@ def test_what_stages_cannot_serve_is_refused_before_any_actor(ray_cluster, tiny_
         LLM(model=tiny_llama_dir, pipeline_parallel_size=2, executor="local")
     with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive"):
         LLM(model=tiny_llama_dir, pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match=r"max_concurrent_batches must be an integer from 1 to "
+                                         r"pipeline_parallel_size \(2\), got 3"):
+        LLM(model=tiny_llama_dir, pipeline_parallel_size=2, max_concurrent_batches=3)
+    with pytest.raises(ValueError, match="max_concurrent_batches"):
+        LLM(model=tiny_llama_dir, max_concurrent_batches=2)
     assert len(ray.util.placement_group_table()) == before  # no stage was placed

@@ -25,6 +25,7 @@ def make_scheduler(
     copy_period: int | None = None,
     enable_kv_offload: bool = False,
     long_prefill_token_threshold: int = 0,
+    max_concurrent_batches: int = 1,
 ) -> tuple[Scheduler, KVSim]:
     sched = Scheduler(
         SchedulerConfig(
@@ -33,6 +34,7 @@ def make_scheduler(
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            max_concurrent_batches=max_concurrent_batches,
         ),
         CacheConfig(
             num_gpu_blocks=num_gpu_blocks,

@@ -102,3 +102,44 @@ def test_wrapper_computes_on_one_thread_whichever_actor_thread_calls(tmp_path, m
     assert threading.get_ident() not in threads
     callers.shutdown()
     w.shutdown()
+
+
+def test_pipelined_plans_reach_the_worker_in_the_drivers_order(tmp_path, monkeypatch):
+    """Plans in flight arrive on any of the actor's threads, in any order; the worker
+    runs them by their ``seq``. A gap (an earlier stage failed, so Ray never calls
+    this one with that plan) makes the later plan fail after the wait, not hang."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedserve.worker import ray_worker
+
+    path = save_tiny_model(tmp_path / "m", "llama", seed=3)
+    w = ray_worker.RayWorkerWrapper(WorkerConfig(model=str(path), block_size=4,
+                                                 num_gpu_blocks=16))
+    w.load_model()
+    w.init_kv_cache(16, 0)
+    order: list[int] = []
+    real = w.worker.execute_model
+
+    def spy(p, intermediate=None):
+        order.append(p.step_id)
+        return real(p, intermediate)
+
+    w.worker.execute_model = spy
+    alloc = BlockAllocator(16, 4)
+    plans = [plan(i, [request(alloc, f"r{i}", [3 + i, 14, 15], 0)]) for i in range(3)]
+    callers = ThreadPoolExecutor(3)
+    late = [callers.submit(w.execute_model, plans[i], None, i) for i in (2, 1)]
+    deadline = time.monotonic() + 30
+    while len(w._turn._waiters) < 2:  # both wait for plan 0 (CPython's Condition)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert order == [] and all(not f.done() for f in late)
+    first = callers.submit(w.execute_model, plans[0], None, 0)
+    assert all(f.result(timeout=60).sampled for f in [first, *late])
+    assert order == [0, 1, 2]
+    monkeypatch.setattr(ray_worker, "STEP_ORDER_TIMEOUT_S", 0.2)
+    with pytest.raises(RuntimeError, match=r"step 4 waited .* for step 3, which never came"):
+        w.execute_model(plan(4, []), None, 4)
+    callers.shutdown()
+    w.shutdown()
