@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--partition", default=None,
+                    help="layers per stage, e.g. 19,11 (pipeline_layer_partition; "
+                         "default: even)")
     ap.add_argument("--num-layers", type=int, default=None,
                     help="fewer layers than SmolLM2's 30 (a quicker run)")
     ap.add_argument("--json", default=None)
@@ -88,12 +91,12 @@ def main() -> None:
         path = write_random_checkpoint(scratch, weight_scale=1.0, **shape)
         prompts = _prompts(args.num_prompts, int(shape.get("vocab_size", 49152)), seed=0)
         common = dict(num_gpu_blocks=1024, max_num_batched_tokens=4096)
+        staged = dict(pipeline_parallel_size=args.stages, num_threads=args.threads,
+                      pipeline_layer_partition=args.partition, **common)
         rows = [
-            _run("overlap", path, prompts, args.max_tokens, args.repeat,
-                 pipeline_parallel_size=args.stages, num_threads=args.threads, **common),
+            _run("overlap", path, prompts, args.max_tokens, args.repeat, **staged),
             _run("serial", path, prompts, args.max_tokens, args.repeat,
-                 pipeline_parallel_size=args.stages, num_threads=args.threads,
-                 max_concurrent_batches=1, **common),
+                 max_concurrent_batches=1, **staged),
             _run("single", path, prompts, args.max_tokens, args.repeat,
                  num_threads=args.stages * args.threads, **common),
         ]

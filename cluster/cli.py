@@ -35,6 +35,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="cut the layers into this many stages, each its own tensor-parallel "
                         "group of Ray actors (for a model one group cannot hold)")
+    p.add_argument("--pipeline-layer-partition", default=None, metavar="N,N,...",
+                   help="layers of each pipeline stage (default: as even as they divide); "
+                        "fewer on the last stage where the LM head costs several layers")
+    p.add_argument("--max-concurrent-batches", type=int, default=None, metavar="N",
+                   help="step plans in flight at once under pipeline parallelism "
+                        "(default: one per stage, so no stage idles; 1: one at a time)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", default="auto",
                    help="weights, activations and KV cache: auto (bf16 on CUDA, fp32 on CPU), "
@@ -244,6 +250,8 @@ def generate(args: argparse.Namespace) -> int:
     engine_kwargs = dict(
         model=args.model, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, device=args.device,
+        pipeline_layer_partition=args.pipeline_layer_partition,
+        max_concurrent_batches=args.max_concurrent_batches,
         dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

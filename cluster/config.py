@@ -7,6 +7,7 @@ from typing import Any
 
 from pagedserve.scheduler.spec_decode import SpeculativeConfig
 from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.pipeline import check_partition
 
 EXECUTORS = ("auto", "local", "ray")
 FLASH_BLOCK_SIZE = 256
@@ -23,7 +24,9 @@ class EngineConfig:
     ``tensor_parallel_size`` Ray actors (``worker.pipeline``). ``max_concurrent_batches``
     (default: one per stage) is how many step plans are in flight at once, so every
     stage works on a micro-batch of its own instead of waiting for the others; 1
-    runs one plan through the stages at a time.
+    runs one plan through the stages at a time. ``pipeline_layer_partition`` sets the
+    layers of each stage ("19,11" or a list; default: as even as they divide), for a
+    model whose LM head costs the last stage several layers.
     ``swap_space_bytes`` sizes the CPU swap tier (0 disables swap: preemption
     then always recomputes). ``kv_offloading_size`` (GiB, vLLM's option; or
     ``num_offload_blocks``) adds that much to the CPU tier and makes it a second
@@ -66,6 +69,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     max_concurrent_batches: int | None = None
+    pipeline_layer_partition: str | tuple[int, ...] | list[int] | None = None
     executor: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
@@ -188,6 +192,16 @@ class EngineConfig:
             raise ValueError(f"max_concurrent_batches must be an integer from 1 to "
                              f"pipeline_parallel_size ({pp}), got {depth!r}: a plan "
                              "beyond one per stage would only wait")
+        sizes = self.pipeline_layer_partition
+        if sizes is not None:
+            if isinstance(sizes, str):
+                try:
+                    sizes = tuple(int(n) for n in sizes.split(","))
+                except ValueError:
+                    raise ValueError("pipeline_layer_partition must be comma-separated "
+                                     f"layer counts such as '19,11', got {sizes!r}") from None
+            check_partition(tuple(sizes), pp)
+            object.__setattr__(self, "pipeline_layer_partition", tuple(sizes))
         if pp == 1:
             return
         if self.executor == "local":
@@ -291,6 +305,7 @@ class EngineConfig:
             attention_backend=self.attention_backend,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            pipeline_layer_partition=self.pipeline_layer_partition,  # type: ignore[arg-type]
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes
             if self.kv_cache_memory_bytes or self.num_gpu_blocks or device == "cuda"

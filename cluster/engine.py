@@ -60,7 +60,8 @@ class LLMEngine:
         wcfg = config.worker_config(resolved.path, self.device)
         block_size = wcfg.block_size
         if config.pipeline_parallel_size > 1:
-            check_stages_fit(resolved.path, config.pipeline_parallel_size)
+            check_stages_fit(resolved.path, config.pipeline_parallel_size,
+                             config.pipeline_layer_partition)  # type: ignore[arg-type]
         self.executor: Executor
         if config.resolved_executor() == "ray":
             self.executor = RayExecutor(wcfg, use_gpu=self.device == "cuda")

@@ -55,8 +55,10 @@ def calibrate_kv_scales(engine: LLMEngine) -> None:
 
 def _check_idle(engine: LLMEngine, what: str) -> None:
     if engine.has_unfinished_requests():
+        in_flight = (f" and {len(engine.pipeline)} plans still in flight"
+                     if engine.pipeline else "")
         raise ValueError(f"{what} needs an idle engine: {len(engine._groups)} requests are "
-                         "unfinished (wait for them or abort them)")
+                         f"unfinished{in_flight} (wait for them or abort them)")
     if engine.unavailable is not None and not engine.sleep_level:
         raise ValueError(f"{what} while the engine is {engine.unavailable}")
 

@@ -37,6 +37,7 @@ class KVLayout:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     num_layers: int
+    pipeline_layer_partition: tuple[int, ...]
     block_size: int
     num_kv_heads_per_rank: int
     head_dim: int
@@ -47,6 +48,7 @@ class KVLayout:
         info = engine.model_info
         return cls(engine.model_id, int(info["tensor_parallel_size"]),
                    int(info.get("pipeline_parallel_size", 1)), int(info["num_layers"]),
+                   tuple(info.get("pipeline_layer_partition") or (int(info["num_layers"]),)),
                    engine.scheduler.block_size,
                    int(info["num_kv_heads_per_rank"]), int(info["head_dim"]),
                    str(info["kv_cache_dtype"]))

@@ -40,6 +40,8 @@ class ServeArgs(BaseModel):
     served_model_name: str | list[str] | None = None  # vLLM's: several names for one model
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages of layers, each a TP group (``worker.pipeline``)
+    pipeline_layer_partition: str | list[int] | None = None  # layers per stage ("19,11")
+    max_concurrent_batches: int | None = None  # plans in flight (default: one per stage)
     num_replicas: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: str = "auto"
@@ -209,6 +211,8 @@ class ServeArgs(BaseModel):
         engine_kwargs: dict[str, Any] = dict(
             model=self.model, tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size, device=device,
+            pipeline_layer_partition=self.pipeline_layer_partition,
+            max_concurrent_batches=self.max_concurrent_batches,
             dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
             batch_invariant=self.batch_invariant,

@@ -312,6 +312,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     rank: int = 0
     pipeline_parallel_size: int = 1
+    pipeline_layer_partition: tuple[int, ...] | None = None  # layers per stage (None: even)
     pp_rank: int = 0
     dist_init_method: str | None = None
     num_gpu_blocks: int | None = None

@@ -37,7 +37,7 @@ from pagedserve.worker.loaders import (
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
-from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
+from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage, layer_partition
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sleep import SleepState
 
@@ -129,7 +129,7 @@ class Worker:
         assert self.ctx is not None
         cls = MODEL_REGISTRY[model_config.model_type]
         stage = PipelineStage.of(model_config.num_layers, self.config.pipeline_parallel_size,
-                                 self.config.pp_rank)
+                                 self.config.pp_rank, self.config.pipeline_layer_partition)
         model = cls(model_config, self.ctx, self.backend, self.dtype, self.device, stage)
         model.load_weights(iter_safetensors(resolved.path))
         model.eval()
@@ -158,7 +158,8 @@ class Worker:
         """Decoder layers this rank holds (its pipeline stage's; all without one)."""
         assert self.model_config is not None
         return PipelineStage.of(self.model_config.num_layers, self.config.pipeline_parallel_size,
-                                self.config.pp_rank).num_layers
+                                self.config.pp_rank,
+                                self.config.pipeline_layer_partition).num_layers
 
     def _block_bytes(self) -> int:
         assert self.model_config is not None
@@ -362,6 +363,10 @@ class Worker:
             "kv_cache_dtype": kv_dtype_name(self.kv_dtype),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "pipeline_parallel_size": self.config.pipeline_parallel_size,
+            "pipeline_layer_partition": [
+                b - a for a, b in layer_partition(mc.num_layers,
+                                                  self.config.pipeline_parallel_size,
+                                                  self.config.pipeline_layer_partition)],
             "attention_backend": getattr(self.backend, "name", None),
             "load_time_s": self.load_time_s,
             "packed_weights": self.packed_weights,

@@ -118,12 +118,14 @@ def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_ll
         llm.shutdown()
 
 
-@pytest.mark.parametrize("depth", [2, 1])
+@pytest.mark.parametrize("depth,partition", [(2, None), (1, None), (2, "1,2")])
 def test_pp2_streams_aborted_mid_generation_free_everything(ray_cluster, three_layer_llama,
-                                                            depth: int) -> None:
+                                                            depth: int, partition: str | None
+                                                            ) -> None:
     """Async serving with both stages busy: half the streams are dropped after a few
     tokens (their plans may still be in flight), the rest finish with Hugging Face's
-    tokens, and the pool is back at baseline. ``depth=1`` (no overlap) too."""
+    tokens, and the pool is back at baseline. ``depth=1`` (no overlap) too, and stages
+    of 1 and 2 layers instead of 2 and 1."""
     prompts = prompts_of_mixed_lengths(8)
     ref = hf_greedy(three_layer_llama, prompts, 12)
 
@@ -131,7 +133,8 @@ def test_pp2_streams_aborted_mid_generation_free_everything(ray_cluster, three_l
         engine = AsyncEngine(EngineConfig(model=three_layer_llama, pipeline_parallel_size=2,
                                           num_gpu_blocks=64, num_threads=1,
                                           max_num_batched_tokens=32,
-                                          max_concurrent_batches=depth))
+                                          max_concurrent_batches=depth,
+                                          pipeline_layer_partition=partition))
 
         async def consume(i: int, prompt: list[int]) -> list[int] | None:
             async with contextlib.aclosing(engine.generate(prompt, GREEDY)) as stream:
@@ -155,6 +158,8 @@ def test_pp2_streams_aborted_mid_generation_free_everything(ray_cluster, three_l
     stats = engine.engine.get_stats()
     assert stats["aborted_requests"] == 4
     assert (stats["pipelined_steps"] > 0) == (depth == 2)
+    assert engine.engine.model_info["pipeline_layer_partition"] == ([1, 2] if partition
+                                                                     else [2, 1])
     assert_pool_at_baseline(SimpleNamespace(engine=engine.engine))
 
 
@@ -194,4 +199,8 @@ def test_what_stages_cannot_serve_is_refused_before_any_actor(ray_cluster, tiny_
         LLM(model=tiny_llama_dir, pipeline_parallel_size=2, max_concurrent_batches=3)
     with pytest.raises(ValueError, match="max_concurrent_batches"):
         LLM(model=tiny_llama_dir, max_concurrent_batches=2)
+    with pytest.raises(ValueError, match="holds 3 layers; the model has 2"):
+        LLM(model=tiny_llama_dir, pipeline_parallel_size=2, pipeline_layer_partition="2,1")
+    with pytest.raises(ValueError, match="comma-separated layer counts such as"):
+        LLM(model=tiny_llama_dir, pipeline_parallel_size=2, pipeline_layer_partition="1;1")
     assert len(ray.util.placement_group_table()) == before  # no stage was placed

@@ -35,6 +35,17 @@ def test_layer_partition_is_even_and_gives_the_rest_before_the_last_stage() -> N
         PipelineStage.of(4, 2, 2)
 
 
+def test_an_explicit_partition_is_taken_and_checked() -> None:
+    assert layer_partition(30, 2, [19, 11]) == [(0, 19), (19, 30)]
+    assert PipelineStage.of(5, 3, 1, (1, 3, 1)).num_layers == 3
+    with pytest.raises(ValueError, match=r"holds 29 layers; the model has 30"):
+        layer_partition(30, 2, [19, 10])
+    with pytest.raises(ValueError, match="must be 2 positive layer counts"):
+        layer_partition(30, 2, [30, 0])
+    with pytest.raises(ValueError, match="must be 2 positive layer counts"):
+        layer_partition(30, 2, [10, 10, 10])
+
+
 def _stages(path, pp: int, **kw) -> list[Worker]:
     return [make_worker(path, num_blocks=40, pipeline_parallel_size=pp, pp_rank=r, **kw)
             for r in range(pp)]
@@ -85,6 +96,11 @@ def test_three_stages_equal_the_whole_model(tmp_path, kind: str, tied: bool) -> 
 
     ref = _greedy(whole.execute_model, 6)
     assert _greedy(lambda p: _chain(stages, p), 6) == ref
+    # Stages of 3, 1 and 1 layers (``pipeline_layer_partition``): the same tokens.
+    uneven = _stages(path, 3, pipeline_layer_partition=(3, 1, 1))
+    assert [len(w.model.layers) for w in uneven] == [3, 1, 1]
+    assert [w.get_model_info()["pipeline_layer_partition"] for w in uneven] == [[3, 1, 1]] * 3
+    assert _greedy(lambda p: _chain(uneven, p), 6) == ref
     hf = load_hf(path)
     for r, p in PROMPTS.items():
         out = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):]
