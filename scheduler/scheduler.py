@@ -14,8 +14,9 @@ offloading the plan also carries the copies of evicted prefix blocks to the
 CPU tier and the loads of CPU hits back (``KVCacheManager.end_step``).
 With ``max_concurrent_batches > 1`` (pipeline stages each on a micro-batch) a
 plan may be scheduled before the previous ones come back: it skips the sequences
-still in flight, never preempts one (a step is writing its blocks), and takes at
-most ``1 / max_concurrent_batches`` of the running sequences.
+still in flight, never preempts one (its step's work would be wasted), takes at
+most ``1 / max_concurrent_batches`` of the running sequences, and shares the
+tokens that could start now with the plans that may still start.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Scheduler(StepResults):
         self._step_id = 0
         # Sequences of plans whose results ``update_from_output`` has not applied yet.
         self.in_flight: set[str] = set()
+        self.plans_in_flight: set[int] = set()  # their step ids
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.drafter = (Drafter(speculative_config, scheduler_config.max_model_len)
                         if speculative_config is not None else None)
@@ -128,7 +130,7 @@ class Scheduler(StepResults):
         self._step_id += 1
         out.finished_ids, self._finished_ids = self._finished_ids, []
         out.aborted_ids, self._aborted_ids = self._aborted_ids, []
-        budget = self.config.max_num_batched_tokens
+        budget = self._plan_budget()
         preempted = False
         priority = self.config.policy == "priority"
         if priority:
@@ -161,7 +163,7 @@ class Scheduler(StepResults):
                 copies = self.kv.allocate_slots(req, num_new)
             while copies is None:
                 if self.running[-1].request_id in in_flight:
-                    break  # a step still writes the victim's blocks: this row waits a step
+                    break  # the victim's step is still running: rather than waste it, wait
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted = True
@@ -249,9 +251,24 @@ class Scheduler(StepResults):
         offloads, loads = self.kv.end_step()
         out.blocks_to_swap_out.extend(offloads)
         out.blocks_to_swap_in.extend(loads)
-        if self.config.max_concurrent_batches > 1:
+        if self.config.max_concurrent_batches > 1 and out.scheduled:
             in_flight.update(r.request_id for r in out.scheduled)
+            self.plans_in_flight.add(out.step_id)
         return out
+
+    def _plan_budget(self) -> int:
+        """The step's token budget. With plans in flight (chunked prefill on), the work
+        that can start now is spread over the plans that may still start, so a burst of
+        prompts becomes one micro-batch per stage instead of a full plan the first
+        stage computes while the others wait for it, then a small one."""
+        budget = self.config.max_num_batched_tokens
+        slots = self.config.max_concurrent_batches - len(self.plans_in_flight)
+        if slots <= 1 or not self.config.enable_chunked_prefill:
+            return budget
+        work = self.num_waiting_tokens() + sum(
+            r.num_tokens - r.num_computed_tokens for r in (*self.running, *self.swapped)
+            if r.request_id not in self.in_flight)
+        return max(1, min(budget, -(-work // slots)))
 
     def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
         """Priority policy, before anything is scheduled: while the most urgent waiting
@@ -261,7 +278,7 @@ class Scheduler(StepResults):
         while self.waiting and self.running:
             req, victim = self.waiting[0], self.running[-1]
             if victim.request_id in self.in_flight:
-                return  # a step still writes its blocks
+                return  # its step is still running: wait for its tokens first
             if urgency(victim, self.aging_s) <= urgency(req, self.aging_s) or not lacks_room(
                     req, len(self.running), self.config, self.block_size,
                     self.kv.pool.num_free_blocks):

@@ -25,12 +25,14 @@ class StepResults(BeamScheduling):
 
     drafter: Drafter | None
     in_flight: set[str]
+    plans_in_flight: set[int]
 
     def update_from_output(
         self, plan: SchedulerOutput, output: ModelRunnerOutput | None
     ) -> list[RequestUpdate]:
         """Advance every scheduled sequence; sequences aborted mid-step are skipped."""
         self.in_flight.difference_update(sr.request_id for sr in plan.scheduled)
+        self.plans_in_flight.discard(plan.step_id)
         sampled = output.sampled if output is not None else {}
         spec = output.spec_tokens if output is not None else {}
         updates: list[RequestUpdate] = []
