@@ -13,10 +13,12 @@ run:
 - ``single``: one rank in-process holding every layer with ``stages x threads`` threads
   (the same cores without a pipeline), for scale.
 
-It prints output tokens/s of each over ``--repeat`` runs (best), the ratio overlap /
-serial, and whether every engine gave the same tokens (greedy, fp32: they must).
+It prints output tokens/s of each (the best of ``--repeat`` runs, the prefix cache
+emptied before each), the ratio overlap / serial, and whether every engine gave the
+same tokens (greedy, fp32: they must).
 
     python bench/pipeline.py --json bench/figures/pipeline.json
+    python bench/pipeline.py --partition 18,12 --json bench/figures/pipeline_18_12.json
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _run(name: str, path: str, prompts: list[list[int]], max_tokens: int, repeat
                      use_tqdm=False)  # warm-up: first-call costs are not the pipeline's
         best, tokens = float("inf"), None
         for _ in range(repeat):
+            llm.reset_prefix_cache()  # every run computes its prompts
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             best = min(best, time.perf_counter() - t0)
@@ -66,8 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="threads per stage")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--partition", default=None,
                     help="layers per stage, e.g. 19,11 (pipeline_layer_partition; "
