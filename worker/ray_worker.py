@@ -76,7 +76,7 @@ class RayWorkerWrapper:
                 raise RuntimeError(f"step {seq} waited {STEP_ORDER_TIMEOUT_S:.0f} s for step "
                                    f"{self._next_seq}, which never came (an earlier stage failed)")
             job = self._compute.submit(self.worker.execute_model, plan, intermediate)
-            self._next_seq = seq + 1
+            self._next_seq = max(self._next_seq, seq + 1)
             self._turn.notify_all()
         return job.result()
 
