@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.cluster import LLM, BeamSearchParams, SamplingParams
 from pagedserve.cluster.async_engine import AsyncEngine
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.worker.testing import write_random_checkpoint
@@ -161,6 +161,30 @@ def test_pp2_streams_aborted_mid_generation_free_everything(ray_cluster, three_l
     assert engine.engine.model_info["pipeline_layer_partition"] == ([1, 2] if partition
                                                                      else [2, 1])
     assert_pool_at_baseline(SimpleNamespace(engine=engine.engine))
+
+
+def test_pp2_beam_search_with_beams_in_two_plans_equals_one_rank(ray_cluster,
+                                                                 three_layer_llama) -> None:
+    """A beam group's rows may be split over the two plans in flight (each beam is held
+    until its siblings report): the beams equal a single rank's."""
+    params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of_mixed_lengths(3)]
+    one = LLM(model=three_layer_llama, num_gpu_blocks=256, block_size=4)
+    try:
+        ref = [[s.completion_token_ids for s in o.sequences]
+               for o in one.beam_search(prompts, params)]
+    finally:
+        one.shutdown()
+    llm = LLM(model=three_layer_llama, pipeline_parallel_size=2, num_gpu_blocks=256,
+              block_size=4, num_threads=1)
+    try:
+        got = [[s.completion_token_ids for s in o.sequences]
+               for o in llm.beam_search(prompts, params)]
+        assert llm.engine.get_stats()["pipelined_steps"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    assert got == ref
 
 
 def test_killed_stage_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir) -> None:
