@@ -284,7 +284,10 @@ class AsyncEngine:
     async def _drain(self, timeout_s: float | None, what: str) -> None:
         """Refuse new requests until the unfinished ones are done (none: return now)."""
         engine = self.engine
-        if timeout_s is None or not engine.has_unfinished_requests():
+        if timeout_s is None:
+            await self._settle()
+            return
+        if not engine.has_unfinished_requests():
             return
         if engine.unavailable is not None:
             raise ValueError(f"{what} while the engine is {engine.unavailable}")
@@ -298,6 +301,15 @@ class AsyncEngine:
                              f"after {timeout_s:g} s") from None
         finally:  # the transition that follows marks the engine again, with no await between
             engine.unavailable = None
+
+    async def _settle(self) -> None:
+        """With no request left, plans of aborted ones may still be crossing the
+        stages; the loop collects them within a step. Wait for that, so that sleeping
+        right after aborting everything is not refused as busy."""
+        engine = self.engine
+        while (engine.pipeline and not engine._groups and engine.dead is None
+               and not engine.scheduler.has_unfinished_requests()):
+            await asyncio.sleep(0.01)
 
     async def _transition(self, transition: Transition) -> None:
         """A sleep / wake / update: marked here, its work on the step thread (after any

@@ -216,6 +216,12 @@ class EngineConfig:
         """Plans in flight at once: as given, else one per pipeline stage."""
         return self.max_concurrent_batches or self.pipeline_parallel_size
 
+    def resolved_layer_partition(self) -> tuple[int, ...] | None:
+        """Layers per stage as a tuple (``__post_init__`` parsed and checked it), or
+        None for an even split."""
+        sizes = self.pipeline_layer_partition
+        return None if sizes is None else tuple(int(n) for n in sizes)
+
     @property
     def world_size(self) -> int:
         """Ranks of one engine: ``tensor_parallel_size`` per pipeline stage."""
@@ -305,7 +311,7 @@ class EngineConfig:
             attention_backend=self.attention_backend,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
-            pipeline_layer_partition=self.pipeline_layer_partition,  # type: ignore[arg-type]
+            pipeline_layer_partition=self.resolved_layer_partition(),
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes
             if self.kv_cache_memory_bytes or self.num_gpu_blocks or device == "cuda"

@@ -61,7 +61,7 @@ class LLMEngine:
         block_size = wcfg.block_size
         if config.pipeline_parallel_size > 1:
             check_stages_fit(resolved.path, config.pipeline_parallel_size,
-                             config.pipeline_layer_partition)  # type: ignore[arg-type]
+                             config.resolved_layer_partition())
         self.executor: Executor
         if config.resolved_executor() == "ray":
             self.executor = RayExecutor(wcfg, use_gpu=self.device == "cuda")
