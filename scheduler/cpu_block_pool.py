@@ -14,8 +14,10 @@ A block that the step being planned reads or writes is *pinned* until the
 plan is complete (``release_pins``, from ``KVCacheManager.end_step``): its
 content must not be reused within one plan, since the worker applies all
 swap-outs before all swap-ins and a batched copy with repeated destinations
-has no defined winner. Across plans no pin is needed: the engine executes
-them one at a time, in order, so a later plan's copies run after this one's.
+has no defined winner. Across plans no pin is needed: every rank runs plans
+in the order they were made (pipelined plans too: a stage holds only its own
+layers' blocks and takes plans in order), so a later plan's copies run after
+this one's.
 """
 
 from __future__ import annotations
