@@ -118,6 +118,38 @@ def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_ll
         llm.shutdown()
 
 
+def test_pp2_offloaded_prefixes_come_back_with_plans_in_flight(ray_cluster,
+                                                               three_layer_llama) -> None:
+    """KV offloading under pipelined plans: each round sends the next turn of three
+    conversations at once (plans in flight), the pool holds less than one round, and
+    the earlier turns' evicted prefixes come back from every stage's CPU tier with
+    the tokens of a single rank that computes everything."""
+    from tests.cluster.test_kv_offload import PARAMS, conversations
+
+    turns = conversations()
+    rounds = [turns[i:i + 3] for i in range(0, len(turns), 3)]
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [t for r in rounds for t in _tokens(llm.generate(
+            [{"prompt_token_ids": p} for p in r], PARAMS, use_tqdm=False))]
+
+    one = LLM(model=three_layer_llama, num_gpu_blocks=256, enable_prefix_caching=False)
+    try:
+        ref = run(one)
+    finally:
+        one.shutdown()
+    llm = LLM(model=three_layer_llama, pipeline_parallel_size=2, num_gpu_blocks=14,
+              num_offload_blocks=60, block_size=16, num_threads=1)
+    try:
+        assert run(llm) == ref
+        stats = llm.engine.get_stats()
+        assert stats["kv_offload"]["loaded_blocks"] > 0, stats["kv_offload"]
+        assert stats["pipelined_steps"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("depth,partition", [(2, None), (1, None), (2, "1,2")])
 def test_pp2_streams_aborted_mid_generation_free_everything(ray_cluster, three_layer_llama,
                                                             depth: int, partition: str | None
