@@ -18,6 +18,7 @@ from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine_lifecycle import (
     EngineSleepingError,
     calibrate_kv_scales,
+    collect_aborted_plans,
     run_now,
     start_sleep,
     start_update,
@@ -385,6 +386,7 @@ class LLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (level 2: the weights too) until ``wake_up``; idle engines only."""
+        collect_aborted_plans(self)
         run_now(start_sleep(self, level))
 
     def wake_up(self) -> None:
@@ -392,6 +394,7 @@ class LLMEngine:
 
     def update_weights(self, model: str) -> None:
         """Serve another checkpoint of the same architecture; idle engines only."""
+        collect_aborted_plans(self)
         run_now(start_update(self, model))
 
     def reset_prefix_cache(self) -> int:

@@ -53,6 +53,17 @@ def calibrate_kv_scales(engine: LLMEngine) -> None:
         engine.step()
 
 
+def collect_aborted_plans(engine: LLMEngine) -> None:
+    """With no request left, apply the plans still crossing the pipeline stages (an
+    interrupted ``LLM.generate`` aborted their requests), so that a synchronous sleep or
+    weight update finds the engine idle instead of refusing. The async engine's loop
+    collects them itself (``AsyncEngine._settle`` waits for it)."""
+    while (engine.pipeline and not engine._groups
+           and not engine.scheduler.has_unfinished_requests()):
+        plan, output, _ = engine.collect_oldest()
+        engine.process(plan, output)
+
+
 def _check_idle(engine: LLMEngine, what: str) -> None:
     if engine.has_unfinished_requests():
         in_flight = (f" and {len(engine.pipeline)} plans still in flight"

@@ -150,6 +150,34 @@ def test_pp2_offloaded_prefixes_come_back_with_plans_in_flight(ray_cluster,
         llm.shutdown()
 
 
+def test_pp2_offline_sleep_after_an_interrupted_generate(ray_cluster,
+                                                         three_layer_llama) -> None:
+    """An offline batch cut short while two plans cross the stages (what ``LLM.generate``
+    does on Ctrl-C: abort its requests) leaves plans in flight with no request; ``sleep``
+    collects them instead of refusing, and after ``wake_up`` a batch gives HF's tokens."""
+    prompts = prompts_of_mixed_lengths(6)
+    ref = hf_greedy(three_layer_llama, prompts, 12)
+    llm = LLM(model=three_layer_llama, pipeline_parallel_size=2, num_gpu_blocks=64,
+              num_threads=1)
+    try:
+        engine = llm.engine
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        for _ in range(3):  # prompts done, decoding in two micro-batches
+            engine.step()
+        engine.submit_plans()
+        assert len(engine.pipeline) == 2
+        for rid in ids:
+            engine.abort_request(rid)
+        assert engine.pipeline and not engine._groups
+        llm.sleep()
+        llm.wake_up()
+        assert not engine.has_unfinished_requests()
+        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("depth,partition", [(2, None), (1, None), (2, "1,2")])
 def test_pp2_streams_aborted_mid_generation_free_everything(ray_cluster, three_layer_llama,
                                                             depth: int, partition: str | None
