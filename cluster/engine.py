@@ -29,7 +29,12 @@ from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
-from pagedserve.cluster.request_state import RequestState, check_resumed, with_bad_word_ids
+from pagedserve.cluster.request_state import (
+    RequestState,
+    check_request_args,
+    check_resumed,
+    with_bad_word_ids,
+)
 from pagedserve.cluster.step_pipeline import StepPipeline
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
@@ -163,21 +168,10 @@ class LLMEngine:
             raise RuntimeError(f"engine is dead: {self.dead}")
         if self.unavailable is not None:
             raise EngineSleepingError(f"engine is {self.unavailable}")
-        if beam is not None and (params is not None or pooling_params is not None):
-            raise ValueError("a beam search takes BeamSearchParams only (params must be None)")
-        params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if "#" in request_id:
-            raise ValueError("request_id must not contain '#'")
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if export_kv and (beam is not None or pooling_params is not None):
-            raise ValueError("export_kv is for generation requests, not beams or embeddings")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError("priority is set but scheduling_policy is fcfs "
-                             "(start the engine with scheduling_policy='priority')")
+        check_request_args(request_id, self._groups, params, pooling_params, beam,
+                           export_kv, priority, self.config.scheduling_policy)
+        params = params or SamplingParams()
         pool = None
         if pooling_params is None and self.model_info.get("embedding_only"):
             raise ValueError("this model is an embedding model (a base-model checkpoint "

@@ -9,6 +9,7 @@ stop string ended a sequence the scheduler still runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +18,7 @@ from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
 from pagedserve.scheduler.beam import BeamHypothesis
 from pagedserve.scheduler.outputs import RequestUpdate
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -150,6 +152,28 @@ class RequestState:
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs),
                              self.embedding, self.kv_transfer,
                              None if self.prompt_logprobs is None else list(self.prompt_ranks))
+
+
+def check_request_args(request_id: str, in_use: Container[str],
+                       params: SamplingParams | None, pooling_params: PoolingParams | None,
+                       beam: object | None, export_kv: bool, priority: object,
+                       scheduling_policy: str) -> None:
+    """What ``LLMEngine.add_request`` refuses before looking at the prompt: conflicting
+    kinds of request, a request id that is taken or holds the sequence-id separator,
+    and a priority the scheduling policy would ignore."""
+    if beam is not None and (params is not None or pooling_params is not None):
+        raise ValueError("a beam search takes BeamSearchParams only (params must be None)")
+    if "#" in request_id:
+        raise ValueError("request_id must not contain '#'")
+    if request_id in in_use:
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    if export_kv and (beam is not None or pooling_params is not None):
+        raise ValueError("export_kv is for generation requests, not beams or embeddings")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority and scheduling_policy != "priority":
+        raise ValueError("priority is set but scheduling_policy is fcfs "
+                         "(start the engine with scheduling_policy='priority')")
 
 
 def check_resumed(token_ids: list[int] | None, params: SamplingParams, prompt_len: int,

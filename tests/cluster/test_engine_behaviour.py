@@ -120,6 +120,15 @@ def test_requests_that_can_never_fit_and_bad_params_raise_value_error(tiny_llama
         assert not llm.engine.has_unfinished_requests()
         with pytest.raises(ValueError, match="prompt_token_ids"):
             llm.generate([{"text": "t5"}])
+        engine = llm.engine
+        with pytest.raises(ValueError, match="'#'"):
+            engine.add_request([5, 6], request_id="a#0")
+        taken = engine.add_request([5, 6], request_id=f"req-{next(engine._ids) + 1}")
+        with pytest.raises(ValueError, match="already in use"):  # the next generated id
+            engine.add_request([5, 6])
+        with pytest.raises(ValueError, match="priority"):
+            engine.add_request([5, 6], priority=1)
+        engine.abort_request(taken)
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(out[0].outputs[0].token_ids) <= 3
         assert_pool_at_baseline(llm)
