@@ -249,15 +249,22 @@ def test_pp2_beam_search_with_beams_in_two_plans_equals_one_rank(ray_cluster,
     assert got == ref
 
 
-def test_killed_stage_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir) -> None:
+@pytest.mark.parametrize("stage", [1, 0], ids=["sampling stage", "first stage"])
+def test_killed_stage_fails_requests_and_frees_the_pool(ray_cluster, tiny_llama_dir,
+                                                        stage: int) -> None:
+    """Killed with two plans in flight: the engine's next step raises (no plan waits
+    for a predecessor that never comes) and failing everything frees the pool."""
     llm = LLM(model=tiny_llama_dir, pipeline_parallel_size=2, num_gpu_blocks=64,
               num_threads=1)
     try:
         engine = llm.engine
-        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=100, ignore_eos=True),
-                           request_id="victim")
+        for i in range(4):
+            engine.add_request([5, 6, 7, 8 + i], SamplingParams(max_tokens=100,
+                                                                ignore_eos=True))
         engine.step()
-        ray.kill(engine.executor.stages[1][0])  # the sampling stage
+        engine.submit_plans()
+        assert len(engine.pipeline) == 2
+        ray.kill(engine.executor.stages[stage][0])
         with pytest.raises(Exception, match="tensor-parallel group failed"):
             for _ in range(50):
                 engine.step()
