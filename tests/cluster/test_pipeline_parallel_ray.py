@@ -1,7 +1,8 @@
 """Pipeline parallelism over Ray actors: stages of layers, hidden states handed on
 through the object store. Greedy tokens equal Hugging Face's (mixed batches, chunked
 prefill, prefix-cache hits) with one plan per stage in flight, PP x TP equals TP=1,
-preemption gives the same tokens, streams aborted mid-generation free everything,
+logprobs, seeded samples, constraints, stop strings and speculative decoding equal one
+rank's, preemption and KV offloading give the same tokens, streams aborted mid-generation free everything,
 a killed stage fails the engine cleanly, and what stages cannot serve is refused
 before any actor starts."""
 
@@ -116,6 +117,57 @@ def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_ll
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_pp2_sampling_features_equal_one_rank(ray_cluster, three_layer_llama) -> None:
+    """With plans in flight, what the last stage's sampler and the driver do per request
+    gives a single rank's outputs: logprobs and prompt logprobs, seeded ``n=2``, a regex
+    constraint, a stop string, and n-gram speculative decoding under all of them."""
+    from pagedserve.scheduler.sampling_params import StructuredOutputs
+
+    prompts = ["Hello there, how are you", "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3",
+               "The capital of France is", "abc abc abc abc abc"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, prompt_logprobs=1,
+                       ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12,
+                       structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[a-c]")),
+    ]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+    def run(**kw: object) -> tuple[list, dict]:
+        llm = LLM(model=three_layer_llama, num_gpu_blocks=128, num_threads=1,
+                  speculative_config=spec, **kw)
+        try:
+            if len(params) == 3:  # the stop string: a piece of the last prompt's own text
+                (free,) = llm.generate(prompts[3], SamplingParams(temperature=0.0,
+                                                                  max_tokens=20))
+                stop = free.outputs[0].text.strip()[8:12]
+                params.append(SamplingParams(temperature=0.0, max_tokens=20, stop=[stop]))
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert_pool_at_baseline(llm)
+            return outs, llm.engine.get_stats()
+        finally:
+            llm.shutdown()
+
+    ref, _ = run()
+    got, stats = run(pipeline_parallel_size=2)
+    assert stats["pipelined_steps"] > 0 and stats["spec_decode"]["num_draft_tokens"] > 0
+    for r, g in zip(ref, got, strict=True):
+        assert [(c.token_ids, c.text, c.finish_reason) for c in g.outputs] == [
+            (c.token_ids, c.text, c.finish_reason) for c in r.outputs]
+    assert got[2].outputs[0].text[:3].isdigit()
+    assert got[3].outputs[0].finish_reason == "stop"
+
+    def values(lps: list) -> list[float]:
+        return [v for d in lps if d for v in d.values()]
+
+    assert len(values(got[0].outputs[0].logprobs)) >= 24
+    assert values(got[0].outputs[0].logprobs) == pytest.approx(
+        values(ref[0].outputs[0].logprobs), abs=1e-4)
+    assert values(got[0].prompt_logprobs) == pytest.approx(values(ref[0].prompt_logprobs),
+                                                           abs=1e-4)
 
 
 def test_pp2_offloaded_prefixes_come_back_with_plans_in_flight(ray_cluster,
