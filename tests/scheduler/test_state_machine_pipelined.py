@@ -1,0 +1,168 @@
+"""The state machine of ``test_state_machine`` with plans in flight.
+
+Random add / submit / collect / finish / abort sequences with up to two or three
+plans in flight at once (``max_concurrent_batches``, one per pipeline stage), under
+memory pressure, swap or recompute preemption, n-gram drafts and KV offloading.
+The KV simulator executes a plan when it is submitted and its results are applied
+only when it is collected, oldest first, as the stages of a pipeline run them.
+
+After every rule: the invariants of the one-plan machine hold (refcounts, free
+lists, hashes against simulated KV content), plans in flight hold disjoint
+sequences, and no sequence in flight was ever preempted. At teardown every plan is
+collected, every request ended, and the pool must be back at baseline.
+"""
+
+from collections import deque
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.spec_decode import SpeculativeConfig
+from tests.scheduler.helpers import (
+    assert_baseline,
+    check_invariants,
+    make_scheduler,
+    req,
+    run_to_completion,
+)
+
+SHARED_PREFIX = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def _ids(plan: SchedulerOutput) -> set[str]:
+    return {r.request_id for r in plan.scheduled}
+
+
+class PipelinedSchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched = None
+        self.sim = None
+        self.depth = 1
+        self.next_id = 0
+        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+
+    @rule(
+        depth=st.sampled_from([2, 3]),
+        gpu_blocks=st.integers(6, 16),
+        cpu_blocks=st.integers(0, 12),
+        mode=st.sampled_from(["swap", "recompute"]),
+        budget=st.integers(2, 24),
+        spec=st.sampled_from([None, None, 1, 3]),
+        copy_period=st.sampled_from([None, 2, 5]),
+        offload=st.booleans(),
+    )
+    @precondition(lambda self: self.sched is None)
+    def init(self, depth: int, gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
+             spec: int | None, copy_period: int | None, offload: bool) -> None:
+        self.depth = depth
+        self.sched, self.sim = make_scheduler(
+            num_gpu_blocks=gpu_blocks,
+            block_size=4,
+            num_cpu_blocks=cpu_blocks,
+            preemption_mode=mode,
+            max_num_batched_tokens=budget,
+            max_num_seqs=6,
+            speculative_config=None if spec is None else SpeculativeConfig(
+                num_speculative_tokens=spec, prompt_lookup_max=3),
+            copy_period=copy_period,
+            enable_kv_offload=offload and cpu_blocks > 0,
+            max_concurrent_batches=depth,
+        )
+        sched = self.sched
+        preempt = sched._preempt
+
+        def never_in_flight(victim: Request, out: SchedulerOutput) -> None:
+            assert victim.request_id not in sched.in_flight, f"preempted {victim.request_id}"
+            preempt(victim, out)
+
+        sched._preempt = never_in_flight  # type: ignore[method-assign]
+
+    @rule(
+        prompt_len=st.integers(1, 20),
+        shared=st.booleans(),
+        max_tokens=st.integers(1, 10),
+        n=st.integers(1, 3),
+    )
+    @precondition(lambda self: self.sched is not None)
+    def add(self, prompt_len: int, shared: bool, max_tokens: int, n: int) -> None:
+        rid = f"q{self.next_id}"
+        self.next_id += 1
+        tail = [100 + (self.next_id * 13 + j) % 80 for j in range(prompt_len)]
+        prompt = (SHARED_PREFIX + tail) if shared else tail
+        try:
+            self.sched.add_request(req(rid, prompt, max_tokens, n=n, sched=self.sched))
+        except ValueError as e:
+            assert "KV blocks" in str(e)
+
+    def _submit(self) -> SchedulerOutput | None:
+        plan = self.sched.schedule()
+        if plan.is_empty:
+            assert self.in_flight or not self.sched.has_unfinished_requests(), "stuck"
+            return None
+        for other, _ in self.in_flight:
+            assert not _ids(plan) & _ids(other), "a sequence in two plans in flight"
+        self.in_flight.append((plan, self.sim.execute(plan)))
+        return plan
+
+    def _collect(self) -> None:
+        plan, out = self.in_flight.popleft()
+        self.sched.update_from_output(plan, out)
+
+    @rule(times=st.integers(1, 3))
+    @precondition(lambda self: self.sched is not None)
+    def submit(self, times: int) -> None:
+        for _ in range(times):
+            if len(self.in_flight) >= self.depth or self._submit() is None:
+                return
+
+    @rule()
+    @precondition(lambda self: self.sched is not None and self.in_flight)
+    def collect(self) -> None:
+        self._collect()
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.sched is not None and self.sched.groups)
+    def abort(self, data: st.DataObject) -> None:
+        gid = data.draw(st.sampled_from(sorted(self.sched.groups)))
+        self.sched.abort(gid)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.sched is not None and any(
+        r.request_id not in self.sched.in_flight for r in self.sched.running))
+    def finish_by_stop_string(self, data: st.DataObject) -> None:
+        # The engine finds a stop string in a sequence whose results it just applied.
+        r = data.draw(st.sampled_from([r for r in self.sched.running
+                                       if r.request_id not in self.sched.in_flight]))
+        self.sched.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+
+    @rule()
+    @precondition(lambda self: self.sched is not None and len(self.in_flight) < self.depth)
+    def abort_while_in_flight(self) -> None:
+        plan = self._submit()
+        if plan is not None:
+            self.sched.abort(plan.scheduled[-1].request_id.split("#")[0])
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.sched is not None:
+            check_invariants(self.sched, self.sim)
+            assert set(self.sched.in_flight) <= {
+                r.request_id for p, _ in self.in_flight for r in p.scheduled}
+
+    def teardown(self) -> None:
+        if self.sched is not None:
+            while self.in_flight:
+                self._collect()
+            assert not self.sched.in_flight and not self.sched.plans_in_flight
+            run_to_completion(self.sched, self.sim)
+            self.sched.schedule()  # drain finished / aborted id lists
+            assert_baseline(self.sched)
+
+
+TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase
+TestPipelinedSchedulerMachine.settings = settings(max_examples=400, stateful_step_count=50,
+                                                  deadline=None)
