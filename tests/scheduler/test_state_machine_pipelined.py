@@ -143,7 +143,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched is not None and len(self.in_flight) < self.depth)
     def abort_while_in_flight(self) -> None:
         plan = self._submit()
-        if plan is not None:
+        if plan is not None and plan.scheduled:  # (a plan may carry only swaps)
             self.sched.abort(plan.scheduled[-1].request_id.split("#")[0])
 
     @invariant()
