@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hypothesis import strategies as st
+
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -47,6 +49,59 @@ def make_scheduler(
         speculative_config,
     )
     return sched, KVSim(num_gpu_blocks, num_cpu_blocks, block_size, copy_period)
+
+
+SHARED_PREFIX = [5, 6, 7, 8, 9, 10, 11, 12]
+
+# What the state machines draw for ``machine_scheduler`` and ``add_numbered``.
+SCHEDULER_DRAWS = {
+    "gpu_blocks": st.integers(8, 24),
+    "cpu_blocks": st.integers(0, 12),
+    "mode": st.sampled_from(["swap", "recompute"]),
+    "budget": st.integers(2, 24),
+    "spec": st.sampled_from([None, None, 1, 3]),
+    "copy_period": st.sampled_from([None, 2, 5]),
+    "offload": st.booleans(),
+}
+REQUEST_DRAWS = {
+    "prompt_len": st.integers(1, 20),
+    "shared": st.booleans(),
+    "max_tokens": st.integers(1, 10),
+    "n": st.integers(1, 3),
+    "salt": st.sampled_from([None, None, "t1"]),
+}
+
+
+def machine_scheduler(gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
+                      spec: int | None, copy_period: int | None, offload: bool,
+                      depth: int = 1) -> tuple[Scheduler, KVSim]:
+    """The state machines' scheduler: blocks of 4 tokens, six seats, ``depth`` plans in
+    flight at most, n-gram drafts of ``spec`` tokens, offloading when there is a CPU tier."""
+    return make_scheduler(
+        num_gpu_blocks=gpu_blocks,
+        block_size=4,
+        num_cpu_blocks=cpu_blocks,
+        preemption_mode=mode,
+        max_num_batched_tokens=budget,
+        max_num_seqs=6,
+        speculative_config=None if spec is None else SpeculativeConfig(
+            num_speculative_tokens=spec, prompt_lookup_max=3),
+        copy_period=copy_period,
+        enable_kv_offload=offload and cpu_blocks > 0,
+        max_concurrent_batches=depth,
+    )
+
+
+def add_numbered(sched: Scheduler, number: int, prompt_len: int, shared: bool,
+                 max_tokens: int, n: int, salt: str | None = None) -> None:
+    """Request ``q<number>``: tokens of its own, after the shared prefix or not; one
+    that could never fit the pool is refused (and nothing else may be)."""
+    tail = [100 + ((number + 1) * 13 + j) % 80 for j in range(prompt_len)]
+    prompt = (SHARED_PREFIX + tail) if shared else tail
+    try:
+        sched.add_request(req(f"q{number}", prompt, max_tokens, n=n, salt=salt, sched=sched))
+    except ValueError as e:
+        assert "KV blocks" in str(e)
 
 
 def req(

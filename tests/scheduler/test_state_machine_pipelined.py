@@ -20,16 +20,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus
-from pagedserve.scheduler.spec_decode import SpeculativeConfig
 from tests.scheduler.helpers import (
+    REQUEST_DRAWS,
+    SCHEDULER_DRAWS,
+    add_numbered,
     assert_baseline,
     check_invariants,
-    make_scheduler,
-    req,
+    machine_scheduler,
     run_to_completion,
 )
 
-SHARED_PREFIX = [5, 6, 7, 8, 9, 10, 11, 12]
+# Tighter pools than the one-plan machine's: a sequence in flight that would be the
+# preemption victim is then common enough to be drawn.
+DRAWS = {**SCHEDULER_DRAWS, "gpu_blocks": st.integers(6, 16), "depth": st.sampled_from([2, 3])}
 
 
 def _ids(plan: SchedulerOutput) -> set[str]:
@@ -45,33 +48,13 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
 
-    @rule(
-        depth=st.sampled_from([2, 3]),
-        gpu_blocks=st.integers(6, 16),
-        cpu_blocks=st.integers(0, 12),
-        mode=st.sampled_from(["swap", "recompute"]),
-        budget=st.integers(2, 24),
-        spec=st.sampled_from([None, None, 1, 3]),
-        copy_period=st.sampled_from([None, 2, 5]),
-        offload=st.booleans(),
-    )
+    @rule(**DRAWS)
     @precondition(lambda self: self.sched is None)
     def init(self, depth: int, gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
              spec: int | None, copy_period: int | None, offload: bool) -> None:
         self.depth = depth
-        self.sched, self.sim = make_scheduler(
-            num_gpu_blocks=gpu_blocks,
-            block_size=4,
-            num_cpu_blocks=cpu_blocks,
-            preemption_mode=mode,
-            max_num_batched_tokens=budget,
-            max_num_seqs=6,
-            speculative_config=None if spec is None else SpeculativeConfig(
-                num_speculative_tokens=spec, prompt_lookup_max=3),
-            copy_period=copy_period,
-            enable_kv_offload=offload and cpu_blocks > 0,
-            max_concurrent_batches=depth,
-        )
+        self.sched, self.sim = machine_scheduler(gpu_blocks, cpu_blocks, mode, budget, spec,
+                                                 copy_period, offload, depth)
         sched = self.sched
         preempt = sched._preempt
 
@@ -81,22 +64,12 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
 
         sched._preempt = never_in_flight  # type: ignore[method-assign]
 
-    @rule(
-        prompt_len=st.integers(1, 20),
-        shared=st.booleans(),
-        max_tokens=st.integers(1, 10),
-        n=st.integers(1, 3),
-    )
+    @rule(**REQUEST_DRAWS)
     @precondition(lambda self: self.sched is not None)
-    def add(self, prompt_len: int, shared: bool, max_tokens: int, n: int) -> None:
-        rid = f"q{self.next_id}"
+    def add(self, prompt_len: int, shared: bool, max_tokens: int, n: int,
+            salt: str | None) -> None:
+        add_numbered(self.sched, self.next_id, prompt_len, shared, max_tokens, n, salt)
         self.next_id += 1
-        tail = [100 + (self.next_id * 13 + j) % 80 for j in range(prompt_len)]
-        prompt = (SHARED_PREFIX + tail) if shared else tail
-        try:
-            self.sched.add_request(req(rid, prompt, max_tokens, n=n, sched=self.sched))
-        except ValueError as e:
-            assert "KV blocks" in str(e)
 
     def _submit(self) -> SchedulerOutput | None:
         plan = self.sched.schedule()
