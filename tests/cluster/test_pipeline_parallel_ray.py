@@ -1,10 +1,10 @@
 """Pipeline parallelism over Ray actors: stages of layers, hidden states handed on
 through the object store. Greedy tokens equal Hugging Face's (mixed batches, chunked
 prefill, prefix-cache hits) with one plan per stage in flight, PP x TP equals TP=1,
-logprobs, seeded samples, constraints, stop strings and speculative decoding equal one
-rank's, preemption and KV offloading give the same tokens, streams aborted mid-generation free everything,
-a killed stage fails the engine cleanly, and what stages cannot serve is refused
-before any actor starts."""
+logprobs, seeded samples, constraints, stop strings and speculative decoding equal
+one rank's, preemption and KV offloading give the same tokens, streams aborted
+mid-generation free everything, a killed stage fails the engine cleanly, and what
+stages cannot serve is refused before any actor starts."""
 
 from __future__ import annotations
 
