@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -20,9 +19,8 @@ from pydantic import BaseModel, ConfigDict
 from pagedserve.cluster.aio import gather_or_cancel
 from pagedserve.cluster.protocol import APIError, as_batch
 from pagedserve.cluster.replica_calls import call_on_replicas
+from pagedserve.cluster.text_pairs import MAX_INPUTS, pair_texts
 from pagedserve.cluster.wire import EngineRequest
-
-MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
 
 class EmbeddingRequest(BaseModel):
@@ -99,23 +97,6 @@ class ScoreRequest(_TextPairs):
             return pair_texts(self.text_1, self.text_2)
         except ValueError as e:
             raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
-
-
-def pair_texts(first: str | Sequence[str], second: str | Sequence[str],
-               names: tuple[str, str] = ("text_1", "text_2")) -> tuple[list[str], list[str]]:
-    """vLLM's score pairing: one first text against each second one, or two lists of
-    the same length pairwise; a ``ValueError`` that starts with the field's name."""
-    seconds = [second] if isinstance(second, str) else list(second)
-    firsts = [first] * len(seconds) if isinstance(first, str) else list(first)
-    for name, texts in ((names[1], seconds), (names[0], firsts)):
-        if not texts or not all(isinstance(t, str) and t for t in texts):
-            raise ValueError(f"{name} must be a non-empty text or list of non-empty texts")
-    if len(firsts) != len(seconds):
-        raise ValueError(f"{names[0]} has {len(firsts)} texts and {names[1]} "
-                         f"{len(seconds)}: give one, or as many as {names[1]}")
-    if len(seconds) > MAX_INPUTS:
-        raise ValueError(f"{names[1]} may hold at most {MAX_INPUTS} texts")
-    return firsts, seconds
 
 
 class RerankRequest(_TextPairs):

@@ -7,7 +7,6 @@ from typing import Any
 
 from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_sequences
 from pagedserve.cluster.config import EngineConfig
-from pagedserve.cluster.embeddings import pair_texts
 from pagedserve.cluster.engine import LLMEngine
 from pagedserve.cluster.outputs import (
     EmbeddingOutput,
@@ -16,6 +15,7 @@ from pagedserve.cluster.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from pagedserve.cluster.text_pairs import pair_texts
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams

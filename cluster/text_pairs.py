@@ -1,0 +1,26 @@
+"""Inputs shared by the offline ``LLM`` and the HTTP pooling routes: OpenAI's limit on
+inputs per request and vLLM's score pairing. It imports neither Ray nor pydantic, so the
+offline engine runs where only torch is installed (the GPU check's machine, say)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+def pair_texts(first: str | Sequence[str], second: str | Sequence[str],
+               names: tuple[str, str] = ("text_1", "text_2")) -> tuple[list[str], list[str]]:
+    """vLLM's score pairing: one first text against each second one, or two lists of
+    the same length pairwise; a ``ValueError`` that starts with the field's name."""
+    seconds = [second] if isinstance(second, str) else list(second)
+    firsts = [first] * len(seconds) if isinstance(first, str) else list(first)
+    for name, texts in ((names[1], seconds), (names[0], firsts)):
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise ValueError(f"{name} must be a non-empty text or list of non-empty texts")
+    if len(firsts) != len(seconds):
+        raise ValueError(f"{names[0]} has {len(firsts)} texts and {names[1]} "
+                         f"{len(seconds)}: give one, or as many as {names[1]}")
+    if len(seconds) > MAX_INPUTS:
+        raise ValueError(f"{names[1]} may hold at most {MAX_INPUTS} texts")
+    return firsts, seconds
