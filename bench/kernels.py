@@ -180,7 +180,11 @@ def sweep(args, device: torch.device, reps: int) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     scale = 1 / math.sqrt(d)
     _, peak = device_peak(device)
-    shapes = ((256, 8192), (64, 8192)) if device.type == "cuda" else ((2, 40),)
+    shapes = (((256, 8192), (64, 8192), (256, 2048), (64, 2048)) if device.type == "cuda"
+              else ((2, 40),))
+    if args.batches or args.contexts:
+        shapes = tuple((s, c) for s in args.batches or [256, 64]
+                       for c in args.contexts or [8192, 2048])
     settings = LAUNCH_SWEEP if device.type == "cuda" else LAUNCH_SWEEP[:2]
     rows = []
     for s, ctx in shapes:

@@ -137,6 +137,23 @@ def test_triton_launch_overrides_keep_results(block_n: int) -> None:
         TritonBackend("cpu", num_stages=0)
 
 
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton (interpreter)")
+def test_triton_decode_takes_two_stages_only_when_it_fills_the_gpu() -> None:
+    """The launch rule the H200 sweep chose: two pipeline stages for unsplit decode over
+    at least ``DECODE_STAGES2_WAVES`` waves of programs; Triton's default elsewhere."""
+    from pagedserve.kernels.triton_backend import DECODE_STAGES2_WAVES, TritonBackend
+
+    be = TritonBackend("cpu")
+    be._num_sms = 132
+    many = DECODE_STAGES2_WAVES * 132
+    assert be._stages(many, 1, 16) == {"num_stages": 2}
+    assert be._stages(many - 1, 1, 16) == {}  # 64 sequences x 3 KV heads were slower
+    assert be._stages(many, 2, 16) == {}  # split K: few programs per split
+    assert be._stages(many, 1, 64) == {}  # prefill tiles
+    assert TritonBackend("cpu", num_stages=3)._stages(many, 1, 16) == {"num_stages": 3}
+    assert TritonBackend("cpu")._stages(many, 1, 16) == {}  # SM count unknown (no CUDA)
+
+
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_empty_batches(name: str) -> None:
     be = get_backend(name, "cpu")
