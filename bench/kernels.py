@@ -167,6 +167,9 @@ def run_case(kind: str, q_lens, k_lens, args, device, backends, reps) -> list[di
     return rows
 
 
+SWEEP_SPLITS = (2, 4)
+
+
 def sweep(args, device: torch.device, reps: int) -> list[dict]:
     """Triton decode for every ``LAUNCH_SWEEP`` setting, long contexts (tiny ones on CPU,
     where only the interpreter runs: a plumbing check, not a measurement).
@@ -185,7 +188,11 @@ def sweep(args, device: torch.device, reps: int) -> list[dict]:
     if args.batches or args.contexts:
         shapes = tuple((s, c) for s in args.batches or [256, 64]
                        for c in args.contexts or [8192, 2048])
-    settings = LAUNCH_SWEEP if device.type == "cuda" else LAUNCH_SWEEP[:2]
+    launches = LAUNCH_SWEEP if device.type == "cuda" else LAUNCH_SWEEP[:2]
+    # Then the default launch with a forced K split: at 64 sequences x 3 KV heads the
+    # grid is 1.5 waves of an H200 unsplit, the case the launch settings did not fix.
+    settings = [{"block_n": n, "num_warps": w, "num_stages": st} for n, w, st in launches]
+    settings += [{"num_splits": sp} for sp in (SWEEP_SPLITS if device.type == "cuda" else ())]
     rows = []
     for s, ctx in shapes:
         g = torch.Generator().manual_seed(s * ctx)
@@ -197,24 +204,24 @@ def sweep(args, device: torch.device, reps: int) -> list[dict]:
         args_ = (b.q, b.key_cache, b.value_cache, b.block_table, lens, scale)
         ref = TritonBackend(device).decode_attention(*args_).float()
         best = None
-        for n, w, st in settings:
-            be = TritonBackend(device, block_n=n, num_warps=w, num_stages=st)
+        for launch in settings:
+            be = TritonBackend(device, **launch)
             ok = torch.allclose(be.decode_attention(*args_).float(), ref, atol=2e-2, rtol=0)
             t = time_interleaved({"t": lambda be=be, a=args_: be.decode_attention(*a)}, device,
                                  reps)["t"]
-            row = {"kind": "sweep", "batch": s, "context": ctx, "block_n": n, "num_warps": w,
-                   "num_stages": st, "ms": t * 1e3, "kv_GBps": kv_bytes / t / 1e9,
+            row = {"kind": "sweep", "batch": s, "context": ctx, **launch, "ms": t * 1e3,
+                   "kv_GBps": kv_bytes / t / 1e9,
                    "peak_frac": kv_bytes / t / peak if peak else None, "matches": ok}
+            label = " ".join(f"{k.removeprefix('num_')}={v}" for k, v in launch.items())
             frac = f"  {100 * row['peak_frac']:5.1f}% of peak" if peak else ""
-            print(f"sweep batch={s:4d} ctx={ctx:5d} block_n={n:3d} warps={w} stages={st} "
+            print(f"sweep batch={s:4d} ctx={ctx:5d} {label:30s} "
                   f"{row['ms']:8.3f} ms {row['kv_GBps']:8.1f} GB/s{frac}"
                   f"{'' if ok else '  WRONG OUTPUT'}", flush=True)
             rows.append(row)
             if ok and (best is None or t < best[0]):
-                best = (t, n, w, st)
+                best = (t, label)
         if best is not None:
-            print(f"sweep batch={s} ctx={ctx}: fastest block_n={best[1]} num_warps={best[2]} "
-                  f"num_stages={best[3]}", flush=True)
+            print(f"sweep batch={s} ctx={ctx}: fastest {best[1]}", flush=True)
     return rows
 
 
