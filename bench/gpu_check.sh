@@ -3,7 +3,8 @@
 # oracle; the engine's Hugging Face parity, CUDA-graph decode, gpu_memory_utilization
 # profiling and swap preemption), then the kernel benchmark, then offline throughput
 # against Hugging Face generate / generate_batch on a random SmolLM2-135M-shaped model,
-# then (last, least needed) the Triton decode launch-setting sweep at 2048- and 8192-token contexts.
+# then (last, least needed) the Triton decode launch-setting sweep at 2048- and 8192-key
+# contexts (keys per step, warps, pipeline stages, forced K splits).
 #
 # Usage: bash bench/gpu_check.sh [--quick]   (the kernel benchmark's flag; default --quick)
 # Writes bench/results/{kernels_gpu,offline_gpu,sweep_gpu}.json, and copies them and the

@@ -2,9 +2,10 @@
 pytest but none of the serving stack: its test files collect, and the offline engine
 imports, with Ray, FastAPI, pydantic, gguf, xgrammar and the default model's package
 absent; and the package reached through the script's links (site/pagedserve/kernels ->
-the checkout) never takes ``bench/kernels.py`` for the bare ``kernels`` name. Both broke
-the first H200 window (an embeddings import pulled Ray into ``LLM``; the link hid the
-checkout from :func:`hand_over_bare_name`, which recursed through the benchmark file)."""
+the checkout) never takes ``bench/kernels.py`` for the bare ``kernels`` name. Before the
+first H200 window an embeddings import pulled Ray into ``LLM`` (found by hiding those
+packages here, as these tests do); in it, the link hid the checkout from
+:func:`hand_over_bare_name`, which recursed through the benchmark file."""
 
 from __future__ import annotations
 

@@ -180,9 +180,9 @@ def test_cuda_preemption_gives_the_same_tokens(tiny_dir, engines, mode: str) -> 
 @cuda_only
 def test_cuda_seeded_parallel_sampling_is_reproducible(tiny_dir, engines) -> None:
     """Sample ``i`` of ``n`` draws from seed ``seed + i``, so the same call gives the same
-    samples. On CUDA that holds for the same shapes only (``batch_invariant`` is CPU-only:
-    cuBLAS picks kernels by row count, and a prefix-cache hit prefills fewer rows), so the
-    cache is off, and a request alone matches its sample's first token: the prefill that
+    samples. On CUDA that holds for the same shapes only (``batch_invariant`` is CPU-only;
+    cuBLAS may pick kernels by row count, and a prefix-cache hit prefills fewer rows), so
+    the cache is off, and a request alone matches its sample's first token: the prefill that
     draws it has the same rows in both. (On an H200 with the cache on, the repeat differed
     in one sample from its fifth token: a neighbouring token id, a draw at a CDF boundary.)
     """
