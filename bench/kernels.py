@@ -167,7 +167,7 @@ def run_case(kind: str, q_lens, k_lens, args, device, backends, reps) -> list[di
     return rows
 
 
-SWEEP_SPLITS = (2, 4)
+SWEEP_SPLITS = (1, 2, 4, 8)
 
 
 def sweep(args, device: torch.device, reps: int) -> list[dict]:
@@ -189,8 +189,9 @@ def sweep(args, device: torch.device, reps: int) -> list[dict]:
         shapes = tuple((s, c) for s in args.batches or [256, 64]
                        for c in args.contexts or [8192, 2048])
     launches = LAUNCH_SWEEP if device.type == "cuda" else LAUNCH_SWEEP[:2]
-    # Then the default launch with a forced K split: at 64 sequences x 3 KV heads the
-    # grid is 1.5 waves of an H200 unsplit, the case the launch settings did not fix.
+    # Then the default launch with a forced K split. At 64 sequences x 3 KV heads the
+    # grid is 1.5 waves of an H200 unsplit, which the launch settings did not fix; the
+    # default now splits it in 4 (plan_splits), so splits=1 is the old launch.
     settings = [{"block_n": n, "num_warps": w, "num_stages": st} for n, w, st in launches]
     settings += [{"num_splits": sp} for sp in (SWEEP_SPLITS if device.type == "cuda" else ())]
     rows = []

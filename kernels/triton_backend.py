@@ -31,11 +31,17 @@ _MIN_KEYS_PER_SPLIT = 256
 # num_stages), likelier winners for bandwidth-bound decode first (a time limit may cut
 # the sweep short); every one compiles for sm_90 (tests/kernels/_aot_compile.py).
 LAUNCH_SWEEP = tuple((n, w, s) for n in (64, 128, 32) for w in (4, 8) for s in (3, 4, 2))
-# Decode launches with at least this many programs per multiprocessor (and no K split)
-# take two pipeline stages: less shared memory per program, more programs resident.
-# On an H200 (bench/figures/sweep_h200.json, 3 KV heads) that ran 1.39x / 1.35x faster
-# at 256 sequences of 8192 / 2048 keys (5.8 waves) and 0.93x / 0.97x at 64 (1.5 waves).
-DECODE_STAGES2_WAVES = 4
+# Decode fills the GPU at this many programs per multiprocessor. Launches that reach it
+# take two pipeline stages: less shared memory per program, more programs resident. On
+# an H200 (bench/figures/sweep_h200.json, 3 KV heads) that ran 1.39x / 1.35x faster at
+# 256 sequences of 8192 / 2048 keys (5.8 waves) and 0.93x / 0.97x at 64 (1.5 waves).
+DECODE_FULL_WAVES = 4
+# Decode grids between one and DECODE_FULL_WAVES waves split K up to that many waves,
+# each split keeping at least this many keys (the combine launch must stay small beside
+# it). Why: 64 sequences x 8192 keys unsplit is 192 programs of 8192 keys and ran at 35%
+# of HBM; split 4 it is 768 programs of <= 2048 keys, the grid and per-program work of
+# 256 x 2048 unsplit, which ran at 69-71% with two stages (same bytes read).
+_MIN_KEYS_PER_FILL_SPLIT = 1024
 # The attention kernel's KV_FP8 flag: fp8 caches arrive as uint8 bytes, decoded in-kernel.
 _KV_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
@@ -126,17 +132,17 @@ class TritonBackend(AttentionBackend):
             )
 
     # ------------------------------------------------------------ attention
-    def _splits(self, programs: int, max_k: int) -> int:
+    def _splits(self, programs: int, max_k: int, block_m: int) -> int:
         if self.num_splits is not None:
             return self.num_splits
-        if _interpreting() or not torch.cuda.is_available():
-            return 1
-        if self._num_sms is None:
+        sms = self._sms()
+        return 1 if sms is None else plan_splits(programs, max_k, block_m, sms)
+
+    def _sms(self) -> int | None:
+        """The GPU's multiprocessor count; None under the interpreter (no launch rules)."""
+        if self._num_sms is None and not _interpreting() and torch.cuda.is_available():
             self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        if programs >= self._num_sms:
-            return 1
-        want = min(triton.cdiv(2 * self._num_sms, programs), triton.cdiv(max_k, _MIN_KEYS_PER_SPLIT))
-        return max(1, min(16, 1 << int(math.log2(max(want, 1)))))
+        return self._num_sms
 
     def _launch(
         self,
@@ -167,7 +173,7 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q) if tq == total_q else torch.zeros_like(q)
         if n_tiles == 0:
             return out
-        splits = self._splits(n_tiles * hkv, max_k)
+        splits = self._splits(n_tiles * hkv, max_k, block_m)
         interp = _interpreting()
         kv_fp8 = _KV_FP8.get(key_cache.dtype, 0)
         # Tensor-core dots need K/V in the query's 16-bit dtype: fp8 widens to it exactly,
@@ -205,11 +211,12 @@ class TritonBackend(AttentionBackend):
 
     def _stages(self, programs: int, splits: int, block_m: int) -> dict[str, int]:
         """``num_stages`` for a launch: the override, else 2 for decode tiles (fewer than
-        64 rows) spread over ``DECODE_STAGES2_WAVES`` waves unsplit, else Triton's own."""
+        64 rows) whose ``programs x splits`` grid spans ``DECODE_FULL_WAVES`` waves, else
+        Triton's own."""
         if self.num_stages is not None:
             return {"num_stages": self.num_stages}
-        if (splits == 1 and block_m < 64 and self._num_sms
-                and programs >= DECODE_STAGES2_WAVES * self._num_sms):
+        sms = self._sms()
+        if block_m < 64 and sms and programs * splits >= DECODE_FULL_WAVES * sms:
             return {"num_stages": 2}
         return {}
 
@@ -264,6 +271,28 @@ class TritonBackend(AttentionBackend):
             tile_seq.to(dev, torch.int32), tile_qoff.to(dev, torch.int32),
             block_m, md.max_length_k, sum(q_lens), scale,
         )
+
+
+def plan_splits(programs: int, max_k: int, block_m: int, num_sms: int) -> int:
+    """Split-K factor for a grid of ``programs`` (tiles x KV heads) on ``num_sms`` SMs.
+
+    Fewer programs than SMs: split towards two waves (>= ``_MIN_KEYS_PER_SPLIT`` keys
+    each, at most 16 splits). Decode tiles (``block_m`` < 64) short of
+    ``DECODE_FULL_WAVES`` waves: split up to that (>= ``_MIN_KEYS_PER_FILL_SPLIT`` keys
+    each), since a short grid of long programs leaves HBM idle behind its slowest
+    programs. Prefill tiles past one wave are compute-bound and stay whole: their
+    partials would be as large as the output.
+    """
+    if programs < num_sms:
+        want = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_k, _MIN_KEYS_PER_SPLIT))
+        return max(1, min(16, 1 << int(math.log2(max(want, 1)))))
+    full = DECODE_FULL_WAVES * num_sms
+    if block_m >= 64 or programs >= full:
+        return 1
+    cap = max_k // _MIN_KEYS_PER_FILL_SPLIT
+    if cap < 2:
+        return 1
+    return min(next_pow2(triton.cdiv(full, programs)), 1 << int(math.log2(cap)))
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

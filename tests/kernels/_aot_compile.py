@@ -125,6 +125,9 @@ def main(archs: list[int]) -> None:
             for dt, g, d in (("fp16", 3, 64), ("bf16", 4, 128)):
                 for block_n, warps, stages in LAUNCH_SWEEP:
                     build_attention(target, dt, g, d, 1, 1, block_n, warps, stages)
+                # The default decode launch for a grid short of DECODE_FULL_WAVES waves:
+                # K split in 4 with two stages (64 sequences x 3 KV heads on 132 SMs).
+                build_attention(target, dt, g, d, 1, 4, num_stages=2)
         build(_combine_kernel, {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
               dict(HEAD_DIM=80, BLOCK_D=128, NUM_SPLITS=3, SPLITS_P2=4), target)
         build(_store_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32",

@@ -139,19 +139,49 @@ def test_triton_launch_overrides_keep_results(block_n: int) -> None:
 
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton (interpreter)")
 def test_triton_decode_takes_two_stages_only_when_it_fills_the_gpu() -> None:
-    """The launch rule the H200 sweep chose: two pipeline stages for unsplit decode over
-    at least ``DECODE_STAGES2_WAVES`` waves of programs; Triton's default elsewhere."""
-    from pagedserve.kernels.triton_backend import DECODE_STAGES2_WAVES, TritonBackend
+    """The launch rule the H200 sweep chose: two pipeline stages for decode whose grid
+    (split K included) spans ``DECODE_FULL_WAVES`` waves; Triton's default elsewhere."""
+    from pagedserve.kernels.triton_backend import DECODE_FULL_WAVES, TritonBackend
 
     be = TritonBackend("cpu")
     be._num_sms = 132
-    many = DECODE_STAGES2_WAVES * 132
+    many = DECODE_FULL_WAVES * 132
     assert be._stages(many, 1, 16) == {"num_stages": 2}
     assert be._stages(many - 1, 1, 16) == {}  # 64 sequences x 3 KV heads were slower
-    assert be._stages(many, 2, 16) == {}  # split K: few programs per split
+    assert be._stages(192, 4, 16) == {"num_stages": 2}  # the same grid, split K
+    assert be._stages(96, 4, 16) == {}
     assert be._stages(many, 1, 64) == {}  # prefill tiles
     assert TritonBackend("cpu", num_stages=3)._stages(many, 1, 16) == {"num_stages": 3}
     assert TritonBackend("cpu")._stages(many, 1, 16) == {}  # SM count unknown (no CUDA)
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton (interpreter)")
+def test_triton_split_rule_fills_short_decode_grids() -> None:
+    """K splits on an H200-sized GPU (132 SMs), 3 KV heads. Under one wave: towards two
+    waves, >= 256 keys a split. Decode between one and ``DECODE_FULL_WAVES`` waves: up
+    to that many, >= 1024 keys a split (64 x 8192 becomes the grid of 256 x 2048).
+    Prefill past one wave, and full decode grids, stay whole."""
+    from pagedserve.kernels.triton_backend import DECODE_FULL_WAVES, TritonBackend, plan_splits
+
+    sms = 132
+    assert plan_splits(8 * 3, 8192, 16, sms) == 8
+    assert plan_splits(8 * 3, 512, 16, sms) == 2
+    assert plan_splits(8 * 3, 200, 16, sms) == 1
+    assert plan_splits(64 * 3, 8192, 16, sms) == 4
+    assert plan_splits(64 * 3, 2048, 16, sms) == 2
+    assert plan_splits(64 * 3, 1500, 16, sms) == 1
+    assert plan_splits(128 * 3, 8192, 16, sms) == 2
+    assert plan_splits(176 * 3, 8192, 16, sms) == 1
+    assert plan_splits(64 * 3, 8192, 64, sms) == 1
+    for programs in range(sms, DECODE_FULL_WAVES * sms):
+        splits = plan_splits(programs, 1 << 20, 16, sms)
+        assert splits & (splits - 1) == 0
+        assert DECODE_FULL_WAVES * sms <= programs * splits < 2 * DECODE_FULL_WAVES * sms
+    be = TritonBackend("cpu")
+    be._num_sms = sms
+    assert be._splits(64 * 3, 8192, 16) == 4
+    assert TritonBackend("cpu", num_splits=3)._splits(64 * 3, 8192, 16) == 3
+    assert TritonBackend("cpu")._splits(64 * 3, 8192, 16) == 1  # interpreter: no rule
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)

@@ -57,9 +57,30 @@ def test_gpu_triton_long_decode_uses_split_k() -> None:
 
     be = TritonBackend("cuda")
     k_lens = [4000, 1, 2500, 17]
-    assert be._splits(len(k_lens) * 2, 4096) > 1
+    assert be._splits(len(k_lens) * 2, 4096, 16) > 1
     b = make_paged_batch([1] * 4, k_lens, 8, 2, 128, 16, device="cuda", garbage=3.0)
     check_against_oracle(be, b, GPU_TOL[torch.float32], decode=True, device="cuda")
+
+
+def test_gpu_triton_decode_fills_a_short_grid_with_split_k() -> None:
+    """A decode grid of 1.5 waves (64 sequences x 3 KV heads on an H200) at long
+    contexts: the default launch splits K (two stages once the split grid fills the
+    GPU) and still matches the oracle, ragged lengths and empty splits included."""
+    if "triton" not in _backends():
+        pytest.skip("triton unavailable")
+    from pagedserve.kernels.triton_backend import TritonBackend
+
+    be = TritonBackend("cuda")
+    hkv, block_size = 3, 16
+    seqs = -(-3 * be._sms() // (2 * hkv))
+    g = torch.Generator().manual_seed(7)
+    k_lens = (4096 - torch.randint(0, 4000, (seqs,), generator=g)).tolist()
+    k_lens[0], k_lens[1] = 4096, 1
+    b = make_paged_batch([1] * seqs, k_lens, 3 * hkv, hkv, 64, block_size,
+                         dtype=torch.float16, device="cuda", extra_blocks=0, garbage=3.0)
+    splits = be._splits(seqs * hkv, b.block_table.shape[1] * block_size, 16)
+    assert splits == 4 and be._stages(seqs * hkv, splits, 16) == {"num_stages": 2}
+    check_against_oracle(be, b, GPU_TOL[torch.float16], decode=True, device="cuda")
 
 
 @pytest.mark.parametrize("name", ["torch", "triton", "flash"])
