@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline import make_prompts  # the offline benchmark's prompts
 
 from pagedserve.cluster import LLM, SamplingParams
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_fused
 from pagedserve.kernels.cpu_backend import CpuNativeBackend
 from pagedserve.worker import model_runner, sampler
 from pagedserve.worker.layers import attention, norm, packed, rotary
@@ -40,7 +40,7 @@ PARTS = [  # (owner, attribute, label)
     (CpuNativeBackend, "store_kv", "  of which the K/V store"),
     (norm.RMSNorm, "forward", "RMSNorm"),
     (rotary.RotaryEmbedding, "apply", "RoPE"),
-    (cpu_native, "silu_and_mul", "SiLU-and-multiply"),
+    (cpu_fused, "silu_and_mul", "SiLU-and-multiply"),
     (sampler.Sampler, "sample", "sampling"),
     (model_runner.ModelRunner, "prepare_inputs", "input preparation"),
 ]
