@@ -148,6 +148,7 @@ class LLMEngine:
         beam: BeamSearchParams | None = None,
         export_kv: bool = False,
         resumed_token_ids: list[int] | None = None,
+        final_only: bool = False,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem.
 
@@ -162,7 +163,9 @@ class LLMEngine:
         engine began and lost (a dead replica, see ``resume``): those tokens are its
         first outputs, recomputed as a preempted request's are, and its outputs carry
         them (text included; logprobs ``{}``, not recomputed), so greedy and seeded
-        requests end as they would have where they started.
+        requests end as they would have where they started. With ``final_only``
+        ``step`` returns the request once, finished (vLLM's ``FINAL_ONLY``, what
+        ``LLM.generate`` reads): no per-step snapshot is copied out for it.
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -204,6 +207,7 @@ class LLMEngine:
         group = RequestState.start(request_id, prompt if isinstance(prompt, str) else None,
                                    ids, params, n_out, self.tokenizer, pool,
                                    (cache_salt, lora_request) if export_kv else None, resumed)
+        group.final_only = final_only
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
                                           cache_salt, lora_request, priority, pooling_params,
                                           beam)
@@ -279,7 +283,8 @@ class LLMEngine:
 
     def process(self, plan: SchedulerOutput, output: ModelRunnerOutput | None
                 ) -> list[RequestOutput]:
-        """Apply sampled tokens; returns a snapshot of every request that progressed."""
+        """Apply sampled tokens; returns a snapshot of every request that progressed
+        (a ``final_only`` one only once it has finished)."""
         updates = self.scheduler.update_from_output(plan, output)
         self.stats["steps"] += 1
         for name, n in (output.counters if output else {}).items():
@@ -304,11 +309,13 @@ class LLMEngine:
                 self.scheduler.finish_request(u.request_id, RequestStatus.FINISHED_STOPPED)
         results = []
         for rid, group in touched.items():
-            if group.finished and group.kv_export is not None:  # before a step reuses them
+            finished = group.finished
+            if finished and group.kv_export is not None:  # before a step reuses them
                 group.kv_transfer = export_prompt_kv(self, group.prompt_token_ids,
                                                      *group.kv_export)
-            results.append(group.snapshot())
-            if group.finished:
+            if finished or not group.final_only:
+                results.append(group.snapshot())
+            if finished:
                 self._groups.pop(rid, None)
                 for i, _ in enumerate(group.seqs):
                     self._seq_to_group.pop(sequence_id(rid, i), None)

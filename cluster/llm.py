@@ -203,8 +203,8 @@ class LLM:
         is left to run, and hold blocks, during a later call) and raise."""
         ids: list[str] = []
         try:
-            for prompt, kwargs in requests:
-                ids.append(self.engine.add_request(prompt, **kwargs))
+            for prompt, kwargs in requests:  # ``_run`` reads finished outputs only
+                ids.append(self.engine.add_request(prompt, **kwargs, final_only=True))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -46,6 +46,7 @@ class RequestState:
     embedding: list[float] | None = None
     kv_export: tuple[Any, Any] | None = None  # (cache_salt, lora) of an export_kv request
     kv_transfer: Any = None  # its KVPayload, once finished
+    final_only: bool = False  # the engine snapshots it only once it has finished
 
     @classmethod
     def start(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],

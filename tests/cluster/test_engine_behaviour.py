@@ -213,6 +213,32 @@ def test_vllm_prompt_dicts_equal_plain_prompts(tiny_llama_dir) -> None:
         llm.shutdown()
 
 
+def test_final_only_requests_answer_once_with_what_streaming_ends_with(tiny_llama_dir) -> None:
+    """``final_only`` (what ``LLM.generate`` asks for): no snapshot until the request
+    finishes, then the same output a streamed request ends with (n = 2, a stop string
+    that ends one sample early, logprobs)."""
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=12, logprobs=2,
+                                stop=["Exercise"], ignore_eos=True)
+        eng = llm.engine
+        streamed = eng.add_request([5, 6, 7], params)
+        final = eng.add_request([5, 6, 7], params, final_only=True)
+        seen: dict[str, list] = {streamed: [], final: []}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                seen[out.request_id].append(out)
+        assert len(seen[streamed]) > 1 and len(seen[final]) == 1 and seen[final][0].finished
+        a, b = seen[streamed][-1], seen[final][0]
+        assert sorted(o.finish_reason for o in a.outputs) == ["length", "stop"]
+        assert [(o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason)
+                for o in a.outputs] == [(o.text, o.token_ids, o.logprobs, o.finish_reason,
+                                         o.stop_reason) for o in b.outputs]
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_stop_strings_and_logprobs(smol_llm) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=30, stop=["Paris"], logprobs=2)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
