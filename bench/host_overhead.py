@@ -61,7 +61,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = tempfile.mkdtemp(prefix="host-overhead-")
-    write_random_checkpoint(path, num_hidden_layers=1, vocab_size=1024)
+    write_random_checkpoint(path, num_hidden_layers=1, vocab_size=1024,
+                            max_position_embeddings=max(512, 128 + args.output_len))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(10, 75))]
                for _ in range(args.num_seqs)]
