@@ -6,13 +6,16 @@ SmolLM2-135M at 0.6% of the GEMM roofline. Here the forward is a 1-layer,
 64-wide random model with a 1,024-token vocabulary (SmolLM2's tokenizer
 truncated), so what is left of a step is mostly that host work.
 
-Two ways of running the same requests, interleaved in one process:
-  ``streamed``: a snapshot of every request each step, detokenised through the
-                transformers tokenizer's ``decode`` (before ``final_only`` and
-                the Rust decode path);
-  ``offline``:  what ``LLM.generate`` does now: ``final_only`` requests and the
-                Rust ``decode`` behind the tokenizer.
-The figure is wall time minus the engine's ``execute_seconds``, per step.
+Three ways of running the same requests, interleaved in one process:
+  ``cumulative``: a whole snapshot of every request each step, detokenised
+                  through the transformers tokenizer's ``decode`` (the engine
+                  before output kinds and the Rust decode path);
+  ``delta``:      what an engine replica streams now: each output holds only
+                  what is new, the Rust ``decode`` behind the tokenizer;
+  ``final_only``: what ``LLM.generate`` does now: one output per request.
+The figure is wall time minus the engine's ``execute_seconds``, per step. A
+cumulative snapshot copies the whole output so far, so its cost grows with
+``--output-len``; the other two do not.
 
     python bench/host_overhead.py [--num-seqs 128] [--output-len 128] [--reps 3]
 """
@@ -31,26 +34,29 @@ import torch
 from pagedserve.cluster import LLM, SamplingParams, detokenizer
 from pagedserve.worker.testing import write_random_checkpoint
 
+KINDS = ("cumulative", "delta", "final_only")
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, offline: bool
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, kind: str
         ) -> tuple[float, float, list[str]]:
     """(host ms per step, execute ms per step, texts) for one pass over ``prompts``."""
     eng = llm.engine
-    patch = nullcontext() if offline else mock.patch.object(detokenizer, "rust_decode",
-                                                           lambda tok: None)
+    patch = (mock.patch.object(detokenizer, "rust_decode", lambda tok: None)
+             if kind == "cumulative" else nullcontext())
     with patch:
         e0, t0, steps = eng.stats["execute_seconds"], time.perf_counter(), 0
-        ids = [eng.add_request(p, params, final_only=offline) for p in prompts]
-        done = {}
+        ids = [eng.add_request(p, params, output_kind=kind) for p in prompts]
+        texts: dict[str, str] = {}
         while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = out
+            for out in eng.step():  # a stream's consumer: the text so far
+                if out.delta:
+                    texts[out.request_id] = texts.get(out.request_id, "") + out.outputs[0].text
+                else:
+                    texts[out.request_id] = out.outputs[0].text
             steps += 1
         wall = time.perf_counter() - t0
     execute = eng.stats["execute_seconds"] - e0
-    return ((wall - execute) / steps * 1e3, execute / steps * 1e3,
-            [done[i].outputs[0].text for i in ids])
+    return (wall - execute) / steps * 1e3, execute / steps * 1e3, [texts[i] for i in ids]
 
 
 def main() -> None:
@@ -68,23 +74,22 @@ def main() -> None:
                for _ in range(args.num_seqs)]
     llm = LLM(model=path, device="cpu", max_num_seqs=args.num_seqs)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    run(llm, prompts[:8], params, True)  # warm-up
-    best: dict[bool, tuple[float, float]] = {}
+    run(llm, prompts[:8], params, "final_only")  # warm-up
+    best: dict[str, tuple[float, float]] = {}
     texts = {}
     for _ in range(args.reps):
-        for offline in (False, True):
-            host, execute, texts[offline] = run(llm, prompts, params, offline)
-            if offline not in best or host < best[offline][0]:
-                best[offline] = (host, execute)
+        for kind in KINDS:
+            host, execute, texts[kind] = run(llm, prompts, params, kind)
+            if kind not in best or host < best[kind][0]:
+                best[kind] = (host, execute)
     llm.shutdown()
-    assert texts[False] == texts[True], "the two paths gave different texts"
+    assert texts["cumulative"] == texts["delta"] == texts["final_only"], "texts differ"
     print(f"{args.num_seqs} sequences x {args.output_len} tokens, best of {args.reps} "
           f"(interleaved), 1 torch thread")
-    for offline, label in ((False, "streamed"), (True, "offline")):
-        host, execute = best[offline]
-        print(f"  {label:9s} host {host:6.2f} ms/step  (forward + sampling {execute:6.2f} ms)")
-    print(f"  host time ratio streamed / offline: {best[False][0] / best[True][0]:.2f}x")
-
+    for kind in KINDS:
+        host, execute = best[kind]
+        print(f"  {kind:10s} host {host:6.2f} ms/step  (forward + sampling {execute:6.2f} ms)"
+              f"  cumulative / this: {best['cumulative'][0] / host:.2f}x")
 
 if __name__ == "__main__":
     main()

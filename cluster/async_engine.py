@@ -174,10 +174,12 @@ class AsyncEngine:
         beam: BeamSearchParams | None = None,
         export_kv: bool = False,
         resumed_token_ids: list[int] | None = None,
+        output_kind: str = "cumulative",
     ) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative snapshot after every step that advanced the request
         (with ``pooling_params``: an embedding request, whose last one has it; with
-        ``beam``: a beam search, whose only snapshot is its answer).
+        ``beam``: a beam search, whose only snapshot is its answer). ``output_kind``
+        ``"delta"``: each output holds only what is new (``LLMEngine.add_request``).
 
         Validation errors raise ``ValueError`` before the first yield. If the
         consumer stops iterating or is cancelled, the request is aborted. A LoRA
@@ -191,7 +193,7 @@ class AsyncEngine:
                 self._step_thread, self.engine.add_lora, lora_request)
         rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request,
                                       priority, pooling_params, beam, export_kv,
-                                      resumed_token_ids)
+                                      resumed_token_ids, output_kind)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()

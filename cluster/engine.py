@@ -148,7 +148,7 @@ class LLMEngine:
         beam: BeamSearchParams | None = None,
         export_kv: bool = False,
         resumed_token_ids: list[int] | None = None,
-        final_only: bool = False,
+        output_kind: str = "cumulative",
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem.
 
@@ -163,9 +163,8 @@ class LLMEngine:
         engine began and lost (a dead replica, see ``resume``): those tokens are its
         first outputs, recomputed as a preempted request's are, and its outputs carry
         them (text included; logprobs ``{}``, not recomputed), so greedy and seeded
-        requests end as they would have where they started. With ``final_only``
-        ``step`` returns the request once, finished (vLLM's ``FINAL_ONLY``, what
-        ``LLM.generate`` reads): no per-step snapshot is copied out for it.
+        requests end as they would have where they started. ``output_kind``: what
+        ``step`` returns for it, one of ``request_state.OUTPUT_KINDS``.
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -173,7 +172,7 @@ class LLMEngine:
             raise EngineSleepingError(f"engine is {self.unavailable}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         check_request_args(request_id, self._groups, params, pooling_params, beam,
-                           export_kv, priority, self.config.scheduling_policy)
+                           export_kv, priority, self.config.scheduling_policy, output_kind)
         params = params or SamplingParams()
         pool = None
         if pooling_params is None and self.model_info.get("embedding_only"):
@@ -207,7 +206,7 @@ class LLMEngine:
         group = RequestState.start(request_id, prompt if isinstance(prompt, str) else None,
                                    ids, params, n_out, self.tokenizer, pool,
                                    (cache_salt, lora_request) if export_kv else None, resumed)
-        group.final_only = final_only
+        group.output_kind = output_kind
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
                                           cache_salt, lora_request, priority, pooling_params,
                                           beam)
@@ -283,8 +282,8 @@ class LLMEngine:
 
     def process(self, plan: SchedulerOutput, output: ModelRunnerOutput | None
                 ) -> list[RequestOutput]:
-        """Apply sampled tokens; returns a snapshot of every request that progressed
-        (a ``final_only`` one only once it has finished)."""
+        """Apply sampled tokens; returns the output of every request that progressed
+        (a ``final_only`` one's only once it has finished)."""
         updates = self.scheduler.update_from_output(plan, output)
         self.stats["steps"] += 1
         for name, n in (output.counters if output else {}).items():
@@ -313,7 +312,7 @@ class LLMEngine:
             if finished and group.kv_export is not None:  # before a step reuses them
                 group.kv_transfer = export_prompt_kv(self, group.prompt_token_ids,
                                                      *group.kv_export)
-            if finished or not group.final_only:
+            if finished or group.output_kind != "final_only":
                 results.append(group.snapshot())
             if finished:
                 self._groups.pop(rid, None)

@@ -258,7 +258,8 @@ class EngineServer:
                 await self.remote_prefill.run(self.engine, req, lora)
             outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt,
                                         lora, req.priority,
-                                        resumed_token_ids=req.resumed_token_ids)
+                                        resumed_token_ids=req.resumed_token_ids,
+                                        output_kind="delta")
             async with contextlib.AsyncExitStack() as stack:
                 pacing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
                 if req.stream:

@@ -204,7 +204,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, kwargs in requests:  # ``_run`` reads finished outputs only
-                ids.append(self.engine.add_request(prompt, **kwargs, final_only=True))
+                ids.append(self.engine.add_request(prompt, **kwargs, output_kind="final_only"))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -8,7 +8,8 @@ from typing import Any
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request; ``text`` and ``token_ids`` are cumulative."""
+    """One sample of a request; ``text``, ``token_ids`` and ``logprobs`` are cumulative
+    (only what is new in a ``RequestOutput`` whose ``delta`` is set)."""
 
     index: int
     text: str = ""
@@ -44,6 +45,7 @@ class RequestOutput:
     embedding: list[float] | None = None
     kv_transfer: Any = None
     prompt_logprob_ranks: list[int | None] | None = None
+    delta: bool = False  # outputs hold only what is new since the request's previous one
 
 
 @dataclass

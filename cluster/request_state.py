@@ -21,6 +21,12 @@ from pagedserve.scheduler.outputs import RequestUpdate
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
+# vLLM's RequestOutputKind. "cumulative" outputs hold everything so far; "delta" ones
+# only what is new since the request's previous output (what an engine replica streams:
+# a step's cost does not grow with the outputs' length); "final_only": one output, once
+# finished (what LLM.generate reads).
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass
 class SequenceState:
@@ -46,7 +52,9 @@ class RequestState:
     embedding: list[float] | None = None
     kv_export: tuple[Any, Any] | None = None  # (cache_salt, lora) of an export_kv request
     kv_transfer: Any = None  # its KVPayload, once finished
-    final_only: bool = False  # the engine snapshots it only once it has finished
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS (LLMEngine.add_request)
+    # A "delta" request's samples: (tokens, text characters) already in an output.
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -144,24 +152,43 @@ class RequestState:
             seq.out.logprobs.extend({} for _ in token_ids)
 
     def snapshot(self) -> RequestOutput:
-        outs = [CompletionOutput(s.out.index, s.out.text, list(s.out.token_ids),
-                                 s.out.cumulative_logprob,
-                                 list(s.out.logprobs) if s.out.logprobs is not None else None,
-                                 s.out.finish_reason, s.out.stop_reason) for s in self.seqs]
+        """The request as its caller sees it now: cumulative (copies, since the engine
+        goes on appending), or for a ``"delta"`` request only what its previous
+        output did not hold (slices of the new part: no copy of the whole output)."""
+        if self.output_kind == "delta":
+            outs = []
+            for s in self.seqs:
+                o = s.out
+                k, c = self.sent.get(o.index, (0, 0))
+                outs.append(CompletionOutput(o.index, o.text[c:], o.token_ids[k:],
+                                             o.cumulative_logprob,
+                                             None if o.logprobs is None else o.logprobs[k:],
+                                             o.finish_reason, o.stop_reason))
+                self.sent[o.index] = (len(o.token_ids), len(o.text))
+        else:
+            outs = [CompletionOutput(s.out.index, s.out.text, list(s.out.token_ids),
+                                     s.out.cumulative_logprob,
+                                     list(s.out.logprobs) if s.out.logprobs is not None
+                                     else None, s.out.finish_reason, s.out.stop_reason)
+                    for s in self.seqs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              self.finished, self.num_cached_tokens,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs),
                              self.embedding, self.kv_transfer,
-                             None if self.prompt_logprobs is None else list(self.prompt_ranks))
+                             None if self.prompt_logprobs is None else list(self.prompt_ranks),
+                             self.output_kind == "delta")
 
 
 def check_request_args(request_id: str, in_use: Container[str],
                        params: SamplingParams | None, pooling_params: PoolingParams | None,
                        beam: object | None, export_kv: bool, priority: object,
-                       scheduling_policy: str) -> None:
+                       scheduling_policy: str, output_kind: str = "cumulative") -> None:
     """What ``LLMEngine.add_request`` refuses before looking at the prompt: conflicting
     kinds of request, a request id that is taken or holds the sequence-id separator,
-    and a priority the scheduling policy would ignore."""
+    a priority the scheduling policy would ignore, an unknown output kind."""
+    if output_kind not in OUTPUT_KINDS:
+        raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, "
+                         f"got {output_kind!r}")
     if beam is not None and (params is not None or pooling_params is not None):
         raise ValueError("a beam search takes BeamSearchParams only (params must be None)")
     if "#" in request_id:

@@ -146,7 +146,8 @@ def merge_deltas(acc: dict[int, SampleDelta], new: list[SampleDelta]) -> None:
 
 
 class DeltaTracker:
-    """Turns the engine's cumulative snapshots into per-sample deltas (sent once each)."""
+    """Turns the engine's outputs into per-sample deltas (sent once each): cumulative
+    snapshots by what was sent before, ``delta`` outputs as they are."""
 
     def __init__(self, n: int) -> None:
         self._sent_text = [0] * n
@@ -159,9 +160,9 @@ class DeltaTracker:
             i = o.index
             if self._done[i]:
                 continue
-            k0 = self._sent_tokens[i]
+            k0, c0 = (0, 0) if out.delta else (self._sent_tokens[i], self._sent_text[i])
             new_ids = o.token_ids[k0:]
-            text = o.text[self._sent_text[i]:]
+            text = o.text[c0:]
             if not new_ids and not text and o.finish_reason is None:
                 continue
             lps = sampled = None
