@@ -1,4 +1,4 @@
-"""Host time per engine step outside the forward pass, offline generation.
+"""Host time per engine step outside the forward pass, by output kind.
 
 On a GPU a small model's step is bound by this Python (scheduling, applying
 tokens, detokenising, building outputs), not by the device: the H200 window ran
@@ -90,6 +90,7 @@ def main() -> None:
         host, execute = best[kind]
         print(f"  {kind:10s} host {host:6.2f} ms/step  (forward + sampling {execute:6.2f} ms)"
               f"  cumulative / this: {best['cumulative'][0] / host:.2f}x")
+
 
 if __name__ == "__main__":
     main()
