@@ -11,7 +11,7 @@ Three ways of running the same requests, interleaved in one process:
                   through the transformers tokenizer's ``decode`` (the engine
                   before output kinds and the Rust decode path);
   ``delta``:      what an engine replica streams now: each output holds only
-                  what is new, the Rust ``decode`` behind the tokenizer;
+                  what is new, the Rust ``DecodeStream`` behind the tokenizer;
   ``final_only``: what ``LLM.generate`` does now: one output per request.
 The figure is wall time minus the engine's ``execute_seconds``, per step. A
 cumulative snapshot copies the whole output so far, so its cost grows with
