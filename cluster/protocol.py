@@ -362,23 +362,26 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 
 
 def max_tokens_for(requested: int | None, prompt_len: int, info: dict[str, Any],
-               param: str = "max_tokens", n: int = 1) -> int:
+                   param: str = "max_tokens", n: int = 1, prompt_param: str = "messages"
+                   ) -> int:
     """The token limit of a request, or a 400 if the prompt and limit cannot fit.
 
     ``info`` holds the replica's ``max_model_len`` and ``pool_tokens``. Without an explicit
     limit a request may run to the end of the context, but never past what the KV pool can
     hold for its ``n`` samples (the engine rejects requests that could never finish).
+    A prompt too long is blamed on ``prompt_param`` (a completion's ``prompt``, a
+    chat's ``messages``), a limit too high on ``param``.
     """
     limit = info["max_model_len"]
     if prompt_len >= limit:
         raise APIError(f"This model's maximum context length is {limit} tokens; the "
-                       f"prompt has {prompt_len} tokens", param="messages",
+                       f"prompt has {prompt_len} tokens", param=prompt_param,
                        code="context_length_exceeded")
     if requested is None:  # as much as fits in the context and in the KV pool
         room = (info["pool_tokens"] - prompt_len) // max(1, n)
         if room < 1:
             raise APIError(f"the prompt ({prompt_len} tokens) leaves no room in the KV "
-                           f"cache ({info['pool_tokens']} tokens)", param="messages",
+                           f"cache ({info['pool_tokens']} tokens)", param=prompt_param,
                            code="context_length_exceeded")
         return min(limit - prompt_len, room)
     if isinstance(requested, int) and requested > 0 and prompt_len + requested > limit:

@@ -249,7 +249,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                                param="prompt")
             ids = body.truncate(ids)
             params = body.sampling_params(
-                max_tokens_for(body.max_tokens, len(ids), info, "max_tokens", body.n),
+                max_tokens_for(body.max_tokens, len(ids), info, "max_tokens", body.n,
+                               prompt_param="prompt"),
                 body.logprobs, info["vocab_size"])
             if body.echo:  # the prompt's own logprobs lead the choice's when both are asked
                 whole = isinstance(p, str) and body.truncate_prompt_tokens is None

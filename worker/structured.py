@@ -18,6 +18,7 @@ xgrammar is imported only when a constrained request arrives.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -86,7 +87,15 @@ def check_structured_outputs(spec: StructuredOutputs) -> None:
     try:
         _grammar(xgr, spec)
     except Exception as e:
-        raise ValueError(f"structured_outputs: {type(e).__name__}: {e}") from None
+        raise ValueError(f"structured_outputs: {_reason(e)}") from None
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without the clock time and C++ source line it starts with
+    (``[12:00:00] /project/cpp/json_schema_converter.cc:5082: Unsupported type ...``):
+    a client reads why its schema was refused, not where in xgrammar."""
+    text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(e).strip())
+    return text or type(e).__name__
 
 
 class GrammarBook:

@@ -204,8 +204,12 @@ def test_bad_constraints_raise_value_error(tiny_llama_dir) -> None:
         for spec in (StructuredOutputs(regex="(unclosed"),
                      StructuredOutputs(json={"type": "no-such-type"}),
                      StructuredOutputs(grammar='root ::= "a" undefined_rule')):
-            with pytest.raises(ValueError, match="structured_outputs"):
+            with pytest.raises(ValueError, match="structured_outputs") as e:
                 llm.generate([[5, 6]], SamplingParams(structured_outputs=spec))
+            assert ".cc:" not in str(e.value), e.value  # the reason, not xgrammar's source
+        with pytest.raises(ValueError, match='structured_outputs: Unsupported type "no-such'):
+            llm.generate([[5]], SamplingParams(structured_outputs=StructuredOutputs(
+                json={"type": "no-such-type"})))
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()

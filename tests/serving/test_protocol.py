@@ -14,6 +14,7 @@ from pagedserve.cluster.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    max_tokens_for,
 )
 from pagedserve.cluster.request_ids import request_ids
 from pagedserve.cluster.responses import Formatter, ResponseState
@@ -106,6 +107,26 @@ def _out(texts: list[str], ids: list[list[int]], finish: list[str | None],
         lp[tok] for lp, tok in zip(lps[i], x)), None if lps is None else lps[i], f)
         for i, (t, x, f) in enumerate(zip(texts, ids, finish))]
     return RequestOutput("r", None, [1, 2, 3], outs, all(finish), 2)
+
+
+def test_token_limits_blame_the_field_that_does_not_fit() -> None:
+    """A prompt at the context length is the prompt's fault (``prompt`` for a completion,
+    ``messages`` for a chat); a limit past it is the limit's; no limit runs to the end of
+    the context or of the KV pool shared by the ``n`` samples."""
+    info = {"max_model_len": 100, "pool_tokens": 160}
+    for prompt_param in ("prompt", "messages"):
+        with pytest.raises(APIError) as e:
+            max_tokens_for(5, 100, info, prompt_param=prompt_param)
+        assert (e.value.param, e.value.code) == (prompt_param, "context_length_exceeded")
+        with pytest.raises(APIError) as e:
+            max_tokens_for(None, 90, {**info, "pool_tokens": 90}, prompt_param=prompt_param)
+        assert e.value.param == prompt_param and "no room" in e.value.message
+    with pytest.raises(APIError) as e:
+        max_tokens_for(11, 90, info, "max_completion_tokens")
+    assert (e.value.param, e.value.code) == ("max_completion_tokens", "context_length_exceeded")
+    assert max_tokens_for(10, 90, info) == 10
+    assert max_tokens_for(None, 40, info) == 60  # the context's end
+    assert max_tokens_for(None, 40, info, n=4) == 30  # (160 - 40) // 4 of the pool
 
 
 def test_continue_final_message_excludes_a_generation_prompt() -> None:
