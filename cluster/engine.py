@@ -31,6 +31,7 @@ from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
 from pagedserve.cluster.request_state import (
     RequestState,
+    check_prompt_ids,
     check_request_args,
     check_resumed,
     with_bad_word_ids,
@@ -131,10 +132,7 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not all(isinstance(t, int) and 0 <= t < self.model_info["vocab_size"]
-                   for t in prompt):
-            raise ValueError("prompt token ids must be integers within the vocabulary")
-        return list(prompt)
+        return check_prompt_ids(prompt, self.model_info["vocab_size"])
 
     def add_request(
         self,

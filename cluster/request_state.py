@@ -204,6 +204,16 @@ def check_request_args(request_id: str, in_use: Container[str],
                          "(start the engine with scheduling_policy='priority')")
 
 
+def check_prompt_ids(prompt: list[int], vocab_size: int) -> list[int]:
+    """A copy of a prompt given as token ids, or a ``ValueError`` if one is not an ``int``
+    (``bool`` neither) in ``[0, vocab_size)``. Types go through a set and bounds through
+    ``min`` / ``max``, loops in C: a 32k-token prompt is checked on the event loop."""
+    ids = list(prompt)
+    if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= vocab_size):
+        raise ValueError("prompt token ids must be integers within the vocabulary")
+    return ids
+
+
 def check_resumed(token_ids: list[int] | None, params: SamplingParams, prompt_len: int,
                   max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                   special: bool) -> list[int]:

@@ -112,8 +112,9 @@ def test_requests_that_can_never_fit_and_bad_params_raise_value_error(tiny_llama
             SamplingParams(max_tokens=0)
         with pytest.raises(ValueError, match="n must be"):
             SamplingParams(n=0)
-        with pytest.raises(ValueError, match="vocabulary"):
-            llm.generate([[10**9]], SamplingParams(max_tokens=2))
+        for bad in ([10**9], [5, -1], [5, 6.0], [5, "6"], [True, 5]):
+            with pytest.raises(ValueError, match="vocabulary"):
+                llm.generate([bad], SamplingParams(max_tokens=2))
         # A bad prompt late in a batch: the batch's earlier requests are withdrawn too.
         with pytest.raises(ValueError, match="context"):
             llm.generate([[5, 6], [7, 8], [5] * 300], SamplingParams(max_tokens=2))
