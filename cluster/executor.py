@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.plan_wire import PlanEncoder
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.worker import Worker
 
@@ -171,6 +172,7 @@ class RayExecutor(Executor):
         self._ray = ray
         self.max_concurrent_batches = pp  # one micro-batch per stage
         self._step_seq = itertools.count()
+        self._wire = PlanEncoder()  # plans travel as changes (scheduler/plan_wire.py)
         self.workers = []
         for i in range(world):
             actor_cls = ray.remote(RayWorkerWrapper).options(
@@ -227,8 +229,9 @@ class RayExecutor(Executor):
         while several are in flight (a threaded actor may receive them out of order)."""
         seq = next(self._step_seq)
         try:
-            ref = self._ray.put(plan)
+            ref = self._ray.put(self._wire.encode(plan))
         except Exception as e:
+            self._wire.reset()
             raise ExecutorDeadError(f"tensor-parallel group failed: {e}") from e
         refs: list[Any] = []
         previous = None
@@ -239,7 +242,11 @@ class RayExecutor(Executor):
         return refs
 
     def collect(self, handle: list[Any]) -> ModelRunnerOutput | None:
-        return self._get(handle)[self._sampler_index]
+        try:
+            return self._get(handle)[self._sampler_index]
+        except ExecutorDeadError:
+            self._wire.reset()  # a rank may have missed the plan: the next goes whole
+            raise
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
         return self._get([w.read_kv_blocks.remote(block_ids) for w in self.workers])

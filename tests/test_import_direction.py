@@ -23,6 +23,7 @@ FORBIDDEN = {
     "cluster": set(),
 }
 WORKER_MAY_USE_FROM_SCHEDULER = {"pagedserve.scheduler.outputs",
+                                 "pagedserve.scheduler.plan_wire",
                                  "pagedserve.scheduler.sampling_params"}
 
 

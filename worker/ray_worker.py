@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import ray
 
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.plan_wire import EncodedPlan, PlanDecoder
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.parallel import get_node_ip_and_free_port
 from pagedserve.worker.pipeline import IntermediateTensors
@@ -43,6 +44,7 @@ class RayWorkerWrapper:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-rank")
         self._turn = threading.Condition()
         self._next_seq = 0  # the next pipelined plan this rank may start
+        self._wire = PlanDecoder()
         self.worker = self._on_compute_thread(Worker, config)
 
     def _on_compute_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -61,7 +63,7 @@ class RayWorkerWrapper:
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None) -> None:
         self._on_compute_thread(self.worker.init_kv_cache, num_gpu_blocks, num_cpu_blocks)
 
-    def execute_model(self, plan: SchedulerOutput,
+    def execute_model(self, plan: SchedulerOutput | EncodedPlan,
                       intermediate: IntermediateTensors | None = None,
                       seq: int | None = None
                       ) -> ModelRunnerOutput | IntermediateTensors | None:
@@ -69,16 +71,25 @@ class RayWorkerWrapper:
         earlier plan has been handed to the compute thread, so pipelined plans
         reach each rank's KV pool in the order the scheduler made them."""
         if seq is None:
-            return self._on_compute_thread(self.worker.execute_model, plan, intermediate)
+            return self._on_compute_thread(self.worker.execute_model, self._plan(plan),
+                                           intermediate)
         with self._turn:
             if not self._turn.wait_for(lambda: self._next_seq >= seq,
                                        timeout=STEP_ORDER_TIMEOUT_S):
                 raise RuntimeError(f"step {seq} waited {STEP_ORDER_TIMEOUT_S:.0f} s for step "
                                    f"{self._next_seq}, which never came (an earlier stage failed)")
-            job = self._compute.submit(self.worker.execute_model, plan, intermediate)
-            self._next_seq = max(self._next_seq, seq + 1)
-            self._turn.notify_all()
+            try:  # a plan that does not decode fails its step, not the ones after it
+                job = self._compute.submit(self.worker.execute_model, self._plan(plan),
+                                           intermediate)
+            finally:
+                self._next_seq = max(self._next_seq, seq + 1)
+                self._turn.notify_all()
         return job.result()
+
+    def _plan(self, plan: SchedulerOutput | EncodedPlan) -> SchedulerOutput:
+        """The whole plan: an encoded one is decoded here, in plan order (under
+        ``_turn``), against what this rank's earlier plans held."""
+        return self._wire.decode(plan) if isinstance(plan, EncodedPlan) else plan
 
     def read_kv_blocks(self, block_ids: list[int]) -> tuple[Any, Any]:
         return self._on_compute_thread(self.worker.read_kv_blocks, block_ids)

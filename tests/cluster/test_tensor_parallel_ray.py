@@ -43,6 +43,8 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         assert tp2.engine.model_info["tensor_parallel_size"] == 2
         outs = tp2.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == ref
+        # The ranks got those plans as changes (scheduler/plan_wire.py), and decoded them.
+        assert tp2.engine.executor._wire._number >= 16
         # Seeded sampling happens on rank 0 only; every rank still runs the forward.
         sampled = tp2.generate(prompts, SamplingParams(temperature=0.8, seed=3,
                                                         max_tokens=8, ignore_eos=True))

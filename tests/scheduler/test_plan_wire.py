@@ -1,0 +1,165 @@
+"""Plans sent to Ray ranks as changes (``scheduler/plan_wire.py``) decode to the plans
+the scheduler made, through preemption, forks, prefix hits, drafts, offloading and
+aborts; a rank out of step fails loudly; a reset or a replaced rank starts whole."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+
+from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
+from pagedserve.scheduler.plan_wire import _SLACK, PlanDecoder, PlanEncoder
+from pagedserve.scheduler.sampling_params import SamplingParams
+from tests.scheduler.helpers import add_numbered, check_invariants, machine_scheduler
+
+
+def _wire(enc: PlanEncoder, plan: SchedulerOutput) -> bytes:
+    return pickle.dumps(enc.encode(plan), protocol=5)
+
+
+def _run(seed: int, mode: str, spec: int | None, offload: bool,
+         wire: bool) -> tuple[dict[str, list[int]], list[int], list[int], int]:
+    """A random workload on a small pool; with ``wire`` every plan goes through the
+    encoder, pickling and two ranks' decoders before the KV simulator runs it. Returns
+    the tokens, each step's encoded and whole pickled sizes, and the preemptions."""
+    rng = random.Random(seed)
+    sched, sim = machine_scheduler(gpu_blocks=20, cpu_blocks=8, mode=mode, budget=16,
+                                   spec=spec, copy_period=3, offload=offload)
+    enc, ranks = PlanEncoder(), [PlanDecoder(), PlanDecoder()]
+    out: dict[str, list[int]] = {}
+    sizes, whole = [], []
+    number = 0
+    for step in range(400):
+        if number < 24 and rng.random() < 0.35:
+            add_numbered(sched, number, rng.randint(1, 20), rng.random() < 0.5,
+                         rng.randint(1, 10), rng.randint(1, 3))
+            number += 1
+        if step % 7 == 3 and sched.requests and rng.random() < 0.5:
+            sched.abort(rng.choice(sorted(sched.requests)).split("#")[0])
+        if not sched.has_unfinished_requests():
+            if number >= 24:
+                break
+            continue
+        plan = sched.schedule()
+        if wire:
+            blob = _wire(enc, plan)
+            decoded = [r.decode(pickle.loads(blob)) for r in ranks]
+            assert decoded[0] == plan and decoded[1] == plan, step
+            sizes.append(len(blob))
+            whole.append(len(pickle.dumps(plan, protocol=5)))
+            plan_run = decoded[1]
+        else:
+            plan_run = plan
+        for u in sched.update_from_output(plan, sim.execute(plan_run)):
+            out.setdefault(u.request_id, []).extend(t.token_id for t in u.new_tokens)
+        check_invariants(sched, sim)
+    assert number == 24 and not sched.has_unfinished_requests()
+    return out, sizes, whole, sum(sched.num_preemptions.values())
+
+
+@pytest.mark.parametrize("mode,spec,offload", [("swap", None, False), ("recompute", 3, False),
+                                               ("swap", 1, True), ("recompute", None, True)])
+def test_decoded_plans_are_the_scheduler_plans(mode: str, spec: int | None,
+                                               offload: bool) -> None:
+    """Every decoded plan equals the one made (tables, parameters, every field), on two
+    ranks, and the run's tokens equal a run on whole plans; rows mostly travel small."""
+    preempted = 0
+    for seed in range(4):
+        got, sizes, whole, n = _run(seed, mode, spec, offload, wire=True)
+        want, _, _, _ = _run(seed, mode, spec, offload, wire=False)
+        assert got == want
+        assert sum(sizes) < 0.75 * sum(whole), (sum(sizes), sum(whole))
+        preempted += n
+    assert preempted > 0  # tables freed and rebuilt went through too
+
+
+def _decode_row(table: list[int], rid: str = "r", sp: SamplingParams | None = None
+                ) -> ScheduledRequest:
+    sp = sp or SamplingParams()
+    return ScheduledRequest(rid, [1], 4 * len(table) - 1, table, [rid], {rid: sp})
+
+
+def test_a_long_context_decode_row_sends_only_its_new_blocks() -> None:
+    """Step after step a decode row sends its table's tail and no parameters: the
+    encoded plan stays the same size while the tables grow."""
+    enc, rank = PlanEncoder(), PlanDecoder()
+    params = {f"r{i}": SamplingParams(temperature=0.5) for i in range(64)}
+    sizes = []
+    for step in range(1, 200):
+        rows = [_decode_row(list(range(i * 1000, i * 1000 + step)), f"r{i}", params[f"r{i}"])
+                for i in range(64)]
+        plan = SchedulerOutput(step, rows)
+        blob = _wire(enc, plan)
+        assert rank.decode(pickle.loads(blob)) == plan
+        sizes.append(len(blob))
+    assert max(sizes[1:]) < 1.1 * min(sizes[1:])
+    assert sizes[-1] * 10 < len(pickle.dumps(plan, protocol=5))
+
+
+def test_a_rank_that_missed_a_plan_fails_loudly() -> None:
+    """A rank that did not decode the previous plan raises instead of attending to
+    other blocks (a missed copy-on-write would leave the lengths equal); a reset plan
+    brings it, or a replaced rank, back in step."""
+    enc, behind = PlanEncoder(), PlanDecoder()
+    sp = SamplingParams()
+    behind.decode(pickle.loads(_wire(enc, SchedulerOutput(1, [_decode_row([3, 4], sp=sp)]))))
+    _wire(enc, SchedulerOutput(2, [_decode_row([3, 8], sp=sp)]))  # never reaches it
+    third = SchedulerOutput(3, [_decode_row([3, 8, 9], sp=sp)])
+    with pytest.raises(RuntimeError, match="missed one"):
+        behind.decode(pickle.loads(_wire(enc, third)))
+    with pytest.raises(RuntimeError, match="missed one"):  # a fresh rank needs a reset
+        PlanDecoder().decode(pickle.loads(_wire(enc, third)))
+    # A block replaced under the same length (copy-on-write of the last one) is seen.
+    enc2, rank2 = PlanEncoder(), PlanDecoder()
+    rank2.decode(pickle.loads(_wire(enc2, SchedulerOutput(1, [_decode_row([3, 4], sp=sp)]))))
+    cow = SchedulerOutput(2, [_decode_row([3, 8], sp=sp)])
+    assert rank2.decode(pickle.loads(_wire(enc2, cow))) == cow
+    enc.reset()
+    fourth = SchedulerOutput(4, [_decode_row([3, 8, 9, 7], sp=sp)])
+    blob = _wire(enc, fourth)
+    assert behind.decode(pickle.loads(blob)) == fourth
+    assert PlanDecoder().decode(pickle.loads(blob)) == fourth
+    fifth = SchedulerOutput(5, [_decode_row([3, 8, 9, 7, 2], sp=sp)])
+    assert behind.decode(pickle.loads(_wire(enc, fifth))) == fifth
+
+
+def test_a_row_that_does_not_fit_the_records_fails_loudly() -> None:
+    """Records that disagree with the driver's (which plan numbering should rule out)
+    are caught on the row: a table the rank lacks, a length or last block that differs,
+    parameters never sent."""
+    sp = SamplingParams()
+    for known, table, match in (([3], [3, 4, 5], "does not hold"),
+                                ([3, 4], [3, 4, 5], "differs from the driver's"),
+                                (None, [], "never sent")):
+        enc, rank = PlanEncoder(), PlanDecoder()
+        first = SchedulerOutput(1, [_decode_row([3, 4] if known else [], sp=sp)])
+        rank.decode(pickle.loads(_wire(enc, first)))
+        if known is not None:
+            rank._tables["r"] = list(known)
+        else:
+            rank._params.clear()
+        second = pickle.loads(_wire(enc, SchedulerOutput(2, [_decode_row(table, sp=sp)])))
+        if match == "differs from the driver's":
+            second.lengths[0] += 1
+        with pytest.raises(RuntimeError, match=match):
+            rank.decode(second)
+
+
+def test_records_are_dropped_with_their_requests_and_bounded() -> None:
+    """Finished and aborted requests leave both sides' records; records of requests no
+    plan named as gone are cleared once they outgrow the running set."""
+    enc, rank = PlanEncoder(), PlanDecoder()
+    plan = SchedulerOutput(1, [_decode_row([1], f"a{i}") for i in range(10)])
+    rank.decode(pickle.loads(_wire(enc, plan)))
+    gone = SchedulerOutput(2, [_decode_row([1, 2], "a0")], finished_ids=["a1", "a2"],
+                           aborted_ids=["a3"])
+    assert rank.decode(pickle.loads(_wire(enc, gone))) == gone
+    assert "a1" not in enc._tables and "a3" not in rank._tables and "a4" in rank._tables
+    bound = 4 + _SLACK + 1
+    for step in range(3, bound + 100):  # requests that vanish unannounced, one a step
+        p = SchedulerOutput(step, [_decode_row([step], f"x{step}")])
+        assert rank.decode(pickle.loads(_wire(enc, p))) == p
+        assert len(enc._tables) <= bound and len(rank._tables) <= bound
+    assert len(rank._tables) < 200  # started over once past the bound
