@@ -1,14 +1,15 @@
 """Step plans as they travel to Ray worker ranks: what changed since the rank's last plan.
 
-A plan names every running request's whole block table and its sampling parameters,
-though from one decode step to the next a table gains a block at most every
-``block_size`` tokens and the parameters never change. Pickled whole, 256 rows of
-8,192-token contexts are 0.58 MB and 4-5 ms of pickling and unpickling per step
-(``python bench/plan_wire.py``) on the driver's step thread and on every rank. So,
-as vLLM's scheduler sends a running request's new block ids only, the driver's
-``PlanEncoder`` keeps what it has sent each request (its table and its parameters)
-and sends a row's table as the tail the rank lacks and its parameters only when
-they are new; each rank's ``PlanDecoder`` keeps the same and rebuilds the plan.
+A plan names every running request's whole block table and its sampling parameters
+(and, for penalties, its prompt and output history), though from one decode step to
+the next a table gains a block at most every ``block_size`` tokens, a history one
+token, and the rest never changes. Pickled whole, 256 rows of 8,192-token contexts are
+0.6 MB and 6 ms of pickling and unpickling per step (``python bench/plan_wire.py``),
+on the driver's step thread and on every rank. So, as vLLM's scheduler sends a
+running request's new block ids only, the driver's ``PlanEncoder`` keeps what it
+has sent each request and sends a table or a history as the tail the rank lacks,
+parameters and prompts only when they are new; each rank's ``PlanDecoder`` keeps
+the same and rebuilds the plan.
 
 Both sides change their records only in plan order (the executor's sequence numbers
 keep every rank in it), dropping a request's once a plan lists it finished or
@@ -23,6 +24,7 @@ read, never changed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,6 +35,8 @@ _FIELDS = tuple(f.name for f in fields(ScheduledRequest))
 _RID = _FIELDS.index("request_id")
 _TABLE = _FIELDS.index("block_table")
 _PARAMS = _FIELDS.index("sampling_params")
+_PROMPT = _FIELDS.index("prompt_token_ids")
+_OUTPUTS = _FIELDS.index("output_token_ids")
 # Records past four per scheduled row before both sides start over: a request left
 # without a plan naming it (none should) would otherwise stay. Running requests not
 # scheduled in a step keep theirs, so the bound leaves room for a large running set.
@@ -44,9 +48,11 @@ class EncodedPlan:
     """A plan whose rows hold only what the rank lacks.
 
     ``plan`` has every field but ``scheduled``; ``rows`` are the scheduled requests'
-    field values in ``ScheduledRequest`` order, with ``block_table`` the ids past the
-    first ``kept[i]`` the rank holds, and ``sampling_params`` None where the rank has
-    them. ``lengths`` / ``lasts``: each whole table's length and last id (-1: empty).
+    field values in ``ScheduledRequest`` order, with ``block_table`` as ``(k, tail)``
+    (the first ``k`` ids are the rank's record, then ``tail``), ``output_token_ids``
+    as ``{sample id: (k, tail)}`` the same way, and ``sampling_params`` /
+    ``prompt_token_ids`` as ``(same, value)`` (``same``: the rank's record, value None).
+    ``lengths`` / ``lasts``: each whole table's length and last id (-1: empty).
     ``number``: the encoder's count of plans (a rank decodes them in a row, or from a
     ``reset`` one on).
     """
@@ -54,18 +60,38 @@ class EncodedPlan:
     number: int
     plan: SchedulerOutput
     rows: list[list[Any]]
-    kept: list[int]
     lengths: list[int]
     lasts: list[int]
     reset: bool
+
+
+class _Records:
+    """What one side holds per request (tables, parameters, prompts) and per sample
+    (output histories), kept in plan order on both sides."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+        self.params: dict[str, dict[str, SamplingParams]] = {}
+        self.prompts: dict[str, list[int] | None] = {}
+        self.outputs: dict[str, list[int]] = {}
+
+    def clear(self) -> None:
+        for d in (self.tables, self.params, self.prompts, self.outputs):
+            d.clear()
+
+    def forget(self, plan: SchedulerOutput) -> None:
+        """Drop what the requests a plan lists as finished or aborted had (a sample's
+        id is its own request's)."""
+        for rid in (*plan.finished_ids, *plan.aborted_ids):
+            for d in (self.tables, self.params, self.prompts, self.outputs):
+                d.pop(rid, None)
 
 
 class PlanEncoder:
     """The driver's side: what every rank holds, as of the last plan encoded."""
 
     def __init__(self) -> None:
-        self._tables: dict[str, list[int]] = {}
-        self._params: dict[str, dict[str, SamplingParams]] = {}
+        self._rec = _Records()
         self._reset = True
         self._number = 0
 
@@ -74,90 +100,112 @@ class PlanEncoder:
         self._reset = True
 
     def encode(self, plan: SchedulerOutput) -> EncodedPlan:
-        reset = self._reset or len(self._tables) > 4 * len(plan.scheduled) + _SLACK
+        rec = self._rec
+        reset = self._reset or len(rec.tables) > 4 * len(plan.scheduled) + _SLACK
         self._reset = False
         self._number += 1
         if reset:
-            self._tables.clear()
-            self._params.clear()
-        for rid in (*plan.finished_ids, *plan.aborted_ids):
-            self._tables.pop(rid, None)
-            self._params.pop(rid, None)
-        rows, kept, lengths, lasts = [], [], [], []
+            rec.clear()
+        rec.forget(plan)
+        rows, lengths, lasts = [], [], []
         for sr in plan.scheduled:
-            rid, table, params = sr.request_id, sr.block_table, sr.sampling_params
+            rid, table = sr.request_id, sr.block_table
             row = [getattr(sr, f) for f in _FIELDS]
-            known = self._tables.get(rid)
-            k = 0
-            if known is not None and _extends(table, known):
-                k = len(known)
-                row[_TABLE] = table[k:]
-            self._tables[rid] = table
-            if _same_params(self._params.get(rid), params):
-                row[_PARAMS] = None
-            else:
-                self._params[rid] = params
+            row[_TABLE] = _delta(rec.tables, rid, table)
+            row[_PARAMS] = _same_or_new(rec.params, rid, sr.sampling_params, _same_params)
+            row[_PROMPT] = _same_or_new(rec.prompts, rid, sr.prompt_token_ids,
+                                        lambda a, b: a is b)
+            if sr.output_token_ids:
+                row[_OUTPUTS] = {sid: _delta(rec.outputs, sid, out)
+                                 for sid, out in sr.output_token_ids.items()}
             rows.append(row)
-            kept.append(k)
             lengths.append(len(table))
             lasts.append(table[-1] if table else -1)
         bare = SchedulerOutput(plan.step_id, [], plan.blocks_to_swap_out, plan.blocks_to_swap_in,
                                plan.blocks_to_copy, plan.finished_ids, plan.aborted_ids)
-        return EncodedPlan(self._number, bare, rows, kept, lengths, lasts, reset)
+        return EncodedPlan(self._number, bare, rows, lengths, lasts, reset)
 
 
 class PlanDecoder:
     """A rank's side: the plans it has run, folded into the same records."""
 
     def __init__(self) -> None:
-        self._tables: dict[str, list[int]] = {}
-        self._params: dict[str, dict[str, SamplingParams]] = {}
+        self._rec = _Records()
         self._number: int | None = None  # the last plan decoded
 
     def decode(self, enc: EncodedPlan) -> SchedulerOutput:
         """The whole plan back; ``RuntimeError`` if a row does not fit the records."""
+        rec = self._rec
         if enc.reset:
-            self._tables.clear()
-            self._params.clear()
+            rec.clear()
         elif self._number is None or enc.number != self._number + 1:
             raise RuntimeError(f"plan {enc.number} follows plan {self._number} on this rank: "
                                "it missed one (ranks out of step)")
         self._number = enc.number
         plan = enc.plan
-        for rid in (*plan.finished_ids, *plan.aborted_ids):
-            self._tables.pop(rid, None)
-            self._params.pop(rid, None)
+        rec.forget(plan)
         scheduled = []
-        for sent, k, n, last in zip(enc.rows, enc.kept, enc.lengths, enc.lasts, strict=True):
+        for sent, n, last in zip(enc.rows, enc.lengths, enc.lasts, strict=True):
             row = list(sent)  # the encoded plan stays as it came (other ranks may share it)
             rid = row[_RID]
-            if k:
-                known = self._tables.get(rid, [])
-                if len(known) < k:
-                    raise RuntimeError(f"plan {plan.step_id}: request {rid} extends a block "
-                                       f"table of {k} ids this rank does not hold")
-                tail = row[_TABLE]
-                if k == len(known):  # the usual case; shared when nothing was added
-                    row[_TABLE] = known + tail if tail else known
-                else:
-                    row[_TABLE] = [*known[:k], *tail]
-            table = row[_TABLE]
+            where = f"plan {plan.step_id}: request {rid}"
+            table = row[_TABLE] = _undelta(rec.tables, rid, row[_TABLE], f"{where}'s block table")
             if len(table) != n or (table[-1] if table else -1) != last:
-                raise RuntimeError(f"plan {plan.step_id}: request {rid}'s block table "
-                                   "differs from the driver's (ranks out of step)")
-            self._tables[rid] = table
-            if row[_PARAMS] is None:
-                params = self._params.get(rid)
-                if params is None:
-                    raise RuntimeError(f"plan {plan.step_id}: request {rid}'s sampling "
-                                       "parameters were never sent to this rank")
-                row[_PARAMS] = params
-            else:
-                self._params[rid] = row[_PARAMS]
+                raise RuntimeError(f"{where}'s block table differs from the driver's "
+                                   "(ranks out of step)")
+            row[_PARAMS] = _recorded(rec.params, rid, row[_PARAMS], f"{where}'s parameters")
+            row[_PROMPT] = _recorded(rec.prompts, rid, row[_PROMPT], f"{where}'s prompt")
+            if row[_OUTPUTS]:
+                row[_OUTPUTS] = {sid: _undelta(rec.outputs, sid, d, f"{where}'s outputs")
+                                 for sid, d in row[_OUTPUTS].items()}
             scheduled.append(ScheduledRequest(*row))
         return SchedulerOutput(plan.step_id, scheduled, plan.blocks_to_swap_out,
                                plan.blocks_to_swap_in, plan.blocks_to_copy, plan.finished_ids,
                                plan.aborted_ids)
+
+
+def _delta(records: dict[str, list[int]], key: str, ids: list[int]) -> tuple[int, list[int]]:
+    """``(k, tail)``: how many leading ids of ``ids`` the rank's record holds, and the
+    rest; the record becomes ``ids`` (a list the plan's maker does not change later)."""
+    known = records.get(key)
+    records[key] = ids
+    if known is not None and _extends(ids, known):
+        return len(known), ids[len(known):]
+    return 0, ids
+
+
+def _undelta(records: dict[str, list[int]], key: str, delta: tuple[int, list[int]],
+             what: str) -> list[int]:
+    k, tail = delta
+    if k:
+        known = records.get(key, [])
+        if len(known) != k:
+            raise RuntimeError(f"{what} extends {k} ids this rank does not hold "
+                               f"(it has {len(known)})")
+        ids = known + tail if tail else known  # shared when nothing was added
+    else:
+        ids = tail
+    records[key] = ids
+    return ids
+
+
+def _same_or_new(records: dict[str, Any], key: str, value: Any,
+                 same: Callable[[Any, Any], bool]) -> tuple[bool, Any]:
+    """``(True, None)`` when the rank's record is ``value``, else ``(False, value)``."""
+    if key in records and same(records[key], value):
+        return True, None
+    records[key] = value
+    return False, value
+
+
+def _recorded(records: dict[str, Any], key: str, sent: tuple[bool, Any], what: str) -> Any:
+    same, value = sent
+    if not same:
+        records[key] = value
+        return value
+    if key not in records:
+        raise RuntimeError(f"{what} were never sent to this rank")
+    return records[key]
 
 
 def _extends(table: list[int], known: list[int]) -> bool:
@@ -169,9 +217,8 @@ def _extends(table: list[int], known: list[int]) -> bool:
     return len(table) > n and table[:n] == known
 
 
-def _same_params(known: dict[str, SamplingParams] | None,
-                 params: dict[str, SamplingParams]) -> bool:
+def _same_params(known: dict[str, SamplingParams], params: dict[str, SamplingParams]) -> bool:
     """Whether a row's parameters are the ones already sent, object for object."""
-    if known is None or len(known) != len(params):
+    if len(known) != len(params):
         return False
     return all(known.get(sid) is p for sid, p in params.items())

@@ -31,9 +31,13 @@ def ray_cluster():
 def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = prompts_of_mixed_lengths()
+    # Penalty rows carry their prompt and output history (sent to ranks as changes).
+    pen = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                         repetition_penalty=1.3, presence_penalty=0.5)
     tp1 = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
     try:
         ref = [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
+        ref_pen = [o.outputs[0].token_ids for o in tp1.generate(prompts, pen)]
         ref_emb = [o.outputs.embedding for o in tp1.embed(prompts, PoolingParams("mean"))]
     finally:
         tp1.shutdown()
@@ -45,6 +49,8 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         assert [o.outputs[0].token_ids for o in outs] == ref
         # The ranks got those plans as changes (scheduler/plan_wire.py), and decoded them.
         assert tp2.engine.executor._wire._number >= 16
+        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, pen)] == ref_pen
+        assert ref_pen != ref  # the penalties changed the answers
         # Seeded sampling happens on rank 0 only; every rank still runs the forward.
         sampled = tp2.generate(prompts, SamplingParams(temperature=0.8, seed=3,
                                                         max_tokens=8, ignore_eos=True))
@@ -155,9 +161,13 @@ def test_tp2_kv_transfer_ships_each_rank_its_own_shard(ray_cluster, tiny_llama_d
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = prompts_of_mixed_lengths(4)
+    # Penalty rows carry their prompt and output history (sent to ranks as changes).
+    pen = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                         repetition_penalty=1.3, presence_penalty=0.5)
     tp1 = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
     try:
         ref = [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
+        ref_pen = [o.outputs[0].token_ids for o in tp1.generate(prompts, pen)]
         kw = dict(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64,
                   num_threads=1)
         src = LLM(**kw)

@@ -12,7 +12,7 @@ import pytest
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.plan_wire import _SLACK, PlanDecoder, PlanEncoder
 from pagedserve.scheduler.sampling_params import SamplingParams
-from tests.scheduler.helpers import add_numbered, check_invariants, machine_scheduler
+from tests.scheduler.helpers import SHARED_PREFIX, check_invariants, machine_scheduler
 
 
 def _wire(enc: PlanEncoder, plan: SchedulerOutput) -> bytes:
@@ -33,8 +33,7 @@ def _run(seed: int, mode: str, spec: int | None, offload: bool,
     number = 0
     for step in range(400):
         if number < 24 and rng.random() < 0.35:
-            add_numbered(sched, number, rng.randint(1, 20), rng.random() < 0.5,
-                         rng.randint(1, 10), rng.randint(1, 3))
+            _add(sched, rng, number)
             number += 1
         if step % 7 == 3 and sched.requests and rng.random() < 0.5:
             sched.abort(rng.choice(sorted(sched.requests)).split("#")[0])
@@ -75,6 +74,20 @@ def test_decoded_plans_are_the_scheduler_plans(mode: str, spec: int | None,
     assert preempted > 0  # tables freed and rebuilt went through too
 
 
+def _add(sched, rng: random.Random, number: int) -> None:
+    """Request ``q<number>``: after the shared prefix or not, ``n`` up to 3, and every
+    third with penalties (its rows carry the prompt and the output history)."""
+    tail = [100 + ((number + 1) * 13 + j) % 80 for j in range(rng.randint(1, 20))]
+    prompt = (SHARED_PREFIX + tail) if rng.random() < 0.5 else tail
+    pen = {"repetition_penalty": 1.3, "presence_penalty": 0.5} if number % 3 == 0 else {}
+    params = SamplingParams(n=rng.randint(1, 3), max_tokens=rng.randint(1, 10),
+                            temperature=0.0, **pen)
+    try:
+        sched.add_request(sched.make_request(f"q{number}", prompt, params))
+    except ValueError as e:
+        assert "KV blocks" in str(e)
+
+
 def _decode_row(table: list[int], rid: str = "r", sp: SamplingParams | None = None
                 ) -> ScheduledRequest:
     sp = sp or SamplingParams()
@@ -82,20 +95,27 @@ def _decode_row(table: list[int], rid: str = "r", sp: SamplingParams | None = No
 
 
 def test_a_long_context_decode_row_sends_only_its_new_blocks() -> None:
-    """Step after step a decode row sends its table's tail and no parameters: the
-    encoded plan stays the same size while the tables grow."""
+    """Step after step a decode row sends its table's tail and no parameters, and a row
+    with penalties its newest output token and not its prompt: the encoded plan stays
+    the same size while tables and histories grow."""
     enc, rank = PlanEncoder(), PlanDecoder()
-    params = {f"r{i}": SamplingParams(temperature=0.5) for i in range(64)}
+    params = {f"r{i}": SamplingParams(temperature=0.5, repetition_penalty=1.1 if i % 2 else 1)
+              for i in range(64)}
+    prompts = [list(range(i, i + 2000)) for i in range(64)]
     sizes = []
     for step in range(1, 200):
         rows = [_decode_row(list(range(i * 1000, i * 1000 + step)), f"r{i}", params[f"r{i}"])
                 for i in range(64)]
+        for i, r in enumerate(rows):
+            if i % 2:  # a fresh slice of the history each step, as the scheduler makes
+                r.output_token_ids = {r.request_id: list(range(step))}
+                r.prompt_token_ids = prompts[i]
         plan = SchedulerOutput(step, rows)
         blob = _wire(enc, plan)
         assert rank.decode(pickle.loads(blob)) == plan
         sizes.append(len(blob))
     assert max(sizes[1:]) < 1.1 * min(sizes[1:])
-    assert sizes[-1] * 10 < len(pickle.dumps(plan, protocol=5))
+    assert sizes[-1] * 20 < len(pickle.dumps(plan, protocol=5))
 
 
 def test_a_rank_that_missed_a_plan_fails_loudly() -> None:
@@ -137,9 +157,9 @@ def test_a_row_that_does_not_fit_the_records_fails_loudly() -> None:
         first = SchedulerOutput(1, [_decode_row([3, 4] if known else [], sp=sp)])
         rank.decode(pickle.loads(_wire(enc, first)))
         if known is not None:
-            rank._tables["r"] = list(known)
+            rank._rec.tables["r"] = list(known)
         else:
-            rank._params.clear()
+            rank._rec.params.clear()
         second = pickle.loads(_wire(enc, SchedulerOutput(2, [_decode_row(table, sp=sp)])))
         if match == "differs from the driver's":
             second.lengths[0] += 1
@@ -156,10 +176,11 @@ def test_records_are_dropped_with_their_requests_and_bounded() -> None:
     gone = SchedulerOutput(2, [_decode_row([1, 2], "a0")], finished_ids=["a1", "a2"],
                            aborted_ids=["a3"])
     assert rank.decode(pickle.loads(_wire(enc, gone))) == gone
-    assert "a1" not in enc._tables and "a3" not in rank._tables and "a4" in rank._tables
+    assert "a1" not in enc._rec.tables and "a3" not in rank._rec.tables
+    assert "a4" in rank._rec.tables and "a3" not in rank._rec.params
     bound = 4 + _SLACK + 1
     for step in range(3, bound + 100):  # requests that vanish unannounced, one a step
         p = SchedulerOutput(step, [_decode_row([step], f"x{step}")])
         assert rank.decode(pickle.loads(_wire(enc, p))) == p
-        assert len(enc._tables) <= bound and len(rank._tables) <= bound
-    assert len(rank._tables) < 200  # started over once past the bound
+        assert len(enc._rec.tables) <= bound and len(rank._rec.tables) <= bound
+    assert len(rank._rec.tables) < 200  # started over once past the bound
