@@ -141,7 +141,7 @@ class PlanDecoder:
         elif self._number is None or enc.number != self._number + 1:
             raise RuntimeError(f"plan {enc.number} follows plan {self._number} on this rank: "
                                "it missed one (ranks out of step)")
-        self._number = enc.number
+        self._number = None  # until this plan has decoded whole: later ones need a reset
         plan = enc.plan
         rec.forget(plan)
         scheduled = []
@@ -159,6 +159,7 @@ class PlanDecoder:
                 row[_OUTPUTS] = {sid: _undelta(rec.outputs, sid, d, f"{where}'s outputs")
                                  for sid, d in row[_OUTPUTS].items()}
             scheduled.append(ScheduledRequest(*row))
+        self._number = enc.number
         return SchedulerOutput(plan.step_id, scheduled, plan.blocks_to_swap_out,
                                plan.blocks_to_swap_in, plan.blocks_to_copy, plan.finished_ids,
                                plan.aborted_ids)

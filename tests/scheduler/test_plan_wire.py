@@ -165,6 +165,12 @@ def test_a_row_that_does_not_fit_the_records_fails_loudly() -> None:
             second.lengths[0] += 1
         with pytest.raises(RuntimeError, match=match):
             rank.decode(second)
+        # Its records may be half updated: the next plan fails too, until a reset.
+        third = SchedulerOutput(3, [_decode_row(table, sp=sp)])
+        with pytest.raises(RuntimeError, match="missed one"):
+            rank.decode(pickle.loads(_wire(enc, third)))
+        enc.reset()
+        assert rank.decode(pickle.loads(_wire(enc, third))) == third
 
 
 def test_records_are_dropped_with_their_requests_and_bounded() -> None:
