@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import chain
 
+import numpy as np
 import torch
 
 from pagedserve.kernels import build_varlen_metadata
@@ -87,9 +88,8 @@ class ModelRunner:
                 )
             flat_bt += bt[:need]
             flat_bt += pad[: width - need]
-        block_table = torch.tensor(flat_bt, dtype=torch.int32).view(len(reqs), width)
-        input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in reqs)),
-                                 dtype=torch.long)
+        block_table = int_tensor(flat_bt, np.int32).view(len(reqs), width)
+        input_ids = int_tensor(list(chain.from_iterable(r.token_ids for r in reqs)), np.int64)
         is_decode = num_tokens == len(reqs)
         if is_decode:
             positions = torch.tensor(starts, dtype=torch.long)
@@ -236,3 +236,13 @@ class ModelRunner:
         if inputs.drafted_reqs:
             out.spec_tokens = self.sampler.sample_drafted(logits, inputs.drafted_reqs)
         return out
+
+
+def int_tensor(values: list[int], dtype: type[np.integer]) -> torch.Tensor:
+    """A CPU tensor of Python ints, read by numpy's ``fromiter`` (C, a known count).
+
+    Why: ``torch.tensor`` on a list converts each int on its own path, several times
+    slower; for a decode step's block tables at long contexts (256 rows x 512 blocks)
+    ``prepare_inputs`` took 5.3 ms that way against 1.6 ms this way, on every rank
+    every step (``python bench/prepare_inputs.py``)."""
+    return torch.from_numpy(np.fromiter(values, dtype=dtype, count=len(values)))
