@@ -4,7 +4,7 @@ A plan names every running request's whole block table and its sampling paramete
 (and, for penalties, its prompt and output history), though from one decode step to
 the next a table gains a block at most every ``block_size`` tokens, a history one
 token, and the rest never changes. Pickled whole, 256 rows of 8,192-token contexts are
-0.6 MB and 6 ms of pickling and unpickling per step (``python bench/plan_wire.py``),
+0.6 MB and about 6 ms of pickling and unpickling per step (``python bench/plan_wire.py``),
 on the driver's step thread and on every rank. So, as vLLM's scheduler sends a
 running request's new block ids only, the driver's ``PlanEncoder`` keeps what it
 has sent each request and sends a table or a history as the tail the rank lacks,
