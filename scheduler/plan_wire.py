@@ -113,8 +113,7 @@ class PlanEncoder:
             row = [getattr(sr, f) for f in _FIELDS]
             row[_TABLE] = _delta(rec.tables, rid, table)
             row[_PARAMS] = _same_or_new(rec.params, rid, sr.sampling_params, _same_params)
-            row[_PROMPT] = _same_or_new(rec.prompts, rid, sr.prompt_token_ids,
-                                        lambda a, b: a is b)
+            row[_PROMPT] = _same_or_new(rec.prompts, rid, sr.prompt_token_ids, _is)
             if sr.output_token_ids:
                 row[_OUTPUTS] = {sid: _delta(rec.outputs, sid, out)
                                  for sid, out in sr.output_token_ids.items()}
@@ -216,6 +215,10 @@ def _extends(table: list[int], known: list[int]) -> bool:
     if len(table) == n:
         return table == known
     return len(table) > n and table[:n] == known
+
+
+def _is(a: object, b: object) -> bool:
+    return a is b
 
 
 def _same_params(known: dict[str, SamplingParams], params: dict[str, SamplingParams]) -> bool:
