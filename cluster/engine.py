@@ -223,11 +223,6 @@ class LLMEngine:
     def remove_lora(self, lora: str | int) -> bool:
         """Unload an adapter (by name, or by ``lora_int_id`` as vLLM's) no unfinished
         request uses; False if it is not loaded."""
-        if isinstance(lora, int):
-            known = next((r for r in self.loras.list() if r.lora_int_id == lora), None)
-            if known is None:
-                return False
-            lora = known.lora_name
         return self.loras.remove(lora)
 
     def _lora_in_use(self, lora_id: int) -> int:

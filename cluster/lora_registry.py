@@ -96,12 +96,14 @@ class LoRARegistry:
                 del self._by_id[lora_id]
                 self.evictions += 1
 
-    def remove(self, name: str) -> bool:
-        """Unload adapter ``name`` and forget it; False if not loaded. A busy adapter
-        (unfinished requests use it) is not removed: ``ValueError``."""
-        lora = self.get(name)
+    def remove(self, name: str | int) -> bool:
+        """Unload adapter ``name`` (or the one whose ``lora_int_id`` it is, as vLLM's)
+        and forget it; False if not loaded. A busy adapter (unfinished requests use it)
+        is not removed: ``ValueError``."""
+        lora = self._by_id.get(name) if isinstance(name, int) else self.get(name)
         if lora is None:
             return False
+        name = lora.lora_name
         busy = self.in_use(lora.lora_int_id)
         if busy:
             raise ValueError(f"LoRA adapter {name!r} is in use by {busy} unfinished requests")
