@@ -146,16 +146,15 @@ class PlanDecoder:
         scheduled = []
         for sent, n, last in zip(enc.rows, enc.lengths, enc.lasts, strict=True):
             row = list(sent)  # the encoded plan stays as it came (other ranks may share it)
-            rid = row[_RID]
-            where = f"plan {plan.step_id}: request {rid}"
-            table = row[_TABLE] = _undelta(rec.tables, rid, row[_TABLE], f"{where}'s block table")
+            rid, step = row[_RID], plan.step_id
+            table = row[_TABLE] = _undelta(rec.tables, rid, row[_TABLE], "block table", step)
             if len(table) != n or (table[-1] if table else -1) != last:
-                raise RuntimeError(f"{where}'s block table differs from the driver's "
-                                   "(ranks out of step)")
-            row[_PARAMS] = _recorded(rec.params, rid, row[_PARAMS], f"{where}'s parameters")
-            row[_PROMPT] = _recorded(rec.prompts, rid, row[_PROMPT], f"{where}'s prompt")
+                raise RuntimeError(f"plan {step}: request {rid}'s block table differs from "
+                                   "the driver's (ranks out of step)")
+            row[_PARAMS] = _recorded(rec.params, rid, row[_PARAMS], "parameters", step)
+            row[_PROMPT] = _recorded(rec.prompts, rid, row[_PROMPT], "prompt", step)
             if row[_OUTPUTS]:
-                row[_OUTPUTS] = {sid: _undelta(rec.outputs, sid, d, f"{where}'s outputs")
+                row[_OUTPUTS] = {sid: _undelta(rec.outputs, sid, d, "outputs", step)
                                  for sid, d in row[_OUTPUTS].items()}
             scheduled.append(ScheduledRequest(*row))
         self._number = enc.number
@@ -175,13 +174,15 @@ def _delta(records: dict[str, list[int]], key: str, ids: list[int]) -> tuple[int
 
 
 def _undelta(records: dict[str, list[int]], key: str, delta: tuple[int, list[int]],
-             what: str) -> list[int]:
+             what: str, step: int) -> list[int]:
+    """The list ``_delta`` encoded; ``what`` and ``step`` name it in an error only (no
+    message is built per row)."""
     k, tail = delta
     if k:
         known = records.get(key, [])
         if len(known) != k:
-            raise RuntimeError(f"{what} extends {k} ids this rank does not hold "
-                               f"(it has {len(known)})")
+            raise RuntimeError(f"plan {step}: request {key}'s {what} extends {k} ids this "
+                               f"rank does not hold (it has {len(known)})")
         ids = known + tail if tail else known  # shared when nothing was added
     else:
         ids = tail
@@ -198,13 +199,14 @@ def _same_or_new(records: dict[str, Any], key: str, value: Any,
     return False, value
 
 
-def _recorded(records: dict[str, Any], key: str, sent: tuple[bool, Any], what: str) -> Any:
+def _recorded(records: dict[str, Any], key: str, sent: tuple[bool, Any], what: str,
+              step: int) -> Any:
     same, value = sent
     if not same:
         records[key] = value
         return value
     if key not in records:
-        raise RuntimeError(f"{what} were never sent to this rank")
+        raise RuntimeError(f"plan {step}: request {key}'s {what} were never sent to this rank")
     return records[key]
 
 
