@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
 from pagedserve.worker.layers.quant import check_quantization
+from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
@@ -105,6 +106,9 @@ class ModelConfig:
     embedding_only: bool = False
     # Routed experts (Mixtral, Qwen2/3-MoE); None for a dense model.
     moe: MoEConfig | None = None
+    # A checkpoint quantised ahead of time (GPTQ, AWQ, compressed-tensors, fp8): its
+    # projections are dequantised at load (``loaders.prequant``).
+    prequant: PrequantConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -218,6 +222,7 @@ class ModelConfig:
             dtype=str(dtype),
             embedding_only=_names_base_model(cfg.get("architectures")),
             moe=moe_config_from_hf(cfg, model_type, num_layers),
+            prequant=prequant_config(cfg.get("quantization_config")),
         )
 
     @classmethod

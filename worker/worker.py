@@ -34,6 +34,8 @@ from pagedserve.worker.loaders import (
     load_tokenizer,
     resolve_model,
 )
+from pagedserve.worker.loaders.hf import checkpoint_names
+from pagedserve.worker.loaders.prequant import dequantized_weights
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
@@ -131,7 +133,11 @@ class Worker:
         stage = PipelineStage.of(model_config.num_layers, self.config.pipeline_parallel_size,
                                  self.config.pp_rank, self.config.pipeline_layer_partition)
         model = cls(model_config, self.ctx, self.backend, self.dtype, self.device, stage)
-        model.load_weights(iter_safetensors(resolved.path))
+        weights = iter_safetensors(resolved.path)
+        if model_config.prequant is not None:
+            weights = dequantized_weights(weights, model_config.prequant,
+                                          checkpoint_names(resolved.path))
+        model.load_weights(weights)
         model.eval()
         self.packed_weights = False
         tied = {id(model.embed_tokens.weight)} if model.embed_tokens is not None else set()

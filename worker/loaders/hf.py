@@ -54,3 +54,17 @@ def iter_safetensors(path: str | Path, device: str = "cpu") -> Iterator[tuple[st
         with safe_open(str(file), framework="pt", device=device) as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, SafetensorsSlice(fh.get_slice(name))
+
+
+def checkpoint_names(path: str | Path) -> set[str]:
+    """Every tensor name of the checkpoint (from the index, else the files' headers),
+    without reading a tensor: a quantised checkpoint's loader needs to know which parts
+    of a projection (zero points, a group index) exist before the first one arrives."""
+    index = Path(path) / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as fh:
+            names.update(fh.keys())
+    return names

@@ -204,7 +204,8 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> None:
         """Load HF-named tensors, each rank copying only its shard; fail on anything missing."""
-        pending = self._expected_names()
+        expected = self._expected_names()
+        pending = set(expected)
         for name, lazy in weights:
             if "rotary_emb" in name:
                 continue
@@ -215,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if not self._on_this_stage(name):
                 continue  # never read: another stage loads it
+            if name.endswith(".bias") and name not in expected and not lazy[:].any():
+                continue  # AutoGPTQ saves a zero bias for every projection: adds nothing
             self._load_one(name, lazy)
             pending.discard(name)
         if pending:

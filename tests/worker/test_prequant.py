@@ -1,0 +1,204 @@
+"""Checkpoints quantised ahead of time (GPTQ, AWQ, compressed-tensors, fp8) load as the
+weights they stand for: the paged forward on the quantised checkpoint equals transformers
+on the dense one (or on the quantised one itself, where transformers reads it on CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.loaders.prequant import _unpack, dequantized_weights
+from pagedserve.worker.loaders.prequant_config import prequant_config
+from tests.worker.helpers import (
+    BlockAllocator,
+    all_logits,
+    load_hf,
+    make_worker,
+    plan,
+    request,
+    save_tiny_model,
+)
+from tests.worker.prequant_writers import (
+    pack_dense,
+    write_awq,
+    write_compressed_tensors,
+    write_fp8,
+    write_gptq,
+)
+
+PROMPTS = {"a": [5, 9, 17, 33, 4, 61, 8], "b": [8, 70, 12, 44, 90, 3, 61, 22, 7, 40, 13]}
+
+
+def _paged_logits(path, **kw) -> torch.Tensor:
+    """Logits of both prompts (a prefill, then one decode each) through the engine's
+    worker; rows in ``PROMPTS`` order, prompt tokens then the decode token."""
+    worker = make_worker(path, num_blocks=32, block_size=4, **kw)
+    alloc = BlockAllocator(32, 4, seed=1)
+    first = all_logits(worker, plan(0, [request(alloc, r, p, 0) for r, p in PROMPTS.items()]))
+    second = all_logits(worker, plan(1, [request(alloc, r, [11], len(p))
+                                         for r, p in PROMPTS.items()]))
+    return torch.cat([first, second])
+
+
+def _hf_logits(hf) -> torch.Tensor:
+    rows, last = [], []
+    with torch.no_grad():
+        for p in PROMPTS.values():
+            out = hf(torch.tensor([[*p, 11]])).logits[0]
+            rows.append(out[:-1])
+            last.append(out[-1:])
+    return torch.cat([*rows, *last])
+
+
+@pytest.fixture(scope="module")
+def dense_src(tmp_path_factory):
+    """A tiny Llama whose projections have 64 / 96 inputs (whole groups of 32)."""
+    return save_tiny_model(tmp_path_factory.mktemp("src") / "m", "llama", seed=5)
+
+
+@pytest.mark.parametrize("bits,group,desc_act,sym,v1", [
+    (4, 32, False, True, True),    # the common GPTQ-Int4 release
+    (4, 32, True, False, True),    # act-order: g_idx shuffles the groups; asymmetric
+    (8, -1, False, True, False),   # one group per row, GPTQModel's v2 zero points
+    (3, 32, True, True, True),     # codes straddle words
+    (2, 32, False, False, False),
+], ids=["int4", "int4_act_order_asym", "int8_per_row_v2", "int3_act_order", "int2_v2"])
+def test_gptq_equals_dense(tmp_path, dense_src, bits, group, desc_act, sym, v1):
+    qpath, dense = write_gptq(dense_src, tmp_path / "gptq", bits, group, desc_act, sym, v1)
+    torch.testing.assert_close(_paged_logits(qpath), _hf_logits(load_hf(dense)),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_awq_equals_dense(tmp_path, dense_src):
+    qpath, dense = write_awq(dense_src, tmp_path / "awq")
+    torch.testing.assert_close(_paged_logits(qpath), _hf_logits(load_hf(dense)),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_fp8_block_scales_equal_dense(tmp_path, dense_src):
+    qpath, dense = write_fp8(dense_src, tmp_path / "fp8")
+    torch.testing.assert_close(_paged_logits(qpath), _hf_logits(load_hf(dense)),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_bits,strategy,group", [(4, "group", 32), (8, "channel", None)],
+                         ids=["w4a16_group32", "w8a16_channel"])
+def test_compressed_tensors_equals_transformers(tmp_path, dense_src, num_bits, strategy,
+                                                group):
+    """transformers reads the compressed checkpoint itself (its compressed-tensors
+    integration decompresses each projection): the oracle is not our unpacking."""
+    pytest.importorskip("compressed_tensors")
+    path = write_compressed_tensors(dense_src, tmp_path / "ct", num_bits, strategy, group)
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "pack-quantized"
+    torch.testing.assert_close(_paged_logits(path), _hf_logits(load_hf(path)),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_compressed_tensors_asymmetric_equals_its_decompressor(tmp_path, dense_src):
+    """Asymmetric zero points are packed down the columns; transformers cannot read them
+    back in this version, so each projection is checked against compressed-tensors' own
+    ``decompress``."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+
+    path = write_compressed_tensors(dense_src, tmp_path / "ct", 4, "group", 32, symmetric=False)
+    state = load_file(str(path / "model.safetensors"))
+    cfg = ModelConfig.from_pretrained(path).prequant
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=32))
+    got = dict(dequantized_weights(state.items(), cfg, state.keys()))
+    prefixes = {k[:-len(".weight_packed")] for k in state if k.endswith(".weight_packed")}
+    assert len(prefixes) == 14
+    for prefix in sorted(prefixes):
+        parts = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+        ref = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
+        torch.testing.assert_close(got[prefix + ".weight"][:], ref, atol=0, rtol=0)
+    assert not any(k.endswith(("weight_scale", "weight_zero_point")) for k in got)
+
+
+def test_unpack_reads_every_width():
+    """Dense little-end packing, 1-8 bits, codes across word boundaries included."""
+    g = torch.Generator().manual_seed(0)
+    for bits in range(1, 9):
+        codes = torch.randint(0, 1 << bits, (3, 70), generator=g)
+        assert torch.equal(_unpack(pack_dense(codes, bits), bits, 70), codes.to(torch.int32))
+
+
+def test_zero_gptq_biases_are_dropped_nonzero_ones_refused(tmp_path, dense_src):
+    """AutoGPTQ saves a zero bias for every projection; a Llama has none, so a zero one is
+    skipped and a real one is an error naming it."""
+    from safetensors.torch import load_file, save_file
+
+    qpath, _ = write_gptq(dense_src, tmp_path / "gptq")
+    make_worker(qpath, num_blocks=8, block_size=4)
+    state = load_file(str(qpath / "model.safetensors"))
+    state["model.layers.0.mlp.down_proj.bias"] = torch.ones(64, dtype=torch.float16)
+    save_file(state, str(qpath / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj.bias"):
+        make_worker(qpath, num_blocks=8, block_size=4)
+
+
+def test_missing_part_is_named(tmp_path, dense_src):
+    from safetensors.torch import load_file, save_file
+
+    qpath, _ = write_gptq(dense_src, tmp_path / "gptq")
+    state = load_file(str(qpath / "model.safetensors"))
+    del state["model.layers.1.self_attn.o_proj.scales"]
+    save_file(state, str(qpath / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.o_proj lacks \['scales'\]"):
+        make_worker(qpath, num_blocks=8, block_size=4)
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"quant_method": "bitsandbytes"}, "quant_method"),
+    ({"quant_method": "gptq", "bits": 5, "group_size": 128}, "bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+     "checkpoint_format"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False},
+     "zero_point"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}},
+      "format": "pack-quantized", "sparsity_config": {"format": "sparse-24-bitmask"}},
+     "sparsity_config.format"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "float"}}}, "format": "nvfp4-pack-quantized"},
+     "config_groups.g.format"),
+    ({"quant_method": "compressed-tensors", "config_groups": {}}, "config_groups"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ("gptq", "must be an object"),
+])
+def test_bad_quantization_config_names_the_field(raw, field):
+    with pytest.raises(ValueError, match=f"quantization_config.*{field}"):
+        prequant_config(raw)
+
+
+def test_int8_on_a_gptq_checkpoint_quantises_the_dequantised_weights(tmp_path, dense_src):
+    """``quantization="int8"`` over a GPTQ model: our own groups of 32 over the weights the
+    checkpoint stands for, so the logits stay within int8's error of the dense model's."""
+    qpath, dense = write_gptq(dense_src, tmp_path / "gptq")
+    got = _paged_logits(qpath, quantization="int8")
+    ref = _hf_logits(load_hf(dense))
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_tp2_gptq_equals_tp1(tmp_path, dense_src):
+    """Each rank dequantises a projection whole, then takes its slice."""
+    from tests.worker.test_tensor_parallel import _free_port, _rank_main, _run
+
+    qpath, _ = write_gptq(dense_src, tmp_path / "gptq", desc_act=True)
+    ref_logits, ref_toks = _run(make_worker(qpath, num_blocks=40, block_size=4), 4)
+    result = tmp_path / "tp2.pt"
+    mp.spawn(_rank_main, args=(str(qpath), f"tcp://127.0.0.1:{_free_port()}", str(result)),
+             nprocs=2, join=True)
+    got = torch.load(result)
+    torch.testing.assert_close(got["logits"], ref_logits, atol=2e-5, rtol=1e-4)
+    assert got["toks"] == ref_toks

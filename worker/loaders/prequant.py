@@ -1,0 +1,301 @@
+"""Projections of a checkpoint quantised ahead of time, dequantised as the model loads them.
+
+A GPTQ, AWQ, compressed-tensors or fp8 checkpoint (``loaders.prequant_config``) holds each
+quantised projection as several tensors: packed integer codes, scales, zero points, a
+group index. vLLM runs those through Marlin / Machete kernels on GPUs; we have none, so
+``dequantized_weights`` sits between the safetensors stream and ``load_weights``: it
+gathers a projection's parts and hands the model one ``<module>.weight`` whose indexing
+returns the dense matrix, computed as the checkpoint's reference does (codes minus zero
+point, times the scale, rounded once to the scale's dtype: AutoGPTQ's, AutoAWQ's and
+compressed-tensors' own dequantisation). Everything after that is a dense model's path:
+tensor-parallel slices, pipeline stages, LoRA, CUDA graphs, and ``quantization="int8"`` /
+``"int4"`` on CPU, which quantise again in their own groups of 32.
+
+Costs: the weights are dense after load (a 4-bit checkpoint takes 4x its bytes in bf16,
+8x in fp32), and every tensor-parallel rank dequantises a whole projection before taking
+its slice. Activation scales (``input_scale``), calibrated KV scales and the like are
+dropped: activations and the KV pool run in the engine's dtypes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pagedserve.worker.loaders.prequant_config import PrequantConfig
+
+logger = logging.getLogger(__name__)
+
+# Parts a quantised checkpoint may carry that the dense model does not use.
+_UNUSED_PARTS = frozenset({"input_scale", "input_zero_point", "input_global_scale",
+                           "output_scale", "output_zero_point", "k_scale", "v_scale",
+                           "q_scale", "prob_scale", "kv_scale"})
+# AutoAWQ packs output columns 0..7 of each word in this order (its AWQ_ORDER); the
+# inverse puts them back.
+_AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_NARROW = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class DequantizedWeight:
+    """A quantised projection as the loader's lazy tensor: ``shape`` is the dense
+    ``(out, in)``; the first index dequantises the whole matrix (the slice a rank takes
+    follows the checkpoint's dense layout, not its packed one)."""
+
+    def __init__(self, name: str, shape: tuple[int, int], make: Callable[[], torch.Tensor]):
+        self.name, self.shape = name, shape
+        self._make: Callable[[], torch.Tensor] | None = make
+        self._dense: torch.Tensor | None = None
+
+    def __getitem__(self, idx: Any) -> torch.Tensor:
+        if self._dense is None:
+            assert self._make is not None
+            dense = self._make()
+            if tuple(dense.shape) != self.shape:
+                raise ValueError(f"{self.name}: dequantised to {tuple(dense.shape)}, "
+                                 f"expected {self.shape}")
+            self._dense, self._make = dense, None
+        return self._dense[idx]
+
+
+def dequantized_weights(weights: Iterable[tuple[str, Any]], cfg: PrequantConfig,
+                        names: Collection[str]) -> Iterator[tuple[str, Any]]:
+    """``weights`` with each quantised projection's parts replaced by one dense
+    ``<module>.weight``; ``names`` is every tensor name of the checkpoint (which parts a
+    projection has is known before the first arrives). Parts are read as they come (the
+    file they are in may close before the rest); a projection missing one is a
+    ``ValueError`` at the end."""
+    expected = _quantised_parts(cfg, set(names))
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    dropped = 0
+    for name, lazy in weights:
+        prefix, _, part = name.rpartition(".")
+        parts = expected.get(prefix)
+        if parts is None or part not in parts:
+            if part in _UNUSED_PARTS:
+                dropped += 1
+                continue
+            yield name, lazy
+            continue
+        got = pending.setdefault(prefix, {})
+        got[part] = lazy[:]
+        if len(got) == len(parts):
+            del pending[prefix]
+            yield prefix + ".weight", _dequantizer(cfg, prefix, got)
+    if pending:
+        prefix, got = next(iter(pending.items()))
+        missing = sorted(expected[prefix] - got.keys())
+        raise ValueError(f"checkpoint's quantised {prefix} lacks {missing} "
+                         f"({len(pending)} projection(s) incomplete)")
+    for note in cfg.notes:
+        logger.info("quantized checkpoint (%s): %s", cfg.method, note)
+    if dropped:
+        logger.info("quantized checkpoint (%s): %d activation / KV scale tensors unused",
+                    cfg.method, dropped)
+
+
+def _quantised_parts(cfg: PrequantConfig, names: set[str]) -> dict[str, frozenset[str]]:
+    """Each quantised projection's prefix and the parts the checkpoint has for it."""
+    def have(prefix: str, *parts: str) -> set[str]:
+        return {p for p in parts if f"{prefix}.{p}" in names}
+
+    out: dict[str, frozenset[str]] = {}
+    for name in names:
+        prefix, _, part = name.rpartition(".")
+        if cfg.method in ("gptq", "awq") and part == "qweight":
+            extra = have(prefix, "g_idx") if cfg.method == "gptq" else set()
+            out[prefix] = frozenset({"qweight", "qzeros", "scales", *extra})
+        elif cfg.method == "compressed-tensors" and part == "weight_packed":
+            out[prefix] = frozenset({"weight_packed", "weight_scale", "weight_shape",
+                                     *have(prefix, "weight_zero_point", "weight_g_idx")})
+        elif (cfg.method in ("compressed-tensors", "fp8") and part in ("weight_scale",
+                                                                       "weight_scale_inv")
+              and f"{prefix}.weight" in names):
+            out[prefix] = frozenset({"weight", part, *have(prefix, "weight_zero_point",
+                                                           "weight_g_idx")})
+    return out
+
+
+def _dequantizer(cfg: PrequantConfig, prefix: str, parts: dict[str, torch.Tensor]
+                 ) -> DequantizedWeight:
+    if cfg.method == "gptq":
+        shape, make = _gptq(cfg, prefix, parts)
+    elif cfg.method == "awq":
+        shape, make = _awq(cfg, prefix, parts)
+    elif "weight_packed" in parts:
+        shape, make = _ct_packed(cfg, prefix, parts)
+    else:
+        shape, make = _scaled(cfg, prefix, parts)
+    return DequantizedWeight(prefix + ".weight", shape, make)
+
+
+Maker = tuple[tuple[int, int], Callable[[], torch.Tensor]]
+
+
+def _gptq(cfg: PrequantConfig, prefix: str, p: dict[str, torch.Tensor]) -> Maker:
+    """AutoGPTQ's layout: ``qweight`` [in * bits / 32, out] packs inputs down the rows,
+    ``qzeros`` [groups, out * bits / 32] outputs along the row, ``scales`` [groups, out]."""
+    assert cfg.bits is not None
+    bits, qweight, scales = cfg.bits, _int32(prefix, "qweight", p), p["scales"]
+    n_in, n_out = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    _expect(prefix, "scales", scales, (None, n_out))
+
+    def make() -> torch.Tensor:
+        codes = _unpack(qweight.t(), bits, n_in)  # [out, in]
+        zeros = _unpack(_int32(prefix, "qzeros", p), bits, n_out) + cfg.zero_offset  # [g, out]
+        _expect(prefix, "qzeros", zeros, tuple(scales.shape))
+        cols = _group_index(prefix, p.get("g_idx"), cfg.group_size, n_in, scales.shape[0])
+        return _scale(codes - zeros.t()[:, cols], scales.t()[:, cols])
+
+    return (n_out, n_in), make
+
+
+def _awq(cfg: PrequantConfig, prefix: str, p: dict[str, torch.Tensor]) -> Maker:
+    """AutoAWQ's GEMM layout: ``qweight`` [in, out / 8] and ``qzeros`` [groups, out / 8]
+    pack outputs along the row in AWQ's interleaved order; ``scales`` [groups, out]."""
+    qweight, scales = _int32(prefix, "qweight", p), p["scales"]
+    n_in, n_out = qweight.shape[0], qweight.shape[1] * 8
+    _expect(prefix, "scales", scales, (None, n_out))
+
+    def make() -> torch.Tensor:
+        codes = _awq_order(_unpack(qweight, 4, n_out))  # [in, out]
+        zeros = _awq_order(_unpack(_int32(prefix, "qzeros", p), 4, n_out))
+        _expect(prefix, "qzeros", zeros, tuple(scales.shape))
+        rows = _group_index(prefix, None, cfg.group_size, n_in, scales.shape[0])
+        return _scale(codes - zeros[rows], scales[rows]).t().contiguous()
+
+    return (n_out, n_in), make
+
+
+def _ct_packed(cfg: PrequantConfig, prefix: str, p: dict[str, torch.Tensor]) -> Maker:
+    """compressed-tensors' ``pack-quantized``: signed codes offset by ``2**(bits-1)`` and
+    packed densely along each row of ``weight_packed``; an asymmetric scheme's zero
+    points packed the same way down the columns."""
+    scheme = cfg.scheme_for(prefix)
+    bits = scheme.num_bits
+    n_out, n_in = (int(v) for v in p["weight_shape"].tolist())
+    packed = _int32(prefix, "weight_packed", p)
+    _expect(prefix, "weight_packed", packed, (n_out, -(-n_in * bits // 32)))
+    offset = 1 << (bits - 1)
+
+    def make() -> torch.Tensor:
+        codes = _unpack(packed, bits, n_in) - offset
+        zp = p.get("weight_zero_point")
+        if zp is not None and zp.dtype == torch.int32 and scheme.strategy in ("group",
+                                                                               "channel"):
+            zp = (_unpack(zp.t(), bits, n_out) - offset).t()
+        return _ct_dequant(prefix, scheme.strategy, scheme.group_size, scheme.block, codes,
+                           p["weight_scale"], zp, p.get("weight_g_idx"))
+
+    return (n_out, n_in), make
+
+
+def _scaled(cfg: PrequantConfig, prefix: str, p: dict[str, torch.Tensor]) -> Maker:
+    """A whole ``weight`` of int8 or fp8 codes with a scale (compressed-tensors' int /
+    float formats; fp8's ``weight_scale_inv`` per block or ``weight_scale``); a weight
+    already in full precision ("frozen" status) passes as it is."""
+    weight = p["weight"]
+    scale = p.get("weight_scale", p.get("weight_scale_inv"))
+    assert scale is not None and weight.dim() == 2
+    shape = (int(weight.shape[0]), int(weight.shape[1]))
+    if weight.dtype not in _NARROW:
+        return shape, lambda: weight
+    if cfg.method == "fp8":
+        strategy = "block" if cfg.block else _strategy_of(scale, shape[0])
+        group, block, zp = None, cfg.block, None
+    else:
+        scheme = cfg.scheme_for(prefix)
+        strategy, group, block = scheme.strategy, scheme.group_size, scheme.block
+        zp = p.get("weight_zero_point")
+    return shape, lambda: _ct_dequant(prefix, strategy, group, block, weight, scale, zp,
+                                      p.get("weight_g_idx"))
+
+
+def _ct_dequant(prefix: str, strategy: str, group_size: int | None,
+                block: tuple[int, int] | None, codes: torch.Tensor, scale: torch.Tensor,
+                zp: torch.Tensor | None, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """``(codes - zp) * scale`` with the scale (and zero point) spread to each weight."""
+    n_out, n_in = codes.shape
+    if strategy == "tensor":
+        spread = lambda t: t.reshape(()).expand(n_out, n_in)  # noqa: E731
+    elif strategy == "channel":
+        spread = lambda t: t.reshape(n_out, 1).expand(n_out, n_in)  # noqa: E731
+    elif strategy == "block":
+        assert block is not None
+        rows, cols = torch.arange(n_out) // block[0], torch.arange(n_in) // block[1]
+        _expect(prefix, "weight scale", scale, (int(rows[-1]) + 1, int(cols[-1]) + 1))
+        spread = lambda t: t[rows][:, cols]  # noqa: E731
+    else:
+        n_groups = scale.shape[-1]
+        cols = _group_index(prefix, g_idx, group_size or -(-n_in // n_groups), n_in, n_groups)
+        _expect(prefix, "weight_scale", scale, (n_out, n_groups))
+        spread = lambda t: t[:, cols]  # noqa: E731
+    values = codes.to(torch.float32)
+    if zp is not None:
+        values = values - spread(zp.to(torch.float32))
+    return _scale(values, spread(scale))
+
+
+def _strategy_of(scale: torch.Tensor, n_out: int) -> str:
+    return "tensor" if scale.numel() == 1 else "channel" if scale.numel() == n_out else "block"
+
+
+def _scale(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``values * scale`` rounded once to the scale's dtype (the product of a small integer
+    and a 16-bit scale is exact in fp32, so this is the reference's 16-bit product)."""
+    out = values.to(torch.float32) * scale.to(torch.float32)
+    return out.to(scale.dtype) if scale.dtype.is_floating_point else out
+
+
+def _unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The ``count`` codes of ``bits`` bits packed little-end first along each row of an
+    int32 ``words`` (code ``e`` at bit ``e * bits`` of the row; codes of 3, 5, 6 or 7 bits
+    straddle words), as int32."""
+    if 32 % bits == 0:
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+        codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*words.shape[:-1], -1)[..., :count]
+    bit_of = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    flat = bit_of.reshape(*words.shape[:-1], -1)[..., :count * bits]
+    weights = torch.tensor([1 << k for k in range(bits)], dtype=torch.int32)
+    return (flat.reshape(*words.shape[:-1], count, bits) * weights).sum(-1, dtype=torch.int32)
+
+
+def _awq_order(codes: torch.Tensor) -> torch.Tensor:
+    """Columns of AutoAWQ's packed order back in their own order."""
+    rows, n = codes.shape
+    return codes.reshape(rows, n // 8, 8)[..., list(_AWQ_REVERSE_ORDER)].reshape(rows, n)
+
+
+def _group_index(prefix: str, g_idx: torch.Tensor | None, group_size: int, n_in: int,
+                 n_groups: int) -> torch.Tensor:
+    """Each input's group: the checkpoint's ``g_idx`` (act-order GPTQ), else consecutive
+    runs of ``group_size`` (-1: one group)."""
+    if g_idx is not None:
+        if tuple(g_idx.shape) != (n_in,):
+            raise ValueError(f"{prefix}: group index has shape {tuple(g_idx.shape)}, "
+                             f"expected ({n_in},)")
+        cols = g_idx.to(torch.long)
+    else:
+        cols = torch.arange(n_in) // (n_in if group_size == -1 else group_size)
+    if n_in and (int(cols.min()) < 0 or int(cols.max()) >= n_groups):
+        raise ValueError(f"{prefix}: inputs fall in groups outside the {n_groups} scales "
+                         f"(group_size {group_size})")
+    return cols
+
+
+def _int32(prefix: str, part: str, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    t = p[part]
+    if t.dtype != torch.int32 or t.dim() != 2:
+        raise ValueError(f"{prefix}.{part} must be a 2-D int32 tensor, got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    return t
+
+
+def _expect(prefix: str, part: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
+    if len(t.shape) != len(shape) or any(s is not None and s != d
+                                         for s, d in zip(shape, t.shape, strict=True)):
+        raise ValueError(f"{prefix}: {part} has shape {tuple(t.shape)}, expected "
+                         f"{tuple('*' if s is None else s for s in shape)}")
