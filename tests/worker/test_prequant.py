@@ -141,7 +141,7 @@ def test_zero_gptq_biases_are_dropped_nonzero_ones_refused(tmp_path, dense_src):
     state = load_file(str(qpath / "model.safetensors"))
     state["model.layers.0.mlp.down_proj.bias"] = torch.ones(64, dtype=torch.float16)
     save_file(state, str(qpath / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="down_proj.bias"):
+    with pytest.raises(ValueError, match=r"down_proj\.bias"):
         make_worker(qpath, num_blocks=8, block_size=4)
 
 
