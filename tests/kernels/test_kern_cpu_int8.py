@@ -146,6 +146,28 @@ def test_four_bit_codes_pack_two_to_a_byte() -> None:
         cpu_int8.make(codes, scale, 0, offs, bits=2)
 
 
+def test_four_bit_grid_weights_keep_their_grid() -> None:
+    """Weights already on a 4-bit grid whose groups span 128 inputs (a GPTQ / AWQ
+    checkpoint's) come back exactly, though a group of 32 often holds fewer than 16 of
+    the levels (min-max over 32 would re-round those); weights off any grid keep Q4_1's
+    min-max step."""
+    g = torch.Generator().manual_seed(3)
+    scale = torch.rand(48, 2, 1, generator=g) * 0.02 + 0.001
+    zero = torch.randint(4, 12, (48, 2, 1), generator=g)
+    codes = torch.randint(0, 16, (48, 2, 128), generator=g)
+    codes[:, :, 40:64] = torch.randint(5, 9, (48, 2, 24), generator=g)  # few levels there
+    w = ((codes - zero) * scale).reshape(48, 256)
+    q, step, offs = cpu_int8.quantize_asymmetric4(w)
+    torch.testing.assert_close(cpu_int8.make(q, step, 0, offs, bits=4).dequantize(), w,
+                               atol=1e-6, rtol=1e-5)
+    minmax = (w.view(48, 8, 32).amax(-1) - w.view(48, 8, 32).amin(-1)) / 15
+    assert not torch.allclose(step, minmax)
+    off = torch.randn(48, 256, generator=g)
+    step = cpu_int8.quantize_asymmetric4(off)[1]
+    torch.testing.assert_close(step, (off.view(48, 8, 32).amax(-1)
+                                      - off.view(48, 8, 32).amin(-1)) / 15)
+
+
 def test_reference_is_close_to_the_float_matmul() -> None:
     """Only the activations' rounding separates the int8 product from x @ W_deq^T:
     about 0.4% of a group's largest value per element."""

@@ -190,6 +190,23 @@ def test_int8_on_a_gptq_checkpoint_quantises_the_dequantised_weights(tmp_path, d
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+def test_int4_on_a_gptq_checkpoint_keeps_its_codes(tmp_path, dense_src):
+    """``quantization="int4"`` over a 4-bit GPTQ model with groups of 64: each group of 32
+    keeps the checkpoint's grid (``cpu_int8.quantize_asymmetric4``), so the weights the
+    kernel reads are the checkpoint's to 16-bit rounding, not quantised a second time."""
+    from safetensors.torch import load_file
+
+    qpath, dense = write_gptq(dense_src, tmp_path / "gptq", bits=4, group_size=64, sym=False)
+    ref = load_file(str(dense / "model.safetensors"))
+    worker = make_worker(qpath, num_blocks=8, block_size=4, quantization="int4")
+    layer = worker.model.layers[1]
+    for module, names in ((layer.self_attn.qkv_proj, ("q", "k", "v")),
+                          (layer.self_attn.o_proj, ("o",))):
+        want = torch.cat([ref[f"model.layers.1.self_attn.{n}_proj.weight"] for n in names])
+        got = module.quant.dequantize()
+        torch.testing.assert_close(got, want, atol=2e-3 * float(want.abs().max()), rtol=0)
+
+
 def test_tp2_gptq_equals_tp1(tmp_path, dense_src):
     """Each rank dequantises a projection whole, then takes its slice."""
     from tests.worker.test_tensor_parallel import _free_port, _rank_main, _run
