@@ -22,7 +22,7 @@ from tests.worker.helpers import (
     request,
     save_tiny_model,
 )
-from tests.worker.prequant_writers import (
+from pagedserve.worker.testing_prequant import (
     pack_dense,
     write_awq,
     write_compressed_tensors,

@@ -1,7 +1,8 @@
-"""Quantised checkpoints written on the spot from a tiny dense one (no such model is on
-this machine): GPTQ and AWQ packed as AutoGPTQ / GPTQModel and AutoAWQ pack them (their
-packing loops, restated), compressed-tensors through its own compressor, fp8 with block
-scales as transformers' fine-grained fp8 stores them.
+"""Quantised checkpoints written on the spot from a dense one (no such model is on this
+machine), for the tests and ``bench/prequant.py``: GPTQ and AWQ packed as AutoGPTQ /
+GPTQModel and AutoAWQ pack them (their packing loops, restated), compressed-tensors
+through its own compressor, fp8 with block scales as transformers' fine-grained fp8
+stores them.
 
 Each writer also saves the dense checkpoint of the weights the quantised one stands for,
 computed here element by element (codes minus zero, times the scale, rounded to the
