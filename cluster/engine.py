@@ -369,9 +369,9 @@ class LLMEngine:
             "kv_offload": {"enabled": sched.kv.offload_enabled, **sched.kv.offload_stats},
             "spec_decode": dict(sched.spec_stats),
             "lora": self.loras.stats(queues),
-            "memory": {**mem, "kv_cache_dtype": self.model_info["kv_cache_dtype"],
+            "memory": {**mem, **{k: self.model_info.get(k) for k in (
+                "kv_cache_dtype", "quantization", "checkpoint_quantization")},
                        "bytes_per_block": int(self.model_info["bytes_per_block"]),
-                       "quantization": self.model_info.get("quantization"),
                        "weight_bytes": int(self.model_info.get("weight_bytes", 0))},
             "model": self.model_id,
             "batch_invariant": self.config.batch_invariant,

@@ -377,6 +377,7 @@ class Worker:
             "load_time_s": self.load_time_s,
             "packed_weights": self.packed_weights,
             "quantization": self.config.quantization,
+            "checkpoint_quantization": mc.prequant.method if mc.prequant else None,
             "weight_bytes": self.weight_bytes,
         }
 

@@ -137,7 +137,8 @@ def test_zero_gptq_biases_are_dropped_nonzero_ones_refused(tmp_path, dense_src):
     from safetensors.torch import load_file, save_file
 
     qpath, _ = write_gptq(dense_src, tmp_path / "gptq")
-    make_worker(qpath, num_blocks=8, block_size=4)
+    assert make_worker(qpath, num_blocks=8, block_size=4).get_model_info()[
+        "checkpoint_quantization"] == "gptq"
     state = load_file(str(qpath / "model.safetensors"))
     state["model.layers.0.mlp.down_proj.bias"] = torch.ones(64, dtype=torch.float16)
     save_file(state, str(qpath / "model.safetensors"), metadata={"format": "pt"})
