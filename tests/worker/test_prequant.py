@@ -13,6 +13,13 @@ import torch.multiprocessing as mp
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.loaders.prequant import _unpack, dequantized_weights
 from pagedserve.worker.loaders.prequant_config import prequant_config
+from pagedserve.worker.testing_prequant import (
+    pack_dense,
+    write_awq,
+    write_compressed_tensors,
+    write_fp8,
+    write_gptq,
+)
 from tests.worker.helpers import (
     BlockAllocator,
     all_logits,
@@ -21,13 +28,6 @@ from tests.worker.helpers import (
     plan,
     request,
     save_tiny_model,
-)
-from pagedserve.worker.testing_prequant import (
-    pack_dense,
-    write_awq,
-    write_compressed_tensors,
-    write_fp8,
-    write_gptq,
 )
 
 PROMPTS = {"a": [5, 9, 17, 33, 4, 61, 8], "b": [8, 70, 12, 44, 90, 3, 61, 22, 7, 40, 13]}
