@@ -278,3 +278,30 @@ def test_embedding_model_quantizes_its_layers_not_the_unused_head(
             llm.shutdown()
     cos = torch.nn.functional.cosine_similarity(vecs[None], vecs["int8"], dim=-1)
     assert bool((cos > 0.99).all()), cos
+
+
+def test_engine_on_a_quantised_checkpoint_gives_the_dense_files_tokens(tiny_llama_dir,
+                                                                       tmp_path) -> None:
+    """Through ``LLM``: an AWQ file (its tokenizer beside it) gives the greedy tokens of
+    the dense checkpoint it stands for, the stats name the format, and ``int4`` over it
+    serves it (each prompt's first token is the dense run's)."""
+    from pathlib import Path
+
+    from pagedserve.worker.testing_prequant import write_awq
+
+    qpath, dense = write_awq(Path(tiny_llama_dir), tmp_path / "awq")
+    prompts = prompts_of_mixed_lengths()
+    runs = {}
+    for name, path, quant in (("dense", dense, None), ("awq", qpath, None),
+                              ("awq_int4", qpath, "int4")):
+        llm = LLM(model=str(path), quantization=quant, num_gpu_blocks=256)
+        try:
+            runs[name] = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+            memory = llm.engine.get_stats()["memory"]
+            assert memory["checkpoint_quantization"] == (None if name == "dense" else "awq")
+            assert_pool_at_baseline(llm)
+        finally:
+            llm.shutdown()
+    assert runs["awq"] == runs["dense"]
+    # Greedy runs part once a near-tie flips (int8 activations), so compare first tokens.
+    assert [x[0] for x in runs["awq_int4"]] == [y[0] for y in runs["dense"]]
