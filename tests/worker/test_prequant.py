@@ -220,3 +220,14 @@ def test_tp2_gptq_equals_tp1(tmp_path, dense_src):
     got = torch.load(result)
     torch.testing.assert_close(got["logits"], ref_logits, atol=2e-5, rtol=1e-4)
     assert got["toks"] == ref_toks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gptq_equals_dense(tmp_path, dense_src):
+    """On a GPU the dequantised weights are the dense file's too (fp32, both on CUDA)."""
+    qpath, dense = write_gptq(dense_src, tmp_path / "gptq", desc_act=True)
+    got = _paged_logits(qpath, device="cuda", dtype="float32")
+    ref = _paged_logits(dense, device="cuda", dtype="float32")
+    assert got.is_cuda
+    torch.testing.assert_close(got.cpu(), ref.cpu(), atol=1e-4, rtol=1e-4)
