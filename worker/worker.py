@@ -154,6 +154,12 @@ class Worker:
                                    self.kv_dtype, self.config.quantization,
                                    lora=self.config.max_lora_rank > 0, ctx=self.ctx)
         self.weight_bytes = weight_bytes(model)
+        if model_config.prequant is not None and not self.config.quantization \
+                and self.device.type == "cpu":
+            logger.info("%s checkpoint held dense (%.0f MiB of weights); on CPU "
+                        "--quantization int4 or int8 keeps it small (int4 keeps a 4-bit "
+                        "file's grid)", model_config.prequant.method,
+                        self.weight_bytes / 2**20)
         self.num_kv_heads_per_rank = model.num_kv_heads_per_rank  # known while asleep too
         if self.config.max_lora_rank:
             self.lora = LoRAManager(model, self.config.max_lora_rank, self.dtype, self.device)

@@ -126,6 +126,27 @@ def test_resolve_model_inputs(tmp_path):
         resolve_model(str(tmp_path / "empty"))
 
 
+def test_resolve_model_reads_a_hub_id_from_the_local_cache(tmp_path, monkeypatch):
+    """``org/name`` resolves to its snapshot in the Hugging Face cache (the ``main`` ref),
+    never downloading: an id not cached is the same clear error as before, and the
+    OpenAI model name is the id."""
+    import huggingface_hub.constants as hub
+
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    snapshot = save_tiny_model(repo / "snapshots" / "0123abcd", "llama")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = resolve_model("acme/tiny-llama")
+    assert r.path == str(snapshot) and r.model_id == "acme/tiny-llama"
+    assert make_worker(r.path, num_blocks=8).model is not None
+    with pytest.raises(FileNotFoundError, match="local Hugging Face cache"):
+        resolve_model("acme/not-cached")
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        resolve_model("a/b/c")
+
+
 def test_missing_and_misshapen_weights_fail_loudly(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -54,7 +54,9 @@ def default_gguf_path() -> Path:
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> ResolvedModel:
-    """Map ``None`` (default SmolLM2), an HF directory or a ``.gguf`` path to an HF directory.
+    """Map ``None`` (default SmolLM2), an HF directory, a ``.gguf`` path or a hub id
+    already in the local Hugging Face cache (``org/name``, as vLLM takes it) to an HF
+    directory.
 
     GGUF files are converted once and cached (see ``loaders.gguf``).
     """
@@ -71,10 +73,30 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ResolvedModel:
             raise FileNotFoundError(f"{p} has no config.json (not a Hugging Face model dir)")
         safetensors_files(p)  # fail early and clearly on a .bin-only checkpoint
         return ResolvedModel(str(p.resolve()), p.resolve().name, str(model))
+    cached = _hub_cache_snapshot(str(model))
+    if cached is not None:
+        safetensors_files(cached)
+        return ResolvedModel(str(cached), str(model), str(model))
     raise FileNotFoundError(
-        f"model {str(model)!r} is neither a local HF directory nor a .gguf file "
-        "(nothing is downloaded from a hub)"
+        f"model {str(model)!r} is neither a local HF directory, a .gguf file nor a model "
+        "in the local Hugging Face cache (nothing is downloaded from a hub)"
     )
+
+
+def _hub_cache_snapshot(model: str) -> Path | None:
+    """The cached snapshot of hub id ``model`` (``HF_HUB_CACHE``, the ``main`` ref), read
+    with downloads off; None when ``model`` is no hub id or is not cached."""
+    parts = model.split("/")
+    if len(parts) > 2 or not all(parts) or model.startswith((".", "~")):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(model, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None
+    return path if (path / "config.json").is_file() else None
 
 
 def load_tokenizer(resolved: ResolvedModel | str) -> Any:
