@@ -104,7 +104,7 @@ def write_gptq(src: Path, dest: Path, bits: int = 4, group_size: int = 32,
                seed: int = 0) -> tuple[Path, Path]:
     """A GPTQ checkpoint of ``src`` (``dest``) and the dense one it stands for
     (``dest`` + "_dense"). ``desc_act`` shuffles which inputs share a group (``g_idx``);
-    every projection gets a zero fp16 bias, as AutoGPTQ saves them."""
+    every projection without a bias gets a zero fp16 one, as AutoGPTQ saves them."""
     state, dense = _state(src), {}
     gen = torch.Generator().manual_seed(seed)
     for prefix in _projections(state):
@@ -122,7 +122,7 @@ def write_gptq(src: Path, dest: Path, bits: int = 4, group_size: int = 32,
         state[prefix + ".qzeros"] = pack_dense(zeros - (1 if v1 else 0), bits)
         state[prefix + ".scales"] = scales
         state[prefix + ".g_idx"] = groups.to(torch.int32)
-        state[prefix + ".bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
+        state.setdefault(prefix + ".bias", torch.zeros(w.shape[0], dtype=torch.float16))
     quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
              "desc_act": desc_act, "sym": sym,
              "checkpoint_format": "gptq" if v1 else "gptq_v2"}

@@ -73,6 +73,16 @@ def test_gptq_equals_dense(tmp_path, dense_src, bits, group, desc_act, sym, v1):
                                atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_gptq_of_other_families_equals_dense(tmp_path, kind):
+    """Qwen2's q/k/v biases stay (only bias-free projections get AutoGPTQ's zero ones);
+    routed experts and a shared expert are dequantised one by one; routers stay dense."""
+    src = save_tiny_model(tmp_path / "m", kind, seed=3)
+    qpath, dense = write_gptq(src, tmp_path / "gptq", desc_act=True)
+    torch.testing.assert_close(_paged_logits(qpath), _hf_logits(load_hf(dense)),
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_awq_equals_dense(tmp_path, dense_src):
     qpath, dense = write_awq(dense_src, tmp_path / "awq")
     torch.testing.assert_close(_paged_logits(qpath), _hf_logits(load_hf(dense)),
