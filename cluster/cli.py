@@ -54,7 +54,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", choices=("int8", "int4"), default=None,
                    help="int8: projections as 8-bit weights (a scale per 32 inputs) run on "
                         "int8 activations, ~3.5x less weight memory than fp32; int4: 4-bit "
-                        "weights (scale and minimum per 32), about half that again (CPU only)")
+                        "weights (scale and minimum per 32), about half that again; on CUDA "
+                        "int4 only (16-bit activations, a Triton W4A16 GEMM)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs do not depend on what else is in "
                         "its batch, bit for bit (reproducible seeded sampling, exact "

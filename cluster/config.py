@@ -54,7 +54,7 @@ class EngineConfig:
     batch instead; without it the scale is 1.0).
     ``quantization`` "int8" serves the projections as 8-bit weights with a scale per
     32 inputs, run on int8 activations; "int4" as 4-bit weights with a scale and a
-    minimum per 32 (CPU only; ``worker.layers.quant``).
+    minimum per 32 (``worker.layers.quant``; on CUDA int4 only, ``kernels.triton_w4a16``).
     ``scheduling_policy`` "priority" orders waiting, swapped and running requests by
     each request's ``priority`` (lower first), then arrival; "fcfs" by arrival only.
     ``priority_aging_s`` (priority only) counts each that many seconds a request has

@@ -299,7 +299,7 @@ class WorkerConfig:
 
     ``quantization`` "int8" keeps every projection as 8-bit codes with a scale per
     32 inputs and runs it on int8 activations; "int4" as 4-bit codes with a scale and
-    a minimum per 32 (``layers.quant``; CPU only).
+    a minimum per 32 (``layers.quant``; on CUDA int4 only, ``kernels.triton_w4a16``).
 
     ``batch_invariant`` pads GEMM rows and runs every attention row on the native
     per-row kernel, so a row's logits do not depend on the batch (``batch_invariant``).

@@ -145,6 +145,8 @@ class Worker:
             head = model.lm_head
             unused = {id(head)} if model_config.embedding_only and head is not None else set()
             quantize_model(model, self.config.quantization, tied, unused)
+            if self.device.type == "cuda":  # the 16-bit copies go before memory is profiled
+                torch.cuda.empty_cache()
         if (slow := slow_half_precision(self.device, self.dtype)) is not None:
             logger.warning(slow)
         if self.config.cpu_packed_weights and can_pack(self.device, self.dtype):

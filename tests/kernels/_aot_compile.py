@@ -9,7 +9,7 @@ must be unset when the kernels are decorated.
 
     python tests/kernels/_aot_compile.py [capability ...]   # default: 90 80
 
-The fused MoE kernels print "ok moe sm_..". Narrow KV caches (kv_cache_dtype)
+The fused MoE kernels print "ok moe sm_..", the int4 GEMM "ok w4 sm_..". Narrow KV caches (kv_cache_dtype)
 compile as their own variants: fp8 caches
 reach the kernels as uint8 bytes (KV_FP8 picks the in-kernel decoding), and a
 cache dtype other than the query's changes which dots the kernel emits. Those
@@ -36,6 +36,8 @@ from pagedserve.kernels.triton_attention import (
 from pagedserve.kernels.triton_backend import LAUNCH_SWEEP, TritonBackend
 from pagedserve.kernels.triton_cache import _copy_blocks_kernel, _store_kv_kernel
 from pagedserve.kernels.triton_moe import BLOCK_M, _down_kernel, _gate_up_kernel
+from pagedserve.kernels.triton_w4a16 import BLOCK_N as W4_BLOCK_N
+from pagedserve.kernels.triton_w4a16 import _w4a16_kernel
 
 
 def signature(fn, pointers: dict[str, str], consts: dict, floats: tuple[str, ...] = ()) -> dict:
@@ -154,6 +156,13 @@ def main(archs: list[int]) -> None:
                   | ids, consts, target, tag="ok moe")
             build(_down_kernel, {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": "*fp32",
                                  "scale_ptr": "*fp32"} | ids, consts, target, tag="ok moe")
+        for dt in ("fp16", "bf16", "fp32"):  # int4 weights (W4A16): decode and batch tiles
+            for bm in (16, 64):
+                ptrs = {"x_ptr": f"*{dt}", "q_ptr": "*i32", "s_ptr": f"*{dt}",
+                        "o_ptr": f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
+                build(_w4a16_kernel, ptrs, dict(HAS_BIAS=bm == 64, BLOCK_M=bm,
+                                                BLOCK_N=W4_BLOCK_N, DOT_F32=dt == "fp32"),
+                      target, tag="ok w4")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The Triton kernels compile to cubins for sm_90 and sm_80 (no GPU needed), within
 each target's shared memory, including every launch setting the GPU sweep tries and
-the fused MoE's kernels."""
+the fused MoE's kernels and the int4 GEMM."""
 
 import importlib.util
 import os
@@ -33,3 +33,4 @@ def test_kernels_compile_for_nvidia_targets() -> None:
     assert proc.stdout.count("ok sm_") == 2 * 10 + 2 * (len(LAUNCH_SWEEP) + 1)
     assert proc.stdout.count("ok kv sm_") == 32
     assert proc.stdout.count("ok moe sm_") == 2 * 6  # gate/up and down, three dtypes
+    assert proc.stdout.count("ok w4 sm_") == 2 * 6  # int4 GEMM: three dtypes, two tiles

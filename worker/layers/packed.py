@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from pagedserve.kernels import cpu_int8
 
 if TYPE_CHECKING:
+    from pagedserve.kernels.triton_w4a16 import W4Weight
     from pagedserve.worker.layers.lora import LoRAWeights
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,8 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
     # Set when the engine serves LoRA adapters (``worker.layers.lora``).
     lora: LoRAWeights | None = None
-    # Set by ``layers.quant`` when the engine serves int8 weights.
-    quant: cpu_int8.Int8Weight | None = None
+    # Set by ``layers.quant`` when the engine serves int8 / int4 weights.
+    quant: cpu_int8.Int8Weight | W4Weight | None = None
     # Set by ``worker.batch_invariant``: the matmul's rows are padded to a multiple of
     # this, so a row's result does not depend on how many rows share the call.
     row_multiple: int = 0
@@ -69,10 +71,22 @@ class PackableLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
-            return cpu_int8.linear(x, self.quant, bias)
+            if isinstance(self.quant, cpu_int8.Int8Weight):
+                return cpu_int8.linear(x, self.quant, bias)
+            return self.quant.linear(x, bias)  # int4 on CUDA (kernels.triton_w4a16)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
+               recurse: bool = True) -> PackableLinear:
+        """``nn.Module.to`` and its kin move GPU int4 codes too (sleep moves the model
+        to host memory and back); CPU int8 weights never leave the host."""
+        super()._apply(fn, recurse)
+        q = self.quant
+        if q is not None and not isinstance(q, cpu_int8.Int8Weight):
+            self.quant = replace(q, qweight=fn(q.qweight), scale=fn(q.scale), offs=fn(q.offs))
+        return self
 
     def pack(self, release_plain: bool = True) -> None:
         """Reorder the weight for oneDNN; optionally free the plain copy."""

@@ -1,5 +1,6 @@
 """Weight quantisation of a loaded model's projections (``quantization="int8"`` or
-``"int4"``).
+``"int4"``; on CUDA int4 only, through ``kernels.triton_w4a16``, the LM head and routed
+experts left in the model's dtype).
 
 After loading, every projection (q/k/v, o, gate/up, down, the LM head, a
 shared expert) keeps its weight as 8-bit codes with a scale per 32 inputs
@@ -36,14 +37,16 @@ QUANTIZATION_METHODS = ("int8", "int4")
 
 
 def check_quantization(method: str | None, device: str | None = None) -> None:
-    """Raise a ``ValueError`` naming ``quantization`` for a method or device we cannot run."""
+    """Raise a ``ValueError`` naming ``quantization`` for a method or device we cannot run:
+    both on CPU; on CUDA int4 only (``kernels.triton_w4a16``)."""
     if method is None:
         return
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, "
                          f"got {method!r}")
-    if device is not None and device != "cpu":
-        raise ValueError(f"quantization={method!r} runs on CPU only (device {device!r})")
+    if device is not None and device != "cpu" and (device != "cuda" or method != "int4"):
+        raise ValueError(f"quantization={method!r} runs on CPU only (device {device!r}; "
+                         "on CUDA: int4)")
 
 
 def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None,
@@ -65,7 +68,14 @@ def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None
         if weight.shape[1] % cpu_int8.GROUP:
             raise ValueError(f"quantization={method!r}: {name} has {weight.shape[1]} inputs "
                              f"per rank, not a multiple of {cpu_int8.GROUP}")
-        if method == "int4" and not isinstance(module, ParallelLMHead):
+        if weight.is_cuda:  # int4 codes for the W4A16 GEMM; the LM head stays 16-bit
+            if isinstance(module, ParallelLMHead):
+                continue
+            from pagedserve.kernels import triton_w4a16
+
+            module.quant = triton_w4a16.make(*cpu_int8.quantize_asymmetric4(weight),
+                                             dtype=weight.dtype)
+        elif method == "int4" and not isinstance(module, ParallelLMHead):
             codes, scale, offs = cpu_int8.quantize_asymmetric4(weight)
             module.quant = cpu_int8.make(codes, scale, 0, offs, bits=4)
         else:
@@ -76,6 +86,10 @@ def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None
             module.weight = nn.Parameter(weight.new_empty((0,)), requires_grad=False)
     for name, module in model.named_modules():
         if isinstance(module, SparseMoE) and module.int8 is None and module.int8_native is None:
+            if module.w13.is_cuda:  # the fused Triton MoE reads 16-bit experts
+                logger.info("quantization=%r: %s experts stay in the model's dtype on CUDA",
+                            method, name)
+                continue
             total += module.quantize(name)
     logger.info("quantized projections to %s: %.1f MiB", method, total / 2**20)
     return total
@@ -99,7 +113,7 @@ def weight_bytes(model: nn.Module) -> int:
 def _nbytes(value: object) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
-    if isinstance(value, cpu_int8.Int8Weight):
+    if isinstance(value, cpu_int8.Int8Weight) or type(value).__name__ == "W4Weight":
         return value.nbytes
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
