@@ -3,13 +3,14 @@
 # oracle; the engine's Hugging Face parity, CUDA-graph decode, gpu_memory_utilization
 # profiling and swap preemption), then the kernel benchmark, then offline throughput
 # against Hugging Face generate / generate_batch on a random SmolLM2-135M-shaped model,
-# then (last, least needed) the Triton decode launch-setting sweep at 2048- and 8192-key
+# then the int4 W4A16 GEMM against cuBLAS bf16 at Llama-8B's projection shapes, then
+# (last, least needed) the Triton decode launch-setting sweep at 2048- and 8192-key
 # contexts (keys per step, warps, pipeline stages, forced K splits).
 #
 # Usage: bash bench/gpu_check.sh [--quick]   (the kernel benchmark's flag; default --quick)
-# Writes bench/results/{kernels_gpu,offline_gpu,sweep_gpu}.json, and copies them and the
-# four steps' logs to $OUT when that is set (seven files; the device tool returns eight).
-# The four steps' time limits add up to 570 s, under the device tool's 600 s for one
+# Writes bench/results/{kernels_gpu,offline_gpu,w4a16_gpu,sweep_gpu}.json, and copies them
+# and the five steps' logs to $OUT when that is set (nine files).
+# The five steps' time limits add up to 580 s, under the device tool's 600 s for one
 # command; each step's output survives a later one's timeout (the sweep prints each
 # setting as it is timed), and one hung test is cut at 150 s.
 #
@@ -41,15 +42,17 @@ tests_rc=${PIPESTATUS[0]}
 timeout 100 "$PY" bench/kernels.py "${@:---quick}" --json bench/results/kernels_gpu.json \
     2>&1 | tee "$out/kernels_gpu.log"
 bench_rc=${PIPESTATUS[0]}
-timeout 100 "$PY" bench/offline.py --random-weights --num-prompts 128 --output-len 64 \
+timeout 90 "$PY" bench/offline.py --random-weights --num-prompts 128 --output-len 64 \
     --json bench/results/offline_gpu.json 2>&1 | tee "$out/offline_gpu.log"
 offline_rc=${PIPESTATUS[0]}
-timeout 70 "$PY" bench/kernels.py --sweep --json bench/results/sweep_gpu.json \
+timeout 30 "$PY" bench/w4a16.py --reps 20 --json bench/results/w4a16_gpu.json \
+    2>&1 | tee "$out/w4a16_gpu.log"
+timeout 60 "$PY" bench/kernels.py --sweep --json bench/results/sweep_gpu.json \
     2>&1 | tee "$out/sweep_gpu.log"
 sweep_rc=${PIPESTATUS[0]}
 if [ "$out" != bench/results ]; then
     cp bench/results/kernels_gpu.json bench/results/offline_gpu.json \
-        bench/results/sweep_gpu.json "$out/" 2>/dev/null
+        bench/results/w4a16_gpu.json bench/results/sweep_gpu.json "$out/" 2>/dev/null
 fi
 echo "gpu tests rc=$tests_rc kernel bench rc=$bench_rc offline bench rc=$offline_rc" \
     "sweep rc=$sweep_rc (124: cut short, see the log)"
