@@ -14,8 +14,9 @@ weight (codes, then a 16-bit scale and minimum per 32) instead of 16.
 
 Tested on CPU through the Triton interpreter (fp32) and compiled for sm_80 / sm_90
 without a device (``tests/kernels/_aot_compile.py``); ``bench/gpu_check.sh`` launches it.
-Its tiles (16 / 32 / 64 rows x 64 columns x 32 inputs) are untuned, and there is no
-split-K for the few-row, narrow-output decode shapes where one wave of tiles is short.
+Its tiles (16 / 32 / 64 rows x 64 columns x 32 inputs) are untuned. Where the output
+tiles alone fill less than one wave of SMs (a few decode rows on a 4,096-wide
+projection: 64 tiles on 132 SMs), K is split too, the partial sums added after.
 """
 
 from __future__ import annotations
@@ -74,13 +75,16 @@ def make(codes: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, M, N, K, k_per_split, stride_xm, stride_ym,
+    stride_split, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """y[m, n] = sum_k x[m, k] * (scale[k // 32, n] * code[k, n] + offs[k // 32, n])."""
+    """y[m, n] = sum_k x[m, k] * (scale[k // 32, n] * code[k, n] + offs[k // 32, n]), over
+    program axis 2's ``k_per_split`` inputs (split-K: each split writes its own partial
+    sums, ``stride_split`` apart; the bias goes with split 0)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -88,7 +92,9 @@ def _w4a16_kernel(
     kk = tl.arange(0, 32)
     shift = (kk % 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, 32):
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, 32):
         ks = k0 + kk
         a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None],
                     other=0.0)
@@ -104,7 +110,9 @@ def _w4a16_kernel(
         else:
             acc += tl.dot(a, w.to(a.dtype))
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if pid_k == 0:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptr = y_ptr + pid_k.to(tl.int64) * stride_split
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -114,20 +122,44 @@ def block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-def linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ W^T (+ bias)`` in ``x``'s dtype, fp32 accumulation."""
+def num_splits(tiles: int, groups: int, device: torch.device) -> int:
+    """K splits for a grid of ``tiles`` output tiles: enough for two programs per SM where
+    the tiles alone fill less (few-row decode on a narrow projection), at least 4 groups
+    of 32 inputs a split, at most 16 splits; 1 on CPU (the interpreter) or a full grid."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if tiles >= sms:
+        return 1
+    return max(1, min(16, groups // 4, -(-2 * sms // tiles)))
+
+
+def linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None,
+           splits: int | None = None) -> torch.Tensor:
+    """``x [..., K] @ W^T (+ bias)`` in ``x``'s dtype, fp32 accumulation; ``splits``
+    (default ``num_splits``) cuts K, the partial sums added in fp32 after the kernel."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty((m, w.out_features), dtype=x.dtype, device=x.device)
-    if m:
-        bm = block_m(m)
-        grid = (triton.cdiv(m, bm), triton.cdiv(w.out_features, BLOCK_N))
-        _w4a16_kernel[grid](
-            x2, w.qweight, w.scale, w.offs, bias if bias is not None else y, y,
-            m, w.out_features, w.in_features, x2.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=BLOCK_N,
-            DOT_F32=x.dtype == torch.float32)
-    return y.reshape(*lead, w.out_features)
+    m, n, k = x2.shape[0], w.out_features, w.in_features
+    if not m:
+        return x.new_empty((*lead, n))
+    bm = block_m(m)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, BLOCK_N)
+    groups = k // GROUP
+    split = splits or num_splits(tiles, groups, x.device)
+    per_split = -(-groups // split) * GROUP
+    split = -(-k // per_split)  # no empty split
+    if split == 1:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _w4a16_kernel[(triton.cdiv(m, bm), triton.cdiv(n, BLOCK_N), split)](
+        x2, w.qweight, w.scale, w.offs, bias if bias is not None else y, y,
+        m, n, k, per_split, x2.stride(0), n, m * n,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=BLOCK_N,
+        DOT_F32=x.dtype == torch.float32)
+    if split > 1:
+        y = y.sum(dim=0).to(x.dtype)
+    return y.reshape(*lead, n)

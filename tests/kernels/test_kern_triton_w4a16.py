@@ -61,6 +61,21 @@ def test_w4a16_equals_the_float_matmul(m, n, k, bias) -> None:
                                atol=1e-5, rtol=1e-5)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_k_adds_up_to_the_same_product(splits) -> None:
+    """K cut into 2 or 3 runs of whole groups (7 asks for more than the 3 groups: one
+    each), the partial sums added after, the bias counted once."""
+    from pagedserve.kernels import triton_w4a16
+
+    w4 = triton_w4a16.make(*_weight(80, 96, 5), torch.float32)
+    g = torch.Generator().manual_seed(6)
+    x, b = torch.randn(3, 96, generator=g), torch.randn(80, generator=g)
+    torch.testing.assert_close(triton_w4a16.linear(x, w4, b, splits=splits),
+                               x @ w4.dequantize().t() + b, atol=1e-5, rtol=1e-5)
+    assert triton_w4a16.num_splits(64, 448, torch.device("cpu")) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
