@@ -109,7 +109,7 @@ def _w4a16_kernel(
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(a, w.to(a.dtype))
-    if HAS_BIAS:
+    if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one (no "and" in Triton)
         if pid_k == 0:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y_ptr = y_ptr + pid_k.to(tl.int64) * stride_split
