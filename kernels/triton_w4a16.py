@@ -21,6 +21,7 @@ projection: 64 tiles on 132 SMs), K is split too, the partial sums added after.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -122,13 +123,18 @@ def block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_splits(tiles: int, groups: int, device: torch.device) -> int:
     """K splits for a grid of ``tiles`` output tiles: enough for two programs per SM where
     the tiles alone fill less (few-row decode on a narrow projection), at least 4 groups
     of 32 inputs a split, at most 16 splits; 1 on CPU (the interpreter) or a full grid."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if tiles >= sms:
         return 1
     return max(1, min(16, groups // 4, -(-2 * sms // tiles)))
