@@ -133,12 +133,23 @@ def test_compressed_tensors_asymmetric_equals_its_decompressor(tmp_path, dense_s
     assert not any(k.endswith(("weight_scale", "weight_zero_point")) for k in got)
 
 
-def test_unpack_reads_every_width():
-    """Dense little-end packing, 1-8 bits, codes across word boundaries included."""
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+def test_unpack_reads_every_width(byteorder, monkeypatch):
+    """Dense little-end packing, 1-8 bits, codes across word boundaries included; the
+    byte-splitting path (1, 2, 4, 8 bits on little-endian hosts) and the word-shifting
+    one give the same codes."""
+    import sys
+
+    monkeypatch.setattr(sys, "byteorder", byteorder)
     g = torch.Generator().manual_seed(0)
     for bits in range(1, 9):
         codes = torch.randint(0, 1 << bits, (3, 70), generator=g)
-        assert torch.equal(_unpack(pack_dense(codes, bits), bits, 70), codes.to(torch.int32))
+        got = _unpack(pack_dense(codes, bits), bits, 70)
+        assert got.dtype == (torch.uint8 if byteorder == "little" and 8 % bits == 0
+                             else torch.int32)
+        assert torch.equal(got.to(torch.int64), codes)
+        assert torch.equal(_unpack(pack_dense(codes, bits).t().contiguous().t(), bits, 70)
+                           .to(torch.int64), codes)  # strided words
 
 
 def test_zero_gptq_biases_are_dropped_nonzero_ones_refused(tmp_path, dense_src):
