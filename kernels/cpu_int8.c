@@ -38,6 +38,51 @@
 #define GROUP 32
 #define ROWS 4
 
+/* The grid step of each group of 32 weights that already sit on an evenly spaced grid
+ * of at most 16 levels (a 4-bit checkpoint's, dequantised), else 0: the torch path's
+ * test (cpu_int8._grid_step, _on_grid) with the group sorted in registers and cache,
+ * for cpu_int8.quantize_asymmetric4 (torch's segmented sort took 0.34 s a 4096 x 4096
+ * matrix on the 2-core box). */
+void grid_steps4(const float *g, int64_t groups, float *step)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < groups; i++) {
+        float v[GROUP];
+        memcpy(v, g + i * GROUP, sizeof v);
+        for (int a = 1; a < GROUP; a++) { /* insertion sort */
+            const float x = v[a];
+            int b = a - 1;
+            while (b >= 0 && v[b] > x) {
+                v[b + 1] = v[b];
+                b--;
+            }
+            v[b + 1] = x;
+        }
+        const float lo = v[0], span = v[GROUP - 1] - v[0];
+        float gap = INFINITY, out = 0.0f;
+        for (int a = 1; a < GROUP; a++) {
+            const float d = v[a] - v[a - 1];
+            if (d > 0.0f && d < gap)
+                gap = d;
+        }
+        if (gap < INFINITY) {
+            float levels = nearbyintf(span / gap);
+            const float s = span / (levels < 1.0f ? 1.0f : levels);
+            if (s > 0.0f && span / s < 15.5f) {
+                float off = 0.0f;
+                for (int a = 0; a < GROUP; a++) {
+                    const float p = (v[a] - lo) / s;
+                    const float e = fabsf(p - nearbyintf(p));
+                    off = e > off ? e : off;
+                }
+                if (off < 0.05f)
+                    out = s;
+            }
+        }
+        step[i] = out;
+    }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 

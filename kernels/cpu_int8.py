@@ -98,14 +98,29 @@ def quantize_asymmetric4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     g = w.detach().float().reshape(n, k // GROUP, GROUP)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale = (hi - lo) / 15.0
-    # Sorting every group costs ~0.4 s a 4096 x 4096 matrix here: look for grids only
-    # where the first rows' groups are mostly on one (a quantised checkpoint's are all).
-    if _on_grid(g[:8], lo[:8], hi[:8], _grid_step(g[:8], lo[:8], hi[:8])).float().mean() > 0.5:
-        step = _grid_step(g, lo, hi)
-        scale = torch.where(_on_grid(g, lo, hi, step), step, scale)
+    # Look for grids only where the first rows' groups are mostly on one (a quantised
+    # checkpoint's all are): a dense model's weights skip the search.
+    if bool((grid_steps(g[:8]) > 0).float().mean() > 0.5):
+        step = grid_steps(g)
+        scale = torch.where(step > 0, step, scale)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round((g - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15)
     return q.to(torch.uint8).reshape(n, k), scale, lo
+
+
+def grid_steps(g: torch.Tensor, native: bool = True) -> torch.Tensor:
+    """Each group's (``g [..., 32]``) grid step where its values sit on an evenly spaced
+    grid of at most 16 levels, else 0: the native kernel on CPU (``grid_steps4``), else
+    torch (a sort per group; on GPUs, and the native kernel's oracle)."""
+    lib = cpu_native.load() if native and g.device.type == "cpu" else None
+    if lib is not None:
+        flat = g.reshape(-1, GROUP).float().contiguous()
+        out = torch.empty(flat.shape[0], dtype=torch.float32)
+        lib.grid_steps4(flat.data_ptr(), flat.shape[0], out.data_ptr())
+        return out.reshape(g.shape[:-1])
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    step = _grid_step(g, lo, hi)
+    return torch.where(_on_grid(g, lo, hi, step), step, torch.zeros_like(step))
 
 
 def _grid_step(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

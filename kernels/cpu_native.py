@@ -222,6 +222,8 @@ def load() -> ctypes.CDLL | None:
         lib.moe_int8.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                  ptr, ptr, ptr, ptr, ptr]
         lib.moe_int8.restype = ctypes.c_int
+        lib.grid_steps4.argtypes = [ptr, i64, ptr]
+        lib.grid_steps4.restype = None
         lib.int8_linear_supported.argtypes = []
         lib.int8_linear_supported.restype = ctypes.c_int
         for name in ("rope_f32", "rope_bf16"):

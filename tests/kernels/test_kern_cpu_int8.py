@@ -150,7 +150,7 @@ def test_four_bit_grid_weights_keep_their_grid() -> None:
     """Weights already on a 4-bit grid whose groups span 128 inputs (a GPTQ / AWQ
     checkpoint's) come back exactly, though a group of 32 often holds fewer than 16 of
     the levels (min-max over 32 would re-round those); weights off any grid keep Q4_1's
-    min-max step."""
+    min-max step. The native grid search agrees with the torch one, its oracle."""
     g = torch.Generator().manual_seed(3)
     scale = torch.rand(48, 2, 1, generator=g) * 0.02 + 0.001
     zero = torch.randint(4, 12, (48, 2, 1), generator=g)
@@ -162,6 +162,11 @@ def test_four_bit_grid_weights_keep_their_grid() -> None:
                                atol=1e-6, rtol=1e-5)
     minmax = (w.view(48, 8, 32).amax(-1) - w.view(48, 8, 32).amin(-1)) / 15
     assert not torch.allclose(step, minmax)
+    groups = torch.cat([w.view(48, 8, 32), torch.randn(48, 8, 32, generator=g),
+                        torch.full((1, 8, 32), 0.5)])  # on grids, off any, constant
+    native = cpu_int8.grid_steps(groups)
+    torch.testing.assert_close(native, cpu_int8.grid_steps(groups, native=False))
+    assert bool((native[:48] > 0).all()) and not bool((native[48:] > 0).any())
     off = torch.randn(48, 256, generator=g)
     step = cpu_int8.quantize_asymmetric4(off)[1]
     torch.testing.assert_close(step, (off.view(48, 8, 32).amax(-1)
