@@ -113,8 +113,7 @@ def weight_bytes(model: nn.Module) -> int:
 def _nbytes(value: object) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
-    if isinstance(value, cpu_int8.Int8Weight) or type(value).__name__ == "W4Weight":
-        return value.nbytes
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
-    return 0
+    nbytes = getattr(value, "nbytes", 0)  # Int8Weight, GPU int4's W4Weight
+    return nbytes if isinstance(nbytes, int) else 0
