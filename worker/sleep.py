@@ -69,7 +69,7 @@ def set_kv_scales(model: torch.nn.Module, scales: list[tuple[float, float]] | No
 def check_same_architecture(current: ModelConfig, new: ModelConfig) -> None:
     """``ValueError`` naming the first config field where ``new`` differs."""
     for f in dataclasses.fields(current):
-        if f.name == "dtype":  # how the file stores weights, not what the engine runs
+        if f.name in ("dtype", "prequant"):  # how the file stores weights, not the model
             continue
         a, b = getattr(current, f.name), getattr(new, f.name)
         if a != b:
@@ -118,14 +118,16 @@ def update_weights(worker: Worker, model: str) -> None:
     config = ModelConfig.from_pretrained(resolved.path)
     assert worker.model_config is not None
     check_same_architecture(worker.model_config, config)
+    # The new file may be quantised another way (a GPTQ file after a dense one).
+    new_config = dataclasses.replace(worker.model_config, prequant=config.prequant)
     if worker.model is None:  # asleep at level 2: waking loads from the new path
-        worker.resolved = resolved
+        worker.resolved, worker.model_config = resolved, new_config
         return
     scales = kv_scales(worker.model)
     worker.runner = None  # its CUDA graphs hold the old weights
-    worker.build_model(resolved, worker.model_config)
+    worker.build_model(resolved, new_config)
     set_kv_scales(worker.model, scales, worker.device)
-    worker.resolved = resolved
+    worker.resolved, worker.model_config = resolved, new_config
     if worker.sleep_state is not None:  # asleep at level 1: keep the weights off the GPU
         if worker.device.type == "cuda":  # pragma: no cover - CUDA only
             worker.model.to("cpu")

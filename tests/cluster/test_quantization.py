@@ -284,7 +284,8 @@ def test_engine_on_a_quantised_checkpoint_gives_the_dense_files_tokens(tiny_llam
                                                                        tmp_path) -> None:
     """Through ``LLM``: an AWQ file (its tokenizer beside it) gives the greedy tokens of
     the dense checkpoint it stands for, the stats name the format, and ``int4`` over it
-    serves it (each prompt's first token is the dense run's)."""
+    serves it (each prompt's first token is the dense run's); ``update_weights`` moves
+    between the dense file and the AWQ one, awake and from level-2 sleep."""
     from pathlib import Path
 
     from pagedserve.worker.testing_prequant import write_awq
@@ -303,5 +304,18 @@ def test_engine_on_a_quantised_checkpoint_gives_the_dense_files_tokens(tiny_llam
         finally:
             llm.shutdown()
     assert runs["awq"] == runs["dense"]
+    # update_weights between the dense file and the quantised one, asleep or awake.
+    llm = LLM(model=str(dense), num_gpu_blocks=256)
+    try:
+        for asleep, path, name in ((0, qpath, "awq"), (2, dense, None), (0, qpath, "awq")):
+            if asleep:
+                llm.sleep(asleep)
+            llm.update_weights(str(path))
+            if asleep:
+                llm.wake_up()
+            assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == runs["dense"]
+            assert llm.engine.get_stats()["memory"]["checkpoint_quantization"] == name
+    finally:
+        llm.shutdown()
     # Greedy runs part once a near-tie flips (int8 activations), so compare first tokens.
     assert [x[0] for x in runs["awq_int4"]] == [y[0] for y in runs["dense"]]
