@@ -133,6 +133,35 @@ def test_compressed_tensors_asymmetric_equals_its_decompressor(tmp_path, dense_s
     assert not any(k.endswith(("weight_scale", "weight_zero_point")) for k in got)
 
 
+def test_compressed_tensors_group_index_follows_each_input():
+    """Older llm-compressor files (``actorder: group``) carry ``weight_g_idx``: each input's
+    group. compressed-tensors 0.20 no longer writes or reads it, so the reference here is
+    the formula on the signed codes, ``(code - zp[g_idx]) * scale[g_idx]``, packed by
+    compressed-tensors' own ``pack_to_int32``."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(7)
+    n_out, n_in, size = 48, 128, 32
+    g_idx = torch.randperm(n_in, generator=g) // size
+    codes = torch.randint(-8, 8, (n_out, n_in), generator=g, dtype=torch.int8)
+    zp = torch.randint(-3, 3, (n_out, n_in // size), generator=g, dtype=torch.int8)
+    scale = torch.rand(n_out, n_in // size, generator=g) * 0.01
+    parts = {"weight_packed": pack_to_int32(codes, 4), "weight_scale": scale,
+             "weight_zero_point": pack_to_int32(zp, 4, packed_dim=0),
+             "weight_shape": torch.tensor([n_out, n_in]),
+             "weight_g_idx": g_idx.to(torch.int32)}
+    cfg = prequant_config({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                               "num_bits": 4, "type": "int", "symmetric": False,
+                               "strategy": "group", "group_size": size}}}})
+    state = {f"model.layers.0.mlp.up_proj.{k}": v for k, v in parts.items()}
+    (name, got), = dequantized_weights(state.items(), cfg, state.keys())
+    assert name == "model.layers.0.mlp.up_proj.weight"
+    ref = (codes.float() - zp.float()[:, g_idx]) * scale[:, g_idx]
+    torch.testing.assert_close(got[:], ref, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("byteorder", ["little", "big"])
 def test_unpack_reads_every_width(byteorder, monkeypatch):
     """Dense little-end packing, 1-8 bits, codes across word boundaries included; the
