@@ -51,11 +51,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 KV: per-layer scales from a calibration text's keys and values "
                         "(default: scale 1.0)")
-    p.add_argument("--quantization", "-q", choices=("int8", "int4"), default=None,
+    p.add_argument("--quantization", "-q", default=None,
+                   choices=("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"),
                    help="int8: projections as 8-bit weights (a scale per 32 inputs) run on "
                         "int8 activations, ~3.5x less weight memory than fp32; int4: 4-bit "
                         "weights (scale and minimum per 32), about half that again; on CUDA "
-                        "int4 only (16-bit activations, a Triton W4A16 GEMM)")
+                        "int4 only (16-bit activations, a Triton W4A16 GEMM); gptq, awq, "
+                        "compressed-tensors, fp8: the checkpoint's own (vLLM's names; it "
+                        "must say so), served dequantised")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs do not depend on what else is in "
                         "its batch, bit for bit (reproducible seeded sampling, exact "

@@ -47,7 +47,7 @@ class ServeArgs(BaseModel):
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
-    quantization: Literal["int8", "int4"] | None = None
+    quantization: Literal["int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] | None = None
     batch_invariant: bool = False  # logits independent of the batch (``worker.batch_invariant``)
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None

@@ -27,7 +27,7 @@ from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.packed import can_pack, pack_model, slow_half_precision
-from pagedserve.worker.layers.quant import quantize_model, weight_bytes
+from pagedserve.worker.layers.quant import online_method, quantize_model, weight_bytes
 from pagedserve.worker.loaders import (
     ResolvedModel,
     iter_safetensors,
@@ -141,10 +141,11 @@ class Worker:
         model.eval()
         self.packed_weights = False
         tied = {id(model.embed_tokens.weight)} if model.embed_tokens is not None else set()
-        if self.config.quantization:
+        online = online_method(self.config.quantization, model_config.prequant)
+        if online:
             head = model.lm_head
             unused = {id(head)} if model_config.embedding_only and head is not None else set()
-            quantize_model(model, self.config.quantization, tied, unused)
+            quantize_model(model, online, tied, unused)
             if self.device.type == "cuda":  # the 16-bit copies go before memory is profiled
                 torch.cuda.empty_cache()
         if (slow := slow_half_precision(self.device, self.dtype)) is not None:
@@ -153,11 +154,10 @@ class Worker:
             self.packed_weights = pack_model(model, tied)
         if self.config.batch_invariant:
             batch_invariant.enable(model, self.backend, model_config, self.device, self.dtype,
-                                   self.kv_dtype, self.config.quantization,
+                                   self.kv_dtype, online,
                                    lora=self.config.max_lora_rank > 0, ctx=self.ctx)
         self.weight_bytes = weight_bytes(model)
-        if model_config.prequant is not None and not self.config.quantization \
-                and self.device.type == "cpu":
+        if model_config.prequant is not None and not online and self.device.type == "cpu":
             logger.info("%s checkpoint held dense (%.0f MiB of weights); on CPU "
                         "--quantization int4 or int8 keeps it small (int4 keeps a 4-bit "
                         "file's grid)", model_config.prequant.method,

@@ -172,16 +172,17 @@ def test_lora_adapters_apply_over_int8_weights(tiny_llama_dir, llama_loras) -> N
 
 
 def test_bad_quantization_settings_name_the_field(tmp_path, default_model_dir) -> None:
-    for bad in ("int2", "fp8", "INT8"):
+    for bad in ("int2", "bitsandbytes", "INT8"):
         with pytest.raises(ValueError, match="quantization"):
             EngineConfig(quantization=bad)
         with pytest.raises(ValidationError, match="quantization"):
             ServeArgs(quantization=bad, device="cpu")
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="int8", device="cuda")
-    for ok in ("int8", "int4"):
+    for ok in ("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"):
         assert ServeArgs(quantization=ok, device="cpu").settings() \
             .engine_kwargs["quantization"] == ok
+    EngineConfig(quantization="awq", device="cuda")  # the file's own, on any device
     # Inputs per rank must be whole groups of 32: hidden 48 is not.
     path = write_random_checkpoint(tmp_path / "h48", "llama", default_model_dir,
                                    hidden_size=48, num_attention_heads=4,

@@ -281,3 +281,18 @@ def test_cuda_gptq_equals_dense(tmp_path, dense_src):
     ref = _paged_logits(dense, device="cuda", dtype="float32")
     assert got.is_cuda
     torch.testing.assert_close(got.cpu(), ref.cpu(), atol=1e-4, rtol=1e-4)
+
+
+def test_vllm_checkpoint_method_names_must_match_the_file(tmp_path, dense_src):
+    """``quantization="gptq"`` (vLLM's way of naming the file's method) serves a GPTQ
+    file as it is; naming another method, or one for a dense file, is a ``ValueError``
+    naming both."""
+    qpath, dense = write_gptq(dense_src, tmp_path / "gptq")
+    torch.testing.assert_close(_paged_logits(qpath, quantization="gptq"),
+                               _hf_logits(load_hf(dense)), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="quantization='awq', but the checkpoint's "
+                                         "quantization_config says 'gptq'"):
+        make_worker(qpath, num_blocks=8, block_size=4, quantization="awq")
+    with pytest.raises(ValueError, match="quantization='fp8', but the checkpoint is not "
+                                         "quantised"):
+        make_worker(dense, num_blocks=8, block_size=4, quantization="fp8")

@@ -26,6 +26,7 @@ from pagedserve.kernels import cpu_int8
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.packed import PackableLinear
+from pagedserve.worker.loaders.prequant_config import PrequantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +35,37 @@ logger = logging.getLogger(__name__)
 # files keep the output matrix wider). Activations are int8 either way; experts take
 # int8.
 QUANTIZATION_METHODS = ("int8", "int4")
+# vLLM's names for a checkpoint's own quantisation: accepted (the file must say so) and
+# served as the file's weights, dequantised at load (``loaders.prequant``).
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 
 
 def check_quantization(method: str | None, device: str | None = None) -> None:
     """Raise a ``ValueError`` naming ``quantization`` for a method or device we cannot run:
     both on CPU; on CUDA int4 only (``kernels.triton_w4a16``)."""
-    if method is None:
+    if method is None or method in CHECKPOINT_METHODS:
         return
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, "
-                         f"got {method!r}")
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS + CHECKPOINT_METHODS}"
+                         f" or None, got {method!r}")
     if device is not None and device != "cpu" and (device != "cuda" or method != "int4"):
         raise ValueError(f"quantization={method!r} runs on CPU only (device {device!r}; "
                          "on CUDA: int4)")
+
+
+def online_method(method: str | None, prequant: PrequantConfig | None) -> str | None:
+    """The quantisation to apply after loading: ``method`` when it is ours (int8 / int4);
+    None for a checkpoint method (vLLM's ``--quantization awq``...), which must be the
+    file's own (else a ``ValueError`` naming ``quantization``)."""
+    if method not in CHECKPOINT_METHODS:
+        return method
+    found = prequant.method if prequant is not None else None
+    if found != method:
+        raise ValueError(f"quantization={method!r}, but the checkpoint's quantization_config "
+                         f"says {found!r}" if found else
+                         f"quantization={method!r}, but the checkpoint is not quantised "
+                         "(no quantization_config): use int8 or int4 to quantise it here")
+    return None
 
 
 def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None,
