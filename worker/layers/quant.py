@@ -88,6 +88,7 @@ def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None
             raise ValueError(f"quantization={method!r}: {name} has {weight.shape[1]} inputs "
                              f"per rank, not a multiple of {cpu_int8.GROUP}")
         if weight.is_cuda:  # int4 codes for the W4A16 GEMM; the LM head stays 16-bit
+            check_quantization(method, "cuda")
             if isinstance(module, ParallelLMHead):
                 continue
             from pagedserve.kernels import triton_w4a16
