@@ -137,15 +137,18 @@ class Worker:
         if model_config.prequant is not None:
             weights = dequantized_weights(weights, model_config.prequant,
                                           checkpoint_names(resolved.path))
-        model.load_weights(weights)
+        tied = {id(model.embed_tokens.weight)} if model.embed_tokens is not None else set()
+        head = model.lm_head
+        unused = {id(head)} if model_config.embedding_only and head is not None else set()
+        online = online_method(self.config.quantization, model_config.prequant)
+        # Each layer is quantised as soon as it is loaded: the model is never whole in
+        # full precision (a 7B file held dense in fp32 would not fit this box's memory).
+        model.load_weights(weights, (lambda name, layer: quantize_model(
+            layer, online, tied, unused, prefix=name + ".")) if online else None)
         model.eval()
         self.packed_weights = False
-        tied = {id(model.embed_tokens.weight)} if model.embed_tokens is not None else set()
-        online = online_method(self.config.quantization, model_config.prequant)
         if online:
-            head = model.lm_head
-            unused = {id(head)} if model_config.embedding_only and head is not None else set()
-            quantize_model(model, online, tied, unused)
+            quantize_model(model, online, tied, unused)  # what is left: the LM head
             if self.device.type == "cuda":  # the 16-bit copies go before memory is profiled
                 torch.cuda.empty_cache()
         if (slow := slow_half_precision(self.device, self.dtype)) is not None:

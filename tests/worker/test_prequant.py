@@ -296,3 +296,32 @@ def test_vllm_checkpoint_method_names_must_match_the_file(tmp_path, dense_src):
     with pytest.raises(ValueError, match="quantization='fp8', but the checkpoint is not "
                                          "quantised"):
         make_worker(dense, num_blocks=8, block_size=4, quantization="fp8")
+
+
+def test_layers_are_quantised_as_they_load(tmp_path, dense_src, monkeypatch):
+    """Under ``quantization``, each decoder layer is quantised as soon as its last tensor
+    is in, before the next layer's first tensor arrives (a model quantised on load is
+    never whole in full precision); the LM head follows at the end."""
+    from pagedserve.worker import worker as worker_mod
+
+    events: list[str] = []
+    stream, quantize = worker_mod.iter_safetensors, worker_mod.quantize_model
+
+    def recording_stream(path):
+        for name, lazy in stream(path):
+            events.append(name)
+            yield name, lazy
+
+    def recording_quantize(model, method, shared=None, skip=None, prefix=""):
+        events.append(f"quantize {prefix or 'model'}")
+        return quantize(model, method, shared, skip, prefix)
+
+    monkeypatch.setattr(worker_mod, "iter_safetensors", recording_stream)
+    monkeypatch.setattr(worker_mod, "quantize_model", recording_quantize)
+    qpath, _ = write_gptq(dense_src, tmp_path / "gptq")
+    worker = make_worker(qpath, num_blocks=8, block_size=4, quantization="int8")
+    assert events.index("quantize model.layers.0.") < min(
+        i for i, e in enumerate(events) if e.startswith("model.layers.1."))
+    assert events[-1] == "quantize model" and events.count("quantize model.layers.1.") == 1
+    assert worker.model.layers[1].mlp.down_proj.quant is not None
+    assert worker.model.lm_head.quant is not None

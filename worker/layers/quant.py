@@ -69,15 +69,16 @@ def online_method(method: str | None, prequant: PrequantConfig | None) -> str | 
 
 
 def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None,
-                   skip: set[int] | None = None) -> int:
+                   skip: set[int] | None = None, prefix: str = "") -> int:
     """Quantise every projection of ``model`` in place; returns the bytes its weights now
     take (codes, scales). ``shared`` holds ``id()`` of weights other modules still read
     (a tied embedding), which are kept; ``skip`` ``id()`` of modules never run (an
-    embedding model's LM head), left as they are."""
+    embedding model's LM head), left as they are; ``prefix`` names ``model``'s modules in
+    errors (a decoder layer quantised as it loads: ``model.layers.3.``)."""
     check_quantization(method)
     shared, skip = shared or set(), skip or set()
     total = 0
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(prefix=prefix.rstrip(".")):
         if (not isinstance(module, PackableLinear) or module.quant is not None
                 or id(module) in skip):
             continue
@@ -104,14 +105,15 @@ def quantize_model(model: nn.Module, method: str, shared: set[int] | None = None
         total += module.quant.nbytes
         if id(module.weight) not in shared:
             module.weight = nn.Parameter(weight.new_empty((0,)), requires_grad=False)
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(prefix=prefix.rstrip(".")):
         if isinstance(module, SparseMoE) and module.int8 is None and module.int8_native is None:
             if module.w13.is_cuda:  # the fused Triton MoE reads 16-bit experts
                 logger.info("quantization=%r: %s experts stay in the model's dtype on CUDA",
                             method, name)
                 continue
             total += module.quantize(name)
-    logger.info("quantized projections to %s: %.1f MiB", method, total / 2**20)
+    logger.debug("quantized %s's projections to %s: %.1f MiB", prefix or "the model", method,
+                 total / 2**20)
     return total
 
 

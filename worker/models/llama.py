@@ -13,7 +13,7 @@ sampled.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -202,10 +202,20 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError(f"pipeline stage {self.stage.rank} holds no LM head")
         return self.lm_head.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> None:
-        """Load HF-named tensors, each rank copying only its shard; fail on anything missing."""
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
+                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
+        """Load HF-named tensors, each rank copying only its shard; fail on anything missing.
+
+        ``on_layer`` gets each decoder layer (its name, the module) as soon as its last
+        tensor is in (the worker
+        quantises it then, so a quantised model never holds all its layers in full
+        precision at once)."""
         expected = self._expected_names()
         pending = set(expected)
+        per_layer: dict[int, set[str]] = {}
+        for n in expected if on_layer is not None else ():
+            if (m := _LAYER_RE.match(n)) is not None:
+                per_layer.setdefault(int(m.group(1)), set()).add(n)
         for name, lazy in weights:
             if "rotary_emb" in name:
                 continue
@@ -220,10 +230,25 @@ class LlamaForCausalLM(nn.Module):
                 continue  # AutoGPTQ saves a zero bias for every projection: adds nothing
             self._load_one(name, lazy)
             pending.discard(name)
+            if on_layer is not None:
+                self._finish_layer(name, per_layer, on_layer)
         if pending:
             missing = sorted(pending)
             more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
+
+    def _finish_layer(self, name: str, per_layer: dict[int, set[str]],
+                      on_layer: Callable[[str, nn.Module], None]) -> None:
+        """Hand a decoder layer to ``on_layer`` once ``name`` was the last of its tensors."""
+        m = _LAYER_RE.match(name)
+        left = per_layer.get(int(m.group(1))) if m is not None else None
+        if m is None or left is None or name not in left:
+            return
+        left.discard(name)
+        if not left:
+            i = int(m.group(1))
+            del per_layer[i]
+            on_layer(f"model.layers.{i}", self.layers[i - self.stage.start])
 
     def _tied_head_loads_embedding(self) -> bool:
         """Whether this stage's head takes the embedding's rows itself (tied weights,
