@@ -325,3 +325,23 @@ def test_layers_are_quantised_as_they_load(tmp_path, dense_src, monkeypatch):
     assert events[-1] == "quantize model" and events.count("quantize model.layers.1.") == 1
     assert worker.model.layers[1].mlp.down_proj.quant is not None
     assert worker.model.lm_head.quant is not None
+
+
+@pytest.mark.parametrize("writer,legacy", [(write_gptq, "quantize_config.json"),
+                                           (write_awq, "quant_config.json")])
+def test_legacy_quantize_config_files_are_read(tmp_path, dense_src, writer, legacy):
+    """Older AutoGPTQ / AutoAWQ repos keep their settings only in ``quantize_config.json``
+    / ``quant_config.json`` (no ``quant_method``, AutoAWQ's ``w_bit`` / ``q_group_size`` /
+    upper-case ``version``): read as the method they imply."""
+    qpath, dense = writer(dense_src, tmp_path / "q")
+    cfg = json.loads((qpath / "config.json").read_text())
+    quant = cfg.pop("quantization_config")
+    quant.pop("quant_method")
+    if legacy == "quant_config.json":
+        quant = {"w_bit": quant["bits"], "q_group_size": quant["group_size"],
+                 "zero_point": True, "version": "GEMM"}
+    (qpath / "config.json").write_text(json.dumps(cfg))
+    (qpath / legacy).write_text(json.dumps(quant))
+    assert ModelConfig.from_pretrained(qpath).prequant is not None
+    torch.testing.assert_close(_paged_logits(qpath), _hf_logits(load_hf(dense)),
+                               atol=2e-5, rtol=1e-4)

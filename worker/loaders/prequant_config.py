@@ -14,8 +14,10 @@ load.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 PREQUANT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
@@ -67,6 +69,20 @@ class PrequantConfig:
         if len(self.schemes) == 1:
             return self.schemes[0]
         raise ValueError(f"quantization_config.config_groups: no group targets {module!r}")
+
+
+def legacy_quantization_config(path: Path) -> dict[str, Any] | None:
+    """The quantisation settings of a file made before ``config.json`` carried them:
+    AutoGPTQ's ``quantize_config.json`` or AutoAWQ's ``quant_config.json`` (many older
+    hub repos have only those), with the method they imply; None when neither is there."""
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        file = path / name
+        if file.is_file():
+            raw = json.loads(file.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError(f"{file} must hold an object")
+            return {"quant_method": method, **raw}
+    return None
 
 
 def prequant_config(raw: Any) -> PrequantConfig | None:
