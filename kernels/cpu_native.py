@@ -224,8 +224,6 @@ def load() -> ctypes.CDLL | None:
         lib.moe_int8.restype = ctypes.c_int
         lib.grid_steps4.argtypes = [ptr, i64, ptr]
         lib.grid_steps4.restype = None
-        lib.int8_linear_supported.argtypes = []
-        lib.int8_linear_supported.restype = ctypes.c_int
         for name in ("rope_f32", "rope_bf16"):
             getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64,
                                            ctypes.c_int]

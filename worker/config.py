@@ -20,11 +20,7 @@ import torch
 
 from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
 from pagedserve.worker.layers.quant import check_quantization
-from pagedserve.worker.loaders.prequant_config import (
-    PrequantConfig,
-    legacy_quantization_config,
-    prequant_config,
-)
+from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
@@ -249,8 +245,8 @@ class ModelConfig:
                 own = [] if own is None else (own if isinstance(own, list) else [own])
                 extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
                 cfg["eos_token_id"] = own + [e for e in extra if e not in own]
-        if "quantization_config" not in cfg:
-            cfg["quantization_config"] = legacy_quantization_config(Path(path))
+        from pagedserve.worker.loaders.prequant_config import legacy_quantization_config
+        cfg.setdefault("quantization_config", legacy_quantization_config(Path(path)))
         return cls.from_hf_dict(cfg)
 
     @property
