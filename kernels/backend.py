@@ -68,8 +68,14 @@ class AttentionBackend(ABC):
         block_table: torch.Tensor,
         md: VarlenMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Causal (bottom-right aligned) attention of packed queries over paged keys."""
+        """Causal (bottom-right aligned) attention of packed queries over paged keys.
+
+        With a sliding ``window`` a query sees only its own key and the ``window - 1``
+        before it (Mistral's, and Hugging Face's, convention); keys further back are
+        never read, so their blocks may already be gone from the table.
+        """
 
     @abstractmethod
     def decode_attention(
@@ -80,8 +86,17 @@ class AttentionBackend(ABC):
         block_table: torch.Tensor,
         cache_seqlens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """One query per sequence attending to keys ``[0, cache_seqlens[s])``."""
+        """One query per sequence attending to keys ``[0, cache_seqlens[s])``, or with a
+        sliding ``window`` to keys ``[cache_seqlens[s] - window, cache_seqlens[s])``."""
+
+    @staticmethod
+    def check_window(window: int | None) -> None:
+        """``ValueError`` for a window that is not a positive int (None: no window)."""
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"sliding window must be a positive int or None, got {window!r}")
 
     def copy_blocks(
         self,

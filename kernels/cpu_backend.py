@@ -109,10 +109,13 @@ class CpuNativeBackend(TorchBackend):
         lens: torch.Tensor,
         lens_host: list[int],
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if not cpu_native.supports(q, key_cache, value_cache):
-            return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host, scale)
-        if self.shared_prefix_min_tokens and len(lens_host) > 1:
+            return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host,
+                                   scale, window)
+        # A shared prefix may lie partly outside a sliding window: no cascade there.
+        if self.shared_prefix_min_tokens and len(lens_host) > 1 and window is None:
             key = self._prefix_key
             if key is None or key[0] is not block_table or key[1] != lens_host:
                 # Once per step (every layer gets the same table), a plan or None.
@@ -125,7 +128,7 @@ class CpuNativeBackend(TorchBackend):
             if plan is not None:
                 return cpu_cascade.shared_prefix_decode(q, key_cache, value_cache, plan, scale)
         return cpu_native.paged_decode(q, key_cache, value_cache, block_table, lens,
-                                       max(lens_host), scale)
+                                       max(lens_host), scale, window=window)
 
     def _attend_seqs(
         self,
@@ -138,10 +141,11 @@ class CpuNativeBackend(TorchBackend):
         starts: list[int],
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
     ) -> None:
         if not cpu_native.supports(q, key_cache, value_cache):
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts,
-                                 scale, out)
+                                 scale, out, window)
             return
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
         native: list[int] = []
@@ -150,8 +154,8 @@ class CpuNativeBackend(TorchBackend):
             (native if q_lens[s] == 1 or k_lens[s] <= self.rows_max_keys else rest).append(s)
         if rest:
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, rest, starts,
-                                 scale, out)
-        if native and self.shared_prefix_min_tokens:
+                                 scale, out, window)
+        if native and self.shared_prefix_min_tokens and window is None:
             split = self._split_decode_rows(md, block_table, native, starts,
                                             key_cache.shape[1])
             if split is not None:
@@ -166,17 +170,20 @@ class CpuNativeBackend(TorchBackend):
         if self._rows is None or not self._rows.matches(md, block_table, native):
             self._rows = _Rows(md, block_table, native, starts, self.rows_per_chunk)
         r = self._rows
+        # Runs share one key range; a sliding window gives each row its own, so rows go alone.
+        chunks = r.chunks if window is None else None
         n = r.rows.numel()
         if r.dense:
             # Every row in order: read q and write out in place.
             into = out[:n] if out.dtype == torch.float32 and out.is_contiguous() else None
             o = cpu_native.paged_decode(q[:n], key_cache, value_cache, r.tables, r.lens,
-                                        r.max_len, scale, out=into, chunks=r.chunks)
+                                        r.max_len, scale, out=into, chunks=chunks,
+                                        window=window)
             if into is None:
                 out[:n] = o
             return
         o = cpu_native.paged_decode(q.index_select(0, r.rows), key_cache, value_cache, r.tables,
-                                    r.lens, r.max_len, scale, chunks=r.chunks)
+                                    r.lens, r.max_len, scale, chunks=chunks, window=window)
         out.index_copy_(0, r.rows, o.to(out.dtype))
 
     def _split_decode_rows(self, md: VarlenMetadata, block_table: torch.Tensor,

@@ -138,10 +138,11 @@ static inline __attribute__((always_inline)) v16f reduce16(const v16f *p)
 }
 
 
-/* Whether every block the first L tokens of a table name lies in [0, num_blocks). */
-static inline int table_ok(const int32_t *table, int64_t L, int64_t B, int64_t num_blocks)
+/* Whether every block tokens [first, L) of a table name lies in [0, num_blocks). */
+static inline int table_ok(const int32_t *table, int64_t first, int64_t L, int64_t B,
+                           int64_t num_blocks)
 {
-    for (int64_t j = 0; j < (L + B - 1) / B; j++)
+    for (int64_t j = first / B; j < (L + B - 1) / B; j++)
         if (table[j] < 0 || table[j] >= num_blocks)
             return 0;
     return 1;

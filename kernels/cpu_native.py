@@ -198,8 +198,8 @@ def load() -> ctypes.CDLL | None:
             logger.warning("native CPU kernels off: build failed: %s", str(detail).strip()[:500])
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64,
-                                        i64, i64, i64, i64, ctypes.c_float, ptr,
+        lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr,
+                                        i64, i64, i64, i64, i64, ctypes.c_float, ptr,
                                         ctypes.c_int, ctypes.c_int, ptr]
         lib.paged_decode_kv.restype = ctypes.c_int
         lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
@@ -296,6 +296,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     chunks: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention [S, Hq, D] of ``q`` over keys ``[0, lens[s])``; zero rows for len 0.
 
@@ -311,6 +312,8 @@ def paged_decode(
     contiguous ``[S, Hq, 2]``) receives each row and head's softmax statistics, its
     largest scaled score and the sum of ``exp(score - max)``, for merging attention
     over split key ranges (``cpu_cascade.merge_attention``; rows of length 0 keep theirs).
+    A sliding ``window`` starts row ``s`` at key ``lens[s] - window`` (rows alone: no
+    ``chunks``); the blocks before it are not read.
     """
     lib = _loaded()
     if lib is None:
@@ -344,6 +347,9 @@ def paged_decode(
                               or not stats.is_contiguous()):
         raise ValueError(f"stats must be a contiguous fp32 tensor of shape {(s, hq, 2)}")
     chunk_ptr, num_chunks = None, 0
+    starts = None if window is None else (lens32 - window).clamp_min(0).to(torch.int32)
+    if starts is not None and chunks is not None:
+        raise ValueError("a sliding window runs every row alone (chunks must be None)")
     if chunks is not None:
         chunks = chunks.to(torch.int32).contiguous()
         num_chunks = chunks.numel() - 1
@@ -353,7 +359,8 @@ def paged_decode(
         chunk_ptr = chunks.data_ptr()
     rc = lib.paged_decode_kv(
         q32.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0],
-        tables.data_ptr(), tables.stride(0), lens32.data_ptr(), s, chunk_ptr, num_chunks,
+        tables.data_ptr(), tables.stride(0), lens32.data_ptr(),
+        None if starts is None else starts.data_ptr(), s, chunk_ptr, num_chunks,
         hq, hkv, d, bsz, float(scale), out.data_ptr(), torch.get_num_threads(),
         _KV_KINDS[key_cache.dtype], None if stats is None else stats.data_ptr(),
     )

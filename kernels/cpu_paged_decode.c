@@ -35,8 +35,8 @@
 #include "cpu_kv.h"
 #include "cpu_paged_rows.h"
 
-/* KV heads [h0, h1) of one query row (a decode row, or a prefill row alone),
- * D a multiple of 16: attend_rows_impl for R = 1, with the same arithmetic in
+/* KV heads [h0, h1) of one query row (a decode row, or a prefill row alone) over
+ * keys [start, L) (start > 0 under a sliding window), D a multiple of 16: attend_rows_impl for R = 1, with the same arithmetic in
  * the same order, but laid out for one row's memory-bound pass (1.5-2x
  * attend_rows_impl's speed there). Tokens are visited in
  * memory order (a token's rows for all its heads are contiguous), TILE at a
@@ -46,20 +46,21 @@
  * rows, accumulated into the output rows (in L1). */
 static inline __attribute__((always_inline)) int
 attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
-            int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
+            int64_t start, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
             int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
             int kind, v16f *part, float *stats)
 {
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
     float wide[MAX_HEAD_DIM];
-    const int64_t Lp = (L + TILE - 1) / TILE * TILE; /* as in attend_rows_impl */
-    if (!table_ok(table, L, B, num_blocks))
+    const int64_t Lw = L - start; /* keys seen; score u is key start + u */
+    const int64_t Lp = (Lw + TILE - 1) / TILE * TILE; /* as in attend_rows_impl */
+    if (!table_ok(table, start, L, B, num_blocks))
         return -2;
-    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
-        const int64_t n = L - t0 < TILE ? L - t0 : TILE;
+    for (int64_t t0 = 0; t0 < Lw; t0 += TILE) {
+        const int64_t n = Lw - t0 < TILE ? Lw - t0 : TILE;
         for (int64_t j = 0; j < n; j++) {
-            const int64_t t = t0 + j;
+            const int64_t t = start + t0 + j;
             prefetch_next(kc, table, t, L, B, blk_stride, tok_stride, h0, D, nh * D, es);
             const char *k = token_row(kc, table, t, B, blk_stride, tok_stride, h0, D, es);
             for (int64_t h = 0; h < nh; h++) {
@@ -87,17 +88,17 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
         }
     }
     for (int64_t i = 0; i < nq; i++) {
-        softmax_row(sc + i * Lp, L, stats == NULL ? NULL : stats + 2 * (h0 * G + i));
+        softmax_row(sc + i * Lp, Lw, stats == NULL ? NULL : stats + 2 * (h0 * G + i));
     }
     float *o = out + h0 * G * D;
     memset(o, 0, (size_t)(nq * D) * sizeof(float));
-    for (int64_t t = 0; t < L; t++) {
+    for (int64_t t = start; t < L; t++) {
         prefetch_next(vc, table, t, L, B, blk_stride, tok_stride, h0, D, nh * D, es);
         const char *v = token_row(vc, table, t, B, blk_stride, tok_stride, h0, D, es);
         for (int64_t h = 0; h < nh; h++) {
             const float *vh = row_f32(v + h * D * es, D, kind, wide);
             for (int64_t g = 0; g < G; g++) {
-                const float w = sc[(h * G + g) * Lp + t];
+                const float w = sc[(h * G + g) * Lp + t - start];
                 float *oi = o + (h * G + g) * D;
                 for (int64_t c = 0; c < nv; c++)
                     *(v16f *)(oi + 16 * c) += w * *(const v16f *)(vh + 16 * c);
@@ -113,8 +114,8 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
 #define ATTEND_D(K, DD)                                                                      \
     do {                                                                                     \
         if (R == 1)                                                                          \
-            return attend_row_impl(q, kc, vc, table, lens[0], h0, h1, G, DD, ATTEND_TAIL,    \
-                                   K, part, stats);                                          \
+            return attend_row_impl(q, kc, vc, table, lens[0], start, h0, h1, G, DD,          \
+                                   ATTEND_TAIL, K, part, stats);                             \
         return attend_rows_impl(ATTEND_ARGS, DD, ATTEND_TAIL, K, stats);                     \
     } while (0)
 #define ATTEND_KIND(K)                                                                       \
@@ -125,8 +126,8 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
             ATTEND_D(K, 128);                                                                \
         ATTEND_D(K, D);                                                                      \
     } while (0)
-static int attend(const float *q, int64_t row_stride, const int32_t *lens, int64_t R,
-                  const char *kc, const char *vc, const int32_t *table, int64_t h0,
+static int attend(const float *q, int64_t row_stride, const int32_t *lens, int64_t start,
+                  int64_t R, const char *kc, const char *vc, const int32_t *table, int64_t h0,
                   int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
                   int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
                   int kind, v16f *part, float *stats)
@@ -147,16 +148,18 @@ static int attend(const float *q, int64_t row_stride, const int32_t *lens, int64
 
 /*
  * A task is a group of rows (chunks[c] to chunks[c + 1]; every row its own
- * group when chunks is NULL) that share the first row's block table, over all
+ * group when chunks is NULL, the only case where starts, each row's first key,
+ * may be given) that share the first row's block table, over all
  * KV heads or, when there are too few groups to keep every thread busy, over
  * one KV head. Returns 0; -1 when a scratch allocation failed; -2 when a block
  * id a row needs is outside [0, num_blocks). On error out is undefined.
  */
 static int paged_decode(const float *q, const char *key_cache, const char *value_cache,
                         int64_t num_blocks, const int32_t *tables, int64_t table_stride,
-                        const int32_t *lens, int64_t S, const int32_t *chunks,
-                        int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
-                        float scale, float *out, int nthreads, int kind, float *stats)
+                        const int32_t *lens, const int32_t *starts, int64_t S,
+                        const int32_t *chunks, int64_t num_chunks, int64_t Hq, int64_t Hkv,
+                        int64_t D, int64_t B, float scale, float *out, int nthreads, int kind,
+                        float *stats)
 {
     const int64_t G = Hq / Hkv;
     const int64_t tok_stride = Hkv * D;
@@ -201,7 +204,8 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
                     continue;
                 }
             }
-            const int rc = attend(q + s * Hq * D, Hq * D, lens + s, R, key_cache, value_cache,
+            const int rc = attend(q + s * Hq * D, Hq * D, lens + s,
+                                  starts == NULL ? 0 : starts[s], R, key_cache, value_cache,
                                   tables + s * table_stride, h0, h0 + per, G, D, B,
                                   num_blocks, tok_stride, blk_stride, scale, sc,
                                   out + s * Hq * D, kind, part,
@@ -216,25 +220,32 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
 }
 
 /* Exported entry: caches of the given kind (KV_* above, raw elements); q and
- * out are fp32. stats (NULL or [S, Hq, 2] fp32) receives each row and query
+ * out are fp32. starts (NULL, or [S] int32 with chunks NULL) is each row's
+ * first key under a sliding window, 0 <= starts[s] < lens[s] where lens[s] > 0. stats (NULL or [S, Hq, 2] fp32) receives each row and query
  * head's softmax statistics, its largest scaled score m and sum of exp(score -
  * m), for merging attention over split key ranges (rows with no keys leave
  * theirs unwritten; no logf here: a libm call in the softmax loop cost decode
  * 15-45%). */
 int paged_decode_kv(const float *q, const void *key_cache, const void *value_cache,
                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
-                    const int32_t *lens, int64_t S, const int32_t *chunks,
-                    int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,
-                    float scale, float *out, int nthreads, int kind, float *stats)
+                    const int32_t *lens, const int32_t *starts, int64_t S,
+                    const int32_t *chunks, int64_t num_chunks, int64_t Hq, int64_t Hkv,
+                    int64_t D, int64_t B, float scale, float *out, int nthreads, int kind,
+                    float *stats)
 {
     if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM || D % 16 != 0)
         return -3;
+    if (starts != NULL && chunks != NULL)
+        return -5;
+    for (int64_t s = 0; starts != NULL && s < S; s++)
+        if (starts[s] < 0 || (lens[s] > 0 && starts[s] >= lens[s]))
+            return -5;
     for (int64_t c = 0; chunks != NULL && c < num_chunks; c++)
         if (chunks[c] < 0 || chunks[c + 1] <= chunks[c] || chunks[c + 1] > S)
             return -4;
     return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
-                        tables, table_stride, lens, S, chunks, num_chunks, Hq, Hkv, D, B,
-                        scale, out, nthreads, kind, stats);
+                        tables, table_stride, lens, starts, S, chunks, num_chunks, Hq, Hkv, D,
+                        B, scale, out, nthreads, kind, stats);
 }
 
 /* Store T new tokens' K and V rows (row_bytes each, already in the cache's element

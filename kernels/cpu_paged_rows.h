@@ -66,7 +66,7 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
     /* Score rows start 64-byte aligned (sc is), so a vectorised loop over a row
      * splits it the same way wherever the row sits. */
     const int64_t Lp = (L + TILE - 1) / TILE * TILE;
-    if (!table_ok(table, L, B, num_blocks))
+    if (!table_ok(table, 0, L, B, num_blocks))
         return -2;
     for (int64_t t0 = 0; t0 < L; t0 += TILE) {
         const int64_t n = L - t0 < TILE ? L - t0 : TILE;

@@ -56,7 +56,9 @@ class FlashBackend(AttentionBackend):
         """FA2 reads K/V in the query's own fp16/bf16 only (no fp8 or mixed caches)."""
         return kv_dtype == model_dtype and kv_dtype in (torch.float16, torch.bfloat16)
 
-    def _check(self, q: torch.Tensor, key_cache: torch.Tensor) -> None:
+    def _check(self, q: torch.Tensor, key_cache: torch.Tensor,
+               window: int | None = None) -> None:
+        self.check_window(window)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flash-attn computes in fp16/bf16 only, got {q.dtype}")
         if not self.supports_block_size(key_cache.shape[1]):
@@ -86,8 +88,9 @@ class FlashBackend(AttentionBackend):
         block_table: torch.Tensor,
         md: VarlenMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        self._check(q, key_cache)
+        self._check(q, key_cache, window)
         dev = q.device
         return self._varlen(
             q,
@@ -99,6 +102,7 @@ class FlashBackend(AttentionBackend):
             md.max_length_k,
             softmax_scale=scale,
             causal=True,
+            window_size=_window_size(window),
             block_table=block_table.to(dev, torch.int32),
         )
 
@@ -110,8 +114,9 @@ class FlashBackend(AttentionBackend):
         block_table: torch.Tensor,
         cache_seqlens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        self._check(q, key_cache)
+        self._check(q, key_cache, window)
         dev = q.device
         out = self._with_kvcache(
             q.unsqueeze(1),
@@ -121,7 +126,14 @@ class FlashBackend(AttentionBackend):
             block_table=block_table.to(dev, torch.int32),
             softmax_scale=scale,
             causal=True,
+            window_size=_window_size(window),
         )
         # The contract says a sequence with no keys yields zeros; make it explicit.
         empty = (cache_seqlens.to(dev) == 0)[:, None, None]
         return out.squeeze(1).masked_fill(empty, 0.0)
+
+
+def _window_size(window: int | None) -> tuple[int, int]:
+    """flash-attn's ``window_size`` (keys left and right of the query's own, -1 for no
+    limit) for our window, which counts the query's own key: ``(window - 1, 0)``."""
+    return (-1, -1) if window is None else (window - 1, 0)

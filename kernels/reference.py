@@ -17,11 +17,14 @@ def dense_causal_attention(
     query_lens: list[int],
     key_lens: list[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Packed q [Tq, Hq, D], contiguous packed k/v [Tk, Hkv, D] -> [Tq, Hq, D].
 
     Bottom-right aligned causal mask (flash-attn convention): query ``i`` of a
-    sequence attends to key ``j`` iff ``j <= i + k_len - q_len``. Rows with no
+    sequence attends to key ``j`` iff ``j <= i + k_len - q_len``; with a sliding
+    ``window`` also iff ``j > i + k_len - q_len - window`` (the query's own key and
+    the ``window - 1`` before it, as Hugging Face's Mistral masks). Rows with no
     visible key are zero. Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
@@ -38,6 +41,8 @@ def dense_causal_attention(
             i = torch.arange(lq)[:, None]
             j = torch.arange(lk)[None, :]
             visible = j <= i + (lk - lq)
+            if window is not None:
+                visible &= j > i + (lk - lq) - window
             scores = scores.masked_fill(~visible, float("-inf"))
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
             out[qo : qo + lq] = (probs @ vs).transpose(0, 1)

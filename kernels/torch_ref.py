@@ -148,16 +148,24 @@ class TorchBackend(AttentionBackend):
         lens: torch.Tensor,
         lens_host: list[int],
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         s, hq, d = q.shape
+        if window is not None and max(lens_host) > window:
+            block_table, lens, lens_host = _window_tables(block_table, lens, lens_host,
+                                                          window, key_cache.shape[1])
         max_k, min_k = max(lens_host), min(lens_host)
         if max_k == 0:
             return q.new_zeros(s, hq, d)
         _, bsz, hkv, _ = key_cache.shape
         nb = -(-max_k // bsz)
         mask = None
-        if min_k != max_k:
-            valid = torch.arange(max_k, device=q.device)[None, :] < lens[:, None]
+        windowed = window is not None and max_k > window
+        if min_k != max_k or windowed:
+            j = torch.arange(max_k, device=q.device)[None, :]
+            valid = j < lens[:, None]
+            if windowed:
+                valid &= j >= lens[:, None] - window
             if min_k == 0:
                 valid[:, 0] |= lens == 0  # keep softmax finite; row is zeroed below
             mask = valid[:, None, None, :]
@@ -192,12 +200,14 @@ class TorchBackend(AttentionBackend):
         block_table: torch.Tensor,
         cache_seqlens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        self.check_window(window)
         if q.shape[0] == 0:
             return q.new_empty(q.shape)
         lens = cache_seqlens.to(q.device, torch.long)
         return self._decode(
-            q, key_cache, value_cache, block_table, lens, lens.tolist(), scale
+            q, key_cache, value_cache, block_table, lens, lens.tolist(), scale, window
         ).to(q.dtype)
 
     def _prefill_group(
@@ -212,6 +222,7 @@ class TorchBackend(AttentionBackend):
         k_lens: list[int],
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
     ) -> None:
         dev = q.device
         n = len(ids)
@@ -241,7 +252,7 @@ class TorchBackend(AttentionBackend):
         else:
             qp = q.index_select(0, rows.clamp_max(q.shape[0] - 1).reshape(-1)).view(n, mq, hq, d)
         row_ok = None
-        if gq == gk:
+        if gq == gk and (window is None or mk <= window):
             # No context: right-padded rows/keys plus top-left causal is exact for
             # the real rows (key j <= i < q_len never reaches padding), no mask needed.
             mask, causal = None, True
@@ -252,6 +263,8 @@ class TorchBackend(AttentionBackend):
             mask = (kj[None, None, :] < kl[:, None, None]) & (
                 kj[None, None, :] <= qi[None, :, None] + shift
             )
+            if window is not None:
+                mask &= kj[None, None, :] > qi[None, :, None] + shift - window
             row_ok = q_valid & (qi[None, :] + (kl - ql)[:, None] >= 0)
             mask[:, :, 0] |= ~row_ok
             mask = mask[:, None]
@@ -279,7 +292,9 @@ class TorchBackend(AttentionBackend):
         block_table: torch.Tensor,
         md: VarlenMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        self.check_window(window)
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
         starts = [0]
         for lq in q_lens:
@@ -293,7 +308,8 @@ class TorchBackend(AttentionBackend):
             if k_lens[s] == 0 and q_lens[s] > 0:
                 out[starts[s] : starts[s + 1]].zero_()
         seqs = [s for s in range(len(q_lens)) if q_lens[s] > 0 and k_lens[s] > 0]
-        self._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts, scale, out)
+        self._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts, scale, out,
+                          window)
         return out
 
     def _attend_seqs(
@@ -307,6 +323,7 @@ class TorchBackend(AttentionBackend):
         starts: list[int],
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
     ) -> None:
         """Write the rows of sequences ``seqs`` (each with queries and keys) into ``out``:
         single-query rows through the decode path, the rest as padded SDPA groups."""
@@ -326,6 +343,7 @@ class TorchBackend(AttentionBackend):
                 torch.tensor(lens_host, device=dev),
                 lens_host,
                 scale,
+                window,
             )
             out.index_copy_(0, rows, o.to(out.dtype))
         # Group no-context prefills apart: they run maskless with is_causal.
@@ -334,5 +352,23 @@ class TorchBackend(AttentionBackend):
         for group in _plan_groups(no_ctx, q_lens, k_lens) + _plan_groups(ctx, q_lens, k_lens):
             self._prefill_group(
                 q, key_cache, value_cache, block_table, sorted(group), starts,
-                q_lens, k_lens, scale, out,
+                q_lens, k_lens, scale, out, window,
             )
+
+
+def _window_tables(block_table: torch.Tensor, lens: torch.Tensor, lens_host: list[int],
+                   window: int, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Decode rows re-based to the first block their window reaches: each row's table
+    starts there and its length shrinks by the blocks dropped, so a long context
+    gathers only ``window + block_size - 1`` keys at most, and blocks before the
+    window (possibly already freed, -1) are never read."""
+    first = [max(0, n - window) // block_size for n in lens_host]
+    if not any(first):
+        return block_table, lens, lens_host
+    width = max(max(-(-n // block_size) - f for n, f in zip(lens_host, first)), 1)
+    offs = torch.tensor(first, device=block_table.device)
+    idx = (offs[:, None] + torch.arange(width, device=block_table.device)[None, :])
+    tables = block_table.gather(1, idx.clamp_max(block_table.shape[1] - 1))
+    base = torch.tensor(first, device=lens.device) * block_size
+    return tables, lens - base, [n - f * block_size for n, f in zip(lens_host, first)]

@@ -50,7 +50,7 @@ def _widen_kv(x, KV_FP8: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_table_ptr, cu_q_ptr, seq_lens_k_ptr, tile_seq_ptr, tile_qoff_ptr,
-    scale_log2, num_q_heads, block_size,
+    scale_log2, num_q_heads, block_size, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -83,8 +83,11 @@ def _paged_attention_kernel(
 
     last_q = tl.minimum(qoff + BLOCK_Q, q_len) - 1
     kv_end = tl.maximum(tl.minimum(k_len, last_q + shift + 1), 0)
-    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    lo = split * per_split
+    # A sliding window: the tile's first row sees keys from qoff + shift - window + 1 on,
+    # so the splits cover [kv_begin, kv_end) and earlier blocks are never read.
+    kv_begin = tl.minimum(tl.maximum(qoff + shift - window + 1, 0), kv_end)
+    per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    lo = kv_begin + split * per_split
     hi = tl.minimum(lo + per_split, kv_end)
     limit = qi + shift  # last visible key per row
 
@@ -111,7 +114,8 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         s = s * scale_log2
-        vis = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= limit[:, None])
+        vis = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= limit[:, None]) & (
+            n[None, :] > limit[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -44,6 +44,9 @@ DECODE_FULL_WAVES = 4
 _MIN_KEYS_PER_FILL_SPLIT = 1024
 # The attention kernel's KV_FP8 flag: fp8 caches arrive as uint8 bytes, decoded in-kernel.
 _KV_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# The kernel's window when there is none: wider than any context, small enough that
+# ``position - window`` stays inside int32.
+_NO_WINDOW = 1 << 30
 
 
 def _interpreting() -> bool:
@@ -158,7 +161,9 @@ class TritonBackend(AttentionBackend):
         max_k: int,
         total_q: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        self.check_window(window)
         tq, hq, d = q.shape
         _, bsz, hkv, _ = key_cache.shape
         if hq % hkv:
@@ -173,7 +178,9 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q) if tq == total_q else torch.zeros_like(q)
         if n_tiles == 0:
             return out
-        splits = self._splits(n_tiles * hkv, max_k, block_m)
+        # A window bounds the keys a program reads, which is what the split plan weighs.
+        splits = self._splits(n_tiles * hkv,
+                              max_k if window is None else min(max_k, window + block_m), block_m)
         interp = _interpreting()
         kv_fp8 = _KV_FP8.get(key_cache.dtype, 0)
         # Tensor-core dots need K/V in the query's 16-bit dtype: fp8 widens to it exactly,
@@ -191,7 +198,7 @@ class TritonBackend(AttentionBackend):
         _paged_attention_kernel[(n_tiles, hkv, splits)](
             q, key_cache, value_cache, out, part_acc, part_ml,
             bt, cu_q, seq_lens_k, tile_seq, tile_qoff,
-            scale * _LOG2E, hq, bsz,
+            scale * _LOG2E, hq, bsz, _NO_WINDOW if window is None else min(window, _NO_WINDOW),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -235,6 +242,7 @@ class TritonBackend(AttentionBackend):
         block_table: torch.Tensor,
         cache_seqlens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         s = q.shape[0]
         dev = q.device
@@ -244,6 +252,7 @@ class TritonBackend(AttentionBackend):
             q, key_cache, value_cache, block_table, ar,
             cache_seqlens.to(dev, torch.int32), ar[:s], torch.zeros(s, dtype=torch.int32, device=dev),
             self._block_m(group, 1), block_table.shape[1] * key_cache.shape[1], s, scale,
+            window,
         )
 
     def varlen_attention(
@@ -254,6 +263,7 @@ class TritonBackend(AttentionBackend):
         block_table: torch.Tensor,
         md: VarlenMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         dev = q.device
         q_lens = md.host_query_lens()
@@ -269,7 +279,7 @@ class TritonBackend(AttentionBackend):
             q, key_cache, value_cache, block_table,
             md.cu_seq_lens_q.to(dev, torch.int32), md.seq_lens_k.to(dev, torch.int32),
             tile_seq.to(dev, torch.int32), tile_qoff.to(dev, torch.int32),
-            block_m, md.max_length_k, sum(q_lens), scale,
+            block_m, md.max_length_k, sum(q_lens), scale, window,
         )
 
 

@@ -46,15 +46,24 @@ def _gather(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tenso
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            causal: bool) -> torch.Tensor:
+            causal: bool, window_size: tuple[int, int]) -> torch.Tensor:
     """flash-attn's documented math for one sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D]."""
     lq, lk = q.shape[0], k.shape[0]
     g = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    if causal:  # aligned to the bottom right: query i sees keys j <= i + lk - lq
-        keep = torch.arange(lk)[None] <= torch.arange(lq)[:, None] + lk - lq
-        s = s.masked_fill(~keep, float("-inf"))
+    # Aligned to the bottom right: query i sits at key position i + lk - lq; causal keeps
+    # keys j <= it, window_size (left, right) keeps j in [pos - left, pos + right].
+    pos, j = torch.arange(lq)[:, None] + lk - lq, torch.arange(lk)[None]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        assert window_size[1] in (-1, 0), "causal takes no right window"
+        keep &= j <= pos
+    if window_size[0] >= 0:
+        keep &= j >= pos - window_size[0]
+    if window_size[1] >= 0:
+        keep &= j <= pos + window_size[1]
+    s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)  # an all-masked row gives zeros
     return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
 
@@ -73,7 +82,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for b, (lq, lk) in enumerate(zip(q_lens, k_lens, strict=True)):
         s = int(cu_seqlens_q[b])
         out[s:s + lq] = _attend(q[s:s + lq], _gather(k, block_table[b], lk),
-                                _gather(v, block_table[b], lk), scale, causal)
+                                _gather(v, block_table[b], lk), scale, causal, window_size)
     return out
 
 
@@ -89,7 +98,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     return torch.stack([
         _attend(q[b], _gather(k_cache, block_table[b], n), _gather(v_cache, block_table[b], n),
-                scale, causal)
+                scale, causal, window_size)
         for b, n in enumerate(cache_seqlens.tolist())])
 
 
@@ -129,6 +138,17 @@ def test_flash_adapter_matches_the_oracle(flash, dtype: torch.dtype, gqa: int,
                          dtype=dtype, garbage=3.0, seed=gqa + 1)
     check_against_oracle(flash, b, TOL[dtype], decode=True)
     assert flash.calls == ["flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+
+@pytest.mark.parametrize("window", [1, 255, 256, 300])
+def test_flash_adapter_passes_the_sliding_window(flash, window: int) -> None:
+    """A sliding window becomes flash-attn's ``window_size=(window - 1, 0)`` in both calls."""
+    q_lens, k_lens = mixed_lengths(256, window)
+    b = make_paged_batch(q_lens, k_lens, 4, 2, 64, 256, dtype=torch.bfloat16, garbage=3.0)
+    check_against_oracle(flash, b, TOL[torch.bfloat16], decode=False, window=window)
+    b = make_paged_batch([1] * len(k_lens), k_lens, 4, 2, 64, 256, dtype=torch.bfloat16,
+                         garbage=3.0, seed=1)
+    check_against_oracle(flash, b, TOL[torch.bfloat16], decode=True, window=window)
 
 
 def test_flash_adapter_refuses_what_flash_attn_cannot_take(flash) -> None:
