@@ -240,18 +240,10 @@ def _loaded() -> ctypes.CDLL | None:
 def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether the native kernel handles these tensors: CPU, fp32 or bf16 queries,
     contiguous fp32 / bf16 / fp16 / fp8 caches, query heads a multiple of KV heads."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in _DECODE_DTYPES
-        and key_cache.dtype in _KV_KINDS
-        and value_cache.dtype == key_cache.dtype
-        and key_cache.is_contiguous()
-        and value_cache.is_contiguous()
-        and q.shape[1] % key_cache.shape[2] == 0
-        and key_cache.shape[3] <= _MAX_HEAD_DIM
-        and key_cache.shape[3] % 16 == 0
-        and _loaded() is not None
-    )
+    return (q.device.type == "cpu" and value_cache.dtype == key_cache.dtype
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and unsupported_reason(q.dtype, key_cache.dtype, q.shape[1], key_cache.shape[2],
+                                   key_cache.shape[3]) is None)
 
 
 def unsupported_reason(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,

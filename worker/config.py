@@ -22,6 +22,7 @@ from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_d
 from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
+from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 # "freq_factors": one divisor per rotary frequency, llama.cpp's rope_freqs (from GGUF files).
@@ -109,6 +110,8 @@ class ModelConfig:
     # A checkpoint quantised ahead of time (GPTQ, AWQ, compressed-tensors, fp8): its
     # projections are dequantised at load (``loaders.prequant``).
     prequant: PrequantConfig | None = None
+    # Layers that attend through ``sliding_window`` (``window_config``); the rest see all.
+    sliding_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -191,10 +194,8 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        window = cfg.get("sliding_window")
-        if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
-            window = None
         num_layers = _positive_int("num_hidden_layers", _require(cfg, "num_hidden_layers"))
+        window, sliding_layers = sliding_window_layers(cfg, model_type, num_layers)
         return cls(
             model_type=model_type,
             num_layers=num_layers,
@@ -216,7 +217,8 @@ class ModelConfig:
             max_position_embeddings=_positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
             ),
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             dtype=str(dtype),
@@ -251,23 +253,20 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence we serve exactly.
-
-        We run full attention, so a sliding-window model (Mistral v0.1) is
-        capped at its window: beyond it our outputs would differ from the
-        reference implementation. YaRN stretches the pre-training length by
-        its factor (Qwen2.5's recipe adds ``factor: 4`` over 32768 positions
-        and keeps ``max_position_embeddings`` at 32768), so the longer of the
-        two counts, as vLLM does.
+        """Longest sequence we serve (a sliding window caps nothing). YaRN stretches the
+        pre-training length by its factor (Qwen2.5's recipe adds ``factor: 4`` over 32768
+        positions, keeping ``max_position_embeddings`` at 32768): the longer counts, as in vLLM.
         """
         longest = self.max_position_embeddings
         scaling = self.rope_scaling or {}
         if scaling.get("rope_type") == "yarn":
             stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
             longest = max(longest, stretched)
-        if self.sliding_window:
-            return min(longest, self.sliding_window)
         return longest
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None where it attends to every key."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def kv_bytes_per_block(self, block_size: int, num_kv_heads_per_rank: int,
                            dtype: torch.dtype) -> int:

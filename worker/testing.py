@@ -53,7 +53,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                             **overrides: Any) -> str:
     """Save a random ``kind`` model to ``dest``; return its path.
 
-    ``kind``: "llama", "qwen2", "qwen3", or the mixtures of experts "mixtral",
+    ``kind``: "llama", "mistral", "qwen2", "qwen3", or the mixtures of experts "mixtral",
     "qwen2_moe", "qwen3_moe" (4 experts, top 2, 32 wide unless overridden).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
@@ -67,6 +67,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     import transformers as tf
 
     classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, tf.LlamaModel),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM, tf.MistralModel),
                "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, tf.Qwen2Model),
                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, tf.Qwen3Model),
                "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, tf.MixtralModel),

@@ -33,7 +33,52 @@ def test_model_config_reads_both_rope_layouts():
     q = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "eos_token_id": [5, 6]})
     assert q.qkv_bias and not q.o_bias and q.eos_token_ids == (5, 6)
     m = ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "sliding_window": 512})
-    assert m.max_model_len == 512
+    # A sliding window no longer caps the length: every layer attends through it.
+    assert m.max_model_len == 2048 and m.sliding_layers == (0, 1)
+    assert m.layer_window(1) == 512
+
+
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=8, max_window_layers=0)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=9)),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3)),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8)),
+    ("mistral", dict(sliding_window=8)),
+    ("mistral", dict(sliding_window=None)),
+    ("mixtral", dict(sliding_window=8)),
+])
+def test_sliding_layers_match_transformers(model_type: str, extra: dict) -> None:
+    """Which layers slide, from a config.json without ``layer_types`` (older files), is
+    what transformers' own config and model classes decide for the same fields."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**{**BASE, "num_hidden_layers": 5, "model_type": model_type,
+                                 **extra})
+    cfg = {k: v for k, v in hf.to_dict().items() if k != "layer_types"}
+    ours = ModelConfig.from_hf_dict(cfg)
+    types = getattr(hf, "layer_types", None)
+    if types is None:  # Mistral, Mixtral, Qwen3-MoE: one mask for every layer
+        window = hf.sliding_window or None
+        types = ["sliding_attention" if window else "full_attention"] * 5
+    want = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    assert ours.sliding_layers == want
+    assert ours.sliding_window == (hf.sliding_window if want else None)
+    # A file that spells the list out reads the same.
+    explicit = ModelConfig.from_hf_dict({**cfg, "layer_types": list(types)})
+    assert explicit.sliding_layers == want
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    (dict(sliding_window=-4), "sliding_window"),
+    (dict(sliding_window="4096"), "sliding_window"),
+    (dict(sliding_window=8, layer_types=["sliding_attention"]), "layer_types"),
+    (dict(sliding_window=None, layer_types=["sliding_attention"] * 2), "sliding_window"),
+])
+def test_bad_sliding_window_fields_are_named(extra: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", **extra})
 
 
 def test_rope_scaling_matches_transformers():

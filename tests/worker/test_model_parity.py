@@ -33,6 +33,12 @@ CASES = {
     ),
     "qwen2_qkv_bias": dict(model_type="qwen2", tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", sliding_window=None),
+    # Sliding windows shorter than the prompts: every layer (Mistral v0.1, Mixtral), or
+    # only layers from max_window_layers on (Qwen2's use_sliding_window).
+    "mistral_window": dict(model_type="mistral", sliding_window=5),
+    "qwen2_window_upper_layers": dict(model_type="qwen2", use_sliding_window=True,
+                                      sliding_window=4, max_window_layers=1),
+    "mixtral_window": dict(model_type="mixtral", sliding_window=6),
     # Qwen3: per-head q/k RMSNorm, head_dim wider than hidden / heads.
     "qwen3_qk_norm_tied": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32),
     # YaRN over a 16-position "pre-training" length, so the test's positions are stretched.

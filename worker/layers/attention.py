@@ -41,14 +41,18 @@ class PagedAttention:
 
     With KV scales (fp8 caches, ``use_kv_scales``) the cache holds ``k / k_scale`` and
     ``v / v_scale``: ``k_scale`` is folded into ``q`` and ``v_scale`` into the output,
-    so the kernels never see a scale. The scales are device tensors, so captured
+    so the kernels never see a scale. ``window`` (Mistral's sliding window, a layer's own)
+    limits each query to its own key and the ``window - 1`` before it. The scales are
+    device tensors, so captured
     CUDA graphs read the calibrated values; ``arm_calibration`` sets them from the
     next step's K/V (the engine's calibration step), once, before anything else is stored.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 backend: AttentionBackend):
+                 backend: AttentionBackend, window: int | None = None):
+        backend.check_window(window)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window
         self.scale = head_dim ** -0.5
         self.backend = backend
         self.k_scale: torch.Tensor | None = None
@@ -85,12 +89,14 @@ class PagedAttention:
         self.backend.store_kv(k, v, key_cache, value_cache, md.slot_mapping)
         if md.is_decode:
             out = self.backend.decode_attention(
-                q, key_cache, value_cache, md.block_table, md.seq_lens, self.scale
+                q, key_cache, value_cache, md.block_table, md.seq_lens, self.scale,
+                window=self.window,
             )
         else:
             assert md.varlen is not None, "prefill step without varlen metadata"
             out = self.backend.varlen_attention(
-                q, key_cache, value_cache, md.block_table, md.varlen, self.scale
+                q, key_cache, value_cache, md.block_table, md.varlen, self.scale,
+                window=self.window,
             )
         if self.v_scale is not None:
             out = out * self.v_scale

@@ -40,7 +40,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, index: int):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, cfg.qkv_bias, ctx, dtype, device)
@@ -54,7 +54,8 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend,
+                                   window=cfg.layer_window(index))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
@@ -93,7 +94,7 @@ class LlamaDecoderLayer(nn.Module):
                  dtype: torch.dtype, device: torch.device, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, ctx, backend, dtype, device)
+        self.self_attn = LlamaAttention(cfg, ctx, backend, dtype, device, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 device)
         self.mlp: LlamaMLP | SparseMoE
