@@ -107,7 +107,7 @@ class LLMEngine:
                 num_cpu_blocks=num_cpu_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 model_id=self.model_id,
-                enable_kv_offload=num_offload > 0,
+                enable_kv_offload=num_offload > 0, sliding_window=info.get("kv_sliding_window"),
             ),
             config.speculative_config,
         )

@@ -12,14 +12,16 @@ from pagedserve.scheduler.request import Request
 
 
 def check_fits(request: Request, config: SchedulerConfig, block_size: int,
-               pool_blocks: int) -> None:
-    """Reject at admission what could never run, instead of waiting forever."""
+               pool_blocks: int, window: int | None = None) -> None:
+    """Reject at admission what could never run, instead of waiting forever. With a
+    sliding ``window`` whose blocks are released behind it, a request holds at most the
+    window's blocks plus one step's."""
     n = request.num_prompt_tokens
     max_len = config.max_model_len
     if request.pooling_params is not None:  # no token is generated: the prompt may fill it
         if n > max_len:
             raise ValueError(f"input is {n} tokens, the model's context is {max_len}")
-        if cdiv(n, block_size) > pool_blocks:
+        if blocks_held(n, config, block_size, window) > pool_blocks:
             raise ValueError(f"input needs {cdiv(n, block_size)} KV blocks for {n} tokens, "
                              f"the pool has {pool_blocks}")
     elif n >= max_len:
@@ -28,7 +30,7 @@ def check_fits(request: Request, config: SchedulerConfig, block_size: int,
             "(at least one token must be generated)"
         )
     else:
-        _check_total(request, n, config, block_size, pool_blocks)
+        _check_total(request, n, config, block_size, pool_blocks, window)
     if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
         raise ValueError(
             f"prompt of {n} tokens exceeds max_num_batched_tokens "
@@ -36,8 +38,18 @@ def check_fits(request: Request, config: SchedulerConfig, block_size: int,
         )
 
 
+def blocks_held(tokens: int, config: SchedulerConfig, block_size: int,
+                window: int | None) -> int:
+    """The most blocks a request of ``tokens`` tokens holds at once: all of them, or
+    under a released sliding window those of the window and of one step's tokens."""
+    whole = cdiv(tokens, block_size)
+    if window is None:
+        return whole
+    return min(whole, cdiv(window - 1 + config.max_num_batched_tokens, block_size) + 1)
+
+
 def _check_total(request: Request, n: int, config: SchedulerConfig, block_size: int,
-                 pool_blocks: int) -> None:
+                 pool_blocks: int, window: int | None) -> None:
     """Prompt plus ``max_tokens`` (or up to the context) must fit the context and pool."""
     max_len = config.max_model_len
     max_tokens = request.sampling_params.max_tokens
@@ -47,7 +59,7 @@ def _check_total(request: Request, n: int, config: SchedulerConfig, block_size: 
             f"max_tokens: prompt ({n}) + max_tokens ({max_tokens}) = {total} "
             f"exceeds the model's context of {max_len} tokens"
         )
-    if cdiv(total, block_size) > pool_blocks:
+    if blocks_held(total, config, block_size, window) > pool_blocks:
         raise ValueError(
             f"request needs {cdiv(total, block_size)} KV blocks for {total} tokens, "
             f"the pool has {pool_blocks}"

@@ -74,6 +74,8 @@ class CacheConfig:
 
     ``enable_kv_offload`` makes the CPU tier a second level of the prefix cache
     (``scheduler.cpu_block_pool``); it needs prefix caching and CPU blocks.
+    ``sliding_window`` (tokens; set when every layer of the model attends through it)
+    lets a request give back the blocks no later query of it can see.
     """
 
     num_gpu_blocks: int
@@ -82,6 +84,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     model_id: str = ""
     enable_kv_offload: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -92,3 +95,6 @@ class CacheConfig:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
         if self.enable_kv_offload and not (self.enable_prefix_caching and self.num_cpu_blocks):
             raise ValueError("kv_offloading needs enable_prefix_caching and num_cpu_blocks > 0")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window must be None or a positive integer, got {w!r}")

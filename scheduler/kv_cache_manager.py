@@ -20,6 +20,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# A table entry whose block went back to the pool behind a sliding window: its id reads
+# -1, which the kernels never reach (the window starts after it), and no pool
+# operation, swap or hash ever sees it.
+RELEASED = KVCacheBlock(-1)
+
+
 @dataclass(slots=True)
 class SwappedBlocks:
     """Where a swapped-out request's KV lives: CPU ids plus the hashes they held."""
@@ -38,6 +44,11 @@ class KVCacheManager(KVImportMixin):
     (``get_offloaded_blocks``), which it names by their hashes once the step ran,
     as it would blocks it computed. KV shipped from another replica goes through
     ``KVImportMixin`` (``kv_import``).
+
+    With ``sliding_window`` (a model whose every layer attends through one, so one
+    table serves them all) ``release_behind_window`` gives back the blocks no later
+    query of a request can see, as vLLM's sliding-window manager does: a long
+    request then holds about ``window / block_size`` blocks, not its whole length.
     """
 
     def __init__(
@@ -47,6 +58,7 @@ class KVCacheManager(KVImportMixin):
         num_cpu_blocks: int = 0,
         enable_caching: bool = True,
         enable_offload: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -66,6 +78,8 @@ class KVCacheManager(KVImportMixin):
         # The same tables as plain ids, kept in step so plans copy them in C.
         self.req_block_ids: dict[str, list[int]] = {}
         self.swapped: dict[str, SwappedBlocks] = {}
+        self.sliding_window = sliding_window
+        self._released: dict[str, int] = {}  # leading table entries now RELEASED
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -77,7 +91,8 @@ class KVCacheManager(KVImportMixin):
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute
-        (the last prompt token's logits are what we sample from)."""
+        (the last prompt token's logits are what we sample from). Under a sliding
+        window the hits its first query cannot see come back RELEASED (not revived)."""
         hashes = request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -86,7 +101,11 @@ class KVCacheManager(KVImportMixin):
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        num_hit = len(hits) * self.block_size
+        if self.sliding_window is not None:
+            behind = max(0, (num_hit - self.sliding_window + 1) // self.block_size)
+            hits[:behind] = [RELEASED] * behind
+        return hits, num_hit
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted prompt's lookup once (a request that waits for room looks
@@ -156,10 +175,11 @@ class KVCacheManager(KVImportMixin):
         need = max(0, cdiv(total, self.block_size) - have)
         cow = self._cow_index(request, blocks, num_new_tokens)
         need += cow is not None
-        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        held = [b for b in computed_blocks if b is not RELEASED]
+        revived = sum(1 for b in held if b.ref_cnt == 0)
         if need + revived > self.pool.num_free_blocks:
             return None
-        self.pool.touch(computed_blocks)
+        self.pool.touch(held)
         blocks = self.req_blocks.setdefault(rid, [])
         ids = self.req_block_ids.setdefault(rid, [])
         blocks.extend(computed_blocks)
@@ -211,7 +231,7 @@ class KVCacheManager(KVImportMixin):
         hashes = request.update_block_hashes(self.block_size)
         for i in range(request.num_hashed_blocks, full):
             b = blocks[i]
-            if b.block_hash is None:
+            if b.block_hash is None and b is not RELEASED:
                 self.pool.cache_full_block(b, hashes[i])
         request.num_hashed_blocks = full
 
@@ -220,25 +240,50 @@ class KVCacheManager(KVImportMixin):
         blocks = self.req_blocks.get(parent.request_id, [])
         if child.request_id in self.req_blocks:
             raise RuntimeError(f"{child.request_id} already has blocks")
-        self.pool.touch(blocks)
+        self.pool.touch([b for b in blocks if b is not RELEASED])
         self.req_blocks[child.request_id] = list(blocks)
         self.req_block_ids[child.request_id] = [b.block_id for b in blocks]
+        if parent.request_id in self._released:
+            self._released[child.request_id] = self._released[parent.request_id]
+
+    def release_behind_window(self, request: Request) -> int:
+        """Give back the blocks wholly before the window of ``request``'s next query
+        (position ``num_computed_tokens``, which sees keys from ``num_computed_tokens -
+        window + 1`` on); returns how many. A no-op without ``sliding_window``. Each
+        block keeps its hash: a later prompt can still hit it until it is evicted."""
+        if self.sliding_window is None:
+            return 0
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        start = self._released.get(rid, 0)
+        upto = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if blocks is None or upto <= start:
+            return 0
+        upto = min(upto, len(blocks))
+        ids = self.req_block_ids[rid]
+        gone = [b for b in blocks[start:upto] if b is not RELEASED]
+        blocks[start:upto] = [RELEASED] * (upto - start)
+        ids[start:upto] = [-1] * (upto - start)
+        self._released[rid] = upto
+        self.pool.free(reversed(gone))  # the window's end first: prefixes outlive it
+        return len(gone)
 
     def free(self, request: Request) -> None:
         """Release device blocks (tail first, so prefixes outlive tails) and CPU copies."""
         blocks = self.req_blocks.pop(request.request_id, None)
         self.req_block_ids.pop(request.request_id, None)
+        self._released.pop(request.request_id, None)
         request.num_hashed_blocks = 0
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free(b for b in reversed(blocks) if b is not RELEASED)
         swapped = self.swapped.pop(request.request_id, None)
         if swapped:  # (with offloading its full blocks stay cached on the CPU)
-            self.cpu_pool.free(swapped.cpu_block_ids, swapped.hashes)
+            self.cpu_pool.free(*_held_on_cpu(swapped))
 
     # ---- swap ----------------------------------------------------------------
 
     def can_swap_out(self, request: Request) -> bool:
-        n = len(self.req_blocks.get(request.request_id, ()))
+        n = sum(1 for b in self.req_blocks.get(request.request_id, ()) if b is not RELEASED)
         return n <= self.cpu_pool.num_available_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
@@ -248,37 +293,46 @@ class KVCacheManager(KVImportMixin):
         can still be hit (and swap-in can skip copying it back) until evicted.
         A full block the CPU cache already holds (offloading) is not copied: the
         request takes that CPU block over, and gives it back to the cache when it
-        is swapped in or ends.
+        is swapped in or ends. Entries released behind a sliding window stay released
+        (CPU id -1).
         """
         blocks = self.req_blocks.pop(request.request_id)
         del self.req_block_ids[request.request_id]
         request.num_hashed_blocks = 0
+        live = [b for b in blocks if b is not RELEASED]
         taken = [self.cpu_pool.take_cached(b.block_hash) if b.block_hash is not None
-                 else None for b in blocks]
+                 else None for b in live]
         fresh = iter(self.cpu_pool.allocate(taken.count(None)))
-        cpu_ids = [c if c is not None else next(fresh) for c in taken]
+        live_ids = [c if c is not None else next(fresh) for c in taken]
+        placed = iter(live_ids)
+        cpu_ids = [-1 if b is RELEASED else next(placed) for b in blocks]
         self.swapped[request.request_id] = SwappedBlocks(cpu_ids, [b.block_hash for b in blocks])
-        pairs = [(b.block_id, c) for b, c, t in zip(blocks, cpu_ids, taken) if t is None]
-        self.pool.free(reversed(blocks))
-        self.offload_stats["swap_copies_saved"] += len(blocks) - len(pairs)
+        pairs = [(b.block_id, c) for b, c, t in zip(live, live_ids, taken) if t is None]
+        self.pool.free(reversed(live))
+        self.offload_stats["swap_copies_saved"] += len(live) - len(pairs)
         return pairs
+
+    def _swap_in_hits(self, sw: SwappedBlocks) -> list[KVCacheBlock | None]:
+        """Per entry: RELEASED where released, the device block still cached under
+        its hash, or None (it must be copied back)."""
+        return [RELEASED if c < 0 else None if h is None else self.pool.get_cached_block(h)
+                for c, h in zip(sw.cpu_block_ids, sw.hashes)]
 
     def num_blocks_to_swap_in(self, request: Request) -> int:
         """Free device blocks a swap-in consumes: fresh copies plus revived cache hits."""
-        sw = self.swapped[request.request_id]
-        hits = [None if h is None else self.pool.get_cached_block(h) for h in sw.hashes]
-        return sum(1 for b in hits if b is None or b.ref_cnt == 0)
+        hits = self._swap_in_hits(self.swapped[request.request_id])
+        return sum(1 for b in hits if b is None or (b is not RELEASED and b.ref_cnt == 0))
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """Bring a swapped request back; full blocks still cached on the device are
         reused instead of copied. Returns ``(device, cpu)`` pairs or ``None``."""
         sw = self.swapped[request.request_id]
-        hits = [None if h is None else self.pool.get_cached_block(h) for h in sw.hashes]
-        revived = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
+        hits = self._swap_in_hits(sw)
+        revived = sum(1 for b in hits if b is not None and b is not RELEASED and b.ref_cnt == 0)
         need = sum(1 for b in hits if b is None)
         if need + revived > self.pool.num_free_blocks:
             return None
-        self.pool.touch([b for b in hits if b is not None])
+        self.pool.touch([b for b in hits if b is not None and b is not RELEASED])
         fresh = iter(self.pool.allocate(need))
         blocks: list[KVCacheBlock] = []
         pairs: list[tuple[int, int]] = []
@@ -290,8 +344,9 @@ class KVCacheManager(KVImportMixin):
                 blocks.append(b)
                 pairs.append((b.block_id, cpu_id))
         del self.swapped[request.request_id]
-        self.cpu_pool.pin(sw.cpu_block_ids)  # read by this step: not reused in it
-        self.cpu_pool.free(sw.cpu_block_ids, sw.hashes)
+        cpu_ids, hashes = _held_on_cpu(sw)
+        self.cpu_pool.pin(cpu_ids)  # read by this step: not reused in it
+        self.cpu_pool.free(cpu_ids, hashes)
         self.req_blocks[request.request_id] = blocks
         self.req_block_ids[request.request_id] = [b.block_id for b in blocks]
         return pairs
@@ -319,3 +374,9 @@ class KVCacheManager(KVImportMixin):
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds, on both tiers; returns how many."""
         return self.pool.reset_prefix_cache() + self.cpu_pool.reset()
+
+
+def _held_on_cpu(sw: SwappedBlocks) -> tuple[list[int], list[BlockHash | None]]:
+    """A swapped request's CPU block ids and their hashes, released entries left out."""
+    kept = [i for i, c in enumerate(sw.cpu_block_ids) if c >= 0]
+    return [sw.cpu_block_ids[i] for i in kept], [sw.hashes[i] for i in kept]

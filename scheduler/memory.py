@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from pagedserve.scheduler.kv_cache_manager import RELEASED
+
 if TYPE_CHECKING:
     from pagedserve.scheduler.scheduler import Scheduler
 
@@ -77,8 +79,10 @@ def memory_stats(scheduler: Scheduler) -> MemoryStats:
     for rid, blocks in kv.req_blocks.items():
         req = scheduler.requests.get(rid)
         table_entries += len(blocks)
-        if req is not None:
-            tokens += min(req.num_computed_tokens, len(blocks) * kv.block_size)
+        if req is not None:  # (tokens behind a sliding window no longer hold blocks)
+            released = sum(1 for b in blocks if b is RELEASED)
+            tokens += min(req.num_computed_tokens, len(blocks) * kv.block_size) - (
+                released * kv.block_size)
     used = [b for b in pool.blocks if b.ref_cnt > 0]
     slots = len(used) * kv.block_size
     return MemoryStats(

@@ -56,6 +56,7 @@ class Scheduler(StepResults):
             cache_config.num_cpu_blocks,
             cache_config.enable_prefix_caching,
             cache_config.enable_kv_offload,
+            cache_config.sliding_window,
         )
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}
@@ -112,7 +113,8 @@ class Scheduler(StepResults):
         """Queue a request; ``n > 1`` becomes a group whose siblings fork later."""
         if request.request_id in self.requests or request.group_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        check_fits(request, self.config, self.block_size, self.kv.pool.num_blocks)
+        check_fits(request, self.config, self.block_size, self.kv.pool.num_blocks,
+                   self.kv.sliding_window)
         n = request.sampling_params.n
         if n > 1:
             request.pending_children = [request.make_child(i) for i in range(1, n)]
@@ -148,6 +150,7 @@ class Scheduler(StepResults):
             if req.request_id in in_flight:  # its last step's tokens are not back yet
                 i += 1
                 continue
+            self.kv.release_behind_window(req)
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             if num_new == 0:  # a held beam: it waits for its siblings
                 i += 1
@@ -239,6 +242,7 @@ class Scheduler(StepResults):
             if copies is None:
                 req.num_computed_tokens = 0
                 break
+            self.kv.release_behind_window(req)  # prefix hits the window has passed
             if device_hit is not None:
                 self.kv.record_prefix_lookup(req.num_tokens, device_hit)
             req.num_cached_tokens = max(req.num_cached_tokens, num_hit)
@@ -302,6 +306,7 @@ class Scheduler(StepResults):
         request alone: the engine never fails for lack of swap space.
         """
         req.num_preemptions += 1
+        self.kv.release_behind_window(req)  # its last step moved the window: copy less
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
             out.blocks_to_swap_out.extend(self.kv.swap_out(req))
             req.status = RequestStatus.SWAPPED

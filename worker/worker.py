@@ -28,12 +28,7 @@ from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.packed import can_pack, pack_model, slow_half_precision
 from pagedserve.worker.layers.quant import online_method, quantize_model, weight_bytes
-from pagedserve.worker.loaders import (
-    ResolvedModel,
-    iter_safetensors,
-    load_tokenizer,
-    resolve_model,
-)
+from pagedserve.worker.loaders import ResolvedModel, iter_safetensors, load_tokenizer, resolve_model
 from pagedserve.worker.loaders.hf import checkpoint_names
 from pagedserve.worker.loaders.prequant import dequantized_weights
 from pagedserve.worker.model_runner import ModelRunner
@@ -380,15 +375,17 @@ class Worker:
             "kv_cache_dtype": kv_dtype_name(self.kv_dtype),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "pipeline_parallel_size": self.config.pipeline_parallel_size,
-            "pipeline_layer_partition": [
-                b - a for a, b in layer_partition(mc.num_layers,
-                                                  self.config.pipeline_parallel_size,
-                                                  self.config.pipeline_layer_partition)],
+            "pipeline_layer_partition": [b - a for a, b in layer_partition(
+                mc.num_layers, self.config.pipeline_parallel_size,
+                self.config.pipeline_layer_partition)],
             "attention_backend": getattr(self.backend, "name", None),
             "load_time_s": self.load_time_s,
             "packed_weights": self.packed_weights,
             "quantization": self.config.quantization,
             "checkpoint_quantization": mc.prequant.method if mc.prequant else None,
+            # One window on every layer: the scheduler may release blocks behind it.
+            "kv_sliding_window": mc.sliding_window
+            if len(mc.sliding_layers) == mc.num_layers else None,
             "weight_bytes": self.weight_bytes,
         }
 

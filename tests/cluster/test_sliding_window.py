@@ -88,3 +88,76 @@ def test_qwen2_window_on_upper_layers_equals_hugging_face(qwen2_dir) -> None:
     finally:
         llm.shutdown()
 
+
+def test_blocks_behind_the_window_go_back_to_the_pool(mistral_dir) -> None:
+    """Five 16-token blocks (80 tokens) serve two requests of 48 + 150 tokens each:
+    every layer slides, so each holds its window's blocks only (a model without a
+    window is refused such a request at admission), preempting each other on the way;
+    both still equal Hugging Face."""
+    prompts = [_prompts()[5], _prompts()[4]]
+    ref = hf_greedy(mistral_dir, prompts, 150)
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    llm = LLM(model=mistral_dir, num_gpu_blocks=5, block_size=16, max_num_batched_tokens=16,
+              max_num_seqs=2)
+    try:
+        assert llm.engine.scheduler.kv.sliding_window == 20
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert sum(llm.engine.scheduler.num_preemptions.values()) > 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_window_on_some_layers_keeps_every_block(qwen2_dir) -> None:
+    """Layer 0 of the Qwen2 file attends to everything: nothing may be released."""
+    llm = LLM(model=qwen2_dir, num_gpu_blocks=64)
+    try:
+        assert llm.engine.scheduler.kv.sliding_window is None
+    finally:
+        llm.shutdown()
+
+
+def test_beams_under_a_released_window_equal_hugging_face(mistral_dir) -> None:
+    """Beams fork tables whose leading entries were released (4-token blocks, so
+    releases and copy-on-write happen most steps) and still equal HF's beam search."""
+    from pagedserve.cluster import BeamSearchParams
+    from tests.cluster.test_beam_search import hf_beams
+    from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+
+    prompt = _prompts()[3]
+    llm = LLM(model=mistral_dir, num_gpu_blocks=256, block_size=4)
+    try:
+        out = llm.beam_search([{"prompt_token_ids": prompt}],
+                              BeamSearchParams(beam_width=3, max_tokens=24, ignore_eos=True))[0]
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    ref_tokens, ref_logprobs = hf_beams(mistral_dir, prompt, 3, 24)
+    assert [s.completion_token_ids for s in out.sequences] == ref_tokens
+    for seq, ref in zip(out.sequences, ref_logprobs, strict=True):
+        assert seq.cum_logprob == pytest.approx(ref, abs=1e-3)
+
+
+def test_prompt_kv_shipped_between_windowed_engines(mistral_dir, mistral_ref) -> None:
+    """Disaggregated prefill: the prefill engine has released the blocks behind each
+    prompt's window (they stay cached), exports the prompts' KV, and the decode engine
+    answers as Hugging Face, computing only what it was not sent."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+    from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+    from tests.cluster.test_kv_transfer import prefill
+
+    prompts = _prompts()
+    made = [LLM(model=mistral_dir, num_gpu_blocks=128, block_size=4) for _ in range(2)]
+    try:
+        payloads = prefill(made[0], prompts)
+        assert [p.num_blocks for p in payloads] == [len(p) // 4 for p in prompts]
+        for p in payloads:
+            import_prompt_kv(made[1].engine, p)
+        outs = made[1].generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == mistral_ref
+        assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // 4 * 4 for p in prompts]
+        for llm in made:
+            assert_pool_at_baseline(llm)
+    finally:
+        for llm in made:
+            llm.shutdown()

@@ -6,7 +6,9 @@ from collections import Counter
 
 from hypothesis import strategies as st
 
+from pagedserve.scheduler.admission import blocks_held
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import RELEASED
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
@@ -28,6 +30,7 @@ def make_scheduler(
     enable_kv_offload: bool = False,
     long_prefill_token_threshold: int = 0,
     max_concurrent_batches: int = 1,
+    sliding_window: int | None = None,
 ) -> tuple[Scheduler, KVSim]:
     sched = Scheduler(
         SchedulerConfig(
@@ -45,10 +48,12 @@ def make_scheduler(
             enable_prefix_caching=enable_prefix_caching,
             model_id="test-model",
             enable_kv_offload=enable_kv_offload,
+            sliding_window=sliding_window,
         ),
         speculative_config,
     )
-    return sched, KVSim(num_gpu_blocks, num_cpu_blocks, block_size, copy_period)
+    return sched, KVSim(num_gpu_blocks, num_cpu_blocks, block_size, copy_period,
+                        sliding_window)
 
 
 SHARED_PREFIX = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -62,6 +67,7 @@ SCHEDULER_DRAWS = {
     "spec": st.sampled_from([None, None, 1, 3]),
     "copy_period": st.sampled_from([None, 2, 5]),
     "offload": st.booleans(),
+    "window": st.sampled_from([None, None, 3, 6, 10]),
 }
 REQUEST_DRAWS = {
     "prompt_len": st.integers(1, 20),
@@ -74,9 +80,10 @@ REQUEST_DRAWS = {
 
 def machine_scheduler(gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
                       spec: int | None, copy_period: int | None, offload: bool,
-                      depth: int = 1) -> tuple[Scheduler, KVSim]:
+                      depth: int = 1, window: int | None = None) -> tuple[Scheduler, KVSim]:
     """The state machines' scheduler: blocks of 4 tokens, six seats, ``depth`` plans in
-    flight at most, n-gram drafts of ``spec`` tokens, offloading when there is a CPU tier."""
+    flight at most, n-gram drafts of ``spec`` tokens, offloading when there is a CPU tier,
+    blocks released behind a sliding ``window``."""
     return make_scheduler(
         num_gpu_blocks=gpu_blocks,
         block_size=4,
@@ -89,6 +96,7 @@ def machine_scheduler(gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
         copy_period=copy_period,
         enable_kv_offload=offload and cpu_blocks > 0,
         max_concurrent_batches=depth,
+        sliding_window=window,
     )
 
 
@@ -145,9 +153,14 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
     hash names one block whose simulated content is the hashed tokens."""
     pool = sched.kv.pool
     holders: Counter[int] = Counter()
-    for blocks in sched.kv.req_blocks.values():
-        for b in blocks:
+    window = sched.kv.sliding_window
+    for rid, blocks in sched.kv.req_blocks.items():
+        live = [b for b in blocks if b is not RELEASED]
+        for b in live:
             holders[b.block_id] += 1
+        if window is not None:  # what a step may hold, and nothing released is written
+            assert len(live) <= blocks_held(1 << 30, sched.config, sched.block_size, window)
+            assert all(b is RELEASED for b in blocks[:len(blocks) - len(live)]), rid
     free_ids = {b.block_id for b in pool.free_queue}
     assert len(free_ids) == pool.num_free_blocks
     for b in pool.blocks:
@@ -168,7 +181,8 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
         for rid, blocks in sched.kv.req_blocks.items():
             r = sched.requests[rid]
             for p in range(r.num_computed_tokens):
-                assert sim.gpu[blocks[p // B].block_id][p % B] == r.all_token_ids[p]
+                if blocks[p // B] is not RELEASED:
+                    assert sim.gpu[blocks[p // B].block_id][p % B] == r.all_token_ids[p]
         for b in pool.cached.values():
             assert None not in sim.gpu[b.block_id]
         for r in sched.requests.values():  # offloaded blocks hold what their hash names
@@ -177,7 +191,7 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
                 if cpu_id is not None:
                     assert sim.cpu[cpu_id] == r.all_token_ids[i * B:(i + 1) * B], (r, i)
     cpu = sched.kv.cpu_pool
-    used_cpu = sum(len(s.cpu_block_ids) for s in sched.kv.swapped.values())
+    used_cpu = sum(c >= 0 for s in sched.kv.swapped.values() for c in s.cpu_block_ids)
     assert used_cpu == cpu.num_owned_blocks
     assert cpu.num_owned_blocks + cpu.num_cached_blocks + cpu.num_free_blocks == cpu.num_blocks
 

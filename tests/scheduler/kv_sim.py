@@ -40,10 +40,13 @@ def distribution(context: list[int], k: int) -> dict[int, float]:
 class KVSim:
     """``copy_period``: the "model" mostly repeats the token that many places back
     (3 times in 4, chosen by the context hash), so n-gram drafts are often right
-    and speculative decoding's accept and reject paths both run."""
+    and speculative decoding's accept and reject paths both run. With ``window`` it
+    reads only the last ``window`` positions, as sliding-window attention does, and
+    fails on a table entry there that was released (-1)."""
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 copy_period: int | None = None) -> None:
+                 copy_period: int | None = None, window: int | None = None) -> None:
+        self.window = window
         self.B = block_size
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
@@ -59,7 +62,10 @@ class KVSim:
         return (h + 7 * index) % VOCAB
 
     def _context(self, sr, end: int) -> list[int]:
-        context = [self.gpu[sr.block_table[p // self.B]][p % self.B] for p in range(end)]
+        first = 0 if self.window is None else max(0, end - self.window)
+        blocks = [sr.block_table[p // self.B] for p in range(first, end)]
+        assert min(blocks, default=0) >= 0, f"{sr.request_id} reads a released block"
+        context = [self.gpu[b][p % self.B] for b, p in zip(blocks, range(first, end))]
         assert None not in context, f"{sr.request_id} read an unwritten slot"
         return context
 

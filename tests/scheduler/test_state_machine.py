@@ -36,9 +36,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(**SCHEDULER_DRAWS)
     @precondition(lambda self: self.sched is None)
     def init(self, gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
-             spec: int | None, copy_period: int | None, offload: bool) -> None:
+             spec: int | None, copy_period: int | None, offload: bool,
+             window: int | None) -> None:
         self.sched, self.sim = machine_scheduler(gpu_blocks, cpu_blocks, mode, budget, spec,
-                                                 copy_period, offload)
+                                                 copy_period, offload, window=window)
 
     @rule(**REQUEST_DRAWS)
     @precondition(lambda self: self.sched is not None)

@@ -51,10 +51,11 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
     @rule(**DRAWS)
     @precondition(lambda self: self.sched is None)
     def init(self, depth: int, gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
-             spec: int | None, copy_period: int | None, offload: bool) -> None:
+             spec: int | None, copy_period: int | None, offload: bool,
+             window: int | None) -> None:
         self.depth = depth
         self.sched, self.sim = machine_scheduler(gpu_blocks, cpu_blocks, mode, budget, spec,
-                                                 copy_period, offload, depth)
+                                                 copy_period, offload, depth, window)
         sched = self.sched
         preempt = sched._preempt
 
