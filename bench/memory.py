@@ -5,6 +5,9 @@ Part 1 counts how many requests fit a fixed KV budget when each holds
 seed-004 lengths and on a long-tailed (log-normal) mix.
 Part 2 runs the real scheduler: peak blocks of one ``n=3`` request with a long
 prompt versus three independent requests (prefix caching off, and on).
+Part 3, the same scheduler: peak blocks of a long request to a model whose every
+layer slides (Mistral v0.1's 4,096-token window), blocks behind the window kept
+versus released (``--window``).
 
     python bench/memory.py
 """
@@ -57,11 +60,13 @@ def concurrency_table(max_len: int, budget_slots: int, seed: int) -> None:
             print(f"{name:<10} {label:<22} {k:>9} {100 * toks / held:>11.2f}% {k / base:>10.2f}x")
 
 
-def peak_blocks(prompt_len: int, max_tokens: int, n: int, copies: int, caching: bool) -> int:
+def peak_blocks(prompt_len: int, max_tokens: int, n: int, copies: int, caching: bool,
+                window: int | None = None, budget: int = 8192) -> int:
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=8192, max_model_len=8192),
+        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=32768),
         CacheConfig(
-            num_gpu_blocks=4096, block_size=16, enable_prefix_caching=caching, model_id="bench"
+            num_gpu_blocks=4096, block_size=16, enable_prefix_caching=caching, model_id="bench",
+            sliding_window=window,
         ),
     )
     prompt = [(7 * j) % 30000 + 1 for j in range(prompt_len)]
@@ -101,6 +106,16 @@ def fork_table(prompt_len: int, max_tokens: int) -> None:
     )
 
 
+def window_table(prompt_len: int, max_tokens: int, window: int) -> None:
+    kept = peak_blocks(prompt_len, max_tokens, 1, 1, True, budget=2048)
+    released = peak_blocks(prompt_len, max_tokens, 1, 1, True, window=window, budget=2048)
+    print(f"\nsliding window {window}: prompt {prompt_len} tokens, {max_tokens} generated, "
+          "block 16, 2,048-token steps")
+    print(f"{'blocks behind the window':<40} {'peak blocks':>11}")
+    print(f"{'kept':<40} {kept:>11}")
+    print(f"{'released':<40} {released:>11}   {kept / released:.2f}x fewer")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-len", type=int, default=2048)
@@ -108,9 +123,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--window", type=int, default=4096)
+    ap.add_argument("--window-prompt-len", type=int, default=16384)
     args = ap.parse_args()
     concurrency_table(args.max_len, args.budget_slots, args.seed)
     fork_table(args.prompt_len, args.max_tokens)
+    window_table(args.window_prompt_len, 512, args.window)
 
 
 if __name__ == "__main__":
