@@ -19,25 +19,20 @@ from typing import Any
 import torch
 
 from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
+from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 from pagedserve.worker.window_config import sliding_window_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES,
+                         *GEMMA_MODEL_TYPES)
 # "freq_factors": one divisor per rotary frequency, llama.cpp's rope_freqs (from GGUF files).
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "freq_factors")
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -112,6 +107,7 @@ class ModelConfig:
     prequant: PrequantConfig | None = None
     # Layers that attend through ``sliding_window`` (``window_config``); the rest see all.
     sliding_layers: tuple[int, ...] = ()
+    gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama (``gemma_config``)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -126,6 +122,7 @@ class ModelConfig:
                 f"model config field 'model_type' must be one of {SUPPORTED_MODEL_TYPES}, "
                 f"got {model_type!r}"
             )
+        cfg, gemma = gemma_from_hf(cfg, model_type)
         hidden = _positive_int("hidden_size", _require(cfg, "hidden_size"))
         heads = _positive_int("num_attention_heads", _require(cfg, "num_attention_heads"))
         kv_heads = _positive_int(
@@ -213,12 +210,13 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA_MODEL_TYPES),
             max_position_embeddings=_positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
             ),
             sliding_window=window,
             sliding_layers=sliding_layers,
+            gemma=gemma,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             dtype=str(dtype),

@@ -68,6 +68,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
 
     classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, tf.LlamaModel),
                "mistral": (tf.MistralConfig, tf.MistralForCausalLM, tf.MistralModel),
+               "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, tf.Gemma3TextModel),
                "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, tf.Qwen2Model),
                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, tf.Qwen3Model),
                "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, tf.MixtralModel),
@@ -89,6 +90,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
         for p in model.parameters():
             if p.dim() >= 2:  # (experts are stacked 3-D in memory)
                 p.mul_(weight_scale)
+            elif kind.startswith("gemma"):  # its norms init to 0 (a scale of 1 + w)
+                p.normal_(0.0, 0.5)
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)
     if tokenizer_dir is None:

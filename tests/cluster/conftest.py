@@ -67,6 +67,17 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, default_model_d
                                    mlp_only_layers=[1])
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Gemma 3: two sliding layers (8-token window, local RoPE base) around a global
+    one (linear x4 RoPE), query_pre_attn_scalar 24 over head size 16."""
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("tiny_gemma3"), "gemma3_text", default_model_dir,
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_scaling=dict(rope_type="linear", factor=4.0))
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
               ignore_eos: bool = True, device: str = "cpu",
               processors: Callable[[int], list[Any]] | None = None,

@@ -23,7 +23,7 @@ TINY: dict[str, Any] = dict(
 
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                     **overrides: Any) -> Path:
-    """Write a random tiny Llama, Qwen2/3, Mistral or mixture-of-experts (Mixtral,
+    """Write a random tiny Llama, Qwen2/3, Mistral, Gemma 3 or mixture-of-experts (Mixtral,
     Qwen2/3-MoE: ``MOE_DEFAULTS``' experts) HF checkpoint (safetensors) to ``path``."""
     import transformers as tf
 
@@ -33,7 +33,8 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "mistral": ("MistralConfig", "MistralForCausalLM"),
                "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))

@@ -326,3 +326,40 @@ def test_failed_conversion_leaves_no_partial_cache(tmp_path, monkeypatch):
         gguf_mod.convert_gguf_cached(src)
     leftovers = [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")]
     assert leftovers == []
+
+
+GEMMA = dict(model_type="gemma3_text", vocab_size=100, hidden_size=64, intermediate_size=96,
+             num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+             query_pre_attn_scalar=24, sliding_window=512, max_position_embeddings=32768,
+             eos_token_id=1, bos_token_id=2)
+
+
+def test_gemma3_release_layout_reads_as_transformers_5() -> None:
+    """A released Gemma 3 config.json (rope_theta, rope_local_base_freq, rope_scaling,
+    sliding_window_pattern, no layer_types) reads as the same model as transformers 5's
+    own rewrite of it (rope_parameters per layer type, layer_types spelt out)."""
+    from transformers import AutoConfig
+
+    released = {**GEMMA, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                "sliding_window_pattern": 3, "hidden_activation": "gelu_pytorch_tanh"}
+    hf = AutoConfig.for_model(**released)
+    ours = ModelConfig.from_hf_dict(released)
+    assert ours == ModelConfig.from_hf_dict(hf.to_dict())
+    assert ours.sliding_layers == (0, 1, 3, 4) and ours.sliding_window == 512
+    assert ours.rope_theta == 1e6 and ours.rope_scaling["factor"] == 8.0
+    assert ours.gemma.local_rope_theta == 1e4 and ours.gemma.query_pre_attn_scalar == 24
+    assert ours.tie_word_embeddings and ours.qk_norm and ours.max_model_len == 32768
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(hidden_activation="relu"), "hidden_activation"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                           "full_attention": {"rope_type": "default"}}),
+     "sliding_attention.rope_type"),
+])
+def test_gemma3_fields_we_cannot_serve_are_named(extra: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_dict({**GEMMA, **extra})

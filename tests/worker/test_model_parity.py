@@ -39,6 +39,12 @@ CASES = {
     "qwen2_window_upper_layers": dict(model_type="qwen2", use_sliding_window=True,
                                       sliding_window=4, max_window_layers=1),
     "mixtral_window": dict(model_type="mixtral", sliding_window=6),
+    # Gemma 3: 1 + w norms, scaled embedding, GELU-tanh, a local RoPE base on the sliding
+    # layers, a linearly scaled global one, query_pre_attn_scalar, a final logit softcap.
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                   rope_scaling=dict(rope_type="linear", factor=4.0),
+                   final_logit_softcapping=3.0),
     # Qwen3: per-head q/k RMSNorm, head_dim wider than hidden / heads.
     "qwen3_qk_norm_tied": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32),
     # YaRN over a 16-position "pre-training" length, so the test's positions are stretched.

@@ -75,13 +75,17 @@ def _greedy(run, n: int) -> dict[str, list[int]]:
     return toks
 
 
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("qwen2", True),
+                                       ("gemma3_text", True)])
 def test_three_stages_equal_the_whole_model(tmp_path, kind: str, tied: bool) -> None:
     """A 5-layer model in stages of 2, 2 and 1 layers (the tied head of the last stage
     loads the embedding's rows itself) gives the whole model's greedy tokens, which
-    are Hugging Face's."""
+    are Hugging Face's (Gemma 3: each stage picks its own layers' RoPE tables)."""
+    extra = {} if kind != "gemma3_text" else dict(
+        head_dim=16, sliding_window=4, layer_types=["sliding_attention"] * 2
+        + ["full_attention", "sliding_attention", "full_attention"])
     path = save_tiny_model(tmp_path / kind, kind, num_hidden_layers=5,
-                           tie_word_embeddings=tied)
+                           tie_word_embeddings=tied, **extra)
     whole = make_worker(path, num_blocks=40)
     stages = _stages(path, 3)
     assert [len(w.model.layers) for w in stages] == [2, 2, 1]

@@ -49,11 +49,12 @@ class PagedAttention:
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 backend: AttentionBackend, window: int | None = None):
+                 backend: AttentionBackend, window: int | None = None,
+                 scale: float | None = None):
         backend.check_window(window)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None

@@ -35,3 +35,24 @@ class RMSNorm(nn.Module):
         var = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(var + self.eps)
         return self.weight * h.to(x.dtype), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, all in fp32, cast once at the end
+    (transformers' Gemma3RMSNorm, whose checkpoints store the weight's offset from 1).
+    Same call as :class:`RMSNorm`: with ``residual`` the sum is normalised and returned."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype), x

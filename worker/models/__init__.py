@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY = {
@@ -12,6 +13,7 @@ MODEL_REGISTRY = {
     "mixtral": LlamaForCausalLM,
     "qwen2_moe": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM"]
+__all__ = ["MODEL_REGISTRY", "Gemma3ForCausalLM", "LlamaForCausalLM"]

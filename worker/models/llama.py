@@ -30,7 +30,7 @@ from pagedserve.worker.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.worker.layers.moe import SparseMoE
-from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
@@ -49,13 +49,16 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.local_heads
         self.num_kv_heads = self.qkv_proj.local_kv_heads
         self.head_dim = cfg.head_dim
-        # Qwen3 normalises each head of q and k before RoPE; one weight shared by all heads.
+        # Qwen3 and Gemma 3 normalise each head of q and k before RoPE; one weight shared
+        # by all heads. Gemma scales by query_pre_attn_scalar ** -0.5 (gemma_config).
         self.q_norm = self.k_norm = None
+        norm = GemmaRMSNorm if cfg.gemma else RMSNorm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        scale = cfg.gemma.query_pre_attn_scalar ** -0.5 if cfg.gemma else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend,
-                                   window=cfg.layer_window(index))
+                                   window=cfg.layer_window(index), scale=scale)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
@@ -120,8 +123,13 @@ class LlamaForCausalLM(nn.Module):
     """The whole decoder plus a vocab-parallel LM head.
 
     ``forward`` returns final hidden states for every token; ``compute_logits``
-    turns the selected rows into full-vocabulary logits on rank 0.
+    turns the selected rows into full-vocabulary logits on rank 0. Subclasses swap
+    the decoder layer (``layer_cls``), the norm (``norm_cls``) and the rotary tables
+    a layer gets (``layer_ropes``).
     """
+
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device, stage: PipelineStage | None = None):
@@ -137,13 +145,13 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx,
                                                        dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ctx, backend, dtype, device, i)
+            self.layer_cls(cfg, ctx, backend, dtype, device, i)
             for i in range(self.stage.start, self.stage.end)
         )
-        self.norm: RMSNorm | None = None
+        self.norm: RMSNorm | GemmaRMSNorm | None = None
         self.lm_head: ParallelLMHead | None = None
         if last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
             if self.embed_tokens is not None and (cfg.tie_word_embeddings
                                                   or cfg.embedding_only):
@@ -182,20 +190,30 @@ class LlamaForCausalLM(nn.Module):
         """
         residual: torch.Tensor | None = None
         if self.embed_tokens is not None:
-            x = self.embed_tokens(input_ids)
+            x = self.embed(input_ids)
         elif intermediate is None:
             raise ValueError(f"pipeline stage {self.stage.rank} needs the previous stage's "
                              "hidden states")
         else:
             x, residual = intermediate.hidden, intermediate.residual
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        ropes = self.layer_ropes(positions, x.dtype)
+        for layer, kv, (cos, sin) in zip(self.layers, kv_caches, ropes, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, md)
         if self.norm is None:
             assert residual is not None  # every stage holds at least one layer
             return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: the tokens' embeddings."""
+        assert self.embed_tokens is not None
+        return self.embed_tokens(input_ids)
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each of this stage's layers' RoPE ``(cos, sin)`` at ``positions``: one table."""
+        return [self.rotary.cos_sin(positions, dtype)] * len(self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[N, vocab]`` on rank 0 (None elsewhere); every rank must call it."""
