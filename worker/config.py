@@ -123,6 +123,7 @@ class ModelConfig:
                 f"got {model_type!r}"
             )
         cfg, gemma = gemma_from_hf(cfg, model_type)
+        model_type = cfg["model_type"]  # a multimodal Gemma 3 serves its text decoder
         hidden = _positive_int("hidden_size", _require(cfg, "hidden_size"))
         heads = _positive_int("num_attention_heads", _require(cfg, "num_attention_heads"))
         kv_heads = _positive_int(

@@ -17,6 +17,11 @@ these differences, each as transformers implements it:
 
 Both config layouts are read: transformers 5's ``rope_parameters`` keyed by layer type,
 and the released files' ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``.
+The multimodal releases (``model_type: gemma3``, 4B-27B) are served as their text
+decoder: ``text_config`` completed with transformers' ``Gemma3TextConfig`` defaults
+(the released files list only the fields that differ), the vision tower's weights
+skipped at load (``models.gemma3``), so text prompts get the answers Hugging Face's
+``Gemma3ForConditionalGeneration`` gives them; images are not taken.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GEMMA_MODEL_TYPES = ("gemma3_text",)
+GEMMA_MODEL_TYPES = ("gemma3_text", "gemma3")
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
@@ -44,6 +49,8 @@ def gemma_from_hf(cfg: dict[str, Any], model_type: str
     ``ValueError`` names a field we cannot serve."""
     if model_type not in GEMMA_MODEL_TYPES:
         return cfg, None
+    if model_type == "gemma3":
+        cfg = _text_decoder(cfg)
     cfg = dict(cfg)
     cfg.setdefault("tie_word_embeddings", True)  # Gemma3TextConfig's default
     act = cfg.pop("hidden_activation", None) or cfg.pop("hidden_act", None) or _ACTIVATIONS[0]
@@ -80,3 +87,17 @@ def gemma_from_hf(cfg: dict[str, Any], model_type: str
         local_rope_theta=float(local.get("rope_theta", 10_000.0)),
         final_logit_softcapping=float(cap) if cap else None,
     )
+
+
+def _text_decoder(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 config as its text decoder's ``gemma3_text`` config."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("model config field 'text_config' is required for model_type gemma3")
+    from transformers import Gemma3TextConfig
+
+    full = Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+    for key in ("eos_token_id", "bos_token_id", "quantization_config", "dtype", "torch_dtype"):
+        if cfg.get(key) is not None:
+            full[key] = cfg[key]
+    return {**full, "model_type": "gemma3_text", "architectures": cfg.get("architectures")}

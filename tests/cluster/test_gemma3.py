@@ -5,6 +5,8 @@ n-gram drafts; int8 weights keep most first tokens."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pagedserve.cluster import LLM, LoRARequest, SamplingParams
@@ -72,3 +74,60 @@ def test_gemma3_int8_weights_follow_the_float_model(tiny_gemma3_dir) -> None:
             llm.shutdown()
     same = sum(a == b for a, b in zip(*firsts, strict=True))
     assert same >= 0.6 * len(prompts), (same, len(prompts))
+
+
+@pytest.fixture(scope="module")
+def multimodal_gemma3_dir(tmp_path_factory: pytest.TempPathFactory,
+                          default_model_dir: str) -> str:
+    """A random Gemma3ForConditionalGeneration (tiny SigLIP tower) saved by transformers,
+    with a text_config that lists only some fields, as the released files do."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from pagedserve.worker.testing import TOKENIZER_FILES
+
+    text = dict(vocab_size=4200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2,
+                rope_scaling=dict(rope_type="linear", factor=4.0))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(3)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=4199, boi_token_index=4197, eoi_token_index=4198))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() >= 2 else p.normal_(0.0, 0.5)
+    dest = tmp_path_factory.mktemp("gemma3_mm")
+    model.save_pretrained(dest)
+    cfg_path = dest / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["text_config"] = {"model_type": "gemma3_text", **{k: cfg["text_config"][k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "query_pre_attn_scalar",
+        "sliding_window")}, "sliding_window_pattern": 2,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    cfg_path.write_text(json.dumps(cfg))
+    for name in TOKENIZER_FILES:
+        if (Path(default_model_dir) / name).exists():
+            shutil.copy(Path(default_model_dir) / name, dest / name)
+    return str(dest)
+
+
+def test_a_multimodal_gemma3_file_serves_its_text_decoder(multimodal_gemma3_dir) -> None:
+    """Text prompts to a 4B-27B-style file (model_type gemma3, the decoder under
+    ``language_model.``, a vision tower beside it) get Hugging Face's
+    ``Gemma3ForConditionalGeneration`` tokens; the tower is never loaded."""
+    prompts = prompts_of_mixed_lengths()
+    ref = hf_greedy(multimodal_gemma3_dir, prompts, 24)
+    llm = LLM(model=multimodal_gemma3_dir, num_gpu_blocks=128)
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert llm.engine.model_info["model_type"] == "gemma3_text"
+    finally:
+        llm.shutdown()

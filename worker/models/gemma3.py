@@ -9,6 +9,8 @@ for the sliding-window layers, and an optional final logit softcap.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +32,11 @@ from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import PipelineStage
 
 _FF_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+# A multimodal Gemma 3 file's text decoder under its two saved layouts, and the rest.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
 
 
 class GemmaMLP(LlamaMLP):
@@ -100,6 +107,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
+                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
+        """As Llama's, over a multimodal file's text decoder too (its names re-rooted,
+        the vision tower's never read)."""
+        super().load_weights(_text_decoder(weights), on_layer)
+
     def _expected_names(self) -> set[str]:
         names = super()._expected_names()
         for i in range(self.stage.start, self.stage.end):
@@ -114,3 +127,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             _copy_full(name, getattr(layer, m.group(2).rpartition(".")[0]).weight, lazy)
             return
         super()._load_one(name, lazy)
+
+
+def _text_decoder(weights: Iterable[tuple[str, LazyTensor]]
+                  ) -> Iterator[tuple[str, LazyTensor]]:
+    for name, lazy in weights:
+        for prefix, root in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = root + name[len(prefix):]
+                break
+        else:
+            if name.startswith(_VISION_PREFIXES):
+                continue
+        yield name, lazy
