@@ -229,12 +229,19 @@ class TorchBackend(AttentionBackend):
         hq, d = q.shape[1:]
         gq = [q_lens[s] for s in ids]
         gk = [k_lens[s] for s in ids]
-        mq, mk = max(gq), max(gk)
         bsz = key_cache.shape[1]
-        nb = -(-mk // bsz)
         ids_t = torch.tensor(ids, device=dev)
-        k, v = self._gather(key_cache, value_cache,
-                            block_table.index_select(0, ids_t)[:, :nb], q)
+        tables = block_table.index_select(0, ids_t.to(block_table.device))
+        if window is not None:
+            # Start each sequence's keys at the block of its first query's first visible
+            # key: a chunk deep into a long prompt gathers and scores about window +
+            # chunk keys, not the whole context.
+            first = [max(0, k - lq - window + 1) // bsz for lq, k in zip(gq, gk)]
+            if any(first):
+                tables, gk = _rebase_tables(tables, first, gk, bsz)
+        mq, mk = max(gq), max(gk)
+        nb = -(-mk // bsz)
+        k, v = self._gather(key_cache, value_cache, tables[:, :nb], q)
         k, v = k[:, :mk], v[:, :mk]
         hkv = k.shape[2]
         qi = torch.arange(mq, device=dev)
@@ -366,9 +373,17 @@ def _window_tables(block_table: torch.Tensor, lens: torch.Tensor, lens_host: lis
     first = [max(0, n - window) // block_size for n in lens_host]
     if not any(first):
         return block_table, lens, lens_host
-    width = max(max(-(-n // block_size) - f for n, f in zip(lens_host, first)), 1)
-    offs = torch.tensor(first, device=block_table.device)
-    idx = (offs[:, None] + torch.arange(width, device=block_table.device)[None, :])
-    tables = block_table.gather(1, idx.clamp_max(block_table.shape[1] - 1))
+    tables, lens_host = _rebase_tables(block_table, first, lens_host, block_size)
     base = torch.tensor(first, device=lens.device) * block_size
-    return tables, lens - base, [n - f * block_size for n, f in zip(lens_host, first)]
+    return tables, lens - base, lens_host
+
+
+def _rebase_tables(tables: torch.Tensor, first: list[int], lens: list[int], block_size: int
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """Row ``s`` of ``tables`` from its block ``first[s]`` on, and each length less the
+    ``first[s] * block_size`` keys dropped."""
+    width = max(max(-(-n // block_size) - f for n, f in zip(lens, first)), 1)
+    offs = torch.tensor(first, device=tables.device)
+    idx = offs[:, None] + torch.arange(width, device=tables.device)[None, :]
+    rebased = tables.gather(1, idx.clamp_max(tables.shape[1] - 1))
+    return rebased, [n - f * block_size for n, f in zip(lens, first)]
