@@ -25,7 +25,7 @@ from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_c
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 from pagedserve.worker.window_config import sliding_window_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES,
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES)
 # "freq_factors": one divisor per rotary frequency, llama.cpp's rope_freqs (from GGUF files).
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "freq_factors")
@@ -141,14 +141,16 @@ class ModelConfig:
         if cfg.get("mlp_bias"):
             raise ValueError("model config field 'mlp_bias' = true is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"model config field 'hidden_act' must be 'silu', got {cfg.get('hidden_act')!r}"
-            )
-
+            raise ValueError(f"model config field 'hidden_act' must be 'silu', got "
+                             f"{cfg.get('hidden_act')!r}")
         rope = dict(cfg.get("rope_parameters") or {})
         legacy = cfg.get("rope_scaling")
         if legacy:
             rope = {**legacy, **rope}
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:  # (Phi-4-mini: RoPE on 3/4 of each head)
+            raise ValueError(f"model config field 'partial_rotary_factor' must be 1.0, got "
+                             f"{partial!r}")
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -78,6 +78,13 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir:
         rope_scaling=dict(rope_type="linear", factor=4.0))
 
 
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Phi-3 / Phi-4: fused qkv_proj and gate_up_proj in the file, a 12-token window."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_phi3"), "phi3",
+                                   default_model_dir, sliding_window=12)
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
               ignore_eos: bool = True, device: str = "cpu",
               processors: Callable[[int], list[Any]] | None = None,

@@ -363,3 +363,17 @@ def test_gemma3_release_layout_reads_as_transformers_5() -> None:
 def test_gemma3_fields_we_cannot_serve_are_named(extra: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_hf_dict({**GEMMA, **extra})
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                        "long_factor": [2.0] * 8}), "rope_type"),
+    (dict(partial_rotary_factor=0.75), "partial_rotary_factor"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                           "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+])
+def test_phi3_rope_we_cannot_serve_is_named(extra: dict, field: str) -> None:
+    """Phi-3-mini-128k / Phi-3.5 / Phi-4-mini's LongRoPE and partial rotary are refused
+    (Phi-4 and the 4k Phi-3 models use neither)."""
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_dict({**BASE, "model_type": "phi3", **extra})

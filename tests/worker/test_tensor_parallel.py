@@ -79,8 +79,9 @@ def _free_port() -> int:
     ("qwen2_moe", dict(num_key_value_heads=2)),
     ("gemma3_text", dict(num_key_value_heads=2, head_dim=16, sliding_window=5,
                          layer_types=["sliding_attention", "full_attention"])),
+    ("phi3", dict(num_key_value_heads=2, pad_token_id=0)),
 ], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm", "mixtral_experts",
-        "qwen2_moe_shared_expert", "gemma3_sliding"])
+        "qwen2_moe_shared_expert", "gemma3_sliding", "phi3_fused"])
 def test_tp2_equals_tp1(tmp_path, kind, kw):
     path = save_tiny_model(tmp_path / "m", kind, seed=4, **kw)
     ref_worker = make_worker(path, num_blocks=40, block_size=4)

@@ -212,7 +212,14 @@ class LoRAManager:
 def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int
                           ) -> LoRAAdapter:
     """The adapter's full weights, checked against the model's projection shapes."""
-    adapter = load_lora_adapter(path, len(model.layers), max_lora_rank)
+    cfg = getattr(model, "config", None)
+    fused = None
+    if cfg is not None and cfg.model_type == "phi3":  # its projections are fused in files
+        q, kv, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+            cfg.intermediate_size
+        fused = {"qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+                 "gate_up_proj": [("gate_proj", i), ("up_proj", i)]}
+    adapter = load_lora_adapter(path, len(model.layers), max_lora_rank, fused)
     for (layer_idx, name), (a, b, _) in adapter.weights.items():
         module = _target(model, layer_idx, name)
         if module is None:

@@ -94,13 +94,20 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                      "adapter_model.bin")
 
 
-def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int) -> LoRAAdapter:
+def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int,
+                      fused: dict[str, list[tuple[str, int]]] | None = None) -> LoRAAdapter:
     """Every ``lora_A`` / ``lora_B`` pair of the adapter with its scale, in fp32 (the
     engine scales and fuses them before casting to the model's dtype).
+
+    ``fused`` names the model's fused projections (Phi-3's ``qkv_proj`` as
+    ``[("q_proj", rows), ("k_proj", rows), ("v_proj", rows)]``): an adapter on one is
+    served as adapters on its parts, each with the shared A and its rows of B (the
+    same product, row for row).
 
     Raises ``ValueError`` for a rank above ``max_lora_rank``, a layer the model
     does not have, a module other than the projections, or an A without its B.
     """
+    fused = fused or {}
     path = Path(path)
     cfg = read_lora_config(path)
     tensors = _read_tensors(path)
@@ -111,9 +118,9 @@ def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int) -> 
             raise ValueError(f"{path}: unsupported adapter weight {key!r} (only LoRA on "
                              f"{', '.join(MODULES)} is served)")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in MODULES:
-            raise ValueError(f"{path}: adapter targets {module!r}; only {', '.join(MODULES)} "
-                             "are supported")
+        if module not in MODULES and module not in fused:
+            raise ValueError(f"{path}: adapter targets {module!r}; only "
+                             f"{', '.join((*MODULES, *fused))} are supported")
         if layer >= num_layers:
             raise ValueError(f"{path}: adapter has layer {layer}, the model has {num_layers}")
         pairs.setdefault((layer, module), {})[ab] = t
@@ -134,10 +141,18 @@ def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int) -> 
         if rank > max_lora_rank:
             raise ValueError(f"{path}: {where} has rank {rank} > max_lora_rank "
                              f"({max_lora_rank})")
-        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") \
+            else "self_attn"
         name = f"model.layers.{layer}.{parent}.{module}"
         alpha = _pattern_value(cfg.get("alpha_pattern"), name, float(cfg["lora_alpha"]))
         scale = alpha / (math.sqrt(rank) if use_rslora else rank)
-        weights[(layer, module)] = (a.float(), b.float(), scale)
+        parts = fused.get(module, [(module, b.shape[0])])
+        if sum(n for _, n in parts) != b.shape[0]:
+            raise ValueError(f"{path}: {where}: lora_B {tuple(b.shape)} does not cover "
+                             f"the fused projection's {sum(n for _, n in parts)} rows")
+        row = 0
+        for part, n in parts:
+            weights[(layer, part)] = (a.float(), b[row:row + n].float(), scale)
+            row += n
         max_rank = max(max_rank, rank)
     return LoRAAdapter(str(path), max_rank, weights)

@@ -13,6 +13,7 @@ MODEL_REGISTRY = {
     "mixtral": LlamaForCausalLM,
     "qwen2_moe": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,  # (its fused qkv / gate_up projections load split)
     "gemma3_text": Gemma3ForCausalLM,
 }
 

@@ -32,6 +32,7 @@ from pagedserve.worker.layers.linear import (
 from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
+from pagedserve.worker.models.fused_weights import split_rows
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
 
@@ -302,9 +303,12 @@ class LlamaForCausalLM(nn.Module):
             mlp = self.layers[i - self.stage.start].mlp
             if isinstance(mlp, SparseMoE):
                 names |= {f"{p}{mlp.checkpoint_prefix}.{n}" for n in mlp.expected_names()}
+            elif cfg.model_type == "phi3":  # fused projections (fused_weights)
+                names |= {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
             else:
                 names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
-            names |= {p + f"self_attn.{m}_proj.weight" for m in ("q", "k", "v", "o")}
+            qkv = ("qkv", "o") if cfg.model_type == "phi3" else ("q", "k", "v", "o")
+            names |= {p + f"self_attn.{m}_proj.weight" for m in qkv}
             if cfg.qkv_bias:
                 names |= {p + f"self_attn.{m}_proj.bias" for m in ("q", "k", "v")}
             if cfg.o_bias:
@@ -347,10 +351,19 @@ class LlamaForCausalLM(nn.Module):
             _copy_full(name, getattr(layer.self_attn, module[10:]).weight, lazy)
         elif module.startswith("self_attn.") and module[10:] in _QKV:
             layer.self_attn.qkv_proj.load(_QKV[module[10:]], lazy, is_bias)
+        elif module == "self_attn.qkv_proj" and self.config.model_type == "phi3":
+            cfg = self.config
+            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            for part, rows in zip("qkv", split_rows(lazy, sizes, name), strict=True):
+                layer.self_attn.qkv_proj.load(part, rows, is_bias)
         elif module == "self_attn.o_proj":
             layer.self_attn.o_proj.load(lazy, is_bias)
         elif moe is not None:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        elif module == "mlp.gate_up_proj" and self.config.model_type == "phi3" and not is_bias:
+            half = self.config.intermediate_size
+            for i, rows in enumerate(split_rows(lazy, [half, half], name)):
+                layer.mlp.gate_up_proj.load(i, rows)
         elif module == "mlp.gate_proj" and not is_bias:
             layer.mlp.gate_up_proj.load(0, lazy)
         elif module == "mlp.up_proj" and not is_bias:
