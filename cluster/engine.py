@@ -96,8 +96,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 max_loras=config.max_loras if config.enable_lora else 0,
-                policy=config.scheduling_policy,
-                priority_aging_s=config.priority_aging_s,
+                policy=config.scheduling_policy, priority_aging_s=config.priority_aging_s,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_concurrent_batches=self.max_concurrent_batches,
             ),
@@ -108,6 +107,7 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 model_id=self.model_id,
                 enable_kv_offload=num_offload > 0, sliding_window=info.get("kv_sliding_window"),
+                long_rope_from=info.get("long_rope_from", 0),
             ),
             config.speculative_config,
         )

@@ -76,6 +76,8 @@ class CacheConfig:
     (``scheduler.cpu_block_pool``); it needs prefix caching and CPU blocks.
     ``sliding_window`` (tokens; set when every layer of the model attends through it)
     lets a request give back the blocks no later query of it can see.
+    ``long_rope_from`` (LongRoPE's pre-trained length; 0: not LongRoPE): a request
+    longer than it runs with the long factors (``scheduler.long_rope``).
     """
 
     num_gpu_blocks: int
@@ -85,6 +87,7 @@ class CacheConfig:
     model_id: str = ""
     enable_kv_offload: bool = False
     sliding_window: int | None = None
+    long_rope_from: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:

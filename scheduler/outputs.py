@@ -41,6 +41,8 @@ class ScheduledRequest:
     do not depend on worker state that a restart, a preemption or a resume loses.
     ``pooling`` ("last" or "mean") marks a row of an embedding request whose
     hidden states the runner pools; ``pool_final`` that it ends the prompt.
+    ``long_rope`` rotates the row's tokens by LongRoPE's long factors
+    (``scheduler.long_rope``).
     """
 
     request_id: str
@@ -57,6 +59,7 @@ class ScheduledRequest:
     num_output_tokens: int = 0
     pooling: str | None = None
     pool_final: bool = False
+    long_rope: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from pagedserve.scheduler.beam_scheduling import is_held
 from pagedserve.scheduler.block_hash import make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.scheduler.long_rope import needs_long_rope, start_long_rope, uses_long_rope
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.memory import MemoryStats, memory_stats
 from pagedserve.scheduler.outputs import (
@@ -115,6 +116,8 @@ class Scheduler(StepResults):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         check_fits(request, self.config, self.block_size, self.kv.pool.num_blocks,
                    self.kv.sliding_window)
+        if needs_long_rope(request, self.cache_config.long_rope_from):
+            start_long_rope(request)
         n = request.sampling_params.n
         if n > 1:
             request.pending_children = [request.make_child(i) for i in range(1, n)]
@@ -138,6 +141,7 @@ class Scheduler(StepResults):
         if priority:
             self._preempt_for_urgent(out)
         self._unblock_held_beams()
+        self._switch_to_long_rope()
 
         drafter = self.drafter if self.drafter and self.drafter.active(len(self.running)) else None
         in_flight = self.in_flight
@@ -156,6 +160,10 @@ class Scheduler(StepResults):
                 i += 1
                 continue
             req.spec_token_ids = drafter.propose(req, budget - 1) if drafter else ()
+            if self.cache_config.long_rope_from and not uses_long_rope(req):
+                # Guesses past the switch would be rotated short: stop them before it.
+                room = self.cache_config.long_rope_from - req.num_computed_tokens - num_new
+                req.spec_token_ids = req.spec_token_ids[:max(0, room)]
             if req.spec_token_ids:
                 num_new += len(req.spec_token_ids)
             copies = self.kv.allocate_slots(req, num_new)
@@ -298,6 +306,25 @@ class Scheduler(StepResults):
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         return scheduled_request(req, num_new, self.kv.block_ids(req.request_id))
+
+    def _switch_to_long_rope(self) -> None:
+        """Recompute, with the long factors, every request that has grown past
+        LongRoPE's pre-trained length (``scheduler.long_rope``); none otherwise."""
+        limit = self.cache_config.long_rope_from
+        if not limit:
+            return
+        for req in self.waiting:  # (preempted for recompute: nothing cached to drop)
+            if needs_long_rope(req, limit):
+                start_long_rope(req)
+        for queue in (self.running, self.swapped):
+            for req in [r for r in queue if needs_long_rope(r, limit)
+                        and r.request_id not in self.in_flight]:
+                queue.remove(req)
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                start_long_rope(req)
+                self.waiting.appendleft(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap to CPU when the mode and the CPU tier allow; otherwise recompute.

@@ -6,6 +6,7 @@ what travels to the workers for a request the policy already scheduled.
 
 from __future__ import annotations
 
+from pagedserve.scheduler.long_rope import uses_long_rope
 from pagedserve.scheduler.outputs import ScheduledRequest
 from pagedserve.scheduler.request import Request
 
@@ -41,6 +42,7 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
     if drafts:
         sched.draft_token_ids = drafts
     sched.lora_id = req.lora_id
+    sched.long_rope = uses_long_rope(req)
     sched.num_output_tokens = req.num_output_tokens
     pp = req.pooling_params
     if pp is not None:

@@ -23,12 +23,11 @@ from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma
 from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
+from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES)
-# "freq_factors": one divisor per rotary frequency, llama.cpp's rope_freqs (from GGUF files).
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "freq_factors")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -62,14 +61,6 @@ def _names_base_model(architectures: Any) -> bool:
     if not isinstance(architectures, list) or not architectures:
         return False
     return all(isinstance(a, str) and a.endswith("Model") for a in architectures)
-
-
-def _check_freq_factors(factors: Any, head_dim: int) -> None:
-    ok = isinstance(factors, list) and len(factors) == head_dim // 2 and all(
-        isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)
-    if not ok:
-        raise ValueError(f"model config field 'rope_scaling.freq_factors' must be "
-                         f"{head_dim // 2} positive numbers (one per rotary frequency)")
 
 
 @dataclass(frozen=True)
@@ -108,6 +99,7 @@ class ModelConfig:
     # Layers that attend through ``sliding_window`` (``window_config``); the rest see all.
     sliding_layers: tuple[int, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama (``gemma_config``)
+    rotary_dim: int = 0  # dims of each head RoPE turns (partial_rotary_factor); 0: all
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -143,49 +135,7 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"model config field 'hidden_act' must be 'silu', got "
                              f"{cfg.get('hidden_act')!r}")
-        rope = dict(cfg.get("rope_parameters") or {})
-        legacy = cfg.get("rope_scaling")
-        if legacy:
-            rope = {**legacy, **rope}
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:  # (Phi-4-mini: RoPE on 3/4 of each head)
-            raise ValueError(f"model config field 'partial_rotary_factor' must be 1.0, got "
-                             f"{partial!r}")
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"model config field 'rope_scaling.rope_type' must be one of "
-                f"{SUPPORTED_ROPE_TYPES}, got {rope_type!r}"
-            )
-        scaling = None
-        if rope_type != "default":
-            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
-            scaling["rope_type"] = rope_type
-            factor = scaling.get("factor")
-            orig = scaling.get("original_max_position_embeddings")
-            if rope_type == "yarn" and factor is None and orig:
-                # DeepSeek-V3 style: the stretch is the served over the pre-trained length
-                # (transformers' rule).
-                factor = scaling["factor"] = (
-                    _positive_int("max_position_embeddings",
-                                  cfg.get("max_position_embeddings", 2048)) / orig)
-            if rope_type == "freq_factors":
-                _check_freq_factors(scaling.get("freq_factors"), head_dim)
-            elif (not isinstance(factor, (int, float)) or isinstance(factor, bool)
-                  or factor <= 0):
-                raise ValueError(
-                    f"model config field 'rope_scaling.factor' must be a positive number, "
-                    f"got {factor!r}"
-                )
-            if rope_type == "llama3":
-                for key in ("low_freq_factor", "high_freq_factor"):
-                    if key not in scaling:
-                        raise ValueError(f"model config field 'rope_scaling.{key}' is required")
-            if rope_type in ("llama3", "yarn") and not scaling.get(
-                    "original_max_position_embeddings"):
-                scaling["original_max_position_embeddings"] = (
-                    cfg.get("max_position_embeddings") or 2048)
+        theta, scaling, rotary_dim = parse_rope(cfg, head_dim, model_type)
 
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
@@ -220,6 +170,7 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding_layers,
             gemma=gemma,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             dtype=str(dtype),
@@ -264,6 +215,13 @@ class ModelConfig:
             stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
             longest = max(longest, stretched)
         return longest
+
+    @property
+    def long_rope_from(self) -> int:
+        """LongRoPE's pre-trained length (its short factors' reach), 0 for other RoPE."""
+        scaling = self.rope_scaling or {}
+        return scaling["original_max_position_embeddings"] \
+            if scaling.get("rope_type") == "longrope" else 0
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None where it attends to every key."""

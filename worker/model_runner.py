@@ -21,6 +21,7 @@ from pagedserve.worker.cuda_graph import DecodeGraphRunner
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
+from pagedserve.worker.layers.rotary import mark_long_rope
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import IntermediateTensors
@@ -54,6 +55,7 @@ class ModelRunner:
         self.lora = lora
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler(model.config.eos_token_ids)
+        self.long_rope = (model.config.rope_scaling or {}).get("rope_type") == "longrope"
         self.graphs: DecodeGraphRunner | None = None
         # The torch reference backend reads lengths back to the host, which graph
         # capture forbids; the Triton and flash paths are sync-free.
@@ -101,6 +103,8 @@ class ModelRunner:
             positions = torch.arange(num_tokens) - shift
             seq_idx = torch.repeat_interleave(torch.arange(len(reqs)), q_t)
         slots = block_table[seq_idx, positions // bsz].long() * bsz + positions % bsz
+        if self.long_rope:
+            positions = mark_long_rope(positions, seq_idx, [r.long_rope for r in reqs])
         md = AttentionMetadata(
             slot_mapping=slots.to(dev),
             block_table=block_table.to(dev),

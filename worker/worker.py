@@ -386,6 +386,7 @@ class Worker:
             # One window on every layer: the scheduler may release blocks behind it.
             "kv_sliding_window": mc.sliding_window
             if len(mc.sliding_layers) == mc.num_layers else None,
+            "long_rope_from": mc.long_rope_from,
             "weight_bytes": self.weight_bytes,
         }
 

@@ -31,6 +31,7 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     max_concurrent_batches: int = 1,
     sliding_window: int | None = None,
+    long_rope_from: int = 0,
 ) -> tuple[Scheduler, KVSim]:
     sched = Scheduler(
         SchedulerConfig(
@@ -49,6 +50,7 @@ def make_scheduler(
             model_id="test-model",
             enable_kv_offload=enable_kv_offload,
             sliding_window=sliding_window,
+            long_rope_from=long_rope_from,
         ),
         speculative_config,
     )

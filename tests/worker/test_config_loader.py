@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -365,15 +366,35 @@ def test_gemma3_fields_we_cannot_serve_are_named(extra: dict, field: str) -> Non
         ModelConfig.from_hf_dict({**GEMMA, **extra})
 
 
+def test_phi3_longrope_reads_as_transformers() -> None:
+    """Phi-3.5's layout (``type: longrope`` in rope_scaling, the pre-trained length at the
+    top level) and transformers 5's give the same scaling, with transformers' attention
+    factor; a partial rotary factor turns that share of each head."""
+    from transformers import AutoConfig
+
+    factors = dict(short_factor=[1.0, 1.5, 2.0, 2.5], long_factor=[3.0, 4.0, 5.0, 6.0])
+    released = {**BASE, "model_type": "phi3", "max_position_embeddings": 4096,
+                "original_max_position_embeddings": 256, "partial_rotary_factor": 0.5,
+                "rms_norm_eps": 1e-5, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0,
+                "rope_scaling": {"type": "longrope", **factors}}
+    ours = ModelConfig.from_hf_dict(released)
+    hf = AutoConfig.for_model(**released)
+    assert ours == ModelConfig.from_hf_dict(hf.to_dict())
+    assert ours.rotary_dim == 8 and ours.long_rope_from == 256
+    assert ours.rope_scaling["attention_factor"] == pytest.approx(
+        math.sqrt(1 + math.log(16) / math.log(256)))
+
+
 @pytest.mark.parametrize(("extra", "field"), [
     (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
-                        "long_factor": [2.0] * 8}), "rope_type"),
-    (dict(partial_rotary_factor=0.75), "partial_rotary_factor"),
+                        "long_factor": [2.0] * 8}), "original_max_position_embeddings"),
+    (dict(original_max_position_embeddings=64,
+          rope_scaling={"type": "longrope", "short_factor": [1.0] * 3,
+                        "long_factor": [2.0] * 8}), "short_factor"),
+    (dict(partial_rotary_factor=1.5), "partial_rotary_factor"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                           "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+                           "partial_rotary_factor": 0.0}), "partial_rotary_factor"),
 ])
 def test_phi3_rope_we_cannot_serve_is_named(extra: dict, field: str) -> None:
-    """Phi-3-mini-128k / Phi-3.5 / Phi-4-mini's LongRoPE and partial rotary are refused
-    (Phi-4 and the 4k Phi-3 models use neither)."""
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_hf_dict({**BASE, "model_type": "phi3", **extra})

@@ -26,8 +26,21 @@ def _row(rid: str, token_ids: list[int], start: int, table: list[int]) -> Schedu
     return ScheduledRequest(rid, token_ids, start, table, [rid], {rid: SamplingParams()})
 
 
-def _runner(block_size: int) -> SimpleNamespace:
-    return SimpleNamespace(block_size=block_size, device=torch.device("cpu"))
+def _runner(block_size: int, long_rope: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(block_size=block_size, device=torch.device("cpu"),
+                           long_rope=long_rope)
+
+
+def test_long_rope_rows_carry_their_mark_in_the_positions() -> None:
+    """Under LongRoPE the long rows' positions carry ``LONG_ROPE_MARK`` (the slots do
+    not), which the rotary embedding reads back as the long factors."""
+    from pagedserve.worker.layers.rotary import LONG_ROPE_MARK
+
+    reqs = [_row("a", [1, 2, 3], 0, [2]), _row("b", [4], 5, [3, 6])]
+    reqs[1].long_rope = True
+    inputs = ModelRunner.prepare_inputs(_runner(4, long_rope=True), SchedulerOutput(1, reqs))
+    assert inputs.positions.tolist() == [0, 1, 2, 5 + LONG_ROPE_MARK]
+    assert inputs.md.slot_mapping.tolist() == [8, 9, 10, 25]
 
 
 def test_a_mixed_plan_becomes_the_expected_tensors() -> None:

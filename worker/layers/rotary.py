@@ -4,7 +4,12 @@ Supports the default schedule plus ``linear``, ``llama3`` and ``yarn`` scaling,
 with the same inverse-frequency formulas as transformers, so positions far past
 the original context give identical angles, and ``freq_factors`` (llama.cpp's
 per-frequency divisors, kept from GGUF files). YaRN also scales cos and sin by
-its attention factor (the paper's temperature), as transformers does. cos/sin
+its attention factor (the paper's temperature), as transformers does; so does
+LongRoPE, whose tokens turn by its short or its long factors: the scheduler says
+which rows run long (``scheduler.long_rope``) and the model runner marks their
+positions (:func:`mark_long_rope`). A
+``rotary_dim`` below the head size turns only the head's first dimensions
+(``partial_rotary_factor``). cos/sin
 are computed once per forward for the batch's positions instead of caching a
 ``max_position`` table: that is a few thousand ``cos`` calls, and it works for
 any position.
@@ -19,6 +24,10 @@ import torch
 
 from pagedserve.kernels import cpu_fused
 
+# Added to a position whose token turns by LongRoPE's long factors: far past any real
+# position, so the positions tensor carries the choice (CUDA graphs included).
+LONG_ROPE_MARK = 1 << 40
+
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim/2]`` (float32), scaled as transformers does."""
@@ -28,6 +37,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     kind = scaling["rope_type"]
     if kind == "freq_factors":  # llama.cpp's rope_freqs: each frequency divided by its own
         return inv / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+    if kind == "longrope":  # the short factors; RotaryEmbedding keeps the long ones too
+        return longrope_inv_freq(head_dim, theta, scaling["short_factor"])
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor
@@ -46,6 +57,12 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, factor, scaling)
     raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def longrope_inv_freq(dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE's ``1 / (factor_i * theta^(2i/dim))``, in transformers' order of operations."""
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** shape)
 
 
 def _yarn_inv_freq(head_dim: int, theta: float, factor: float,
@@ -72,7 +89,10 @@ def _yarn_inv_freq(head_dim: int, theta: float, factor: float,
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What cos and sin are multiplied by: 1, except YaRN's ``0.1 ln(factor) + 1``."""
+    """What cos and sin are multiplied by: 1, except YaRN's ``0.1 ln(factor) + 1`` and
+    LongRoPE's (``rope_config`` sets it)."""
+    if scaling and scaling["rope_type"] == "longrope":
+        return float(scaling["attention_factor"])
     if not scaling or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -91,15 +111,27 @@ class RotaryEmbedding:
     """Holds the inverse frequencies; ``cos_sin`` then ``apply`` per forward."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                 device: torch.device):
+                 device: torch.device, rotary_dim: int = 0):
         self.head_dim = head_dim
-        self.inv_freq = compute_inv_freq(head_dim, theta, scaling).to(device)
+        rd = rotary_dim or head_dim
+        self.inv_freq = compute_inv_freq(rd, theta, scaling).to(device)
+        self.inv_freq_long: torch.Tensor | None = None
+        if scaling and scaling["rope_type"] == "longrope":
+            self.inv_freq_long = longrope_inv_freq(rd, theta, scaling["long_factor"]).to(device)
         self.scale = attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 1, D/2]`` cos and sin for ``positions`` (angles in fp32, then cast)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        """``[T, 1, rotary_dim/2]`` cos and sin for ``positions`` (angles in fp32, then
+        cast); under LongRoPE a position marked by :func:`mark_long_rope` turns by the
+        long factors."""
+        if self.inv_freq_long is not None:
+            long = positions >= LONG_ROPE_MARK
+            positions = positions - long * LONG_ROPE_MARK
+            inv = torch.where(long.unsqueeze(-1), self.inv_freq_long, self.inv_freq)
+            freqs = positions.float().unsqueeze(-1) * inv
+        else:
+            freqs = positions.float().unsqueeze(-1) * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
@@ -111,9 +143,21 @@ class RotaryEmbedding:
 
         Returns a new contiguous tensor; on CPU fp32 one native pass does it.
         """
+        if 2 * cos.shape[-1] < x.shape[-1]:  # partial: the first rotary_dim dims turn
+            rd = 2 * cos.shape[-1]
+            turned = RotaryEmbedding.apply(x[..., :rd].contiguous(), cos, sin)
+            return torch.cat((turned, x[..., rd:]), dim=-1)
         fused = cpu_fused.rope(x, cos, sin)
         if fused is not None:
             return fused
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def mark_long_rope(positions: torch.Tensor, seq_idx: torch.Tensor,
+                   long_rows: list[bool]) -> torch.Tensor:
+    """``positions`` with :data:`LONG_ROPE_MARK` added to the tokens of ``long_rows``
+    (``seq_idx``: each token's row), which turn by LongRoPE's long factors."""
+    long = torch.tensor(long_rows, dtype=torch.bool)[seq_idx]
+    return positions + long.long() * LONG_ROPE_MARK

@@ -85,7 +85,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.gemma = cfg.gemma
         # Sliding-window layers rotate with their own base (rope_local_base_freq, unscaled).
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.gemma.local_rope_theta, None,
-                                            device)
+                                            device, cfg.rotary_dim)
         self._local = [layer.self_attn.attn.window is not None for layer in self.layers]
         # transformers multiplies by sqrt(hidden) held in fp32, cast to the weights' dtype.
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32)

@@ -159,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
                 # (an embedding checkpoint has no head; sharing costs no memory, and the
                 # engine never generates with it)
                 self.lm_head.tie_to(self.embed_tokens)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device,
+                                      cfg.rotary_dim)
 
     @property
     def num_kv_heads_per_rank(self) -> int:
