@@ -37,7 +37,7 @@ from pagedserve.cluster.request_state import (
     with_bad_word_ids,
 )
 from pagedserve.cluster.step_pipeline import StepPipeline
-from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
+from pagedserve.scheduler.block_hash import hash_prompt_blocks
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -255,9 +255,9 @@ class LLMEngine:
     def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None = None,
                             lora_request: LoRARequest | None = None) -> list[bytes]:
         """The prefix-cache keys of a prompt, as the scheduler computes them."""
-        lora_key = lora_request.cache_key if lora_request is not None else None
-        return hash_prompt_blocks(token_ids, self.scheduler.block_size,
-                                  make_extra_keys(self.model_id, cache_salt, lora_key))
+        keys = self.scheduler.prompt_extra_keys(
+            len(token_ids), cache_salt, lora_request.cache_key if lora_request else None)
+        return hash_prompt_blocks(token_ids, self.scheduler.block_size, keys)
 
     # ---- the step ------------------------------------------------------------------------
 

@@ -27,7 +27,12 @@ from pagedserve.scheduler.beam_scheduling import is_held
 from pagedserve.scheduler.block_hash import make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.scheduler.long_rope import needs_long_rope, start_long_rope, uses_long_rope
+from pagedserve.scheduler.long_rope import (
+    LONG_ROPE_KEY,
+    needs_long_rope,
+    start_long_rope,
+    uses_long_rope,
+)
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.memory import MemoryStats, memory_stats
 from pagedserve.scheduler.outputs import (
@@ -98,7 +103,7 @@ class Scheduler(StepResults):
             prompt_token_ids,
             params,
             eos_token_ids,
-            make_extra_keys(self.cache_config.model_id, cache_salt, lora_key),
+            self.prompt_extra_keys(len(prompt_token_ids), cache_salt, lora_key),
             lora_id=lora_request.lora_int_id if lora_request is not None else 0,
             priority=priority,
             pooling_params=pooling_params,
@@ -109,6 +114,14 @@ class Scheduler(StepResults):
             req.beam = BeamGroup(beam, eos_token_ids, self.config.max_model_len)
             req.beam.start(req)
         return req
+
+    def prompt_extra_keys(self, num_tokens: int, cache_salt: str | None = None,
+                          lora_key: str | None = None) -> tuple[str, ...]:
+        """What a prompt of ``num_tokens`` tokens' blocks hash under: the model, salt and
+        adapter (``make_extra_keys``), and LongRoPE's key past its pre-trained length."""
+        keys = make_extra_keys(self.cache_config.model_id, cache_salt, lora_key)
+        limit = self.cache_config.long_rope_from
+        return (*keys, LONG_ROPE_KEY) if limit and num_tokens > limit else keys
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ``n > 1`` becomes a group whose siblings fork later."""

@@ -91,3 +91,26 @@ def test_longrope_prefix_hits_drafts_and_swaps(longrope_phi3_dir, kw) -> None:
             assert llm.engine.scheduler.num_preemptions["swap"] > 0
     finally:
         llm.shutdown()
+
+
+def test_longrope_prompt_kv_ships_between_engines(longrope_phi3_dir) -> None:
+    """Disaggregated prefill of LongRoPE prompts: long ones ship their long-rotated
+    blocks under the long key, short ones theirs; the decode engine answers as HF."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+    from tests.cluster.test_kv_transfer import prefill
+
+    prompts = prompts_of_mixed_lengths()
+    ref = hf_greedy(longrope_phi3_dir, prompts, 14)
+    made = [LLM(model=longrope_phi3_dir, num_gpu_blocks=128, block_size=4) for _ in range(2)]
+    try:
+        payloads = prefill(made[0], prompts)
+        assert [p.num_blocks for p in payloads] == [len(p) // 4 for p in prompts]
+        for p in payloads:
+            import_prompt_kv(made[1].engine, p)
+        params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+        outs = made[1].generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // 4 * 4 for p in prompts]
+    finally:
+        for llm in made:
+            llm.shutdown()
