@@ -358,8 +358,8 @@ def paged_decode(
     )
     if rc == -2:
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")
-    if rc == -4:
-        raise ValueError(f"chunks must be ascending row offsets, got {chunks.tolist()[:8]}")
+    if rc in (-4, -5):  # (-5: window starts outside their rows; never from here)
+        raise ValueError(f"chunks / window starts out of range: {chunks}, {starts}")
     if rc == -3:
         raise ValueError(f"native paged decode takes head sizes <= {_MAX_HEAD_DIM} in "
                          f"multiples of 16, got {d}")

@@ -36,7 +36,8 @@
 #include "cpu_paged_rows.h"
 
 /* KV heads [h0, h1) of one query row (a decode row, or a prefill row alone) over
- * keys [start, L) (start > 0 under a sliding window), D a multiple of 16: attend_rows_impl for R = 1, with the same arithmetic in
+ * keys [start, L) (start > 0 under a sliding window), D a multiple of 16:
+ * attend_rows_impl for R = 1 (start 0), with the same arithmetic in
  * the same order, but laid out for one row's memory-bound pass (1.5-2x
  * attend_rows_impl's speed there). Tokens are visited in
  * memory order (a token's rows for all its heads are contiguous), TILE at a
@@ -46,9 +47,9 @@
  * rows, accumulated into the output rows (in L1). */
 static inline __attribute__((always_inline)) int
 attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
-            int64_t start, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
-            int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-            int kind, v16f *part, float *stats)
+            int64_t start, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
+            int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale, float *sc,
+            float *out, int kind, v16f *part, float *stats)
 {
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
@@ -221,7 +222,8 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
 
 /* Exported entry: caches of the given kind (KV_* above, raw elements); q and
  * out are fp32. starts (NULL, or [S] int32 with chunks NULL) is each row's
- * first key under a sliding window, 0 <= starts[s] < lens[s] where lens[s] > 0. stats (NULL or [S, Hq, 2] fp32) receives each row and query
+ * first key under a sliding window, 0 <= starts[s] < lens[s] where lens[s] > 0
+ * (else -5). stats (NULL or [S, Hq, 2] fp32) receives each row and query
  * head's softmax statistics, its largest scaled score m and sum of exp(score -
  * m), for merging attention over split key ranges (rows with no keys leave
  * theirs unwritten; no logf here: a libm call in the softmax loop cost decode

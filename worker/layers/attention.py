@@ -41,11 +41,11 @@ class PagedAttention:
 
     With KV scales (fp8 caches, ``use_kv_scales``) the cache holds ``k / k_scale`` and
     ``v / v_scale``: ``k_scale`` is folded into ``q`` and ``v_scale`` into the output,
-    so the kernels never see a scale. ``window`` (Mistral's sliding window, a layer's own)
-    limits each query to its own key and the ``window - 1`` before it. The scales are
-    device tensors, so captured
-    CUDA graphs read the calibrated values; ``arm_calibration`` sets them from the
-    next step's K/V (the engine's calibration step), once, before anything else is stored.
+    so the kernels never see a scale. The scales are device tensors, so captured CUDA
+    graphs read the calibrated values; ``arm_calibration`` sets them from the next
+    step's K/V (the engine's calibration step), once, before anything else is stored.
+    ``window`` (a sliding window, the layer's own) limits each query to its own key and
+    the ``window - 1`` before it; ``scale`` replaces ``head_dim ** -0.5`` (Gemma's).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
