@@ -69,12 +69,15 @@ class AttentionBackend(ABC):
         md: VarlenMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal (bottom-right aligned) attention of packed queries over paged keys.
 
         With a sliding ``window`` a query sees only its own key and the ``window - 1``
         before it (Mistral's, and Hugging Face's, convention); keys further back are
-        never read, so their blocks may already be gone from the table.
+        never read, so their blocks may already be gone from the table. A ``softcap``
+        bounds each scaled score ``s`` to ``softcap * tanh(s / softcap)`` before the
+        softmax (Gemma 2's attention logit softcapping).
         """
 
     @abstractmethod
@@ -87,16 +90,23 @@ class AttentionBackend(ABC):
         cache_seqlens: torch.Tensor,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One query per sequence attending to keys ``[0, cache_seqlens[s])``, or with a
-        sliding ``window`` to keys ``[cache_seqlens[s] - window, cache_seqlens[s])``."""
+        sliding ``window`` to keys ``[cache_seqlens[s] - window, cache_seqlens[s])``;
+        ``softcap`` as in :meth:`varlen_attention`."""
 
     @staticmethod
-    def check_window(window: int | None) -> None:
-        """``ValueError`` for a window that is not a positive int (None: no window)."""
+    def check_window(window: int | None, softcap: float | None = None) -> None:
+        """``ValueError`` for a window that is not a positive int (None: no window) or a
+        softcap that is not a positive number (None: none)."""
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ValueError(f"sliding window must be a positive int or None, got {window!r}")
+        if softcap is not None and (isinstance(softcap, bool)
+                                    or not isinstance(softcap, (int, float))
+                                    or not softcap > 0):
+            raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
 
     def copy_blocks(
         self,

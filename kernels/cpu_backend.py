@@ -110,10 +110,12 @@ class CpuNativeBackend(TorchBackend):
         lens_host: list[int],
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        if not cpu_native.supports(q, key_cache, value_cache):
+        # The native kernel has no softcap (Gemma 2): such layers take the torch path.
+        if softcap is not None or not cpu_native.supports(q, key_cache, value_cache):
             return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host,
-                                   scale, window)
+                                   scale, window, softcap)
         # A shared prefix may lie partly outside a sliding window: no cascade there.
         if self.shared_prefix_min_tokens and len(lens_host) > 1 and window is None:
             key = self._prefix_key
@@ -142,10 +144,11 @@ class CpuNativeBackend(TorchBackend):
         scale: float,
         out: torch.Tensor,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
-        if not cpu_native.supports(q, key_cache, value_cache):
+        if softcap is not None or not cpu_native.supports(q, key_cache, value_cache):
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts,
-                                 scale, out, window)
+                                 scale, out, window, softcap)
             return
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
         native: list[int] = []

@@ -57,8 +57,8 @@ class FlashBackend(AttentionBackend):
         return kv_dtype == model_dtype and kv_dtype in (torch.float16, torch.bfloat16)
 
     def _check(self, q: torch.Tensor, key_cache: torch.Tensor,
-               window: int | None = None) -> None:
-        self.check_window(window)
+               window: int | None = None, softcap: float | None = None) -> None:
+        self.check_window(window, softcap)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flash-attn computes in fp16/bf16 only, got {q.dtype}")
         if not self.supports_block_size(key_cache.shape[1]):
@@ -89,8 +89,9 @@ class FlashBackend(AttentionBackend):
         md: VarlenMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        self._check(q, key_cache, window)
+        self._check(q, key_cache, window, softcap)
         dev = q.device
         return self._varlen(
             q,
@@ -103,6 +104,7 @@ class FlashBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
             window_size=_window_size(window),
+            softcap=softcap or 0.0,
             block_table=block_table.to(dev, torch.int32),
         )
 
@@ -115,8 +117,9 @@ class FlashBackend(AttentionBackend):
         cache_seqlens: torch.Tensor,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        self._check(q, key_cache, window)
+        self._check(q, key_cache, window, softcap)
         dev = q.device
         out = self._with_kvcache(
             q.unsqueeze(1),
@@ -127,6 +130,7 @@ class FlashBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
             window_size=_window_size(window),
+            softcap=softcap or 0.0,
         )
         # The contract says a sequence with no keys yields zeros; make it explicit.
         empty = (cache_seqlens.to(dev) == 0)[:, None, None]

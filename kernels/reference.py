@@ -18,13 +18,15 @@ def dense_causal_attention(
     key_lens: list[int],
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Packed q [Tq, Hq, D], contiguous packed k/v [Tk, Hkv, D] -> [Tq, Hq, D].
 
     Bottom-right aligned causal mask (flash-attn convention): query ``i`` of a
     sequence attends to key ``j`` iff ``j <= i + k_len - q_len``; with a sliding
     ``window`` also iff ``j > i + k_len - q_len - window`` (the query's own key and
-    the ``window - 1`` before it, as Hugging Face's Mistral masks). Rows with no
+    the ``window - 1`` before it, as Hugging Face's Mistral masks); a ``softcap`` maps
+    each scaled score ``s`` to ``softcap * tanh(s / softcap)`` (Gemma 2). Rows with no
     visible key are zero. Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
@@ -38,6 +40,8 @@ def dense_causal_attention(
         vs = v[ko : ko + lk].double().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
         if lq and lk:
             scores = (qs @ ks.transpose(1, 2)) * scale  # [Hq, lq, lk]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             i = torch.arange(lq)[:, None]
             j = torch.arange(lk)[None, :]
             visible = j <= i + (lk - lq)

@@ -119,21 +119,22 @@ def mixed_lengths(block_size: int, seed: int) -> tuple[list[int], list[int]]:
 
 def check_against_oracle(
     be: AttentionBackend, b: PagedBatch, tol: float, *, decode: bool, device: str = "cpu",
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> None:
     """Run one backend on ``b`` and compare with the dense oracle (on CPU)."""
     scale = 1 / math.sqrt(b.q.shape[-1])
     ref = dense_causal_attention(
-        b.q.cpu(), b.k.cpu(), b.v.cpu(), b.query_lens, b.key_lens, scale, window
+        b.q.cpu(), b.k.cpu(), b.v.cpu(), b.query_lens, b.key_lens, scale, window, softcap
     )
+    kw = {"window": window} if softcap is None else {"window": window, "softcap": softcap}
     if decode:
         seqlens = torch.tensor(b.key_lens, dtype=torch.int32, device=device)
         out = be.decode_attention(b.q, b.key_cache, b.value_cache, b.block_table, seqlens,
-                                  scale, window=window)
+                                  scale, **kw)
     else:
         md = build_varlen_metadata(b.query_lens, b.key_lens, device=device)
         out = be.varlen_attention(b.q, b.key_cache, b.value_cache, b.block_table, md, scale,
-                                  window=window)
+                                  **kw)
     assert out.shape == b.q.shape and out.dtype == b.q.dtype
     err = (out.cpu().double() - ref.double()).abs().max().item()
     assert err <= tol, f"{be.name}: max abs error {err} > {tol}"

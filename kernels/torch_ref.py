@@ -20,11 +20,11 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.kernels.backend import AttentionBackend
 from pagedserve.kernels.kv_quant import quantize, storage_view
 from pagedserve.kernels.metadata import VarlenMetadata
+from pagedserve.kernels.torch_ops import rebase_tables, sdpa, window_tables
 
 # Grouping rule: padded q*k elements may exceed the real ones by _PAD_SLACK (about
 # what one extra SDPA call costs on CPU, ~0.2 ms); measured padding waste costs more
@@ -149,10 +149,11 @@ class TorchBackend(AttentionBackend):
         lens_host: list[int],
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         s, hq, d = q.shape
         if window is not None and max(lens_host) > window:
-            block_table, lens, lens_host = _window_tables(block_table, lens, lens_host,
+            block_table, lens, lens_host = window_tables(block_table, lens, lens_host,
                                                           window, key_cache.shape[1])
         max_k, min_k = max(lens_host), min(lens_host)
         if max_k == 0:
@@ -179,12 +180,12 @@ class TorchBackend(AttentionBackend):
             s1 = min(s, s0 + chunk)
             k, v = self._gather(key_cache, value_cache, block_table[s0:s1, :nb], q)
             outs.append(
-                F.scaled_dot_product_attention(
+                sdpa(
                     qg[s0:s1],
                     k[:, :max_k].transpose(1, 2),
                     v[:, :max_k].transpose(1, 2),
-                    attn_mask=None if mask is None else mask[s0:s1],
-                    scale=scale,
+                    None if mask is None else mask[s0:s1],
+                    False, scale, softcap,
                 )
             )
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(s, hq, d)
@@ -201,13 +202,14 @@ class TorchBackend(AttentionBackend):
         cache_seqlens: torch.Tensor,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        self.check_window(window)
+        self.check_window(window, softcap)
         if q.shape[0] == 0:
             return q.new_empty(q.shape)
         lens = cache_seqlens.to(q.device, torch.long)
         return self._decode(
-            q, key_cache, value_cache, block_table, lens, lens.tolist(), scale, window
+            q, key_cache, value_cache, block_table, lens, lens.tolist(), scale, window, softcap
         ).to(q.dtype)
 
     def _prefill_group(
@@ -223,6 +225,7 @@ class TorchBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         dev = q.device
         n = len(ids)
@@ -238,12 +241,11 @@ class TorchBackend(AttentionBackend):
             # chunk keys, not the whole context.
             first = [max(0, k - lq - window + 1) // bsz for lq, k in zip(gq, gk)]
             if any(first):
-                tables, gk = _rebase_tables(tables, first, gk, bsz)
+                tables, gk = rebase_tables(tables, first, gk, bsz)
         mq, mk = max(gq), max(gk)
         nb = -(-mk // bsz)
         k, v = self._gather(key_cache, value_cache, tables[:, :nb], q)
         k, v = k[:, :mk], v[:, :mk]
-        hkv = k.shape[2]
         qi = torch.arange(mq, device=dev)
         ql = torch.tensor(gq, device=dev)
         kl = torch.tensor(gk, device=dev)
@@ -275,15 +277,8 @@ class TorchBackend(AttentionBackend):
             row_ok = q_valid & (qi[None, :] + (kl - ql)[:, None] >= 0)
             mask[:, :, 0] |= ~row_ok
             mask = mask[:, None]
-        o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=hkv != hq,
-        ).transpose(1, 2)  # [n, mq, hq, d]
+        o = sdpa(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal,
+                  scale, softcap).transpose(1, 2)  # [n, mq, hq, d]
         if row_ok is not None:
             o = o.masked_fill(~row_ok[:, :, None, None], 0.0)
         if uniform:
@@ -300,8 +295,9 @@ class TorchBackend(AttentionBackend):
         md: VarlenMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        self.check_window(window)
+        self.check_window(window, softcap)
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
         starts = [0]
         for lq in q_lens:
@@ -316,7 +312,7 @@ class TorchBackend(AttentionBackend):
                 out[starts[s] : starts[s + 1]].zero_()
         seqs = [s for s in range(len(q_lens)) if q_lens[s] > 0 and k_lens[s] > 0]
         self._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts, scale, out,
-                          window)
+                          window, softcap)
         return out
 
     def _attend_seqs(
@@ -331,6 +327,7 @@ class TorchBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Write the rows of sequences ``seqs`` (each with queries and keys) into ``out``:
         single-query rows through the decode path, the rest as padded SDPA groups."""
@@ -351,6 +348,7 @@ class TorchBackend(AttentionBackend):
                 lens_host,
                 scale,
                 window,
+                softcap,
             )
             out.index_copy_(0, rows, o.to(out.dtype))
         # Group no-context prefills apart: they run maskless with is_causal.
@@ -359,31 +357,6 @@ class TorchBackend(AttentionBackend):
         for group in _plan_groups(no_ctx, q_lens, k_lens) + _plan_groups(ctx, q_lens, k_lens):
             self._prefill_group(
                 q, key_cache, value_cache, block_table, sorted(group), starts,
-                q_lens, k_lens, scale, out, window,
+                q_lens, k_lens, scale, out, window, softcap,
             )
 
-
-def _window_tables(block_table: torch.Tensor, lens: torch.Tensor, lens_host: list[int],
-                   window: int, block_size: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Decode rows re-based to the first block their window reaches: each row's table
-    starts there and its length shrinks by the blocks dropped, so a long context
-    gathers only ``window + block_size - 1`` keys at most, and blocks before the
-    window (possibly already freed, -1) are never read."""
-    first = [max(0, n - window) // block_size for n in lens_host]
-    if not any(first):
-        return block_table, lens, lens_host
-    tables, lens_host = _rebase_tables(block_table, first, lens_host, block_size)
-    base = torch.tensor(first, device=lens.device) * block_size
-    return tables, lens - base, lens_host
-
-
-def _rebase_tables(tables: torch.Tensor, first: list[int], lens: list[int], block_size: int
-                   ) -> tuple[torch.Tensor, list[int]]:
-    """Row ``s`` of ``tables`` from its block ``first[s]`` on, and each length less the
-    ``first[s] * block_size`` keys dropped."""
-    width = max(max(-(-n // block_size) - f for n, f in zip(lens, first)), 1)
-    offs = torch.tensor(first, device=tables.device)
-    idx = offs[:, None] + torch.arange(width, device=tables.device)[None, :]
-    rebased = tables.gather(1, idx.clamp_max(tables.shape[1] - 1))
-    return rebased, [n - f * block_size for n, f in zip(lens, first)]

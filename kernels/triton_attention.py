@@ -50,12 +50,13 @@ def _widen_kv(x, KV_FP8: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_table_ptr, cu_q_ptr, seq_lens_k_ptr, tile_seq_ptr, tile_qoff_ptr,
-    scale_log2, num_q_heads, block_size, window,
+    scale_log2, softcap_inv, cap_log2, num_q_heads, block_size, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -113,7 +114,11 @@ def _paged_attention_kernel(
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = s * scale_log2
+        if SOFTCAP:  # Gemma 2: cap * tanh(scale * s / cap), tanh from exp (any backend)
+            t = s * softcap_inv
+            s = (1.0 - 2.0 / (tl.exp(2.0 * t) + 1.0)) * cap_log2
+        else:
+            s = s * scale_log2
         vis = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= limit[:, None]) & (
             n[None, :] > limit[:, None] - window)
         s = tl.where(vis, s, float("-inf"))

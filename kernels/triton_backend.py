@@ -162,8 +162,9 @@ class TritonBackend(AttentionBackend):
         total_q: int,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        self.check_window(window)
+        self.check_window(window, softcap)
         tq, hq, d = q.shape
         _, bsz, hkv, _ = key_cache.shape
         if hq % hkv:
@@ -198,14 +199,15 @@ class TritonBackend(AttentionBackend):
         _paged_attention_kernel[(n_tiles, hkv, splits)](
             q, key_cache, value_cache, out, part_acc, part_ml,
             bt, cu_q, seq_lens_k, tile_seq, tile_qoff,
-            scale * _LOG2E, hq, bsz, _NO_WINDOW if window is None else min(window, _NO_WINDOW),
+            scale * _LOG2E, scale / (softcap or 1.0), (softcap or 0.0) * _LOG2E, hq, bsz,
+            _NO_WINDOW if window is None else min(window, _NO_WINDOW),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             bt.stride(0),
             G=group, HEAD_DIM=d, BLOCK_D=next_pow2(max(d, 16)),
             BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
-            KV_FP8=kv_fp8,
+            KV_FP8=kv_fp8, SOFTCAP=softcap is not None,
             num_warps=self.num_warps or (4 if block_m <= 64 else 8),
             **self._stages(n_tiles * hkv, splits, block_m),
         )
@@ -243,6 +245,7 @@ class TritonBackend(AttentionBackend):
         cache_seqlens: torch.Tensor,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         s = q.shape[0]
         dev = q.device
@@ -252,7 +255,7 @@ class TritonBackend(AttentionBackend):
             q, key_cache, value_cache, block_table, ar,
             cache_seqlens.to(dev, torch.int32), ar[:s], torch.zeros(s, dtype=torch.int32, device=dev),
             self._block_m(group, 1), block_table.shape[1] * key_cache.shape[1], s, scale,
-            window,
+            window, softcap,
         )
 
     def varlen_attention(
@@ -264,6 +267,7 @@ class TritonBackend(AttentionBackend):
         md: VarlenMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         dev = q.device
         q_lens = md.host_query_lens()
@@ -279,7 +283,7 @@ class TritonBackend(AttentionBackend):
             q, key_cache, value_cache, block_table,
             md.cu_seq_lens_q.to(dev, torch.int32), md.seq_lens_k.to(dev, torch.int32),
             tile_seq.to(dev, torch.int32), tile_qoff.to(dev, torch.int32),
-            block_m, md.max_length_k, sum(q_lens), scale, window,
+            block_m, md.max_length_k, sum(q_lens), scale, window, softcap,
         )
 
 

@@ -163,7 +163,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA_MODEL_TYPES),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             max_position_embeddings=_positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
             ),

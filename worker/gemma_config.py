@@ -1,19 +1,21 @@
 """What a Gemma 3 text model needs beyond a Llama config, read from its ``config.json``.
 
 Gemma 3 (``model_type: gemma3_text``, Hugging Face's ``Gemma3ForCausalLM``: the 270M
-and 1B releases, and the text half of the larger ones) is a Llama-shaped decoder with
-these differences, each as transformers implements it:
+and 1B releases, and the text half of the larger ones) and Gemma 2 (``gemma2``) are
+Llama-shaped decoders with these differences, each as transformers implements it:
 
 - RMSNorm scales by ``1 + weight`` in fp32; four norms a layer (the attention's and the
   MLP's outputs are normalised before their residual add), q/k norms per head;
 - the embedding is multiplied by ``sqrt(hidden_size)`` in the weights' dtype;
 - attention scales by ``query_pre_attn_scalar ** -0.5``, not ``head_dim ** -0.5``;
-- five layers of six attend through a sliding window with their own RoPE base
-  (``rope_local_base_freq``, 10,000), the sixth globally with ``rope_theta`` (and
-  ``rope_scaling``, linear x8 on the 4B+ models);
+- Gemma 3: five layers of six attend through a sliding window with their own RoPE
+  base (``rope_local_base_freq``, 10,000), the sixth globally with ``rope_theta`` (and
+  ``rope_scaling``, linear x8 on the 4B+ models); Gemma 2: every other layer slides,
+  one RoPE base, no q/k norms, and attention scores capped to
+  ``attn_logit_softcapping * tanh(s / attn_logit_softcapping)``;
 - the MLP gates with tanh-approximated GELU;
-- ``final_logit_softcapping`` (null in every Gemma 3 release) caps the logits
-  ``cap * tanh(logits / cap)``.
+- ``final_logit_softcapping`` (null in every Gemma 3 release, 30 in Gemma 2's) caps
+  the logits ``cap * tanh(logits / cap)``.
 
 Both config layouts are read: transformers 5's ``rope_parameters`` keyed by layer type,
 and the released files' ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``.
@@ -29,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GEMMA_MODEL_TYPES = ("gemma3_text", "gemma3")
+GEMMA_MODEL_TYPES = ("gemma3_text", "gemma3", "gemma2")
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
@@ -40,6 +42,7 @@ class GemmaConfig:
     query_pre_attn_scalar: float
     local_rope_theta: float
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
 
 def gemma_from_hf(cfg: dict[str, Any], model_type: str
@@ -58,19 +61,22 @@ def gemma_from_hf(cfg: dict[str, Any], model_type: str
     if act not in _ACTIVATIONS:
         raise ValueError(f"model config field 'hidden_activation' must be one of "
                          f"{_ACTIVATIONS}, got {act!r}")
-    for field in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if cfg.get(field):
-            raise ValueError(f"model config field {field!r} = {cfg[field]!r} is not supported "
-                             "(Gemma 2's attention softcap; EmbeddingGemma's bidirectional mask)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("model config field 'use_bidirectional_attention' = true is not "
+                         "supported (EmbeddingGemma's bidirectional mask)")
+    gemma2 = model_type == "gemma2"
+    theta = 10_000.0 if gemma2 else 1_000_000.0  # the config classes' defaults
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
         full = dict(params.get("full_attention") or {})
         local = dict(params.get("sliding_attention") or {})
-    else:  # the released files' layout
-        full = {**(cfg.get("rope_scaling") or {}),
-                "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
-        local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
-    full.setdefault("rope_theta", 1_000_000.0)
+    else:  # one RoPE for every layer (Gemma 2), or the released Gemma 3 files' layout
+        full = dict(params) or {**(cfg.get("rope_scaling") or {}),
+                                "rope_theta": cfg.get("rope_theta", theta)}
+        full.setdefault("rope_theta", theta)
+        local = dict(full) if gemma2 else {
+            "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", theta)
     local_type = local.get("rope_type", local.get("type", "default"))
     if local_type != "default":
         raise ValueError("model config field 'rope_parameters.sliding_attention.rope_type' "
@@ -78,14 +84,15 @@ def gemma_from_hf(cfg: dict[str, Any], model_type: str
     cfg["rope_parameters"] = full
     cfg.pop("rope_scaling", None)
     if cfg.get("layer_types") is None:
-        pattern = int(cfg.get("sliding_window_pattern", 6))
+        pattern = int(cfg.get("sliding_window_pattern", 2 if gemma2 else 6))
         cfg["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                               for i in range(int(cfg.get("num_hidden_layers", 0)))]
-    cap = cfg.get("final_logit_softcapping")
+    cap, attn_cap = cfg.get("final_logit_softcapping"), cfg.get("attn_logit_softcapping")
     return cfg, GemmaConfig(
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         local_rope_theta=float(local.get("rope_theta", 10_000.0)),
         final_logit_softcapping=float(cap) if cap else None,
+        attn_logit_softcapping=float(attn_cap) if attn_cap else None,
     )
 
 

@@ -79,6 +79,16 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Gemma 2: layers 0 and 2 slide over 8 tokens, attention scores capped at 1.0 (most
+    of them pass it) and logits at 6.0."""
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", default_model_dir,
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        attn_logit_softcapping=1.0, final_logit_softcapping=6.0)
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
     """Phi-3 / Phi-4: fused qkv_proj and gate_up_proj in the file, a 12-token window."""
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny_phi3"), "phi3",

@@ -1,7 +1,8 @@
 """The newer model paths through the engine on CUDA (Triton attention, decode in CUDA
 graphs) against Hugging Face on the same device: a Mistral whose every layer slides
 (blocks released behind the window), a Gemma 3 (sliding and global layers, two RoPE
-tables, head size 256) and a LongRoPE Phi-3 (recomputed at the switch).
+tables, head size 256), a Gemma 2 (softcapped scores in the Triton kernel) and a
+LongRoPE Phi-3 (recomputed at the switch).
 
 Each case also runs on CPU, so every CI run exercises the fixtures and the check; the
 ``cuda`` cases are ``gpu`` tests for ``bash bench/gpu_check.sh``. Tokenizers are made
@@ -38,6 +39,10 @@ CASES = {
                                    layer_types=["sliding_attention", "full_attention",
                                                 "sliding_attention"])),
     "phi3_longrope": ("phi3", dict(pad_token_id=0, **_longrope())),
+    "gemma2_softcap": ("gemma2", dict(head_dim=256, query_pre_attn_scalar=64, sliding_window=48,
+                                      num_hidden_layers=3, attn_logit_softcapping=1.0,
+                                      final_logit_softcapping=6.0,
+                                      max_position_embeddings=1024)),
 }
 
 

@@ -94,7 +94,8 @@ def narrow_cache_configs():
 
 def build_attention(target, dt: str, g: int, d: int, max_q: int, splits: int,
                     block_n: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, kv: str | None = None) -> None:
+                    num_stages: int | None = None, kv: str | None = None,
+                    softcap: bool = False) -> None:
     """One attention launch configuration, with the backend's defaults where not given.
 
     ``kv`` is the cache dtype (default: the model's ``dt``), as TritonBackend._launch
@@ -106,14 +107,14 @@ def build_attention(target, dt: str, g: int, d: int, max_q: int, splits: int,
     consts = dict(
         G=g, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_Q=block_m // g,
         BLOCK_N=block_n or (64 if d <= 64 else 32), NUM_SPLITS=splits,
-        DOT_F32=dt == "fp32" or (not kv_fp8 and kv != dt), KV_FP8=kv_fp8,
+        DOT_F32=dt == "fp32" or (not kv_fp8 and kv != dt), KV_FP8=kv_fp8, SOFTCAP=softcap,
     )
     ptrs = {n: f"*{dt}" for n in ("q_ptr", "out_ptr")}
     ptrs |= {n: f"*{kv_ptr}" for n in ("k_cache_ptr", "v_cache_ptr")}
     ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
     ptrs |= {n: "*i32" for n in ("block_table_ptr", "cu_q_ptr", "seq_lens_k_ptr",
                                  "tile_seq_ptr", "tile_qoff_ptr")}
-    build(_paged_attention_kernel, ptrs, consts, target, ("scale_log2",),
+    build(_paged_attention_kernel, ptrs, consts, target, ("scale_log2", "softcap_inv", "cap_log2"),
           num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages,
           tag="ok" if kv == dt else "ok kv")
 
@@ -123,6 +124,8 @@ def main(archs: list[int]) -> None:
         target = GPUTarget("cuda", arch, 32)
         for dt, g, d, max_q, splits in attention_configs():
             build_attention(target, dt, g, d, max_q, splits)
+        for max_q, splits in ((1, 1), (1, 4), (64, 1)):  # Gemma 2's softcapped scores
+            build_attention(target, "bf16", 2, 256, max_q, splits, softcap=True)
         if arch == 90:  # what bench/kernels.py --sweep launches on an H100/H200 (decode)
             for dt, g, d in (("fp16", 3, 64), ("bf16", 4, 128)):
                 for block_n, warps, stages in LAUNCH_SWEEP:

@@ -46,12 +46,14 @@ def _gather(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tenso
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            causal: bool, window_size: tuple[int, int]) -> torch.Tensor:
+            causal: bool, window_size: tuple[int, int], softcap: float) -> torch.Tensor:
     """flash-attn's documented math for one sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D]."""
     lq, lk = q.shape[0], k.shape[0]
     g = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap > 0:  # softcap * tanh(s / softcap), before the mask
+        s = torch.tanh(s / softcap) * softcap
     # Aligned to the bottom right: query i sits at key position i + lk - lq; causal keeps
     # keys j <= it, window_size (left, right) keeps j in [pos - left, pos + right].
     pos, j = torch.arange(lq)[:, None] + lk - lq, torch.arange(lk)[None]
@@ -82,7 +84,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for b, (lq, lk) in enumerate(zip(q_lens, k_lens, strict=True)):
         s = int(cu_seqlens_q[b])
         out[s:s + lq] = _attend(q[s:s + lq], _gather(k, block_table[b], lk),
-                                _gather(v, block_table[b], lk), scale, causal, window_size)
+                                _gather(v, block_table[b], lk), scale, causal, window_size,
+                                softcap)
     return out
 
 
@@ -98,7 +101,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     return torch.stack([
         _attend(q[b], _gather(k_cache, block_table[b], n), _gather(v_cache, block_table[b], n),
-                scale, causal, window_size)
+                scale, causal, window_size, softcap)
         for b, n in enumerate(cache_seqlens.tolist())])
 
 
@@ -149,6 +152,18 @@ def test_flash_adapter_passes_the_sliding_window(flash, window: int) -> None:
     b = make_paged_batch([1] * len(k_lens), k_lens, 4, 2, 64, 256, dtype=torch.bfloat16,
                          garbage=3.0, seed=1)
     check_against_oracle(flash, b, TOL[torch.bfloat16], decode=True, window=window)
+
+
+def test_flash_adapter_passes_the_softcap(flash) -> None:
+    """Gemma 2's attention softcap becomes flash-attn's ``softcap`` in both calls."""
+    q_lens, k_lens = mixed_lengths(256, 3)
+    b = make_paged_batch(q_lens, k_lens, 4, 2, 64, 256, dtype=torch.bfloat16, garbage=3.0)
+    b.q.mul_(8)  # scores past the cap, so capping changes the answer
+    check_against_oracle(flash, b, TOL[torch.bfloat16], decode=False, window=300, softcap=2.0)
+    b = make_paged_batch([1] * len(k_lens), k_lens, 4, 2, 64, 256, dtype=torch.bfloat16,
+                         garbage=3.0, seed=1)
+    b.q.mul_(8)
+    check_against_oracle(flash, b, TOL[torch.bfloat16], decode=True, softcap=2.0)
 
 
 def test_flash_adapter_refuses_what_flash_attn_cannot_take(flash) -> None:

@@ -27,10 +27,10 @@ def test_kernels_compile_for_nvidia_targets() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     from pagedserve.kernels.triton_backend import LAUNCH_SWEEP
 
-    # Ten default launches per target, and the --sweep grid plus the split two-stage
-    # decode for two shapes on sm_90; then the narrow-cache (fp8 / mixed 16-bit)
-    # variants, store and copy included.
-    assert proc.stdout.count("ok sm_") == 2 * 10 + 2 * (len(LAUNCH_SWEEP) + 1)
+    # Ten default launches per target and three with Gemma 2's softcap, and the --sweep
+    # grid plus the split two-stage decode for two shapes on sm_90; then the
+    # narrow-cache (fp8 / mixed 16-bit) variants, store and copy included.
+    assert proc.stdout.count("ok sm_") == 2 * 13 + 2 * (len(LAUNCH_SWEEP) + 1)
     assert proc.stdout.count("ok kv sm_") == 32
     assert proc.stdout.count("ok moe sm_") == 2 * 6  # gate/up and down, three dtypes
     assert proc.stdout.count("ok w4 sm_") == 2 * 6  # int4 GEMM: three dtypes, two tiles

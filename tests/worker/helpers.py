@@ -35,7 +35,8 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
                "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+               "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))

@@ -354,7 +354,6 @@ def test_gemma3_release_layout_reads_as_transformers_5() -> None:
 
 
 @pytest.mark.parametrize(("extra", "field"), [
-    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(hidden_activation="relu"), "hidden_activation"),
     (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0},
@@ -398,3 +397,19 @@ def test_phi3_longrope_reads_as_transformers() -> None:
 def test_phi3_rope_we_cannot_serve_is_named(extra: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_hf_dict({**BASE, "model_type": "phi3", **extra})
+
+
+def test_gemma2_release_layout_reads_as_transformers_5() -> None:
+    """A released Gemma 2 config.json (no layer_types, rope_theta at the top, both
+    softcaps) reads as transformers 5's rewrite of it: every other layer slides, one
+    RoPE base, no q/k norms."""
+    from transformers import AutoConfig
+
+    released = {**GEMMA, "model_type": "gemma2", "rope_theta": 10000.0,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                "hidden_activation": "gelu_pytorch_tanh", "num_hidden_layers": 4}
+    ours = ModelConfig.from_hf_dict(released)
+    assert ours == ModelConfig.from_hf_dict(AutoConfig.for_model(**released).to_dict())
+    assert ours.sliding_layers == (0, 2) and ours.rope_theta == 10000.0
+    assert ours.gemma.attn_logit_softcapping == 50.0 and ours.gemma.local_rope_theta == 1e4
+    assert ours.gemma.final_logit_softcapping == 30.0 and not ours.qk_norm

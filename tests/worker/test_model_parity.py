@@ -39,6 +39,11 @@ CASES = {
     "qwen2_window_upper_layers": dict(model_type="qwen2", use_sliding_window=True,
                                       sliding_window=4, max_window_layers=1),
     "mixtral_window": dict(model_type="mixtral", sliding_window=6),
+    # Gemma 2: every other layer slides, attention scores and logits softcapped (caps small
+    # enough that most scores pass them), no q/k norms.
+    "gemma2_softcap": dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=24,
+                           sliding_window=5, attn_logit_softcapping=0.02,
+                           final_logit_softcapping=4.0),
     # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj in the file, a sliding window.
     "phi3_fused_window": dict(model_type="phi3", sliding_window=6, pad_token_id=0),
     # Gemma 3: 1 + w norms, scaled embedding, GELU-tanh, a local RoPE base on the sliding

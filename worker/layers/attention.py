@@ -45,15 +45,19 @@ class PagedAttention:
     graphs read the calibrated values; ``arm_calibration`` sets them from the next
     step's K/V (the engine's calibration step), once, before anything else is stored.
     ``window`` (a sliding window, the layer's own) limits each query to its own key and
-    the ``window - 1`` before it; ``scale`` replaces ``head_dim ** -0.5`` (Gemma's).
+    the ``window - 1`` before it; ``scale`` replaces ``head_dim ** -0.5`` (Gemma's);
+    ``softcap`` caps each score to ``softcap * tanh(s / softcap)`` (Gemma 2).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  backend: AttentionBackend, window: int | None = None,
-                 scale: float | None = None):
-        backend.check_window(window)
+                 scale: float | None = None, softcap: float | None = None):
+        backend.check_window(window, softcap)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
+        # Only a softcapped layer passes the argument: every backend takes the others'.
+        self._extra = {"window": window} if softcap is None else {"window": window,
+                                                                   "softcap": softcap}
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend
         self.k_scale: torch.Tensor | None = None
@@ -91,13 +95,13 @@ class PagedAttention:
         if md.is_decode:
             out = self.backend.decode_attention(
                 q, key_cache, value_cache, md.block_table, md.seq_lens, self.scale,
-                window=self.window,
+                **self._extra,
             )
         else:
             assert md.varlen is not None, "prefill step without varlen metadata"
             out = self.backend.varlen_attention(
                 q, key_cache, value_cache, md.block_table, md.varlen, self.scale,
-                window=self.window,
+                **self._extra,
             )
         if self.v_scale is not None:
             out = out * self.v_scale

@@ -15,6 +15,7 @@ MODEL_REGISTRY = {
     "qwen3_moe": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,  # (its fused qkv / gate_up projections load split)
     "gemma3_text": Gemma3ForCausalLM,
+    "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)
 }
 
 __all__ = ["MODEL_REGISTRY", "Gemma3ForCausalLM", "LlamaForCausalLM"]

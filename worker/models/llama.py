@@ -59,7 +59,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         scale = cfg.gemma.query_pre_attn_scalar ** -0.5 if cfg.gemma else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend,
-                                   window=cfg.layer_window(index), scale=scale)
+                                   window=cfg.layer_window(index), scale=scale,
+                                   softcap=cfg.gemma.attn_logit_softcapping if cfg.gemma
+                                   else None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
