@@ -1,4 +1,5 @@
-"""Gemma 3 text decoders (``model_type: gemma3_text``) on the Llama model's machinery.
+"""Gemma 3 and Gemma 2 text decoders (``gemma3_text``, ``gemma3``'s text half,
+``gemma2``) on the Llama model's machinery.
 
 Everything paged, sharded, staged, quantised or adapted works as for Llama: this only
 swaps what Gemma does differently (``worker.gemma_config`` lists it): four
@@ -72,7 +73,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3's text decoder: a scaled embedding, Gemma layers, two RoPE tables."""
+    """Gemma 3's (and Gemma 2's) text decoder: a scaled embedding, Gemma layers, two
+    RoPE tables (one base for Gemma 2), softcapped logits where the config says."""
 
     layer_cls = Gemma3DecoderLayer
     norm_cls = GemmaRMSNorm
@@ -131,6 +133,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
 def _text_decoder(weights: Iterable[tuple[str, LazyTensor]]
                   ) -> Iterator[tuple[str, LazyTensor]]:
+    """``weights`` with a multimodal file's decoder names re-rooted at ``model.`` /
+    ``lm_head.`` and its vision tower and projector left out (other names as they are)."""
     for name, lazy in weights:
         for prefix, root in _TEXT_PREFIXES:
             if name.startswith(prefix):
