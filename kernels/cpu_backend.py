@@ -116,6 +116,8 @@ class CpuNativeBackend(TorchBackend):
         if softcap is not None or not cpu_native.supports(q, key_cache, value_cache):
             return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host,
                                    scale, window, softcap)
+        if window is not None and max(lens_host) <= window:
+            window = None  # the window cuts no row: the unwindowed kernels, cascade included
         # A shared prefix may lie partly outside a sliding window: no cascade there.
         if self.shared_prefix_min_tokens and len(lens_host) > 1 and window is None:
             key = self._prefix_key
@@ -151,6 +153,8 @@ class CpuNativeBackend(TorchBackend):
                                  scale, out, window, softcap)
             return
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
+        if window is not None and max(k_lens[s] for s in seqs) <= window:
+            window = None  # no row's window cuts: runs of rows and cascade stay on
         native: list[int] = []
         rest: list[int] = []
         for s in seqs:

@@ -130,3 +130,30 @@ def test_triton_splits_cover_only_the_window(splits: int, decode: bool) -> None:
     b = make_paged_batch(q_lens, k_lens, 4, 2, 64, 16, seed=splits)
     check_against_oracle(TritonBackend("cpu", num_splits=splits), b, FP32_TOL, decode=decode,
                          window=24)
+
+
+def test_a_window_that_cuts_nothing_keeps_the_fast_native_paths(monkeypatch) -> None:
+    """Prompts and contexts no longer than the window (most of Mistral's or Gemma's): the
+    native backend keeps runs of rows sharing K/V tiles and the shared-prefix split, with
+    the same bits as no window; once a row is longer, rows go alone with their starts."""
+    if "cpu" not in CPU_BACKENDS:
+        pytest.skip("the native CPU kernels did not build")
+    from pagedserve.kernels import cpu_native
+
+    be = get_backend("cpu", "cpu")
+    calls: list[tuple[bool, bool]] = []
+    real = cpu_native.paged_decode
+
+    def spy(*a, **k):
+        calls.append((k.get("chunks") is not None, k.get("window") is not None))
+        return real(*a, **k)
+
+    monkeypatch.setattr(cpu_native, "paged_decode", spy)
+    b = make_paged_batch([40, 24], [40, 30], 4, 2, 64, 16, seed=2)
+    md = build_varlen_metadata(b.query_lens, b.key_lens)
+    plain = be.varlen_attention(b.q, b.key_cache, b.value_cache, b.block_table, md, 0.125)
+    wide = be.varlen_attention(b.q, b.key_cache, b.value_cache, b.block_table, md, 0.125,
+                               window=40)
+    assert torch.equal(plain, wide) and calls == [(True, False), (True, False)]
+    be.varlen_attention(b.q, b.key_cache, b.value_cache, b.block_table, md, 0.125, window=39)
+    assert calls[-1] == (False, True)
