@@ -12,25 +12,26 @@ from pagedserve.scheduler.request import Request
 
 
 def check_fits(request: Request, config: SchedulerConfig, block_size: int,
-               pool_blocks: int, window: int | None = None) -> None:
-    """Reject at admission what could never run, instead of waiting forever. With a
-    sliding ``window`` whose blocks are released behind it, a request holds at most the
-    window's blocks plus one step's."""
+               pool_blocks: int, windows: tuple[int | None, ...] = (None,)) -> None:
+    """Reject at admission what could never run, instead of waiting forever. ``windows``
+    has one entry per block table a request keeps (one, or a hybrid model's groups):
+    under a sliding window whose blocks are released behind it, that table holds at
+    most the window's blocks plus one step's."""
     n = request.num_prompt_tokens
     max_len = config.max_model_len
     if request.pooling_params is not None:  # no token is generated: the prompt may fill it
         if n > max_len:
             raise ValueError(f"input is {n} tokens, the model's context is {max_len}")
-        if blocks_held(n, config, block_size, window) > pool_blocks:
-            raise ValueError(f"input needs {cdiv(n, block_size)} KV blocks for {n} tokens, "
-                             f"the pool has {pool_blocks}")
+        if _held(n, config, block_size, windows) > pool_blocks:
+            raise ValueError(f"input needs {_held(n, config, block_size, windows)} KV blocks "
+                             f"for {n} tokens, the pool has {pool_blocks}")
     elif n >= max_len:
         raise ValueError(
             f"prompt is {n} tokens, the model's context is {max_len} "
             "(at least one token must be generated)"
         )
     else:
-        _check_total(request, n, config, block_size, pool_blocks, window)
+        _check_total(request, n, config, block_size, pool_blocks, windows)
     if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
         raise ValueError(
             f"prompt of {n} tokens exceeds max_num_batched_tokens "
@@ -48,8 +49,13 @@ def blocks_held(tokens: int, config: SchedulerConfig, block_size: int,
     return min(whole, cdiv(window - 1 + config.max_num_batched_tokens, block_size) + 1)
 
 
+def _held(tokens: int, config: SchedulerConfig, block_size: int,
+          windows: tuple[int | None, ...]) -> int:
+    return sum(blocks_held(tokens, config, block_size, w) for w in windows)
+
+
 def _check_total(request: Request, n: int, config: SchedulerConfig, block_size: int,
-                 pool_blocks: int, window: int | None) -> None:
+                 pool_blocks: int, windows: tuple[int | None, ...]) -> None:
     """Prompt plus ``max_tokens`` (or up to the context) must fit the context and pool."""
     max_len = config.max_model_len
     max_tokens = request.sampling_params.max_tokens
@@ -59,21 +65,23 @@ def _check_total(request: Request, n: int, config: SchedulerConfig, block_size: 
             f"max_tokens: prompt ({n}) + max_tokens ({max_tokens}) = {total} "
             f"exceeds the model's context of {max_len} tokens"
         )
-    if blocks_held(total, config, block_size, window) > pool_blocks:
+    if _held(total, config, block_size, windows) > pool_blocks:
         raise ValueError(
-            f"request needs {cdiv(total, block_size)} KV blocks for {total} tokens, "
-            f"the pool has {pool_blocks}"
+            f"request needs {_held(total, config, block_size, windows)} KV blocks for "
+            f"{total} tokens, the pool has {pool_blocks}"
         )
 
 
 def lacks_room(req: Request, num_running: int, config: SchedulerConfig, block_size: int,
-               free_blocks: int) -> bool:
-    """Whether ``req`` lacks a seat, or the blocks of its first chunk (prefix-cache hits
-    not counted), for the priority policy's preemption of less urgent requests."""
+               free_blocks: int, num_tables: int = 1) -> bool:
+    """Whether ``req`` lacks a seat, or the blocks of its first chunk in each of its
+    ``num_tables`` tables (prefix-cache hits not counted), for the priority policy's
+    preemption of less urgent requests."""
     if num_running >= config.max_num_seqs:
         return True
     cap = min(config.max_num_batched_tokens, config.max_model_len)
-    return cdiv(min(req.num_tokens - req.num_computed_tokens, cap), block_size) > free_blocks
+    chunk = cdiv(min(req.num_tokens - req.num_computed_tokens, cap), block_size)
+    return chunk * num_tables > free_blocks
 
 
 def lora_fits(req: Request, active: set[int], cap: int) -> bool:

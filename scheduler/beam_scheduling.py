@@ -116,5 +116,6 @@ class BeamScheduling(RequestLifecycle):
         free = self.kv.pool.num_free_blocks
         if req.status is RequestStatus.SWAPPED:
             return (len(self.running) >= self.config.max_num_seqs
-                    or self.kv.num_blocks_to_swap_in(req) + 1 > free)
-        return lacks_room(req, len(self.running), self.config, self.block_size, free)
+                    or self.kv.swap_in_cost(req, 1) > free)
+        return lacks_room(req, len(self.running), self.config, self.block_size, free,
+                          len(self.kv.group_windows))

@@ -76,6 +76,8 @@ class CacheConfig:
     (``scheduler.cpu_block_pool``); it needs prefix caching and CPU blocks.
     ``sliding_window`` (tokens; set when every layer of the model attends through it)
     lets a request give back the blocks no later query of it can see.
+    ``kv_group_windows`` (two entries or more: a hybrid model, ``kv_groups``) gives each
+    group of layers its own table, window per group; ``sliding_window`` is then None.
     ``long_rope_from`` (LongRoPE's pre-trained length; 0: not LongRoPE): a request
     longer than it runs with the long factors (``scheduler.long_rope``).
     """
@@ -88,6 +90,7 @@ class CacheConfig:
     enable_kv_offload: bool = False
     sliding_window: int | None = None
     long_rope_from: int = 0
+    kv_group_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -101,3 +104,12 @@ class CacheConfig:
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"sliding_window must be None or a positive integer, got {w!r}")
+        groups = self.kv_group_windows
+        if len(groups) > 1:
+            if any(g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1)
+                   for g in groups):
+                raise ValueError("kv_group_windows must hold None or positive integers, "
+                                 f"got {groups!r}")
+            if w is not None or self.enable_kv_offload:
+                raise ValueError("kv_group_windows (a hybrid KV cache) takes neither "
+                                 "sliding_window nor kv offloading")

@@ -7,6 +7,7 @@ can try an allocation, fail, preempt someone and try again.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from pagedserve.scheduler.block_hash import BlockHash
@@ -59,6 +60,9 @@ class KVCacheManager(KVImportMixin):
         enable_caching: bool = True,
         enable_offload: bool = False,
         sliding_window: int | None = None,
+        pool: BlockPool | None = None,
+        cpu_pool: CpuBlockPool | None = None,
+        hash_salt: bytes = b"",
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -67,9 +71,13 @@ class KVCacheManager(KVImportMixin):
                              f"(num_cpu_blocks={num_cpu_blocks}, "
                              f"enable_prefix_caching={enable_caching})")
         self.block_size = block_size
-        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        # A hybrid model's groups (``hybrid_kv``) share one pool and tell their blocks
+        # apart in its prefix cache by ``hash_salt``.
+        self.pool = pool if pool is not None else BlockPool(num_gpu_blocks, enable_caching)
         self.pool.record_evictions = enable_offload
-        self.cpu_pool = CpuBlockPool(num_cpu_blocks, enable_caching=enable_offload)
+        self.cpu_pool = cpu_pool if cpu_pool is not None else CpuBlockPool(
+            num_cpu_blocks, enable_caching=enable_offload)
+        self.hash_salt = hash_salt
         self.offload_enabled = enable_offload
         self._loads: list[tuple[int, int]] = []  # (device, cpu) of this step's CPU hits
         self.offload_stats = {"cpu_hit_tokens": 0, "offloaded_blocks": 0, "loaded_blocks": 0,
@@ -85,9 +93,28 @@ class KVCacheManager(KVImportMixin):
 
     # ---- lookups -------------------------------------------------------------
 
+    @property
+    def group_managers(self) -> list[KVCacheManager]:
+        """The per-group managers whose tables this one owns: itself alone."""
+        return [self]
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return (self.sliding_window,)
+
     def block_ids(self, request_id: str) -> list[int]:
         ids = self.req_block_ids.get(request_id)
         return ids.copy() if ids is not None else []
+
+    def group_block_ids(self, request_id: str) -> list[list[int]] | None:
+        """The tables of a hybrid model's other groups (``hybrid_kv``): none here."""
+        return None
+
+    def salted(self, block_hash: BlockHash) -> BlockHash:
+        """``block_hash`` in this manager's group (unchanged without a salt)."""
+        if not self.hash_salt:
+            return block_hash
+        return hashlib.blake2b(self.hash_salt + block_hash, digest_size=16).digest()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute
@@ -97,7 +124,7 @@ class KVCacheManager(KVImportMixin):
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for h in hashes[:max_blocks]:
-            block = self.pool.get_cached_block(h)
+            block = self.pool.get_cached_block(self.salted(h))
             if block is None:
                 break
             hits.append(block)
@@ -122,22 +149,13 @@ class KVCacheManager(KVImportMixin):
         max_blocks = (request.num_tokens - 1) // self.block_size
         found: list[int] = []
         for h in hashes[num_device_hits:max_blocks]:
-            cpu_id = self.cpu_pool.lookup(h)
+            cpu_id = self.cpu_pool.lookup(self.salted(h))
             if cpu_id is None:
                 break
             found.append(cpu_id)
         return found
 
     # ---- allocation ----------------------------------------------------------
-
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Fresh device blocks a step of ``num_new_tokens`` needs, CoW included."""
-        blocks = self.req_blocks.get(request.request_id, [])
-        total = request.num_computed_tokens + num_new_tokens
-        need = max(0, cdiv(total, self.block_size) - len(blocks))
-        if self._cow_index(request, blocks, num_new_tokens) is not None:
-            need += 1
-        return need
 
     def allocate_slots(
         self,
@@ -155,17 +173,47 @@ class KVCacheManager(KVImportMixin):
         copy-on-write pairs to emit, or ``None`` (nothing changed) if the pool
         is short.
         """
+        if not computed_blocks and self._has_room(request, num_new_tokens):
+            return []  # every decode step but one in B
+        if self.slots_cost(request, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
+            return None
+        return self.commit_slots(request, num_new_tokens, computed_blocks, offloaded)
+
+    def _has_room(self, request: Request, num_new_tokens: int) -> bool:
+        """The request's blocks hold the step and the block it writes is its alone."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        return request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size and (
+            request.num_computed_tokens % self.block_size == 0
+            or blocks[request.num_computed_tokens // self.block_size].ref_cnt == 1)
+
+    def slots_cost(self, request: Request, num_new_tokens: int,
+                   computed_blocks: list[KVCacheBlock] | None = None) -> int:
+        """Free blocks ``allocate_slots`` would take: fresh ones, a copy-on-write's, and
+        cached hits it revives."""
+        if not computed_blocks and self._has_room(request, num_new_tokens):
+            return 0
+        blocks = self.req_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + num_new_tokens
+        computed_blocks = computed_blocks or []
+        need = max(0, cdiv(total, self.block_size) - len(blocks) - len(computed_blocks))
+        need += self._cow_index(request, blocks, num_new_tokens) is not None
+        return need + sum(1 for b in computed_blocks if b is not RELEASED and b.ref_cnt == 0)
+
+    def commit_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVCacheBlock] | None = None,
+        offloaded: list[int] | None = None,
+        hits_taken: bool = False,
+    ) -> list[tuple[int, int]]:
+        """``allocate_slots`` once ``slots_cost`` is known to fit the pool; with
+        ``hits_taken`` the caller has already taken ``computed_blocks`` from the pool
+        (``take_hits``), before anything else allocated from it."""
+        if not computed_blocks and self._has_room(request, num_new_tokens):
+            return []
         rid = request.request_id
         blocks = self.req_blocks.get(rid, [])
-        if not computed_blocks:
-            # Fast path (every decode step but one in B): the last block has room
-            # and is ours alone.
-            total = request.num_computed_tokens + num_new_tokens
-            if total <= len(blocks) * self.block_size and (
-                request.num_computed_tokens % self.block_size == 0
-                or blocks[request.num_computed_tokens // self.block_size].ref_cnt == 1
-            ):
-                return []
         computed_blocks = computed_blocks or []
         offloaded = offloaded or []
         if (computed_blocks or offloaded) and blocks:
@@ -175,11 +223,8 @@ class KVCacheManager(KVImportMixin):
         need = max(0, cdiv(total, self.block_size) - have)
         cow = self._cow_index(request, blocks, num_new_tokens)
         need += cow is not None
-        held = [b for b in computed_blocks if b is not RELEASED]
-        revived = sum(1 for b in held if b.ref_cnt == 0)
-        if need + revived > self.pool.num_free_blocks:
-            return None
-        self.pool.touch(held)
+        if not hits_taken:
+            self.take_hits(computed_blocks)
         blocks = self.req_blocks.setdefault(rid, [])
         ids = self.req_block_ids.setdefault(rid, [])
         blocks.extend(computed_blocks)
@@ -203,6 +248,11 @@ class KVCacheManager(KVImportMixin):
             self.offload_stats["cpu_hit_tokens"] += len(offloaded) * self.block_size
             self.offload_stats["loaded_blocks"] += len(offloaded)
         return copies
+
+    def take_hits(self, computed_blocks: list[KVCacheBlock]) -> None:
+        """Hold prefix hits (cached blocks leave the free queue, where an allocation
+        would evict them)."""
+        self.pool.touch([b for b in computed_blocks if b is not RELEASED])
 
     def _cow_index(
         self, request: Request, blocks: list[KVCacheBlock], num_new_tokens: int
@@ -232,7 +282,7 @@ class KVCacheManager(KVImportMixin):
         for i in range(request.num_hashed_blocks, full):
             b = blocks[i]
             if b.block_hash is None and b is not RELEASED:
-                self.pool.cache_full_block(b, hashes[i])
+                self.pool.cache_full_block(b, self.salted(hashes[i]))
         request.num_hashed_blocks = full
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -322,6 +372,13 @@ class KVCacheManager(KVImportMixin):
         """Free device blocks a swap-in consumes: fresh copies plus revived cache hits."""
         hits = self._swap_in_hits(self.swapped[request.request_id])
         return sum(1 for b in hits if b is None or (b is not RELEASED and b.ref_cnt == 0))
+
+    def swap_in_cost(self, request: Request, num_new_tokens: int) -> int:
+        """Free device blocks bringing ``request`` back and then running ``num_new_tokens``
+        of it take: the swap-in's, plus the blocks its step adds past its table."""
+        sw = self.swapped[request.request_id]
+        after = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        return self.num_blocks_to_swap_in(request) + max(0, after - len(sw.cpu_block_ids))
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """Bring a swapped request back; full blocks still cached on the device are

@@ -76,13 +76,14 @@ def memory_stats(scheduler: Scheduler) -> MemoryStats:
     pool = kv.pool
     tokens = 0
     table_entries = 0
-    for rid, blocks in kv.req_blocks.items():
-        req = scheduler.requests.get(rid)
-        table_entries += len(blocks)
-        if req is not None:  # (tokens behind a sliding window no longer hold blocks)
-            released = sum(1 for b in blocks if b is RELEASED)
-            tokens += min(req.num_computed_tokens, len(blocks) * kv.block_size) - (
-                released * kv.block_size)
+    for group in kv.group_managers:
+        for rid, blocks in group.req_blocks.items():
+            req = scheduler.requests.get(rid)
+            table_entries += len(blocks)
+            if req is not None:  # (tokens behind a sliding window no longer hold blocks)
+                released = sum(1 for b in blocks if b is RELEASED)
+                tokens += min(req.num_computed_tokens, len(blocks) * kv.block_size) - (
+                    released * kv.block_size)
     used = [b for b in pool.blocks if b.ref_cnt > 0]
     slots = len(used) * kv.block_size
     return MemoryStats(

@@ -42,7 +42,8 @@ class ScheduledRequest:
     ``pooling`` ("last" or "mean") marks a row of an embedding request whose
     hidden states the runner pools; ``pool_final`` that it ends the prompt.
     ``long_rope`` rotates the row's tokens by LongRoPE's long factors
-    (``scheduler.long_rope``).
+    (``scheduler.long_rope``). ``group_block_tables`` are a hybrid model's tables of
+    KV cache groups 1 and on (``kv_groups``); ``block_table`` is group 0's.
     """
 
     request_id: str
@@ -60,6 +61,7 @@ class ScheduledRequest:
     pooling: str | None = None
     pool_final: bool = False
     long_rope: bool = False
+    group_block_tables: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -37,6 +37,7 @@ _TABLE = _FIELDS.index("block_table")
 _PARAMS = _FIELDS.index("sampling_params")
 _PROMPT = _FIELDS.index("prompt_token_ids")
 _OUTPUTS = _FIELDS.index("output_token_ids")
+_GROUPS = _FIELDS.index("group_block_tables")
 # Records past four per scheduled row before both sides start over: a request left
 # without a plan naming it (none should) would otherwise stay. Running requests not
 # scheduled in a step keep theirs, so the bound leaves room for a large running set.
@@ -50,7 +51,8 @@ class EncodedPlan:
     ``plan`` has every field but ``scheduled``; ``rows`` are the scheduled requests'
     field values in ``ScheduledRequest`` order, with ``block_table`` as ``(k, tail)``
     (the first ``k`` ids are the rank's record, then ``tail``), ``output_token_ids``
-    as ``{sample id: (k, tail)}`` the same way, and ``sampling_params`` /
+    as ``{sample id: (k, tail)}`` the same way, ``group_block_tables`` (a hybrid
+    model's) as a list of ``(k, tail)``, and ``sampling_params`` /
     ``prompt_token_ids`` as ``(same, value)`` (``same``: the rank's record, value None).
     ``lengths`` / ``lasts``: each whole table's length and last id (-1: empty).
     ``number``: the encoder's count of plans (a rank decodes them in a row, or from a
@@ -74,16 +76,17 @@ class _Records:
         self.params: dict[str, dict[str, SamplingParams]] = {}
         self.prompts: dict[str, list[int] | None] = {}
         self.outputs: dict[str, list[int]] = {}
+        self.groups: dict[str, dict[int, list[int]]] = {}
 
     def clear(self) -> None:
-        for d in (self.tables, self.params, self.prompts, self.outputs):
+        for d in (self.tables, self.params, self.prompts, self.outputs, self.groups):
             d.clear()
 
     def forget(self, plan: SchedulerOutput) -> None:
         """Drop what the requests a plan lists as finished or aborted had (a sample's
         id is its own request's)."""
         for rid in (*plan.finished_ids, *plan.aborted_ids):
-            for d in (self.tables, self.params, self.prompts, self.outputs):
+            for d in (self.tables, self.params, self.prompts, self.outputs, self.groups):
                 d.pop(rid, None)
 
 
@@ -117,6 +120,9 @@ class PlanEncoder:
             if sr.output_token_ids:
                 row[_OUTPUTS] = {sid: _delta(rec.outputs, sid, out)
                                  for sid, out in sr.output_token_ids.items()}
+            if sr.group_block_tables is not None:
+                held = rec.groups.setdefault(rid, {})
+                row[_GROUPS] = [_delta(held, g, t) for g, t in enumerate(sr.group_block_tables)]
             rows.append(row)
             lengths.append(len(table))
             lasts.append(table[-1] if table else -1)
@@ -156,6 +162,10 @@ class PlanDecoder:
             if row[_OUTPUTS]:
                 row[_OUTPUTS] = {sid: _undelta(rec.outputs, sid, d, "outputs", step)
                                  for sid, d in row[_OUTPUTS].items()}
+            if row[_GROUPS] is not None:
+                held = rec.groups.setdefault(rid, {})
+                row[_GROUPS] = [_undelta(held, g, d, "group block table", step)
+                                for g, d in enumerate(row[_GROUPS])]
             scheduled.append(ScheduledRequest(*row))
         self._number = enc.number
         return SchedulerOutput(plan.step_id, scheduled, plan.blocks_to_swap_out,

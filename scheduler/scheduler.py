@@ -26,7 +26,8 @@ from pagedserve.scheduler.beam import BeamGroup, BeamSearchParams
 from pagedserve.scheduler.beam_scheduling import is_held
 from pagedserve.scheduler.block_hash import make_extra_keys
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
-from pagedserve.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.scheduler.hybrid_kv import HybridKVCacheManager
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.long_rope import (
     LONG_ROPE_KEY,
     needs_long_rope,
@@ -56,14 +57,21 @@ class Scheduler(StepResults):
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(
-            cache_config.num_gpu_blocks,
-            cache_config.block_size,
-            cache_config.num_cpu_blocks,
-            cache_config.enable_prefix_caching,
-            cache_config.enable_kv_offload,
-            cache_config.sliding_window,
-        )
+        self.kv: KVCacheManager | HybridKVCacheManager
+        if len(cache_config.kv_group_windows) > 1:
+            self.kv = HybridKVCacheManager(
+                cache_config.num_gpu_blocks, cache_config.block_size,
+                cache_config.kv_group_windows, cache_config.num_cpu_blocks,
+                cache_config.enable_prefix_caching)
+        else:
+            self.kv = KVCacheManager(
+                cache_config.num_gpu_blocks,
+                cache_config.block_size,
+                cache_config.num_cpu_blocks,
+                cache_config.enable_prefix_caching,
+                cache_config.enable_kv_offload,
+                cache_config.sliding_window,
+            )
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}
         self.aging_s = scheduler_config.priority_aging_s
@@ -128,7 +136,7 @@ class Scheduler(StepResults):
         if request.request_id in self.requests or request.group_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         check_fits(request, self.config, self.block_size, self.kv.pool.num_blocks,
-                   self.kv.sliding_window)
+                   self.kv.group_windows)
         if needs_long_rope(request, self.cache_config.long_rope_from):
             start_long_rope(request)
         n = request.sampling_params.n
@@ -216,9 +224,7 @@ class Scheduler(StepResults):
             if not lora_fits(req, active, self.config.max_loras):
                 break
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            blocks_after = cdiv(req.num_computed_tokens + num_new, self.block_size)
-            extra = max(0, blocks_after - len(self.kv.swapped[req.request_id].cpu_block_ids))
-            if self.kv.num_blocks_to_swap_in(req) + extra > self.kv.pool.num_free_blocks:
+            if self.kv.swap_in_cost(req, num_new) > self.kv.pool.num_free_blocks:
                 break
             pairs = self.kv.swap_in(req)
             copies = self.kv.allocate_slots(req, num_new) if pairs is not None else None
@@ -249,7 +255,7 @@ class Scheduler(StepResults):
             if req.sampling_params.prompt_logprobs is None and not (
                     req.pooling_params and req.pooling_params.needs_every_position):
                 hits, num_hit = self.kv.get_computed_blocks(req)
-                loads = self.kv.get_offloaded_blocks(req, len(hits))
+                loads = self.kv.get_offloaded_blocks(req, num_hit // self.block_size)
                 device_hit = num_hit
                 num_hit += len(loads) * self.block_size
             else:  # every prompt position's logits (or state) is wanted: compute them all
@@ -306,7 +312,7 @@ class Scheduler(StepResults):
                 return  # its step is still running: wait for its tokens first
             if urgency(victim, self.aging_s) <= urgency(req, self.aging_s) or not lacks_room(
                     req, len(self.running), self.config, self.block_size,
-                    self.kv.pool.num_free_blocks):
+                    self.kv.pool.num_free_blocks, len(self.kv.group_windows)):
                 return
             self.running.pop()
             self._preempt(victim, out)
@@ -318,7 +324,9 @@ class Scheduler(StepResults):
         return min(remaining, budget, cap) if cap else min(remaining, budget)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        return scheduled_request(req, num_new, self.kv.block_ids(req.request_id))
+        rid = req.request_id
+        return scheduled_request(req, num_new, self.kv.block_ids(rid),
+                                 self.kv.group_block_ids(rid))
 
     def _switch_to_long_rope(self) -> None:
         """Recompute, with the long factors, every request that has grown past

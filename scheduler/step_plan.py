@@ -11,8 +11,10 @@ from pagedserve.scheduler.outputs import ScheduledRequest
 from pagedserve.scheduler.request import Request
 
 
-def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
-    """Tokens ``num_computed_tokens .. + num_new`` of ``req`` over its ``block_ids``.
+def scheduled_request(req: Request, num_new: int, block_ids: list[int],
+                      group_block_ids: list[list[int]] | None = None) -> ScheduledRequest:
+    """Tokens ``num_computed_tokens .. + num_new`` of ``req`` over its ``block_ids``
+    (and a hybrid model's other groups' tables, ``group_block_ids``).
 
     The row samples only when it reaches the end of the sequence: for the
     sequence itself, or at a group's prompt end for every sibling waiting to
@@ -42,6 +44,7 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int]) -> Sched
     if drafts:
         sched.draft_token_ids = drafts
     sched.lora_id = req.lora_id
+    sched.group_block_tables = group_block_ids
     sched.long_rope = uses_long_rope(req)
     sched.num_output_tokens = req.num_output_tokens
     pp = req.pooling_params

@@ -32,6 +32,7 @@ def make_scheduler(
     max_concurrent_batches: int = 1,
     sliding_window: int | None = None,
     long_rope_from: int = 0,
+    kv_group_windows: tuple[int | None, ...] = (),
 ) -> tuple[Scheduler, KVSim]:
     sched = Scheduler(
         SchedulerConfig(
@@ -51,11 +52,12 @@ def make_scheduler(
             enable_kv_offload=enable_kv_offload,
             sliding_window=sliding_window,
             long_rope_from=long_rope_from,
+            kv_group_windows=kv_group_windows,
         ),
         speculative_config,
     )
     return sched, KVSim(num_gpu_blocks, num_cpu_blocks, block_size, copy_period,
-                        sliding_window)
+                        sliding_window, kv_group_windows)
 
 
 SHARED_PREFIX = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -69,7 +71,8 @@ SCHEDULER_DRAWS = {
     "spec": st.sampled_from([None, None, 1, 3]),
     "copy_period": st.sampled_from([None, 2, 5]),
     "offload": st.booleans(),
-    "window": st.sampled_from([None, None, 3, 6, 10]),
+    # A window for every layer, or a hybrid model's groups (full and sliding tables).
+    "window": st.sampled_from([None, None, 3, 6, 10, (None, 6), (None, 3, 3), (10, 4)]),
 }
 REQUEST_DRAWS = {
     "prompt_len": st.integers(1, 20),
@@ -82,10 +85,13 @@ REQUEST_DRAWS = {
 
 def machine_scheduler(gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
                       spec: int | None, copy_period: int | None, offload: bool,
-                      depth: int = 1, window: int | None = None) -> tuple[Scheduler, KVSim]:
+                      depth: int = 1, window: int | tuple[int | None, ...] | None = None,
+                      ) -> tuple[Scheduler, KVSim]:
     """The state machines' scheduler: blocks of 4 tokens, six seats, ``depth`` plans in
-    flight at most, n-gram drafts of ``spec`` tokens, offloading when there is a CPU tier,
-    blocks released behind a sliding ``window``."""
+    flight at most, n-gram drafts of ``spec`` tokens, offloading when there is a CPU tier
+    (and one table), blocks released behind a sliding ``window``, or one table per KV
+    cache group when ``window`` is a hybrid model's group windows."""
+    groups = window if isinstance(window, tuple) else ()
     return make_scheduler(
         num_gpu_blocks=gpu_blocks,
         block_size=4,
@@ -96,9 +102,10 @@ def machine_scheduler(gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
         speculative_config=None if spec is None else SpeculativeConfig(
             num_speculative_tokens=spec, prompt_lookup_max=3),
         copy_period=copy_period,
-        enable_kv_offload=offload and cpu_blocks > 0,
+        enable_kv_offload=offload and cpu_blocks > 0 and not groups,
         max_concurrent_batches=depth,
-        sliding_window=window,
+        sliding_window=None if groups else window,
+        kv_group_windows=groups,
     )
 
 
@@ -155,14 +162,16 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
     hash names one block whose simulated content is the hashed tokens."""
     pool = sched.kv.pool
     holders: Counter[int] = Counter()
-    window = sched.kv.sliding_window
-    for rid, blocks in sched.kv.req_blocks.items():
-        live = [b for b in blocks if b is not RELEASED]
-        for b in live:
-            holders[b.block_id] += 1
-        if window is not None:  # what a step may hold, and nothing released is written
-            assert len(live) <= blocks_held(1 << 30, sched.config, sched.block_size, window)
-            assert all(b is RELEASED for b in blocks[:len(blocks) - len(live)]), rid
+    groups = sched.kv.group_managers
+    for g in groups:
+        window = g.sliding_window
+        for rid, blocks in g.req_blocks.items():
+            live = [b for b in blocks if b is not RELEASED]
+            for b in live:
+                holders[b.block_id] += 1
+            if window is not None:  # what a step may hold, and nothing released is written
+                assert len(live) <= blocks_held(1 << 30, sched.config, sched.block_size, window)
+                assert all(b is RELEASED for b in blocks[:len(blocks) - len(live)]), rid
     free_ids = {b.block_id for b in pool.free_queue}
     assert len(free_ids) == pool.num_free_blocks
     for b in pool.blocks:
@@ -170,21 +179,23 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
         assert (b.ref_cnt == 0) == (b.block_id in free_ids), b
     for h, b in pool.cached.items():
         assert b.block_hash == h
-    for rid, blocks in sched.kv.req_blocks.items():
-        assert sched.kv.req_block_ids[rid] == [b.block_id for b in blocks]
-        r = sched.requests[rid]
-        assert len(blocks) * sched.block_size >= r.num_computed_tokens
-        hashes = r.update_block_hashes(sched.block_size)
-        for i, b in enumerate(blocks):
-            if b.block_hash is not None:
-                assert b.block_hash == hashes[i], f"{rid} block {i} hash names other tokens"
+    for g in groups:
+        for rid, blocks in g.req_blocks.items():
+            assert g.req_block_ids[rid] == [b.block_id for b in blocks]
+            r = sched.requests[rid]
+            assert len(blocks) * sched.block_size >= r.num_computed_tokens
+            hashes = r.update_block_hashes(sched.block_size)
+            for i, b in enumerate(blocks):
+                if b.block_hash is not None:
+                    assert b.block_hash == g.salted(hashes[i]), f"{rid} block {i} names others"
     if sim is not None:
         B = sched.block_size
-        for rid, blocks in sched.kv.req_blocks.items():
-            r = sched.requests[rid]
-            for p in range(r.num_computed_tokens):
-                if blocks[p // B] is not RELEASED:
-                    assert sim.gpu[blocks[p // B].block_id][p % B] == r.all_token_ids[p]
+        for g in groups:
+            for rid, blocks in g.req_blocks.items():
+                r = sched.requests[rid]
+                for p in range(r.num_computed_tokens):
+                    if blocks[p // B] is not RELEASED:
+                        assert sim.gpu[blocks[p // B].block_id][p % B] == r.all_token_ids[p]
         for b in pool.cached.values():
             assert None not in sim.gpu[b.block_id]
         for r in sched.requests.values():  # offloaded blocks hold what their hash names
@@ -193,7 +204,7 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
                 if cpu_id is not None:
                     assert sim.cpu[cpu_id] == r.all_token_ids[i * B:(i + 1) * B], (r, i)
     cpu = sched.kv.cpu_pool
-    used_cpu = sum(c >= 0 for s in sched.kv.swapped.values() for c in s.cpu_block_ids)
+    used_cpu = sum(c >= 0 for g in groups for s in g.swapped.values() for c in s.cpu_block_ids)
     assert used_cpu == cpu.num_owned_blocks
     assert cpu.num_owned_blocks + cpu.num_cached_blocks + cpu.num_free_blocks == cpu.num_blocks
 
@@ -202,7 +213,7 @@ def assert_baseline(sched: Scheduler) -> None:
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not sched.kv.req_blocks and not sched.kv.swapped
+    assert not any(g.req_blocks or g.swapped for g in sched.kv.group_managers)
     cpu = sched.kv.cpu_pool
     assert cpu.num_owned_blocks == 0
     assert cpu.num_free_blocks + cpu.num_cached_blocks == cpu.num_blocks

@@ -42,11 +42,15 @@ class KVSim:
     (3 times in 4, chosen by the context hash), so n-gram drafts are often right
     and speculative decoding's accept and reject paths both run. With ``window`` it
     reads only the last ``window`` positions, as sliding-window attention does, and
-    fails on a table entry there that was released (-1)."""
+    fails on a table entry there that was released (-1). With ``group_windows`` (a
+    hybrid model's KV cache groups) each step writes through every group's table and
+    reads each group's window back through its own; the token follows group 0's
+    reading, and every other group's must be the end of it."""
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 copy_period: int | None = None, window: int | None = None) -> None:
-        self.window = window
+                 copy_period: int | None = None, window: int | None = None,
+                 group_windows: tuple[int | None, ...] = ()) -> None:
+        self.windows = tuple(group_windows) or (window,)
         self.B = block_size
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
@@ -62,8 +66,17 @@ class KVSim:
         return (h + 7 * index) % VOCAB
 
     def _context(self, sr, end: int) -> list[int]:
-        first = 0 if self.window is None else max(0, end - self.window)
-        blocks = [sr.block_table[p // self.B] for p in range(first, end)]
+        context = self._read(sr, 0, end)
+        for g in range(1, len(self.windows)):
+            seen = self._read(sr, g, end)
+            assert seen == context[len(context) - len(seen):], f"{sr.request_id} group {g}"
+        return context
+
+    def _read(self, sr, group: int, end: int) -> list[int]:
+        window = self.windows[group]
+        table = _table(sr, group)
+        first = 0 if window is None else max(0, end - window)
+        blocks = [table[p // self.B] for p in range(first, end)]
         assert min(blocks, default=0) >= 0, f"{sr.request_id} reads a released block"
         context = [self.gpu[b][p % self.B] for b, p in zip(blocks, range(first, end))]
         assert None not in context, f"{sr.request_id} read an unwritten slot"
@@ -78,9 +91,11 @@ class KVSim:
             self.gpu[dst] = list(self.gpu[src])
         out = ModelRunnerOutput(plan.step_id)
         for sr in plan.scheduled:
-            for i, tok in enumerate(sr.token_ids):
-                p = sr.num_computed_tokens + i
-                self.gpu[sr.block_table[p // self.B]][p % self.B] = tok
+            for g in range(len(self.windows)):
+                table = _table(sr, g)
+                for i, tok in enumerate(sr.token_ids):
+                    p = sr.num_computed_tokens + i
+                    self.gpu[table[p // self.B]][p % self.B] = tok
             end = sr.num_computed_tokens + len(sr.token_ids)
             if sr.draft_token_ids:  # the sampler's rule: keep guesses up to a differing draw
                 drafts, toks = sr.draft_token_ids, []
@@ -100,6 +115,10 @@ class KVSim:
                 else:
                     out.sampled[sid] = SampledToken(self._next(sr, end, _index(sid)))
         return out
+
+
+def _table(sr, group: int) -> list[int]:
+    return sr.block_table if group == 0 else sr.group_block_tables[group - 1]
 
 
 def _index(sample_id: str) -> int:

@@ -19,14 +19,16 @@ def _wire(enc: PlanEncoder, plan: SchedulerOutput) -> bytes:
     return pickle.dumps(enc.encode(plan), protocol=5)
 
 
-def _run(seed: int, mode: str, spec: int | None, offload: bool,
-         wire: bool) -> tuple[dict[str, list[int]], list[int], list[int], int]:
+def _run(seed: int, mode: str, spec: int | None, offload: bool, wire: bool,
+         groups: tuple[int | None, ...] = ()
+         ) -> tuple[dict[str, list[int]], list[int], list[int], int]:
     """A random workload on a small pool; with ``wire`` every plan goes through the
     encoder, pickling and two ranks' decoders before the KV simulator runs it. Returns
     the tokens, each step's encoded and whole pickled sizes, and the preemptions."""
     rng = random.Random(seed)
     sched, sim = machine_scheduler(gpu_blocks=20, cpu_blocks=8, mode=mode, budget=16,
-                                   spec=spec, copy_period=3, offload=offload)
+                                   spec=spec, copy_period=3, offload=offload,
+                                   window=groups or None)
     enc, ranks = PlanEncoder(), [PlanDecoder(), PlanDecoder()]
     out: dict[str, list[int]] = {}
     sizes, whole = [], []
@@ -58,16 +60,18 @@ def _run(seed: int, mode: str, spec: int | None, offload: bool,
     return out, sizes, whole, sum(sched.num_preemptions.values())
 
 
-@pytest.mark.parametrize("mode,spec,offload", [("swap", None, False), ("recompute", 3, False),
-                                               ("swap", 1, True), ("recompute", None, True)])
-def test_decoded_plans_are_the_scheduler_plans(mode: str, spec: int | None,
-                                               offload: bool) -> None:
-    """Every decoded plan equals the one made (tables, parameters, every field), on two
-    ranks, and the run's tokens equal a run on whole plans; rows mostly travel small."""
+@pytest.mark.parametrize("mode,spec,offload,groups", [
+    ("swap", None, False, ()), ("recompute", 3, False, ()), ("swap", 1, True, ()),
+    ("recompute", None, True, ()), ("swap", 3, False, (None, 6, 6))])
+def test_decoded_plans_are_the_scheduler_plans(mode: str, spec: int | None, offload: bool,
+                                               groups: tuple[int | None, ...]) -> None:
+    """Every decoded plan equals the one made (tables, a hybrid model's group tables,
+    parameters, every field), on two ranks, and the run's tokens equal a run on whole
+    plans; rows mostly travel small."""
     preempted = 0
     for seed in range(4):
-        got, sizes, whole, n = _run(seed, mode, spec, offload, wire=True)
-        want, _, _, _ = _run(seed, mode, spec, offload, wire=False)
+        got, sizes, whole, n = _run(seed, mode, spec, offload, True, groups)
+        want, _, _, _ = _run(seed, mode, spec, offload, False, groups)
         assert got == want
         assert sum(sizes) < 0.75 * sum(whole), (sum(sizes), sum(whole))
         preempted += n

@@ -37,7 +37,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched is None)
     def init(self, gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
              spec: int | None, copy_period: int | None, offload: bool,
-             window: int | None) -> None:
+             window: int | tuple[int | None, ...] | None) -> None:
         self.sched, self.sim = machine_scheduler(gpu_blocks, cpu_blocks, mode, budget, spec,
                                                  copy_period, offload, window=window)
 

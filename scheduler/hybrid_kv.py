@@ -1,0 +1,181 @@
+"""One request, one block table per KV cache group: the hybrid model's manager.
+
+Gemma 3 attends through a 512- or 1,024-token window in five layers of six. With
+one table for every layer, each of those layers holds the whole context; here each
+group of layers (``kv_groups``) has its own table, every group draws its blocks
+from one shared pool, and a sliding group gives back what falls behind its window
+(``KVCacheManager.release_behind_window``), so a long request costs the full
+groups its length and each sliding group about its window.
+
+Every step decision goes to every group and succeeds in all of them or in none:
+the cost of an allocation or a swap-in is summed over the groups and checked
+against the shared pool before any group changes. Each group's blocks are named in
+the prefix cache under a salted hash, so groups never hit each other's blocks; a
+prompt hits ``k`` blocks when every full group holds its first ``k`` and every
+sliding group holds the blocks that the ``k``-th block's first query can see.
+"""
+
+from __future__ import annotations
+
+from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
+from pagedserve.scheduler.cpu_block_pool import CpuBlockPool
+from pagedserve.scheduler.kv_cache_manager import RELEASED, KVCacheManager
+from pagedserve.scheduler.request import Request
+
+
+class HybridKVCacheManager:
+    """``KVCacheManager``'s interface over ``len(windows)`` groups sharing one pool.
+
+    ``block_ids`` is group 0's table (the step plan's ``block_table``);
+    ``group_block_ids`` the others'. Not supported here: KV offloading and KV
+    import from another replica (the engine keeps one group when either is on).
+    """
+
+    def __init__(self, num_gpu_blocks: int, block_size: int,
+                 windows: tuple[int | None, ...], num_cpu_blocks: int = 0,
+                 enable_caching: bool = True) -> None:
+        if len(windows) < 2:
+            raise ValueError(f"a hybrid KV cache needs two groups or more, got {windows}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks, enable_caching=False)
+        self.groups = [
+            KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_caching,
+                           sliding_window=w, pool=self.pool, cpu_pool=self.cpu_pool,
+                           hash_salt=f"kv-group-{g}".encode() if g else b"")
+            for g, w in enumerate(windows)
+        ]
+        self.windows = tuple(windows)
+        self.sliding_window = None  # (per group: ``windows``)
+        self.offload_enabled = False
+        self.offload_stats = self.groups[0].offload_stats
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- lookups -------------------------------------------------------------------
+
+    @property
+    def group_managers(self) -> list[KVCacheManager]:
+        return self.groups
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return self.windows
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.groups[0].block_ids(request_id)
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        return [g.block_ids(request_id) for g in self.groups[1:]]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+        """Per group, the hits of the longest prefix every group can resume from."""
+        B = self.block_size
+        hashes = request.update_block_hashes(B)
+        max_blocks = (request.num_tokens - 1) // B
+        full = [g for g in self.groups if g.sliding_window is None]
+        sliding = [g for g in self.groups if g.sliding_window is not None]
+        k = max_blocks
+        for g in full:
+            k = next((i for i in range(k) if g.pool.get_cached_block(g.salted(hashes[i]))
+                      is None), k)
+        moved = True
+        while moved and k:
+            moved = False
+            for g in sliding:
+                lo = _first_seen(k, g.sliding_window, B)
+                miss = next((i for i in range(k - 1, lo - 1, -1)
+                             if g.pool.get_cached_block(g.salted(hashes[i])) is None), None)
+                if miss is not None:
+                    k, moved = miss, True
+        hits = []
+        for g in self.groups:
+            lo = 0 if g.sliding_window is None else _first_seen(k, g.sliding_window, B)
+            found = [g.pool.get_cached_block(g.salted(h)) for h in hashes[lo:k]]
+            hits.append([RELEASED] * lo + found)
+        return hits, k * B
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def get_offloaded_blocks(self, request: Request, num_device_hits: int) -> list[int]:
+        return []  # (no offloading with groups)
+
+    # ---- allocation ------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[list[KVCacheBlock]] | None = None,
+                       offloaded: list[int] | None = None) -> list[tuple[int, int]] | None:
+        """Every group's ``allocate_slots``, or ``None`` with nothing changed."""
+        if offloaded:
+            raise ValueError("a hybrid KV cache does not offload")
+        hits = computed_blocks or [None] * len(self.groups)
+        cost = sum(g.slots_cost(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
+        if cost > self.pool.num_free_blocks:
+            return None
+        for g, h in zip(self.groups, hits):  # every group's hits, before any allocates
+            if h:
+                g.take_hits(h)
+        copies: list[tuple[int, int]] = []
+        for g, h in zip(self.groups, hits):
+            copies.extend(g.commit_slots(request, num_new_tokens, h, hits_taken=True))
+        return copies
+
+    def cache_blocks(self, request: Request) -> None:
+        """Name each group's newly full blocks (each group from the same start)."""
+        start = request.num_hashed_blocks
+        for g in self.groups:
+            request.num_hashed_blocks = start
+            g.cache_blocks(request)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        for g in self.groups:
+            g.fork(parent, child)
+
+    def release_behind_window(self, request: Request) -> int:
+        return sum(g.release_behind_window(request) for g in self.groups)
+
+    def free(self, request: Request) -> None:
+        for g in self.groups:
+            g.free(request)
+
+    # ---- swap --------------------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        held = sum(1 for g in self.groups for b in g.req_blocks.get(request.request_id, ())
+                   if b is not RELEASED)
+        return held <= self.cpu_pool.num_available_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        return [p for g in self.groups for p in g.swap_out(request)]
+
+    def num_blocks_to_swap_in(self, request: Request) -> int:
+        return sum(g.num_blocks_to_swap_in(request) for g in self.groups)
+
+    def swap_in_cost(self, request: Request, num_new_tokens: int) -> int:
+        return sum(g.swap_in_cost(request, num_new_tokens) for g in self.groups)
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        if self.num_blocks_to_swap_in(request) > self.pool.num_free_blocks:
+            return None
+        pairs: list[tuple[int, int]] = []
+        for g in self.groups:
+            got = g.swap_in(request)
+            assert got is not None, "the summed check was exact"
+            pairs.extend(got)
+        return pairs
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        self.cpu_pool.release_pins()
+        return [], []
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+
+def _first_seen(num_hit_blocks: int, window: int, block_size: int) -> int:
+    """The first block that the query after ``num_hit_blocks`` full blocks can see."""
+    return max(0, (num_hit_blocks * block_size - window + 1) // block_size)
