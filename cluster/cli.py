@@ -63,6 +63,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a request's tokens and logprobs do not depend on what else is in "
                         "its batch, bit for bit (reproducible seeded sampling, exact "
                         "failover; CPU only, slower for short batches and long prompts)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer of a model that mixes full and "
+                        "sliding-window layers (Gemma 2 / 3), whose sliding layers then "
+                        "keep every block too (default: a table per kind of layer)")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
@@ -264,7 +268,8 @@ def generate(args: argparse.Namespace) -> int:
         enable_lora=args.lora is not None, max_lora_rank=args.max_lora_rank,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         kv_offloading_size=args.kv_offloading_size,
-        quantization=args.quantization, batch_invariant=args.batch_invariant)
+        quantization=args.quantization, batch_invariant=args.batch_invariant,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
     lora = None
     try:
         if args.lora is not None:

@@ -63,6 +63,11 @@ class EngineConfig:
     prompts that arrive behind a long one start in the same steps (vLLM's option).
     ``batch_invariant`` makes a request's logits independent of what else runs in its
     steps, bit for bit (CPU only; ``worker.batch_invariant``).
+    ``disable_hybrid_kv_cache_manager`` (vLLM's option) keeps one block table for every
+    layer of a model that mixes full and sliding-window layers (Gemma 2 and 3), so its
+    sliding layers hold every block too; by default each kind of layer has its own
+    tables and sliding ones give back what falls behind the window
+    (``scheduler.hybrid_kv``). KV offloading needs one table, so it turns this off.
     """
 
     model: str | None = None
@@ -105,6 +110,7 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     quantization: str | None = None
     batch_invariant: bool = False
+    disable_hybrid_kv_cache_manager: bool = False
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -329,5 +335,6 @@ class EngineConfig:
             calculate_kv_scales=self.calculate_kv_scales,
             quantization=self.quantization,
             batch_invariant=self.batch_invariant,
+            hybrid_kv_cache=not (self.disable_hybrid_kv_cache_manager or self.offloads_kv()),
             extra=dict(self.worker_extra),
         )

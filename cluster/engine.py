@@ -108,6 +108,7 @@ class LLMEngine:
                 model_id=self.model_id,
                 enable_kv_offload=num_offload > 0, sliding_window=info.get("kv_sliding_window"),
                 long_rope_from=info.get("long_rope_from", 0),
+                kv_group_windows=tuple(info.get("kv_group_windows") or ()),
             ),
             config.speculative_config,
         )

@@ -44,7 +44,8 @@ def calibrate_kv_scales(engine: LLMEngine) -> None:
     same on every replica, and not taken from whatever request (a health probe of a
     few tokens) happens to come first."""
     sched = engine.scheduler
-    cap = min(engine.max_model_len, sched.kv.pool.num_blocks * sched.block_size,
+    per_table = sched.kv.pool.num_blocks // len(sched.kv.group_windows)
+    cap = min(engine.max_model_len, per_table * sched.block_size,
               sched.config.max_num_batched_tokens)  # one step, whatever the settings
     ids = engine.tokenize(KV_CALIBRATION_TEXT)[:cap]
     engine.add_request(ids, SamplingParams(max_tokens=1), "__kv_calibration__",

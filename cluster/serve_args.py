@@ -49,6 +49,7 @@ class ServeArgs(BaseModel):
     calculate_kv_scales: bool = False
     quantization: Literal["int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] | None = None
     batch_invariant: bool = False  # logits independent of the batch (``worker.batch_invariant``)
+    disable_hybrid_kv_cache_manager: bool = False  # one block table for every layer
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_offloading_size: float = Field(default=0.0, ge=0.0)
@@ -216,6 +217,9 @@ class ServeArgs(BaseModel):
             dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
             batch_invariant=self.batch_invariant,
+            # Shipped KV (prefill replicas) lands in one table per request.
+            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager
+            or bool(self.prefill_replicas),
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             kv_offloading_size=self.kv_offloading_size,

@@ -175,6 +175,18 @@ class HybridKVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
 
+    # ---- KV shipped between replicas (``kv_import``): one table only -----------------------
+
+    def cached_prefix(self, hashes: list) -> list[int]:
+        raise RuntimeError(_NO_IMPORT)
+
+    def reserve_import(self, hashes: list) -> None:
+        raise RuntimeError(_NO_IMPORT)
+
+
+_NO_IMPORT = ("KV blocks shipped between replicas need one block table per request: start "
+              "the engines with disable_hybrid_kv_cache_manager=True")
+
 
 def _first_seen(num_hit_blocks: int, window: int, block_size: int) -> int:
     """The first block that the query after ``num_hit_blocks`` full blocks can see."""

@@ -264,6 +264,10 @@ class WorkerConfig:
     ``batch_invariant`` pads GEMM rows and runs every attention row on the native
     per-row kernel, so a row's logits do not depend on the batch (``batch_invariant``).
 
+    ``hybrid_kv_cache`` gives a model that mixes full and sliding-window layers one
+    block table per group of layers of one kind (``scheduler.kv_groups``), so sliding
+    layers hold only their window; off, every layer keeps every block.
+
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
     (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room
     for ``max_loaded_loras`` adapters of that rank out of the KV pool.
@@ -297,6 +301,7 @@ class WorkerConfig:
     calculate_kv_scales: bool = False
     quantization: str | None = None
     batch_invariant: bool = False
+    hybrid_kv_cache: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -6,7 +6,9 @@ over static input buffers, all of them when the KV cache is built
 (``capture_all``), else on first use; padded rows write to slot -1 (skipped) and
 attend to one key of block 0, whose result is discarded. Any capture failure
 (e.g. a backend that synchronises with the host) disables graphs and falls
-back to eager execution instead of failing the step. Untested on CPU hosts.
+back to eager execution instead of failing the step. A hybrid model's KV cache
+groups (``scheduler.kv_groups``) each have their own table and slot buffers.
+Untested on CPU hosts.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class DecodeGraphRunner:
     """Captured decode forwards keyed by padded batch size."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
-                 max_num_seqs: int, max_blocks: int):
+                 max_num_seqs: int, max_blocks: int, num_groups: int = 1):
         self.model, self.kv_cache, self.device = model, kv_cache, device
         # Every batch up to max_num_seqs has a graph: the last size is max_num_seqs itself.
         self.sizes = [b for b in _BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
@@ -40,15 +42,21 @@ class DecodeGraphRunner:
         self.max_blocks = max_blocks
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.pos = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.bt = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
+        self.slots = [torch.full((n,), -1, dtype=torch.long, device=device)
+                      for _ in range(num_groups)]
+        self.bt = [torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
+                   for _ in range(num_groups)]
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.disabled = False
 
     def _md(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slots[:b], self.bt[:b], self.lens[:b], True, None)
+        mds = [AttentionMetadata(slots[:b], bt[:b], self.lens[:b], True, None)
+               for slots, bt in zip(self.slots, self.bt, strict=True)]
+        if len(mds) > 1:
+            mds[0].groups = mds[1:]
+        return mds[0]
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         layers = self.kv_cache.layers
@@ -74,11 +82,13 @@ class DecodeGraphRunner:
         b = next(x for x in self.sizes if x >= s)
         self.ids[:s].copy_(input_ids)
         self.pos[:s].copy_(positions)
-        self.slots[:s].copy_(md.slot_mapping)
-        self.slots[s:b].fill_(-1)
-        self.bt[:s, :width].copy_(md.block_table)
-        self.bt[:s, width:].fill_(-1)
-        self.bt[s:b].fill_(0)
+        for g, gmd in enumerate([md, *(md.groups or ())]):
+            slots, bt = self.slots[g], self.bt[g]
+            slots[:s].copy_(gmd.slot_mapping)
+            slots[s:b].fill_(-1)
+            bt[:s, :width].copy_(gmd.block_table)
+            bt[:s, width:].fill_(-1)
+            bt[s:b].fill_(0)
         self.lens[:s].copy_(md.seq_lens)
         self.lens[s:b].fill_(1)
         entry = self._graph(b)

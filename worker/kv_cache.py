@@ -2,7 +2,10 @@
 
 Per layer, K and V caches have shape ``[num_blocks, block_size, Hkv_rank, D]``
 (DESIGN's KV layout). Block ids are per tier: device ids index
-``key_caches``, CPU ids index ``cpu_key_caches``. The scheduler decides every
+``key_caches``, CPU ids index ``cpu_key_caches``. A hybrid model's layers share
+them (``scheduler.kv_groups``): ``layer_slots[i]`` is the cache local layer ``i``
+reads, one layer of each KV cache group per cache, each group through its own
+block table, so a block id names one group's block in every cache. The scheduler decides every
 move; this class only executes swap-out, swap-in and copy through the
 attention backend, in that order, before the forward.
 """
@@ -16,7 +19,8 @@ from pagedserve.kernels import AttentionBackend
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
-    """Bytes of one block (K and V, all layers) on one rank: ``2*L*B*Hkv*D*elem``."""
+    """Bytes of one block (K and V, all layers) on one rank: ``2*L*B*Hkv*D*elem``
+    (``L``: the caches, a hybrid model's group size)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
@@ -30,7 +34,8 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend, num_cpu_blocks: int = 0):
+                 backend: AttentionBackend, num_cpu_blocks: int = 0,
+                 layer_slots: list[int] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if num_cpu_blocks < 0:
@@ -38,24 +43,29 @@ class KVCache:
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.block_size = block_size
         self.backend = backend
+        self.layer_slots = list(range(num_layers)) if layer_slots is None else list(layer_slots)
+        if len(self.layer_slots) != num_layers or min(self.layer_slots, default=0) < 0:
+            raise ValueError(f"layer_slots must give each of {num_layers} layers a cache, "
+                             f"got {layer_slots}")
+        num_caches = max(self.layer_slots, default=-1) + 1
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zero-filled, not empty: a kernel that masks unused slots after the
         # matmul must never meet NaN garbage (0 * NaN is NaN).
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                           for _ in range(num_layers)]
+                           for _ in range(num_caches)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                             for _ in range(num_layers)]
+                             for _ in range(num_caches)]
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         self.cpu_key_caches = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
-                               for _ in range(num_layers)]
+                               for _ in range(num_caches)]
         self.cpu_value_caches = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
-                                 for _ in range(num_layers)]
+                                 for _ in range(num_caches)]
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(key_cache, value_cache)]`` per layer, as the model's forward takes them."""
-        return list(zip(self.key_caches, self.value_caches, strict=True))
+        return [(self.key_caches[s], self.value_caches[s]) for s in self.layer_slots]
 
     def _check(self, what: str, ids: torch.Tensor, limit: int) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
@@ -82,7 +92,7 @@ class KVCache:
         self.backend.swap_blocks(self.cpu_value_caches, self.value_caches, p)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write ``(src, dst)`` device blocks in every layer."""
+        """Copy-on-write ``(src, dst)`` device blocks in every cache."""
         if not pairs:
             return
         p = _pairs(pairs)

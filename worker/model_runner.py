@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels import build_varlen_metadata
-from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.worker.cuda_graph import DecodeGraphRunner
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
@@ -63,7 +63,9 @@ class ModelRunner:
         if (enable_cuda_graph and device.type == "cuda" and kv_cache.backend.name != "torch"
                 and model.graph_capturable and model.stage.size == 1):
             max_blocks = -(-model.config.max_model_len // self.block_size)
-            self.graphs = DecodeGraphRunner(model, kv_cache, device, max_num_seqs, max_blocks)
+            groups = max(a.kv_group for a in model.attention_layers()) + 1
+            self.graphs = DecodeGraphRunner(model, kv_cache, device, max_num_seqs, max_blocks,
+                                            groups)
             with torch.inference_mode():
                 self.graphs.capture_all()
 
@@ -78,19 +80,7 @@ class ModelRunner:
         seq_lens = [s + q for s, q in zip(starts, q_lens)]
         num_tokens = sum(q_lens)
         width = -(-max(seq_lens) // bsz)
-        pad = [-1] * width
-        flat_bt: list[int] = []
-        for r, n in zip(reqs, seq_lens):
-            bt = r.block_table
-            need = -(-n // bsz)
-            if len(bt) < need:
-                raise ValueError(
-                    f"request {r.request_id}: block table has {len(bt)} blocks, "
-                    f"{n} tokens need {need}"
-                )
-            flat_bt += bt[:need]
-            flat_bt += pad[: width - need]
-        block_table = int_tensor(flat_bt, np.int32).view(len(reqs), width)
+        block_table = _block_table(reqs, [r.block_table for r in reqs], seq_lens, bsz, width)
         input_ids = int_tensor(list(chain.from_iterable(r.token_ids for r in reqs)), np.int64)
         is_decode = num_tokens == len(reqs)
         if is_decode:
@@ -102,16 +92,23 @@ class ModelRunner:
             shift = torch.repeat_interleave(first - torch.tensor(starts), q_t)
             positions = torch.arange(num_tokens) - shift
             seq_idx = torch.repeat_interleave(torch.arange(len(reqs)), q_t)
-        slots = block_table[seq_idx, positions // bsz].long() * bsz + positions % bsz
+        tables = [block_table]
+        if reqs[0].group_block_tables is not None:  # a hybrid model: one table per group
+            for g in range(len(reqs[0].group_block_tables)):
+                tables.append(_block_table(reqs, [_group_table(r, g) for r in reqs],
+                                           seq_lens, bsz, width))
+        block, offset = positions // bsz, positions % bsz
+        slots = [t[seq_idx, block].long() * bsz + offset for t in tables]
         if self.long_rope:
             positions = mark_long_rope(positions, seq_idx, [r.long_rope for r in reqs])
-        md = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_table=block_table.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            is_decode=is_decode,
-            varlen=None if is_decode else build_varlen_metadata(q_lens, seq_lens, dev),
-        )
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        varlen = None if is_decode else build_varlen_metadata(q_lens, seq_lens, dev)
+        mds = [AttentionMetadata(slot_mapping=s.to(dev), block_table=t.to(dev), seq_lens=lens,
+                                 is_decode=is_decode, varlen=varlen)
+               for t, s in zip(tables, slots, strict=True)]
+        md = mds[0]
+        if len(mds) > 1:
+            md.groups = mds[1:]
         rows: list[int] = []
         sample_reqs: list[SampleRequest] = []
         drafted: list[SampleRequest] = []
@@ -250,3 +247,27 @@ def int_tensor(values: list[int], dtype: type[np.integer]) -> torch.Tensor:
     ``prepare_inputs`` took 5.3 ms that way against 1.6 ms this way, on every rank
     every step (``python bench/prepare_inputs.py``)."""
     return torch.from_numpy(np.fromiter(values, dtype=dtype, count=len(values)))
+
+
+def _block_table(reqs: list[ScheduledRequest], tables: list[list[int]], seq_lens: list[int], bsz: int,
+                 width: int) -> torch.Tensor:
+    """``tables`` cut to each row's blocks and padded with -1 to ``width``, as int32."""
+    pad = [-1] * width
+    flat: list[int] = []
+    for r, bt, n in zip(reqs, tables, seq_lens):
+        need = -(-n // bsz)
+        if len(bt) < need:
+            raise ValueError(
+                f"request {r.request_id}: block table has {len(bt)} blocks, "
+                f"{n} tokens need {need}"
+            )
+        flat += bt[:need]
+        flat += pad[: width - need]
+    return int_tensor(flat, np.int32).view(len(reqs), width)
+
+
+def _group_table(r: ScheduledRequest, group: int) -> list[int]:
+    if r.group_block_tables is None or len(r.group_block_tables) <= group:
+        raise ValueError(f"request {r.request_id}: no block table for KV cache group "
+                         f"{group + 1}")
+    return r.group_block_tables[group]

@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.kernels import get_backend
 from pagedserve.kernels.kv_quant import is_fp8, kv_dtype_name
+from pagedserve.scheduler.kv_groups import KVGroupLayout, plan_kv_groups
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import batch_invariant
 from pagedserve.worker import sleep as sleep_mode
@@ -128,6 +129,9 @@ class Worker:
         stage = PipelineStage.of(model_config.num_layers, self.config.pipeline_parallel_size,
                                  self.config.pp_rank, self.config.pipeline_layer_partition)
         model = cls(model_config, self.ctx, self.backend, self.dtype, self.device, stage)
+        layout = kv_layout_of(model_config, self.config.hybrid_kv_cache)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.kv_group = layout.group_of(stage.start + i)
         weights = iter_safetensors(resolved.path)
         if model_config.prequant is not None:
             weights = dequantized_weights(weights, model_config.prequant,
@@ -168,14 +172,27 @@ class Worker:
     @property
     def num_local_layers(self) -> int:
         """Decoder layers this rank holds (its pipeline stage's; all without one)."""
+        return self._stage().num_layers
+
+    @property
+    def kv_layout(self) -> KVGroupLayout:
+        """Which layers share a block table (one group unless the model mixes windows)."""
+        assert self.model_config is not None
+        return kv_layout_of(self.model_config, self.config.hybrid_kv_cache)
+
+    def _stage(self) -> PipelineStage:
         assert self.model_config is not None
         return PipelineStage.of(self.model_config.num_layers, self.config.pipeline_parallel_size,
-                                self.config.pp_rank,
-                                self.config.pipeline_layer_partition).num_layers
+                                self.config.pp_rank, self.config.pipeline_layer_partition)
+
+    def _layer_slots(self) -> list[int]:
+        """The cache each local layer reads (``KVCache``'s ``layer_slots``)."""
+        stage = self._stage()
+        return self.kv_layout.local_slots(range(stage.start, stage.end))
 
     def _block_bytes(self) -> int:
         assert self.model_config is not None
-        return bytes_per_block(self.num_local_layers, self.config.block_size,
+        return bytes_per_block(max(self._layer_slots()) + 1, self.config.block_size,
                                self.num_kv_heads_per_rank, self.model_config.head_dim,
                                self.kv_dtype)
 
@@ -250,7 +267,7 @@ class Worker:
         self.kv_cache = KVCache(self.num_local_layers, num_gpu_blocks,
                                 self.config.block_size, self.num_kv_heads_per_rank,
                                 self.model_config.head_dim, self.kv_dtype, self.device,
-                                self.backend, cpu_blocks)
+                                self.backend, cpu_blocks, self._layer_slots())
         self.build_runner(cuda_graphs, calibrate)
 
     def build_runner(self, cuda_graphs: bool = True, calibrate: bool = True) -> None:
@@ -386,6 +403,9 @@ class Worker:
             # One window on every layer: the scheduler may release blocks behind it.
             "kv_sliding_window": mc.sliding_window
             if len(mc.sliding_layers) == mc.num_layers else None,
+            # A hybrid model's groups of layers, each with its own table (None: one table).
+            "kv_group_windows": list(self.kv_layout.windows)
+            if self.kv_layout.is_hybrid else None,
             "long_rope_from": mc.long_rope_from,
             "weight_bytes": self.weight_bytes,
         }
@@ -396,3 +416,8 @@ class Worker:
         if self.ctx is not None:
             destroy_parallel(self.ctx)
             self.ctx = None
+
+
+def kv_layout_of(mc: ModelConfig, hybrid: bool) -> KVGroupLayout:
+    """The model's KV cache groups: by layer window when ``hybrid``, else one."""
+    return plan_kv_groups([mc.layer_window(i) for i in range(mc.num_layers)], hybrid)

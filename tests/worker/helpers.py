@@ -67,16 +67,19 @@ def make_worker(path: Path | str | None, num_blocks: int = 64, block_size: int =
 
 
 class BlockAllocator:
-    """Hands out shuffled block ids, so block tables are non-contiguous and interleaved."""
+    """Hands out shuffled block ids, so block tables are non-contiguous and interleaved;
+    with ``groups`` > 1 (a hybrid model's KV cache groups) a table per group, all from
+    the one pool, as the scheduler's ``HybridKVCacheManager`` gives them."""
 
-    def __init__(self, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0, groups: int = 1):
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.block_size = block_size
-        self.tables: dict[str, list[int]] = {}
+        self.groups = groups
+        self.tables: dict[tuple[str, int], list[int]] = {}
 
-    def table(self, rid: str, num_tokens: int) -> list[int]:
-        t = self.tables.setdefault(rid, [])
+    def table(self, rid: str, num_tokens: int, group: int = 0) -> list[int]:
+        t = self.tables.setdefault((rid, group), [])
         while len(t) * self.block_size < num_tokens:
             t.append(self.free.pop())
         return list(t)
@@ -88,9 +91,12 @@ def request(alloc: BlockAllocator, rid: str, token_ids: list[int], computed: int
     """One scheduled row; greedy sampling unless ``params`` is given."""
     ids = sample_ids if sample_ids is not None else ([rid] if sample else [])
     p = params or SamplingParams(temperature=0.0)
-    return ScheduledRequest(rid, list(token_ids), computed,
-                            alloc.table(rid, computed + len(token_ids)), ids,
-                            {i: p for i in ids})
+    n = computed + len(token_ids)
+    sr = ScheduledRequest(rid, list(token_ids), computed, alloc.table(rid, n), ids,
+                          {i: p for i in ids})
+    if alloc.groups > 1:
+        sr.group_block_tables = [alloc.table(rid, n, g) for g in range(1, alloc.groups)]
+    return sr
 
 
 def plan(step: int, reqs: list[ScheduledRequest], **kw: Any) -> SchedulerOutput:

@@ -60,7 +60,8 @@ def assert_graph_decode_matches_eager(w: Worker, atol: float, rtol: float) -> No
     runner = w.runner
     assert runner is not None and runner.graphs is not None
     graphs = runner.graphs
-    alloc = BlockAllocator(w.kv_cache.num_blocks, BLOCK_SIZE, seed=3)
+    groups = w.kv_layout.num_groups
+    alloc = BlockAllocator(w.kv_cache.num_blocks, BLOCK_SIZE, seed=3, groups=groups)
     g = torch.Generator().manual_seed(0)
     vocab = w.model_config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -78,8 +79,9 @@ def assert_graph_decode_matches_eager(w: Worker, atol: float, rtol: float) -> No
         runner.graphs = graphs
         replayed = all_logits(w, p)
         torch.testing.assert_close(replayed, eager, atol=atol, rtol=rtol)
-        touched = torch.tensor([alloc.tables[f"r{i}"][c // BLOCK_SIZE] * BLOCK_SIZE
-                                + c % BLOCK_SIZE for i, c in enumerate(computed[:active])])
+        touched = torch.tensor([alloc.tables[f"r{i}", gr][c // BLOCK_SIZE] * BLOCK_SIZE
+                                + c % BLOCK_SIZE for i, c in enumerate(computed[:active])
+                                for gr in range(groups)])
         for old, new in zip(before, _caches(w)):
             flat_old, flat_new = old.flatten(0, 1), new.flatten(0, 1)
             keep = torch.ones(flat_old.shape[0], dtype=torch.bool, device=flat_old.device)
@@ -93,12 +95,21 @@ def assert_graph_decode_matches_eager(w: Worker, atol: float, rtol: float) -> No
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
 
 
-def test_graph_runner_padding_on_cpu(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_graph_runner_padding_on_cpu(tmp_path, monkeypatch, kind: str) -> None:
+    """Also for a hybrid model (Gemma 3: a full layer between two sliding ones, three
+    KV cache groups sharing one cache): each group's table and slots have buffers."""
     monkeypatch.setattr(DecodeGraphRunner, "_capture", _capture_on_cpu)
-    w = make_worker(save_tiny_model(tmp_path), num_blocks=64, block_size=BLOCK_SIZE)
+    extra = {} if kind == "llama" else dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    w = make_worker(save_tiny_model(tmp_path, kind, **extra), num_blocks=64,
+                    block_size=BLOCK_SIZE)
     assert w.runner is not None and w.runner.graphs is None  # CPU never builds one itself
+    groups = w.kv_layout.num_groups
+    assert groups == (1 if kind == "llama" else 3)
     w.runner.graphs = DecodeGraphRunner(w.model, w.kv_cache, w.device, max_num_seqs=8,
-                                        max_blocks=16)
+                                        max_blocks=16, num_groups=groups)
     assert_graph_decode_matches_eager(w, atol=1e-5, rtol=1e-5)
 
 

@@ -91,7 +91,7 @@ def test_paged_forward_matches_hf(tmp_path, case, monkeypatch):
     path = save_tiny_model(tmp_path / case, model_type, seed=1, **kw)
     hf = load_hf(path)
     worker = make_worker(path, num_blocks=48, block_size=4)
-    alloc = BlockAllocator(48, 4, seed=3)
+    alloc = BlockAllocator(48, 4, seed=3, groups=worker.kv_layout.num_groups)
     g = torch.Generator().manual_seed(0)
     seqs = {r: torch.randint(3, 101, (n,), generator=g).tolist()
             for r, n in (("a", 7), ("b", 13), ("c", 5))}

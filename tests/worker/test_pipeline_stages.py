@@ -62,8 +62,8 @@ def _chain(stages: list[Worker], p) -> object:
     return carried
 
 
-def _greedy(run, n: int) -> dict[str, list[int]]:
-    alloc = BlockAllocator(40, 4, seed=3)
+def _greedy(run, n: int, groups: int = 1) -> dict[str, list[int]]:
+    alloc = BlockAllocator(40, 4, seed=3, groups=groups)
     toks: dict[str, list[int]] = {r: [] for r in PROMPTS}
     reqs = [request(alloc, r, p, 0) for r, p in PROMPTS.items()]
     for step in range(n):
@@ -92,19 +92,27 @@ def test_three_stages_equal_the_whole_model(tmp_path, kind: str, tied: bool) -> 
     assert stages[0].model.embed_tokens is not None and stages[0].model.lm_head is None
     assert stages[1].model.embed_tokens is None and stages[1].model.norm is None
     assert stages[2].model.embed_tokens is None and stages[2].model.lm_head is not None
-    # Each stage's KV pool holds its own layers only.
-    assert [len(w.kv_cache.key_caches) for w in stages] == [2, 2, 1]
-    assert sum(w._block_bytes() for w in stages) == whole._block_bytes()
+    # Each stage's KV pool holds its own layers only. Gemma's KV cache groups (full
+    # layers 2 and 4, sliding 0 and 1, sliding 3) share caches within a stage: layers 2
+    # and 3 one, as the whole model's layers 0, 2 and 3 do.
+    groups = whole.kv_layout.num_groups
+    if kind == "gemma3_text":
+        assert whole.kv_layout.layers == ((2, 4), (0, 1), (3,))
+        assert [len(w.kv_cache.key_caches) for w in stages] == [2, 1, 1]
+        assert len(whole.kv_cache.key_caches) == 2
+    else:
+        assert [len(w.kv_cache.key_caches) for w in stages] == [2, 2, 1]
+        assert sum(w._block_bytes() for w in stages) == whole._block_bytes()
     # No stage holds another's weights: the middle one has neither embedding nor head.
     assert stages[1].weight_bytes < whole.weight_bytes / 2
 
-    ref = _greedy(whole.execute_model, 6)
-    assert _greedy(lambda p: _chain(stages, p), 6) == ref
+    ref = _greedy(whole.execute_model, 6, groups)
+    assert _greedy(lambda p: _chain(stages, p), 6, groups) == ref
     # Stages of 3, 1 and 1 layers (``pipeline_layer_partition``): the same tokens.
     uneven = _stages(path, 3, pipeline_layer_partition=(3, 1, 1))
     assert [len(w.model.layers) for w in uneven] == [3, 1, 1]
     assert [w.get_model_info()["pipeline_layer_partition"] for w in uneven] == [[3, 1, 1]] * 3
-    assert _greedy(lambda p: _chain(uneven, p), 6) == ref
+    assert _greedy(lambda p: _chain(uneven, p), 6, groups) == ref
     hf = load_hf(path)
     for r, p in PROMPTS.items():
         out = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):]

@@ -22,7 +22,7 @@ PROMPTS = {"a": [5, 9, 17, 33, 4, 12, 7], "b": [8, 70, 12, 44, 90, 3, 61, 22, 19
 
 def _run(worker, n_decode: int):
     """Logits of every prefill row, then greedy tokens for ``n_decode`` steps (rank 0 only)."""
-    alloc = BlockAllocator(40, 4, seed=11)
+    alloc = BlockAllocator(40, 4, seed=11, groups=worker.kv_layout.num_groups)
     prompts = PROMPTS
     logits = _logits_or_none(worker, plan(0, [request(alloc, r, p, 0, sample=False)
                                               for r, p in prompts.items()]))

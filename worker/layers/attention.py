@@ -20,7 +20,9 @@ class AttentionMetadata:
 
     ``is_decode`` is true when every sequence has exactly one new token; then
     ``seq_lens`` (int32 ``[S]``, cached + new) feeds ``decode_attention`` and
-    ``varlen`` may be None.
+    ``varlen`` may be None. ``groups`` (a hybrid model's KV cache groups 1 and on,
+    ``scheduler.kv_groups``) are the same step through each group's own block table
+    and slots; this one is group 0's.
     """
 
     slot_mapping: torch.Tensor
@@ -28,6 +30,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     is_decode: bool
     varlen: VarlenMetadata | None = None
+    groups: list[AttentionMetadata] | None = None
 
 
 # vLLM's calculate_kv_scales: the first step's largest |k| (|v|) is stored as 200 (100),
@@ -47,6 +50,8 @@ class PagedAttention:
     ``window`` (a sliding window, the layer's own) limits each query to its own key and
     the ``window - 1`` before it; ``scale`` replaces ``head_dim ** -0.5`` (Gemma's);
     ``softcap`` caps each score to ``softcap * tanh(s / softcap)`` (Gemma 2).
+    ``kv_group`` is the layer's KV cache group in a hybrid model (the worker sets it):
+    the layer stores and reads through that group's table.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -60,6 +65,7 @@ class PagedAttention:
                                                                    "softcap": softcap}
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend
+        self.kv_group = 0
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.calibrating = False
@@ -87,6 +93,9 @@ class PagedAttention:
                  ) -> torch.Tensor:
         """``q[T,Hq,D]``, ``k/v[T,Hkv,D]`` -> ``[T, Hq*D]``."""
         key_cache, value_cache = kv_cache
+        if self.kv_group:
+            assert md.groups is not None, "a hybrid model's step without its group tables"
+            md = md.groups[self.kv_group - 1]
         if self.k_scale is not None:
             if self.calibrating:
                 self._calibrate(k, v)

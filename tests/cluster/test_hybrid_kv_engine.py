@@ -1,0 +1,138 @@
+"""Hybrid models through the engine: one block table per KV cache group
+(``scheduler.kv_groups``, ``scheduler.hybrid_kv``), sliding groups releasing what
+falls behind their window, every token Hugging Face's.
+
+The model is a random Gemma 3 of six layers, five sliding over 16 tokens and one
+full (the release's 5 : 1), so its six groups are one layer each: a 300-token
+request holds 19 blocks of the full layer and 2-3 of each sliding one, not 19 of
+all six.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.worker.testing import write_random_checkpoint
+from tests.cluster.conftest import hf_greedy
+from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+
+WINDOW = 16
+LONG = [5 + (7 * i) % 300 for i in range(300)]
+
+
+@pytest.fixture(scope="module")
+def gemma_5to1_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("gemma_5to1"), "gemma3_text", default_model_dir,
+        num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"])
+
+
+@pytest.fixture(scope="module")
+def refs(gemma_5to1_dir: str) -> dict[str, list[list[int]]]:
+    return {"mixed": hf_greedy(gemma_5to1_dir, prompts_of_mixed_lengths(), 24),
+            "long": hf_greedy(gemma_5to1_dir, [LONG], 40)}
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_groups_and_their_bytes(gemma_5to1_dir: str) -> None:
+    """Six groups of one layer: a block is one layer's, six times the blocks of the
+    same bytes; off (or with offloading, which needs one table) one table again."""
+    llm = LLM(model=gemma_5to1_dir, kv_cache_memory_bytes=40 * 6 * 4096)
+    try:
+        info = llm.engine.model_info
+        assert info["kv_group_windows"] == [None] + [WINDOW] * 5
+        assert llm.engine.scheduler.kv.group_windows == (None,) + (WINDOW,) * 5
+        hybrid_blocks = llm.engine.scheduler.kv.pool.num_blocks
+    finally:
+        llm.shutdown()
+    for kw in (dict(disable_hybrid_kv_cache_manager=True), dict(kv_offloading_size=0.01)):
+        llm = LLM(model=gemma_5to1_dir, kv_cache_memory_bytes=40 * 6 * 4096, **kw)
+        try:
+            assert llm.engine.model_info["kv_group_windows"] is None
+            assert llm.engine.scheduler.kv.group_windows == (None,)
+            assert llm.engine.scheduler.kv.pool.num_blocks * 6 == hybrid_blocks
+        finally:
+            llm.shutdown()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(max_num_batched_tokens=8, max_num_seqs=4),
+    dict(num_gpu_blocks=40, preemption_mode="swap", max_num_batched_tokens=16, max_num_seqs=4),
+    dict(num_gpu_blocks=40, preemption_mode="recompute", max_num_batched_tokens=16,
+         max_num_seqs=4),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    dict(attention_backend="torch"),
+], ids=["chunked", "swap", "recompute", "ngram", "torch-backend"])
+def test_group_tables_give_hugging_faces_tokens(gemma_5to1_dir: str, refs, kw: dict) -> None:
+    """Chunked prefill, preemption in a pool too small for the batch (every group's
+    table swapped out and back, or recomputed), n-gram drafts, the torch path; then the
+    same prompts again as prefix-cache hits; the pool back to empty after each run."""
+    kw = {"num_gpu_blocks": 256, **kw}
+    llm = LLM(model=gemma_5to1_dir, **kw)
+    try:
+        prompts = prompts_of_mixed_lengths()
+        for _ in range(2):
+            outs = llm.generate(prompts, _greedy(24))
+            assert [o.outputs[0].token_ids for o in outs] == refs["mixed"]
+            stats = llm.engine.scheduler.memory_stats()
+            assert stats.num_used_blocks == 0
+        if "preemption_mode" in kw:
+            assert sum(llm.engine.scheduler.num_preemptions.values()) > 0
+        else:
+            assert max(o.num_cached_tokens for o in outs) >= 16
+    finally:
+        llm.shutdown()
+
+
+def test_a_long_request_fits_where_one_table_would_not(gemma_5to1_dir: str, refs) -> None:
+    """The same KV bytes: 300 + 40 tokens need 22 blocks of all six layers, more than
+    the 20 such blocks there are; in groups, 22 of the full layer and at most 6 of each
+    sliding one (52 of the 120 one-layer blocks). Its tokens are Hugging Face's, and
+    ``n=2`` samples share every group's prompt blocks."""
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=4)
+    one = LLM(model=gemma_5to1_dir, num_gpu_blocks=20, disable_hybrid_kv_cache_manager=True,
+              **kw)
+    try:
+        budget = 20 * int(one.engine.model_info["bytes_per_block"])
+        with pytest.raises(ValueError, match="KV blocks"):
+            one.generate([LONG], _greedy(40))
+    finally:
+        one.shutdown()
+    llm = LLM(model=gemma_5to1_dir, kv_cache_memory_bytes=budget, **kw)
+    try:
+        sched = llm.engine.scheduler
+        assert sched.kv.pool.num_blocks == 120
+        out = llm.generate([LONG], _greedy(40))[0]
+        assert out.outputs[0].token_ids == refs["long"][0]
+        two = llm.generate([LONG], SamplingParams(n=2, temperature=0.0, max_tokens=40,
+                                                  ignore_eos=True))[0]
+        assert [s.token_ids for s in two.outputs] == refs["long"] * 2
+        assert sched.memory_stats().num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
+def test_peak_blocks_follow_the_window(gemma_5to1_dir: str) -> None:
+    """Stepping one long request: each sliding group never holds more than its window
+    and a step's blocks, while the full group grows with the sequence."""
+    llm = LLM(model=gemma_5to1_dir, num_gpu_blocks=200, max_num_batched_tokens=32,
+              max_num_seqs=4)
+    try:
+        engine = llm.engine
+        engine.add_request(LONG, _greedy(40), "long")
+        kv = engine.scheduler.kv
+        peak = [0] * 6
+        while engine.has_unfinished_requests():
+            engine.step()
+            for g, group in enumerate(kv.group_managers):
+                live = [b for b in group.req_blocks.get("long", ()) if b.block_id >= 0]
+                peak[g] = max(peak[g], len(live))
+        assert peak[0] == 340 // 16 + 1  # the full layer: the whole sequence
+        assert max(peak[1:]) <= -(-(WINDOW - 1 + 32) // 16) + 1 == 4
+    finally:
+        llm.shutdown()
