@@ -8,6 +8,10 @@ prompt versus three independent requests (prefix caching off, and on).
 Part 3, the same scheduler: peak blocks of a long request to a model whose every
 layer slides (Mistral v0.1's 4,096-token window), blocks behind the window kept
 versus released (``--window``).
+Part 4, the same scheduler: peak KV bytes of a long request to a model that mixes
+full and sliding layers (Gemma 3 4B's shape: 34 layers, every sixth full, a
+1,024-token window), one block table for every layer versus one per KV cache group
+(``scheduler.kv_groups``), counted in layer-blocks (a block of one layer).
 
     python bench/memory.py
 """
@@ -18,6 +22,7 @@ import argparse
 import random
 
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.kv_groups import plan_kv_groups
 from pagedserve.scheduler.memory import allocated_slots
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -61,12 +66,13 @@ def concurrency_table(max_len: int, budget_slots: int, seed: int) -> None:
 
 
 def peak_blocks(prompt_len: int, max_tokens: int, n: int, copies: int, caching: bool,
-                window: int | None = None, budget: int = 8192) -> int:
+                window: int | None = None, budget: int = 8192,
+                groups: tuple[int | None, ...] = ()) -> int:
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_model_len=32768),
         CacheConfig(
-            num_gpu_blocks=4096, block_size=16, enable_prefix_caching=caching, model_id="bench",
-            sliding_window=window,
+            num_gpu_blocks=16384, block_size=16, enable_prefix_caching=caching,
+            model_id="bench", sliding_window=window, kv_group_windows=groups,
         ),
     )
     prompt = [(7 * j) % 30000 + 1 for j in range(prompt_len)]
@@ -116,6 +122,23 @@ def window_table(prompt_len: int, max_tokens: int, window: int) -> None:
     print(f"{'released':<40} {released:>11}   {kept / released:.2f}x fewer")
 
 
+def hybrid_table(prompt_len: int, max_tokens: int, num_layers: int, pattern: int,
+                 window: int) -> None:
+    layers = [None if (i + 1) % pattern == 0 else window for i in range(num_layers)]
+    layout = plan_kv_groups(layers)
+    one = peak_blocks(prompt_len, max_tokens, 1, 1, True, budget=2048) * num_layers
+    grouped = peak_blocks(prompt_len, max_tokens, 1, 1, True, budget=2048,
+                          groups=layout.windows) * layout.group_size
+    full = sum(w is None for w in layers)
+    print(f"\n{num_layers} layers ({full} full, {num_layers - full} sliding over {window}): "
+          f"prompt {prompt_len} tokens, {max_tokens} generated, block 16, 2,048-token steps")
+    print(f"KV cache groups: {layout.num_groups} of {layout.group_size} layers "
+          f"(unused slots: {layout.num_groups * layout.group_size - num_layers})")
+    print(f"{'block tables':<40} {'peak layer-blocks':>17}")
+    print(f"{'one for every layer':<40} {one:>17}")
+    print(f"{'one per KV cache group':<40} {grouped:>17}   {one / grouped:.2f}x fewer")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-len", type=int, default=2048)
@@ -129,6 +152,7 @@ def main() -> None:
     concurrency_table(args.max_len, args.budget_slots, args.seed)
     fork_table(args.prompt_len, args.max_tokens)
     window_table(args.window_prompt_len, 512, args.window)
+    hybrid_table(args.window_prompt_len, 512, 34, 6, 1024)
 
 
 if __name__ == "__main__":

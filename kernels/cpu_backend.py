@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -32,6 +33,25 @@ ROWS_MAX_KEYS = 2048
 # A mixed step's decode sequences, their rows in the batch, and the split of the
 # prefixes they share.
 _DecodeSplit = tuple[list[int], torch.Tensor, cpu_cascade.SharedPrefixPlan]
+
+
+class _PerTable:
+    """A step's plans keyed by the block table they were made for. Every layer of a
+    step gets the same table, except that a hybrid model's layers alternate between
+    their KV cache groups' tables (``scheduler.kv_groups``): each group's plan then
+    stays made for all its layers instead of being made again at every switch."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def get(self, table: torch.Tensor) -> Any:
+        entry = self._entries.get(id(table))
+        return entry[1] if entry is not None and entry[0] is table else None
+
+    def put(self, table: torch.Tensor, value: Any) -> None:
+        if len(self._entries) >= 16 and id(table) not in self._entries:
+            self._entries.clear()  # (a step has a table per group; older steps' go)
+        self._entries[id(table)] = (table, value)  # the entry keeps ``id`` from reuse
 
 
 class _Rows:
@@ -68,7 +88,7 @@ class CpuNativeBackend(TorchBackend):
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
-        self._rows: _Rows | None = None
+        self._rows = _PerTable()  # -> _Rows
         # Prefills with more keys than this go to SDPA. Batch-invariant mode
         # (``worker.batch_invariant``) lifts it: every row then runs the same per-row
         # kernel in prefill and decode, whatever else is in the step.
@@ -78,11 +98,9 @@ class CpuNativeBackend(TorchBackend):
         # Decode steps split off prefixes of at least this many tokens that rows share
         # (``cpu_cascade``); 0 turns it off (batch-invariant mode does).
         self.shared_prefix_min_tokens: int = cpu_cascade.MIN_PREFIX_TOKENS
-        self._prefix_plan: cpu_cascade.SharedPrefixPlan | None = None
-        self._prefix_key: tuple[torch.Tensor, list[int]] | None = None  # what it was for
+        self._prefix = _PerTable()  # -> (lens, SharedPrefixPlan | None)
         # The same for the decode rows of a step that also carries prefill rows.
-        self._mixed_split: _DecodeSplit | None = None
-        self._mixed_key: tuple[VarlenMetadata, torch.Tensor, list[int]] | None = None
+        self._mixed = _PerTable()  # -> (md, native rows, _DecodeSplit | None)
         self._counters: Counter[str] = Counter()
 
     def take_counters(self) -> dict[str, int]:
@@ -120,15 +138,7 @@ class CpuNativeBackend(TorchBackend):
             window = None  # the window cuts no row: the unwindowed kernels, cascade included
         # A shared prefix may lie partly outside a sliding window: no cascade there.
         if self.shared_prefix_min_tokens and len(lens_host) > 1 and window is None:
-            key = self._prefix_key
-            if key is None or key[0] is not block_table or key[1] != lens_host:
-                # Once per step (every layer gets the same table), a plan or None.
-                self._prefix_plan = cpu_cascade.plan_shared_prefixes(
-                    block_table, lens_host, key_cache.shape[1], self.shared_prefix_min_tokens)
-                self._prefix_key = (block_table, lens_host)
-                if self._prefix_plan is not None:
-                    self._counters.update(self._prefix_plan.counters())
-            plan = self._prefix_plan
+            plan = self.prefix_plan(block_table, lens_host, key_cache.shape[1])
             if plan is not None:
                 return cpu_cascade.shared_prefix_decode(q, key_cache, value_cache, plan, scale)
         return cpu_native.paged_decode(q, key_cache, value_cache, block_table, lens,
@@ -174,9 +184,10 @@ class CpuNativeBackend(TorchBackend):
                 native = [s for s in native if s not in taken]
         if not native:
             return
-        if self._rows is None or not self._rows.matches(md, block_table, native):
-            self._rows = _Rows(md, block_table, native, starts, self.rows_per_chunk)
-        r = self._rows
+        r = self._rows.get(block_table)
+        if r is None or not r.matches(md, block_table, native):
+            r = _Rows(md, block_table, native, starts, self.rows_per_chunk)
+            self._rows.put(block_table, r)
         # Runs share one key range; a sliding window gives each row its own, so rows go alone.
         chunks = r.chunks if window is None else None
         n = r.rows.numel()
@@ -198,9 +209,9 @@ class CpuNativeBackend(TorchBackend):
                            ) -> _DecodeSplit | None:
         """A mixed step's decode sequences, their rows and the plan splitting off the
         prefixes they share (``cpu_cascade``), or None; planned once per step."""
-        key = self._mixed_key
-        if key is not None and key[0] is md and key[1] is block_table and key[2] == native:
-            return self._mixed_split
+        made = self._mixed.get(block_table)
+        if made is not None and made[0] is md and made[1] == native:
+            return made[2]
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
         dec = [s for s in native if q_lens[s] == 1]
         split = None
@@ -212,5 +223,19 @@ class CpuNativeBackend(TorchBackend):
             if plan is not None:
                 split = (dec, torch.tensor([starts[s] for s in dec]), plan)
                 self._counters.update(plan.counters())
-        self._mixed_key, self._mixed_split = (md, block_table, list(native)), split
+        self._mixed.put(block_table, (md, list(native), split))
         return split
+
+    def prefix_plan(self, block_table: torch.Tensor, lens_host: list[int], block_size: int
+                    ) -> cpu_cascade.SharedPrefixPlan | None:
+        """A decode step's split of the prefixes its rows share, or None; planned once
+        per step and table (a hybrid model's counters count each group's)."""
+        made = self._prefix.get(block_table)
+        if made is not None and made[0] == lens_host:
+            return made[1]
+        plan = cpu_cascade.plan_shared_prefixes(block_table, lens_host, block_size,
+                                                self.shared_prefix_min_tokens)
+        self._prefix.put(block_table, (lens_host, plan))
+        if plan is not None:
+            self._counters.update(plan.counters())
+        return plan

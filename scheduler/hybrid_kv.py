@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from pagedserve.scheduler.cpu_block_pool import CpuBlockPool
-from pagedserve.scheduler.kv_cache_manager import RELEASED, KVCacheManager
+from pagedserve.scheduler.kv_cache_manager import RELEASED, KVCacheManager, first_seen_block
 from pagedserve.scheduler.request import Request
+
+_NO_IMPORT = ("KV blocks shipped between replicas need one block table per request: start "
+              "the engines with disable_hybrid_kv_cache_manager=True")
 
 
 class HybridKVCacheManager:
@@ -74,23 +77,19 @@ class HybridKVCacheManager:
         hashes = request.update_block_hashes(B)
         max_blocks = (request.num_tokens - 1) // B
         full = [g for g in self.groups if g.sliding_window is None]
-        sliding = [g for g in self.groups if g.sliding_window is not None]
         k = max_blocks
         for g in full:
             k = next((i for i in range(k) if g.pool.get_cached_block(g.salted(hashes[i]))
                       is None), k)
         moved = True
-        while moved and k:
+        while moved and k:  # each sliding group's window before the hit, from the right
             moved = False
-            for g in sliding:
-                lo = _first_seen(k, g.sliding_window, B)
-                miss = next((i for i in range(k - 1, lo - 1, -1)
-                             if g.pool.get_cached_block(g.salted(hashes[i])) is None), None)
-                if miss is not None:
+            for g in self.groups:
+                if g.sliding_window is not None and (miss := g.last_miss(hashes, k)) is not None:
                     k, moved = miss, True
         hits = []
         for g in self.groups:
-            lo = 0 if g.sliding_window is None else _first_seen(k, g.sliding_window, B)
+            lo = 0 if g.sliding_window is None else first_seen_block(k, g.sliding_window, B)
             found = [g.pool.get_cached_block(g.salted(h)) for h in hashes[lo:k]]
             hits.append([RELEASED] * lo + found)
         return hits, k * B
@@ -182,12 +181,3 @@ class HybridKVCacheManager:
 
     def reserve_import(self, hashes: list) -> None:
         raise RuntimeError(_NO_IMPORT)
-
-
-_NO_IMPORT = ("KV blocks shipped between replicas need one block table per request: start "
-              "the engines with disable_hybrid_kv_cache_manager=True")
-
-
-def _first_seen(num_hit_blocks: int, window: int, block_size: int) -> int:
-    """The first block that the query after ``num_hit_blocks`` full blocks can see."""
-    return max(0, (num_hit_blocks * block_size - window + 1) // block_size)

@@ -21,6 +21,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def first_seen_block(num_hit_blocks: int, window: int, block_size: int) -> int:
+    """The first block that the query after ``num_hit_blocks`` full blocks sees
+    through a sliding ``window``."""
+    return max(0, (num_hit_blocks * block_size - window + 1) // block_size)
+
+
 # A table entry whose block went back to the pool behind a sliding window: its id reads
 # -1, which the kernels never reach (the window starts after it), and no pool
 # operation, swap or hash ever sees it.
@@ -119,20 +125,32 @@ class KVCacheManager(KVImportMixin):
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute
         (the last prompt token's logits are what we sample from). Under a sliding
-        window the hits its first query cannot see come back RELEASED (not revived)."""
+        window only the blocks the first computed query can see must be cached (vLLM
+        looks for them from the right); those before come back RELEASED (not revived)."""
         hashes = request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            k = max_blocks
+            while k and (miss := self.last_miss(hashes, k)) is not None:
+                k = miss
+            lo = first_seen_block(k, self.sliding_window, self.block_size)
+            found = [self.pool.get_cached_block(self.salted(h)) for h in hashes[lo:k]]
+            return [RELEASED] * lo + found, k * self.block_size
         hits: list[KVCacheBlock] = []
         for h in hashes[:max_blocks]:
             block = self.pool.get_cached_block(self.salted(h))
             if block is None:
                 break
             hits.append(block)
-        num_hit = len(hits) * self.block_size
-        if self.sliding_window is not None:
-            behind = max(0, (num_hit - self.sliding_window + 1) // self.block_size)
-            hits[:behind] = [RELEASED] * behind
-        return hits, num_hit
+        return hits, len(hits) * self.block_size
+
+    def last_miss(self, hashes: list[BlockHash], num_hit_blocks: int) -> int | None:
+        """The last block a hit of ``num_hit_blocks`` blocks needs and this manager's
+        prefix cache lacks (a sliding window needs only the blocks it sees), or None."""
+        lo = 0 if self.sliding_window is None else first_seen_block(
+            num_hit_blocks, self.sliding_window, self.block_size)
+        return next((i for i in range(num_hit_blocks - 1, lo - 1, -1)
+                     if self.pool.get_cached_block(self.salted(hashes[i])) is None), None)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted prompt's lookup once (a request that waits for room looks

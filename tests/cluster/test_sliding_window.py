@@ -108,13 +108,17 @@ def test_blocks_behind_the_window_go_back_to_the_pool(mistral_dir) -> None:
         llm.shutdown()
 
 
-def test_a_window_on_some_layers_keeps_every_block(qwen2_dir) -> None:
-    """Layer 0 of the Qwen2 file attends to everything: nothing may be released."""
-    llm = LLM(model=qwen2_dir, num_gpu_blocks=64)
-    try:
-        assert llm.engine.scheduler.kv.sliding_window is None
-    finally:
-        llm.shutdown()
+def test_a_window_on_some_layers_gets_a_table_of_its_own(qwen2_dir) -> None:
+    """Layer 0 of the Qwen2 file attends to everything: its table keeps every block;
+    layer 1's (a KV cache group of its own, ``scheduler.kv_groups``) releases. With
+    the hybrid manager off, one table for both releases nothing."""
+    for off, groups in ((False, (None, 12)), (True, (None,))):
+        llm = LLM(model=qwen2_dir, num_gpu_blocks=64, disable_hybrid_kv_cache_manager=off)
+        try:
+            assert llm.engine.scheduler.kv.sliding_window is None
+            assert llm.engine.scheduler.kv.group_windows == groups
+        finally:
+            llm.shutdown()
 
 
 def test_beams_under_a_released_window_equal_hugging_face(mistral_dir) -> None:

@@ -133,16 +133,34 @@ def test_backend_splits_decode_steps_with_a_shared_prefix_only() -> None:
     be, off = CpuNativeBackend(), CpuNativeBackend()
     off.shared_prefix_min_tokens = 0
     got = be.decode_attention(q, kc, vc, table, lens_t, scale)
-    assert be._prefix_plan is not None  # split: 480 shared tokens >= 256
+    assert be._prefix.get(table)[1] is not None  # split: 480 shared tokens >= 256
     plain = off.decode_attention(q, kc, vc, table, lens_t, scale)
-    assert off._prefix_plan is None
+    assert off._prefix.get(table) is None  # (never planned)
     assert (got - plain).abs().max() < 1e-5
     # A step whose rows share nothing is planned once (None) and runs plain.
     q2, kc2, vc2, table2 = shared_batch(lens, [0] * 20)
     assert torch.equal(be.decode_attention(q2, kc2, vc2, table2, lens_t, scale),
                        cpu_native.paged_decode(q2, kc2, vc2, table2, lens_t, max(lens),
                                                scale))
-    assert be._prefix_plan is None
+    assert be._prefix.get(table2)[1] is None
+
+
+def test_layers_alternating_tables_reuse_each_tables_plan(monkeypatch) -> None:
+    """A hybrid model's layers switch between their KV cache groups' tables within a
+    step: each table is planned once, not at every switch."""
+    lens = [520 + 9 * i for i in range(8)]
+    q, kc, vc, table = shared_batch(lens, [30] * 8)
+    table2 = table.clone()
+    made: list[torch.Tensor] = []
+    real = cpu_cascade.plan_shared_prefixes
+    monkeypatch.setattr(cpu_cascade, "plan_shared_prefixes",
+                        lambda t, *a: made.append(t) or real(t, *a))
+    be = CpuNativeBackend()
+    lens_t = torch.tensor(lens)
+    outs = [be.decode_attention(q, kc, vc, t, lens_t, 0.125)
+            for t in (table, table2, table, table2, table)]
+    assert [t is table for t in made] == [True, False]
+    assert all(torch.equal(o, outs[0]) for o in outs)
 
 
 def test_mixed_steps_split_their_decode_rows_too() -> None:
@@ -156,8 +174,9 @@ def test_mixed_steps_split_their_decode_rows_too() -> None:
     be, off = CpuNativeBackend(), CpuNativeBackend()
     off.shared_prefix_min_tokens = 0
     got = be.varlen_attention(q, kc, vc, table, md, 0.125)
-    assert be._mixed_split is not None and be._mixed_split[0] == list(range(6))
+    split = be._mixed.get(table)[2]
+    assert split is not None and split[0] == list(range(6))
     plain = off.varlen_attention(q, kc, vc, table, md, 0.125)
-    assert off._mixed_split is None
+    assert off._mixed.get(table) is None
     assert (got - plain).abs().max() < 1e-5
     assert torch.equal(got[6:], plain[6:])  # the prefill rows: the same kernel call

@@ -116,3 +116,24 @@ def test_a_request_longer_than_the_pool_fits_under_a_window() -> None:
     plain, _ = make_scheduler(num_gpu_blocks=8, block_size=B, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="KV blocks"):
         plain.add_request(req("long", [100] * 60, max_tokens=20, sched=plain))
+
+
+def test_a_hit_needs_only_the_blocks_its_window_sees() -> None:
+    """The prompt's first blocks evicted (as their release put them at the free queue's
+    head): the repeat still hits 7 blocks, since its first query sees only blocks 5 and
+    6; evicting block 5 moves the hit back to 5 blocks (whose window starts at block 3)."""
+    prompt = [100 + j % 50 for j in range(29)]
+    for evicted, want in (((0, 1, 2), 28), ((5,), 20)):
+        sched, sim = make_scheduler(sliding_window=WINDOW, block_size=B)
+        sched.add_request(req("a", prompt, max_tokens=1, sched=sched))
+        run_to_completion(sched, sim)
+        hashes = req("h", prompt, sched=sched).update_block_hashes(B)
+        for i in evicted:
+            sched.kv.pool._evict(sched.kv.pool.get_cached_block(hashes[i]))
+        hits, num_hit = sched.kv.get_computed_blocks(req("b", prompt, sched=sched))
+        assert num_hit == want
+        assert all(b is RELEASED for b in hits[:(want - WINDOW + 1) // B])
+        sched.add_request(req("b", prompt, max_tokens=4, sched=sched))
+        out = run_to_completion(sched, sim)
+        assert len(out["b"]) == 4
+        assert_baseline(sched)
