@@ -173,27 +173,53 @@ class PlanDecoder:
                                plan.aborted_ids)
 
 
-def _delta(records: dict[str, list[int]], key: str, ids: list[int]) -> tuple[int, list[int]]:
+def _delta(records: dict[str, list[int]], key: str, ids: list[int]
+           ) -> tuple[int, list[int]] | tuple[int, list[int], int]:
     """``(k, tail)``: how many leading ids of ``ids`` the rank's record holds, and the
-    rest; the record becomes ``ids`` (a list the plan's maker does not change later)."""
+    rest; the record becomes ``ids`` (a list the plan's maker does not change later).
+    ``(k, tail, r)`` when the record's first ``r`` ids have since turned -1 (blocks a
+    sliding window released) and the rest are held."""
     known = records.get(key)
     records[key] = ids
-    if known is not None and _extends(ids, known):
-        return len(known), ids[len(known):]
+    if known is not None:
+        if _extends(ids, known):
+            return len(known), ids[len(known):]
+        n, r = len(known), _released(ids)
+        if r and len(ids) >= n and ids[r:n] == known[r:n]:
+            return n, ids[n:], r
     return 0, ids
 
 
-def _undelta(records: dict[str, list[int]], key: str, delta: tuple[int, list[int]],
+def _released(ids: list[int]) -> int:
+    """How many leading entries are -1 (released entries only ever lead a table)."""
+    if not ids or ids[0] >= 0:
+        return 0
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ids[mid] < 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _undelta(records: dict[str, list[int]], key: str,
+             delta: tuple[int, list[int]] | tuple[int, list[int], int],
              what: str, step: int) -> list[int]:
     """The list ``_delta`` encoded; ``what`` and ``step`` name it in an error only (no
     message is built per row)."""
-    k, tail = delta
+    k, tail = delta[0], delta[1]
     if k:
         known = records.get(key, [])
         if len(known) != k:
             raise RuntimeError(f"plan {step}: request {key}'s {what} extends {k} ids this "
                                f"rank does not hold (it has {len(known)})")
-        ids = known + tail if tail else known  # shared when nothing was added
+        if len(delta) == 3:
+            r = min(delta[2], k)  # (past ``k`` the -1s are in ``tail``)
+            ids = [-1] * r + known[r:] + tail
+        else:
+            ids = known + tail if tail else known  # shared when nothing was added
     else:
         ids = tail
     records[key] = ids

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
-from pagedserve.scheduler.plan_wire import _SLACK, PlanDecoder, PlanEncoder
+from pagedserve.scheduler.plan_wire import _SLACK, _TABLE, PlanDecoder, PlanEncoder
 from pagedserve.scheduler.sampling_params import SamplingParams
 from tests.scheduler.helpers import SHARED_PREFIX, check_invariants, machine_scheduler
 
@@ -120,6 +120,22 @@ def test_a_long_context_decode_row_sends_only_its_new_blocks() -> None:
         sizes.append(len(blob))
     assert max(sizes[1:]) < 1.1 * min(sizes[1:])
     assert sizes[-1] * 20 < len(pickle.dumps(plan, protocol=5))
+
+
+def test_a_table_whose_front_is_released_sends_only_what_changed() -> None:
+    """A sliding window's table turns its leading entries to -1 as it moves: the row
+    sends how many, and its new blocks, not the table again; also when every entry
+    the rank holds was released."""
+    enc, rank = PlanEncoder(), PlanDecoder()
+    table = list(range(100, 400))
+    for step, released in enumerate((0, 0, 5, 40, 299, 305)):
+        table = [-1] * released + table[released:] + [1000 + step]
+        plan = SchedulerOutput(step, [_decode_row(list(table))])
+        sent = enc.encode(plan)
+        if step and released:
+            k, tail, r = sent.rows[0][_TABLE]
+            assert (k, r) == (len(table) - 1, released) and tail == [1000 + step]
+        assert rank.decode(pickle.loads(pickle.dumps(sent))) == plan
 
 
 def test_a_rank_that_missed_a_plan_fails_loudly() -> None:
