@@ -22,9 +22,11 @@ FORBIDDEN = {
     "worker": {"pagedserve.cluster"},
     "cluster": set(),
 }
+# (``kv_groups``: which layers share a block table, a plain dataclass both sides read.)
 WORKER_MAY_USE_FROM_SCHEDULER = {"pagedserve.scheduler.outputs",
                                  "pagedserve.scheduler.plan_wire",
-                                 "pagedserve.scheduler.sampling_params"}
+                                 "pagedserve.scheduler.sampling_params",
+                                 "pagedserve.scheduler.kv_groups"}
 
 
 def imported_modules(path: Path) -> list[str]:
