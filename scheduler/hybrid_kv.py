@@ -49,6 +49,7 @@ class HybridKVCacheManager:
             for g, w in enumerate(windows)
         ]
         self.windows = tuple(windows)
+        self._sliding = [g for g in self.groups if g.sliding_window is not None]
         self.sliding_window = None  # (per group: ``windows``)
         self.offload_enabled = False
         self.offload_stats = self.groups[0].offload_stats
@@ -109,6 +110,9 @@ class HybridKVCacheManager:
         """Every group's ``allocate_slots``, or ``None`` with nothing changed."""
         if offloaded:
             raise ValueError("a hybrid KV cache does not offload")
+        if not computed_blocks and all(g._has_room(request, num_new_tokens)
+                                       for g in self.groups):
+            return []  # every decode step but one in B
         hits = computed_blocks or [None] * len(self.groups)
         cost = sum(g.slots_cost(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
         if cost > self.pool.num_free_blocks:
@@ -133,7 +137,7 @@ class HybridKVCacheManager:
             g.fork(parent, child)
 
     def release_behind_window(self, request: Request) -> int:
-        return sum(g.release_behind_window(request) for g in self.groups)
+        return sum(g.release_behind_window(request) for g in self._sliding)
 
     def free(self, request: Request) -> None:
         for g in self.groups:
