@@ -110,7 +110,7 @@ class HybridKVCacheManager:
         """Every group's ``allocate_slots``, or ``None`` with nothing changed."""
         if offloaded:
             raise ValueError("a hybrid KV cache does not offload")
-        if not computed_blocks and all(g._has_room(request, num_new_tokens)
+        if not computed_blocks and all(g.has_room(request, num_new_tokens)
                                        for g in self.groups):
             return []  # every decode step but one in B
         hits = computed_blocks or [None] * len(self.groups)

@@ -8,12 +8,12 @@ can try an allocation, fail, preempt someone and try again.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 from pagedserve.scheduler.block_hash import BlockHash
 from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from pagedserve.scheduler.cpu_block_pool import CpuBlockPool
 from pagedserve.scheduler.kv_import import KVImportMixin
+from pagedserve.scheduler.kv_swap import RELEASED, KVSwapMixin, SwappedBlocks, held_on_cpu
 from pagedserve.scheduler.request import Request
 
 
@@ -27,21 +27,9 @@ def first_seen_block(num_hit_blocks: int, window: int, block_size: int) -> int:
     return max(0, (num_hit_blocks * block_size - window + 1) // block_size)
 
 
-# A table entry whose block went back to the pool behind a sliding window: its id reads
-# -1, which the kernels never reach (the window starts after it), and no pool
-# operation, swap or hash ever sees it.
-RELEASED = KVCacheBlock(-1)
 
 
-@dataclass(slots=True)
-class SwappedBlocks:
-    """Where a swapped-out request's KV lives: CPU ids plus the hashes they held."""
-
-    cpu_block_ids: list[int]
-    hashes: list[BlockHash | None]
-
-
-class KVCacheManager(KVImportMixin):
+class KVCacheManager(KVSwapMixin, KVImportMixin):
     """Owns ``request_id -> [KVCacheBlock]`` and every change to it.
 
     With ``enable_offload`` the CPU tier is also a second level of the prefix
@@ -191,13 +179,13 @@ class KVCacheManager(KVImportMixin):
         copy-on-write pairs to emit, or ``None`` (nothing changed) if the pool
         is short.
         """
-        if not computed_blocks and self._has_room(request, num_new_tokens):
+        if not computed_blocks and self.has_room(request, num_new_tokens):
             return []  # every decode step but one in B
         if self.slots_cost(request, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
             return None
         return self.commit_slots(request, num_new_tokens, computed_blocks, offloaded)
 
-    def _has_room(self, request: Request, num_new_tokens: int) -> bool:
+    def has_room(self, request: Request, num_new_tokens: int) -> bool:
         """The request's blocks hold the step and the block it writes is its alone."""
         blocks = self.req_blocks.get(request.request_id, [])
         return request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size and (
@@ -208,7 +196,7 @@ class KVCacheManager(KVImportMixin):
                    computed_blocks: list[KVCacheBlock] | None = None) -> int:
         """Free blocks ``allocate_slots`` would take: fresh ones, a copy-on-write's, and
         cached hits it revives."""
-        if not computed_blocks and self._has_room(request, num_new_tokens):
+        if not computed_blocks and self.has_room(request, num_new_tokens):
             return 0
         blocks = self.req_blocks.get(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens
@@ -228,7 +216,7 @@ class KVCacheManager(KVImportMixin):
         """``allocate_slots`` once ``slots_cost`` is known to fit the pool; with
         ``hits_taken`` the caller has already taken ``computed_blocks`` from the pool
         (``take_hits``), before anything else allocated from it."""
-        if not computed_blocks and self._has_room(request, num_new_tokens):
+        if not computed_blocks and self.has_room(request, num_new_tokens):
             return []
         rid = request.request_id
         blocks = self.req_blocks.get(rid, [])
@@ -346,85 +334,7 @@ class KVCacheManager(KVImportMixin):
             self.pool.free(b for b in reversed(blocks) if b is not RELEASED)
         swapped = self.swapped.pop(request.request_id, None)
         if swapped:  # (with offloading its full blocks stay cached on the CPU)
-            self.cpu_pool.free(*_held_on_cpu(swapped))
-
-    # ---- swap ----------------------------------------------------------------
-
-    def can_swap_out(self, request: Request) -> bool:
-        n = sum(1 for b in self.req_blocks.get(request.request_id, ()) if b is not RELEASED)
-        return n <= self.cpu_pool.num_available_blocks
-
-    def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Copy a request's blocks to the CPU tier and release them on the device.
-
-        The device blocks keep their hashes in the LRU queue, so the prefix
-        can still be hit (and swap-in can skip copying it back) until evicted.
-        A full block the CPU cache already holds (offloading) is not copied: the
-        request takes that CPU block over, and gives it back to the cache when it
-        is swapped in or ends. Entries released behind a sliding window stay released
-        (CPU id -1).
-        """
-        blocks = self.req_blocks.pop(request.request_id)
-        del self.req_block_ids[request.request_id]
-        request.num_hashed_blocks = 0
-        live = [b for b in blocks if b is not RELEASED]
-        taken = [self.cpu_pool.take_cached(b.block_hash) if b.block_hash is not None
-                 else None for b in live]
-        fresh = iter(self.cpu_pool.allocate(taken.count(None)))
-        live_ids = [c if c is not None else next(fresh) for c in taken]
-        placed = iter(live_ids)
-        cpu_ids = [-1 if b is RELEASED else next(placed) for b in blocks]
-        self.swapped[request.request_id] = SwappedBlocks(cpu_ids, [b.block_hash for b in blocks])
-        pairs = [(b.block_id, c) for b, c, t in zip(live, live_ids, taken) if t is None]
-        self.pool.free(reversed(live))
-        self.offload_stats["swap_copies_saved"] += len(live) - len(pairs)
-        return pairs
-
-    def _swap_in_hits(self, sw: SwappedBlocks) -> list[KVCacheBlock | None]:
-        """Per entry: RELEASED where released, the device block still cached under
-        its hash, or None (it must be copied back)."""
-        return [RELEASED if c < 0 else None if h is None else self.pool.get_cached_block(h)
-                for c, h in zip(sw.cpu_block_ids, sw.hashes)]
-
-    def num_blocks_to_swap_in(self, request: Request) -> int:
-        """Free device blocks a swap-in consumes: fresh copies plus revived cache hits."""
-        hits = self._swap_in_hits(self.swapped[request.request_id])
-        return sum(1 for b in hits if b is None or (b is not RELEASED and b.ref_cnt == 0))
-
-    def swap_in_cost(self, request: Request, num_new_tokens: int) -> int:
-        """Free device blocks bringing ``request`` back and then running ``num_new_tokens``
-        of it take: the swap-in's, plus the blocks its step adds past its table."""
-        sw = self.swapped[request.request_id]
-        after = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return self.num_blocks_to_swap_in(request) + max(0, after - len(sw.cpu_block_ids))
-
-    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
-        """Bring a swapped request back; full blocks still cached on the device are
-        reused instead of copied. Returns ``(device, cpu)`` pairs or ``None``."""
-        sw = self.swapped[request.request_id]
-        hits = self._swap_in_hits(sw)
-        revived = sum(1 for b in hits if b is not None and b is not RELEASED and b.ref_cnt == 0)
-        need = sum(1 for b in hits if b is None)
-        if need + revived > self.pool.num_free_blocks:
-            return None
-        self.pool.touch([b for b in hits if b is not None and b is not RELEASED])
-        fresh = iter(self.pool.allocate(need))
-        blocks: list[KVCacheBlock] = []
-        pairs: list[tuple[int, int]] = []
-        for hit, cpu_id in zip(hits, sw.cpu_block_ids):
-            if hit is not None:
-                blocks.append(hit)
-            else:
-                b = next(fresh)
-                blocks.append(b)
-                pairs.append((b.block_id, cpu_id))
-        del self.swapped[request.request_id]
-        cpu_ids, hashes = _held_on_cpu(sw)
-        self.cpu_pool.pin(cpu_ids)  # read by this step: not reused in it
-        self.cpu_pool.free(cpu_ids, hashes)
-        self.req_blocks[request.request_id] = blocks
-        self.req_block_ids[request.request_id] = [b.block_id for b in blocks]
-        return pairs
+            self.cpu_pool.free(*held_on_cpu(swapped))
 
     # ---- offloading ------------------------------------------------------------
 
@@ -450,8 +360,3 @@ class KVCacheManager(KVImportMixin):
         """Forget every cached block no request holds, on both tiers; returns how many."""
         return self.pool.reset_prefix_cache() + self.cpu_pool.reset()
 
-
-def _held_on_cpu(sw: SwappedBlocks) -> tuple[list[int], list[BlockHash | None]]:
-    """A swapped request's CPU block ids and their hashes, released entries left out."""
-    kept = [i for i, c in enumerate(sw.cpu_block_ids) if c >= 0]
-    return [sw.cpu_block_ids[i] for i in kept], [sw.hashes[i] for i in kept]
