@@ -84,10 +84,12 @@ class EngineServer:
 
     def info(self) -> dict[str, Any]:
         core = self.engine.engine
-        blocks = int(core.get_stats()["memory"]["num_gpu_blocks"])
-        return {"model_id": core.model_id, "block_size": core.scheduler.block_size,
+        sched = core.scheduler
+        return {"model_id": core.model_id, "block_size": sched.block_size,
                 "max_model_len": core.max_model_len,
-                "pool_tokens": blocks * core.scheduler.block_size,
+                # What one request can hold (a hybrid model's sliding tables take some).
+                "pool_tokens": sched.max_request_tokens(),
+                "long_rope_from": sched.cache_config.long_rope_from,
                 "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id,
                 "node_id": self.node_id}
 

@@ -32,6 +32,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from pagedserve.cluster.lora_serving import adapter_affinity_key
 from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
+from pagedserve.scheduler.long_rope import prompt_keys
 from pagedserve.scheduler.lora_request import lora_cache_key
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -44,11 +45,13 @@ def routed_request(rid: str, ids: list[int], params: SamplingParams, salt: str |
                    info: dict[str, Any], stream: bool, lora: tuple[str, str] | None = None,
                    priority: int = 0) -> EngineRequest:
     """An engine request carrying what the router places it by: the prompt's block
-    hashes as the replicas' prefix caches key them (model, salt and adapter included),
+    hashes as the replicas' prefix caches key them (model, salt, adapter and LongRoPE's
+    key past its pre-trained length included),
     led by the adapter's own key (so an adapter's requests gather where it is loaded)."""
     key = lora_cache_key(*lora) if lora is not None else None
-    hashes = hash_prompt_blocks(ids, info["block_size"],
-                                make_extra_keys(info["model_id"], salt, key))
+    keys = prompt_keys(make_extra_keys(info["model_id"], salt, key), len(ids),
+                       info.get("long_rope_from", 0))
+    hashes = hash_prompt_blocks(ids, info["block_size"], keys)
     if lora is not None:  # for the router only: the replicas compute their own
         hashes.insert(0, adapter_affinity_key(*lora))
     return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora,

@@ -49,6 +49,17 @@ def blocks_held(tokens: int, config: SchedulerConfig, block_size: int,
     return min(whole, cdiv(window - 1 + config.max_num_batched_tokens, block_size) + 1)
 
 
+def max_tokens_held(config: SchedulerConfig, block_size: int, pool_blocks: int,
+                    windows: tuple[int | None, ...]) -> int:
+    """The longest request ``check_fits`` admits to a pool of ``pool_blocks``: its full
+    tables' blocks after every sliding table's bound (the context when all slide)."""
+    full = sum(w is None for w in windows)
+    if not full:
+        return config.max_model_len
+    bound = sum(blocks_held(1 << 40, config, block_size, w) for w in windows if w is not None)
+    return max(0, (pool_blocks - bound) // full * block_size)
+
+
 def _held(tokens: int, config: SchedulerConfig, block_size: int,
           windows: tuple[int | None, ...]) -> int:
     return sum(blocks_held(tokens, config, block_size, w) for w in windows)

@@ -18,6 +18,14 @@ from pagedserve.scheduler.request import Request
 LONG_ROPE_KEY = "rope:long"
 
 
+def prompt_keys(keys: tuple[str, ...], num_tokens: int, long_rope_from: int
+                ) -> tuple[str, ...]:
+    """The hash keys of a prompt of ``num_tokens`` tokens: ``keys``, and LongRoPE's past
+    its pre-trained length (``long_rope_from``; 0: not LongRoPE), where it runs long.
+    The scheduler and the router (its prefix affinity) both name blocks this way."""
+    return (*keys, LONG_ROPE_KEY) if long_rope_from and num_tokens > long_rope_from else keys
+
+
 def uses_long_rope(req: Request) -> bool:
     """Whether the request's K/V are (to be) rotated by the long factors."""
     return LONG_ROPE_KEY in req.extra_keys

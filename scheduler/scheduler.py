@@ -21,7 +21,7 @@ tokens that could start now with the plans that may still start.
 
 from __future__ import annotations
 
-from pagedserve.scheduler.admission import check_fits, lacks_room, lora_fits
+from pagedserve.scheduler.admission import check_fits, lacks_room, lora_fits, max_tokens_held
 from pagedserve.scheduler.beam import BeamGroup, BeamSearchParams
 from pagedserve.scheduler.beam_scheduling import is_held
 from pagedserve.scheduler.block_hash import make_extra_keys
@@ -29,8 +29,8 @@ from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.hybrid_kv import HybridKVCacheManager
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.long_rope import (
-    LONG_ROPE_KEY,
     needs_long_rope,
+    prompt_keys,
     start_long_rope,
     uses_long_rope,
 )
@@ -128,8 +128,7 @@ class Scheduler(StepResults):
         """What a prompt of ``num_tokens`` tokens' blocks hash under: the model, salt and
         adapter (``make_extra_keys``), and LongRoPE's key past its pre-trained length."""
         keys = make_extra_keys(self.cache_config.model_id, cache_salt, lora_key)
-        limit = self.cache_config.long_rope_from
-        return (*keys, LONG_ROPE_KEY) if limit and num_tokens > limit else keys
+        return prompt_keys(keys, num_tokens, self.cache_config.long_rope_from)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ``n > 1`` becomes a group whose siblings fork later."""
@@ -389,4 +388,9 @@ class Scheduler(StepResults):
 
     def memory_stats(self) -> MemoryStats:
         return memory_stats(self)
+
+    def max_request_tokens(self) -> int:
+        """The most tokens one request can hold in this pool (``admission``)."""
+        return max_tokens_held(self.config, self.block_size, self.kv.pool.num_blocks,
+                               self.kv.group_windows)
 

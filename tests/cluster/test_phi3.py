@@ -135,3 +135,25 @@ def test_longrope_beams_cross_the_switch_as_hugging_face(longrope_phi3_dir) -> N
     assert [s.completion_token_ids for s in out.sequences] == ref_tokens
     for seq, ref in zip(out.sequences, ref_logprobs, strict=True):
         assert seq.cum_logprob == pytest.approx(ref, abs=1e-3)
+
+
+def test_the_routers_prefix_hashes_carry_the_long_key(longrope_phi3_dir) -> None:
+    """The router places a prompt by the hashes the replicas' prefix caches use: past
+    LongRoPE's pre-trained length those carry the long key, so a long prompt's affinity
+    finds the replica holding its long-rotated blocks; a short prompt's do not."""
+    from pagedserve.cluster.router import routed_request
+
+    llm = LLM(model=longrope_phi3_dir, num_gpu_blocks=64, block_size=4)
+    try:
+        engine = llm.engine
+        limit = engine.scheduler.cache_config.long_rope_from
+        info = {"model_id": engine.model_id, "block_size": 4, "long_rope_from": limit}
+        params = SamplingParams(max_tokens=1)
+        for n in (limit, limit + 9):
+            ids = list(range(100, 100 + n))
+            routed = routed_request("r", ids, params, None, info, stream=False)
+            assert routed.block_hashes == engine.prompt_block_hashes(ids)
+        assert routed_request("r", ids, params, None, {**info, "long_rope_from": 0},
+                              stream=False).block_hashes != engine.prompt_block_hashes(ids)
+    finally:
+        llm.shutdown()

@@ -102,6 +102,25 @@ def test_pp2_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         llm.shutdown()
 
 
+def test_pp2_tp2_hybrid_gemma_equals_hugging_face(ray_cluster, tiny_gemma3_dir) -> None:
+    """A Gemma 3 of a sliding, a full and a sliding layer: three KV cache groups, each
+    table sent to four actors as changes (released fronts included), each stage's
+    layers on its own caches (stage 0: layers 0 and 1, groups 1 and 0, one cache; stage
+    1: layer 2, group 2); 24 new tokens, past the 8-token window, are HF's."""
+    prompts = prompts_of_mixed_lengths(4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = hf_greedy(tiny_gemma3_dir, prompts, 24)
+    llm = LLM(model=tiny_gemma3_dir, pipeline_parallel_size=2, tensor_parallel_size=2,
+              num_gpu_blocks=96, num_threads=1, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        assert llm.engine.scheduler.kv.group_windows == (None, 8, 8)
+        assert _tokens(llm.generate(prompts, params)) == ref
+        assert _tokens(llm.generate(prompts, params)) == ref  # prefix hits in every group
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_llama,
                                                      mode: str) -> None:

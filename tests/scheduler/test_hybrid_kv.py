@@ -182,3 +182,18 @@ def test_admission_counts_every_table_and_stats_count_every_group() -> None:
     with pytest.raises(ValueError, match="request needs 26 KV blocks"):
         sched.add_request(req("longer", [100] * 60, max_tokens=12, sched=sched))
     assert_baseline(sched)
+
+
+def test_the_longest_request_a_pool_admits() -> None:
+    """What the HTTP front caps a request's default ``max_tokens`` by: one table, the
+    pool; groups, the full tables after each sliding table's bound; every table
+    sliding, the context. Exactly the length admission starts refusing at."""
+    for groups, want in [((), 24 * B), (GROUPS, (24 - 2 * 4) * B), ((W, 4), 256)]:
+        sched, _ = make_scheduler(num_gpu_blocks=24, kv_group_windows=groups, block_size=B,
+                                  max_num_batched_tokens=4)
+        assert sched.max_request_tokens() == want
+        if want < 256:
+            sched.add_request(req("fits", [100] * (want - 10), max_tokens=10, sched=sched))
+            with pytest.raises(ValueError, match="KV blocks"):
+                sched.add_request(req("over", [100] * (want - 10), max_tokens=11,
+                                      sched=sched))
