@@ -5,9 +5,9 @@ Per layer, K and V caches have shape ``[num_blocks, block_size, Hkv_rank, D]``
 ``key_caches``, CPU ids index ``cpu_key_caches``. A hybrid model's layers share
 them (``scheduler.kv_groups``): ``layer_slots[i]`` is the cache local layer ``i``
 reads, one layer of each KV cache group per cache, each group through its own
-block table, so a block id names one group's block in every cache. The scheduler decides every
-move; this class only executes swap-out, swap-in and copy through the
-attention backend, in that order, before the forward.
+block table, so a block id names one group's block in every cache. The scheduler
+decides every move; this class only executes swap-out, swap-in and copy through
+the attention backend, in that order, before the forward.
 """
 
 from __future__ import annotations

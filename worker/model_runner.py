@@ -249,8 +249,8 @@ def int_tensor(values: list[int], dtype: type[np.integer]) -> torch.Tensor:
     return torch.from_numpy(np.fromiter(values, dtype=dtype, count=len(values)))
 
 
-def _block_table(reqs: list[ScheduledRequest], tables: list[list[int]], seq_lens: list[int], bsz: int,
-                 width: int) -> torch.Tensor:
+def _block_table(reqs: list[ScheduledRequest], tables: list[list[int]], seq_lens: list[int],
+                 bsz: int, width: int) -> torch.Tensor:
     """``tables`` cut to each row's blocks and padded with -1 to ``width``, as int32."""
     pad = [-1] * width
     flat: list[int] = []

@@ -43,6 +43,23 @@ def hf_beams(model_dir: str, prompt: list[int], width: int, new_tokens: int,
     return seqs, [float(s) * new_tokens for s in y.sequences_scores]
 
 
+def assert_beams_equal_hf(model_dir: str, prompt: list[int], width: int, new_tokens: int,
+                          **llm_kw) -> None:
+    """``LLM.beam_search`` on ``model_dir`` (built with ``llm_kw``) gives HF's beams and
+    scores, and leaves the pool at baseline."""
+    llm = LLM(model=model_dir, **llm_kw)
+    try:
+        out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(
+            beam_width=width, max_tokens=new_tokens, ignore_eos=True))[0]
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    ref_tokens, ref_logprobs = hf_beams(model_dir, prompt, width, new_tokens)
+    assert [s.completion_token_ids for s in out.sequences] == ref_tokens
+    for seq, ref in zip(out.sequences, ref_logprobs, strict=True):
+        assert seq.cum_logprob == pytest.approx(ref, abs=1e-3)
+
+
 @pytest.mark.parametrize(("arch", "block_size"), [("llama", 16), ("qwen2", 16), ("llama", 4)])
 def test_beams_equal_hf_beam_search(arch: str, block_size: int, tiny_llama_dir: str,
                                     tiny_qwen2_dir: str) -> None:

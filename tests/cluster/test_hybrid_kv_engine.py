@@ -141,19 +141,7 @@ def test_peak_blocks_follow_the_window(gemma_5to1_dir: str) -> None:
 def test_beams_fork_every_groups_table(gemma_5to1_dir: str) -> None:
     """Beam search forks all six tables (4-token blocks: releases in the sliding groups
     and copy-on-write most steps) and equals HF's beam search."""
-    from pagedserve.cluster import BeamSearchParams
-    from tests.cluster.test_beam_search import hf_beams
-    from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+    from tests.cluster.test_beam_search import assert_beams_equal_hf
 
-    prompt = prompts_of_mixed_lengths()[3]
-    llm = LLM(model=gemma_5to1_dir, num_gpu_blocks=512, block_size=4)
-    try:
-        out = llm.beam_search([{"prompt_token_ids": prompt}],
-                              BeamSearchParams(beam_width=3, max_tokens=24, ignore_eos=True))[0]
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
-    ref_tokens, ref_logprobs = hf_beams(gemma_5to1_dir, prompt, 3, 24)
-    assert [s.completion_token_ids for s in out.sequences] == ref_tokens
-    for seq, ref in zip(out.sequences, ref_logprobs, strict=True):
-        assert seq.cum_logprob == pytest.approx(ref, abs=1e-3)
+    assert_beams_equal_hf(gemma_5to1_dir, prompts_of_mixed_lengths()[3], 3, 24,
+                          num_gpu_blocks=512, block_size=4)

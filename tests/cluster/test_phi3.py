@@ -119,22 +119,10 @@ def test_longrope_prompt_kv_ships_between_engines(longrope_phi3_dir) -> None:
 def test_longrope_beams_cross_the_switch_as_hugging_face(longrope_phi3_dir) -> None:
     """Beams of a 12-token prompt grow past the 16-token length: each is recomputed
     long, and the beams and their scores are HF's beam search."""
-    from pagedserve.cluster import BeamSearchParams
-    from tests.cluster.test_beam_search import hf_beams
-    from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+    from tests.cluster.test_beam_search import assert_beams_equal_hf
 
-    prompt = prompts_of_mixed_lengths()[1]
-    llm = LLM(model=longrope_phi3_dir, num_gpu_blocks=128, block_size=4)
-    try:
-        out = llm.beam_search([{"prompt_token_ids": prompt}],
-                              BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))[0]
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
-    ref_tokens, ref_logprobs = hf_beams(longrope_phi3_dir, prompt, 3, 10)
-    assert [s.completion_token_ids for s in out.sequences] == ref_tokens
-    for seq, ref in zip(out.sequences, ref_logprobs, strict=True):
-        assert seq.cum_logprob == pytest.approx(ref, abs=1e-3)
+    assert_beams_equal_hf(longrope_phi3_dir, prompts_of_mixed_lengths()[1], 3, 10,
+                          num_gpu_blocks=128, block_size=4)
 
 
 def test_the_routers_prefix_hashes_carry_the_long_key(longrope_phi3_dir) -> None:

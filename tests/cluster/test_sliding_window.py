@@ -124,22 +124,9 @@ def test_a_window_on_some_layers_gets_a_table_of_its_own(qwen2_dir) -> None:
 def test_beams_under_a_released_window_equal_hugging_face(mistral_dir) -> None:
     """Beams fork tables whose leading entries were released (4-token blocks, so
     releases and copy-on-write happen most steps) and still equal HF's beam search."""
-    from pagedserve.cluster import BeamSearchParams
-    from tests.cluster.test_beam_search import hf_beams
-    from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+    from tests.cluster.test_beam_search import assert_beams_equal_hf
 
-    prompt = _prompts()[3]
-    llm = LLM(model=mistral_dir, num_gpu_blocks=256, block_size=4)
-    try:
-        out = llm.beam_search([{"prompt_token_ids": prompt}],
-                              BeamSearchParams(beam_width=3, max_tokens=24, ignore_eos=True))[0]
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
-    ref_tokens, ref_logprobs = hf_beams(mistral_dir, prompt, 3, 24)
-    assert [s.completion_token_ids for s in out.sequences] == ref_tokens
-    for seq, ref in zip(out.sequences, ref_logprobs, strict=True):
-        assert seq.cum_logprob == pytest.approx(ref, abs=1e-3)
+    assert_beams_equal_hf(mistral_dir, _prompts()[3], 3, 24, num_gpu_blocks=256, block_size=4)
 
 
 def test_prompt_kv_shipped_between_windowed_engines(mistral_dir, mistral_ref) -> None:
