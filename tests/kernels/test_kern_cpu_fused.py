@@ -40,6 +40,31 @@ def test_rms_norm_matches_torch(rows: int, with_residual: bool) -> None:
         assert got[1] is x  # nothing to add: the input is the next residual
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_norm_on_the_native_kernel_matches_its_torch_path(with_residual: bool) -> None:
+    """Gemma's ``(1 + w)`` norm (fp32 rows) runs natively with ``1 + w`` as the weight;
+    its torch path (3-D q / k norms) gives the same within the kernel's tolerance, and a
+    weight loaded anew (``.data.copy_``, no version bump, or a new tensor) is read."""
+    from pagedserve.worker.layers.norm import GemmaRMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = GemmaRMSNorm(576, 1e-6, torch.float32, torch.device("cpu"))
+    x = torch.randn(9, 576, generator=g) * 3
+    res = torch.randn(9, 576, generator=g) if with_residual else None
+    for weight in (torch.randn(576, generator=g), torch.randn(576, generator=g)):
+        norm.weight.data.copy_(weight)
+        got = norm(x, res)
+        torch_path = norm(x.unsqueeze(0), None if res is None else res.unsqueeze(0))
+        s = x + res if res is not None else x
+        ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)) * (1 + weight)
+        torch.testing.assert_close(got[0], ref, rtol=RTOL, atol=1e-5)
+        torch.testing.assert_close(torch_path[0][0], ref, rtol=RTOL, atol=1e-5)
+        torch.testing.assert_close(got[1], s, rtol=0, atol=0)
+    norm.weight = torch.nn.Parameter(torch.zeros(576), requires_grad=False)
+    torch.testing.assert_close(norm(x, res)[0], s * torch.rsqrt(
+        s.pow(2).mean(-1, keepdim=True) + 1e-6), rtol=RTOL, atol=1e-5)
+
+
 def test_rms_norm_reads_strided_rows_and_leaves_inputs_alone() -> None:
     big = torch.randn(5, 1000)
     x = big[:, 100:164]  # rows 1000 floats apart

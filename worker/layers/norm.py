@@ -40,7 +40,11 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, all in fp32, cast once at the end
     (transformers' Gemma3RMSNorm, whose checkpoints store the weight's offset from 1).
-    Same call as :class:`RMSNorm`: with ``residual`` the sum is normalised and returned."""
+    Same call as :class:`RMSNorm`: with ``residual`` the sum is normalised and returned.
+    In fp32 on CPU the native kernel runs it with ``1 + weight`` as its weight (the
+    same product: Llama's form casts before the multiply, which fp32 does not change;
+    the sum is made each call, a vector of ``hidden``, so a weight loaded anew is
+    always the one read)."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -51,6 +55,10 @@ class GemmaRMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu":
+            fused = cpu_fused.rms_norm(x, residual, 1.0 + self.weight.float(), self.eps)
+            if fused is not None:
+                return fused
         if residual is not None:
             x = x + residual
         h = x.float()
