@@ -398,4 +398,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-

@@ -359,4 +359,3 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds, on both tiers; returns how many."""
         return self.pool.reset_prefix_cache() + self.cpu_pool.reset()
-

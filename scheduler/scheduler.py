@@ -393,4 +393,3 @@ class Scheduler(StepResults):
         """The most tokens one request can hold in this pool (``admission``)."""
         return max_tokens_held(self.config, self.block_size, self.kv.pool.num_blocks,
                                self.kv.group_windows)
-
