@@ -15,8 +15,14 @@ and prints runs/alone and runs/sdpa (< 1: runs faster). The backend sends prefil
 of up to ``cpu_backend.ROWS_MAX_KEYS`` keys to native rows and longer ones to SDPA;
 batch-invariant mode sends all of them to native rows.
 
+``--window W`` times the same under a sliding window of ``W`` keys (Gemma 3's local
+layers, Mistral v0.1): each row of a run then starts at its own key, and a run reads
+the union of its rows' windows once.
+
     python bench/prefill_rows.py
     python bench/prefill_rows.py --json bench/figures/prefill_rows.json
+    python bench/prefill_rows.py --shapes gemma3-4b --window 1024 \
+        --json bench/figures/prefill_rows_window.json
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from provenance import tree_commit  # a sibling script
 
-SHAPES = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}  # query heads, KV heads, head dim
+# query heads, KV heads, head dim
+SHAPES = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128), "gemma3-4b": (8, 4, 256)}
 CASES = [(1, 128), (1, 512), (4, 512), (1, 1024), (1, 2048), (1, 4096)]  # prompts x tokens
 
 
@@ -53,14 +60,17 @@ def backends() -> dict[str, Any]:
     return {"runs": runs, "alone": alone, "sdpa": TorchBackend()}
 
 
-def time_case(shape: tuple[int, int, int], n: int, tokens: int, reps: int) -> dict[str, float]:
-    """Best-of-reps seconds per backend for n prompts of ``tokens`` tokens, no context."""
+def time_case(shape: tuple[int, int, int], n: int, tokens: int, reps: int,
+              window: int | None = None) -> dict[str, float]:
+    """Best-of-reps seconds per backend for n prompts of ``tokens`` tokens, no context,
+    under a sliding ``window`` if given."""
     hq, hkv, d = shape
     lens = [tokens] * n
     b = make_paged_batch(lens, lens, hq, hkv, d, 16, extra_blocks=0, garbage=1.0)
     md = build_varlen_metadata(lens, lens)
     fns = {name: (lambda be=be: be.varlen_attention(b.q, b.key_cache, b.value_cache,
-                                                    b.block_table, md, d ** -0.5))
+                                                    b.block_table, md, d ** -0.5,
+                                                    window=window))
            for name, be in backends().items()}
     outs = {name: fn() for name, fn in fns.items()}  # warm-up, and the results agree
     if not torch.equal(outs["runs"], outs["alone"]):
@@ -88,6 +98,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--window", type=int, default=None, help="sliding window (keys)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     if cpu_native.load() is None:
@@ -95,14 +106,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads, rows per run {cpu_native.ROWS_PER_CHUNK}, "
-          f"default-mode native limit {cpu_backend.ROWS_MAX_KEYS} keys")
+          f"default-mode native limit {cpu_backend.ROWS_MAX_KEYS} keys, "
+          f"window {args.window or 'none'}")
     print(f"{'shape':9s} {'case':>8s} {'runs ms':>9s} {'alone ms':>9s} {'sdpa ms':>9s} "
           f"{'runs/alone':>10s} {'runs/sdpa':>9s}")
     rows = []
     for shape_name in args.shapes:
         for n, tokens in CASES:
             reps = args.reps if tokens <= 1024 else max(3, args.reps // 2)
-            t = time_case(SHAPES[shape_name], n, tokens, reps)
+            t = time_case(SHAPES[shape_name], n, tokens, reps, args.window)
             row = {"shape": shape_name, "prompts": n, "tokens": tokens,
                    **{f"{k}_ms": v * 1e3 for k, v in t.items()},
                    "runs_over_alone": t["runs"] / t["alone"],
@@ -115,7 +127,7 @@ def main() -> None:
         meta = {"machine": platform.processor() or platform.machine(),
                 "threads": torch.get_num_threads(), "commit": tree_commit(),
                 "rows_per_chunk": cpu_native.ROWS_PER_CHUNK,
-                "rows_max_keys": cpu_backend.ROWS_MAX_KEYS}
+                "rows_max_keys": cpu_backend.ROWS_MAX_KEYS, "window": args.window}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -188,8 +188,7 @@ class CpuNativeBackend(TorchBackend):
         if r is None or not r.matches(md, block_table, native):
             r = _Rows(md, block_table, native, starts, self.rows_per_chunk)
             self._rows.put(block_table, r)
-        # Runs share one key range; a sliding window gives each row its own, so rows go alone.
-        chunks = r.chunks if window is None else None
+        chunks = r.chunks
         n = r.rows.numel()
         if r.dense:
             # Every row in order: read q and write out in place.

@@ -304,8 +304,9 @@ def paged_decode(
     contiguous ``[S, Hq, 2]``) receives each row and head's softmax statistics, its
     largest scaled score and the sum of ``exp(score - max)``, for merging attention
     over split key ranges (``cpu_cascade.merge_attention``; rows of length 0 keep theirs).
-    A sliding ``window`` starts row ``s`` at key ``lens[s] - window`` (rows alone: no
-    ``chunks``); the blocks before it are not read.
+    A sliding ``window`` starts row ``s`` at key ``lens[s] - window``; the blocks before
+    it are not read, and a run of rows reads the union of its rows' windows once, each
+    row still bit-identical to itself alone.
     """
     lib = _loaded()
     if lib is None:
@@ -340,8 +341,6 @@ def paged_decode(
         raise ValueError(f"stats must be a contiguous fp32 tensor of shape {(s, hq, 2)}")
     chunk_ptr, num_chunks = None, 0
     starts = None if window is None else (lens32 - window).clamp_min(0).to(torch.int32)
-    if starts is not None and chunks is not None:
-        raise ValueError("a sliding window runs every row alone (chunks must be None)")
     if chunks is not None:
         chunks = chunks.to(torch.int32).contiguous()
         num_chunks = chunks.numel() - 1

@@ -110,13 +110,13 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
 }
 
 /* attend_*_impl with the common head sizes and each cache kind as constants. */
-#define ATTEND_ARGS q, row_stride, lens, R, kc, vc, table, h0, h1, G
+#define ATTEND_ARGS q, row_stride, lens, starts, R, kc, vc, table, h0, h1, G
 #define ATTEND_TAIL B, num_blocks, tok_stride, blk_stride, scale, sc, out
 #define ATTEND_D(K, DD)                                                                      \
     do {                                                                                     \
         if (R == 1)                                                                          \
-            return attend_row_impl(q, kc, vc, table, lens[0], start, h0, h1, G, DD,          \
-                                   ATTEND_TAIL, K, part, stats);                             \
+            return attend_row_impl(q, kc, vc, table, lens[0], row_start(starts, 0), h0, h1, \
+                                   G, DD, ATTEND_TAIL, K, part, stats);                      \
         return attend_rows_impl(ATTEND_ARGS, DD, ATTEND_TAIL, K, stats);                     \
     } while (0)
 #define ATTEND_KIND(K)                                                                       \
@@ -127,8 +127,8 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
             ATTEND_D(K, 128);                                                                \
         ATTEND_D(K, D);                                                                      \
     } while (0)
-static int attend(const float *q, int64_t row_stride, const int32_t *lens, int64_t start,
-                  int64_t R, const char *kc, const char *vc, const int32_t *table, int64_t h0,
+static int attend(const float *q, int64_t row_stride, const int32_t *lens,
+                  const int32_t *starts, int64_t R, const char *kc, const char *vc, const int32_t *table, int64_t h0,
                   int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
                   int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
                   int kind, v16f *part, float *stats)
@@ -149,8 +149,8 @@ static int attend(const float *q, int64_t row_stride, const int32_t *lens, int64
 
 /*
  * A task is a group of rows (chunks[c] to chunks[c + 1]; every row its own
- * group when chunks is NULL, the only case where starts, each row's first key,
- * may be given) that share the first row's block table, over all
+ * group when chunks is NULL) that share the first row's block table (starts,
+ * NULL or each row's first key under a sliding window), over all
  * KV heads or, when there are too few groups to keep every thread busy, over
  * one KV head. Returns 0; -1 when a scratch allocation failed; -2 when a block
  * id a row needs is outside [0, num_blocks). On error out is undefined.
@@ -206,7 +206,7 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
                 }
             }
             const int rc = attend(q + s * Hq * D, Hq * D, lens + s,
-                                  starts == NULL ? 0 : starts[s], R, key_cache, value_cache,
+                                  starts == NULL ? NULL : starts + s, R, key_cache, value_cache,
                                   tables + s * table_stride, h0, h0 + per, G, D, B,
                                   num_blocks, tok_stride, blk_stride, scale, sc,
                                   out + s * Hq * D, kind, part,
@@ -221,7 +221,7 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
 }
 
 /* Exported entry: caches of the given kind (KV_* above, raw elements); q and
- * out are fp32. starts (NULL, or [S] int32 with chunks NULL) is each row's
+ * out are fp32. starts (NULL, or [S] int32) is each row's
  * first key under a sliding window, 0 <= starts[s] < lens[s] where lens[s] > 0
  * (else -5). stats (NULL or [S, Hq, 2] fp32) receives each row and query
  * head's softmax statistics, its largest scaled score m and sum of exp(score -
@@ -237,8 +237,6 @@ int paged_decode_kv(const float *q, const void *key_cache, const void *value_cac
 {
     if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM || D % 16 != 0)
         return -3;
-    if (starts != NULL && chunks != NULL)
-        return -5;
     for (int64_t s = 0; starts != NULL && s < S; s++)
         if (starts[s] < 0 || (lens[s] > 0 && starts[s] >= lens[s]))
             return -5;

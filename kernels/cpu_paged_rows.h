@@ -12,6 +12,12 @@
 
 #include "cpu_kv.h"
 
+/* Row r's first key: 0 without starts. */
+static inline int64_t row_start(const int32_t *starts, int64_t r)
+{
+    return starts == NULL ? 0 : starts[r];
+}
+
 /* Tile [t0, t0 + n) of KV head h's rows in cache c as fp32 row pointers: into
  * the pool itself for fp32 caches, else widened into buf (TILE rows of D). */
 static inline __attribute__((always_inline)) void
@@ -35,7 +41,8 @@ static inline const float *q_head(const float *q, int64_t row_stride, int64_t m,
 
 /* KV heads [h0, h1) of R query rows that share one block table (one sequence's
  * consecutive prefill rows, or decode rows over one shared prefix); row r attends
- * to keys [0, lens[r]) and reads q / writes out at r * row_stride floats. D a
+ * to keys [starts[r], lens[r]) (starts NULL: from 0; a sliding window gives each
+ * row its own first key) and reads q / writes out at r * row_stride floats. D a
  * multiple of 16. Keys are taken TILE at a time, per KV head: the tile's rows are widened
  * once and then stay in L1 while every query head of every row that shares them
  * passes over them, so a prefill's K/V cross the cache hierarchy once per R rows
@@ -45,12 +52,13 @@ static inline const float *q_head(const float *q, int64_t row_stride, int64_t m,
  * at a time; values: accumulated key by key.
  *
  * A row's arithmetic is the same sequence of operations whatever R is and
- * whichever rows share its call (the loops over rows only skip keys past a row's
- * length): batch-invariant mode relies on a row's bits not depending on how the
- * scheduler cut its prefill. */
+ * whichever rows share its call (the loops over rows only skip keys outside a
+ * row's range, and a row's scores start at an aligned offset of its own, as a row
+ * alone's do): batch-invariant mode relies on a row's bits not depending on how
+ * the scheduler cut its prefill. */
 static inline __attribute__((always_inline)) int
-attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_t R,
-                 const char *kc, const char *vc, const int32_t *table, int64_t h0,
+attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens,
+                 const int32_t *starts, int64_t R, const char *kc, const char *vc, const int32_t *table, int64_t h0,
                  int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
                  int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
                  int kind, float *stats)
@@ -60,15 +68,24 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
     float buf[TILE * MAX_HEAD_DIM];
     const float *rows[TILE];
     v16f part[2][TILE];
-    int64_t L = 0;
-    for (int64_t r = 0; r < R; r++)
+    int64_t L = 0, lo = -1, Lw = 0;
+    for (int64_t r = 0; r < R; r++) {
+        if (lens[r] <= 0)
+            continue;
+        const int64_t s0 = row_start(starts, r);
         L = lens[r] > L ? lens[r] : L;
-    /* Score rows start 64-byte aligned (sc is), so a vectorised loop over a row
-     * splits it the same way wherever the row sits. */
-    const int64_t Lp = (L + TILE - 1) / TILE * TILE;
-    if (!table_ok(table, 0, L, B, num_blocks))
+        lo = lo < 0 || s0 < lo ? s0 : lo;
+        Lw = lens[r] - s0 > Lw ? lens[r] - s0 : Lw;
+    }
+    if (lo < 0)
+        lo = 0;
+    /* Row r's score for key t sits at t - starts[r] of its score row, and score
+     * rows start 64-byte aligned (sc is), so a vectorised loop over a row splits
+     * it the same way wherever the row sits and whichever rows share the call. */
+    const int64_t Lp = (Lw + TILE - 1) / TILE * TILE;
+    if (!table_ok(table, lo, L, B, num_blocks))
         return -2;
-    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+    for (int64_t t0 = lo; t0 < L; t0 += TILE) {
         const int64_t n = L - t0 < TILE ? L - t0 : TILE;
         for (int64_t j = 0; j < n; j++)
             prefetch_next(kc, table, t0 + j, L, B, blk_stride, tok_stride, h0, D, nh * D, es);
@@ -97,46 +114,51 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
                     part[1][j] = b;
                 }
                 for (int64_t u = 0; u <= two; u++) {
-                    const int64_t r = (m + u) / G;
+                    const int64_t r = (m + u) / G, s0 = row_start(starts, r);
                     const int64_t nr = lens[r] - t0 < n ? lens[r] - t0 : n;
-                    if (nr <= 0)
+                    const int64_t j0 = s0 > t0 ? s0 - t0 : 0;
+                    if (nr <= j0)
                         continue;
                     for (int64_t j = nr; j < TILE; j++)
                         part[u][j] = (v16f){0};
                     const v16f sv = reduce16(part[u]) * scale;
-                    float *dst = sc + (r * nq + h * G + (m + u) % G) * Lp + t0;
-                    if (nr == TILE)
+                    float *dst = sc + (r * nq + h * G + (m + u) % G) * Lp + t0 - s0;
+                    if (nr == TILE && j0 == 0 && (t0 - s0) % TILE == 0)
                         *(v16f *)dst = sv;
                     else
-                        for (int64_t j = 0; j < nr; j++)
+                        for (int64_t j = j0; j < nr; j++)
                             dst[j] = sv[j];
                 }
             }
         }
     }
     for (int64_t r = 0; r < R; r++) {
-        const int64_t Lr = lens[r];
+        const int64_t Lr = lens[r] - row_start(starts, r);
         for (int64_t i = 0; i < nq && Lr > 0; i++) {
             softmax_row(sc + (r * nq + i) * Lp, Lr,
                         stats == NULL ? NULL : stats + 2 * (r * (row_stride / D) + h0 * G + i));
         }
         memset(out + r * row_stride + h0 * G * D, 0, (size_t)(nq * D) * sizeof(float));
     }
-    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+    for (int64_t t0 = lo; t0 < L; t0 += TILE) {
         const int64_t n = L - t0 < TILE ? L - t0 : TILE;
         for (int64_t j = 0; j < n; j++)
             prefetch_next(vc, table, t0 + j, L, B, blk_stride, tok_stride, h0, D, nh * D, es);
         for (int64_t h = 0; h < nh; h++) {
             tile_rows(rows, vc, table, t0, n, h0 + h, B, blk_stride, tok_stride, D, kind, buf);
             /* Two query heads at a time again: each value chunk loaded once for
-             * both accumulators, over the keys both rows reach, then each alone. */
+             * both accumulators over the keys both rows reach, each alone over the
+             * rest; every accumulator still takes its keys in ascending order. */
             for (int64_t m = 0; m < R * G; m += 2) {
                 const int64_t two = m + 1 < R * G;
                 const int64_t ra = m / G, rb = (m + two) / G;
-                const int64_t n_a = lens[ra] - t0 < n ? lens[ra] - t0 : n;
-                const int64_t n_b = two ? (lens[rb] - t0 < n ? lens[rb] - t0 : n) : 0;
-                const float *wa = sc + (ra * nq + h * G + m % G) * Lp + t0;
-                const float *wb = sc + (rb * nq + h * G + (m + two) % G) * Lp + t0;
+                const int64_t sa = row_start(starts, ra), sb = row_start(starts, rb);
+                const int64_t a0 = sa > t0 ? sa - t0 : 0;
+                const int64_t a1 = lens[ra] - t0 < n ? lens[ra] - t0 : n;
+                const int64_t b0 = sb > t0 ? sb - t0 : 0;
+                const int64_t b1 = two ? (lens[rb] - t0 < n ? lens[rb] - t0 : n) : 0;
+                const float *wa = sc + (ra * nq + h * G + m % G) * Lp + t0 - sa;
+                const float *wb = sc + (rb * nq + h * G + (m + two) % G) * Lp + t0 - sb;
                 float *oa = out + ra * row_stride + ((h0 + h) * G + m % G) * D;
                 float *ob = out + rb * row_stride + ((h0 + h) * G + (m + two) % G) * D;
                 v16f a[MAX_HEAD_DIM / 16], b[MAX_HEAD_DIM / 16];
@@ -144,24 +166,31 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens, int64_
                     a[c] = *(const v16f *)(oa + 16 * c);
                     b[c] = *(const v16f *)(ob + 16 * c);
                 }
-                const int64_t both = n_a < n_b ? n_a : n_b;
-                int64_t j = 0;
-                for (; j < both; j++)
+                /* [lo2, hi2): the keys both reach (empty when the ranges miss). */
+                const int64_t lo2 = a0 > b0 ? a0 : b0, hi2 = a1 < b1 ? a1 : b1;
+                const int64_t a_mid = lo2 < hi2 ? lo2 : a1, b_mid = lo2 < hi2 ? lo2 : b1;
+                for (int64_t k = a0; k < a_mid; k++)
+                    for (int64_t c = 0; c < nv; c++)
+                        a[c] += wa[k] * *(const v16f *)(rows[k] + 16 * c);
+                for (int64_t k = b0; k < b_mid; k++)
+                    for (int64_t c = 0; c < nv; c++)
+                        b[c] += wb[k] * *(const v16f *)(rows[k] + 16 * c);
+                for (int64_t j = lo2; j < hi2; j++)
                     for (int64_t c = 0; c < nv; c++) {
                         const v16f v = *(const v16f *)(rows[j] + 16 * c);
                         a[c] += wa[j] * v;
                         b[c] += wb[j] * v;
                     }
-                for (int64_t k = j; k < n_a; k++)
+                for (int64_t k = hi2 > a_mid ? hi2 : a_mid; k < a1; k++)
                     for (int64_t c = 0; c < nv; c++)
                         a[c] += wa[k] * *(const v16f *)(rows[k] + 16 * c);
-                for (int64_t k = j; k < n_b; k++)
+                for (int64_t k = hi2 > b_mid ? hi2 : b_mid; k < b1; k++)
                     for (int64_t c = 0; c < nv; c++)
                         b[c] += wb[k] * *(const v16f *)(rows[k] + 16 * c);
                 for (int64_t c = 0; c < nv; c++) {
-                    if (n_a > 0)
+                    if (a1 > a0)
                         *(v16f *)(oa + 16 * c) = a[c];
-                    if (n_b > 0)
+                    if (b1 > b0)
                         *(v16f *)(ob + 16 * c) = b[c];
                 }
             }

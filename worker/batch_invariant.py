@@ -142,20 +142,24 @@ def varying_attention(model_config: ModelConfig, dtype: torch.dtype,
     """Whether the native kernel's runs of prefill rows (one code path) give a row
     other bits than the row alone (the decode path, another): the two are written to
     do the same arithmetic in the same order, which the compiler could still break
-    on another CPU or compiler, so it is tried at load (~ms) with this model's heads."""
+    on another CPU or compiler, so it is tried at load (~ms) with this model's heads,
+    with and without a sliding window (whose rows each start at their own key)."""
     hq, hkv, d = model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
     q_len, k_len = 37, 70  # a run cut mid-tile, cached context before it
     b = make_paged_batch([q_len], [k_len], hq, hkv, d, 16, dtype=dtype, kv_dtype=kv_dtype)
     tables = b.block_table.expand(q_len, -1).contiguous()
     lens = torch.arange(k_len - q_len + 1, k_len + 1, dtype=torch.int32)
 
-    def rows(chunks: torch.Tensor | None) -> torch.Tensor:
+    def rows(chunks: torch.Tensor | None, window: int | None) -> torch.Tensor:
         return cpu_native.paged_decode(b.q, b.key_cache, b.value_cache, tables, lens, k_len,
-                                       d ** -0.5, chunks=chunks)
+                                       d ** -0.5, chunks=chunks, window=window)
 
-    alone = rows(None)
-    return any(not torch.equal(rows(cpu_native.row_chunks([q_len], n)), alone)
-               for n in (2, 5, cpu_native.ROWS_PER_CHUNK))
+    for window in (None, 29):  # 29: windows starting mid-tile, shorter than the run's keys
+        alone = rows(None, window)
+        if any(not torch.equal(rows(cpu_native.row_chunks([q_len], n), window), alone)
+               for n in (2, 5, cpu_native.ROWS_PER_CHUNK)):
+            return True
+    return False
 
 
 def choose_row_multiple(model: nn.Module, hidden: int, dtype: torch.dtype) -> int:

@@ -33,10 +33,11 @@ def _prefill_rows(q_len: int, k_len: int, heads: int, kv_heads: int, head_dim: i
     return b, tables, lens
 
 
-def _run(b, tables, lens, chunks=None) -> torch.Tensor:
+def _run(b, tables, lens, chunks=None, window=None) -> torch.Tensor:
     q = b.q[: lens.numel()]
     return cpu_native.paged_decode(q, b.key_cache, b.value_cache, tables, lens,
-                                   int(lens.max()), q.shape[-1] ** -0.5, chunks=chunks)
+                                   int(lens.max()), q.shape[-1] ** -0.5, chunks=chunks,
+                                   window=window)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -66,6 +67,43 @@ def test_a_row_keeps_its_bits_across_chunk_cuts_and_neighbours() -> None:
     got = _run(b, tables[:6], mixed, torch.tensor([0, 6], dtype=torch.int32))
     assert torch.equal(got, ref)
     assert not got[1].any()  # the key-less row
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 33, 60])
+def test_windowed_runs_are_bit_identical_to_rows_alone(kv_dtype: torch.dtype,
+                                                      window: int) -> None:
+    # Under a sliding window each row of a run has its own first key (the run reads the
+    # union of its rows' windows): rows whose windows start mid-tile, windows shorter
+    # than a tile, or wider than the run's keys; every grouping the backend makes.
+    b, tables, lens = _prefill_rows(45, 75, 8, 2, 64, kv_dtype, seed=window)
+    alone = _run(b, tables, lens, window=window)
+    for rows in (2, 3, 16, 45):
+        got = _run(b, tables, lens, cpu_native.row_chunks([45], rows), window=window)
+        assert torch.equal(got, alone), f"{rows} rows per chunk"
+    for cut in ([0, 7, 23, 45], [0, 1, 17, 33, 45]):
+        got = _run(b, tables, lens, torch.tensor(cut, dtype=torch.int32), window=window)
+        assert torch.equal(got, alone), cut
+    # Rows of unrelated lengths in one run (a key-less row among them).
+    mixed = torch.tensor([75, 0, 5, 74, 17, 1, 40], dtype=torch.int32)
+    ref = _run(b, tables[:7], mixed, window=window)
+    got = _run(b, tables[:7], mixed, torch.tensor([0, 7], dtype=torch.int32), window=window)
+    assert torch.equal(got, ref) and not got[1].any()
+
+
+def test_windowed_runs_read_no_block_before_their_windows() -> None:
+    # The blocks every row's window has left behind are -1 (released): a run must not
+    # touch them (the kernel checks every block it reads), and still match rows alone.
+    b, tables, lens = _prefill_rows(20, 100, 4, 2, 64, torch.float32, seed=5)
+    window = 30  # rows end at keys 81..100: the first starts at 51, block 3
+    tables = tables.clone()
+    tables[:, :3] = -1
+    alone = _run(b, tables, lens, window=window)
+    got = _run(b, tables, lens, cpu_native.row_chunks([20], 16), window=window)
+    assert torch.equal(got, alone)
+    tables[:, 3] = -1
+    with pytest.raises(ValueError, match="block id"):
+        _run(b, tables, lens, cpu_native.row_chunks([20], 16), window=window)
 
 
 def test_backend_chunks_long_prefills_and_matches_the_oracle() -> None:

@@ -135,7 +135,7 @@ def test_triton_splits_cover_only_the_window(splits: int, decode: bool) -> None:
 def test_a_window_that_cuts_nothing_keeps_the_fast_native_paths(monkeypatch) -> None:
     """Prompts and contexts no longer than the window (most of Mistral's or Gemma's): the
     native backend keeps runs of rows sharing K/V tiles and the shared-prefix split, with
-    the same bits as no window; once a row is longer, rows go alone with their starts."""
+    the same bits as no window; once a row is longer, its runs carry each row's start."""
     if "cpu" not in CPU_BACKENDS:
         pytest.skip("the native CPU kernels did not build")
     from pagedserve.kernels import cpu_native
@@ -156,4 +156,4 @@ def test_a_window_that_cuts_nothing_keeps_the_fast_native_paths(monkeypatch) -> 
                                window=40)
     assert torch.equal(plain, wide) and calls == [(True, False), (True, False)]
     be.varlen_attention(b.q, b.key_cache, b.value_cache, b.block_table, md, 0.125, window=39)
-    assert calls[-1] == (False, True)
+    assert calls[-1] == (True, True)

@@ -135,3 +135,19 @@ def test_attention_whose_runs_of_rows_vary_is_found_at_load(
     monkeypatch.setattr(cpu_native, "paged_decode", drifting)
     smollm2 = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64)
     assert varying_attention(smollm2, torch.float32, torch.float32)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif("cpu" not in available_backends("cpu"), reason="no native kernel")
+def test_windowed_runs_of_rows_that_vary_are_found_at_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Runs under a sliding window place each row's scores at its own start: a build
+    # that rounds those differently must be caught even when unwindowed runs agree.
+    plain = cpu_native.paged_decode
+
+    def drifting(*args, chunks=None, window=None, **kwargs):
+        out = plain(*args, chunks=chunks, window=window, **kwargs)
+        return out if chunks is None or window is None else out * (1.0 + 1e-6)
+
+    monkeypatch.setattr(cpu_native, "paged_decode", drifting)
+    smollm2 = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64)
+    assert varying_attention(smollm2, torch.float32, torch.float32)  # type: ignore[arg-type]
