@@ -130,8 +130,7 @@ class CpuNativeBackend(TorchBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        # The native kernel has no softcap (Gemma 2): such layers take the torch path.
-        if softcap is not None or not cpu_native.supports(q, key_cache, value_cache):
+        if not cpu_native.supports(q, key_cache, value_cache):
             return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host,
                                    scale, window, softcap)
         if window is not None and max(lens_host) <= window:
@@ -140,9 +139,10 @@ class CpuNativeBackend(TorchBackend):
         if self.shared_prefix_min_tokens and len(lens_host) > 1 and window is None:
             plan = self.prefix_plan(block_table, lens_host, key_cache.shape[1])
             if plan is not None:
-                return cpu_cascade.shared_prefix_decode(q, key_cache, value_cache, plan, scale)
+                return cpu_cascade.shared_prefix_decode(q, key_cache, value_cache, plan, scale,
+                                                        softcap)
         return cpu_native.paged_decode(q, key_cache, value_cache, block_table, lens,
-                                       max(lens_host), scale, window=window)
+                                       max(lens_host), scale, window=window, softcap=softcap)
 
     def _attend_seqs(
         self,
@@ -158,7 +158,7 @@ class CpuNativeBackend(TorchBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> None:
-        if softcap is not None or not cpu_native.supports(q, key_cache, value_cache):
+        if not cpu_native.supports(q, key_cache, value_cache):
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts,
                                  scale, out, window, softcap)
             return
@@ -171,14 +171,14 @@ class CpuNativeBackend(TorchBackend):
             (native if q_lens[s] == 1 or k_lens[s] <= self.rows_max_keys else rest).append(s)
         if rest:
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, rest, starts,
-                                 scale, out, window)
+                                 scale, out, window, softcap)
         if native and self.shared_prefix_min_tokens and window is None:
             split = self._split_decode_rows(md, block_table, native, starts,
                                             key_cache.shape[1])
             if split is not None:
                 dec, rows, plan = split
                 o = cpu_cascade.shared_prefix_decode(q.index_select(0, rows), key_cache,
-                                                     value_cache, plan, scale)
+                                                     value_cache, plan, scale, softcap)
                 out.index_copy_(0, rows, o.to(out.dtype))
                 taken = set(dec)
                 native = [s for s in native if s not in taken]
@@ -195,12 +195,13 @@ class CpuNativeBackend(TorchBackend):
             into = out[:n] if out.dtype == torch.float32 and out.is_contiguous() else None
             o = cpu_native.paged_decode(q[:n], key_cache, value_cache, r.tables, r.lens,
                                         r.max_len, scale, out=into, chunks=chunks,
-                                        window=window)
+                                        window=window, softcap=softcap)
             if into is None:
                 out[:n] = o
             return
         o = cpu_native.paged_decode(q.index_select(0, r.rows), key_cache, value_cache, r.tables,
-                                    r.lens, r.max_len, scale, chunks=chunks, window=window)
+                                    r.lens, r.max_len, scale, chunks=chunks, window=window,
+                                    softcap=softcap)
         out.index_copy_(0, r.rows, o.to(out.dtype))
 
     def _split_decode_rows(self, md: VarlenMetadata, block_table: torch.Tensor,

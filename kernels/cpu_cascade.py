@@ -105,19 +105,22 @@ def merge_attention(o1: torch.Tensor, s1: torch.Tensor, o2: torch.Tensor,
 
 
 def shared_prefix_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                         plan: SharedPrefixPlan, scale: float) -> torch.Tensor:
+                         plan: SharedPrefixPlan, scale: float,
+                         softcap: float | None = None) -> torch.Tensor:
     """Decode attention [S, Hq, D] of ``q`` per ``plan``: each group's prefix once per
-    run of rows, each row's remainder alone, merged (fp32 throughout)."""
+    run of rows, each row's remainder alone, merged (fp32 throughout; a ``softcap``
+    caps every score, so each part's statistics are of capped scores)."""
     s, hq, _ = q.shape
     q32 = q.float()
     s2 = torch.empty(s, hq, 2)
     out = cpu_native.paged_decode(q32, key_cache, value_cache, plan.suffix_tables,
-                                  plan.suffix_lens, plan.max_suffix, scale, stats=s2)
+                                  plan.suffix_lens, plan.max_suffix, scale, stats=s2,
+                                  softcap=softcap)
     n = plan.order.numel()
     s1 = torch.empty(n, hq, 2)
     o1 = cpu_native.paged_decode(q32.index_select(0, plan.order), key_cache, value_cache,
                                  plan.prefix_tables, plan.prefix_lens, plan.max_prefix, scale,
-                                 chunks=plan.chunks, stats=s1)
+                                 chunks=plan.chunks, stats=s1, softcap=softcap)
     merged = merge_attention(o1, s1, out.index_select(0, plan.order),
                              s2.index_select(0, plan.order))
     out.index_copy_(0, plan.order, merged)

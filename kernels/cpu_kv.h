@@ -149,12 +149,16 @@ static inline int table_ok(const int32_t *table, int64_t first, int64_t L, int64
 }
 
 /* Scores row[0, L) (L > 0, 64-byte aligned) -> their softmax, in place; stats
- * (NULL or 2 floats) <- the max score and the sum of exp(score - max). One
- * function for the one-row and the runs kernels: a row's softmax is the same
+ * (NULL or 2 floats) <- the max score and the sum of exp(score - max). A cap > 0
+ * first bounds each score s to cap * tanh(s / cap) (Gemma 2's attention softcap).
+ * One function for the one-row and the runs kernels: a row's softmax is the same
  * arithmetic in both. */
 static inline __attribute__((always_inline)) void softmax_row(float *row, int64_t L,
-                                                              float *stats)
+                                                              float *stats, float cap)
 {
+    if (cap > 0.f)
+        for (int64_t t = 0; t < L; t++)
+            row[t] = cap * tanh_f32(row[t] / cap);
     float mx = row[0];
     for (int64_t t = 1; t < L; t++)
         mx = row[t] > mx ? row[t] : mx;

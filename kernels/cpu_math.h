@@ -26,6 +26,20 @@ static inline float exp_nonpos(float x)
     return p * two_n;
 }
 
+/* tanh(x), vectorisable: an odd Taylor polynomial below |x| = 1/4 (where
+ * (1 - e) / (1 + e) would lose digits to cancellation; the first term left out
+ * is under 1e-8 there), the exp of the non-positive -2|x| above. */
+static inline float tanh_f32(float x)
+{
+    const float a = __builtin_fabsf(x), a2 = a * a;
+    const float small =
+        a * (1.f + a2 * (-1.f / 3.f + a2 * (2.f / 15.f + a2 * (-17.f / 315.f
+                                                               + a2 * (62.f / 2835.f)))));
+    const float e = exp_nonpos(-2.f * a);
+    const float t = a < 0.25f ? small : (1.f - e) / (1.f + e);
+    return x < 0.f ? -t : t;
+}
+
 /* x * sigmoid(x), through exp of the non-positive -|x| only. */
 static inline float silu_f32(float x)
 {

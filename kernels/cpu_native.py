@@ -200,7 +200,7 @@ def load() -> ctypes.CDLL | None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr,
                                         i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                                        ctypes.c_int, ctypes.c_int, ptr]
+                                        ctypes.c_int, ctypes.c_int, ptr, ctypes.c_float]
         lib.paged_decode_kv.restype = ctypes.c_int
         lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
         lib.store_kv_rows.restype = ctypes.c_int
@@ -289,6 +289,7 @@ def paged_decode(
     chunks: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention [S, Hq, D] of ``q`` over keys ``[0, lens[s])``; zero rows for len 0.
 
@@ -306,7 +307,9 @@ def paged_decode(
     over split key ranges (``cpu_cascade.merge_attention``; rows of length 0 keep theirs).
     A sliding ``window`` starts row ``s`` at key ``lens[s] - window``; the blocks before
     it are not read, and a run of rows reads the union of its rows' windows once, each
-    row still bit-identical to itself alone.
+    row still bit-identical to itself alone. A ``softcap`` caps each scaled score ``s``
+    to ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2; ``stats`` are then
+    of the capped scores, so split key ranges still merge).
     """
     lib = _loaded()
     if lib is None:
@@ -354,6 +357,7 @@ def paged_decode(
         None if starts is None else starts.data_ptr(), s, chunk_ptr, num_chunks,
         hq, hkv, d, bsz, float(scale), out.data_ptr(), torch.get_num_threads(),
         _KV_KINDS[key_cache.dtype], None if stats is None else stats.data_ptr(),
+        float(softcap or 0.0),
     )
     if rc == -2:
         raise ValueError(f"block table holds a block id outside [0, {key_cache.shape[0]})")

@@ -48,8 +48,8 @@
 static inline __attribute__((always_inline)) int
 attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *table, int64_t L,
             int64_t start, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
-            int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale, float *sc,
-            float *out, int kind, v16f *part, float *stats)
+            int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale, float softcap,
+            float *sc, float *out, int kind, v16f *part, float *stats)
 {
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
@@ -89,7 +89,7 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
         }
     }
     for (int64_t i = 0; i < nq; i++) {
-        softmax_row(sc + i * Lp, Lw, stats == NULL ? NULL : stats + 2 * (h0 * G + i));
+        softmax_row(sc + i * Lp, Lw, stats == NULL ? NULL : stats + 2 * (h0 * G + i), softcap);
     }
     float *o = out + h0 * G * D;
     memset(o, 0, (size_t)(nq * D) * sizeof(float));
@@ -111,7 +111,7 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
 
 /* attend_*_impl with the common head sizes and each cache kind as constants. */
 #define ATTEND_ARGS q, row_stride, lens, starts, R, kc, vc, table, h0, h1, G
-#define ATTEND_TAIL B, num_blocks, tok_stride, blk_stride, scale, sc, out
+#define ATTEND_TAIL B, num_blocks, tok_stride, blk_stride, scale, softcap, sc, out
 #define ATTEND_D(K, DD)                                                                      \
     do {                                                                                     \
         if (R == 1)                                                                          \
@@ -130,8 +130,8 @@ attend_row_impl(const float *q, const char *kc, const char *vc, const int32_t *t
 static int attend(const float *q, int64_t row_stride, const int32_t *lens,
                   const int32_t *starts, int64_t R, const char *kc, const char *vc, const int32_t *table, int64_t h0,
                   int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
-                  int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-                  int kind, v16f *part, float *stats)
+                  int64_t tok_stride, int64_t blk_stride, float scale, float softcap, float *sc,
+                  float *out, int kind, v16f *part, float *stats)
 {
     switch (kind) {
     case KV_BF16:
@@ -159,8 +159,8 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
                         int64_t num_blocks, const int32_t *tables, int64_t table_stride,
                         const int32_t *lens, const int32_t *starts, int64_t S,
                         const int32_t *chunks, int64_t num_chunks, int64_t Hq, int64_t Hkv,
-                        int64_t D, int64_t B, float scale, float *out, int nthreads, int kind,
-                        float *stats)
+                        int64_t D, int64_t B, float scale, float softcap, float *out, int nthreads,
+                        int kind, float *stats)
 {
     const int64_t G = Hq / Hkv;
     const int64_t tok_stride = Hkv * D;
@@ -208,7 +208,7 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
             const int rc = attend(q + s * Hq * D, Hq * D, lens + s,
                                   starts == NULL ? NULL : starts + s, R, key_cache, value_cache,
                                   tables + s * table_stride, h0, h0 + per, G, D, B,
-                                  num_blocks, tok_stride, blk_stride, scale, sc,
+                                  num_blocks, tok_stride, blk_stride, scale, softcap, sc,
                                   out + s * Hq * D, kind, part,
                                   stats == NULL ? NULL : stats + 2 * s * Hq);
             if (rc < failed)
@@ -221,19 +221,20 @@ static int paged_decode(const float *q, const char *key_cache, const char *value
 }
 
 /* Exported entry: caches of the given kind (KV_* above, raw elements); q and
- * out are fp32. starts (NULL, or [S] int32) is each row's
- * first key under a sliding window, 0 <= starts[s] < lens[s] where lens[s] > 0
- * (else -5). stats (NULL or [S, Hq, 2] fp32) receives each row and query
- * head's softmax statistics, its largest scaled score m and sum of exp(score -
- * m), for merging attention over split key ranges (rows with no keys leave
- * theirs unwritten; no logf here: a libm call in the softmax loop cost decode
- * 15-45%). */
+ * out are fp32. starts (NULL, or [S] int32) is each row's first key under a
+ * sliding window, 0 <= starts[s] < lens[s] where lens[s] > 0 (else -5). softcap
+ * > 0 caps each scaled score s to softcap * tanh(s / softcap) (0: none; the stats
+ * are then of the capped scores). stats (NULL or [S, Hq, 2] fp32) receives each
+ * row and query head's softmax statistics, its largest scaled score m and sum of
+ * exp(score - m), for merging attention over split key ranges (rows with no keys
+ * leave theirs unwritten; no logf here: a libm call in the softmax loop cost
+ * decode 15-45%). */
 int paged_decode_kv(const float *q, const void *key_cache, const void *value_cache,
                     int64_t num_blocks, const int32_t *tables, int64_t table_stride,
                     const int32_t *lens, const int32_t *starts, int64_t S,
                     const int32_t *chunks, int64_t num_chunks, int64_t Hq, int64_t Hkv,
                     int64_t D, int64_t B, float scale, float *out, int nthreads, int kind,
-                    float *stats)
+                    float *stats, float softcap)
 {
     if (kind < KV_F32 || kind > KV_E5M2 || D > MAX_HEAD_DIM || D % 16 != 0)
         return -3;
@@ -245,7 +246,7 @@ int paged_decode_kv(const float *q, const void *key_cache, const void *value_cac
             return -4;
     return paged_decode(q, (const char *)key_cache, (const char *)value_cache, num_blocks,
                         tables, table_stride, lens, starts, S, chunks, num_chunks, Hq, Hkv, D,
-                        B, scale, out, nthreads, kind, stats);
+                        B, scale, softcap, out, nthreads, kind, stats);
 }
 
 /* Store T new tokens' K and V rows (row_bytes each, already in the cache's element

@@ -58,10 +58,10 @@ static inline const float *q_head(const float *q, int64_t row_stride, int64_t m,
  * the scheduler cut its prefill. */
 static inline __attribute__((always_inline)) int
 attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens,
-                 const int32_t *starts, int64_t R, const char *kc, const char *vc, const int32_t *table, int64_t h0,
-                 int64_t h1, int64_t G, int64_t D, int64_t B, int64_t num_blocks,
-                 int64_t tok_stride, int64_t blk_stride, float scale, float *sc, float *out,
-                 int kind, float *stats)
+                 const int32_t *starts, int64_t R, const char *kc, const char *vc,
+                 const int32_t *table, int64_t h0, int64_t h1, int64_t G, int64_t D, int64_t B,
+                 int64_t num_blocks, int64_t tok_stride, int64_t blk_stride, float scale,
+                 float softcap, float *sc, float *out, int kind, float *stats)
 {
     const int64_t es = kv_elem_size(kind);
     const int64_t nh = h1 - h0, nq = nh * G, nv = D / 16;
@@ -136,7 +136,8 @@ attend_rows_impl(const float *q, int64_t row_stride, const int32_t *lens,
         const int64_t Lr = lens[r] - row_start(starts, r);
         for (int64_t i = 0; i < nq && Lr > 0; i++) {
             softmax_row(sc + (r * nq + i) * Lp, Lr,
-                        stats == NULL ? NULL : stats + 2 * (r * (row_stride / D) + h0 * G + i));
+                        stats == NULL ? NULL : stats + 2 * (r * (row_stride / D) + h0 * G + i),
+                        softcap);
         }
         memset(out + r * row_stride + h0 * G * D, 0, (size_t)(nq * D) * sizeof(float));
     }

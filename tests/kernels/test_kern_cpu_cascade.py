@@ -45,15 +45,19 @@ def shared_batch(lens: list[int], shared_blocks: list[int], heads: int = 9, kv_h
 
 
 def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor,
-              lens: list[int], scale: float) -> torch.Tensor:
-    """float64 attention of each row over the cache rows its table names."""
+              lens: list[int], scale: float, softcap: float | None = None) -> torch.Tensor:
+    """float64 attention of each row over the cache rows its table names (scores
+    capped to ``softcap * tanh(s / softcap)`` when given)."""
     group = q.shape[1] // kc.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     for r, n in enumerate(lens):
         slots = [int(table[r, t // B]) * B + t % B for t in range(n)]
         k = kc.reshape(-1, *kc.shape[2:])[slots].double().repeat_interleave(group, 1)
         v = vc.reshape(-1, *vc.shape[2:])[slots].double().repeat_interleave(group, 1)
-        w = torch.softmax(torch.einsum("hd,thd->ht", q[r].double(), k) * scale, dim=-1)
+        s = torch.einsum("hd,thd->ht", q[r].double(), k) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        w = torch.softmax(s, dim=-1)
         out[r] = torch.einsum("ht,thd->hd", w, v)
     return out
 
@@ -106,6 +110,21 @@ def test_shared_prefix_decode_matches_float64_attention(kv_dtype: torch.dtype, h
     got = cpu_cascade.shared_prefix_decode(q, kc, vc, plan, scale)
     want = reference(q, kc, vc, table, lens, scale)
     assert (got.double() - want).abs().max() < 1e-5
+
+
+def test_shared_prefix_decode_with_a_softcap_merges_capped_statistics() -> None:
+    # Gemma 2: each half's softmax statistics are of capped scores, so the merge is
+    # still one softmax over capped scores (queries scaled so most scores are capped).
+    lens = [300 + 7 * i for i in range(20)] + [40]
+    q, kc, vc, table = shared_batch(lens, [16] * 20 + [0], 8, 4, 128, seed=4)
+    q = q * 6.0
+    plan = cpu_cascade.plan_shared_prefixes(table, lens, B)
+    assert plan is not None
+    got = cpu_cascade.shared_prefix_decode(q, kc, vc, plan, 128 ** -0.5, softcap=2.5)
+    want = reference(q, kc, vc, table, lens, 128 ** -0.5, softcap=2.5)
+    assert (got.double() - want).abs().max() < 1e-5
+    uncapped = reference(q, kc, vc, table, lens, 128 ** -0.5)
+    assert (got.double() - uncapped).abs().max() > 0.05
 
 
 def test_merge_of_two_key_ranges_is_one_softmax() -> None:

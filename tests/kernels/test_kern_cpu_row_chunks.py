@@ -33,11 +33,11 @@ def _prefill_rows(q_len: int, k_len: int, heads: int, kv_heads: int, head_dim: i
     return b, tables, lens
 
 
-def _run(b, tables, lens, chunks=None, window=None) -> torch.Tensor:
+def _run(b, tables, lens, chunks=None, window=None, softcap=None) -> torch.Tensor:
     q = b.q[: lens.numel()]
     return cpu_native.paged_decode(q, b.key_cache, b.value_cache, tables, lens,
                                    int(lens.max()), q.shape[-1] ** -0.5, chunks=chunks,
-                                   window=window)
+                                   window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -89,6 +89,18 @@ def test_windowed_runs_are_bit_identical_to_rows_alone(kv_dtype: torch.dtype,
     ref = _run(b, tables[:7], mixed, window=window)
     got = _run(b, tables[:7], mixed, torch.tensor([0, 7], dtype=torch.int32), window=window)
     assert torch.equal(got, ref) and not got[1].any()
+
+
+@pytest.mark.parametrize("window", [None, 17])
+def test_softcapped_runs_are_bit_identical_to_rows_alone(window: int | None) -> None:
+    # Gemma 2's cap is applied in the softmax both paths share.
+    b, tables, lens = _prefill_rows(45, 75, 8, 4, 128, torch.bfloat16, seed=9)
+    b.q.mul_(6.0)
+    alone = _run(b, tables, lens, window=window, softcap=2.5)
+    assert not torch.equal(alone, _run(b, tables, lens, window=window))
+    for rows in (2, 5, 16):
+        got = _run(b, tables, lens, cpu_native.row_chunks([45], rows), window, 2.5)
+        assert torch.equal(got, alone), f"{rows} rows per chunk"
 
 
 def test_windowed_runs_read_no_block_before_their_windows() -> None:

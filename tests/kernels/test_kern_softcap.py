@@ -37,6 +37,32 @@ def test_softcap_matches_oracle(name: str, decode: bool, gqa: int, head_dim: int
                          softcap=2.5)
 
 
+def test_the_native_cpu_kernel_runs_softcapped_layers(monkeypatch) -> None:
+    """Gemma 2's layers stay on the native kernel (decode rows, runs of prefill rows),
+    not the torch path."""
+    if "cpu" not in CPU_BACKENDS:
+        pytest.skip("the native CPU kernels did not build")
+    from pagedserve.kernels import cpu_native, torch_ref
+
+    def refuse(*a, **k):
+        raise AssertionError("a softcapped layer fell back to the torch path")
+
+    monkeypatch.setattr(torch_ref.TorchBackend, "_attend_seqs", refuse)
+    monkeypatch.setattr(torch_ref.TorchBackend, "_decode", refuse)
+    caps: list[float | None] = []
+    real = cpu_native.paged_decode
+
+    def spy(*a, **k):
+        caps.append(k.get("softcap"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(cpu_native, "paged_decode", spy)
+    for decode in (False, True):
+        check_against_oracle(get_backend("cpu", "cpu"), _batch(decode, 2, 64, 5), 1e-5,
+                             decode=decode, softcap=2.5)
+    assert caps and all(c == 2.5 for c in caps)
+
+
 def test_the_softcap_changes_the_answer() -> None:
     b = _batch(False, 2, 64, 3)
     scale = 1 / math.sqrt(64)
