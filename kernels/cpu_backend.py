@@ -6,8 +6,9 @@ length stops at its own position, so a batch of prompts becomes one call over al
 its rows instead of padded, masked SDPA groups. A sequence's rows go in runs of
 ``cpu_native.ROWS_PER_CHUNK`` that read its K/V once per run, tile by tile, with
 each row's arithmetic unchanged: 1.7-2x SDPA's speed at 128-512 keys, 1.15-1.3x at
-1-2k, even at 4k (where SDPA's GEMMs catch up, so longer prefills keep SDPA). Stores
-are one native call per layer.
+1-2k, even at 4k (where SDPA's GEMMs catch up, so longer prefills keep SDPA; under a
+sliding window of at most ``ROWS_MAX_KEYS`` keys every prefill runs as rows, each row
+reading only its window). Stores are one native call per layer.
 
 Anything the native kernels do not take (fp16 queries, non-contiguous caches,
 head sizes that are not multiples of 16) falls back to the inherited torch
@@ -17,6 +18,7 @@ path, so every batch the torch backend accepts works here too.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from typing import Any
 
@@ -165,10 +167,14 @@ class CpuNativeBackend(TorchBackend):
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
         if window is not None and max(k_lens[s] for s in seqs) <= window:
             window = None  # no row's window cuts: runs of rows and cascade stay on
+        # A row reads at most the window's keys, however long its sequence: what decides
+        # between native rows and SDPA is the keys a row reads.
+        windowed = window is not None and window <= self.rows_max_keys
+        reach = math.inf if windowed else self.rows_max_keys
         native: list[int] = []
         rest: list[int] = []
         for s in seqs:
-            (native if q_lens[s] == 1 or k_lens[s] <= self.rows_max_keys else rest).append(s)
+            (native if q_lens[s] == 1 or k_lens[s] <= reach else rest).append(s)
         if rest:
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, rest, starts,
                                  scale, out, window, softcap)

@@ -157,3 +157,39 @@ def test_a_window_that_cuts_nothing_keeps_the_fast_native_paths(monkeypatch) -> 
     assert torch.equal(plain, wide) and calls == [(True, False), (True, False)]
     be.varlen_attention(b.q, b.key_cache, b.value_cache, b.block_table, md, 0.125, window=39)
     assert calls[-1] == (True, True)
+
+
+def test_long_windowed_prefills_run_as_native_rows(monkeypatch) -> None:
+    """A prefill past ``ROWS_MAX_KEYS`` keys goes to SDPA, unless a window no longer
+    than that bounds what each row reads: then it runs as native rows (in runs), and
+    still equals the oracle."""
+    if "cpu" not in CPU_BACKENDS:
+        pytest.skip("the native CPU kernels did not build")
+    from pagedserve.kernels import cpu_native, torch_ref
+
+    be = get_backend("cpu", "cpu")
+    be.rows_max_keys = 64
+    to_sdpa: list[int] = []
+    real_sdpa = torch_ref.TorchBackend._attend_seqs
+
+    def spy_sdpa(self, q, kc, vc, table, md, seqs, *a, **k):
+        to_sdpa.extend(seqs)
+        return real_sdpa(self, q, kc, vc, table, md, seqs, *a, **k)
+
+    monkeypatch.setattr(torch_ref.TorchBackend, "_attend_seqs", spy_sdpa)
+    chunked: list[bool] = []
+    real_rows = cpu_native.paged_decode
+
+    def spy_rows(*a, **k):
+        chunked.append(k.get("chunks") is not None)
+        return real_rows(*a, **k)
+
+    monkeypatch.setattr(cpu_native, "paged_decode", spy_rows)
+    b = make_paged_batch([150, 1, 40], [150, 200, 90], 4, 2, 64, 16, seed=6)
+    check_against_oracle(be, b, FP32_TOL, decode=False, window=48)
+    assert to_sdpa == [] and chunked == [True]
+    check_against_oracle(be, b, FP32_TOL, decode=False, window=65)  # wider than 64
+    assert to_sdpa == [0, 2]
+    to_sdpa.clear()
+    check_against_oracle(be, b, FP32_TOL, decode=False)
+    assert to_sdpa == [0, 2]
