@@ -85,8 +85,8 @@ class RemotePrefiller:
             return False
         core = engine.engine
         hashes = core.prompt_block_hashes(req.prompt_token_ids, req.cache_salt, lora)
-        have = len(core.scheduler.kv.cached_prefix(hashes)) * core.scheduler.block_size
-        return len(req.prompt_token_ids) - have >= self.config.min_tokens
+        n = len(req.prompt_token_ids)
+        return n - core.scheduler.kv.prefix_hit_tokens(hashes, n) >= self.config.min_tokens
 
     async def run(self, engine: Any, req: EngineRequest, lora: Any) -> None:
         """Fetch the prompt's K/V from a prefill replica into ``engine``'s pool, if worth

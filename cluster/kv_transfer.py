@@ -42,6 +42,9 @@ class KVLayout:
     num_kv_heads_per_rank: int
     head_dim: int
     kv_cache_dtype: str
+    # A hybrid KV cache's groups (``scheduler.kv_groups``; empty: one table): a block
+    # then holds one layer of each slot, and the hashes are salted by group.
+    kv_group_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def of(cls, engine: LLMEngine) -> KVLayout:
@@ -51,7 +54,7 @@ class KVLayout:
                    tuple(info.get("pipeline_layer_partition") or (int(info["num_layers"]),)),
                    engine.scheduler.block_size,
                    int(info["num_kv_heads_per_rank"]), int(info["head_dim"]),
-                   str(info["kv_cache_dtype"]))
+                   str(info["kv_cache_dtype"]), tuple(info.get("kv_group_windows") or ()))
 
     def check_compatible(self, shipped: KVLayout) -> None:
         """``ValueError`` naming the first field where ``shipped`` differs from this one."""
@@ -68,8 +71,10 @@ class KVPayload:
 
     ``shards[r]`` is rank ``r``'s ``(keys, values)`` (ranks stage by stage, then by
     tensor-parallel rank), each
-    ``[stage layers, len(block_hashes), block_size, kv_heads_per_rank, head_dim]`` on the
-    CPU.
+    ``[stage caches, len(block_hashes), block_size, kv_heads_per_rank, head_dim]`` on the
+    CPU: a cache per layer, or with KV cache groups one per slot, whose block holds
+    one layer of the group the block belongs to (``block_hashes`` then lists every
+    group's blocks under its salted hashes).
     """
 
     layout: KVLayout
@@ -94,10 +99,10 @@ def export_prompt_kv(engine: LLMEngine, token_ids: list[int], cache_salt: str | 
     """The K/V of the longest leading run of ``token_ids``'s full blocks cached in
     ``engine`` right now (call it between steps, before the blocks can be reused)."""
     hashes = engine.prompt_block_hashes(token_ids, cache_salt, lora_request)
-    ids = engine.scheduler.kv.cached_prefix(hashes)
+    ids, names = engine.scheduler.kv.shippable_prefix(hashes, len(token_ids))
     shards = engine.executor.read_kv_blocks(ids) if ids else []
     engine.stats["kv_exported_blocks"] += len(ids)
-    return KVPayload(KVLayout.of(engine), list(hashes[:len(ids)]), shards)
+    return KVPayload(KVLayout.of(engine), names, shards)
 
 
 def begin_import(engine: LLMEngine, payload: KVPayload) -> ImportReservation:

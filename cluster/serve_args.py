@@ -217,9 +217,7 @@ class ServeArgs(BaseModel):
             dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
             batch_invariant=self.batch_invariant,
-            # Shipped KV (prefill replicas) lands in one table per request.
-            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager
-            or bool(self.prefill_replicas),
+            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             kv_offloading_size=self.kv_offloading_size,

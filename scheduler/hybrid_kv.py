@@ -13,25 +13,29 @@ against the shared pool before any group changes. Each group's blocks are named 
 the prefix cache under a salted hash, so groups never hit each other's blocks; a
 prompt hits ``k`` blocks when every full group holds its first ``k`` and every
 sliding group holds the blocks that the ``k``-th block's first query can see.
+
+KV shipped from a prefill replica (``kv_import``) is the same hit: every full group's
+first ``k`` blocks and each sliding group's window before block ``k``, named by their
+salted hashes in one flat list, and taken whole or not at all (a hit needs every
+group's part).
 """
 
 from __future__ import annotations
 
+from pagedserve.scheduler.block_hash import BlockHash
 from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from pagedserve.scheduler.cpu_block_pool import CpuBlockPool
 from pagedserve.scheduler.kv_cache_manager import RELEASED, KVCacheManager, first_seen_block
+from pagedserve.scheduler.kv_import import ImportReservation, KVImportMixin
 from pagedserve.scheduler.request import Request
 
-_NO_IMPORT = ("KV blocks shipped between replicas need one block table per request: start "
-              "the engines with disable_hybrid_kv_cache_manager=True")
 
-
-class HybridKVCacheManager:
+class HybridKVCacheManager(KVImportMixin):
     """``KVCacheManager``'s interface over ``len(windows)`` groups sharing one pool.
 
     ``block_ids`` is group 0's table (the step plan's ``block_table``);
-    ``group_block_ids`` the others'. Not supported here: KV offloading and KV
-    import from another replica (the engine keeps one group when either is on).
+    ``group_block_ids`` the others'. Not supported here: KV offloading (the engine
+    keeps one group when it is on).
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int,
@@ -74,26 +78,35 @@ class HybridKVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
         """Per group, the hits of the longest prefix every group can resume from."""
-        B = self.block_size
-        hashes = request.update_block_hashes(B)
-        max_blocks = (request.num_tokens - 1) // B
-        full = [g for g in self.groups if g.sliding_window is None]
-        k = max_blocks
-        for g in full:
-            k = next((i for i in range(k) if g.pool.get_cached_block(g.salted(hashes[i]))
-                      is None), k)
+        hashes = request.update_block_hashes(self.block_size)
+        k = self._hit_blocks(hashes, (request.num_tokens - 1) // self.block_size)
+        hits = []
+        for g in self.groups:
+            lo = self._first_needed(g, k)
+            found = [g.pool.get_cached_block(g.salted(h)) for h in hashes[lo:k]]
+            hits.append([RELEASED] * lo + found)
+        return hits, k * self.block_size
+
+    def _hit_blocks(self, hashes: list[BlockHash], max_blocks: int) -> int:
+        """The most leading blocks (up to ``max_blocks``) every group can resume from."""
+        k = min(max_blocks, len(hashes))
+        for g in self.groups:
+            if g.sliding_window is None:
+                k = next((i for i in range(k)
+                          if g.pool.get_cached_block(g.salted(hashes[i])) is None), k)
         moved = True
         while moved and k:  # each sliding group's window before the hit, from the right
             moved = False
             for g in self.groups:
                 if g.sliding_window is not None and (miss := g.last_miss(hashes, k)) is not None:
                     k, moved = miss, True
-        hits = []
-        for g in self.groups:
-            lo = 0 if g.sliding_window is None else first_seen_block(k, g.sliding_window, B)
-            found = [g.pool.get_cached_block(g.salted(h)) for h in hashes[lo:k]]
-            hits.append([RELEASED] * lo + found)
-        return hits, k * B
+        return k
+
+    def _first_needed(self, group: KVCacheManager, num_hit_blocks: int) -> int:
+        """A group's first block that a hit of ``num_hit_blocks`` blocks needs."""
+        if group.sliding_window is None:
+            return 0
+        return first_seen_block(num_hit_blocks, group.sliding_window, self.block_size)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -178,10 +191,49 @@ class HybridKVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
 
-    # ---- KV shipped between replicas (``kv_import``): one table only -----------------------
+    # ---- KV shipped between replicas (``kv_import``) ------------------------------------------
 
-    def cached_prefix(self, hashes: list) -> list[int]:
-        raise RuntimeError(_NO_IMPORT)
+    def shippable_prefix(self, hashes: list[BlockHash], num_tokens: int
+                         ) -> tuple[list[int], list[BlockHash]]:
+        """Device ids and salted hashes of the blocks a prompt of ``num_tokens`` tokens
+        would hit here: group by group, what a decode replica needs for the same hit."""
+        k = self._hit_blocks(hashes, (num_tokens - 1) // self.block_size)
+        ids: list[int] = []
+        names: list[BlockHash] = []
+        for g in self.groups:
+            for h in hashes[self._first_needed(g, k):k]:
+                name = g.salted(h)
+                block = self.pool.get_cached_block(name)
+                assert block is not None, "the hit was looked up just now"
+                ids.append(block.block_id)
+                names.append(name)
+        return ids, names
 
-    def reserve_import(self, hashes: list) -> None:
-        raise RuntimeError(_NO_IMPORT)
+    def prefix_hit_tokens(self, hashes: list[BlockHash], num_tokens: int) -> int:
+        return self._hit_blocks(hashes, (num_tokens - 1) // self.block_size) * self.block_size
+
+    def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
+        raise RuntimeError("a hybrid KV cache ships by shippable_prefix (one hash chain "
+                           "per group)")
+
+    def reserve_import(self, hashes: list[BlockHash]) -> ImportReservation:
+        """Fresh blocks for the shipped (salted) hashes this pool lacks, or none at all
+        when they do not all fit: a hit needs every group's blocks, so part of them
+        would only evict cached prefixes for nothing."""
+        if not self.pool.enable_caching:
+            return ImportReservation(list(hashes), [], [], [])
+        held: list[KVCacheBlock] = []
+        missing: list[int] = []
+        for i, h in enumerate(hashes):
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                missing.append(i)
+            else:
+                held.append(block)
+        reviving = sum(1 for b in held if b.ref_cnt == 0)  # (free now, pinned below)
+        if len(missing) > self.pool.num_free_blocks - reviving:
+            return ImportReservation(list(hashes), [], [], [])
+        self.pool.touch(held)
+        fresh = self.pool.allocate(len(missing))
+        self.pool.evicted.clear()  # (no CPU tier with groups)
+        return ImportReservation(list(hashes), missing, fresh, held)

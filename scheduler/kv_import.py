@@ -57,9 +57,23 @@ class KVImportMixin:
     """``KVCacheManager``'s side of KV transfer between replicas."""
 
     pool: BlockPool
+    block_size: int
     cpu_pool: CpuBlockPool
     offload_enabled: bool
     offload_stats: dict[str, int]
+
+    def shippable_prefix(self, hashes: list[BlockHash], num_tokens: int
+                         ) -> tuple[list[int], list[BlockHash]]:
+        """Device ids of what a prefill replica ships for a prompt of ``num_tokens``
+        tokens with these block hashes, and the hashes that name them on the other side:
+        the longest leading run cached here (``num_tokens`` matters to a hybrid cache)."""
+        ids = self.cached_prefix(hashes)
+        return ids, list(hashes[:len(ids)])
+
+    def prefix_hit_tokens(self, hashes: list[BlockHash], num_tokens: int) -> int:
+        """Tokens of a prompt of ``num_tokens`` tokens whose K/V this pool holds (what
+        a decode replica need not fetch)."""
+        return len(self.cached_prefix(hashes)) * self.block_size
 
     def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
         """Device ids of the longest leading run of ``hashes`` cached here: what a

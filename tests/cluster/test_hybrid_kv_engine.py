@@ -145,3 +145,38 @@ def test_beams_fork_every_groups_table(gemma_5to1_dir: str) -> None:
 
     assert_beams_equal_hf(gemma_5to1_dir, prompts_of_mixed_lengths()[3], 3, 24,
                           num_gpu_blocks=512, block_size=4)
+
+
+def test_prompt_kv_shipped_between_hybrid_engines(gemma_5to1_dir: str, refs) -> None:
+    """Disaggregated prefill with KV cache groups: the prefill engine ships every full
+    group's blocks of the hit and each sliding group's window before it (not the whole
+    prompt six times over); the decode engine hits all of it and answers as Hugging
+    Face. An engine with one table refuses the payload by its layout."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+    from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+    from tests.cluster.test_kv_transfer import prefill
+
+    prompts = prompts_of_mixed_lengths()
+    made = [LLM(model=gemma_5to1_dir, num_gpu_blocks=512, block_size=4) for _ in range(2)]
+    try:
+        payloads = prefill(made[0], prompts)
+        hit = [(len(p) - 1) // 4 for p in prompts]
+        assert [p.num_blocks for p in payloads] == [k + 5 * min(k, 4) for k in hit]
+        assert payloads[0].layout.kv_group_windows == (None,) + (WINDOW,) * 5
+        for p in payloads:
+            import_prompt_kv(made[1].engine, p)
+        outs = made[1].generate(prompts, _greedy(24))
+        assert [o.outputs[0].token_ids for o in outs] == refs["mixed"]
+        assert [o.num_cached_tokens for o in outs] == [k * 4 for k in hit]
+        for llm in made:
+            assert_pool_at_baseline(llm)
+    finally:
+        for llm in made:
+            llm.shutdown()
+    one = LLM(model=gemma_5to1_dir, num_gpu_blocks=512, block_size=4,
+              disable_hybrid_kv_cache_manager=True)
+    try:
+        with pytest.raises(ValueError, match="kv_group_windows"):
+            import_prompt_kv(one.engine, payloads[-1])
+    finally:
+        one.shutdown()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pagedserve.scheduler.block_hash import hash_prompt_blocks
-from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.hybrid_kv import HybridKVCacheManager
+from pagedserve.scheduler.kv_cache_manager import RELEASED, KVCacheManager
 from pagedserve.scheduler.kv_import import ImportReservation
 from tests.scheduler.helpers import req
 
@@ -144,3 +145,63 @@ def test_without_offloading_an_import_evicts_and_copies_nothing() -> None:
     assert res.offloads == [] and res.offload_plan() is None
     kv.commit_import(res, written=True)
     assert at_baseline(kv)
+
+
+def _hybrid_prefilled(windows, prompt: list[int], num_blocks: int = 64):
+    """A hybrid manager that has run ``prompt`` (every group's blocks named), freed."""
+    kv = HybridKVCacheManager(num_blocks, B, windows)
+    r = req("p", prompt)
+    hits, _ = kv.get_computed_blocks(r)
+    assert kv.allocate_slots(r, len(prompt), hits) is not None
+    r.num_computed_tokens = len(prompt)
+    kv.cache_blocks(r)
+    kv.free(r)
+    return kv
+
+
+def test_a_hybrid_cache_ships_each_groups_hit_and_the_other_side_hits_it() -> None:
+    # One full group and two sliding ones (window 6 tokens of blocks of 4): a 31-token
+    # prompt hits 7 blocks, so full groups ship blocks 0..6, sliding ones 5..6 (the
+    # 7th block's first query, token 28, sees tokens 23..28).
+    windows = (None, 6, 6)
+    prompt = list(range(500, 531))
+    src = _hybrid_prefilled(windows, prompt)
+    r = req("q", prompt)
+    hs = r.update_block_hashes(B)
+    ids, names = src.shippable_prefix(hs, len(prompt))
+    assert len(ids) == len(names) == 7 + 2 + 2 and len(set(names)) == len(names)
+    assert src.prefix_hit_tokens(hs, len(prompt)) == 7 * B
+
+    dst = HybridKVCacheManager(64, B, windows)
+    assert dst.prefix_hit_tokens(hs, len(prompt)) == 0
+    res = dst.reserve_import(names)
+    assert len(res.blocks) == 11 and not dst.pool.cached
+    assert dst.commit_import(res, written=True) == 11
+    hits, n = dst.get_computed_blocks(req("q2", prompt))
+    assert n == 7 * B and dst.prefix_hit_tokens(hs, len(prompt)) == 7 * B
+    assert [len([b for b in g if b is not RELEASED]) for g in hits] == [7, 2, 2]
+    assert dst.pool.num_free_blocks == 64  # every block back in the free queue, named
+
+    # A failed write names nothing; a pool too small for every group takes none.
+    res = HybridKVCacheManager(64, B, windows).reserve_import(names)
+    small = HybridKVCacheManager(10, B, windows)
+    none = small.reserve_import(names)
+    assert none.blocks == [] and none.held == [] and small.pool.num_free_blocks == 10
+    assert small.commit_import(none, written=True) == 0
+    assert res.blocks and not res.held
+
+
+def test_a_hybrid_import_pins_what_it_has_and_takes_the_rest() -> None:
+    windows = (None, 6)
+    prompt = list(range(700, 725))  # 24 full tokens + 1: a hit of 6 blocks
+    names = _hybrid_prefilled(windows, prompt).shippable_prefix(
+        req("x", prompt).update_block_hashes(B), len(prompt))[1]
+    half = _hybrid_prefilled(windows, prompt[:13])  # the first 3 blocks of each group
+    before = len(half.pool.cached)
+    res = half.reserve_import(names)
+    assert len(res.held) == 3 and len(res.blocks) == len(names) - 3  # full group's 0..2
+    assert all(b.ref_cnt == 1 for b in res.held)
+    half.commit_import(res, written=True)
+    assert len(half.pool.cached) == before + len(names) - 3
+    assert half.get_computed_blocks(req("y", prompt))[1] == 6 * B
+    assert all(b.ref_cnt == 0 for b in half.pool.blocks)
