@@ -222,14 +222,7 @@ class HybridKVCacheManager(KVImportMixin):
         would only evict cached prefixes for nothing."""
         if not self.pool.enable_caching:
             return ImportReservation(list(hashes), [], [], [])
-        held: list[KVCacheBlock] = []
-        missing: list[int] = []
-        for i, h in enumerate(hashes):
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                missing.append(i)
-            else:
-                held.append(block)
+        held, missing = self.cached_and_missing(hashes, one_chain=False)  # (one per group)
         reviving = sum(1 for b in held if b.ref_cnt == 0)  # (free now, pinned below)
         if len(missing) > self.pool.num_free_blocks - reviving:
             return ImportReservation(list(hashes), [], [], [])

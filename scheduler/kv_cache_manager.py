@@ -27,8 +27,6 @@ def first_seen_block(num_hit_blocks: int, window: int, block_size: int) -> int:
     return max(0, (num_hit_blocks * block_size - window + 1) // block_size)
 
 
-
-
 class KVCacheManager(KVSwapMixin, KVImportMixin):
     """Owns ``request_id -> [KVCacheBlock]`` and every change to it.
 

@@ -96,16 +96,7 @@ class KVImportMixin:
         """
         if not self.pool.enable_caching:
             return ImportReservation(list(hashes), [], [], [])
-        held: list[KVCacheBlock] = []
-        missing: list[int] = []
-        for i, h in enumerate(hashes):
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                missing.append(i)
-            elif missing:  # would need a missing block before it: not worth pinning
-                break
-            else:
-                held.append(block)
+        held, missing = self.cached_and_missing(hashes, one_chain=True)
         self.pool.touch(held)
         room = self.pool.num_free_blocks
         if len(missing) > room:
@@ -123,6 +114,23 @@ class KVImportMixin:
             res.offload_hashes.append(block_hash)
         self.pool.evicted.clear()
         return res
+
+    def cached_and_missing(self, hashes: list[BlockHash], one_chain: bool
+                           ) -> tuple[list[KVCacheBlock], list[int]]:
+        """The blocks cached here under ``hashes`` and the positions of those that are
+        not. In ``one_chain`` (one prefix chain) a cached block after a missing one is
+        of no use (a hit needs every block before it): the walk stops there."""
+        held: list[KVCacheBlock] = []
+        missing: list[int] = []
+        for i, h in enumerate(hashes):
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                missing.append(i)
+            elif missing and one_chain:
+                break
+            else:
+                held.append(block)
+        return held, missing
 
     def commit_offloads(self, res: ImportReservation, copied: bool) -> int:
         """Name the CPU copies of the evicted prefixes (if ``copied``; else free them);

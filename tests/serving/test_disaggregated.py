@@ -175,3 +175,41 @@ def test_admin_calls_reach_the_prefill_pool_too(pd: App) -> None:
     assert not state["is_sleeping"] and len(state["replicas"]) == 2
     r = httpx.post(f"{pd.base}/reset_prefix_cache", headers=pd.headers, timeout=60)
     assert r.status_code == 200 and len(r.json()["replicas"]) == 2
+
+
+def test_a_hybrid_models_prompts_ship_by_group(cluster: Cluster,
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A random Gemma 3 (five sliding layers over 16 tokens, one full) behind a prefill
+    replica, both with KV cache groups: the decode replica hits the whole shipped prompt
+    (the full group's blocks and each sliding group's window) and answers as the
+    offline engine."""
+    from pagedserve.worker.loaders import resolve_model
+    from pagedserve.worker.testing import write_random_checkpoint
+
+    path = write_random_checkpoint(
+        tmp_path_factory.mktemp("models") / "tiny-gemma3", "gemma3_text",
+        resolve_model(None).path, num_hidden_layers=6, head_dim=16,
+        query_pre_attn_scalar=24, sliding_window=16,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    args = {**ARGS, "model": str(path), "served_model_name": "tiny-gemma3"}
+    app = cluster.deploy("pd-hybrid", args)
+    try:
+        out = app.openai().completions.create(
+            model="tiny-gemma3", prompt=PROMPTS[0], max_tokens=12, temperature=0.0,
+            extra_body={"ignore_eos": True})
+        llm = LLM(model=str(path), num_gpu_blocks=192)
+        try:
+            ref = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=12,
+                                                             ignore_eos=True))[0]
+        finally:
+            llm.shutdown()
+        assert out.choices[0].text == ref.outputs[0].text
+        n = len(ref.prompt_token_ids)
+        assert out.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+        wait_for(lambda: both_at_baseline(app), 30, "both pools at baseline")
+        decode, prefill = decode_and_prefill(app)
+        k = (n - 1) // 16
+        assert decode["kv_imported_blocks"] == k + 5 * min(k, 1)  # (window 16: one block)
+        assert prefill["kv_exported_blocks"] == decode["kv_imported_blocks"]
+    finally:
+        cluster.delete("pd-hybrid")
