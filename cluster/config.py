@@ -67,7 +67,7 @@ class EngineConfig:
     layer of a model that mixes full and sliding-window layers (Gemma 2 and 3), so its
     sliding layers hold every block too; by default each kind of layer has its own
     tables and sliding ones give back what falls behind the window
-    (``scheduler.hybrid_kv``). KV offloading needs one table, so it turns this off.
+    (``scheduler.hybrid_kv``).
     """
 
     model: str | None = None
@@ -335,6 +335,6 @@ class EngineConfig:
             calculate_kv_scales=self.calculate_kv_scales,
             quantization=self.quantization,
             batch_invariant=self.batch_invariant,
-            hybrid_kv_cache=not (self.disable_hybrid_kv_cache_manager or self.offloads_kv()),
+            hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             extra=dict(self.worker_extra),
         )

@@ -110,6 +110,6 @@ class CacheConfig:
                    for g in groups):
                 raise ValueError("kv_group_windows must hold None or positive integers, "
                                  f"got {groups!r}")
-            if w is not None or self.enable_kv_offload:
-                raise ValueError("kv_group_windows (a hybrid KV cache) takes neither "
-                                 "sliding_window nor kv offloading")
+            if w is not None:
+                raise ValueError("kv_group_windows (a hybrid KV cache) takes no "
+                                 "sliding_window (each group has its own)")

@@ -14,6 +14,11 @@ the prefix cache under a salted hash, so groups never hit each other's blocks; a
 prompt hits ``k`` blocks when every full group holds its first ``k`` and every
 sliding group holds the blocks that the ``k``-th block's first query can see.
 
+With KV offloading the CPU tier is a second level of every group's prefix cache (one
+CPU pool, the same salted hashes): a hit may continue there, each group loading what
+follows its device blocks, as long as every group can resume from the longer hit
+(``get_offloaded_blocks``).
+
 KV shipped from a prefill replica (``kv_import``) is the same hit: every full group's
 first ``k`` blocks and each sliding group's window before block ``k``, named by their
 salted hashes in one flat list, and taken whole or not at all (a hit needs every
@@ -21,6 +26,8 @@ group's part).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pagedserve.scheduler.block_hash import BlockHash
 from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
@@ -30,33 +37,47 @@ from pagedserve.scheduler.kv_import import ImportReservation, KVImportMixin
 from pagedserve.scheduler.request import Request
 
 
+@dataclass(slots=True)
+class HybridLoads:
+    """A prefix hit that continues on the CPU tier, group by group: the device hits
+    it starts from (``hits``, in place of ``get_computed_blocks``'s) and the CPU
+    blocks loaded after them (``cpu``); ``num_blocks`` more blocks than the device
+    alone gave."""
+
+    hits: list[list[KVCacheBlock]]
+    cpu: list[list[int]]
+    num_blocks: int
+
+
 class HybridKVCacheManager(KVImportMixin):
     """``KVCacheManager``'s interface over ``len(windows)`` groups sharing one pool.
 
     ``block_ids`` is group 0's table (the step plan's ``block_table``);
-    ``group_block_ids`` the others'. Not supported here: KV offloading (the engine
-    keeps one group when it is on).
+    ``group_block_ids`` the others'.
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int,
                  windows: tuple[int | None, ...], num_cpu_blocks: int = 0,
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, enable_offload: bool = False) -> None:
         if len(windows) < 2:
             raise ValueError(f"a hybrid KV cache needs two groups or more, got {windows}")
         self.block_size = block_size
         self.pool = BlockPool(num_gpu_blocks, enable_caching)
-        self.cpu_pool = CpuBlockPool(num_cpu_blocks, enable_caching=False)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks, enable_caching=enable_offload)
         self.groups = [
             KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_caching,
-                           sliding_window=w, pool=self.pool, cpu_pool=self.cpu_pool,
+                           enable_offload, sliding_window=w, pool=self.pool,
+                           cpu_pool=self.cpu_pool,
                            hash_salt=f"kv-group-{g}".encode() if g else b"")
             for g, w in enumerate(windows)
         ]
         self.windows = tuple(windows)
         self._sliding = [g for g in self.groups if g.sliding_window is not None]
         self.sliding_window = None  # (per group: ``windows``)
-        self.offload_enabled = False
+        self.offload_enabled = enable_offload
         self.offload_stats = self.groups[0].offload_stats
+        for g in self.groups[1:]:  # one set of counters (CPU hit tokens fixed up here)
+            g.offload_stats = self.offload_stats
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -112,17 +133,69 @@ class HybridKVCacheManager(KVImportMixin):
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
-    def get_offloaded_blocks(self, request: Request, num_device_hits: int) -> list[int]:
-        return []  # (no offloading with groups)
+    def get_offloaded_blocks(self, request: Request, num_device_hits: int
+                             ) -> HybridLoads | list[int]:
+        """The longest hit past the device's ``num_device_hits`` blocks that every group
+        can resume from when each loads from the CPU tier what follows its device
+        blocks; ``[]`` when there is none."""
+        if not self.offload_enabled:
+            return []
+        hashes = request.update_block_hashes(self.block_size)
+        k = self._two_tier_blocks(hashes, (request.num_tokens - 1) // self.block_size)
+        if k <= num_device_hits:
+            return []
+        loads = HybridLoads([], [], k - num_device_hits)
+        for g in self.groups:
+            lo = self._first_needed(g, k)
+            on_device = self._device_run(g, hashes, lo, k)
+            cpu = [self.cpu_pool.lookup(g.salted(h)) for h in hashes[lo + len(on_device):k]]
+            assert None not in cpu, "the hit was looked up just now"
+            loads.hits.append([RELEASED] * lo + on_device)
+            loads.cpu.append(cpu)  # type: ignore[arg-type]
+        return loads
+
+    def offloaded_tokens(self, loads: HybridLoads | list[int]) -> int:
+        """Tokens a ``get_offloaded_blocks`` answer adds to the hit."""
+        return loads.num_blocks * self.block_size if isinstance(loads, HybridLoads) else 0
+
+    def _device_run(self, g: KVCacheManager, hashes: list[BlockHash], lo: int, k: int
+                    ) -> list[KVCacheBlock]:
+        """Group ``g``'s device blocks from block ``lo`` on, up to the first it lacks."""
+        run: list[KVCacheBlock] = []
+        for h in hashes[lo:k]:
+            block = self.pool.get_cached_block(g.salted(h))
+            if block is None:
+                break
+            run.append(block)
+        return run
+
+    def _two_tier_blocks(self, hashes: list[BlockHash], max_blocks: int) -> int:
+        """The most leading blocks (up to ``max_blocks``) every group can resume from,
+        each taking its device blocks from the first it needs, then the CPU tier's."""
+        k = min(max_blocks, len(hashes))
+        moved = True
+        while moved and k:  # the last block some group cannot get, from the right
+            moved = False
+            for g in self.groups:
+                lo = self._first_needed(g, k)
+                start = lo + len(self._device_run(g, hashes, lo, k))
+                miss = next((i for i in range(k - 1, start - 1, -1)
+                             if self.cpu_pool.lookup(g.salted(hashes[i])) is None), None)
+                if miss is not None:
+                    k, moved = miss, True
+        return k
 
     # ---- allocation ------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[list[KVCacheBlock]] | None = None,
-                       offloaded: list[int] | None = None) -> list[tuple[int, int]] | None:
-        """Every group's ``allocate_slots``, or ``None`` with nothing changed."""
-        if offloaded:
-            raise ValueError("a hybrid KV cache does not offload")
+                       offloaded: HybridLoads | list[int] | None = None
+                       ) -> list[tuple[int, int]] | None:
+        """Every group's ``allocate_slots``, or ``None`` with nothing changed. With
+        ``offloaded`` (``get_offloaded_blocks``) its hits replace ``computed_blocks``."""
+        loads = offloaded if isinstance(offloaded, HybridLoads) else None
+        if loads is not None:
+            computed_blocks = loads.hits
         if not computed_blocks and all(g.has_room(request, num_new_tokens)
                                        for g in self.groups):
             return []  # every decode step but one in B
@@ -133,9 +206,13 @@ class HybridKVCacheManager(KVImportMixin):
         for g, h in zip(self.groups, hits):  # every group's hits, before any allocates
             if h:
                 g.take_hits(h)
+        cpu = loads.cpu if loads is not None else [None] * len(self.groups)
+        hit_tokens = self.offload_stats["cpu_hit_tokens"]
         copies: list[tuple[int, int]] = []
-        for g, h in zip(self.groups, hits):
-            copies.extend(g.commit_slots(request, num_new_tokens, h, hits_taken=True))
+        for g, h, c in zip(self.groups, hits, cpu):
+            copies.extend(g.commit_slots(request, num_new_tokens, h, c, hits_taken=True))
+        if loads is not None:  # the hit's tokens, once (each group counted its own loads)
+            self.offload_stats["cpu_hit_tokens"] = hit_tokens + self.offloaded_tokens(loads)
         return copies
 
     def cache_blocks(self, request: Request) -> None:
@@ -185,11 +262,14 @@ class HybridKVCacheManager(KVImportMixin):
     # ---- steps ---------------------------------------------------------------------------
 
     def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        self.cpu_pool.release_pins()
-        return [], []
+        """The step's offload copies of every group's evicted blocks (one pool, so
+        group 0 copies them all) and every group's loads of CPU hits."""
+        loads = [p for g in self.groups[1:] for p in g.pop_loads()]
+        outs, first = self.groups[0].end_step()
+        return outs, first + loads
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
+        return self.pool.reset_prefix_cache() + self.cpu_pool.reset()
 
     # ---- KV shipped between replicas (``kv_import``) ------------------------------------------
 
@@ -228,5 +308,4 @@ class HybridKVCacheManager(KVImportMixin):
             return ImportReservation(list(hashes), [], [], [])
         self.pool.touch(held)
         fresh = self.pool.allocate(len(missing))
-        self.pool.evicted.clear()  # (no CPU tier with groups)
-        return ImportReservation(list(hashes), missing, fresh, held)
+        return self.keep_evicted(ImportReservation(list(hashes), missing, fresh, held))

@@ -159,6 +159,10 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
             found.append(cpu_id)
         return found
 
+    def offloaded_tokens(self, loads: list[int]) -> int:
+        """Tokens a ``get_offloaded_blocks`` answer adds to the hit."""
+        return len(loads) * self.block_size
+
     # ---- allocation ----------------------------------------------------------
 
     def allocate_slots(
@@ -344,15 +348,20 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
         the reused block); the swap-ins load this step's CPU hits. Pins end here.
         """
         outs: list[tuple[int, int]] = []
-        for block_id, block_hash in self.pool.evicted:
+        for block_id, block_hash in self.pool.evicted:  # (one pool: every group's)
             cpu_id = self.cpu_pool.store(block_hash)
             if cpu_id is not None:
                 outs.append((block_id, cpu_id))
         self.pool.evicted.clear()
-        loads, self._loads = self._loads, []
+        loads = self.pop_loads()
         self.cpu_pool.release_pins()
         self.offload_stats["offloaded_blocks"] += len(outs)
         return outs, loads
+
+    def pop_loads(self) -> list[tuple[int, int]]:
+        """This step's ``(device, cpu)`` loads of CPU hits, handed over once."""
+        loads, self._loads = self._loads, []
+        return loads
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds, on both tiers; returns how many."""

@@ -102,9 +102,12 @@ class KVImportMixin:
         if len(missing) > room:
             missing = missing[:room]
         fresh = self.pool.allocate(len(missing))
-        res = ImportReservation(list(hashes), missing, fresh, held)
-        # What the fresh blocks held goes to the CPU tier (with offloading), in blocks
-        # the reservation owns: no plan reads or reuses them until they are named.
+        return self.keep_evicted(ImportReservation(list(hashes), missing, fresh, held))
+
+    def keep_evicted(self, res: ImportReservation) -> ImportReservation:
+        """Give ``res`` the copies of what its fresh blocks held to the CPU tier (with
+        offloading), in blocks the reservation owns: no plan reads or reuses them until
+        they are named."""
         for block_id, block_hash in self.pool.evicted:
             if self.cpu_pool.lookup(block_hash) is not None:
                 continue

@@ -62,7 +62,7 @@ class Scheduler(StepResults):
             self.kv = HybridKVCacheManager(
                 cache_config.num_gpu_blocks, cache_config.block_size,
                 cache_config.kv_group_windows, cache_config.num_cpu_blocks,
-                cache_config.enable_prefix_caching)
+                cache_config.enable_prefix_caching, cache_config.enable_kv_offload)
         else:
             self.kv = KVCacheManager(
                 cache_config.num_gpu_blocks,
@@ -256,7 +256,7 @@ class Scheduler(StepResults):
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 loads = self.kv.get_offloaded_blocks(req, num_hit // self.block_size)
                 device_hit = num_hit
-                num_hit += len(loads) * self.block_size
+                num_hit += self.kv.offloaded_tokens(loads)
             else:  # every prompt position's logits (or state) is wanted: compute them all
                 hits, loads, num_hit, device_hit = [], [], 0, None
             num_new = req.num_tokens - num_hit

@@ -41,7 +41,7 @@ def _greedy(n: int) -> SamplingParams:
 
 def test_groups_and_their_bytes(gemma_5to1_dir: str) -> None:
     """Six groups of one layer: a block is one layer's, six times the blocks of the
-    same bytes; off (or with offloading, which needs one table) one table again."""
+    same bytes (KV offloading keeps the groups); off, one table again."""
     llm = LLM(model=gemma_5to1_dir, kv_cache_memory_bytes=40 * 6 * 4096)
     try:
         info = llm.engine.model_info
@@ -50,14 +50,21 @@ def test_groups_and_their_bytes(gemma_5to1_dir: str) -> None:
         hybrid_blocks = llm.engine.scheduler.kv.pool.num_blocks
     finally:
         llm.shutdown()
-    for kw in (dict(disable_hybrid_kv_cache_manager=True), dict(kv_offloading_size=0.01)):
-        llm = LLM(model=gemma_5to1_dir, kv_cache_memory_bytes=40 * 6 * 4096, **kw)
-        try:
-            assert llm.engine.model_info["kv_group_windows"] is None
-            assert llm.engine.scheduler.kv.group_windows == (None,)
-            assert llm.engine.scheduler.kv.pool.num_blocks * 6 == hybrid_blocks
-        finally:
-            llm.shutdown()
+    llm = LLM(model=gemma_5to1_dir, kv_cache_memory_bytes=40 * 6 * 4096,
+              kv_offloading_size=0.01)
+    try:
+        assert llm.engine.scheduler.kv.group_windows == (None,) + (WINDOW,) * 5
+        assert llm.engine.scheduler.kv.offload_enabled
+    finally:
+        llm.shutdown()
+    llm = LLM(model=gemma_5to1_dir, kv_cache_memory_bytes=40 * 6 * 4096,
+              disable_hybrid_kv_cache_manager=True)
+    try:
+        assert llm.engine.model_info["kv_group_windows"] is None
+        assert llm.engine.scheduler.kv.group_windows == (None,)
+        assert llm.engine.scheduler.kv.pool.num_blocks * 6 == hybrid_blocks
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("kw", [
@@ -180,3 +187,36 @@ def test_prompt_kv_shipped_between_hybrid_engines(gemma_5to1_dir: str, refs) -> 
             import_prompt_kv(one.engine, payloads[-1])
     finally:
         one.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_offloaded_group_blocks_come_back_with_hugging_faces_tokens(gemma_5to1_dir: str,
+                                                                   mode: str) -> None:
+    """KV offloading with groups: three conversations of three turns, one turn at a
+    time, in a pool that holds one turn's prefill (45 one-layer blocks: the full layer's
+    and each sliding layer's blocks of the whole chunk); each later turn finds its previous
+    turn's blocks evicted to the CPU tier and loads back the full group's prefix and
+    each sliding group's window, with the tokens of a run that computes everything."""
+    from tests.cluster.test_kv_offload import conversations
+
+    params = _greedy(8)
+    turns = conversations()
+    ref = hf_greedy(gemma_5to1_dir, turns, 8)
+    llm = LLM(model=gemma_5to1_dir, num_gpu_blocks=45, num_offload_blocks=240,
+              preemption_mode=mode, block_size=16)
+    try:
+        assert llm.engine.scheduler.kv.group_windows == (None,) + (WINDOW,) * 5
+        got = [llm.generate({"prompt_token_ids": t}, params, use_tqdm=False)[0]
+               .outputs[0].token_ids for t in turns]
+        assert got == ref
+        stats = llm.engine.get_stats()
+        off = stats["kv_offload"]
+        assert off["offloaded_blocks"] > 0 and off["loaded_blocks"] > 0
+        # Each of the six later turns hits at least its previous turn's four full
+        # blocks (of 79 or more tokens), from the CPU tier: without it, none (the
+        # other conversations' turns evicted them).
+        assert off["cpu_hit_tokens"] >= 6 * 4 * 16 and stats["prefix_cache_hits"] == 0, off
+        assert stats["memory"]["num_free_blocks"] == stats["memory"]["num_gpu_blocks"]
+        assert llm.reset_prefix_cache() > 0
+    finally:
+        llm.shutdown()

@@ -88,9 +88,9 @@ def machine_scheduler(gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
                       depth: int = 1, window: int | tuple[int | None, ...] | None = None,
                       ) -> tuple[Scheduler, KVSim]:
     """The state machines' scheduler: blocks of 4 tokens, six seats, ``depth`` plans in
-    flight at most, n-gram drafts of ``spec`` tokens, offloading when there is a CPU tier
-    (and one table), blocks released behind a sliding ``window``, or one table per KV
-    cache group when ``window`` is a hybrid model's group windows."""
+    flight at most, n-gram drafts of ``spec`` tokens, offloading when there is a CPU tier,
+    blocks released behind a sliding ``window``, or one table per KV cache group when
+    ``window`` is a hybrid model's group windows."""
     groups = window if isinstance(window, tuple) else ()
     return make_scheduler(
         num_gpu_blocks=gpu_blocks,
@@ -102,7 +102,7 @@ def machine_scheduler(gpu_blocks: int, cpu_blocks: int, mode: str, budget: int,
         speculative_config=None if spec is None else SpeculativeConfig(
             num_speculative_tokens=spec, prompt_lookup_max=3),
         copy_period=copy_period,
-        enable_kv_offload=offload and cpu_blocks > 0 and not groups,
+        enable_kv_offload=offload and cpu_blocks > 0,
         max_concurrent_batches=depth,
         sliding_window=None if groups else window,
         kv_group_windows=groups,
@@ -200,9 +200,10 @@ def check_invariants(sched: Scheduler, sim: KVSim | None = None) -> None:
             assert None not in sim.gpu[b.block_id]
         for r in sched.requests.values():  # offloaded blocks hold what their hash names
             for i, h in enumerate(r.update_block_hashes(B)):
-                cpu_id = sched.kv.cpu_pool.lookup(h)
-                if cpu_id is not None:
-                    assert sim.cpu[cpu_id] == r.all_token_ids[i * B:(i + 1) * B], (r, i)
+                for g in groups:
+                    cpu_id = sched.kv.cpu_pool.lookup(g.salted(h))
+                    if cpu_id is not None:
+                        assert sim.cpu[cpu_id] == r.all_token_ids[i * B:(i + 1) * B], (r, i)
     cpu = sched.kv.cpu_pool
     used_cpu = sum(c >= 0 for g in groups for s in g.swapped.values() for c in s.cpu_block_ids)
     assert used_cpu == cpu.num_owned_blocks

@@ -16,6 +16,7 @@ from pagedserve.scheduler.admission import blocks_held
 from pagedserve.scheduler.kv_cache_manager import RELEASED
 from pagedserve.scheduler.kv_groups import plan_kv_groups
 from pagedserve.scheduler.memory import memory_stats
+from pagedserve.scheduler.outputs import SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.spec_decode import SpeculativeConfig
 from tests.scheduler.helpers import (
@@ -197,3 +198,94 @@ def test_the_longest_request_a_pool_admits() -> None:
             with pytest.raises(ValueError, match="KV blocks"):
                 sched.add_request(req("over", [100] * (want - 10), max_tokens=11,
                                       sched=sched))
+
+
+def _check_cpu_copies(sched, sim: KVSim, tokens: dict[bytes, list[int]]) -> None:
+    """Every block the CPU tier names holds the tokens its (group-salted) hash stands
+    for; ``tokens`` is updated with the live requests' blocks first."""
+    for r in sched.requests.values():
+        for i, h in enumerate(r.update_block_hashes(B)):
+            for g in sched.kv.group_managers:
+                tokens[g.salted(h)] = r.all_token_ids[i * B:(i + 1) * B]
+    for h, cpu_id in sched.kv.cpu_pool.cached.items():
+        assert sim.cpu[cpu_id] == tokens[h], f"CPU block {cpu_id} holds other tokens"
+
+
+@pytest.mark.parametrize(("mode", "cpu_blocks"), [("swap", 96), ("swap", 20),
+                                                  ("recompute", 64)])
+def test_offloading_with_group_tables_gives_the_same_tokens(mode: str, cpu_blocks: int) -> None:
+    """KV offloading with a table per group: in a 40-block pool, later waves of prompts
+    that extend earlier ones find their prefixes evicted to the CPU tier, and continue
+    device hits there in every group (the full group's blocks, each sliding group's
+    window), under preemption; the tokens are those of a roomy run without caching, and
+    every CPU copy holds what its hash names."""
+    from tests.scheduler.test_kv_offload import prompts_sharing_prefixes
+
+    prompts = prompts_sharing_prefixes(seed=cpu_blocks, count=24)
+    roomy, _ = make_scheduler(num_gpu_blocks=1024, kv_group_windows=GROUPS, block_size=B,
+                              enable_prefix_caching=False)
+    for rid, p in prompts.items():
+        roomy.add_request(req(rid, p, max_tokens=6, sched=roomy))
+    ref = run_to_completion(roomy, KVSim(1024, 0, B, group_windows=GROUPS))
+    sched, _ = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=cpu_blocks,
+                              kv_group_windows=GROUPS, block_size=B, preemption_mode=mode,
+                              max_num_batched_tokens=32, enable_kv_offload=True)
+    sim = KVSim(40, cpu_blocks, B, group_windows=GROUPS)
+    tokens: dict[bytes, list[int]] = {}
+    ids = list(prompts)
+    for w in range(3):
+        for rid in ids[w * 8:(w + 1) * 8]:
+            sched.add_request(req(rid, prompts[rid], max_tokens=6, sched=sched))
+        got: dict[str, list[int]] = {}
+        while sched.has_unfinished_requests():
+            _check_cpu_copies(sched, sim, tokens)
+            for rid, toks in step(sched, sim).items():
+                got.setdefault(rid, []).extend(toks)
+            check_invariants(sched, sim)
+        assert got == {rid: ref[rid] for rid in got}
+    stats = sched.kv.offload_stats
+    assert stats["offloaded_blocks"] > 0 and stats["loaded_blocks"] > 0
+    # (A hit's tokens owed to the CPU tier may outnumber the blocks loaded: a device
+    # block no hit could use alone becomes usable once a CPU block joins it.)
+    assert stats["cpu_hit_tokens"] > 0
+    assert_baseline(sched)
+    assert sched.kv.reset_prefix_cache() > 0
+    assert not sched.kv.pool.cached and not sched.kv.cpu_pool.cached
+
+
+def test_a_hit_continues_on_the_cpu_in_every_group() -> None:
+    """A prompt whose blocks were all evicted from the device comes back whole from the
+    CPU tier: the full group loads its 8 blocks, each sliding group only the two its
+    window needs; with a sliding group's window block gone from both tiers the hit
+    stops before it."""
+    prompt = [100 + j % 70 for j in range(33)]
+    for drop, want, loads in [(None, 32, [8, 2, 2]), ((2, 6), 24, [6, 2, 2])]:
+        sched, sim = make_scheduler(num_gpu_blocks=64, num_cpu_blocks=64,
+                                    kv_group_windows=GROUPS, block_size=B,
+                                    enable_kv_offload=True)
+        sim = KVSim(64, 64, B, group_windows=GROUPS)
+        sched.add_request(req("a", prompt, max_tokens=1, sched=sched))
+        run_to_completion(sched, sim)
+        kv = sched.kv
+        kv.pool.evicted = [(b.block_id, b.block_hash) for b in kv.pool.blocks
+                           if b.block_hash is not None]
+        outs, _ = kv.end_step()  # every named block copied to the CPU tier
+        plan = SchedulerOutput(step_id=-1, blocks_to_swap_out=outs)
+        sim.execute(plan)
+        kv.pool.reset_prefix_cache()  # and gone from the device
+        if drop is not None:
+            g, i = drop
+            cpu = kv.cpu_pool
+            cpu.free([cpu.take_cached(kv.group_managers[g].salted(_hashes(sched, prompt)[i]))])
+        sched.add_request(req("b", [*prompt, 7], max_tokens=1, sched=sched))
+        plan = sched.schedule()
+        (sr,) = plan.scheduled
+        assert sr.num_computed_tokens == want, drop
+        per_group = [0] * 3
+        for dev, _cpu in plan.blocks_to_swap_in:
+            for g, table in enumerate([sr.block_table, *sr.group_block_tables]):
+                per_group[g] += dev in table
+        assert per_group == loads, drop
+        sched.update_from_output(plan, sim.execute(plan))
+        run_to_completion(sched, sim)
+        assert_baseline(sched)
