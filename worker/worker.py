@@ -135,7 +135,7 @@ class Worker:
         weights = iter_safetensors(resolved.path)
         if model_config.prequant is not None:
             weights = dequantized_weights(weights, model_config.prequant,
-                                          checkpoint_names(resolved.path))
+                                          checkpoint_names(resolved.path), model.owns_tensor)
         tied = {id(model.embed_tokens.weight)} if model.embed_tokens is not None else set()
         head = model.lm_head
         unused = {id(head)} if model_config.embedding_only and head is not None else set()

@@ -345,3 +345,36 @@ def test_legacy_quantize_config_files_are_read(tmp_path, dense_src, writer, lega
     assert ModelConfig.from_pretrained(qpath).prequant is not None
     torch.testing.assert_close(_paged_logits(qpath), _hf_logits(load_hf(dense)),
                                atol=2e-5, rtol=1e-4)
+
+
+def test_a_pipeline_stage_reads_only_its_layers_packed_parts(tmp_path, dense_src,
+                                                             monkeypatch):
+    """Stage 1 of 2 of a GPTQ checkpoint reads (and dequantises) no packed part of
+    stage 0's layers, and stage 1 still holds the dense file's weights."""
+    from pagedserve.worker import worker as worker_mod
+
+    read: list[str] = []
+    stream = worker_mod.iter_safetensors
+
+    class Spy:
+        def __init__(self, name, lazy):
+            self.name, self.lazy, self.shape = name, lazy, lazy.shape
+
+        def __getitem__(self, idx):
+            read.append(self.name)
+            return self.lazy[idx]
+
+    def spying_stream(path):
+        for name, lazy in stream(path):
+            yield name, Spy(name, lazy)
+
+    monkeypatch.setattr(worker_mod, "iter_safetensors", spying_stream)
+    qpath, dense = write_gptq(dense_src, tmp_path / "gptq")
+    last = make_worker(qpath, num_blocks=8, block_size=4, pipeline_parallel_size=2, pp_rank=1)
+    packed = [n for n in read if n.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))]
+    assert packed and all(n.startswith("model.layers.1.") for n in packed), packed
+    ref = make_worker(dense, num_blocks=8, block_size=4, pipeline_parallel_size=2, pp_rank=1)
+    down = last.model.layers[0].mlp.down_proj, ref.model.layers[0].mlp.down_proj
+    x = torch.randn(3, down[1].local_in, generator=torch.Generator().manual_seed(0))
+    got, want = (d.matmul(x) for d in down)  # (the weights may be packed for oneDNN)
+    torch.testing.assert_close(got, want, atol=2e-3 * float(want.abs().max()), rtol=0)

@@ -13,7 +13,7 @@ tensor-parallel slices, pipeline stages, LoRA, CUDA graphs, and ``quantization="
 
 Costs: the weights are dense after load (a 4-bit checkpoint takes 4x its bytes in bf16,
 8x in fp32), and every tensor-parallel rank dequantises a whole projection before taking
-its slice. Activation scales (``input_scale``), calibrated KV scales and the like are
+its slice. A pipeline stage reads only its own layers' parts (``keep``). Activation scales (``input_scale``), calibrated KV scales and the like are
 dropped: activations and the KV pool run in the engine's dtypes.
 """
 
@@ -62,12 +62,14 @@ class DequantizedWeight:
 
 
 def dequantized_weights(weights: Iterable[tuple[str, Any]], cfg: PrequantConfig,
-                        names: Collection[str]) -> Iterator[tuple[str, Any]]:
+                        names: Collection[str], keep: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, Any]]:
     """``weights`` with each quantised projection's parts replaced by one dense
     ``<module>.weight``; ``names`` is every tensor name of the checkpoint (which parts a
     projection has is known before the first arrives). Parts are read as they come (the
     file they are in may close before the rest); a projection missing one is a
-    ``ValueError`` at the end."""
+    ``ValueError`` at the end. A projection whose ``<module>.weight`` ``keep`` refuses
+    (another pipeline stage's) is never read nor yielded."""
     expected = _quantised_parts(cfg, set(names))
     pending: dict[str, dict[str, torch.Tensor]] = {}
     dropped = 0
@@ -79,6 +81,8 @@ def dequantized_weights(weights: Iterable[tuple[str, Any]], cfg: PrequantConfig,
                 dropped += 1
                 continue
             yield name, lazy
+            continue
+        if keep is not None and not keep(prefix + ".weight"):
             continue
         got = pending.setdefault(prefix, {})
         got[part] = lazy[:]

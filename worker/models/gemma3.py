@@ -115,6 +115,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         the vision tower's never read)."""
         super().load_weights(_text_decoder(weights), on_layer)
 
+    def owns_tensor(self, name: str) -> bool:
+        text = _text_name(name)
+        return text is not None and super().owns_tensor(text)
+
     def _expected_names(self) -> set[str]:
         names = super()._expected_names()
         for i in range(self.stage.start, self.stage.end):
@@ -136,11 +140,14 @@ def _text_decoder(weights: Iterable[tuple[str, LazyTensor]]
     """``weights`` with a multimodal file's decoder names re-rooted at ``model.`` /
     ``lm_head.`` and its vision tower and projector left out (other names as they are)."""
     for name, lazy in weights:
-        for prefix, root in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = root + name[len(prefix):]
-                break
-        else:
-            if name.startswith(_VISION_PREFIXES):
-                continue
-        yield name, lazy
+        text = _text_name(name)
+        if text is not None:
+            yield text, lazy
+
+
+def _text_name(name: str) -> str | None:
+    """A checkpoint name as the text decoder calls it; None for the vision tower's."""
+    for prefix, root in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return root + name[len(prefix):]
+    return None if name.startswith(_VISION_PREFIXES) else name

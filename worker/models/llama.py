@@ -280,6 +280,13 @@ class LlamaForCausalLM(nn.Module):
         return (self.lm_head is not None and self.embed_tokens is None
                 and (cfg.tie_word_embeddings or cfg.embedding_only))
 
+    def owns_tensor(self, name: str) -> bool:
+        """Whether this rank loads checkpoint tensor ``name`` (as the file names it):
+        a pre-quantised projection's packed parts are read only where it does."""
+        if self.config.embedding_only and not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        return self._on_this_stage(name)
+
     def _on_this_stage(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to this pipeline stage."""
         if name == "model.embed_tokens.weight":
