@@ -72,7 +72,12 @@ class HybridKVCacheManager(KVImportMixin):
             for g, w in enumerate(windows)
         ]
         self.windows = tuple(windows)
-        self._sliding = [g for g in self.groups if g.sliding_window is not None]
+        # Sliding groups by window: a request's groups of one window release in step.
+        by_window: dict[int, list[KVCacheManager]] = {}
+        for g in self.groups:
+            if g.sliding_window is not None:
+                by_window.setdefault(g.sliding_window, []).append(g)
+        self._by_window = list(by_window.items())
         self.sliding_window = None  # (per group: ``windows``)
         self.offload_enabled = enable_offload
         self.offload_stats = self.groups[0].offload_stats
@@ -196,8 +201,7 @@ class HybridKVCacheManager(KVImportMixin):
         loads = offloaded if isinstance(offloaded, HybridLoads) else None
         if loads is not None:
             computed_blocks = loads.hits
-        if not computed_blocks and all(g.has_room(request, num_new_tokens)
-                                       for g in self.groups):
+        if not computed_blocks and self._has_room(request, num_new_tokens):
             return []  # every decode step but one in B
         hits = computed_blocks or [None] * len(self.groups)
         cost = sum(g.slots_cost(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
@@ -215,6 +219,23 @@ class HybridKVCacheManager(KVImportMixin):
             self.offload_stats["cpu_hit_tokens"] = hit_tokens + self.offloaded_tokens(loads)
         return copies
 
+    def _has_room(self, request: Request, num_new_tokens: int) -> bool:
+        """Every group's ``has_room``: the groups' tables are equally long, so group 0
+        answers for all but whether each group's partial block is its own (a fork
+        shares it until one of them writes)."""
+        first = self.groups[0]
+        if not first.has_room(request, num_new_tokens):
+            return False
+        if request.num_computed_tokens % self.block_size == 0:
+            return True
+        rid, idx = request.request_id, request.num_computed_tokens // self.block_size
+        n = len(first.req_blocks[rid])
+        for g in self.groups[1:]:
+            blocks = g.req_blocks[rid]
+            if len(blocks) != n or blocks[idx].ref_cnt != 1:
+                return False
+        return True
+
     def cache_blocks(self, request: Request) -> None:
         """Name each group's newly full blocks (each group from the same start)."""
         start = request.num_hashed_blocks
@@ -227,7 +248,15 @@ class HybridKVCacheManager(KVImportMixin):
             g.fork(parent, child)
 
     def release_behind_window(self, request: Request) -> int:
-        return sum(g.release_behind_window(request) for g in self._sliding)
+        """Every sliding group's ``release_behind_window``; groups of one window release
+        the same entries of one request at the same steps, so one check per window
+        skips them all on the steps (most) where nothing falls behind it."""
+        released = 0
+        for window, groups in self._by_window:
+            upto = (request.num_computed_tokens - window + 1) // self.block_size
+            if upto > groups[0].released_upto(request.request_id):
+                released += sum(g.release_behind_window(request) for g in groups)
+        return released
 
     def free(self, request: Request) -> None:
         for g in self.groups:

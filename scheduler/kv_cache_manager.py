@@ -77,6 +77,9 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as plain ids, kept in step so plans copy them in C.
         self.req_block_ids: dict[str, list[int]] = {}
+        # What ``block_ids`` last handed out per request: plans keep it (nothing changes
+        # it), so a table that did not change since is not copied again.
+        self._snapshots: dict[str, list[int]] = {}
         self.swapped: dict[str, SwappedBlocks] = {}
         self.sliding_window = sliding_window
         self._released: dict[str, int] = {}  # leading table entries now RELEASED
@@ -95,8 +98,15 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
         return (self.sliding_window,)
 
     def block_ids(self, request_id: str) -> list[int]:
-        ids = self.req_block_ids.get(request_id)
-        return ids.copy() if ids is not None else []
+        """The request's table as plain ids: a list no one changes (the same one until
+        the table changes, so most decode steps copy nothing)."""
+        snap = self._snapshots.get(request_id)
+        if snap is None:
+            ids = self.req_block_ids.get(request_id)
+            if ids is None:
+                return []
+            snap = self._snapshots[request_id] = ids.copy()
+        return snap
 
     def group_block_ids(self, request_id: str) -> list[list[int]] | None:
         """The tables of a hybrid model's other groups (``hybrid_kv``): none here."""
@@ -221,6 +231,7 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
         if not computed_blocks and self.has_room(request, num_new_tokens):
             return []
         rid = request.request_id
+        self._snapshots.pop(rid, None)
         blocks = self.req_blocks.get(rid, [])
         computed_blocks = computed_blocks or []
         offloaded = offloaded or []
@@ -301,8 +312,13 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
         self.pool.touch([b for b in blocks if b is not RELEASED])
         self.req_blocks[child.request_id] = list(blocks)
         self.req_block_ids[child.request_id] = [b.block_id for b in blocks]
+        self._snapshots.pop(child.request_id, None)
         if parent.request_id in self._released:
             self._released[child.request_id] = self._released[parent.request_id]
+
+    def released_upto(self, request_id: str) -> int:
+        """How many leading entries of the request's table a window has released."""
+        return self._released.get(request_id, 0)
 
     def release_behind_window(self, request: Request) -> int:
         """Give back the blocks wholly before the window of ``request``'s next query
@@ -319,6 +335,7 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
             return 0
         upto = min(upto, len(blocks))
         ids = self.req_block_ids[rid]
+        self._snapshots.pop(rid, None)
         gone = [b for b in blocks[start:upto] if b is not RELEASED]
         blocks[start:upto] = [RELEASED] * (upto - start)
         ids[start:upto] = [-1] * (upto - start)
@@ -330,6 +347,7 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
         """Release device blocks (tail first, so prefixes outlive tails) and CPU copies."""
         blocks = self.req_blocks.pop(request.request_id, None)
         self.req_block_ids.pop(request.request_id, None)
+        self._snapshots.pop(request.request_id, None)
         self._released.pop(request.request_id, None)
         request.num_hashed_blocks = 0
         if blocks:

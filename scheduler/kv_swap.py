@@ -37,6 +37,7 @@ class KVSwapMixin:
     cpu_pool: CpuBlockPool
     req_blocks: dict[str, list[KVCacheBlock]]
     req_block_ids: dict[str, list[int]]
+    _snapshots: dict[str, list[int]]
     swapped: dict[str, SwappedBlocks]
     offload_stats: dict[str, int]
 
@@ -56,6 +57,7 @@ class KVSwapMixin:
         """
         blocks = self.req_blocks.pop(request.request_id)
         del self.req_block_ids[request.request_id]
+        self._snapshots.pop(request.request_id, None)
         request.num_hashed_blocks = 0
         live = [b for b in blocks if b is not RELEASED]
         taken = [self.cpu_pool.take_cached(b.block_hash) if b.block_hash is not None
@@ -114,6 +116,7 @@ class KVSwapMixin:
         self.cpu_pool.free(cpu_ids, hashes)
         self.req_blocks[request.request_id] = blocks
         self.req_block_ids[request.request_id] = [b.block_id for b in blocks]
+        self._snapshots.pop(request.request_id, None)
         return pairs
 
 
