@@ -378,3 +378,55 @@ def test_a_pipeline_stage_reads_only_its_layers_packed_parts(tmp_path, dense_src
     x = torch.randn(3, down[1].local_in, generator=torch.Generator().manual_seed(0))
     got, want = (d.matmul(x) for d in down)  # (the weights may be packed for oneDNN)
     torch.testing.assert_close(got, want, atol=2e-3 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gptq4-act-order", "gptq8", "gptq3", "awq", "fp8-block",
+                                  "ct-w4-group-asym", "ct-w8-channel"])
+def test_a_slice_of_output_rows_dequantises_only_those_rows(tmp_path, dense_src, kind,
+                                                           monkeypatch):
+    """A column-parallel rank's share (a slice of output rows) equals the whole
+    projection's rows bit for bit, cut from the packed parts where they split there
+    (whole words of packed outputs) and dequantised whole where they do not (3-bit codes,
+    block scales, a cut inside a packed word)."""
+    from safetensors.torch import load_file
+
+    from pagedserve.worker.loaders import prequant
+
+    if kind.startswith("gptq"):
+        bits = int(kind[4])
+        path, _ = write_gptq(dense_src, tmp_path / "q", bits=bits, desc_act="act" in kind)
+    elif kind == "awq":
+        path, _ = write_awq(dense_src, tmp_path / "q")
+    elif kind == "fp8-block":
+        path, _ = write_fp8(dense_src, tmp_path / "q")
+    else:
+        pytest.importorskip("compressed_tensors")
+        bits = 4 if "w4" in kind else 8
+        path = write_compressed_tensors(dense_src, tmp_path / "q", bits,
+                                        "group" if bits == 4 else "channel",
+                                        32 if bits == 4 else None, symmetric="asym" not in kind)
+    state = load_file(str(path / "model.safetensors"))
+    cfg = ModelConfig.from_pretrained(path).prequant
+    whole_calls = 0
+    make = prequant.DequantizedWeight.__init__
+
+    def counting(self, name, shape, fn, rows=None):
+        def counted():
+            nonlocal whole_calls
+            whole_calls += 1
+            return fn()
+        make(self, name, shape, counted, rows)
+
+    got = dict(dequantized_weights(state.items(), cfg, state.keys()))
+    ref = {k: v[:] for k, v in got.items() if isinstance(v, prequant.DequantizedWeight)}
+    assert len(ref) == 14
+    monkeypatch.setattr(prequant.DequantizedWeight, "__init__", counting)
+    sliced = dict(dequantized_weights(state.items(), cfg, state.keys()))
+    splits = kind not in ("gptq3", "fp8-block")
+    for name, want in ref.items():
+        n = want.shape[0]
+        for a, b in ((0, n // 2), (n // 2, n), (8, n - 8)):
+            assert torch.equal(sliced[name][a:b], want[a:b]), (name, a, b)
+    assert (whole_calls == 0) == splits, whole_calls
+    first = next(iter(ref))
+    assert torch.equal(sliced[first][3:9], ref[first][3:9])  # inside a packed word: whole
