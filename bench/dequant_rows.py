@@ -1,13 +1,15 @@
-"""Loading a pre-quantised projection under tensor parallelism: one rank's share of the
-output rows against the whole projection.
+"""Loading a pre-quantised projection under tensor parallelism: one rank's share against
+the whole projection.
 
 A column-parallel rank (q / k / v, gate / up) takes a slice of a projection's output
-rows. ``worker/loaders/prequant.py`` cuts the packed parts there when whole packed words
-allow, so the rank dequantises only its rows; before, every rank dequantised the whole
+rows, a row-parallel one (o, down) a slice of its inputs. ``worker/loaders/
+prequant_slices.py`` cuts the packed parts there when whole packed words and groups
+allow, so the rank dequantises only its share; before, every rank dequantised the whole
 projection and sliced it. This times, on random GPTQ parts of one Llama-3-8B MLP
 projection (4,096 inputs, 14,336 outputs, 4 bits in groups of 128; side by side, best
-of ``--reps``), the whole projection and one rank's rows at TP = 2, 4 and 8, printed as
-a share of the whole's time (1 / TP would be proportional).
+of ``--reps``), the whole projection and one rank's rows (``tpN``) or inputs
+(``tpN-in``) at TP = 2, 4 and 8, printed as a share of the whole's time (1 / TP would
+be proportional).
 
     python bench/dequant_rows.py
 """
@@ -40,7 +42,10 @@ def main() -> None:
                                 generator=g),
         "scales": torch.rand(N_IN // GROUP, N_OUT, generator=g).half(),
     }
-    cases = {"whole": slice(None), **{f"tp{tp}": slice(0, N_OUT // tp) for tp in (2, 4, 8)}}
+    cases: dict[str, object] = {"whole": slice(None)}
+    for tp in (2, 4, 8):
+        cases[f"tp{tp}"] = slice(0, N_OUT // tp)
+        cases[f"tp{tp}-in"] = (slice(None), slice(0, N_IN // tp))
     best = dict.fromkeys(cases, float("inf"))
     for _ in range(args.reps):  # interleaved: background load slows every case alike
         for name, rows in cases.items():
@@ -50,7 +55,7 @@ def main() -> None:
             best[name] = min(best[name], time.perf_counter() - t0)
     print(f"GPTQ 4-bit {N_OUT} x {N_IN}, group {GROUP}, {torch.get_num_threads()} threads")
     for name, t in best.items():
-        print(f"  {name:6s} {t * 1e3:8.1f} ms  {t / best['whole']:.2f}x of the whole")
+        print(f"  {name:8s} {t * 1e3:8.1f} ms  {t / best['whole']:.2f}x of the whole")
 
 
 if __name__ == "__main__":

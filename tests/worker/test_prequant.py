@@ -382,12 +382,12 @@ def test_a_pipeline_stage_reads_only_its_layers_packed_parts(tmp_path, dense_src
 
 @pytest.mark.parametrize("kind", ["gptq4-act-order", "gptq8", "gptq3", "awq", "fp8-block",
                                   "ct-w4-group-asym", "ct-w8-channel"])
-def test_a_slice_of_output_rows_dequantises_only_those_rows(tmp_path, dense_src, kind,
-                                                           monkeypatch):
-    """A column-parallel rank's share (a slice of output rows) equals the whole
-    projection's rows bit for bit, cut from the packed parts where they split there
-    (whole words of packed outputs) and dequantised whole where they do not (3-bit codes,
-    block scales, a cut inside a packed word)."""
+def test_a_ranks_slice_dequantises_only_that_slice(tmp_path, dense_src, kind, monkeypatch):
+    """A column-parallel rank's share (a slice of output rows) and a row-parallel one's
+    (a slice of inputs) equal the whole projection's slice bit for bit, cut from the
+    packed parts where they split there (whole packed words, whole groups, the group
+    index of an act-order file) and dequantised whole where they do not (3-bit codes,
+    block scales, a cut inside a packed word or group)."""
     from safetensors.torch import load_file
 
     from pagedserve.worker.loaders import prequant
@@ -424,9 +424,12 @@ def test_a_slice_of_output_rows_dequantises_only_those_rows(tmp_path, dense_src,
     sliced = dict(dequantized_weights(state.items(), cfg, state.keys()))
     splits = kind not in ("gptq3", "fp8-block")
     for name, want in ref.items():
-        n = want.shape[0]
+        n, n_in = want.shape
         for a, b in ((0, n // 2), (n // 2, n), (8, n - 8)):
             assert torch.equal(sliced[name][a:b], want[a:b]), (name, a, b)
+        for a, b in ((0, 32), (32, n_in)):  # (the tiny model's inputs: 64 or 96)
+            assert torch.equal(sliced[name][:, a:b], want[:, a:b]), (name, a, b)
     assert (whole_calls == 0) == splits, whole_calls
     first = next(iter(ref))
     assert torch.equal(sliced[first][3:9], ref[first][3:9])  # inside a packed word: whole
+    assert torch.equal(sliced[first][:, 8:16], ref[first][:, 8:16])  # inside a group

@@ -12,10 +12,10 @@ tensor-parallel slices, pipeline stages, LoRA, CUDA graphs, and ``quantization="
 ``"int4"`` on CPU, which quantise again in their own groups of 32.
 
 Costs: the weights are dense after load (a 4-bit checkpoint takes 4x its bytes in bf16,
-8x in fp32). A tensor-parallel rank that takes a slice of a projection's outputs
-dequantises just those rows where the packing allows (``_row_parts``; a slice of its
-inputs, and unaligned or block-scaled rows, dequantise the whole projection first), and
-a pipeline stage reads only its own layers' parts (``keep``). Activation scales (``input_scale``), calibrated KV scales and the like are
+8x in fp32). A tensor-parallel rank dequantises just its slice of a projection's
+outputs or inputs where the packing splits there (``prequant_slices``; elsewhere the
+whole projection, then the slice), and a pipeline stage reads only its own layers'
+parts (``keep``). Activation scales (``input_scale``), calibrated KV scales and the like are
 dropped: activations and the KV pool run in the engine's dtypes.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pagedserve.worker.loaders.prequant_config import PrequantConfig
+from pagedserve.worker.loaders.prequant_slices import input_parts, row_parts
 
 logger = logging.getLogger(__name__)
 
@@ -44,28 +45,31 @@ _NARROW = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 class DequantizedWeight:
     """A quantised projection as the loader's lazy tensor: ``shape`` is the dense
-    ``(out, in)``. A slice of output rows (a column-parallel rank's share) dequantises
-    only those rows when ``rows`` can cut the packed parts there; any other index
-    dequantises the whole matrix once (the slice a rank takes follows the checkpoint's
-    dense layout, not its packed one)."""
+    ``(out, in)``. A slice of output rows (a column-parallel rank's share) or of inputs
+    (a row-parallel rank's, ``[:, a:b]``) dequantises only that part when ``part`` can
+    cut the packed parts there; any other index dequantises the whole matrix once (the
+    slice a rank takes follows the checkpoint's dense layout, not its packed one)."""
 
     def __init__(self, name: str, shape: tuple[int, int], make: Callable[[], torch.Tensor],
-                 rows: Callable[[int, int], torch.Tensor | None] | None = None):
+                 part: Callable[[int, int, int], torch.Tensor | None] | None = None):
         self.name, self.shape = name, shape
         self._make: Callable[[], torch.Tensor] | None = make
-        self._rows = rows
+        self._part = part
         self._dense: torch.Tensor | None = None
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
-        if self._dense is None and self._rows is not None and isinstance(idx, slice) \
-                and idx.step in (None, 1):
-            a, b, _ = idx.indices(self.shape[0])
-            part = self._rows(a, b) if 0 < b - a < self.shape[0] else None
-            if part is not None:
-                if tuple(part.shape) != (b - a, self.shape[1]):
-                    raise ValueError(f"{self.name}: rows {a}:{b} dequantised to "
-                                     f"{tuple(part.shape)}")
-                return part
+        if self._dense is None and self._part is not None:
+            cut = _one_dim_slice(idx)
+            if cut is not None:
+                dim, sl = cut
+                a, b, _ = sl.indices(self.shape[dim])
+                part = self._part(dim, a, b) if 0 < b - a < self.shape[dim] else None
+                if part is not None:
+                    want = (b - a, self.shape[1]) if dim == 0 else (self.shape[0], b - a)
+                    if tuple(part.shape) != want:
+                        raise ValueError(f"{self.name}: a slice {a}:{b} of dim {dim} "
+                                         f"dequantised to {tuple(part.shape)}")
+                    return part
         if self._dense is None:
             assert self._make is not None
             dense = self._make()
@@ -74,6 +78,16 @@ class DequantizedWeight:
                                  f"expected {self.shape}")
             self._dense, self._make = dense, None
         return self._dense[idx]
+
+
+def _one_dim_slice(idx: Any) -> tuple[int, slice] | None:
+    """``(0, rows)`` for ``w[a:b]``, ``(1, inputs)`` for ``w[:, a:b]``, else None."""
+    if isinstance(idx, slice) and idx.step in (None, 1):
+        return 0, idx
+    if isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, slice) for i in idx) \
+            and idx[0] == slice(None) and idx[1].step in (None, 1):
+        return 1, idx[1]
+    return None
 
 
 def dequantized_weights(weights: Iterable[tuple[str, Any]], cfg: PrequantConfig,
@@ -142,11 +156,11 @@ def _dequantizer(cfg: PrequantConfig, prefix: str, parts: dict[str, torch.Tensor
                  ) -> DequantizedWeight:
     shape, make = _maker(cfg, prefix, parts)
 
-    def rows(a: int, b: int) -> torch.Tensor | None:
-        sub = _row_parts(cfg, prefix, parts, shape[0], a, b)
+    def part(dim: int, a: int, b: int) -> torch.Tensor | None:
+        sub = (row_parts if dim == 0 else input_parts)(cfg, prefix, parts, shape, a, b)
         return None if sub is None else _maker(cfg, prefix, sub)[1]()
 
-    return DequantizedWeight(prefix + ".weight", shape, make, rows)
+    return DequantizedWeight(prefix + ".weight", shape, make, part)
 
 
 Maker = tuple[tuple[int, int], Callable[[], torch.Tensor]]
@@ -160,54 +174,6 @@ def _maker(cfg: PrequantConfig, prefix: str, parts: dict[str, torch.Tensor]) -> 
     if "weight_packed" in parts:
         return _ct_packed(cfg, prefix, parts)
     return _scaled(cfg, prefix, parts)
-
-
-def _row_parts(cfg: PrequantConfig, prefix: str, p: dict[str, torch.Tensor], n_out: int,
-               a: int, b: int) -> dict[str, torch.Tensor] | None:
-    """A projection's parts for its output rows ``[a, b)`` alone, or None where the
-    packing does not split there (outputs packed across the cut, block scales, codes
-    that straddle words): dequantising them gives rows ``a:b`` of the whole, bit for
-    bit, since each weight is dequantised on its own."""
-    def cut(t: torch.Tensor, dim: int, per: int = 1) -> torch.Tensor | None:
-        if a % per or b % per:
-            return None
-        return t[a // per:b // per] if dim == 0 else t[:, a // per:b // per]
-
-    out = dict(p)
-    if cfg.method in ("gptq", "awq"):
-        bits = cfg.bits if cfg.method == "gptq" else 4
-        if bits is None or 32 % bits:
-            return None
-        per = 32 // bits
-        cuts = {"scales": cut(p["scales"], 1), "qzeros": cut(p["qzeros"], 1, per),
-                "qweight": cut(p["qweight"], 1, 1 if cfg.method == "gptq" else per)}
-    elif "weight_packed" in p:
-        scheme = cfg.scheme_for(prefix)
-        if scheme.strategy not in ("group", "channel") or 32 % scheme.num_bits:
-            return None
-        out["weight_shape"] = torch.tensor([b - a, int(p["weight_shape"][1])])
-        cuts = {"weight_packed": cut(p["weight_packed"], 0), "weight_scale":
-                cut(p["weight_scale"], 0)}
-        zp = p.get("weight_zero_point")
-        if zp is not None:
-            cuts["weight_zero_point"] = cut(zp, 0, 32 // scheme.num_bits) \
-                if zp.dtype == torch.int32 else cut(zp, 0)
-    else:
-        weight = p["weight"]
-        scale = p.get("weight_scale", p.get("weight_scale_inv"))
-        key = "weight_scale" if "weight_scale" in p else "weight_scale_inv"
-        if scale is None or (scale.numel() > 1 and scale.shape[0] != n_out) \
-                or (cfg.method == "fp8" and cfg.block):
-            return None
-        cuts = {"weight": cut(weight, 0), key: scale if scale.numel() == 1 else cut(scale, 0)}
-        zp = p.get("weight_zero_point")
-        if zp is not None:
-            cuts["weight_zero_point"] = zp if zp.numel() == 1 or zp.shape[0] != n_out \
-                else cut(zp, 0)
-    if any(v is None for v in cuts.values()):
-        return None
-    out.update(cuts)  # type: ignore[arg-type]
-    return out
 
 
 def _gptq(cfg: PrequantConfig, prefix: str, p: dict[str, torch.Tensor]) -> Maker:
