@@ -20,7 +20,7 @@ import json
 import os
 import signal
 import sys
-import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -304,16 +304,34 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def install_stop_handlers() -> list[int]:
+    """SIGINT / SIGTERM handlers that only note the signal, in the list returned.
+
+    A handler runs in the main thread between two bytecodes, wherever that thread is:
+    one that took a lock (``threading.Event.set``) could find the lock held by the very
+    code it interrupted (``Event.wait`` re-taking it after its timeout) and hang the
+    server at Ctrl-C, which it did. Appending to a list takes no lock."""
+    stop: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    return stop
+
+
+def wait_for_stop(stop: list[int], poll_s: float = 0.2) -> int:
+    """Block until ``install_stop_handlers`` noted a signal; returns the first one."""
+    while not stop:
+        time.sleep(poll_s)  # (a signal wakes it; the handler runs, the loop looks)
+    return stop[0]
+
+
 def serve_forever(args: argparse.Namespace) -> int:
     """Deploy, print the URL, block until a signal, then undo what this process started."""
     from pagedserve.cluster import http_front
     from pagedserve.cluster.local_app import SetupError, local_app
 
-    stop = threading.Event()
     try:
         with local_app(args, "serve") as (url, front):
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
+            stop = install_stop_handlers()
             names = " / ".join(args.served_model_name or [args.model or "SmolLM2-135M"])
             print(f"pagedserve: serving {names}"
                   f" at {url}/v1 (health: {url}/health, metrics: {url}/metrics; "
@@ -321,8 +339,7 @@ def serve_forever(args: argparse.Namespace) -> int:
             if front == "direct":
                 for direct in http_front.direct_ingress_urls(args.name, args.host):
                     print(f"pagedserve: direct ingress at {direct}/v1", flush=True)
-            while not stop.wait(1.0):
-                pass
+            wait_for_stop(stop)
             print("pagedserve: shutting down (open requests get up to "
                   f"{args.drain_timeout_s:g} s; Ctrl-C again to stop at once)", flush=True)
     except SetupError as e:

@@ -333,3 +333,53 @@ def test_serve_answers_on_its_fronts_cancels_and_drains_on_sigterm(tiny_model: P
                 httpx.get(f"{url}/models", timeout=5)
     finally:
         _stop(proc)
+
+
+def test_the_serve_loops_signal_handlers_take_no_lock() -> None:
+    """``pagedserve serve`` waits for Ctrl-C / SIGTERM. Its handler used to call
+    ``threading.Event.set``: a second signal landing while the first handler held the
+    event's lock (Ctrl-C twice, or a supervisor signalling both a wrapper that forwards
+    it and the server) ran the handler again inside it, which waited for that lock
+    forever; the server hung (seen here under ``timeout``). The handlers now only note
+    the signal: no call they make takes a lock, and nested they still stop the loop."""
+    from pagedserve.cluster.cli import install_stop_handlers, wait_for_stop
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = install_stop_handlers()
+        handler = signal.getsignal(signal.SIGTERM)
+        calls: list[str] = []
+
+        def profile(frame, event, arg) -> None:
+            if event == "call":
+                calls.append(frame.f_code.co_qualname)
+            elif event == "c_call":
+                calls.append(getattr(arg, "__qualname__", str(arg)))
+
+        sys.setprofile(profile)
+        try:
+            handler(signal.SIGTERM, None)
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # as if nested
+        finally:
+            sys.setprofile(None)
+        assert stop == [signal.SIGTERM, signal.SIGINT]
+        assert not [c for c in calls if any(w in c for w in ("acquire", "__enter__", "Event",
+                                                             "Condition", "Lock"))], calls
+        assert wait_for_stop(stop) == signal.SIGTERM
+        for round_ in range(10):  # real signals, in bursts, from another thread
+            stop = install_stop_handlers()
+
+            def burst(n: int, sig: signal.Signals) -> None:
+                for _ in range(n):
+                    os.kill(os.getpid(), sig)
+
+            sender = threading.Thread(target=burst, args=(
+                1 + round_ % 4, signal.SIGTERM if round_ % 2 else signal.SIGINT))
+            t0 = time.monotonic()
+            sender.start()
+            assert wait_for_stop(stop, poll_s=0.01) in (signal.SIGINT, signal.SIGTERM)
+            sender.join(5)
+            assert time.monotonic() - t0 < 5
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
