@@ -175,6 +175,7 @@ class AsyncEngine:
         export_kv: bool = False,
         resumed_token_ids: list[int] | None = None,
         output_kind: str = "cumulative",
+        images: list[Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative snapshot after every step that advanced the request
         (with ``pooling_params``: an embedding request, whose last one has it; with
@@ -193,7 +194,7 @@ class AsyncEngine:
                 self._step_thread, self.engine.add_lora, lora_request)
         rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request,
                                       priority, pooling_params, beam, export_kv,
-                                      resumed_token_ids, output_kind)
+                                      resumed_token_ids, output_kind, images)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._ensure_loop()
@@ -217,14 +218,14 @@ class AsyncEngine:
 
     async def beam_search(self, prompt: list[int], params: BeamSearchParams,
                           lora_request: LoRARequest | None = None,
-                          cache_salt: str | None = None, priority: int = 0
-                          ) -> list[BeamSearchSequence]:
+                          cache_salt: str | None = None, priority: int = 0,
+                          images: list[Any] | None = None) -> list[BeamSearchSequence]:
         """One prompt's best ``params.beam_width`` hypotheses, best first (vLLM's
         ``EngineClient.beam_search``): one request whose beams share the continuous
         batch with everything else; a cancellation aborts it."""
         last = None
         async for out in self.generate(prompt, None, None, cache_salt, lora_request,
-                                       priority, beam=params):
+                                       priority, beam=params, images=images):
             last = out
         if last is None:
             raise RuntimeError("a beam search ended without an answer")

@@ -67,6 +67,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="one block table for every layer of a model that mixes full and "
                         "sliding-window layers (Gemma 2 / 3), whose sliding layers then "
                         "keep every block too (default: a table per kind of layer)")
+    p.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+                   help='images one prompt may carry, as JSON ({"image": 4}; default 16); '
+                        '{"image": 0} serves a multimodal Gemma 3 as text, its vision '
+                        'encoder not loaded')
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image URLs may name local files under DIR (file://...); "
+                        "default: no local files")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
@@ -269,7 +276,9 @@ def generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         kv_offloading_size=args.kv_offloading_size,
         quantization=args.quantization, batch_invariant=args.batch_invariant,
-        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        allowed_local_media_path=args.allowed_local_media_path)
     lora = None
     try:
         if args.lora is not None:

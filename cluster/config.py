@@ -12,6 +12,7 @@ from pagedserve.worker.pipeline import check_partition
 EXECUTORS = ("auto", "local", "ray")
 FLASH_BLOCK_SIZE = 256
 ENGINE_CPU_KV_BYTES = 512 << 20  # the KV pool on CPU when no budget is given
+DEFAULT_IMAGE_LIMIT = 16  # images one prompt may carry unless limit_mm_per_prompt says
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class EngineConfig:
     sliding layers hold every block too; by default each kind of layer has its own
     tables and sliding ones give back what falls behind the window
     (``scheduler.hybrid_kv``).
+    ``limit_mm_per_prompt`` (vLLM's option) caps the images one prompt may carry
+    (``{"image": 4}``; None: 16); ``{"image": 0}`` serves a multimodal file as text
+    only, its vision encoder never loaded. ``allowed_local_media_path`` (vLLM's) lets
+    image URLs name local files under that directory (``file://``); off by default.
     """
 
     model: str | None = None
@@ -111,12 +116,20 @@ class EngineConfig:
     quantization: str | None = None
     batch_invariant: bool = False
     disable_hybrid_kv_cache_manager: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # vLLM's dict form (``{"method": "ngram", "num_speculative_tokens": 4}``), parsed.
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_dict(self.speculative_config))
+        limit = self.limit_mm_per_prompt
+        if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image"} or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for v in limit.values())):
+            raise ValueError("limit_mm_per_prompt must map 'image' to an integer >= 0, got "
+                             f"{limit!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
         n = self.max_loaded_loras
@@ -299,6 +312,11 @@ class EngineConfig:
             return self.executor
         return "local" if self.world_size == 1 else "ray"
 
+    @property
+    def image_limit(self) -> int:
+        """The most images one prompt may carry (``limit_mm_per_prompt``)."""
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGE_LIMIT)
+
     def worker_config(self, model_path: str, device: str) -> WorkerConfig:
         """What every rank of this engine loads and sizes (``model_path``: the resolved
         local checkpoint). The largest step the scheduler may plan sizes the CUDA
@@ -336,5 +354,6 @@ class EngineConfig:
             quantization=self.quantization,
             batch_invariant=self.batch_invariant,
             hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
+            enable_images=self.image_limit > 0,
             extra=dict(self.worker_extra),
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.cluster.beam_search import BeamSearchParams, beam_row_params
@@ -25,6 +26,7 @@ from pagedserve.cluster.engine_lifecycle import (
     start_wake,
 )
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
+from pagedserve.cluster.image_prompts import ImagePrompts
 from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import RequestOutput
@@ -40,6 +42,7 @@ from pagedserve.cluster.step_pipeline import StepPipeline
 from pagedserve.scheduler.block_hash import hash_prompt_blocks
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.lora_request import LoRARequest
+from pagedserve.scheduler.multimodal import ImageInput
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus, sequence_id
@@ -112,6 +115,11 @@ class LLMEngine:
             ),
             config.speculative_config,
         )
+        image_info = info.get("image")
+        # A multimodal model's image prompts (None: text only, or images turned off).
+        self.images = ImagePrompts(resolved.path, image_info, self.tokenizer,
+                                   config.image_limit, config.allowed_local_media_path) \
+            if image_info else None
         self.loras = LoRARegistry(self.executor, config.enable_lora,
                                   config.resolved_max_loaded_loras(), self._lora_in_use)
         for name, path in (config.lora_modules or {}).items():
@@ -148,6 +156,7 @@ class LLMEngine:
         export_kv: bool = False,
         resumed_token_ids: list[int] | None = None,
         output_kind: str = "cumulative",
+        images: Sequence[Any] | None = None,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the problem.
 
@@ -163,7 +172,10 @@ class LLMEngine:
         first outputs, recomputed as a preempted request's are, and its outputs carry
         them (text included; logprobs ``{}``, not recomputed), so greedy and seeded
         requests end as they would have where they started. ``output_kind``: what
-        ``step`` returns for it, one of ``request_state.OUTPUT_KINDS``.
+        ``step`` returns for it, one of ``request_state.OUTPUT_KINDS``. ``images`` (a
+        multimodal model's; ``cluster.multimodal.load_image``'s forms) fill the prompt's
+        image placeholders, one begin-of-image token each in a text prompt
+        (``image_prompts``).
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -188,10 +200,12 @@ class LLMEngine:
             from pagedserve.worker.structured import check_structured_outputs
 
             check_structured_outputs(params.structured_outputs)
-        ids = self.tokenize(prompt)
+        ids, image_inputs = self._prompt_ids(prompt, images)
         if not ids:
             raise ValueError("prompt is empty")
         if params.truncate_prompt_tokens is not None:
+            if image_inputs:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
             ids = ids[-params.truncate_prompt_tokens:]
         resumed = check_resumed(resumed_token_ids, params, len(ids), self.max_model_len,
                                 self.model_info["vocab_size"], self.eos_token_ids,
@@ -208,7 +222,7 @@ class LLMEngine:
         group.output_kind = output_kind
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
                                           cache_salt, lora_request, priority, pooling_params,
-                                          beam)
+                                          beam, image_inputs)
         req.all_token_ids.extend(resumed)
         self.scheduler.add_request(req)
         for i in range(min(n_out, params.n)):  # (a beam search answers under its own id only)
@@ -216,6 +230,20 @@ class LLMEngine:
         self._groups[request_id] = group
         self.stats["prompt_tokens"] += len(ids)
         return request_id
+
+    def _prompt_ids(self, prompt: str | list[int], images: Sequence[Any] | None
+                    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's token ids, with its images' placeholders and inputs."""
+        if not images:
+            ids = self.tokenize(prompt)
+            if self.images is not None:
+                self.images.check_text_only(ids)
+            return ids, ()
+        if self.images is None:
+            why = " (limit_mm_per_prompt has image: 0)" \
+                if self.model_info.get("image") is None and self.config.image_limit == 0 else ""
+            raise ValueError(f"images: this model takes no images{why}")
+        return self.images.build(prompt, list(images), self.tokenize)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter on every rank; False if already loaded (``ValueError`` if bad)."""

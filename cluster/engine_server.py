@@ -91,7 +91,9 @@ class EngineServer:
                 "pool_tokens": sched.max_request_tokens(),
                 "long_rope_from": sched.cache_config.long_rope_from,
                 "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id,
-                "node_id": self.node_id}
+                "node_id": self.node_id,
+                # A multimodal model's image tokens (None: it takes no images).
+                "image": core.model_info.get("image") if core.images is not None else None}
 
     async def run(self, req: EngineRequest) -> int:
         """Serve one request whose chunks go to the caller's channel; returns how many.
@@ -168,7 +170,7 @@ class EngineServer:
 
         async def work(lora: Any) -> dict[str, Any]:
             seqs = await self.engine.beam_search(req.prompt_token_ids, params, lora,
-                                                 req.cache_salt, req.priority)
+                                                 req.cache_salt, req.priority, req.images)
             tok, skip = self.engine.tokenizer, req.params.skip_special_tokens
             return {"sequences": [
                 {"token_ids": s.completion_token_ids,
@@ -256,12 +258,14 @@ class EngineServer:
         yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
         try:
             lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
-            if self.remote_prefill is not None and not req.resumed_token_ids:
+            # (A prompt with images is prefilled here: the prefill pool gets token ids.)
+            if self.remote_prefill is not None and not req.resumed_token_ids \
+                    and not req.images:
                 await self.remote_prefill.run(self.engine, req, lora)
             outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt,
                                         lora, req.priority,
                                         resumed_token_ids=req.resumed_token_ids,
-                                        output_kind="delta")
+                                        output_kind="delta", images=req.images)
             async with contextlib.AsyncExitStack() as stack:
                 pacing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
                 if req.stream:

@@ -8,6 +8,7 @@ from typing import Any
 from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_sequences
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
+from pagedserve.cluster.multimodal import split_chat_images
 from pagedserve.cluster.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -24,20 +25,38 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 PromptType = str | list[int] | Mapping[str, Any]
 
 
-def _unwrap(prompt: PromptType) -> str | list[int]:
-    """Text or token ids from any of vLLM's prompt forms."""
+# A prompt as the engine takes it: text or token ids, and its images (None: none).
+Prompt = tuple[str | list[int], list[Any] | None]
+
+
+def _unwrap(prompt: PromptType) -> Prompt:
+    """Text or token ids, and images, from any of vLLM's prompt forms (a dict's
+    ``multi_modal_data`` holds ``{"image": one or a list}``)."""
     if isinstance(prompt, Mapping):
+        images = _images(prompt.get("multi_modal_data"))
         if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            return list(prompt["prompt_token_ids"]), images
         if "prompt" in prompt:
-            return prompt["prompt"]
+            return prompt["prompt"], images
         raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids', "
                          f"got keys {sorted(prompt)}")
-    return prompt
+    return prompt, None
 
 
-def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[str | list[int]]:
-    """One prompt or a batch, in any of vLLM's forms, as a list of text or token ids."""
+def _images(data: Any) -> list[Any] | None:
+    if data is None:
+        return None
+    if not isinstance(data, Mapping) or set(data) - {"image"}:
+        raise ValueError("multi_modal_data: only {'image': an image or a list} is taken, "
+                         f"got {data if not isinstance(data, Mapping) else sorted(data)!r}")
+    images = data.get("image")
+    if images is None:
+        return None
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[Prompt]:
+    """One prompt or a batch, in any of vLLM's forms, as text or token ids with images."""
     if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]  # type: ignore[list-item]
     return [_unwrap(p) for p in prompts]  # type: ignore[union-attr]
@@ -117,7 +136,9 @@ class LLM:
         """Apply the model's chat template (with ``chat_template_kwargs`` as extra
         template variables, e.g. Qwen3's ``enable_thinking``; ``continue_final_message``
         leaves the last message open, so the model goes on with it: set
-        ``add_generation_prompt=False`` with it, as in vLLM), then generate."""
+        ``add_generation_prompt=False`` with it, as in vLLM), then generate. Messages
+        may hold OpenAI's image parts (``image_url``: a data URL, an http(s) URL, a
+        local file under ``allowed_local_media_path``) for a multimodal model."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -125,11 +146,22 @@ class LLM:
         extra = dict(chat_template_kwargs or {})
         if continue_final_message:
             extra["continue_final_message"] = True
-        prompts = [
-            list(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                         tokenize=True, return_dict=False, **extra))
-            for conv in conversations
-        ]
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            messages, images = split_chat_images(conv)
+            if not images:
+                prompts.append(list(tok.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                    return_dict=False, **extra)))
+                continue
+            if self.engine.images is None:
+                raise ValueError("messages: this model takes no images")
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **extra)
+            # The template wrote the special tokens; the images' runs are written out
+            # before tokenising, as Hugging Face's processor does.
+            ids = tok.encode(self.engine.images.expand_text(text), add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
@@ -198,13 +230,14 @@ class LLM:
                                                     embs[b].outputs.embedding, strict=True))))
             for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))]
 
-    def _add_all(self, requests: list[tuple[str | list[int], dict[str, Any]]]) -> list[str]:
+    def _add_all(self, requests: list[tuple[Prompt, dict[str, Any]]]) -> list[str]:
         """Queue every request; if one is refused, withdraw those already queued (none
         is left to run, and hold blocks, during a later call) and raise."""
         ids: list[str] = []
         try:
-            for prompt, kwargs in requests:  # ``_run`` reads finished outputs only
-                ids.append(self.engine.add_request(prompt, **kwargs, output_kind="final_only"))
+            for (prompt, images), kwargs in requests:  # ``_run`` reads finished outputs only
+                ids.append(self.engine.add_request(prompt, **kwargs, output_kind="final_only",
+                                                   images=images))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

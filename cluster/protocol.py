@@ -276,19 +276,50 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # (accepted; Gemma 3 has one size)
+
+
+class ImagePart(BaseModel):
+    """OpenAI's image content part: a data URL, an http(s) URL, or a local file under
+    the server's ``--allowed-local-media-path``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
+    @property
+    def image_urls(self) -> list[str]:
+        return [p.url for p in self.content or () if isinstance(p, ImagePart)] \
+            if isinstance(self.content, list) else []
+
     def as_template_dict(self) -> dict[str, Any]:
-        text = self.content if isinstance(self.content, str) else "".join(
-            part.text for part in self.content or [])
+        """The message as chat templates take it: text joined; with images, a list of
+        text and ``{"type": "image"}`` parts (what multimodal templates render)."""
+        content: str | list[dict[str, str]]
+        if isinstance(self.content, list) and self.image_urls:
+            content = [{"type": "image"} if isinstance(p, ImagePart)
+                       else {"type": "text", "text": p.text} for p in self.content]
+        else:
+            content = self.content if isinstance(self.content, str) else "".join(
+                p.text for p in self.content or [] if isinstance(p, TextPart))
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": text}
+                               "content": content}
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:

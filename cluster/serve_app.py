@@ -39,6 +39,7 @@ from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.http_errors import api_error, http_error, validation_error
+from pagedserve.cluster.image_chat import chat_images, image_chat_ids
 from pagedserve.cluster.lora_serving import (
     AdapterCatalog,
     LoRAEndpoints,
@@ -136,7 +137,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                  scales_to_zero: bool = False, prefill: DeploymentHandle | None = None,
                  failover: FailoverPolicy | None = None,
                  allow_runtime_lora_updating: bool = False,
-                 responses_store: DeploymentHandle | None = None) -> None:
+                 responses_store: DeploymentHandle | None = None,
+                 allowed_local_media_path: str | None = None) -> None:
         from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
         resolved = resolve_model(model)
@@ -168,6 +170,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         self.lora_updates = allow_runtime_lora_updating
         self.responses_store = StoreClient(responses_store) if responses_store else None
         self.http_metrics = _http
+        self.allowed_local_media_path = allowed_local_media_path
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -301,9 +304,16 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         info = await self._engine_info()
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
                                          self.mistral_tools)
-        ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
-                                           body.tools, body.chat_template_kwargs,
-                                           body.continue_final_message))
+        images = await chat_images(body.messages, info, self.allowed_local_media_path)
+        if images:
+            ids = body.truncate(image_chat_ids(
+                self.tokenizer, [m.as_template_dict() for m in body.messages], info["image"],
+                body.add_generation_prompt, body.tools, body.chat_template_kwargs,
+                body.continue_final_message))
+        else:
+            ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
+                                               body.tools, body.chat_template_kwargs,
+                                               body.continue_final_message))
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                            body.max_tokens_param, body.n),
@@ -315,6 +325,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         params = defer_constraint(params, self.reasoning_parser, closed)
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
                              body.priority)
+        req.images = images or None
         return req, tools, closed
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -349,7 +360,8 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,
            a.scales_to_zero(), prefill, FailoverPolicy(a.resume_streams, a.failover_wait_s),
-           a.allow_runtime_lora_updating, responses_store=store)
+           a.allow_runtime_lora_updating, responses_store=store,
+           allowed_local_media_path=a.allowed_local_media_path)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -50,6 +50,8 @@ class ServeArgs(BaseModel):
     quantization: Literal["int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] | None = None
     batch_invariant: bool = False  # logits independent of the batch (``worker.batch_invariant``)
     disable_hybrid_kv_cache_manager: bool = False  # one block table for every layer
+    limit_mm_per_prompt: dict[str, int] | None = None  # images a prompt may carry (vLLM's)
+    allowed_local_media_path: str | None = None  # image URLs may name files under it
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_offloading_size: float = Field(default=0.0, ge=0.0)
@@ -218,6 +220,8 @@ class ServeArgs(BaseModel):
             calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
             batch_invariant=self.batch_invariant,
             disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
+            limit_mm_per_prompt=self.limit_mm_per_prompt,
+            allowed_local_media_path=self.allowed_local_media_path,
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             kv_offloading_size=self.kv_offloading_size,

@@ -41,6 +41,8 @@ class EngineRequest:
     pooling: PoolingParams | None = None  # an embedding request (``EngineServer.embed``)
     # Outputs a dead replica already streamed: the request goes on after them (``resume``).
     resumed_token_ids: list[int] | None = None
+    # The prompt's images, decoded by the ingress (PIL images; ``image_chat``).
+    images: list[Any] | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import cdiv
+from pagedserve.scheduler.multimodal import check_images_fit
 from pagedserve.scheduler.request import Request
 
 
@@ -37,6 +38,8 @@ def check_fits(request: Request, config: SchedulerConfig, block_size: int,
             f"prompt of {n} tokens exceeds max_num_batched_tokens "
             f"({config.max_num_batched_tokens}) without chunked prefill"
         )
+    check_images_fit(request.images, config.max_num_batched_tokens,
+                     config.long_prefill_token_threshold)
 
 
 def blocks_held(tokens: int, config: SchedulerConfig, block_size: int,

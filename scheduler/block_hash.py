@@ -13,6 +13,8 @@ import struct
 from collections.abc import Sequence
 from functools import lru_cache
 
+from pagedserve.scheduler.multimodal import ImageInput, block_image_keys
+
 BlockHash = bytes
 
 _ROOT = b"pagedserve-root-v1"
@@ -52,16 +54,19 @@ def hash_prompt_blocks(
     extra_keys: Sequence[str] = (),
     start: int = 0,
     parent: BlockHash | None = None,
+    images: Sequence[ImageInput] = (),
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start``.
 
     The partial last block is never hashed: its content is not final yet.
     The router calls this too, so affinity keys equal the replicas' cache keys.
+    A block that overlaps one of ``images`` also hashes that image's key: its
+    placeholder tokens are the same whatever the picture.
     """
     out: list[BlockHash] = []
+    keys = tuple(extra_keys)
     for b in range(start, len(token_ids) // block_size):
-        parent = hash_block_tokens(
-            parent, token_ids[b * block_size : (b + 1) * block_size], extra_keys
-        )
+        own = keys + block_image_keys(images, block_size, b) if images else keys
+        parent = hash_block_tokens(parent, token_ids[b * block_size : (b + 1) * block_size], own)
         out.append(parent)
     return out

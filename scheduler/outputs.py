@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.scheduler.multimodal import ImageChunk  # (a plan type: workers read it here)
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class ScheduledRequest:
     ``long_rope`` rotates the row's tokens by LongRoPE's long factors
     (``scheduler.long_rope``). ``group_block_tables`` are a hybrid model's tables of
     KV cache groups 1 and on (``kv_groups``); ``block_table`` is group 0's.
+    ``images`` are the rows of this chunk an image's encoder output replaces, and
+    ``image_spans`` the whole images (absolute positions) they belong to, each
+    attending to itself both ways (``multimodal``); None without images.
     """
 
     request_id: str
@@ -62,6 +66,8 @@ class ScheduledRequest:
     pool_final: bool = False
     long_rope: bool = False
     group_block_tables: list[list[int]] | None = None
+    images: list[ImageChunk] | None = None
+    image_spans: list[tuple[int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.block_hash import BlockHash, hash_prompt_blocks
+from pagedserve.scheduler.multimodal import ImageInput, check_images
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -61,9 +62,11 @@ class Request:
         lora_id: int = 0,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        check_images(images, len(prompt_token_ids))
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
         self.index = index
@@ -79,6 +82,9 @@ class Request:
         # An embedding request: ends after its prompt, pooling hidden states instead
         # of sampling (``pooling_params``).
         self.pooling_params = pooling_params
+        # The prompt's images (``multimodal``): spans of placeholder tokens whose
+        # embeddings the worker replaces with the vision encoder's output.
+        self.images = tuple(images)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -140,6 +146,7 @@ class Request:
                     self.extra_keys,
                     start=len(self.block_hashes),
                     parent=parent,
+                    images=self.images,
                 )
             )
         return self.block_hashes
@@ -170,6 +177,7 @@ class Request:
             arrival_time=self.arrival_time,
             lora_id=self.lora_id,
             priority=self.priority,
+            images=self.images,
         )
 
     def __repr__(self) -> str:

@@ -36,6 +36,7 @@ from pagedserve.scheduler.long_rope import (
 )
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.memory import MemoryStats, memory_stats
+from pagedserve.scheduler.multimodal import ImageInput, fit_chunk
 from pagedserve.scheduler.outputs import (
     ScheduledRequest,
     SchedulerOutput,
@@ -100,6 +101,7 @@ class Scheduler(StepResults):
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
         beam: BeamSearchParams | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> Request:
         """Build a request with this replica's hash keys (model id, salt, adapter);
         with ``pooling_params`` an embedding request, which ends after its prompt;
@@ -115,6 +117,7 @@ class Scheduler(StepResults):
             lora_id=lora_request.lora_int_id if lora_request is not None else 0,
             priority=priority,
             pooling_params=pooling_params,
+            images=images,
         )
         if beam is not None:
             if params.n != 1 or params.logprobs != 2 * beam.beam_width:
@@ -175,8 +178,8 @@ class Scheduler(StepResults):
                 i += 1
                 continue
             self.kv.release_behind_window(req)
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new == 0:  # a held beam: it waits for its siblings
+            num_new = self._chunk(req, req.num_computed_tokens, budget)
+            if num_new == 0:  # a held beam waits for its siblings, an image for room
                 i += 1
                 continue
             req.spec_token_ids = drafter.propose(req, budget - 1) if drafter else ()
@@ -222,7 +225,7 @@ class Scheduler(StepResults):
                 break  # a more urgent waiting request goes first
             if not lora_fits(req, active, self.config.max_loras):
                 break
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, req.num_computed_tokens, budget)
             if self.kv.swap_in_cost(req, num_new) > self.kv.pool.num_free_blocks:
                 break
             pairs = self.kv.swap_in(req)
@@ -262,7 +265,9 @@ class Scheduler(StepResults):
             num_new = req.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = self._chunk(num_new, budget)
+            num_new = self._chunk(req, num_hit, budget)
+            if num_new == 0:  # its next image needs more of a step than is left
+                break
             req.num_computed_tokens = num_hit
             copies = self.kv.allocate_slots(req, num_new, hits, loads)
             if copies is None:
@@ -298,7 +303,11 @@ class Scheduler(StepResults):
         work = self.num_waiting_tokens() + sum(
             r.num_tokens - r.num_computed_tokens for r in (*self.running, *self.swapped)
             if r.request_id not in self.in_flight)
-        return max(1, min(budget, -(-work // slots)))
+        # An image is computed in one step: a share smaller than one would never run it.
+        image = max((img.end - img.start for r in (*self.waiting, *self.running,
+                                                   *self.swapped)
+                     for img in r.images if img.end > r.num_computed_tokens), default=0)
+        return max(1, min(budget, max(-(-work // slots), image)))
 
     def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
         """Priority policy, before anything is scheduled: while the most urgent waiting
@@ -316,11 +325,16 @@ class Scheduler(StepResults):
             self.running.pop()
             self._preempt(victim, out)
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """The tokens a request runs this step: what it has left, within the step's
-        budget and the per-prompt cap (``long_prefill_token_threshold``)."""
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """The tokens ``req`` runs this step from token ``start``: what it has left,
+        within the step's budget and the per-prompt cap (``long_prefill_token_threshold``),
+        and never stopping inside an image (``multimodal.fit_chunk``)."""
+        remaining = req.num_tokens - start
         cap = self.config.long_prefill_token_threshold
-        return min(remaining, budget, cap) if cap else min(remaining, budget)
+        num_new = min(remaining, budget, cap) if cap else min(remaining, budget)
+        if req.images and num_new < remaining:
+            return fit_chunk(req.images, start, num_new)
+        return num_new
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         rid = req.request_id

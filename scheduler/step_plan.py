@@ -7,6 +7,7 @@ what travels to the workers for a request the policy already scheduled.
 from __future__ import annotations
 
 from pagedserve.scheduler.long_rope import uses_long_rope
+from pagedserve.scheduler.multimodal import chunk_images
 from pagedserve.scheduler.outputs import ScheduledRequest
 from pagedserve.scheduler.request import Request
 
@@ -47,6 +48,10 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int],
     sched.group_block_tables = group_block_ids
     sched.long_rope = uses_long_rope(req)
     sched.num_output_tokens = req.num_output_tokens
+    if req.images and start < req.images[-1].end and not drafts:
+        chunks, spans = chunk_images(req.images, start, num_new)
+        if chunks:
+            sched.images, sched.image_spans = chunks, spans
     pp = req.pooling_params
     if pp is not None:
         sched.pool_final = start + num_new == req.num_tokens

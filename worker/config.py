@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
+from pagedserve.worker.image_config import ImageConfig, image_config_from_hf
 from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
@@ -100,6 +101,8 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama (``gemma_config``)
     rotary_dim: int = 0  # dims of each head RoPE turns (partial_rotary_factor); 0: all
+    # A multimodal Gemma 3's image facts (``image_config``); None: text only.
+    image: ImageConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -114,6 +117,7 @@ class ModelConfig:
                 f"model config field 'model_type' must be one of {SUPPORTED_MODEL_TYPES}, "
                 f"got {model_type!r}"
             )
+        image = image_config_from_hf(cfg)
         cfg, gemma = gemma_from_hf(cfg, model_type)
         model_type = cfg["model_type"]  # a multimodal Gemma 3 serves its text decoder
         hidden = _positive_int("hidden_size", _require(cfg, "hidden_size"))
@@ -170,6 +174,7 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding_layers,
             gemma=gemma,
+            image=image,
             rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -268,6 +273,9 @@ class WorkerConfig:
     block table per group of layers of one kind (``scheduler.kv_groups``), so sliding
     layers hold only their window; off, every layer keeps every block.
 
+    ``enable_images`` builds a multimodal file's image encoder (Gemma 3's SigLIP tower
+    and projector); off, the file serves text only and the tower is never read.
+
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
     (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room
     for ``max_loaded_loras`` adapters of that rank out of the KV pool.
@@ -302,6 +310,7 @@ class WorkerConfig:
     quantization: str | None = None
     batch_invariant: bool = False
     hybrid_kv_cache: bool = True
+    enable_images: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

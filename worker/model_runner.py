@@ -16,7 +16,12 @@ import numpy as np
 import torch
 
 from pagedserve.kernels import build_varlen_metadata
-from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.scheduler.outputs import (
+    ImageChunk,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from pagedserve.worker.cuda_graph import DecodeGraphRunner
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
@@ -42,6 +47,7 @@ class ModelInputs:
     prompt_logprob_jobs: list[PromptLogprobJob]
     drafted_reqs: list[SampleRequest]
     pool_jobs: list[PoolJob]
+    images: list[tuple[int, ImageChunk]] | None = None  # (first flat row, what it takes)
 
 
 class ModelRunner:
@@ -109,6 +115,13 @@ class ModelRunner:
         md = mds[0]
         if len(mds) > 1:
             md.groups = mds[1:]
+        images = _image_rows(reqs, q_lens)
+        if images:
+            spans = [r.image_spans or [] for r in reqs]
+            for m in mds:
+                m.image_spans = spans
+            for row, chunk in images:  # placeholders may lie past the vocabulary
+                input_ids[row:row + chunk.count] = 0
         rows: list[int] = []
         sample_reqs: list[SampleRequest] = []
         drafted: list[SampleRequest] = []
@@ -157,6 +170,7 @@ class ModelRunner:
             prompt_logprob_jobs=jobs,
             drafted_reqs=drafted,
             pool_jobs=pool_jobs,
+            images=images or None,
         )
 
     def forward_hidden(self, inputs: ModelInputs,
@@ -173,7 +187,27 @@ class ModelRunner:
             if out is not None:
                 return out
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.md,
-                          intermediate)
+                          intermediate, image_embeds=self._image_embeds(inputs))
+
+    def _image_embeds(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's image rows and the vision encoder's embeddings for them: each
+        image of the step encoded once (a batch), the rows its chunk computes taken."""
+        if not inputs.images or not self.model.stage.is_first:
+            return None  # a later pipeline stage continues from hidden states
+        vision = self.model.vision
+        if vision is None:
+            raise ValueError("a request has images, but this model serves text only")
+        order: dict[str, int] = {}
+        pixels = []
+        for _, chunk in inputs.images:
+            if chunk.key not in order:
+                order[chunk.key] = len(pixels)
+                pixels.append(torch.as_tensor(chunk.pixels))
+        feats = vision(torch.stack(pixels).to(self.device))
+        rows = torch.cat([torch.arange(row, row + c.count) for row, c in inputs.images])
+        embeds = torch.cat([feats[order[c.key], c.first:c.first + c.count]
+                            for _, c in inputs.images])
+        return rows.to(self.device), embeds
 
     def _set_lora_batch(self, plan: SchedulerOutput) -> None:
         """Tell the projections which rows run with which LoRA adapter this step."""
@@ -264,6 +298,18 @@ def _block_table(reqs: list[ScheduledRequest], tables: list[list[int]], seq_lens
         flat += bt[:need]
         flat += pad[: width - need]
     return int_tensor(flat, np.int32).view(len(reqs), width)
+
+
+def _image_rows(reqs: list[ScheduledRequest], q_lens: list[int]
+                ) -> list[tuple[int, ImageChunk]]:
+    """Each image chunk of the step with the flat row its first token sits at."""
+    out: list[tuple[int, ImageChunk]] = []
+    end = 0
+    for r, q in zip(reqs, q_lens):
+        if r.images:
+            out.extend((end + c.offset, c) for c in r.images)
+        end += q
+    return out
 
 
 def _group_table(r: ScheduledRequest, group: int) -> list[int]:

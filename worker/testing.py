@@ -129,3 +129,70 @@ def write_random_lora(base_dir: str | Path, dest: str | Path, targets: list[str]
                 p.mul_(scale)
     peft_model.save_pretrained(str(dest), safe_serialization=safe_serialization)
     return str(dest)
+
+
+# Gemma 3 multimodal test files: special tokens at the top of a small vocabulary.
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+_GEMMA3_TURN_WORDS = ("<start_of_turn>", "<end_of_turn>", "user", "model")
+# Gemma 3's chat template, cut to what the tests use: an image part is its
+# begin-of-image token, as the released template renders it.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def write_random_gemma3_multimodal(dest: str | Path, seed: int = 7, vocab_size: int = 300,
+                                   image_size: int = 56, patch_size: int = 7,
+                                   tokens_per_image: int = 16, **text: Any) -> str:
+    """Save a random ``Gemma3ForConditionalGeneration`` (a small SigLIP tower, its
+    projector, a Gemma 3 decoder) with a word-level tokenizer whose last ids are the
+    image tokens (``GEMMA3_IMAGE_TOKENS``: begin, end, soft token) and a Gemma-style
+    chat template; return its path. ``text`` overrides the decoder's config."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"t{i}" for i in range(vocab_size)]
+    specials = (*_GEMMA3_TURN_WORDS, *GEMMA3_IMAGE_TOKENS)
+    words[vocab_size - len(specials):] = specials
+    boi, eoi, image = (vocab_size - 3, vocab_size - 2, vocab_size - 1)
+    text_cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+    text_cfg.update(text)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=image_size, patch_size=patch_size,
+                  vision_use_head=False)
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text_cfg, vision_config=vision, mm_tokens_per_image=tokens_per_image,
+        image_token_index=image, boi_token_index=boi, eoi_token_index=eoi,
+        bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "mm_input_projection" in name:  # zeros at init: images would add nothing
+                p.normal_(0.0, 1.0)
+            elif p.dim() >= 2 and "vision" not in name:
+                p.mul_(4.0)
+            elif p.dim() < 2:
+                p.normal_(0.0, 0.5 if "norm" in name else 0.2)
+    dest = Path(dest)
+    model.save_pretrained(dest, safe_serialization=True)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                      eos_token="t2", pad_token="t0")
+    fast.add_special_tokens({"additional_special_tokens": list(specials[:2])
+                             + list(GEMMA3_IMAGE_TOKENS)})
+    fast.chat_template = GEMMA3_CHAT_TEMPLATE
+    fast.save_pretrained(str(dest))
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(
+        str(dest))
+    return str(dest)

@@ -129,6 +129,8 @@ class Worker:
         stage = PipelineStage.of(model_config.num_layers, self.config.pipeline_parallel_size,
                                  self.config.pp_rank, self.config.pipeline_layer_partition)
         model = cls(model_config, self.ctx, self.backend, self.dtype, self.device, stage)
+        if model_config.image is not None and self.config.enable_images:
+            model.attach_vision(self.dtype, self.device)
         layout = kv_layout_of(model_config, self.config.hybrid_kv_cache)
         for i, attn in enumerate(model.attention_layers()):
             attn.kv_group = layout.group_of(stage.start + i)
@@ -408,6 +410,14 @@ class Worker:
             if self.kv_layout.is_hybrid else None,
             "long_rope_from": mc.long_rope_from,
             "weight_bytes": self.weight_bytes,
+            # A multimodal file's image facts when its encoder is loaded (None: text only).
+            "image": None if mc.image is None or not self.config.enable_images else {
+                "image_token_id": mc.image.image_token_id,
+                "boi_token_id": mc.image.boi_token_id,
+                "eoi_token_id": mc.image.eoi_token_id,
+                "tokens_per_image": mc.image.tokens_per_image,
+                "image_size": mc.image.image_size,
+            },
         }
 
     def shutdown(self) -> None:

@@ -120,14 +120,18 @@ def multimodal_gemma3_dir(tmp_path_factory: pytest.TempPathFactory,
 
 def test_a_multimodal_gemma3_file_serves_its_text_decoder(multimodal_gemma3_dir) -> None:
     """Text prompts to a 4B-27B-style file (model_type gemma3, the decoder under
-    ``language_model.``, a vision tower beside it) get Hugging Face's
-    ``Gemma3ForConditionalGeneration`` tokens; the tower is never loaded."""
+    ``language_model.``, a vision tower beside it, SigLIP's pooling head included) get
+    Hugging Face's ``Gemma3ForConditionalGeneration`` tokens, with the image encoder
+    loaded (the default) or not (``limit_mm_per_prompt={"image": 0}``)."""
     prompts = prompts_of_mixed_lengths()
     ref = hf_greedy(multimodal_gemma3_dir, prompts, 24)
-    llm = LLM(model=multimodal_gemma3_dir, num_gpu_blocks=128)
-    try:
-        outs = llm.generate(prompts, GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == ref
-        assert llm.engine.model_info["model_type"] == "gemma3_text"
-    finally:
-        llm.shutdown()
+    for images in (None, {"image": 0}):
+        llm = LLM(model=multimodal_gemma3_dir, num_gpu_blocks=128, limit_mm_per_prompt=images)
+        try:
+            outs = llm.generate(prompts, GREEDY)
+            assert [o.outputs[0].token_ids for o in outs] == ref
+            assert llm.engine.model_info["model_type"] == "gemma3_text"
+            assert (llm.engine.images is None) == (images is not None)
+            assert (llm.engine.model_info["image"] is None) == (images is not None)
+        finally:
+            llm.shutdown()

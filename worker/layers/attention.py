@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import AttentionBackend, VarlenMetadata
+from pagedserve.kernels.prefix_spans import varlen_attention_spans
 
 
 @dataclass
@@ -22,7 +23,9 @@ class AttentionMetadata:
     ``seq_lens`` (int32 ``[S]``, cached + new) feeds ``decode_attention`` and
     ``varlen`` may be None. ``groups`` (a hybrid model's KV cache groups 1 and on,
     ``scheduler.kv_groups``) are the same step through each group's own block table
-    and slots; this one is group 0's.
+    and slots; this one is group 0's. ``image_spans`` (per sequence, absolute token
+    ranges) are images whose tokens attend to each other both ways (Gemma 3); a step
+    with any goes through ``kernels.prefix_spans``, the causal kernels cannot mask so.
     """
 
     slot_mapping: torch.Tensor
@@ -31,6 +34,7 @@ class AttentionMetadata:
     is_decode: bool
     varlen: VarlenMetadata | None = None
     groups: list[AttentionMetadata] | None = None
+    image_spans: list[list[tuple[int, int]]] | None = None
 
 
 # vLLM's calculate_kv_scales: the first step's largest |k| (|v|) is stored as 200 (100),
@@ -106,6 +110,10 @@ class PagedAttention:
                 q, key_cache, value_cache, md.block_table, md.seq_lens, self.scale,
                 **self._extra,
             )
+        elif md.image_spans is not None:
+            assert md.varlen is not None, "prefill step without varlen metadata"
+            out = varlen_attention_spans(q, key_cache, value_cache, md.block_table, md.varlen,
+                                         self.scale, md.image_spans, **self._extra)
         else:
             assert md.varlen is not None, "prefill step without varlen metadata"
             out = self.backend.varlen_attention(

@@ -109,15 +109,33 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def attach_vision(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Build the image encoder of a multimodal file (its first pipeline stage only:
+        the images' embeddings enter with the tokens'); ``load_weights`` fills it."""
+        image = self.config.image
+        if image is None:
+            raise ValueError(f"{self.config.model_type!r} model takes no images")
+        if self.stage.is_first:
+            from pagedserve.worker.models.gemma3_vision import Gemma3VisionEncoder
+
+            self.vision = Gemma3VisionEncoder.from_hf_config(image.hf_dict(), dtype, device)
+
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
                      on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
-        """As Llama's, over a multimodal file's text decoder too (its names re-rooted,
-        the vision tower's never read)."""
-        super().load_weights(_text_decoder(weights), on_layer)
+        """As Llama's, over a multimodal file's text decoder too (its names re-rooted);
+        the vision tower's and projector's go to the image encoder when there is one,
+        else are never read."""
+        vision: list[tuple[str, LazyTensor]] = []
+        super().load_weights(_text_decoder(weights, vision if self.vision else None),
+                             on_layer)
+        if self.vision is not None:
+            self.vision.load_weights(vision)
 
     def owns_tensor(self, name: str) -> bool:
         text = _text_name(name)
-        return text is not None and super().owns_tensor(text)
+        if text is None:
+            return self.vision is not None
+        return super().owns_tensor(text)
 
     def _expected_names(self) -> set[str]:
         names = super()._expected_names()
@@ -135,14 +153,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super()._load_one(name, lazy)
 
 
-def _text_decoder(weights: Iterable[tuple[str, LazyTensor]]
+def _text_decoder(weights: Iterable[tuple[str, LazyTensor]],
+                  vision: list[tuple[str, LazyTensor]] | None = None
                   ) -> Iterator[tuple[str, LazyTensor]]:
     """``weights`` with a multimodal file's decoder names re-rooted at ``model.`` /
-    ``lm_head.`` and its vision tower and projector left out (other names as they are)."""
+    ``lm_head.`` and its vision tower and projector set aside in ``vision`` (left out
+    when None; other names as they are)."""
     for name, lazy in weights:
         text = _text_name(name)
         if text is not None:
             yield text, lazy
+        elif vision is not None:
+            vision.append((name, lazy))
 
 
 def _text_name(name: str) -> str | None:

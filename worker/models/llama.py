@@ -144,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         self.stage = stage or PipelineStage.of(cfg.num_layers)
         first, last = self.stage.is_first, self.stage.is_last
         self.embed_tokens: VocabParallelEmbedding | None = None
+        # A multimodal model's image encoder (the first stage's); None: text only.
+        self.vision: nn.Module | None = None
         if first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx,
                                                        dtype, device)
@@ -184,17 +186,22 @@ class LlamaForCausalLM(nn.Module):
         return any(a.calibrating for a in self.attention_layers())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                md: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                md: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor | IntermediateTensors:
         """Hidden states ``[T, hidden]`` for the flat batch ``input_ids[T]`` at ``positions[T]``.
 
         A stage after the first continues from ``intermediate`` (the previous stage's
         output) instead of embedding; a stage before the last returns its layers'
-        output as ``IntermediateTensors`` instead of normalising it.
+        output as ``IntermediateTensors`` instead of normalising it. ``image_embeds``
+        ``(rows, embeddings)`` replace those rows' token embeddings (an image's
+        placeholders; the embeddings go in as the encoder gives them, unscaled).
         """
         residual: torch.Tensor | None = None
         if self.embed_tokens is not None:
             x = self.embed(input_ids)
+            if image_embeds is not None:
+                x = x.index_copy(0, image_embeds[0], image_embeds[1].to(x.dtype))
         elif intermediate is None:
             raise ValueError(f"pipeline stage {self.stage.rank} needs the previous stage's "
                              "hidden states")

@@ -1,0 +1,57 @@
+"""Chat requests with images at the HTTP front: the images fetched and decoded, the
+prompt rendered as the model's processor renders it.
+
+The ingress does this, not the engine replica: fetching an image URL may take
+seconds, and a bad image is a 400 before any replica is asked. The decoded images
+travel in the ``EngineRequest``; the replica preprocesses them (``image_prompts``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pagedserve.cluster.image_prompts import expand_text
+from pagedserve.cluster.multimodal import load_image
+from pagedserve.cluster.protocol import APIError, ChatMessage
+from pagedserve.cluster.tools import template_messages
+
+
+async def chat_images(messages: list[ChatMessage], info: dict[str, Any],
+                      allowed_local_media_path: str | None) -> list[Any]:
+    """The messages' images in order, decoded (none: ``[]``); a 400 on ``messages`` for
+    a model without images or an image that cannot be read."""
+    urls = [url for m in messages for url in m.image_urls]
+    if not urls:
+        return []
+    if not info.get("image"):
+        raise APIError("this model takes no images (a text model, or the server runs "
+                       "with --limit-mm-per-prompt '{\"image\": 0}')", param="messages")
+    try:
+        return list(await asyncio.gather(*(asyncio.to_thread(
+            load_image, url, allowed_local_media_path=allowed_local_media_path)
+            for url in urls)))
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
+
+
+def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[str, Any],
+                   add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
+                   template_kwargs: dict[str, Any] | None = None,
+                   continue_final_message: bool = False) -> list[int]:
+    """The prompt ids of a chat with images: the template rendered to text (an image
+    part is its begin-of-image token), each image's run written out, then tokenised
+    without adding special tokens (the template wrote them), as Hugging Face's
+    processor does; a template that cannot render them is a 400 on ``messages``."""
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    try:
+        text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **extra)
+    except Exception as e:
+        raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+    return tokenizer.encode(expand_text(tokenizer, image, text), add_special_tokens=False)

@@ -1,0 +1,89 @@
+"""A prompt and its images as the scheduler takes them: placeholder ids and spans.
+
+Gemma 3's processor writes each image into the text as its full placeholder run
+(``\\n\\n<start_of_image>`` + 256 soft tokens + ``<end_of_image>\\n\\n``) before
+tokenising, so the text around an image tokenises as Hugging Face's processor
+tokenises it; this does the same, then hands the scheduler one ``ImageInput`` per
+run: where it is, the image's content hash and its preprocessed pixels. The engine
+holds one per multimodal model; the HTTP front uses ``expand_text`` to build chat
+prompts the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pagedserve.cluster.multimodal import (
+    ImageProcessor,
+    expand_image_tokens,
+    image_hash,
+    image_spans,
+    load_image,
+)
+from pagedserve.scheduler.multimodal import ImageInput
+
+
+def expand_text(tokenizer: Any, info: dict[str, Any], text: str) -> str:
+    """``text`` with each begin-of-image token written out as its placeholder run, as
+    Gemma 3's processor writes it (``info``: the worker's ``model_info()["image"]``)."""
+    convert = tokenizer.convert_ids_to_tokens
+    return expand_image_tokens(text, convert(int(info["boi_token_id"])),
+                               convert(int(info["image_token_id"])),
+                               convert(int(info["eoi_token_id"])),
+                               int(info["tokens_per_image"]))
+
+
+class ImagePrompts:
+    """Builds image prompts for one multimodal model (``info``: the worker's
+    ``model_info()["image"]``) with its tokenizer, at most ``limit`` images a prompt."""
+
+    def __init__(self, model_dir: str, info: dict[str, Any], tokenizer: Any, limit: int,
+                 allowed_local_media_path: str | None = None) -> None:
+        self.info, self.tokenizer, self.limit = info, tokenizer, limit
+        self.allowed_local_media_path = allowed_local_media_path
+        hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.processor = ImageProcessor.from_model_dir(model_dir, hf_config)
+        self.image_token_id = int(info["image_token_id"])
+        self.tokens_per_image = int(info["tokens_per_image"])
+
+    def expand_text(self, text: str) -> str:
+        """``text`` with each begin-of-image token written out as its placeholder run."""
+        return expand_text(self.tokenizer, self.info, text)
+
+    def build(self, prompt: str | list[int], images: Sequence[Any],
+              encode: Callable[[str], list[int]]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """Token ids and image inputs of ``prompt`` with ``images`` (any form
+        ``multimodal.load_image`` takes). A text prompt marks each image with the
+        begin-of-image token (``encode`` tokenises it after expansion); token ids must
+        already hold every image's placeholder run. ``ValueError`` names the field."""
+        if len(images) > self.limit:
+            raise ValueError(f"images: at most {self.limit} images a prompt "
+                             f"(limit_mm_per_prompt), got {len(images)}")
+        ids = encode(self.expand_text(prompt)) if isinstance(prompt, str) else list(prompt)
+        spans = image_spans(ids, self.image_token_id)
+        if len(spans) != len(images):
+            where = "begin-of-image tokens" if isinstance(prompt, str) \
+                else f"runs of image token {self.image_token_id}"
+            raise ValueError(f"images: the prompt marks {len(spans)} images ({where}) but "
+                             f"{len(images)} were given")
+        for a, b in spans:
+            if b - a != self.tokens_per_image:
+                raise ValueError(f"prompt: an image takes {self.tokens_per_image} placeholder "
+                                 f"tokens, the run at {a} has {b - a}")
+        if not images:
+            return ids, ()
+        pictures = [load_image(img, allowed_local_media_path=self.allowed_local_media_path)
+                    for img in images]
+        pixels = self.processor(pictures)
+        return ids, tuple(ImageInput(a, b, image_hash(p), p)
+                          for (a, b), p in zip(spans, pixels, strict=True))
+
+    def check_text_only(self, ids: Sequence[int]) -> None:
+        """A prompt without images may not hold image placeholders: nothing would
+        fill them (Hugging Face refuses the mismatch too)."""
+        if self.image_token_id in ids:
+            raise ValueError(f"prompt: image placeholder token {self.image_token_id} "
+                             "without an image")

@@ -1,0 +1,339 @@
+"""Image inputs for Gemma 3 (``model_type: gemma3``): from what a user sends to model inputs.
+
+One request's images flow so: ``split_chat_images`` takes the image parts out of the OpenAI
+messages and leaves ``{"type": "image"}``, which the chat template renders as the
+begin-of-image token; ``expand_image_tokens`` turns each of those into Gemma 3's full image
+sequence, as ``Gemma3Processor`` does; after tokenizing, ``image_spans`` finds where each
+image's soft tokens sit. ``load_image`` reads each source, ``ImageProcessor`` makes the pixel
+values, ``image_hash`` names each image in the prefix-cache keys.
+
+transformers is imported only where an image processor is built or run, so the HTTP front
+can split and expand messages without loading it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import io
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, ImageOps
+
+DEFAULT_IMAGE_SIZE = 896  # Gemma 3's SigLIP tower; its config.json may leave it out
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+def _error(what: str) -> ValueError:
+    return ValueError(f"image_url: {what}")
+
+
+def _too_large(size: int, max_bytes: int) -> ValueError:
+    return _error(f"image is {size} bytes, over the {max_bytes}-byte limit")
+
+
+def load_image(source: str | bytes | Image.Image, *, allowed_local_media_path: str | None = None,
+               fetch_timeout_s: float = 10.0, max_bytes: int = 32 * 2**20) -> Image.Image:
+    """Read one user-supplied image into an RGB PIL image.
+
+    ``source`` is a PIL image, encoded bytes, a base64 ``data:`` URL, an ``http(s)://`` URL,
+    or (only under ``allowed_local_media_path``, vLLM's ``--allowed-local-media-path`` rule)
+    a ``file://`` URL or a path; a relative path is taken inside that root. Every failure is
+    a ``ValueError`` that names ``image_url``, so the route answers 400, never 500.
+    """
+    if isinstance(source, Image.Image):
+        return _to_rgb(source)
+    if isinstance(source, bytes | bytearray | memoryview):
+        data = bytes(source)
+    elif not isinstance(source, str):
+        raise _error(f"expected a URL, bytes or an image, got {type(source).__name__}")
+    elif source[:5].lower() == "data:":
+        data = _read_data_url(source, max_bytes)
+    else:
+        scheme = urllib.parse.urlsplit(source).scheme.lower()
+        if scheme in ("http", "https"):
+            data = _fetch(source, fetch_timeout_s, max_bytes)
+        elif scheme in ("file", ""):
+            data = _read_local(source, scheme, allowed_local_media_path, max_bytes)
+        else:
+            raise _error(f"unsupported URL scheme {scheme!r}: use http(s), data or file")
+    if len(data) > max_bytes:
+        raise _too_large(len(data), max_bytes)
+    return _decode(data)
+
+
+def _read_data_url(url: str, max_bytes: int) -> bytes:
+    header, comma, payload = url[5:].partition(",")
+    if not comma:
+        raise _error("data URL has no ',' before its payload")
+    if not header.lower().endswith(";base64"):
+        raise _error("data URL must be base64-encoded (data:image/png;base64,...)")
+    payload = payload.strip()
+    if len(payload) > 4 * -(-max_bytes // 3):  # longer than max_bytes could ever encode to
+        raise _error(f"data URL decodes to over the {max_bytes}-byte limit")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except ValueError:  # binascii.Error, or non-ASCII characters
+        raise _error("data URL payload is not valid base64") from None
+
+
+class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib would also follow a redirect to ftp://; an image URL may only lead to http(s)."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> urllib.request.Request | None:
+        if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            raise urllib.error.HTTPError(newurl, code, "redirect away from http(s)", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _fetch(url: str, timeout_s: float, max_bytes: int) -> bytes:
+    opener = urllib.request.build_opener(_HttpOnlyRedirects)
+    request = urllib.request.Request(url, headers={"User-Agent": "pagedserve"})
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            status = response.status
+            length = response.headers.get("Content-Length", "")
+            too_long = length.isdigit() and int(length) > max_bytes
+            data = response.read(max_bytes + 1) if status == 200 and not too_long else b""
+    except urllib.error.HTTPError as exc:
+        raise _error(f"fetching the URL failed: HTTP {exc.code} {exc.reason}") from None
+    except (OSError, http.client.HTTPException) as exc:  # URLError, timeouts, resets
+        reason = getattr(exc, "reason", None) or exc
+        raise _error(f"fetching the URL failed: {reason}") from None
+    if status != 200:
+        raise _error(f"fetching the URL answered HTTP {status}, expected 200")
+    if too_long:
+        raise _too_large(int(length), max_bytes)
+    return data
+
+
+def _read_local(source: str, scheme: str, allowed_local_media_path: str | None,
+                max_bytes: int) -> bytes:
+    if allowed_local_media_path is None:
+        raise _error("local files are refused: the server has no --allowed-local-media-path")
+    if scheme == "file":
+        parts = urllib.parse.urlsplit(source)
+        if parts.netloc not in ("", "localhost"):
+            raise _error("a file URL must name a local path (file:///...)")
+        path = Path(urllib.request.url2pathname(parts.path))
+    else:
+        path = Path(source)
+    try:
+        root = Path(allowed_local_media_path).resolve()
+        resolved = (root / path).resolve()  # symlinks resolved before the check, not after
+    except (OSError, ValueError) as exc:  # a NUL byte, a symlink loop
+        raise _error(f"bad local path: {exc}") from None
+    if not resolved.is_relative_to(root):
+        raise _error("path is outside the allowed local media path")
+    try:
+        size = resolved.stat().st_size
+        if size <= max_bytes:
+            return resolved.read_bytes()
+    except OSError as exc:
+        raise _error(f"cannot read the local file: {exc.strerror or exc}") from None
+    raise _too_large(size, max_bytes)
+
+
+def _decode(data: bytes) -> Image.Image:
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return _to_rgb(image)
+    except Image.DecompressionBombError:
+        raise _error("image has too many pixels") from None
+    except Exception as exc:  # PIL raises OSError, SyntaxError, struct.error, ... by format
+        raise _error(f"not a decodable image ({type(exc).__name__}: {exc})") from None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """EXIF-upright as HF's ``load_image``; transparency onto white as HF's ``convert_to_rgb``
+    (and vLLM), so a transparent PNG gives the pixels HF's processor gives for it."""
+    try:
+        image = ImageOps.exif_transpose(image)
+        if "A" in image.getbands() or image.info.get("transparency") is not None:
+            rgba = image.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return image.convert("RGB")
+    except Exception as exc:  # an unconvertible mode, a lazily read broken file
+        raise _error(f"not a decodable image ({type(exc).__name__}: {exc})") from None
+
+
+class ImageProcessor:
+    """Gemma 3's Hugging Face image processor, on the PIL backend.
+
+    The PIL backend always, even where torchvision is installed: it is the resize of HF's
+    original (slow) Gemma 3 processor, and the same image then gives the same pixels (and
+    ``image_hash``) on every host, whatever is installed there.
+    Called with ``Gemma3Processor.images_kwargs`` (RGB conversion on, pan-and-scan off), as the
+    processor calls it, so the output equals the processor's ``pixel_values``.
+    """
+
+    def __init__(self, hf_image_processor: Any) -> None:
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+        from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+        if not isinstance(hf_image_processor, Gemma3ImageProcessorPil):
+            raise ValueError(f"image processor: expected Gemma3ImageProcessorPil, got "
+                             f"{type(hf_image_processor).__name__}")
+        if hf_image_processor.do_pan_and_scan:
+            raise ValueError("image processor: do_pan_and_scan=true is not supported; "
+                             "set it to false or null in preprocessor_config.json")
+        size = hf_image_processor.size
+        if size.height is None or size.height != size.width:
+            raise ValueError(f"image processor: size must be square height=width, got {size}")
+        self._hf = hf_image_processor
+        self._image_size = int(size.height)
+        self._call_kwargs = dict(Gemma3Processor.images_kwargs)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, hf_config: dict) -> ImageProcessor:
+        """What ``AutoImageProcessor.from_pretrained(model_dir, backend="pil")`` loads where
+        the checkpoint has a preprocessor config, else Gemma 3's defaults at
+        ``vision_config.image_size`` (896 if absent)."""
+        from transformers import AutoImageProcessor
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+
+        model_dir = Path(model_dir)
+        if _has_image_processor_config(model_dir):
+            hf = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil",
+                                                    local_files_only=True)
+        else:
+            size = (hf_config.get("vision_config") or {}).get("image_size", DEFAULT_IMAGE_SIZE)
+            if not isinstance(size, int) or size <= 0:
+                raise ValueError(f"vision_config.image_size must be a positive int, got {size!r}")
+            hf = Gemma3ImageProcessorPil(size={"height": size, "width": size})
+        return cls(hf)
+
+    @property
+    def image_size(self) -> int:
+        """The side S of the square pixel tensors."""
+        return self._image_size
+
+    def __call__(self, images: list[Image.Image]) -> torch.Tensor:
+        """float32 ``[N, 3, S, S]`` pixel values, one row per image, in order."""
+        if not images:
+            return torch.empty((0, 3, self._image_size, self._image_size), dtype=torch.float32)
+        out = self._hf(list(images), return_tensors="pt", **self._call_kwargs)
+        pixel_values = out["pixel_values"]
+        if pixel_values.dtype != torch.float32:
+            raise ValueError(f"image processor returned {pixel_values.dtype}, expected float32")
+        return pixel_values
+
+
+def _has_image_processor_config(model_dir: Path) -> bool:
+    """Where AutoImageProcessor finds one: ``preprocessor_config.json``, or the
+    ``image_processor`` section of ``processor_config.json`` (which it prefers)."""
+    if (model_dir / "preprocessor_config.json").is_file():
+        return True
+    nested = model_dir / "processor_config.json"
+    if not nested.is_file():
+        return False
+    try:
+        return "image_processor" in json.loads(nested.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def image_hash(pixel_values: torch.Tensor) -> str:
+    """One image's identity in the prefix-cache keys: blake2b-128 of dtype, shape and bytes,
+    so two images share cached KV exactly when the model would see the same pixels."""
+    tensor = pixel_values.detach().to("cpu").contiguous().reshape(-1)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{pixel_values.dtype}|{tuple(pixel_values.shape)}|".encode())
+    digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def expand_image_tokens(text: str, boi_token: str, image_token: str, eoi_token: str,
+                        tokens_per_image: int) -> str:
+    """Each ``boi_token`` replaced by ``"\\n\\n" + boi + image_token * n + eoi + "\\n\\n"``:
+    ``Gemma3Processor.full_image_sequence``, substituted as its ``__call__`` does."""
+    if not boi_token:
+        raise ValueError("boi_token must not be empty")
+    if tokens_per_image <= 0:
+        raise ValueError(f"tokens_per_image must be positive, got {tokens_per_image}")
+    sequence = f"\n\n{boi_token}{image_token * tokens_per_image}{eoi_token}\n\n"
+    return text.replace(boi_token, sequence)
+
+
+def count_image_placeholders(text: str, boi_token: str) -> int:
+    """How many images the rendered prompt asks for (HF's check against the image count)."""
+    if not boi_token:
+        raise ValueError("boi_token must not be empty")
+    return text.count(boi_token)
+
+
+def image_spans(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of image tokens, one run per image: the grouping HF's
+    ``get_block_sequence_ids_for_mask`` uses for Gemma 3's bidirectional image attention."""
+    spans: list[tuple[int, int]] = []
+    start: int | None = None
+    for i, token in enumerate(token_ids):
+        if token == image_token_id:
+            if start is None:
+                start = i
+        elif start is not None:
+            spans.append((start, i))
+            start = None
+    if start is not None:
+        spans.append((start, len(token_ids)))
+    return spans
+
+
+def split_chat_images(messages: list[dict]) -> tuple[list[dict], list[object]]:
+    """Take the images out of OpenAI chat messages, leaving ``{"type": "image"}`` where each
+    was (what HF chat templates render as the begin-of-image token); the sources come back
+    in order of appearance, for ``load_image``. The inputs are not mutated."""
+    converted: list[dict] = []
+    sources: list[object] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        content = message.get("content")
+        if not isinstance(content, list):
+            converted.append(dict(message))
+            continue
+        parts: list[Any] = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            if not isinstance(part, dict):
+                raise ValueError(f"{where} must be an object")
+            if part.get("type") in IMAGE_PART_TYPES:
+                sources.append(_image_source(part, where))
+                parts.append({"type": "image"})
+            else:
+                parts.append(dict(part))
+        converted.append({**message, "content": parts})
+    return converted, sources
+
+
+def _image_source(part: dict, where: str) -> object:
+    kind = part["type"]
+    if kind == "image":
+        source = part.get("image")
+        if not isinstance(source, str | bytes | Image.Image) or source in ("", b""):
+            raise ValueError(f"{where}: an image part needs 'image': a URL, bytes or a PIL image")
+        return source
+    value = part.get("image_url")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if not isinstance(value, str) or not value:
+        if kind == "input_image" and part.get("file_id") is not None:
+            raise ValueError(f"{where}: input_image by file_id is not supported; send image_url")
+        raise ValueError(f"{where}: an {kind} part needs 'image_url': a URL string or "
+                         "{'url': <URL string>}")
+    return value

@@ -1,0 +1,117 @@
+"""Images in a prompt, as the scheduler sees them: spans of placeholder tokens.
+
+An image enters a prompt as a run of placeholder tokens (Gemma 3: 256 soft tokens
+between its begin- and end-of-image tokens) whose embeddings the worker replaces
+with the vision encoder's output. Three scheduling rules follow from it, kept here
+so each reads on its own:
+
+- the tokens of one image attend to each other both ways (Gemma 3's mask), so a
+  prefill chunk never ends inside an image: the image's later tokens would be
+  missing from its earlier ones' keys (``fit_chunk``);
+- every placeholder token id is the same, so a block's prefix-cache key carries the
+  hashes of the images it overlaps (``block_image_keys``): two prompts with
+  different images never share their image blocks, nor (the hashes chain) anything
+  after them;
+- an image longer than one step's token budget could never be scheduled, so it is
+  refused at admission (``check_images_fit``).
+
+The pixel data is opaque here (a tensor the worker reads): the scheduler imports no
+torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt: its placeholder tokens ``[start, end)``, its content
+    hash (its identity in prefix-cache keys) and its preprocessed pixels."""
+
+    start: int
+    end: int
+    key: str
+    pixels: Any
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"image span [{self.start}, {self.end}) is empty or negative")
+
+
+@dataclass(frozen=True)
+class ImageChunk:
+    """What one step computes of an image: rows ``[offset, offset + count)`` of a
+    request's chunk take the encoder's output rows ``[first, first + count)``."""
+
+    offset: int
+    first: int
+    count: int
+    key: str
+    pixels: Any
+
+
+def check_images(images: Sequence[ImageInput], num_prompt_tokens: int) -> None:
+    """``ValueError`` unless the spans are ordered, disjoint and inside the prompt."""
+    end = 0
+    for i, img in enumerate(images):
+        if img.start < end:
+            raise ValueError(f"images[{i}]: span [{img.start}, {img.end}) overlaps the "
+                             "previous image's or is out of order")
+        if img.end > num_prompt_tokens:
+            raise ValueError(f"images[{i}]: span [{img.start}, {img.end}) ends past the "
+                             f"prompt's {num_prompt_tokens} tokens")
+        end = img.end
+
+
+def check_images_fit(images: Sequence[ImageInput], budget: int, cap: int = 0) -> None:
+    """Refuse an image no single step could compute whole: longer than the step's
+    token budget (``max_num_batched_tokens``) or the per-prompt chunk cap."""
+    limit = min(budget, cap) if cap else budget
+    for i, img in enumerate(images):
+        if img.end - img.start > limit:
+            what = "long_prefill_token_threshold" if cap and cap < budget \
+                else "max_num_batched_tokens"
+            raise ValueError(f"images[{i}] takes {img.end - img.start} tokens, more than "
+                             f"{what} ({limit}): an image is computed in one step")
+
+
+def fit_chunk(images: Sequence[ImageInput], start: int, num_new: int) -> int:
+    """``num_new`` cut back so that tokens ``[start, start + num_new)`` do not stop
+    inside an image; 0 when the chunk starts inside or at an image it cannot finish
+    (the request waits for a step with room for the rest of the image)."""
+    stop = start + num_new
+    for img in images:
+        if img.start < stop < img.end:
+            return max(0, img.start - start)
+        if img.start >= stop:
+            break
+    return num_new
+
+
+def chunk_images(images: Sequence[ImageInput], start: int, num_new: int
+                 ) -> tuple[list[ImageChunk], list[tuple[int, int]]]:
+    """The image rows of tokens ``[start, start + num_new)`` and the bidirectional
+    spans their attention needs (every image the chunk computes part of, whole: a
+    span may begin in cached context, a prefix-cache hit that stopped inside it)."""
+    stop = start + num_new
+    chunks: list[ImageChunk] = []
+    spans: list[tuple[int, int]] = []
+    for img in images:
+        if img.end <= start:
+            continue
+        if img.start >= stop:
+            break
+        lo, hi = max(img.start, start), min(img.end, stop)
+        chunks.append(ImageChunk(lo - start, lo - img.start, hi - lo, img.key, img.pixels))
+        spans.append((img.start, img.end))
+    return chunks, spans
+
+
+def block_image_keys(images: Sequence[ImageInput], block_size: int, block: int
+                     ) -> tuple[str, ...]:
+    """Keys of the images that overlap block ``block`` (mixed into its hash)."""
+    lo, hi = block * block_size, (block + 1) * block_size
+    return tuple(f"image:{img.key}" for img in images if img.start < hi and img.end > lo)

@@ -1,0 +1,249 @@
+"""Gemma 3 with images through the engine: greedy tokens equal Hugging Face's
+``Gemma3ForConditionalGeneration.generate`` on a random checkpoint (a SigLIP tower,
+its projector, a decoder whose 8-token sliding window is shorter than an image's 16
+tokens), whole and in chunks, as prefix-cache hits, under recompute preemption and
+beside text prompts in one batch; bad image input is refused with the field named."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.worker.testing import write_random_gemma3_multimodal
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+BOI, EOI, IMG, N = 297, 298, 299, 16
+
+
+@pytest.fixture(scope="module")
+def mm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_random_gemma3_multimodal(tmp_path_factory.mktemp("gemma3_images"))
+
+
+def picture(seed: int, size: tuple[int, int] = (40, 30)):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy(), "RGB")
+
+
+def image_run() -> list[int]:
+    return [BOI] + [IMG] * N + [EOI]
+
+
+def prompt_ids(*parts: list[int] | str) -> list[int]:
+    """Text words ``t<i>`` as ids and image runs, in order."""
+    ids = [1]
+    for p in parts:
+        ids += image_run() if p == "image" else list(p)
+    return ids
+
+
+def hf_reference(model_dir: str, prompts: list[tuple[list[int], list]], max_new: int
+                 ) -> list[list[int]]:
+    """Hugging Face's greedy tokens, one prompt at a time, with the processor's pixels
+    and token types (its bidirectional image mask)."""
+    from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    proc = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    outs = []
+    with torch.inference_mode():
+        for ids, images in prompts:
+            x = torch.tensor([ids])
+            kw = {}
+            if images:
+                kw["pixel_values"] = proc(images, return_tensors="pt")["pixel_values"]
+                kw["token_type_ids"] = (x == IMG).long()
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0,
+                               **kw)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def cases() -> list[tuple[list[int], list]]:
+    return [
+        (prompt_ids([5, 6, 7], "image", [8, 9]), [picture(1)]),
+        (prompt_ids("image", [10], "image", [11, 12, 13]), [picture(2), picture(3, (64, 64))]),
+        (prompt_ids([20, 21, 22, 23, 24]), []),
+        (prompt_ids([5, 6, 7], "image", [8, 9]), [picture(4)]),  # same text, another image
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(mm_dir: str) -> list[list[int]]:
+    return hf_reference(mm_dir, cases(), GREEDY.max_tokens)
+
+
+def generate(llm: LLM, prompts: list[tuple[list[int], list]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
+                         if imgs else ids for ids, imgs in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(max_num_batched_tokens=24, max_num_seqs=4),  # chunks stop before an image
+    dict(attention_backend="torch"),
+    dict(num_gpu_blocks=20, preemption_mode="recompute", block_size=4,
+         disable_hybrid_kv_cache_manager=True),
+], ids=["whole", "chunked", "torch-backend", "recompute"])
+def test_images_equal_hugging_face(mm_dir: str, reference: list[list[int]], kw: dict) -> None:
+    llm = LLM(model=mm_dir, **{"num_gpu_blocks": 128, **kw})
+    try:
+        assert generate(llm, cases()) == reference
+        if "preemption_mode" in kw:
+            assert llm.engine.scheduler.num_preemptions["recompute"] > 0
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_does_not(
+        mm_dir: str, reference: list[list[int]]) -> None:
+    llm = LLM(model=mm_dir, num_gpu_blocks=128, block_size=4)
+    try:
+        first = cases()[0]
+        out = llm.generate({"prompt_token_ids": first[0],
+                            "multi_modal_data": {"image": first[1]}}, GREEDY)[0]
+        assert out.outputs[0].token_ids == reference[0]
+        again = llm.generate({"prompt_token_ids": first[0],
+                              "multi_modal_data": {"image": [picture(1)]}}, GREEDY)[0]
+        assert again.outputs[0].token_ids == reference[0]
+        assert again.num_cached_tokens == (len(first[0]) - 1) // 4 * 4
+        ids, imgs = cases()[3]
+        other = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}},
+                             GREEDY)[0]
+        assert other.outputs[0].token_ids == reference[3]
+        assert other.num_cached_tokens == 4  # only the block before the image
+    finally:
+        llm.shutdown()
+
+
+def data_url(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_with_an_image_part_renders_and_expands_as_the_processor_does(
+        mm_dir: str, tmp_path: Path) -> None:
+    """An OpenAI image part (data URL, or a file under ``allowed_local_media_path``)
+    becomes the template's begin-of-image token, written out to its run before
+    tokenising; the tokens equal the same prompt given as ids."""
+    img = picture(5)
+    img.save(tmp_path / "cat.png")
+    llm = LLM(model=mm_dir, num_gpu_blocks=128, allowed_local_media_path=str(tmp_path))
+    try:
+        message = {"role": "user", "content": [
+            {"type": "text", "text": "t5 t6"},
+            {"type": "image_url", "image_url": {"url": data_url(img)}},
+            {"type": "text", "text": "t7"}]}
+        chat = llm.chat([message], GREEDY)[0]
+        want_ids = ([1, 293, 295, 5, 6, 297] + [IMG] * N + [298, 7, 294, 293, 296])
+        assert chat.prompt_token_ids == want_ids
+        by_ids = llm.generate({"prompt_token_ids": want_ids,
+                               "multi_modal_data": {"image": [img]}}, GREEDY)[0]
+        assert chat.outputs[0].token_ids == by_ids.outputs[0].token_ids
+        message["content"][1] = {"type": "image_url",
+                                 "image_url": {"url": (tmp_path / "cat.png").as_uri()}}
+        from_file = llm.chat([message], GREEDY)[0]
+        assert from_file.outputs[0].token_ids == by_ids.outputs[0].token_ids
+        text = llm.generate({"prompt": "t5 <start_of_image> t9",
+                             "multi_modal_data": {"image": img}}, GREEDY)[0]
+        assert text.prompt_token_ids == [5, *image_run(), 9]  # (this tokenizer adds no BOS)
+    finally:
+        llm.shutdown()
+
+
+def test_bad_image_input_is_refused_naming_the_field(mm_dir: str, tmp_path: Path) -> None:
+    llm = LLM(model=mm_dir, num_gpu_blocks=64, limit_mm_per_prompt={"image": 1})
+    try:
+        ids = prompt_ids([5], "image")
+        bad = [
+            ({"prompt_token_ids": ids, "multi_modal_data": {"image": [picture(1)] * 2}},
+             "at most 1 image"),
+            ({"prompt_token_ids": prompt_ids([5]), "multi_modal_data": {"image": picture(1)}},
+             "marks 0 images"),
+            ({"prompt_token_ids": [*ids[:-3], EOI]}, "without an image"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"image": b"not an image"}},
+             "image_url"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"video": b""}}, "multi_modal_data"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {
+                "image": (tmp_path / "x.png").as_uri()}}, "image_url"),
+        ]
+        for prompt, match in bad:
+            with pytest.raises(ValueError, match=match):
+                llm.generate(prompt, GREEDY)
+        cut = SamplingParams(max_tokens=2, truncate_prompt_tokens=4)
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": picture(1)}},
+                         cut)
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks and not llm.engine._groups
+    finally:
+        llm.shutdown()
+
+
+def test_an_image_no_step_can_hold_is_refused(mm_dir: str) -> None:
+    llm = LLM(model=mm_dir, num_gpu_blocks=64, max_num_batched_tokens=12, max_num_seqs=4)
+    try:
+        with pytest.raises(ValueError, match="max_num_batched_tokens"):
+            llm.generate({"prompt_token_ids": prompt_ids([5], "image"),
+                          "multi_modal_data": {"image": picture(1)}}, GREEDY)
+    finally:
+        llm.shutdown()
+
+
+def test_images_off_serves_the_file_as_text(mm_dir: str) -> None:
+    llm = LLM(model=mm_dir, num_gpu_blocks=64, limit_mm_per_prompt={"image": 0})
+    try:
+        assert llm.engine.images is None
+        with pytest.raises(ValueError, match="takes no images"):
+            llm.generate({"prompt_token_ids": prompt_ids([5], "image"),
+                          "multi_modal_data": {"image": picture(1)}}, GREEDY)
+        assert llm.generate([prompt_ids([5, 6])], GREEDY)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def hf_prompt_logprobs(model_dir: str, ids: list[int], images: list) -> list[float]:
+    """Hugging Face's logprob of each prompt token after the first, from one forward
+    with the image mask (image rows see their whole image)."""
+    from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    proc = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        logits = model(x, pixel_values=proc(images, return_tensors="pt")["pixel_values"],
+                       token_type_ids=(x == IMG).long(), attention_mask=torch.ones_like(x)
+                       ).logits[0]
+    lp = torch.log_softmax(logits.float(), -1)
+    return [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+@pytest.mark.parametrize("budget", [2048, 20], ids=["whole", "chunked"])
+def test_every_prompt_positions_logprob_equals_hugging_faces(mm_dir: str, budget: int) -> None:
+    """Rows inside an image see the whole image (the bidirectional mask, through the
+    sliding layers' 8-token window too): each prompt logprob within 1e-4 of HF's."""
+    ids, images = cases()[1]
+    want = hf_prompt_logprobs(mm_dir, ids, images)
+    llm = LLM(model=mm_dir, num_gpu_blocks=128, max_num_batched_tokens=budget, max_num_seqs=4)
+    try:
+        out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                           SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        got = [lp[tok] for lp, tok in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+        got = [g.logprob if hasattr(g, "logprob") else g for g in got]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    finally:
+        llm.shutdown()

@@ -1,0 +1,134 @@
+"""Images over HTTP: a random multimodal Gemma 3 in an engine replica of two TP ranks
+(Ray actors, each with its vision encoder) answers chat completions whose messages hold
+OpenAI image parts (a data URL, an http URL on loopback, a file under
+``allowed_local_media_path``) as the in-process engine does; bad images are 400s on
+``messages`` and leave the replica at its baseline."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.worker.testing import write_random_gemma3_multimodal
+from tests.cluster.test_gemma3_images import picture
+from tests.serving.conftest import App, Cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(img)).decode()
+
+
+def messages(url: str) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "text", "text": "t5 t6"},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "t7"}]}]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("media")
+    (root / "a.png").write_bytes(png(picture(11)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def mm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_random_gemma3_multimodal(tmp_path_factory.mktemp("models") / "gemma3-mm")
+
+
+@pytest.fixture(scope="module")
+def mm_app(cluster: Cluster, mm_dir: str, media: Path) -> Iterator[App]:
+    app = cluster.deploy("images", {"model": mm_dir, "served_model_name": "tiny-gemma3",
+                                    "tensor_parallel_size": 2, "num_gpu_blocks": 64,
+                                    "num_threads": 1, "allowed_local_media_path": str(media)})
+    yield app
+    cluster.delete("images")
+
+
+@pytest.fixture(scope="module")
+def image_server(media: Path) -> Iterator[str]:
+    """A loopback HTTP server handing out ``media``'s files."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, directory=str(media), **kw)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_image_chat_over_http_equals_the_offline_engine(
+        mm_app: App, mm_dir: str, media: Path, image_server: str) -> None:
+    client = mm_app.openai()
+    kw = dict(model="tiny-gemma3", max_tokens=8, temperature=0.0,
+              extra_body={"ignore_eos": True})
+    img = picture(11)
+    llm = LLM(model=mm_dir, num_gpu_blocks=64)
+    try:
+        ref = llm.chat(messages(data_url(img)), SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+        other = llm.chat(messages(data_url(picture(12))), SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    finally:
+        llm.shutdown()
+    assert ref.outputs[0].text != other.outputs[0].text  # the image decides the answer
+    for url in (data_url(img), f"{image_server}/a.png", (media / "a.png").as_uri()):
+        out = client.chat.completions.create(messages=messages(url), **kw)
+        assert out.choices[0].message.content == ref.outputs[0].text, url
+        assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        messages=messages(data_url(img)), stream=True, **kw) if c.choices)
+    assert streamed == ref.outputs[0].text
+    mm_app.wait_baseline()
+
+
+def post_chat(app: App, body: dict) -> httpx.Response:
+    return httpx.post(f"{app.base}/v1/chat/completions", json=body, headers=app.headers,
+                      timeout=60)
+
+
+@pytest.mark.parametrize("url, match", [
+    ("data:image/png;base64,!!!", "base64"),
+    ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "image"),
+    ("file:///etc/hostname", "allowed"),
+    ("ftp://127.0.0.1/a.png", "scheme"),
+])
+def test_a_bad_image_is_a_400_on_messages(mm_app: App, url: str, match: str) -> None:
+    r = post_chat(mm_app, {"model": "tiny-gemma3", "messages": messages(url), "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and match in err["message"], err
+    mm_app.wait_baseline()
+
+
+def test_a_text_model_refuses_image_parts(smol: App) -> None:
+    r = post_chat(smol, {"model": "SmolLM2-135M-Instruct", "max_tokens": 2,
+                         "messages": messages(data_url(picture(1)))})
+    assert r.status_code == 400, r.text
+    assert "takes no images" in r.json()["error"]["message"]

@@ -1,0 +1,466 @@
+"""Gemma 3 image inputs (``cluster/multimodal.py``) against Hugging Face's own processor.
+
+The oracle is a real ``Gemma3Processor`` built offline: the PIL Gemma 3 image processor and
+a small byte-level BPE tokenizer trained here, carrying Gemma 3's three image tokens. Its
+``pixel_values`` and ``input_ids`` are what ours must equal exactly. HTTP runs against a
+``ThreadingHTTPServer`` on loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pagedserve.cluster.multimodal import (
+    ImageProcessor,
+    count_image_placeholders,
+    expand_image_tokens,
+    image_hash,
+    image_spans,
+    load_image,
+    split_chat_images,
+)
+
+BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+SIZE = 28
+SEQ_LEN = 4
+
+
+def random_image(rng: np.random.Generator, mode: str = "RGB") -> Image.Image:
+    h, w = (int(x) for x in rng.integers(5, 70, size=2))
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = rng.integers(0, 256, size=(h, w, channels), dtype=np.uint8)
+    return Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode=mode)
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def same_pixels(a: Image.Image, b: Image.Image) -> bool:
+    return a.mode == b.mode and a.size == b.size and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def image() -> Image.Image:
+    return random_image(np.random.default_rng(7))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["describe the image please\n\nthen compare them"] * 8, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<bos>", pad_token="<pad>",
+        extra_special_tokens={"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI})
+
+
+def hf_processor(tokenizer, image_processor=None):
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    if image_processor is None:
+        image_processor = Gemma3ImageProcessorPil(size={"height": SIZE, "width": SIZE})
+    return Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                           image_seq_length=SEQ_LEN)
+
+
+# load_image: every source gives the same RGB pixels; every failure is a ValueError
+
+
+def test_data_url_bytes_and_pil_give_the_same_rgb_pixels(image: Image.Image) -> None:
+    data = png_bytes(image)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for source in (url, data, bytearray(data), image):
+        loaded = load_image(source)
+        assert loaded.mode == "RGB"
+        assert same_pixels(loaded, image)
+
+
+def test_rgba_is_composited_on_white_like_hf_convert_to_rgb(rng: np.random.Generator) -> None:
+    from transformers.image_transforms import convert_to_rgb
+
+    for mode in ("RGBA", "L"):
+        source = random_image(rng, mode)
+        expected = convert_to_rgb(source, return_numpy=True)
+        assert np.array_equal(np.asarray(load_image(source)), expected)
+        assert np.array_equal(np.asarray(load_image(png_bytes(source))), expected)
+
+
+@pytest.mark.parametrize(("source", "why"), [
+    ("data:image/png;base64,!!!notbase64", "not valid base64"),
+    ("data:image/png,rawbytes", "base64"),
+    ("data:image/png;base64", "no ','"),
+    ("data:image/png;base64," + base64.b64encode(b"plain text, no image").decode(),
+     "not a decodable image"),
+    (b"plain text, no image", "not a decodable image"),
+    ("ftp://example.com/cat.png", "unsupported URL scheme"),
+    ("/etc/hostname", "local files are refused"),
+    ("file:///etc/hostname", "local files are refused"),
+    (12345, "expected a URL"),
+])
+def test_bad_sources_raise_value_error_naming_image_url(source: object, why: str) -> None:
+    with pytest.raises(ValueError, match="image_url") as info:
+        load_image(source)  # type: ignore[arg-type]
+    assert why in str(info.value)
+
+
+def test_truncated_png_is_refused_as_undecodable(image: Image.Image) -> None:
+    with pytest.raises(ValueError, match="image_url: not a decodable image"):
+        load_image(png_bytes(image)[:60])
+
+
+def test_bytes_and_data_urls_over_max_bytes_are_refused(image: Image.Image) -> None:
+    data = png_bytes(image)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for source in (data, url):
+        with pytest.raises(ValueError, match=r"image_url: .*limit"):
+            load_image(source, max_bytes=len(data) - 1)
+        assert same_pixels(load_image(source, max_bytes=len(data)), image)
+
+
+def test_local_files_only_under_the_allowed_root(tmp_path: Path, image: Image.Image) -> None:
+    root = tmp_path / "media"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "cat.png").write_bytes(png_bytes(image))
+    (tmp_path / "secret.png").write_bytes(png_bytes(image))
+    allowed = str(root)
+    for source in (str(root / "sub" / "cat.png"), (root / "sub" / "cat.png").as_uri(),
+                   "file://localhost" + str(root / "sub" / "cat.png"), "sub/cat.png"):
+        assert same_pixels(load_image(source, allowed_local_media_path=allowed), image)
+    for source in (str(tmp_path / "secret.png"), (tmp_path / "secret.png").as_uri(),
+                   str(root / ".." / "secret.png"), "../secret.png"):
+        with pytest.raises(ValueError, match="image_url: path is outside the allowed"):
+            load_image(source, allowed_local_media_path=allowed)
+    with pytest.raises(ValueError, match="image_url: cannot read the local file"):
+        load_image(str(root / "missing.png"), allowed_local_media_path=allowed)
+    with pytest.raises(ValueError, match="image_url: a file URL must name a local path"):
+        load_image("file://otherhost/x.png", allowed_local_media_path=allowed)
+    with pytest.raises(ValueError, match=r"image_url: .*limit"):
+        load_image("sub/cat.png", allowed_local_media_path=allowed, max_bytes=10)
+
+
+def test_symlink_escaping_the_root_is_refused(tmp_path: Path, image: Image.Image) -> None:
+    root = tmp_path / "media"
+    root.mkdir()
+    (tmp_path / "secret.png").write_bytes(png_bytes(image))
+    (root / "link.png").symlink_to(tmp_path / "secret.png")
+    (root / "dir").symlink_to(tmp_path, target_is_directory=True)
+    for source in (str(root / "link.png"), str(root / "dir" / "secret.png")):
+        with pytest.raises(ValueError, match="image_url: path is outside the allowed"):
+            load_image(source, allowed_local_media_path=str(root))
+    (root / "inside.png").write_bytes(png_bytes(image))
+    (root / "alias.png").symlink_to(root / "inside.png")
+    assert same_pixels(load_image(str(root / "alias.png"), allowed_local_media_path=str(root)),
+                       image)
+
+
+@pytest.fixture
+def http_base(image: Image.Image, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    body = png_bytes(image)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/cat.png":
+                self._send(200, body)
+            elif self.path == "/no-length.png":  # HTTP/1.0: the body ends when the socket does
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+            elif self.path == "/empty":
+                self._send(204, b"")
+            elif self.path == "/to-cat":
+                self._redirect("/cat.png")
+            elif self.path == "/to-ftp":
+                self._redirect("ftp://127.0.0.1/cat.png")
+            else:
+                self._send(404, b"not found")
+
+        def _send(self, status: int, payload: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def _redirect(self, location: str) -> None:
+            self.send_response(302)
+            self.send_header("Location", location)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_http_fetch_ok_404_oversized_and_redirects(http_base: str, image: Image.Image) -> None:
+    size = len(png_bytes(image))
+    for path in ("/cat.png", "/no-length.png", "/to-cat"):
+        assert same_pixels(load_image(http_base + path), image)
+    with pytest.raises(ValueError, match="image_url: fetching the URL failed: HTTP 404"):
+        load_image(http_base + "/missing.png")
+    with pytest.raises(ValueError, match="image_url: fetching the URL answered HTTP 204"):
+        load_image(http_base + "/empty")
+    with pytest.raises(ValueError, match="image_url: fetching the URL failed: HTTP 302"):
+        load_image(http_base + "/to-ftp")
+    for path in ("/cat.png", "/no-length.png"):
+        with pytest.raises(ValueError, match=f"image_url: image is {size} bytes, over the "
+                                             f"{size - 1}-byte limit"):
+            load_image(http_base + path, max_bytes=size - 1)
+
+
+def test_http_network_error_is_a_value_error() -> None:
+    with ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler) as closed:
+        port = closed.server_address[1]
+    with pytest.raises(ValueError, match="image_url: fetching the URL failed"):
+        load_image(f"http://127.0.0.1:{port}/cat.png", fetch_timeout_s=2.0)
+
+
+# ImageProcessor: exactly Gemma3Processor's pixel_values
+
+
+def mixed_images(rng: np.random.Generator) -> list[Image.Image]:
+    return [random_image(rng, mode) for mode in ("RGB", "RGB", "RGBA", "L", "RGB")]
+
+
+def test_pixels_equal_hf_processor_with_gemma3_defaults(tmp_path: Path, tokenizer,
+                                                        rng: np.random.Generator) -> None:
+    ours = ImageProcessor.from_model_dir(tmp_path, {"vision_config": {"image_size": SIZE}})
+    images = mixed_images(rng)
+    expected = hf_processor(tokenizer)(text=BOI * len(images), images=images,
+                                       return_tensors="pt")["pixel_values"]
+    got = ours(images)
+    assert got.dtype == torch.float32 and got.shape == (len(images), 3, SIZE, SIZE)
+    assert torch.equal(got, expected)
+    assert ours.image_size == SIZE
+    assert torch.equal(ours([load_image(png_bytes(im)) for im in images]), expected)
+
+
+def test_pixels_equal_hf_processor_with_saved_preprocessor_config(
+        tmp_path: Path, tokenizer, rng: np.random.Generator) -> None:
+    from transformers import AutoImageProcessor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    Gemma3ImageProcessorPil(size={"height": SIZE, "width": SIZE}, image_mean=[0.4, 0.5, 0.6],
+                            image_std=[0.2, 0.3, 0.4], resample=3).save_pretrained(tmp_path)
+    ours = ImageProcessor.from_model_dir(tmp_path, {"vision_config": {"image_size": 896}})
+    assert ours.image_size == SIZE
+    images = mixed_images(rng)
+    reference = hf_processor(tokenizer, AutoImageProcessor.from_pretrained(tmp_path))
+    expected = reference(text=BOI * len(images), images=images,
+                         return_tensors="pt")["pixel_values"]
+    assert torch.equal(ours(images), expected)
+    assert not torch.equal(ImageProcessor.from_model_dir(tmp_path / "x", {
+        "vision_config": {"image_size": SIZE}})(images), expected)
+
+
+def test_hub_style_config_with_nulls_converts_rgba_as_the_processor_does(
+        tmp_path: Path, tokenizer, rng: np.random.Generator) -> None:
+    """google/gemma-3-4b-it's preprocessor_config.json (size shrunk): do_convert_rgb is null
+    there, and only the processor's own images_kwargs turn RGBA into RGB."""
+    from transformers import AutoImageProcessor
+
+    config = {"do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None,
+              "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+              "image_processor_type": "Gemma3ImageProcessor", "image_seq_length": 256,
+              "image_std": [0.5, 0.5, 0.5], "pan_and_scan_max_num_crops": None,
+              "pan_and_scan_min_crop_size": None, "pan_and_scan_min_ratio_to_activate": None,
+              "processor_class": "Gemma3Processor", "resample": 2,
+              "rescale_factor": 0.00392156862745098, "size": {"height": SIZE, "width": SIZE}}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    images = mixed_images(rng)
+    reference = hf_processor(tokenizer, AutoImageProcessor.from_pretrained(tmp_path))
+    expected = reference(text=BOI * len(images), images=images,
+                         return_tensors="pt")["pixel_values"]
+    assert torch.equal(ImageProcessor.from_model_dir(tmp_path, {})(images), expected)
+
+
+def test_processor_config_json_is_read_like_auto_image_processor(
+        tmp_path: Path, tokenizer, rng: np.random.Generator) -> None:
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    proc = hf_processor(tokenizer, Gemma3ImageProcessorPil(size={"height": 14, "width": 14}))
+    proc.save_pretrained(tmp_path)
+    assert not (tmp_path / "preprocessor_config.json").exists()
+    ours = ImageProcessor.from_model_dir(tmp_path, {})
+    images = mixed_images(rng)
+    assert ours.image_size == 14
+    assert torch.equal(ours(images), proc(text=BOI * len(images), images=images,
+                                          return_tensors="pt")["pixel_values"])
+
+
+def test_default_size_is_896_and_no_images_give_an_empty_batch(tmp_path: Path) -> None:
+    ours = ImageProcessor.from_model_dir(tmp_path, {"model_type": "gemma3"})
+    assert ours.image_size == 896
+    assert ours([]).shape == (0, 3, 896, 896)
+
+
+def test_pan_and_scan_in_the_config_is_refused(tmp_path: Path) -> None:
+    config = {"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": True,
+              "size": {"height": SIZE, "width": SIZE}}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        ImageProcessor.from_model_dir(tmp_path, {})
+
+
+# image_hash
+
+
+def test_image_hash_is_stable_and_sensitive_to_one_pixel(tmp_path: Path,
+                                                         image: Image.Image) -> None:
+    ours = ImageProcessor.from_model_dir(tmp_path, {"vision_config": {"image_size": SIZE}})
+    pixels = ours([image])[0]
+    h = image_hash(pixels)
+    assert len(h) == 32 and int(h, 16) >= 0
+    assert image_hash(pixels.clone()) == h == image_hash(ours([image.copy()])[0])
+    changed = pixels.clone()
+    changed[1, 5, 7] += 1e-3
+    assert image_hash(changed) != h
+    assert image_hash(pixels.reshape(3, SIZE * SIZE)) != h
+    assert image_hash(pixels.to(torch.bfloat16)) != image_hash(pixels.to(torch.float16))
+    assert image_hash(pixels.t() if pixels.dim() == 2 else pixels.transpose(1, 2)) != h
+
+
+# expand_image_tokens, count_image_placeholders, image_spans: the processor's text and ids
+
+
+def test_expansion_equals_gemma3_processor_text_and_ids(tokenizer, rng: np.random.Generator
+                                                        ) -> None:
+    proc = hf_processor(tokenizer)
+    text = f"<bos>describe {BOI} then\n{BOI}{BOI}compare them"
+    images = [random_image(rng) for _ in range(3)]
+    ids = proc(text=text, images=images)["input_ids"][0]
+    expanded = expand_image_tokens(text, BOI, IMAGE, EOI, SEQ_LEN)
+    assert tokenizer.decode(ids) == expanded
+    assert tokenizer(expanded)["input_ids"] == ids
+    assert proc.full_image_sequence == expand_image_tokens(BOI, BOI, IMAGE, EOI, SEQ_LEN)
+    assert proc.full_image_sequence == f"\n\n{BOI}{IMAGE * SEQ_LEN}{EOI}\n\n"
+    assert count_image_placeholders(text, BOI) == 3
+    assert expand_image_tokens("no images", BOI, IMAGE, EOI, SEQ_LEN) == "no images"
+
+
+def test_image_spans_group_like_hf_block_sequence_ids(tokenizer, rng: np.random.Generator
+                                                      ) -> None:
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    proc = hf_processor(tokenizer)
+    out = proc(text=f"<bos>a {BOI}{BOI} b {BOI}", images=[random_image(rng) for _ in range(3)],
+               return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    spans = image_spans(ids, tokenizer.image_token_id)
+    assert len(spans) == 3 and all(end - start == SEQ_LEN for start, end in spans)
+    groups = get_block_sequence_ids_for_mask(out["token_type_ids"])[0].tolist()
+    expected = [-1] * len(ids)
+    for n, (start, end) in enumerate(spans):
+        expected[start:end] = [n] * (end - start)
+    assert groups == expected
+
+
+@pytest.mark.parametrize(("ids", "spans"), [
+    ([], []),
+    ([1, 2, 3], []),
+    ([1, 9, 9, 9, 2], [(1, 4)]),
+    ([9, 9, 1, 9, 9], [(0, 2), (3, 5)]),
+    ([1, 9, 9, 2, 9, 9, 3], [(1, 3), (4, 6)]),
+    ([9], [(0, 1)]),
+])
+def test_image_spans_cases(ids: list[int], spans: list[tuple[int, int]]) -> None:
+    assert image_spans(ids, 9) == spans
+
+
+def test_expansion_rejects_nonsense_arguments() -> None:
+    with pytest.raises(ValueError, match="tokens_per_image"):
+        expand_image_tokens(BOI, BOI, IMAGE, EOI, 0)
+    with pytest.raises(ValueError, match="boi_token"):
+        expand_image_tokens("x", "", IMAGE, EOI, 4)
+
+
+# split_chat_images
+
+
+def test_split_chat_images_replaces_every_image_part_in_order(image: Image.Image) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "compare"},
+            {"type": "image_url", "image_url": {"url": "https://a/1.png", "detail": "low"}},
+            {"type": "image_url", "image_url": "data:image/png;base64,AAAA"},
+            {"type": "text", "text": "and"},
+        ]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://b/2.png"},
+            {"type": "input_image", "image_url": {"url": "https://b/3.png"}},
+            {"type": "image", "image": image},
+            {"type": "image", "image": b"\x89PNG"},
+            {"type": "input_text", "text": "?"},
+        ]},
+    ]
+    before = copy.deepcopy(messages)
+    converted, sources = split_chat_images(messages)
+    assert sources == ["https://a/1.png", "data:image/png;base64,AAAA", "https://b/2.png",
+                       "https://b/3.png", image, b"\x89PNG"]
+    assert converted == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"},
+                                     {"type": "image"}, {"type": "text", "text": "and"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": [{"type": "image"}] * 4 + [{"type": "input_text",
+                                                                "text": "?"}]},
+    ]
+    assert messages == before
+    converted[1]["content"][0]["text"] = "changed"
+    assert messages == before
+
+
+@pytest.mark.parametrize(("part", "why"), [
+    ({"type": "image_url"}, "needs 'image_url'"),
+    ({"type": "image_url", "image_url": {"uri": "https://a"}}, "needs 'image_url'"),
+    ({"type": "image_url", "image_url": ""}, "needs 'image_url'"),
+    ({"type": "input_image", "file_id": "file-1"}, "file_id is not supported"),
+    ({"type": "image"}, "needs 'image'"),
+    ({"type": "image", "image": 3}, "needs 'image'"),
+    ("just a string", "must be an object"),
+])
+def test_malformed_image_parts_name_their_place(part: object, why: str) -> None:
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "x"}, part]}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[1\]") as info:
+        split_chat_images(messages)
+    assert why in str(info.value)
