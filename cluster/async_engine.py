@@ -192,6 +192,8 @@ class AsyncEngine:
         if lora_request is not None and not self.engine.loras.contains(lora_request):
             await asyncio.get_running_loop().run_in_executor(
                 self._step_thread, self.engine.add_lora, lora_request)
+        if images and self.engine.images is not None:  # loading and resizing take a while
+            images = await asyncio.to_thread(self.engine.images.prepare, images)
         rid = self.engine.add_request(prompt, params, request_id, cache_salt, lora_request,
                                       priority, pooling_params, beam, export_kv,
                                       resumed_token_ids, output_kind, images)

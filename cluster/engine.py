@@ -243,7 +243,7 @@ class LLMEngine:
             why = " (limit_mm_per_prompt has image: 0)" \
                 if self.model_info.get("image") is None and self.config.image_limit == 0 else ""
             raise ValueError(f"images: this model takes no images{why}")
-        return self.images.build(prompt, list(images), self.tokenize)
+        return self.images.build(prompt, images, self.tokenize)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter on every rank; False if already loaded (``ValueError`` if bad)."""

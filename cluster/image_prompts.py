@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,20 @@ from pagedserve.cluster.multimodal import (
     load_image,
 )
 from pagedserve.scheduler.multimodal import ImageInput
+
+
+@dataclass(frozen=True)
+class PreparedImages(Sequence[Any]):
+    """Images already preprocessed: their pixel tensors and content hashes, in order."""
+
+    pixels: list[Any]
+    keys: list[str]
+
+    def __len__(self) -> int:
+        return len(self.pixels)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.pixels[i]
 
 
 def expand_text(tokenizer: Any, info: dict[str, Any], text: str) -> str:
@@ -75,11 +90,17 @@ class ImagePrompts:
                                  f"tokens, the run at {a} has {b - a}")
         if not images:
             return ids, ()
+        prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
+        return ids, tuple(ImageInput(a, b, key, p) for (a, b), p, key in zip(
+            spans, prepared.pixels, prepared.keys, strict=True))
+
+    def prepare(self, images: Sequence[Any]) -> PreparedImages:
+        """Load and preprocess ``images`` (the slow part, seconds for a URL: the async
+        engine runs it off its event loop and hands ``build`` the result)."""
         pictures = [load_image(img, allowed_local_media_path=self.allowed_local_media_path)
                     for img in images]
-        pixels = self.processor(pictures)
-        return ids, tuple(ImageInput(a, b, image_hash(p), p)
-                          for (a, b), p in zip(spans, pixels, strict=True))
+        pixels = list(self.processor(pictures))
+        return PreparedImages(pixels, [image_hash(p) for p in pixels])
 
     def check_text_only(self, ids: Sequence[int]) -> None:
         """A prompt without images may not hold image placeholders: nothing would

@@ -205,18 +205,26 @@ class ResponsesRequest(BaseModel):
 
 
 def _text_of(content: Any) -> str | list[dict[str, Any]]:
-    """A Responses message's content for chat: a string, or its text parts."""
+    """A Responses message's content for chat: a string, or its text and image parts
+    (``input_image`` with an ``image_url``: chat's ``image_url`` part)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError("a message's content must be a string or a list of text parts",
                        param="input")
-    parts = []
+    parts: list[dict[str, Any]] = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text",
-                                                                 "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise APIError(f"only text content is supported, got {kind!r}", param="input")
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise APIError("an input_image part needs an image_url string (file_id is "
+                               "not supported)", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
+        if kind not in ("input_text", "output_text", "text"):
+            raise APIError(f"only text and input_image content is supported, got {kind!r}",
+                           param="input")
         parts.append({"type": "text", "text": part.get("text", "")})
     return parts
 

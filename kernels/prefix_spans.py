@@ -64,6 +64,7 @@ def varlen_attention_spans(
     spans: Sequence[Sequence[tuple[int, int]]],
     window: int | None = None,
     softcap: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged varlen attention of ``q [T, Hq, D]`` where each sequence's ``spans``
     (``[start, end)`` absolute positions, e.g. one image's tokens) are bidirectional.
@@ -73,7 +74,9 @@ def varlen_attention_spans(
     ``j > p - window``; ``softcap`` caps the scaled scores before the softmax. A
     span may start in cached context but must end by ``k_len`` (its later keys
     would be missing). Rows without a visible key (``p < 0``) and rows past the
-    batch's queries are zero. Returns ``[T, Hq, D]`` in ``q``'s dtype.
+    batch's queries are zero. Returns ``[T, Hq, D]`` in ``q``'s dtype. With ``out``
+    (the batch through a causal kernel), only sequences with spans are computed here,
+    written over their rows of ``out``: the rest of a mixed batch keeps the fast path.
     """
     AttentionBackend.check_window(window, softcap)
     q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
@@ -83,12 +86,14 @@ def varlen_attention_spans(
     if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
         cdt = torch.float32
     bsz = key_cache.shape[1]
-    out = q.new_zeros(q.shape)
+    only_spans = out is not None
+    if out is None:
+        out = q.new_zeros(q.shape)
     start = 0
     for s, (q_len, k_len) in enumerate(zip(q_lens, k_lens)):
         rows = slice(start, start + q_len)
         start += q_len
-        if q_len == 0 or k_len == 0:
+        if q_len == 0 or k_len == 0 or (only_spans and not spans[s]):
             continue
         # With a window, keys before the first query's window are never visible: start
         # the gather at their block (earlier blocks may already be freed, -1).

@@ -121,6 +121,24 @@ def test_pp2_tp2_hybrid_gemma_equals_hugging_face(ray_cluster, tiny_gemma3_dir) 
         llm.shutdown()
 
 
+def test_pp2_gemma3_with_images_equals_hugging_face(ray_cluster, tmp_path_factory) -> None:
+    """Images through two stages: the first encodes them and hands on hidden states,
+    both attend with the images' bidirectional spans; chunked, with plans in flight."""
+    from pagedserve.worker.testing import write_random_gemma3_multimodal
+    from tests.cluster.test_gemma3_images import cases, generate, hf_reference
+
+    model = write_random_gemma3_multimodal(tmp_path_factory.mktemp("pp_gemma3_images"))
+    ref = hf_reference(model, cases(), 10)
+    llm = LLM(model=model, pipeline_parallel_size=2, num_gpu_blocks=96, num_threads=1,
+              max_num_batched_tokens=24, max_num_seqs=4)
+    try:
+        assert generate(llm, cases()) == ref
+        assert llm.engine.get_stats()["pipelined_steps"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_llama,
                                                      mode: str) -> None:

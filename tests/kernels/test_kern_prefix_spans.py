@@ -257,3 +257,27 @@ def test_the_rule_is_transformers_gemma3_mask(window: int | None) -> None:
     slots = [int(b.table[0, j // B]) * B + j % B for j in range(n)]
     want = _dense(b.q, kc[slots], vc[slots], tf, b.scale, None)
     assert (got.double() - want).abs().max() <= 1e-5
+
+
+def test_out_keeps_the_rows_of_sequences_without_spans() -> None:
+    """With ``out`` (a causal kernel's result for the batch), only sequences with spans
+    are recomputed; the others' rows are left as given, bit for bit."""
+    from pagedserve.kernels import build_varlen_metadata
+    from pagedserve.kernels.torch_ref import TorchBackend
+
+    torch.manual_seed(0)
+    bsz, hkv, hq, d = 4, 2, 4, 16
+    q_lens, k_lens = [6, 5, 3], [6, 9, 3]
+    kc = torch.randn(16, bsz, hkv, d)
+    vc = torch.randn(16, bsz, hkv, d)
+    table = torch.tensor([[0, 1, -1], [2, 3, 4], [5, -1, -1]], dtype=torch.int32)
+    md = build_varlen_metadata(q_lens, k_lens)
+    q = torch.randn(sum(q_lens), hq, d)
+    spans = [[], [(5, 9)], []]
+    causal = TorchBackend("cpu").varlen_attention(q, kc, vc, table, md, 0.25)
+    given = causal.clone()
+    mixed = varlen_attention_spans(q, kc, vc, table, md, 0.25, spans, out=given)
+    whole = varlen_attention_spans(q, kc, vc, table, md, 0.25, spans)
+    assert torch.equal(mixed[:6], causal[:6]) and torch.equal(mixed[11:], causal[11:])
+    torch.testing.assert_close(mixed[6:11], whole[6:11], atol=1e-6, rtol=0)
+    assert not torch.allclose(mixed[6:11], causal[6:11])

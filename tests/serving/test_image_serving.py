@@ -132,3 +132,26 @@ def test_a_text_model_refuses_image_parts(smol: App) -> None:
                          "messages": messages(data_url(picture(1)))})
     assert r.status_code == 400, r.text
     assert "takes no images" in r.json()["error"]["message"]
+
+
+def test_responses_input_image_answers_as_chat_does(mm_app: App) -> None:
+    """``/v1/responses`` takes ``input_image`` parts (an ``image_url`` string) as chat's
+    image parts; ``file_id`` is refused."""
+    url = data_url(picture(13))
+    chat = mm_app.openai().chat.completions.create(
+        model="tiny-gemma3", messages=messages(url), max_tokens=6, temperature=0.0)
+    content = [{"type": "input_text", "text": "t5 t6"},
+               {"type": "input_image", "image_url": url},
+               {"type": "input_text", "text": "t7"}]
+    r = httpx.post(f"{mm_app.base}/v1/responses", headers=mm_app.headers, timeout=60, json={
+        "model": "tiny-gemma3", "max_output_tokens": 6, "temperature": 0.0,
+        "input": [{"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    text = "".join(c["text"] for item in r.json()["output"] if item["type"] == "message"
+                   for c in item["content"] if c["type"] == "output_text")
+    assert text == chat.choices[0].message.content
+    content[1] = {"type": "input_image", "file_id": "file-1"}
+    r = httpx.post(f"{mm_app.base}/v1/responses", headers=mm_app.headers, timeout=60, json={
+        "model": "tiny-gemma3", "input": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and "file_id" in r.json()["error"]["message"], r.text
+    mm_app.wait_baseline()

@@ -112,8 +112,13 @@ class PagedAttention:
             )
         elif md.image_spans is not None:
             assert md.varlen is not None, "prefill step without varlen metadata"
+            causal = None
+            if not all(md.image_spans):  # the step's other sequences keep the fast kernel
+                causal = self.backend.varlen_attention(
+                    q, key_cache, value_cache, md.block_table, md.varlen, self.scale,
+                    **self._extra)
             out = varlen_attention_spans(q, key_cache, value_cache, md.block_table, md.varlen,
-                                         self.scale, md.image_spans, **self._extra)
+                                         self.scale, md.image_spans, **self._extra, out=causal)
         else:
             assert md.varlen is not None, "prefill step without varlen metadata"
             out = self.backend.varlen_attention(
