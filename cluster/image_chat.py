@@ -9,12 +9,14 @@ travel in the ``EngineRequest``; the replica preprocesses them (``image_prompts`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 from pagedserve.cluster.image_prompts import expand_text
-from pagedserve.cluster.multimodal import load_image
+from pagedserve.cluster.multimodal import image_spans, load_image
 from pagedserve.cluster.protocol import APIError, ChatMessage
 from pagedserve.cluster.tools import template_messages
+from pagedserve.scheduler.multimodal import ImageInput
 
 
 async def chat_images(messages: list[ChatMessage], info: dict[str, Any],
@@ -55,3 +57,18 @@ def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[s
     except Exception as e:
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
     return tokenizer.encode(expand_text(tokenizer, image, text), add_special_tokens=False)
+
+
+def affinity_images(ids: list[int], images: list[Any], image: dict[str, Any]
+                    ) -> list[ImageInput]:
+    """The images as the router's prefix affinity keys them: each placeholder run with a
+    hash of its decoded picture (not the replicas' pixel hash, which needs the resize;
+    the router only compares its own keys). Without them two prompts that differ only
+    in their image would look like one prefix. ``[]`` when the runs do not match the
+    images (the replica refuses the request with the reason)."""
+    spans = image_spans(ids, int(image["image_token_id"]))
+    if len(spans) != len(images):
+        return []
+    keys = [hashlib.blake2b(f"{img.mode}|{img.size}|".encode() + img.tobytes(),
+                            digest_size=16).hexdigest() for img in images]
+    return [ImageInput(a, b, key, None) for (a, b), key in zip(spans, keys, strict=True)]

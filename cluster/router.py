@@ -25,6 +25,7 @@ import random
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -34,6 +35,7 @@ from pagedserve.cluster.wire import EngineRequest
 from pagedserve.scheduler.block_hash import hash_prompt_blocks, make_extra_keys
 from pagedserve.scheduler.long_rope import prompt_keys
 from pagedserve.scheduler.lora_request import lora_cache_key
+from pagedserve.scheduler.multimodal import ImageInput
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 ROUTER_CLASS_PATH = "pagedserve.cluster.router:PrefixAffinityRouter"
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 def routed_request(rid: str, ids: list[int], params: SamplingParams, salt: str | None,
                    info: dict[str, Any], stream: bool, lora: tuple[str, str] | None = None,
-                   priority: int = 0) -> EngineRequest:
+                   priority: int = 0, images: Sequence[ImageInput] = ()) -> EngineRequest:
     """An engine request carrying what the router places it by: the prompt's block
     hashes as the replicas' prefix caches key them (model, salt, adapter and LongRoPE's
     key past its pre-trained length included),
@@ -51,7 +53,7 @@ def routed_request(rid: str, ids: list[int], params: SamplingParams, salt: str |
     key = lora_cache_key(*lora) if lora is not None else None
     keys = prompt_keys(make_extra_keys(info["model_id"], salt, key), len(ids),
                        info.get("long_rope_from", 0))
-    hashes = hash_prompt_blocks(ids, info["block_size"], keys)
+    hashes = hash_prompt_blocks(ids, info["block_size"], keys, images=images)
     if lora is not None:  # for the router only: the replicas compute their own
         hashes.insert(0, adapter_affinity_key(*lora))
     return EngineRequest(rid, ids, params, hashes, salt, stream=stream, lora=lora,

@@ -39,7 +39,7 @@ from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.http_errors import api_error, http_error, validation_error
-from pagedserve.cluster.image_chat import chat_images, image_chat_ids
+from pagedserve.cluster.image_chat import affinity_images, chat_images, image_chat_ids
 from pagedserve.cluster.lora_serving import (
     AdapterCatalog,
     LoRAEndpoints,
@@ -324,7 +324,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         closed = thought_closed(self.tokenizer, ids)
         params = defer_constraint(params, self.reasoning_parser, closed)
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
-                             body.priority)
+                             body.priority,
+                             affinity_images(ids, images, info["image"]) if images else ())
         req.images = images or None
         return req, tools, closed
 

@@ -191,22 +191,21 @@ class ModelRunner:
 
     def _image_embeds(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's image rows and the vision encoder's embeddings for them: each
-        image of the step encoded once (a batch), the rows its chunk computes taken."""
+        image of the step encoded once, the rows its chunk computes taken. Images are
+        encoded one at a time: an image is thousands of patch rows already, and its
+        embeddings then do not depend on what else the step holds (batch invariance)."""
         if not inputs.images or not self.model.stage.is_first:
             return None  # a later pipeline stage continues from hidden states
         vision = self.model.vision
         if vision is None:
             raise ValueError("a request has images, but this model serves text only")
-        order: dict[str, int] = {}
-        pixels = []
+        feats: dict[str, torch.Tensor] = {}
         for _, chunk in inputs.images:
-            if chunk.key not in order:
-                order[chunk.key] = len(pixels)
-                pixels.append(torch.as_tensor(chunk.pixels))
-        feats = vision(torch.stack(pixels).to(self.device))
+            if chunk.key not in feats:
+                pixels = torch.as_tensor(chunk.pixels).to(self.device)
+                feats[chunk.key] = vision(pixels[None])[0]
         rows = torch.cat([torch.arange(row, row + c.count) for row, c in inputs.images])
-        embeds = torch.cat([feats[order[c.key], c.first:c.first + c.count]
-                            for _, c in inputs.images])
+        embeds = torch.cat([feats[c.key][c.first:c.first + c.count] for _, c in inputs.images])
         return rows.to(self.device), embeds
 
     def _set_lora_batch(self, plan: SchedulerOutput) -> None:

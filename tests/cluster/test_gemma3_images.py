@@ -247,3 +247,20 @@ def test_every_prompt_positions_logprob_equals_hugging_faces(mm_dir: str, budget
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
     finally:
         llm.shutdown()
+
+
+def test_batch_invariant_image_prompts_do_not_depend_on_the_batch(mm_dir: str) -> None:
+    """``batch_invariant``: an image prompt's tokens and logprobs are bit-identical alone
+    and beside other image and text prompts (each image is encoded on its own)."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    llm = LLM(model=mm_dir, num_gpu_blocks=128, batch_invariant=True,
+              enable_prefix_caching=False)
+    try:
+        prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
+                   if imgs else ids for ids, imgs in cases()]
+        alone = llm.generate(prompts[1], params)[0].outputs[0]
+        together = llm.generate(prompts, params)[1].outputs[0]
+        assert alone.token_ids == together.token_ids
+        assert alone.logprobs == together.logprobs
+    finally:
+        llm.shutdown()

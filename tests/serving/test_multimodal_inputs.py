@@ -464,3 +464,21 @@ def test_malformed_image_parts_name_their_place(part: object, why: str) -> None:
     with pytest.raises(ValueError, match=r"messages\[1\]\.content\[1\]") as info:
         split_chat_images(messages)
     assert why in str(info.value)
+
+
+def test_router_affinity_keys_tell_images_apart() -> None:
+    """The ingress's affinity hashes: two prompts that differ only in their picture share
+    the blocks before the image and none from it on; the same picture hashes the same."""
+    from PIL import Image
+
+    from pagedserve.cluster.image_chat import affinity_images
+    from pagedserve.scheduler.block_hash import hash_prompt_blocks
+
+    image = {"image_token_id": 9}
+    ids = [1, 2, 3, 4, 5, 9, 9, 9, 9, 6, 7, 8]
+    red, blue = Image.new("RGB", (4, 4), "red"), Image.new("RGB", (4, 4), "blue")
+    a = hash_prompt_blocks(ids, 4, images=affinity_images(ids, [red], image))
+    b = hash_prompt_blocks(ids, 4, images=affinity_images(ids, [blue], image))
+    again = hash_prompt_blocks(ids, 4, images=affinity_images(ids, [red.copy()], image))
+    assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2] and a == again
+    assert affinity_images(ids, [red, blue], image) == []  # runs and images disagree
