@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 from typing import Any
 
-from pagedserve.cluster.image_prompts import expand_text
+from pagedserve.cluster.image_prompts import chat_ids
 from pagedserve.cluster.multimodal import image_spans, load_image
 from pagedserve.cluster.protocol import APIError, ChatMessage
 from pagedserve.cluster.tools import template_messages
@@ -41,22 +41,18 @@ def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[s
                    add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
                    template_kwargs: dict[str, Any] | None = None,
                    continue_final_message: bool = False) -> list[int]:
-    """The prompt ids of a chat with images: the template rendered to text (an image
-    part is its begin-of-image token), each image's run written out, then tokenised
-    without adding special tokens (the template wrote them), as Hugging Face's
-    processor does; a template that cannot render them is a 400 on ``messages``."""
+    """``image_prompts.chat_ids`` of the request's messages (tools and template
+    variables too); a template that cannot render them is a 400 on ``messages``."""
     extra = dict(template_kwargs or {})
     if tools:
         extra["tools"] = tools
     if continue_final_message:
         extra["continue_final_message"] = True
     try:
-        text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **extra)
+        return chat_ids(tokenizer, image, template_messages(messages), add_generation_prompt,
+                        **extra)
     except Exception as e:
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
-    return tokenizer.encode(expand_text(tokenizer, image, text), add_special_tokens=False)
 
 
 def affinity_images(ids: list[int], images: list[Any], image: dict[str, Any]

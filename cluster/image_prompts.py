@@ -5,8 +5,8 @@ Gemma 3's processor writes each image into the text as its full placeholder run
 tokenising, so the text around an image tokenises as Hugging Face's processor
 tokenises it; this does the same, then hands the scheduler one ``ImageInput`` per
 run: where it is, the image's content hash and its preprocessed pixels. The engine
-holds one per multimodal model; the HTTP front uses ``expand_text`` to build chat
-prompts the same way.
+holds one per multimodal model; ``LLM.chat`` and the HTTP front build chat prompts
+the same way (``chat_ids``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,18 @@ def expand_text(tokenizer: Any, info: dict[str, Any], text: str) -> str:
                                int(info["tokens_per_image"]))
 
 
+def chat_ids(tokenizer: Any, info: dict[str, Any], messages: list[dict[str, Any]],
+             add_generation_prompt: bool, **template: Any) -> list[int]:
+    """The prompt ids of a chat with images: the template rendered to text (an image
+    part is its begin-of-image token), each image's run written out, then tokenised
+    without adding special tokens (the template wrote them), as Hugging Face's
+    processor does."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **template)
+    return tokenizer.encode(expand_text(tokenizer, info, text), add_special_tokens=False)
+
+
 class ImagePrompts:
     """Builds image prompts for one multimodal model (``info``: the worker's
     ``model_info()["image"]``) with its tokenizer, at most ``limit`` images a prompt."""
@@ -64,10 +76,6 @@ class ImagePrompts:
         self.image_token_id = int(info["image_token_id"])
         self.tokens_per_image = int(info["tokens_per_image"])
 
-    def expand_text(self, text: str) -> str:
-        """``text`` with each begin-of-image token written out as its placeholder run."""
-        return expand_text(self.tokenizer, self.info, text)
-
     def build(self, prompt: str | list[int], images: Sequence[Any],
               encode: Callable[[str], list[int]]) -> tuple[list[int], tuple[ImageInput, ...]]:
         """Token ids and image inputs of ``prompt`` with ``images`` (any form
@@ -77,7 +85,8 @@ class ImagePrompts:
         if len(images) > self.limit:
             raise ValueError(f"images: at most {self.limit} images a prompt "
                              f"(limit_mm_per_prompt), got {len(images)}")
-        ids = encode(self.expand_text(prompt)) if isinstance(prompt, str) else list(prompt)
+        ids = encode(expand_text(self.tokenizer, self.info, prompt)) \
+            if isinstance(prompt, str) else list(prompt)
         spans = image_spans(ids, self.image_token_id)
         if len(spans) != len(images):
             where = "begin-of-image tokens" if isinstance(prompt, str) \

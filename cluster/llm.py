@@ -8,6 +8,7 @@ from typing import Any
 from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_sequences
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
+from pagedserve.cluster.image_prompts import chat_ids
 from pagedserve.cluster.multimodal import split_chat_images
 from pagedserve.cluster.outputs import (
     EmbeddingOutput,
@@ -148,7 +149,7 @@ class LLM:
             extra["continue_final_message"] = True
         prompts: list[PromptType] = []
         for conv in conversations:
-            messages, images = split_chat_images(conv)
+            rendered, images = split_chat_images(conv)
             if not images:
                 prompts.append(list(tok.apply_chat_template(
                     conv, add_generation_prompt=add_generation_prompt, tokenize=True,
@@ -156,11 +157,8 @@ class LLM:
                 continue
             if self.engine.images is None:
                 raise ValueError("messages: this model takes no images")
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False, **extra)
-            # The template wrote the special tokens; the images' runs are written out
-            # before tokenising, as Hugging Face's processor does.
-            ids = tok.encode(self.engine.images.expand_text(text), add_special_tokens=False)
+            ids = chat_ids(tok, self.engine.model_info["image"], rendered,
+                           add_generation_prompt, **extra)
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

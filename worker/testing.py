@@ -147,11 +147,14 @@ GEMMA3_CHAT_TEMPLATE = (
 
 def write_random_gemma3_multimodal(dest: str | Path, seed: int = 7, vocab_size: int = 300,
                                    image_size: int = 56, patch_size: int = 7,
-                                   tokens_per_image: int = 16, **text: Any) -> str:
+                                   tokens_per_image: int = 16,
+                                   vision_config: dict[str, Any] | None = None,
+                                   **text: Any) -> str:
     """Save a random ``Gemma3ForConditionalGeneration`` (a small SigLIP tower, its
     projector, a Gemma 3 decoder) with a word-level tokenizer whose last ids are the
     image tokens (``GEMMA3_IMAGE_TOKENS``: begin, end, soft token) and a Gemma-style
-    chat template; return its path. ``text`` overrides the decoder's config."""
+    chat template; return its path. ``text`` overrides the decoder's config,
+    ``vision_config`` the tower's."""
     import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -168,6 +171,7 @@ def write_random_gemma3_multimodal(dest: str | Path, seed: int = 7, vocab_size: 
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=image_size, patch_size=patch_size,
                   vision_use_head=False)
+    vision.update(vision_config or {})
     torch.manual_seed(seed)
     model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
         text_config=text_cfg, vision_config=vision, mm_tokens_per_image=tokens_per_image,
