@@ -305,15 +305,9 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
                                          self.mistral_tools)
         images = await chat_images(body.messages, info, self.allowed_local_media_path)
-        if images:
-            ids = body.truncate(image_chat_ids(
-                self.tokenizer, [m.as_template_dict() for m in body.messages], info["image"],
-                body.add_generation_prompt, body.tools, body.chat_template_kwargs,
-                body.continue_final_message))
-        else:
-            ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
-                                               body.tools, body.chat_template_kwargs,
-                                               body.continue_final_message))
+        ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
+                                           body.tools, body.chat_template_kwargs,
+                                           body.continue_final_message, info))
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                            body.max_tokens_param, body.n),
@@ -332,10 +326,19 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                   tools: list[dict[str, Any]] | None,
                   template_kwargs: dict[str, Any] | None,
-                  continue_final_message: bool = False) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in messages],
-                               add_generation_prompt, tools, template_kwargs,
-                               continue_final_message)
+                  continue_final_message: bool = False,
+                  info: dict[str, Any] | None = None) -> list[int]:
+        """The chat's prompt ids; with images, each one's placeholder run written out as
+        the model's processor writes it (``image_chat``)."""
+        dicts = [m.as_template_dict() for m in messages]
+        if any(m.image_urls for m in messages):
+            image = (info or {}).get("image")
+            if not image:
+                raise APIError("this model takes no images", param="messages")
+            return image_chat_ids(self.tokenizer, dicts, image, add_generation_prompt, tools,
+                                  template_kwargs, continue_final_message)
+        return chat_prompt_ids(self.tokenizer, dicts, add_generation_prompt, tools,
+                               template_kwargs, continue_final_message)
 
 
 def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.Application:

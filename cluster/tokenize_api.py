@@ -64,7 +64,7 @@ class TokenizeEndpoints:
         info = await self._engine_info()
         if body.messages is not None:
             ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
-                                 body.chat_template_kwargs, body.continue_final_message)
+                                 body.chat_template_kwargs, body.continue_final_message, info)
         else:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": info["max_model_len"]}

@@ -105,6 +105,9 @@ def test_image_chat_over_http_equals_the_offline_engine(
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         messages=messages(data_url(img)), stream=True, **kw) if c.choices)
     assert streamed == ref.outputs[0].text
+    tokens = httpx.post(f"{mm_app.base}/tokenize", headers=mm_app.headers, timeout=60,
+                        json={"model": "tiny-gemma3", "messages": messages(data_url(img))})
+    assert tokens.json()["tokens"] == ref.prompt_token_ids  # the runs written out
     mm_app.wait_baseline()
 
 
