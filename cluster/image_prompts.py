@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pagedserve.cluster.multimodal import (
     ImageProcessor,
     expand_image_tokens,
@@ -65,14 +67,16 @@ def chat_ids(tokenizer: Any, info: dict[str, Any], messages: list[dict[str, Any]
 
 class ImagePrompts:
     """Builds image prompts for one multimodal model (``info``: the worker's
-    ``model_info()["image"]``) with its tokenizer, at most ``limit`` images a prompt."""
+    ``model_info()["image"]``) with its tokenizer, at most ``limit`` images a prompt,
+    pixels in the model's ``dtype``."""
 
     def __init__(self, model_dir: str, info: dict[str, Any], tokenizer: Any, limit: int,
-                 allowed_local_media_path: str | None = None) -> None:
+                 allowed_local_media_path: str | None = None, dtype: str = "float32") -> None:
         self.info, self.tokenizer, self.limit = info, tokenizer, limit
         self.allowed_local_media_path = allowed_local_media_path
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.processor = ImageProcessor.from_model_dir(model_dir, hf_config)
+        self.dtype = getattr(torch, dtype)
         self.image_token_id = int(info["image_token_id"])
         self.tokens_per_image = int(info["tokens_per_image"])
 
@@ -108,7 +112,9 @@ class ImagePrompts:
         engine runs it off its event loop and hands ``build`` the result)."""
         pictures = [load_image(img, allowed_local_media_path=self.allowed_local_media_path)
                     for img in images]
-        pixels = list(self.processor(pictures))
+        # In the encoder's dtype already (its first step casts them): a bf16 model's
+        # pixels take half the bytes in the request and in every rank's plan.
+        pixels = list(self.processor(pictures).to(self.dtype))
         return PreparedImages(pixels, [image_hash(p) for p in pixels])
 
     def check_text_only(self, ids: Sequence[int]) -> None:

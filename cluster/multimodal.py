@@ -23,10 +23,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image, ImageOps
+
+if TYPE_CHECKING:  # PIL is imported where an image is read: text-only serving needs none
+    from PIL import Image
 
 DEFAULT_IMAGE_SIZE = 896  # Gemma 3's SigLIP tower; its config.json may leave it out
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
@@ -49,6 +51,8 @@ def load_image(source: str | bytes | Image.Image, *, allowed_local_media_path: s
     a ``file://`` URL or a path; a relative path is taken inside that root. Every failure is
     a ``ValueError`` that names ``image_url``, so the route answers 400, never 500.
     """
+    from PIL import Image
+
     if isinstance(source, Image.Image):
         return _to_rgb(source)
     if isinstance(source, bytes | bytearray | memoryview):
@@ -144,6 +148,8 @@ def _read_local(source: str, scheme: str, allowed_local_media_path: str | None,
 
 
 def _decode(data: bytes) -> Image.Image:
+    from PIL import Image
+
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
@@ -157,6 +163,8 @@ def _decode(data: bytes) -> Image.Image:
 def _to_rgb(image: Image.Image) -> Image.Image:
     """EXIF-upright as HF's ``load_image``; transparency onto white as HF's ``convert_to_rgb``
     (and vLLM), so a transparent PNG gives the pixels HF's processor gives for it."""
+    from PIL import Image, ImageOps
+
     try:
         image = ImageOps.exif_transpose(image)
         if "A" in image.getbands() or image.info.get("transparency") is not None:
@@ -324,6 +332,8 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list[object]]:
 def _image_source(part: dict, where: str) -> object:
     kind = part["type"]
     if kind == "image":
+        from PIL import Image
+
         source = part.get("image")
         if not isinstance(source, str | bytes | Image.Image) or source in ("", b""):
             raise ValueError(f"{where}: an image part needs 'image': a URL, bytes or a PIL image")

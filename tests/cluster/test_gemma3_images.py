@@ -7,6 +7,7 @@ beside text prompts in one batch; bad image input is refused with the field name
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 from pathlib import Path
 
@@ -45,22 +46,22 @@ def prompt_ids(*parts: list[int] | str) -> list[int]:
     return ids
 
 
-def hf_reference(model_dir: str, prompts: list[tuple[list[int], list]], max_new: int
-                 ) -> list[list[int]]:
+def hf_reference(model_dir: str, prompts: list[tuple[list[int], list]], max_new: int,
+                 device: str = "cpu") -> list[list[int]]:
     """Hugging Face's greedy tokens, one prompt at a time, with the processor's pixels
     and token types (its bidirectional image mask)."""
     from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
 
     model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    model.to(device).eval()
     proc = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     outs = []
     with torch.inference_mode():
         for ids, images in prompts:
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=device)
             kw = {}
             if images:
-                kw["pixel_values"] = proc(images, return_tensors="pt")["pixel_values"]
+                kw["pixel_values"] = proc(images, return_tensors="pt")["pixel_values"].to(device)
                 kw["token_type_ids"] = (x == IMG).long()
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0,
@@ -262,5 +263,20 @@ def test_batch_invariant_image_prompts_do_not_depend_on_the_batch(mm_dir: str) -
         together = llm.generate(prompts, params)[1].outputs[0]
         assert alone.token_ids == together.token_ids
         assert alone.logprobs == together.logprobs
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(importlib.util.find_spec("PIL") is None, reason="needs Pillow (images)")
+def test_images_on_cuda_equal_hugging_face_on_cuda(mm_dir: str) -> None:
+    """On the GPU: the encoder, the masked image op and the Triton (or flash) kernels
+    beside it in prefill, decode in CUDA graphs; HF ``generate`` on the same device."""
+    ref = hf_reference(mm_dir, cases(), GREEDY.max_tokens, device="cuda")
+    llm = LLM(model=mm_dir, device="cuda", num_gpu_blocks=128, max_num_batched_tokens=24,
+              max_num_seqs=4)
+    try:
+        assert generate(llm, cases()) == ref
     finally:
         llm.shutdown()
