@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing import write_random_gemma3_multimodal
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 BOI, EOI, IMG, N = 297, 298, 299, 16
@@ -95,13 +96,15 @@ def generate(llm: LLM, prompts: list[tuple[list[int], list]]) -> list[list[int]]
     dict(attention_backend="torch"),
     dict(num_gpu_blocks=20, preemption_mode="recompute", block_size=4,
          disable_hybrid_kv_cache_manager=True),
-], ids=["whole", "chunked", "torch-backend", "recompute"])
+    dict(num_gpu_blocks=20, preemption_mode="swap", num_cpu_blocks=64, block_size=4,
+         disable_hybrid_kv_cache_manager=True),
+], ids=["whole", "chunked", "torch-backend", "recompute", "swap"])
 def test_images_equal_hugging_face(mm_dir: str, reference: list[list[int]], kw: dict) -> None:
     llm = LLM(model=mm_dir, **{"num_gpu_blocks": 128, **kw})
     try:
         assert generate(llm, cases()) == reference
         if "preemption_mode" in kw:
-            assert llm.engine.scheduler.num_preemptions["recompute"] > 0
+            assert llm.engine.scheduler.num_preemptions[kw["preemption_mode"]] > 0
         pool = llm.engine.scheduler.kv.pool
         assert pool.num_free_blocks == pool.num_blocks
     finally:
@@ -285,5 +288,35 @@ def test_images_on_cuda_equal_hugging_face_on_cuda(mm_dir: str) -> None:
               max_num_seqs=4)
     try:
         assert generate(llm, cases()) == ref
+    finally:
+        llm.shutdown()
+
+
+def test_aborting_image_requests_mid_prefill_and_mid_decode_frees_everything(
+        mm_dir: str, reference: list[list[int]]) -> None:
+    """One image request aborted after its first chunk (before its image), one after
+    its first tokens; the request beside them still gets HF's tokens, and the pool
+    and the engine's request maps return to their baseline."""
+    llm = LLM(model=mm_dir, num_gpu_blocks=128, max_num_batched_tokens=20, max_num_seqs=4)
+    engine = llm.engine
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        (ids0, imgs0), (ids1, imgs1) = cases()[:2]
+        early = engine.add_request(ids1, params, images=imgs1)
+        late = engine.add_request(ids0, params, images=imgs0)
+        keep = engine.add_request(*cases()[3][:1], params, images=cases()[3][1])
+        engine.step()
+        assert engine.scheduler.requests[early].num_computed_tokens < len(ids1)
+        engine.abort_request(early)
+        while not engine.scheduler.requests[late].output_token_ids:
+            engine.step()
+        engine.abort_request(late)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert done == {keep: reference[3]}
+        assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
