@@ -31,16 +31,7 @@ import torch
 from provenance import machine, tree_commit  # a sibling script
 
 from pagedserve.cluster import LLM, SamplingParams
-from pagedserve.worker.testing import write_random_gemma3_multimodal
-
-
-def pictures(n: int, seed: int = 0) -> list:
-    from PIL import Image
-
-    g = torch.Generator().manual_seed(seed)
-    return [Image.fromarray(torch.randint(0, 256, (300, 400, 3), generator=g,
-                                          dtype=torch.uint8).numpy(), "RGB")
-            for _ in range(n)]
+from pagedserve.worker.testing import random_picture, write_random_gemma3_multimodal
 
 
 def prompt(i: int, vocab: int, tokens_per_image: int, text: int) -> list[int]:
@@ -114,7 +105,7 @@ def main() -> None:
             sliding_window=args.window, layer_types=layer_types)
         prompts = [prompt(i, vocab, args.tokens_per_image, args.text)
                    for i in range(args.requests)]
-        images = pictures(args.requests)
+        images = [random_picture(i, (400, 300)) for i in range(args.requests)]
         ours_s, ours_tokens = ours(path, prompts, images, args.max_tokens)
         hf_s, hf_tokens = hugging_face(path, prompts, images, args.max_tokens, vocab - 1)
     n_out = args.requests * args.max_tokens

@@ -15,7 +15,7 @@ from typing import Any
 from pagedserve.cluster.image_prompts import chat_ids
 from pagedserve.cluster.multimodal import image_spans, load_image
 from pagedserve.cluster.protocol import APIError, ChatMessage
-from pagedserve.cluster.tools import template_messages
+from pagedserve.cluster.tools import template_extra, template_messages
 from pagedserve.scheduler.multimodal import ImageInput
 
 
@@ -43,11 +43,7 @@ def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[s
                    continue_final_message: bool = False) -> list[int]:
     """``image_prompts.chat_ids`` of the request's messages (tools and template
     variables too); a template that cannot render them is a 400 on ``messages``."""
-    extra = dict(template_kwargs or {})
-    if tools:
-        extra["tools"] = tools
-    if continue_final_message:
-        extra["continue_final_message"] = True
+    extra = template_extra(tools, template_kwargs, continue_final_message)
     try:
         return chat_ids(tokenizer, image, template_messages(messages), add_generation_prompt,
                         **extra)

@@ -344,6 +344,18 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def template_extra(tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None,
+                   continue_final_message: bool) -> dict[str, Any]:
+    """What ``apply_chat_template`` takes beyond the messages: the request's template
+    variables, its tools, and ``continue_final_message`` when set."""
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    return extra
+
+
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None,
                     template_kwargs: dict[str, Any] | None = None,
@@ -353,11 +365,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generati
     ``continue_final_message``, the last message left open for the model to go on
     with, as transformers renders it); a template that cannot render them is a 400
     on ``messages``."""
-    extra = dict(template_kwargs or {})
-    if tools:
-        extra["tools"] = tools
-    if continue_final_message:
-        extra["continue_final_message"] = True
+    extra = template_extra(tools, template_kwargs, continue_final_message)
     try:
         return list(tokenizer.apply_chat_template(
             template_messages(messages), tokenize=True,

@@ -200,3 +200,12 @@ def write_random_gemma3_multimodal(dest: str | Path, seed: int = 7, vocab_size: 
     Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(
         str(dest))
     return str(dest)
+
+
+def random_picture(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
+    """An RGB PIL image of random pixels (``size`` is width, height), for image tests."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy(), "RGB")

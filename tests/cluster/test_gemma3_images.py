@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedserve.cluster import LLM, SamplingParams
-from pagedserve.worker.testing import write_random_gemma3_multimodal
+from pagedserve.worker.testing import random_picture, write_random_gemma3_multimodal
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -26,12 +26,7 @@ def mm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_random_gemma3_multimodal(tmp_path_factory.mktemp("gemma3_images"))
 
 
-def picture(seed: int, size: tuple[int, int] = (40, 30)):
-    from PIL import Image
-
-    g = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
-    return Image.fromarray(pixels.numpy(), "RGB")
+picture = random_picture
 
 
 def image_run() -> list[int]:

@@ -7,6 +7,8 @@ Ray (``address="local"``, never joining another one on this machine) and ends it
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import random
 
@@ -29,6 +31,20 @@ import pytest
 API_KEY = "test-key"
 SMOL_ARGS: dict[str, Any] = {"num_gpu_blocks": 192, "max_model_len": 1024, "num_threads": 2,
                              "max_num_seqs": 32, "api_key": API_KEY}
+
+
+@contextlib.contextmanager
+def loopback_http(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 (a free port) in a thread, for the block: its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
 
 
 def free_port() -> int:

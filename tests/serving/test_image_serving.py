@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import http.server
 import io
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +16,9 @@ import httpx
 import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.worker.testing import random_picture as picture
 from pagedserve.worker.testing import write_random_gemma3_multimodal
-from tests.cluster.test_gemma3_images import picture
-from tests.serving.conftest import App, Cluster
+from tests.serving.conftest import App, Cluster, loopback_http
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -73,14 +72,8 @@ def image_server(media: Path) -> Iterator[str]:
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_http(Quiet) as base:
+        yield base
 
 
 def test_image_chat_over_http_equals_the_offline_engine(

@@ -12,7 +12,6 @@ import base64
 import copy
 import io
 import json
-import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -31,6 +30,7 @@ from pagedserve.cluster.multimodal import (
     load_image,
     split_chat_images,
 )
+from tests.serving.conftest import loopback_http
 
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 SIZE = 28
@@ -218,15 +218,8 @@ def http_base(image: Image.Image, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with loopback_http(Handler) as base:
+        yield base
 
 
 def test_http_fetch_ok_404_oversized_and_redirects(http_base: str, image: Image.Image) -> None:
