@@ -93,7 +93,8 @@ def generate(llm: LLM, prompts: list[tuple[list[int], list]]) -> list[list[int]]
          disable_hybrid_kv_cache_manager=True),
     dict(num_gpu_blocks=20, preemption_mode="swap", num_cpu_blocks=64, block_size=4,
          disable_hybrid_kv_cache_manager=True),
-], ids=["whole", "chunked", "torch-backend", "recompute", "swap"])
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+], ids=["whole", "chunked", "torch-backend", "recompute", "swap", "ngram"])
 def test_images_equal_hugging_face(mm_dir: str, reference: list[list[int]], kw: dict) -> None:
     llm = LLM(model=mm_dir, **{"num_gpu_blocks": 128, **kw})
     try:
@@ -312,6 +313,21 @@ def test_aborting_image_requests_mid_prefill_and_mid_decode_frees_everything(
                 if out.finished:
                     done[out.request_id] = out.outputs[0].token_ids
         assert done == {keep: reference[3]}
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_n2_samples_fork_after_the_image(mm_dir: str, reference: list[list[int]]) -> None:
+    """``n=2`` greedy: both samples share the prompt's blocks (image included) and each
+    gets HF's tokens."""
+    ids, imgs = cases()[0]
+    llm = LLM(model=mm_dir, num_gpu_blocks=128)
+    try:
+        out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}},
+                           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                          n=2))[0]
+        assert [o.token_ids for o in out.outputs] == [reference[0]] * 2
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
