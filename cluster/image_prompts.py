@@ -1,10 +1,10 @@
 """A prompt and its images as the scheduler takes them: placeholder ids and spans.
 
 Gemma 3's processor writes each image into the text as its full placeholder run
-(``\\n\\n<start_of_image>`` + 256 soft tokens + ``<end_of_image>\\n\\n``) before
-tokenising, so the text around an image tokenises as Hugging Face's processor
-tokenises it; this does the same, then hands the scheduler one ``ImageInput`` per
-run: where it is, the image's content hash and its preprocessed pixels. The engine
+(``\\n\\n<start_of_image>`` + 256 soft tokens + ``<end_of_image>\\n\\n``), LLaVA's
+writes ``<image>`` once per patch (576 for LLaVA-1.5), before tokenising, so the text
+around an image tokenises as Hugging Face's processor tokenises it; this does the
+same, then hands the scheduler one ``ImageInput`` per run: where it is, the image's content hash and its preprocessed pixels. The engine
 holds one per multimodal model; ``LLM.chat`` and the HTTP front build chat prompts
 the same way (``chat_ids``).
 """
@@ -44,13 +44,31 @@ class PreparedImages(Sequence[Any]):
 
 
 def expand_text(tokenizer: Any, info: dict[str, Any], text: str) -> str:
-    """``text`` with each begin-of-image token written out as its placeholder run, as
-    Gemma 3's processor writes it (``info``: the worker's ``model_info()["image"]``)."""
+    """``text`` with each image marker written out as its placeholder run, as the
+    model's processor writes it (``info``: the worker's ``model_info()["image"]``):
+    Gemma 3's begin-of-image token becomes its framed run, LLaVA's image token is
+    repeated once per image token."""
     convert = tokenizer.convert_ids_to_tokens
-    return expand_image_tokens(text, convert(int(info["boi_token_id"])),
-                               convert(int(info["image_token_id"])),
-                               convert(int(info["eoi_token_id"])),
-                               int(info["tokens_per_image"]))
+    marker, image = convert(int(info["marker_token_id"])), convert(int(info["image_token_id"]))
+    n = int(info["tokens_per_image"])
+    if info["family"] == "gemma3":
+        return expand_image_tokens(text, marker, image, convert(int(info["eoi_token_id"])), n)
+    return text.replace(marker, image * n)
+
+
+def expand_single_markers(ids: list[int], info: dict[str, Any]) -> list[int]:
+    """Token ids where LLaVA's image token stands once per image, written out to its
+    run (a lone id becomes ``tokens_per_image`` of it: no tokeniser is involved, so
+    the ids are the processor's); longer runs, other ids and Gemma 3's as they are."""
+    n, image = int(info["tokens_per_image"]), int(info["image_token_id"])
+    if info["family"] != "llava" or n == 1:
+        return ids
+    out: list[int] = []
+    for i, t in enumerate(ids):
+        lone = t == image and (i == 0 or ids[i - 1] != image) \
+            and (i + 1 == len(ids) or ids[i + 1] != image)
+        out.extend([image] * n if lone else [t])
+    return out
 
 
 def chat_ids(tokenizer: Any, info: dict[str, Any], messages: list[dict[str, Any]],
@@ -83,17 +101,18 @@ class ImagePrompts:
     def build(self, prompt: str | list[int], images: Sequence[Any],
               encode: Callable[[str], list[int]]) -> tuple[list[int], tuple[ImageInput, ...]]:
         """Token ids and image inputs of ``prompt`` with ``images`` (any form
-        ``multimodal.load_image`` takes). A text prompt marks each image with the
-        begin-of-image token (``encode`` tokenises it after expansion); token ids must
-        already hold every image's placeholder run. ``ValueError`` names the field."""
+        ``multimodal.load_image`` takes). A text prompt marks each image with its marker
+        (Gemma 3's begin-of-image token, LLaVA's ``<image>``; ``encode`` tokenises it after
+        expansion); token ids hold every image's placeholder run (LLaVA's may hold a lone
+        image token). ``ValueError`` names the field."""
         if len(images) > self.limit:
             raise ValueError(f"images: at most {self.limit} images a prompt "
                              f"(limit_mm_per_prompt), got {len(images)}")
         ids = encode(expand_text(self.tokenizer, self.info, prompt)) \
-            if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt, str) else expand_single_markers(list(prompt), self.info)
         spans = image_spans(ids, self.image_token_id)
         if len(spans) != len(images):
-            where = "begin-of-image tokens" if isinstance(prompt, str) \
+            where = "image markers" if isinstance(prompt, str) \
                 else f"runs of image token {self.image_token_id}"
             raise ValueError(f"images: the prompt marks {len(spans)} images ({where}) but "
                              f"{len(images)} were given")

@@ -177,40 +177,49 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 class ImageProcessor:
-    """Gemma 3's Hugging Face image processor, on the PIL backend.
+    """The model's Hugging Face image processor, on the PIL backend: Gemma 3's, or CLIP's
+    (LLaVA-1.5: resize the short side, centre-crop, CLIP's mean and std).
 
     The PIL backend always, even where torchvision is installed: it is the resize of HF's
-    original (slow) Gemma 3 processor, and the same image then gives the same pixels (and
+    original (slow) processors, and the same image then gives the same pixels (and
     ``image_hash``) on every host, whatever is installed there.
-    Called with ``Gemma3Processor.images_kwargs`` (RGB conversion on, pan-and-scan off), as the
-    processor calls it, so the output equals the processor's ``pixel_values``.
+    Gemma 3's is called with ``Gemma3Processor.images_kwargs`` (RGB conversion on,
+    pan-and-scan off), as the processor calls it, so the output equals the processor's
+    ``pixel_values``.
     """
 
     def __init__(self, hf_image_processor: Any) -> None:
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
         from transformers.models.gemma3.image_processing_pil_gemma3 import (
             Gemma3ImageProcessorPil,
         )
         from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
-        if not isinstance(hf_image_processor, Gemma3ImageProcessorPil):
-            raise ValueError(f"image processor: expected Gemma3ImageProcessorPil, got "
-                             f"{type(hf_image_processor).__name__}")
-        if hf_image_processor.do_pan_and_scan:
-            raise ValueError("image processor: do_pan_and_scan=true is not supported; "
-                             "set it to false or null in preprocessor_config.json")
-        size = hf_image_processor.size
+        hf = hf_image_processor
+        if isinstance(hf, Gemma3ImageProcessorPil):
+            if hf.do_pan_and_scan:
+                raise ValueError("image processor: do_pan_and_scan=true is not supported; "
+                                 "set it to false or null in preprocessor_config.json")
+            size, kwargs = hf.size, dict(Gemma3Processor.images_kwargs)
+        elif isinstance(hf, CLIPImageProcessorPil):
+            size = hf.crop_size if hf.do_center_crop else hf.size
+            kwargs = {}
+        else:
+            raise ValueError(f"image processor: expected Gemma 3's or CLIP's, got "
+                             f"{type(hf).__name__}")
         if size.height is None or size.height != size.width:
             raise ValueError(f"image processor: size must be square height=width, got {size}")
-        self._hf = hf_image_processor
+        self._hf = hf
         self._image_size = int(size.height)
-        self._call_kwargs = dict(Gemma3Processor.images_kwargs)
+        self._call_kwargs = kwargs
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, hf_config: dict) -> ImageProcessor:
         """What ``AutoImageProcessor.from_pretrained(model_dir, backend="pil")`` loads where
-        the checkpoint has a preprocessor config, else Gemma 3's defaults at
-        ``vision_config.image_size`` (896 if absent)."""
+        the checkpoint has a preprocessor config, else the model's defaults at
+        ``vision_config.image_size`` (Gemma 3: 896 if absent; CLIP's: 224)."""
         from transformers import AutoImageProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
         from transformers.models.gemma3.image_processing_pil_gemma3 import (
             Gemma3ImageProcessorPil,
         )
@@ -219,12 +228,16 @@ class ImageProcessor:
         if _has_image_processor_config(model_dir):
             hf = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil",
                                                     local_files_only=True)
-        else:
-            size = (hf_config.get("vision_config") or {}).get("image_size", DEFAULT_IMAGE_SIZE)
-            if not isinstance(size, int) or size <= 0:
-                raise ValueError(f"vision_config.image_size must be a positive int, got {size!r}")
-            hf = Gemma3ImageProcessorPil(size={"height": size, "width": size})
-        return cls(hf)
+            return cls(hf)
+        llava = hf_config.get("model_type") == "llava"
+        default = 224 if llava else DEFAULT_IMAGE_SIZE
+        size = (hf_config.get("vision_config") or {}).get("image_size", default)
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"vision_config.image_size must be a positive int, got {size!r}")
+        if llava:
+            return cls(CLIPImageProcessorPil(size={"shortest_edge": size},
+                                             crop_size={"height": size, "width": size}))
+        return cls(Gemma3ImageProcessorPil(size={"height": size, "width": size}))
 
     @property
     def image_size(self) -> int:

@@ -20,7 +20,7 @@ import torch
 
 from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
-from pagedserve.worker.image_config import ImageConfig, image_config_from_hf
+from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
 from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
@@ -28,7 +28,7 @@ from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES,
-                         *GEMMA_MODEL_TYPES)
+                         *GEMMA_MODEL_TYPES, "llava")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -118,6 +118,12 @@ class ModelConfig:
                 f"got {model_type!r}"
             )
         image = image_config_from_hf(cfg)
+        if model_type == "llava":  # LLaVA-1.5: a Llama-family decoder behind CLIP
+            cfg = llava_text_config(cfg)
+            model_type = cfg["model_type"]
+            if model_type not in SUPPORTED_MODEL_TYPES or model_type in GEMMA_MODEL_TYPES:
+                raise ValueError(f"model config field 'text_config.model_type' must be one of "
+                                 f"{SUPPORTED_MODEL_TYPES}, got {model_type!r}")
         cfg, gemma = gemma_from_hf(cfg, model_type)
         model_type = cfg["model_type"]  # a multimodal Gemma 3 serves its text decoder
         hidden = _positive_int("hidden_size", _require(cfg, "hidden_size"))

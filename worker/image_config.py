@@ -1,11 +1,15 @@
-"""What a multimodal Gemma 3 file says about its images, read from ``config.json``.
+"""What a multimodal file says about its images, read from ``config.json``.
 
-The 4B-27B Gemma 3 releases (``model_type: gemma3``, ``Gemma3ForConditionalGeneration``)
-put a SigLIP vision tower and a projector in front of the text decoder: an image
-becomes ``mm_tokens_per_image`` embeddings that replace as many ``image_token_index``
+Two families take images. Gemma 3's 4B-27B releases (``model_type: gemma3``) put a
+SigLIP tower and a projector in front of the decoder: an image becomes
+``mm_tokens_per_image`` embeddings replacing as many ``image_token_index``
 placeholders, which the processor writes between ``boi_token_index`` and
-``eoi_token_index``. The defaults are transformers' ``Gemma3Config``'s (the released
-files list only what differs).
+``eoi_token_index`` (a text prompt marks the image with the begin token), and an
+image's tokens attend to each other both ways. LLaVA-1.5 (``model_type: llava``) puts a
+CLIP tower and a two-layer projector in front of a Llama-family decoder: the
+processor writes ``image_token_index`` once per patch (the text marks the image with
+that token, once), attention stays causal. Defaults are transformers' config classes'
+(the released files list only what differs).
 """
 
 from __future__ import annotations
@@ -14,28 +18,50 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+MULTIMODAL_MODEL_TYPES = ("gemma3", "llava")
+
 
 @dataclass(frozen=True)
 class ImageConfig:
-    """A multimodal file's image facts; ``hf_config`` is its whole ``config.json`` as
-    JSON text (the vision encoder builds from it; text keeps the dataclass hashable)."""
+    """A multimodal file's image facts. ``marker_token_id`` is the token a text prompt
+    marks an image with; ``eoi_token_id`` (Gemma 3) closes an image's run;
+    ``bidirectional``: an image's tokens see each other both ways. ``hf_config`` is
+    the whole ``config.json`` as JSON text (the encoder builds from it; text keeps the
+    dataclass hashable)."""
 
+    family: str
     image_token_id: int
-    boi_token_id: int
-    eoi_token_id: int
+    marker_token_id: int
+    eoi_token_id: int | None
     tokens_per_image: int
     image_size: int
+    bidirectional: bool
     hf_config: str
 
     def hf_dict(self) -> dict[str, Any]:
         return json.loads(self.hf_config)
 
+    def info(self) -> dict[str, Any]:
+        """What the engine and the HTTP front need (``model_info()["image"]``)."""
+        return {"family": self.family, "image_token_id": self.image_token_id,
+                "marker_token_id": self.marker_token_id, "eoi_token_id": self.eoi_token_id,
+                "tokens_per_image": self.tokens_per_image, "image_size": self.image_size,
+                "bidirectional": self.bidirectional}
+
 
 def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
-    """The image facts of a ``gemma3`` config with a ``vision_config``; None otherwise.
-    ``ValueError`` names a field that cannot be served."""
-    if cfg.get("model_type") != "gemma3" or not isinstance(cfg.get("vision_config"), dict):
+    """The image facts of a ``gemma3`` or ``llava`` config with a ``vision_config``; None
+    otherwise. ``ValueError`` names a field that cannot be served."""
+    family = cfg.get("model_type")
+    if family not in MULTIMODAL_MODEL_TYPES or not isinstance(cfg.get("vision_config"), dict):
         return None
+
+    def index(name: str, default: int) -> int:
+        value = cfg.get(name, cfg.get(name.replace("_index", "_id")))
+        return default if value is None else int(value)
+
+    if family == "llava":
+        return _llava(cfg, index("image_token_index", 32_000))
     vision = cfg["vision_config"]
     tokens = int(cfg.get("mm_tokens_per_image") or 256)
     side = int(tokens ** 0.5)
@@ -47,16 +73,45 @@ def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
     if image_size % patch or (image_size // patch) % side:
         raise ValueError(f"model config field 'vision_config.image_size' ({image_size}) must "
                          f"be a multiple of patch_size ({patch}) x sqrt(mm_tokens_per_image)")
-
-    def index(name: str, default: int) -> int:
-        value = cfg.get(name, cfg.get(name.replace("_index", "_id")))
-        return default if value is None else int(value)
-
     return ImageConfig(
-        image_token_id=index("image_token_index", 262_144),
-        boi_token_id=index("boi_token_index", 255_999),
-        eoi_token_id=index("eoi_token_index", 256_000),
-        tokens_per_image=tokens,
-        image_size=image_size,
-        hf_config=json.dumps(cfg),
-    )
+        family="gemma3", image_token_id=index("image_token_index", 262_144),
+        marker_token_id=index("boi_token_index", 255_999),
+        eoi_token_id=index("eoi_token_index", 256_000), tokens_per_image=tokens,
+        image_size=image_size, bidirectional=True, hf_config=json.dumps(cfg))
+
+
+def _llava(cfg: dict[str, Any], image_token: int) -> ImageConfig:
+    from transformers import CLIPVisionConfig
+
+    vision = dict(cfg["vision_config"])
+    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise ValueError("model config field 'vision_config.model_type' must be "
+                         f"'clip_vision_model', got {vision.get('model_type')!r}")
+    vision = CLIPVisionConfig(**{k: v for k, v in vision.items() if k != "model_type"})
+    strategy = cfg.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError("model config field 'vision_feature_select_strategy' must be "
+                         f"'default' or 'full', got {strategy!r}")
+    if vision.image_size % vision.patch_size:
+        raise ValueError(f"model config field 'vision_config.image_size' "
+                         f"({vision.image_size}) must be a multiple of patch_size "
+                         f"({vision.patch_size})")
+    patches = (vision.image_size // vision.patch_size) ** 2
+    return ImageConfig(
+        family="llava", image_token_id=image_token, marker_token_id=image_token,
+        eoi_token_id=None, tokens_per_image=patches + (strategy == "full"),
+        image_size=vision.image_size, bidirectional=False, hf_config=json.dumps(cfg))
+
+
+def llava_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A LLaVA config as its decoder's: ``text_config`` completed with its config
+    class's defaults (a Llama unless it says), the top level's ids and dtype kept."""
+    from transformers import AutoConfig
+
+    text = dict(cfg.get("text_config") or {})
+    model_type = text.pop("model_type", "llama")
+    full = AutoConfig.for_model(model_type, **text).to_dict()
+    for key in ("eos_token_id", "bos_token_id", "quantization_config", "dtype", "torch_dtype"):
+        if cfg.get(key) is not None:
+            full[key] = cfg[key]
+    return {**full, "model_type": model_type}

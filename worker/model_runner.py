@@ -117,9 +117,11 @@ class ModelRunner:
             md.groups = mds[1:]
         images = _image_rows(reqs, q_lens)
         if images:
-            spans = [r.image_spans or [] for r in reqs]
-            for m in mds:
-                m.image_spans = spans
+            image_cfg = self.model.config.image
+            if image_cfg is not None and image_cfg.bidirectional:  # (LLaVA's stay causal)
+                spans = [r.image_spans or [] for r in reqs]
+                for m in mds:
+                    m.image_spans = spans
             for row, chunk in images:  # placeholders may lie past the vocabulary
                 input_ids[row:row + chunk.count] = 0
         rows: list[int] = []

@@ -209,3 +209,61 @@ def random_picture(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
     return Image.fromarray(pixels.numpy(), "RGB")
+
+
+# LLaVA test files: the image token last in a small vocabulary, chat words before it.
+_LLAVA_WORDS = ("USER:", "ASSISTANT:", "<image>")
+LLAVA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'].upper() }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>\n{% elif p['type'] == 'text' %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %} {% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
+                       image_size: int = 28, patch_size: int = 7,
+                       strategy: str = "default", **text: Any) -> str:
+    """Save a random ``LlavaForConditionalGeneration`` (a 2-layer CLIP tower, LLaVA's
+    projector, a Llama decoder) with a word-level tokenizer whose last id is
+    ``<image>`` and a LLaVA-1.5-style chat template, plus CLIP's image processor
+    config; return its path. ``text`` overrides the decoder's config."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    words = [f"t{i}" for i in range(vocab_size)]
+    words[vocab_size - len(_LLAVA_WORDS):] = _LLAVA_WORDS
+    text_cfg = dict(model_type="llama", vocab_size=vocab_size, hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
+                    eos_token_id=2)
+    text_cfg.update(text)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=2, image_size=image_size,
+                  patch_size=patch_size, hidden_act="quick_gelu", projection_dim=32)
+    torch.manual_seed(seed)
+    model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
+        text_config=text_cfg, vision_config=vision, image_token_index=vocab_size - 1,
+        vision_feature_select_strategy=strategy, vision_feature_layer=-2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+            elif "vision" in name:
+                p.normal_(0.0, 0.2)
+            else:
+                p.mul_(4.0)
+    dest = Path(dest)
+    model.save_pretrained(dest, safe_serialization=True)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                      eos_token="t2", pad_token="t0")
+    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    fast.chat_template = LLAVA_CHAT_TEMPLATE
+    fast.save_pretrained(str(dest))
+    CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                          crop_size={"height": image_size, "width": image_size}
+                          ).save_pretrained(str(dest))
+    return str(dest)

@@ -34,6 +34,7 @@ from pagedserve.worker.loaders.hf import checkpoint_names
 from pagedserve.worker.loaders.prequant import dequantized_weights
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
+from pagedserve.worker.models.multimodal import with_vision
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage, layer_partition
 from pagedserve.worker.sampler import Sampler
@@ -126,6 +127,8 @@ class Worker:
         the new one is complete, so a load that fails leaves the old one serving)."""
         assert self.ctx is not None
         cls = MODEL_REGISTRY[model_config.model_type]
+        if model_config.image is not None:  # a multimodal file: its decoder, its encoder
+            cls = with_vision(cls)
         stage = PipelineStage.of(model_config.num_layers, self.config.pipeline_parallel_size,
                                  self.config.pp_rank, self.config.pipeline_layer_partition)
         model = cls(model_config, self.ctx, self.backend, self.dtype, self.device, stage)
@@ -411,13 +414,8 @@ class Worker:
             "long_rope_from": mc.long_rope_from,
             "weight_bytes": self.weight_bytes,
             # A multimodal file's image facts when its encoder is loaded (None: text only).
-            "image": None if mc.image is None or not self.config.enable_images else {
-                "image_token_id": mc.image.image_token_id,
-                "boi_token_id": mc.image.boi_token_id,
-                "eoi_token_id": mc.image.eoi_token_id,
-                "tokens_per_image": mc.image.tokens_per_image,
-                "image_size": mc.image.image_size,
-            },
+            "image": None if mc.image is None or not self.config.enable_images
+            else mc.image.info(),
         }
 
     def shutdown(self) -> None:

@@ -5,12 +5,11 @@ Everything paged, sharded, staged, quantised or adapted works as for Llama: this
 swaps what Gemma does differently (``worker.gemma_config`` lists it): four
 ``1 + weight`` RMSNorms a layer with the attention's and the MLP's outputs normalised
 before their residual add, a scaled embedding, GELU-tanh gating, a second RoPE table
-for the sliding-window layers, and an optional final logit softcap.
+for the sliding-window layers, and an optional final logit softcap. A multimodal
+file's decoder (and image encoder) is read through ``models.multimodal``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +32,6 @@ from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import PipelineStage
 
 _FF_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-# A multimodal Gemma 3 file's text decoder under its two saved layouts, and the rest.
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
 
 
 class GemmaMLP(LlamaMLP):
@@ -109,34 +103,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def attach_vision(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Build the image encoder of a multimodal file (its first pipeline stage only:
-        the images' embeddings enter with the tokens'); ``load_weights`` fills it."""
-        image = self.config.image
-        if image is None:
-            raise ValueError(f"{self.config.model_type!r} model takes no images")
-        if self.stage.is_first:
-            from pagedserve.worker.models.gemma3_vision import Gemma3VisionEncoder
-
-            self.vision = Gemma3VisionEncoder.from_hf_config(image.hf_dict(), dtype, device)
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
-                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
-        """As Llama's, over a multimodal file's text decoder too (its names re-rooted);
-        the vision tower's and projector's go to the image encoder when there is one,
-        else are never read."""
-        vision: list[tuple[str, LazyTensor]] = []
-        super().load_weights(_text_decoder(weights, vision if self.vision else None),
-                             on_layer)
-        if self.vision is not None:
-            self.vision.load_weights(vision)
-
-    def owns_tensor(self, name: str) -> bool:
-        text = _text_name(name)
-        if text is None:
-            return self.vision is not None
-        return super().owns_tensor(text)
-
     def _expected_names(self) -> set[str]:
         names = super()._expected_names()
         for i in range(self.stage.start, self.stage.end):
@@ -151,25 +117,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             _copy_full(name, getattr(layer, m.group(2).rpartition(".")[0]).weight, lazy)
             return
         super()._load_one(name, lazy)
-
-
-def _text_decoder(weights: Iterable[tuple[str, LazyTensor]],
-                  vision: list[tuple[str, LazyTensor]] | None = None
-                  ) -> Iterator[tuple[str, LazyTensor]]:
-    """``weights`` with a multimodal file's decoder names re-rooted at ``model.`` /
-    ``lm_head.`` and its vision tower and projector set aside in ``vision`` (left out
-    when None; other names as they are)."""
-    for name, lazy in weights:
-        text = _text_name(name)
-        if text is not None:
-            yield text, lazy
-        elif vision is not None:
-            vision.append((name, lazy))
-
-
-def _text_name(name: str) -> str | None:
-    """A checkpoint name as the text decoder calls it; None for the vision tower's."""
-    for prefix, root in _TEXT_PREFIXES:
-        if name.startswith(prefix):
-            return root + name[len(prefix):]
-    return None if name.startswith(_VISION_PREFIXES) else name
