@@ -4,9 +4,9 @@ Gemma 3's processor writes each image into the text as its full placeholder run
 (``\\n\\n<start_of_image>`` + 256 soft tokens + ``<end_of_image>\\n\\n``), LLaVA's
 writes ``<image>`` once per patch (576 for LLaVA-1.5), before tokenising, so the text
 around an image tokenises as Hugging Face's processor tokenises it; this does the
-same, then hands the scheduler one ``ImageInput`` per run: where it is, the image's content hash and its preprocessed pixels. The engine
-holds one per multimodal model; ``LLM.chat`` and the HTTP front build chat prompts
-the same way (``chat_ids``).
+same, then hands the scheduler one ``ImageInput`` per run: where it is, the image's
+content hash and its preprocessed pixels. The engine holds one per multimodal model;
+``LLM.chat`` and the HTTP front build chat prompts the same way (``chat_ids``).
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.worker.layers.linear import LazyTensor
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
-}
-# [model.]vision_tower.[vision_model.]X and [model.]multi_modal_projector.X: the saved
-# layouts of transformers 4.x releases, 4.5x saves and 5.x saves (which drop vision_model.).
-_NAME_RE = re.compile(r"^(?:model\.)?(?:(vision_tower)\.(?:vision_model\.)?|(multi_modal_projector)\.)")
+from pagedserve.worker.models.vit import (
+    ACTIVATIONS,
+    EncoderLayer,
+    load_targets,
+    param,
+    positive_int,
+)
 
 
 @dataclass(frozen=True)
@@ -57,9 +55,9 @@ class Gemma3VisionConfig:
         if side * side != self.tokens_per_image or self.patches_per_side % side:
             raise ValueError(f"mm_tokens_per_image ({self.tokens_per_image}) is not a square "
                              f"whose side divides the {self.patches_per_side}-patch grid side")
-        if self.hidden_act not in _ACTIVATIONS:
+        if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"vision_config.hidden_act {self.hidden_act!r} is not one of "
-                             f"{sorted(_ACTIVATIONS)}")
+                             f"{sorted(ACTIVATIONS)}")
 
     @property
     def patches_per_side(self) -> int:
@@ -86,27 +84,23 @@ class Gemma3VisionConfig:
             raise ValueError(f"vision_config is not a valid SiglipVisionConfig: {e}") from e
         text = hf_config.get("text_config")
         return cls(
-            hidden_size=_positive_int(vision, "hidden_size", "vision_config"),
-            intermediate_size=_positive_int(vision, "intermediate_size", "vision_config"),
-            num_layers=_positive_int(vision, "num_hidden_layers", "vision_config"),
-            num_heads=_positive_int(vision, "num_attention_heads", "vision_config"),
-            num_channels=_positive_int(vision, "num_channels", "vision_config"),
+            hidden_size=positive_int(vision, "hidden_size", "vision_config"),
+            intermediate_size=positive_int(vision, "intermediate_size", "vision_config"),
+            num_layers=positive_int(vision, "num_hidden_layers", "vision_config"),
+            num_heads=positive_int(vision, "num_attention_heads", "vision_config"),
+            num_channels=positive_int(vision, "num_channels", "vision_config"),
             image_size=_square(vision, "image_size"),
             patch_size=_square(vision, "patch_size"),
             layer_norm_eps=float(vision["layer_norm_eps"]),
             hidden_act=str(vision["hidden_act"]),
-            tokens_per_image=_positive_int({"mm_tokens_per_image": 256, **hf_config},
+            tokens_per_image=positive_int({"mm_tokens_per_image": 256, **hf_config},
                                            "mm_tokens_per_image", ""),
-            text_hidden_size=_positive_int(text if isinstance(text, dict) else {},
+            text_hidden_size=positive_int(text if isinstance(text, dict) else {},
                                            "hidden_size", "text_config"),
         )
 
 
-def _positive_int(cfg: dict, key: str, where: str) -> int:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{where + '.' if where else ''}{key} is {value!r}, not a positive int")
-    return value
+
 
 
 def _square(vision: dict, key: str) -> int:
@@ -114,50 +108,10 @@ def _square(vision: dict, key: str) -> int:
     value = vision.get(key)
     if isinstance(value, list | tuple) and len(value) == 2 and value[0] == value[1]:
         value = value[0]
-    return _positive_int({key: value}, key, "vision_config")
+    return positive_int({key: value}, key, "vision_config")
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
-
-class _EncoderLayer(nn.Module):
-    """``x + attn(ln1(x))``, then ``x + fc2(act(fc1(ln2(x))))``; q/k/v fused in one weight."""
-
-    def __init__(self, cfg: Gemma3VisionConfig, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        p = functools.partial(_param, dtype=dtype, device=device)
-        self.cfg, self.act = cfg, _ACTIVATIONS[cfg.hidden_act]
-        self.ln1_weight, self.ln1_bias, self.ln2_weight, self.ln2_bias = p(h), p(h), p(h), p(h)
-        self.qkv_weight, self.qkv_bias = p(3 * h, h), p(3 * h)
-        self.out_weight, self.out_bias = p(h, h), p(h)
-        self.fc1_weight, self.fc1_bias = p(i, h), p(i)
-        self.fc2_weight, self.fc2_bias = p(h, i), p(h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, length, h = x.shape
-        eps, heads = self.cfg.layer_norm_eps, self.cfg.num_heads
-        y = F.layer_norm(x, (h,), self.ln1_weight, self.ln1_bias, eps)
-        qkv = F.linear(y, self.qkv_weight, self.qkv_bias).view(n, length, 3, heads, h // heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v)  # no mask; scale head_dim ** -0.5
-        x = x + F.linear(y.transpose(1, 2).reshape(n, length, h), self.out_weight, self.out_bias)
-        y = F.layer_norm(x, (h,), self.ln2_weight, self.ln2_bias, eps)
-        y = self.act(F.linear(y, self.fc1_weight, self.fc1_bias))
-        return x + F.linear(y, self.fc2_weight, self.fc2_bias)
-
-    def targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> the tensor (or fused-q/k/v slice) it is copied into."""
-        h, out = self.cfg.hidden_size, {}
-        for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-            out[f"{prefix}self_attn.{proj}.weight"] = self.qkv_weight[j * h:(j + 1) * h]
-            out[f"{prefix}self_attn.{proj}.bias"] = self.qkv_bias[j * h:(j + 1) * h]
-        for ours, theirs in (("ln1", "layer_norm1"), ("ln2", "layer_norm2"),
-                             ("out", "self_attn.out_proj"), ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")):
-            out[f"{prefix}{theirs}.weight"] = getattr(self, f"{ours}_weight")
-            out[f"{prefix}{theirs}.bias"] = getattr(self, f"{ours}_bias")
-        return out
 
 
 class Gemma3VisionEncoder(nn.Module):
@@ -166,12 +120,12 @@ class Gemma3VisionEncoder(nn.Module):
     def __init__(self, cfg: Gemma3VisionConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         h, c, ps = cfg.hidden_size, cfg.num_channels, cfg.patch_size
-        p = functools.partial(_param, dtype=dtype, device=device)
+        p = functools.partial(param, dtype=dtype, device=device)
         self.cfg = cfg
         self.tokens_per_image, self.image_size = cfg.tokens_per_image, cfg.image_size
         self.patch_weight, self.patch_bias = p(h, c, ps, ps), p(h)
         self.position_embedding = p(cfg.patches_per_side ** 2, h)
-        self.layers = nn.ModuleList(_EncoderLayer(cfg, dtype, device)
+        self.layers = nn.ModuleList(EncoderLayer(cfg, dtype, device)
                                     for _ in range(cfg.num_layers))
         self.post_ln_weight, self.post_ln_bias = p(h), p(h)
         self.mm_norm_weight = p(h)
@@ -226,28 +180,11 @@ class Gemma3VisionEncoder(nn.Module):
             out.update(layer.targets(f"vision_tower.encoder.layers.{i}."))
         return out
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> None:
         """Copy the tower's and projector's tensors from a whole multimodal checkpoint
         (either saved layout; the text decoder's names are skipped, so one pass over the
         file can feed both models). ValueError on a bad shape, an unknown vision name, or
         a parameter the checkpoint did not provide."""
-        targets, seen = self._targets(), set()
-        for name, lazy in weights:
-            m = _NAME_RE.match(name)
-            if m is None:
-                continue
-            key = f"{m.group(1) or m.group(2)}.{name[m.end():]}"
-            if key.startswith("vision_tower.head."):
-                continue  # SigLIP's pooling head: Gemma 3 reads the last hidden states
-            dst = targets.get(key)
-            if dst is None:
-                raise ValueError(f"{name}: not a Gemma 3 vision tower / projector tensor")
-            if tuple(lazy.shape) != tuple(dst.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
-                                 f"expected {tuple(dst.shape)}")
-            dst.copy_(lazy[:])
-            seen.add(key)
-        missing = sorted(targets.keys() - seen)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} vision tensor(s): {missing[:5]}")
+        # (SigLIP's pooling head is read by no one: Gemma 3 takes the last hidden states.)
+        load_targets(self._targets(), weights, "Gemma 3 vision tower / projector",
+                     ("vision_tower.head.",))
