@@ -34,16 +34,25 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def write_wordlevel_tokenizer(dest: str | Path, vocab_size: int) -> None:
-    """A real tokenizer made on the spot: word ``t<i>`` is token ``i`` (``t2`` is EOS)."""
+def write_wordlevel_tokenizer(dest: str | Path, vocab_size: int,
+                              words: tuple[str, ...] = (), specials: tuple[str, ...] = (),
+                              chat_template: str | None = None) -> None:
+    """A real tokenizer made on the spot: word ``t<i>`` is token ``i`` (``t2`` is EOS),
+    the last ``len(words)`` ids spelt ``words`` instead, ``specials`` among them split out
+    wherever they stand (an image token run needs no spaces)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    spelt = [f"t{i}" for i in range(vocab_size)]
+    spelt[vocab_size - len(words):] = words
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(spelt)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
                                    eos_token="t2", pad_token="t0")
+    if specials:
+        fast.add_special_tokens({"additional_special_tokens": list(specials)})
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(dest))
 
 
@@ -156,11 +165,8 @@ def write_random_gemma3_multimodal(dest: str | Path, seed: int = 7, vocab_size: 
     chat template; return its path. ``text`` overrides the decoder's config,
     ``vision_config`` the tower's."""
     import transformers as tf
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = [f"t{i}" for i in range(vocab_size)]
-    specials = (*_GEMMA3_TURN_WORDS, *GEMMA3_IMAGE_TOKENS)
-    words[vocab_size - len(specials):] = specials
+    words = (*_GEMMA3_TURN_WORDS, *GEMMA3_IMAGE_TOKENS)
     boi, eoi, image = (vocab_size - 3, vocab_size - 2, vocab_size - 1)
     text_cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -187,14 +193,8 @@ def write_random_gemma3_multimodal(dest: str | Path, seed: int = 7, vocab_size: 
                 p.normal_(0.0, 0.5 if "norm" in name else 0.2)
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
-                                      eos_token="t2", pad_token="t0")
-    fast.add_special_tokens({"additional_special_tokens": list(specials[:2])
-                             + list(GEMMA3_IMAGE_TOKENS)})
-    fast.chat_template = GEMMA3_CHAT_TEMPLATE
-    fast.save_pretrained(str(dest))
+    write_wordlevel_tokenizer(dest, vocab_size, words, (*words[:2], *GEMMA3_IMAGE_TOKENS),
+                              GEMMA3_CHAT_TEMPLATE)
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(
@@ -229,11 +229,8 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
     ``<image>`` and a LLaVA-1.5-style chat template, plus CLIP's image processor
     config; return its path. ``text`` overrides the decoder's config."""
     import transformers as tf
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    words = [f"t{i}" for i in range(vocab_size)]
-    words[vocab_size - len(_LLAVA_WORDS):] = _LLAVA_WORDS
     text_cfg = dict(model_type="llama", vocab_size=vocab_size, hidden_size=64,
                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
@@ -256,13 +253,8 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
                 p.mul_(4.0)
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
-                                      eos_token="t2", pad_token="t0")
-    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    fast.chat_template = LLAVA_CHAT_TEMPLATE
-    fast.save_pretrained(str(dest))
+    write_wordlevel_tokenizer(dest, vocab_size, _LLAVA_WORDS, ("<image>",),
+                              LLAVA_CHAT_TEMPLATE)
     CLIPImageProcessorPil(size={"shortest_edge": image_size},
                           crop_size={"height": image_size, "width": image_size}
                           ).save_pretrained(str(dest))
