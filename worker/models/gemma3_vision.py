@@ -20,8 +20,8 @@ from torch import nn
 
 from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.models.vit import (
-    ACTIVATIONS,
     EncoderLayer,
+    TowerConfig,
     load_targets,
     param,
     positive_int,
@@ -29,35 +29,19 @@ from pagedserve.worker.models.vit import (
 
 
 @dataclass(frozen=True)
-class Gemma3VisionConfig:
-    """The encoder's shape, validated; errors name the HF config field at fault."""
+class Gemma3VisionConfig(TowerConfig):
+    """SigLIP's shape and Gemma's projector's: ``tokens_per_image`` pooled soft tokens
+    into ``text_hidden_size``."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_channels: int
-    image_size: int
-    patch_size: int
-    layer_norm_eps: float
-    hidden_act: str
     tokens_per_image: int
     text_hidden_size: int
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision_config.num_attention_heads ({self.num_heads}) does not "
-                             f"divide vision_config.hidden_size ({self.hidden_size})")
-        if self.image_size % self.patch_size:
-            raise ValueError(f"vision_config.patch_size ({self.patch_size}) does not divide "
-                             f"vision_config.image_size ({self.image_size})")
+        super().__post_init__()
         side = math.isqrt(self.tokens_per_image)
         if side * side != self.tokens_per_image or self.patches_per_side % side:
             raise ValueError(f"mm_tokens_per_image ({self.tokens_per_image}) is not a square "
                              f"whose side divides the {self.patches_per_side}-patch grid side")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"vision_config.hidden_act {self.hidden_act!r} is not one of "
-                             f"{sorted(ACTIVATIONS)}")
 
     @property
     def patches_per_side(self) -> int:

@@ -23,6 +23,7 @@ from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.models.vit import (
     ACTIVATIONS,
     EncoderLayer,
+    TowerConfig,
     load_targets,
     param,
     positive_int,
@@ -34,20 +35,10 @@ _IGNORED = ("vision_tower.post_layernorm.", "vision_tower.embeddings.position_id
 
 
 @dataclass(frozen=True)
-class LlavaVisionConfig:
-    """The encoder's shape, validated; errors name the HF config field at fault.
-    ``feature_layers`` are ``vision_feature_layer``'s indices into the tower's
+class LlavaVisionConfig(TowerConfig):
+    """CLIP's shape and LLaVA's feature selection and projector. ``feature_layers`` are ``vision_feature_layer``'s indices into the tower's
     ``num_layers + 1`` hidden states (one int, or a list whose states are concatenated)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_channels: int
-    image_size: int
-    patch_size: int
-    layer_norm_eps: float
-    hidden_act: str
     feature_layers: tuple[int, ...]
     select_strategy: str
     projector_act: str
@@ -55,16 +46,10 @@ class LlavaVisionConfig:
     text_hidden_size: int
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision_config.num_attention_heads ({self.num_heads}) does not "
-                             f"divide vision_config.hidden_size ({self.hidden_size})")
-        if self.image_size % self.patch_size:
-            raise ValueError(f"vision_config.patch_size ({self.patch_size}) does not divide "
-                             f"vision_config.image_size ({self.image_size})")
-        for field, act in (("vision_config.hidden_act", self.hidden_act),
-                           ("projector_hidden_act", self.projector_act)):
-            if act not in ACTIVATIONS:
-                raise ValueError(f"{field} {act!r} is not one of {sorted(ACTIVATIONS)}")
+        super().__post_init__()
+        if self.projector_act not in ACTIVATIONS:
+            raise ValueError(f"projector_hidden_act {self.projector_act!r} is not one of "
+                             f"{sorted(ACTIVATIONS)}")
         n = self.num_layers + 1
         if not self.feature_layers or any(not -n <= i < n for i in self.feature_layers):
             raise ValueError(f"vision_feature_layer {list(self.feature_layers)} is not a "

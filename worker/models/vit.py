@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +29,33 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's
 }
+
+
+@dataclass(frozen=True)
+class TowerConfig:
+    """A vision tower's shape (SigLIP's or CLIP's), validated; errors name the HF config
+    field at fault. The encoders add their projector's fields."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision_config.num_attention_heads ({self.num_heads}) does not "
+                             f"divide vision_config.hidden_size ({self.hidden_size})")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"vision_config.patch_size ({self.patch_size}) does not divide "
+                             f"vision_config.image_size ({self.image_size})")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"vision_config.hidden_act {self.hidden_act!r} is not one of "
+                             f"{sorted(ACTIVATIONS)}")
 
 
 def positive_int(cfg: dict, key: str, where: str) -> int:
