@@ -74,7 +74,8 @@ def expand_single_markers(ids: list[int], info: dict[str, Any]) -> list[int]:
 def chat_ids(tokenizer: Any, info: dict[str, Any], messages: list[dict[str, Any]],
              add_generation_prompt: bool, **template: Any) -> list[int]:
     """The prompt ids of a chat with images: the template rendered to text (an image
-    part is its begin-of-image token), each image's run written out, then tokenised
+    part is its marker: Gemma 3's begin-of-image token, LLaVA's ``<image>``), each
+    image's run written out, then tokenised
     without adding special tokens (the template wrote them), as Hugging Face's
     processor does."""
     text = tokenizer.apply_chat_template(messages, tokenize=False,
