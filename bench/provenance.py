@@ -14,14 +14,17 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def tree_commit() -> str:
-    """The checkout's short commit hash, ``+dirty`` if files differ from it."""
+    """The checkout's short commit hash, ``+dirty`` if files differ from it. The
+    figures' own directory does not count: a bench opens its JSON (emptying a tracked
+    one) before it writes this field, which made every rerun read ``+dirty``."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=_HERE,
                               check=False).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD")
-    return f"{commit}+dirty" if commit and git("status", "--porcelain", "--untracked-files=no") \
-        else commit
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/",
+                  ":(exclude,top)bench/figures")
+    return f"{commit}+dirty" if commit and changed else commit
 
 
 def machine() -> str:
