@@ -115,16 +115,8 @@ class ModelRunner:
         md = mds[0]
         if len(mds) > 1:
             md.groups = mds[1:]
-        images = _image_rows(reqs, q_lens)
-        if images:
-            image_cfg = self.model.config.image
-            if image_cfg is not None and image_cfg.bidirectional:  # (LLaVA's stay causal)
-                spans = [r.image_spans or [] for r in reqs]
-                for m in mds:
-                    m.image_spans = spans
-            for row, chunk in images:  # placeholders may lie past the vocabulary
-                input_ids[row:row + chunk.count] = 0
         rows: list[int] = []
+        images: list[tuple[int, ImageChunk]] = []  # (first flat row, what it takes)
         sample_reqs: list[SampleRequest] = []
         drafted: list[SampleRequest] = []
         jobs: list[PromptLogprobJob] = []
@@ -139,6 +131,8 @@ class ModelRunner:
                 k = params.prompt_logprobs or 0
                 jobs.append(PromptLogprobJob(r.request_id, end, r.num_computed_tokens + 1,
                                              r.prompt_logprob_targets, k))
+            if r.images:
+                images.extend((end + c.offset, c) for c in r.images)
             end += q
             if not r.sample_ids:
                 continue
@@ -163,6 +157,14 @@ class ModelRunner:
                 done = r.num_output_tokens if sid == r.request_id else 0
                 sample_reqs.append(SampleRequest(sid, r.request_id, row, params, done,
                                                  out, r.prompt_token_ids))
+        if images:
+            image_cfg = self.model.config.image
+            if image_cfg is not None and image_cfg.bidirectional:  # (LLaVA's stay causal)
+                spans = [r.image_spans or [] for r in reqs]
+                for m in mds:
+                    m.image_spans = spans
+            for row, chunk in images:  # placeholders may lie past the vocabulary
+                input_ids[row:row + chunk.count] = 0
         return ModelInputs(
             input_ids=input_ids.to(dev),
             positions=positions.to(dev),
@@ -299,18 +301,6 @@ def _block_table(reqs: list[ScheduledRequest], tables: list[list[int]], seq_lens
         flat += bt[:need]
         flat += pad[: width - need]
     return int_tensor(flat, np.int32).view(len(reqs), width)
-
-
-def _image_rows(reqs: list[ScheduledRequest], q_lens: list[int]
-                ) -> list[tuple[int, ImageChunk]]:
-    """Each image chunk of the step with the flat row its first token sits at."""
-    out: list[tuple[int, ImageChunk]] = []
-    end = 0
-    for r, q in zip(reqs, q_lens):
-        if r.images:
-            out.extend((end + c.offset, c) for c in r.images)
-        end += q
-    return out
 
 
 def _group_table(r: ScheduledRequest, group: int) -> list[int]:
