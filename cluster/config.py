@@ -346,6 +346,8 @@ class EngineConfig:
             enable_cuda_graph=device == "cuda" and not self.enforce_eager,
             max_num_seqs=self.max_num_seqs,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            speculative_model=spec.model if spec else None,
+            speculative_quantization=spec.quantization if spec else None,
             num_threads=self.num_threads,
             max_lora_rank=self.max_lora_rank if self.enable_lora else 0,
             max_loaded_loras=self.resolved_max_loaded_loras() if self.enable_lora else 0,

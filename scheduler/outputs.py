@@ -48,6 +48,8 @@ class ScheduledRequest:
     ``images`` are the rows of this chunk an image's encoder output replaces, and
     ``image_spans`` the whole images (absolute positions) they belong to, each
     attending to itself both ways (``multimodal``); None without images.
+    ``num_lookahead``: slots the block table holds past the row's tokens, where a
+    draft model writes its guesses' KV (``spec_decode``); 0: it proposes none.
     """
 
     request_id: str
@@ -68,6 +70,7 @@ class ScheduledRequest:
     group_block_tables: list[list[int]] | None = None
     images: list[ImageChunk] | None = None
     image_spans: list[tuple[int, int]] | None = None
+    num_lookahead: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +132,8 @@ class ModelRunnerOutput:
     ``pooled`` answers pooling rows with an opaque per-row result (a tensor
     payload the engine combines; the scheduler only passes it on).
     ``counters`` are the attention backend's per-step counts (``take_counters``),
-    which the engine sums into its stats.
+    which the engine sums into its stats. ``draft_tokens``: a draft model's guesses
+    for each row that proposed, to verify in the row's next step.
     """
 
     step_id: int
@@ -138,6 +142,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     pooled: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
+    draft_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -97,6 +97,8 @@ class Request:
         # Speculative decoding: this step's guessed tokens, and the token ids as C
         # ints for the n-gram search (see ``spec_decode``).
         self.spec_token_ids: tuple[int, ...] = ()
+        # A draft model's guesses for the next step, with the token count they follow.
+        self.draft_proposal: tuple[int, tuple[int, ...]] | None = None
         self.token_bytes: bytearray | None = None
         # A beam of a beam search: the group's search state (see ``beam``).
         self.beam: BeamGroup | None = None

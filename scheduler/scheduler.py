@@ -187,13 +187,14 @@ class Scheduler(StepResults):
                 # Guesses past the switch would be rotated short: stop them before it.
                 room = self.cache_config.long_rope_from - req.num_computed_tokens - num_new
                 req.spec_token_ids = req.spec_token_ids[:max(0, room)]
+            look = drafter.lookahead(req, num_new) if drafter else 0
             if req.spec_token_ids:
                 num_new += len(req.spec_token_ids)
-            copies = self.kv.allocate_slots(req, num_new)
-            if copies is None and req.spec_token_ids:
-                # Guesses never preempt anyone: try the plain decode step first.
-                req.spec_token_ids = ()
-                num_new = 1
+            copies = self.kv.allocate_slots(req, num_new + look)
+            if copies is None and (req.spec_token_ids or look):
+                # Guesses never preempt anyone: try the plain step first.
+                num_new -= len(req.spec_token_ids)
+                req.spec_token_ids, look = (), 0
                 copies = self.kv.allocate_slots(req, num_new)
             while copies is None:
                 if self.running[-1].request_id in in_flight:
@@ -207,7 +208,7 @@ class Scheduler(StepResults):
             if copies is None:
                 break
             out.blocks_to_copy.extend(copies)
-            out.scheduled.append(self._scheduled(req, num_new))
+            out.scheduled.append(self._scheduled(req, num_new, look))
             budget -= num_new
             i += 1
             taken += 1
@@ -269,7 +270,8 @@ class Scheduler(StepResults):
             if num_new == 0:  # its next image needs more of a step than is left
                 break
             req.num_computed_tokens = num_hit
-            copies = self.kv.allocate_slots(req, num_new, hits, loads)
+            look = drafter.lookahead(req, num_new) if drafter else 0
+            copies = self.kv.allocate_slots(req, num_new + look, hits, loads)
             if copies is None:
                 req.num_computed_tokens = 0
                 break
@@ -280,7 +282,7 @@ class Scheduler(StepResults):
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._scheduled(req, num_new))
+            out.scheduled.append(self._scheduled(req, num_new, look))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         offloads, loads = self.kv.end_step()
@@ -336,10 +338,12 @@ class Scheduler(StepResults):
             return fit_chunk(req.images, start, num_new)
         return num_new
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int, look: int = 0) -> ScheduledRequest:
         rid = req.request_id
-        return scheduled_request(req, num_new, self.kv.block_ids(rid),
-                                 self.kv.group_block_ids(rid))
+        sched = scheduled_request(req, num_new, self.kv.block_ids(rid),
+                                  self.kv.group_block_ids(rid))
+        sched.num_lookahead = look
+        return sched
 
     def _switch_to_long_rope(self) -> None:
         """Recompute, with the long factors, every request that has grown past

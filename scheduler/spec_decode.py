@@ -1,4 +1,5 @@
-"""Speculative decoding by n-gram lookup (vLLM's ``method="ngram"``, HF's prompt lookup).
+"""Speculative decoding: n-gram lookup (vLLM's ``method="ngram"``, HF's prompt lookup)
+or a smaller draft model (``method="draft_model"``, HF's assisted generation).
 
 The proposer guesses a sequence's next tokens by finding the most recent
 earlier occurrence of its last ``n`` tokens (``prompt_lookup_max`` down to
@@ -9,6 +10,12 @@ token of its own. Outputs that quote their input (summaries, code edits,
 extraction, RAG answers) advance several tokens per step; a batch-1 decode
 step on a CPU or GPU reads every weight once whatever its width, so the extra
 positions cost little there. Pure Python: the scheduler imports no torch.
+
+With a draft model the guesses come from the worker instead: after each step the
+rank that samples runs the draft over the step's accepted tokens and proposes the
+next ``k`` greedily (``worker.draft_model``); the scheduler keeps each request's
+proposal until its next step and gives such rows ``k`` lookahead slots, where the
+draft writes its own KV for the tokens it guesses past the step.
 """
 
 from __future__ import annotations
@@ -20,13 +27,17 @@ from typing import Any
 
 from pagedserve.scheduler.request import Request
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
+DRAFT_QUANTIZATIONS = ("int8", "int4")
 _WIDTH = array("i").itemsize  # bytes per token in the search buffer
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config`` for ``method="ngram"``.
+    """vLLM's ``speculative_config``: ``method="ngram"``, or ``"draft_model"`` with
+    ``model`` (a local directory or cached hub id sharing the target's tokenizer;
+    given ``model``, the method defaults to it). ``quantization`` ("int8" / "int4")
+    quantises the draft's weights online, a cheaper drafter on CPU.
 
     Defaults from ``bench/spec_decode.py`` on SmolLM2: single-token matches
     (``prompt_lookup_min=1``) guess twice as often for little more accepted,
@@ -42,11 +53,24 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    model: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
                              f"got {self.method!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config.model must name the draft model "
+                                 f"(a local directory or cached hub id), got {self.model!r}")
+        elif self.model is not None or self.quantization is not None:
+            raise ValueError("speculative_config.model and .quantization are for "
+                             f"method 'draft_model', not {self.method!r}")
+        q = self.quantization
+        if q is not None and q not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative_config.quantization must be one of "
+                             f"{DRAFT_QUANTIZATIONS} or None, got {q!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:
@@ -74,7 +98,21 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown} "
                              f"(known: {sorted(known)})")
-        return cls(**dict(d))
+        d = dict(d)
+        if d.get("model") is not None and "method" not in d:
+            d["method"] = "draft_model"  # vLLM's reading of a bare ``model``
+        return cls(**d)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @property
+    def num_lookahead(self) -> int:
+        """Slots past a row's step that the draft writes: its guesses after the
+        token it samples (the target never reads them; the next step recomputes
+        or overwrites every one)."""
+        return self.num_speculative_tokens if self.uses_draft_model else 0
 
 
 class NgramProposer:
@@ -116,7 +154,7 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config)
+        self.proposer = None if config.uses_draft_model else NgramProposer(config)
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
 
     def active(self, num_running: int) -> bool:
@@ -137,7 +175,23 @@ class Drafter:
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - req.num_output_tokens - 1)
-        return self.proposer.propose(req, min(room, budget))
+        k = min(room, budget)
+        if self.proposer is not None:
+            return self.proposer.propose(req, k)
+        held = req.draft_proposal  # (the token count it follows, the guesses)
+        if held is None or held[0] != len(req.all_token_ids) or k <= 0:
+            return ()
+        return held[1][:k]
+
+    def lookahead(self, req: Request, num_new: int) -> int:
+        """Slots after the step that a draft model may write for this row: its
+        guesses follow the token the row samples for itself, so rows that sample
+        for siblings, beams, pooling rows and prompt chunks before the last get none."""
+        if (not self.config.uses_draft_model or req.pending_children or req.beam is not None
+                or req.pooling_params is not None
+                or req.num_computed_tokens + num_new < req.num_tokens):
+            return 0
+        return self.config.num_lookahead
 
     def count(self, req: Request, drafts: tuple[int, ...], tokens: list[int]) -> int:
         """Check the runner's answer for a drafted row (accepted guesses, then its own

@@ -79,7 +79,17 @@ class StepResults(BeamScheduling):
                         r.num_cached_tokens,
                     )
                 )
+        if output is not None and output.draft_tokens:
+            self._keep_proposals(output.draft_tokens)
         return updates
+
+    def _keep_proposals(self, proposals: dict[str, list[int]]) -> None:
+        """A draft model's guesses, held for each running request's next step (with
+        the token count they follow: a stale proposal is never sent)."""
+        for rid, toks in proposals.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.draft_proposal = (len(req.all_token_ids), tuple(toks))
 
     @staticmethod
     def _sampled(sampled: dict[str, SampledToken], req: Request) -> SampledToken:

@@ -261,6 +261,11 @@ class WorkerConfig:
     ``gpu_memory_utilization`` of the device is used after a profiling forward,
     whose logits rows include ``num_speculative_tokens`` per sequence.
 
+    ``speculative_model`` is a draft model (``worker.draft_model``) held by the rank
+    that samples, its weights quantised online by ``speculative_quantization`` when
+    set; its KV pool has the target's block count, so its bytes count in that rank's
+    bytes per block.
+
     ``kv_cache_dtype`` (``kernels.kv_quant``) stores the KV pool narrower than
     ``dtype``: "auto" is the model dtype; fp16/bf16 halve an fp32 pool's bytes
     per block, fp8 quarters them, so a byte budget holds 2x / 4x the blocks.
@@ -307,6 +312,8 @@ class WorkerConfig:
     enable_cuda_graph: bool = False
     max_num_seqs: int = 256
     num_speculative_tokens: int = 0
+    speculative_model: str | None = None
+    speculative_quantization: str | None = None
     cpu_packed_weights: bool = True
     num_threads: int | None = None
     max_lora_rank: int = 0
@@ -350,6 +357,8 @@ class WorkerConfig:
         if self.num_speculative_tokens < 0:
             raise ValueError(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_model is not None and self.num_speculative_tokens < 1:
+            raise ValueError("speculative_model needs num_speculative_tokens >= 1")
         parse_dtype(self.dtype)
 
     def _check_pipeline(self) -> None:

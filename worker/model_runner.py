@@ -23,6 +23,7 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
 )
 from pagedserve.worker.cuda_graph import DecodeGraphRunner
+from pagedserve.worker.draft_model import DraftRunner
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
@@ -56,9 +57,10 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, ctx: ParallelContext,
                  device: torch.device, sampler: Sampler | None = None,
                  enable_cuda_graph: bool = False, max_num_seqs: int = 256,
-                 lora: LoRAManager | None = None):
+                 lora: LoRAManager | None = None, drafter: DraftRunner | None = None):
         self.model, self.kv_cache, self.ctx, self.device = model, kv_cache, ctx, device
         self.lora = lora
+        self.drafter = drafter  # (on the rank that samples, with a draft model)
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler(model.config.eos_token_ids)
         self.long_rope = (model.config.rope_scaling or {}).get("rope_type") == "longrope"
@@ -226,6 +228,8 @@ class ModelRunner:
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy(plan.blocks_to_copy)
+        if self.drafter is not None:
+            self.drafter.apply_cache_ops(plan)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, intermediate: IntermediateTensors | None = None
@@ -265,14 +269,15 @@ class ModelRunner:
                 out.prompt_logprobs = prompt_lps
         if inputs.pool_jobs and out is not None:
             out.pooled = pool_hidden(hidden, inputs.pool_jobs)
-        if inputs.logits_indices.numel() == 0:
-            return out
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        if out is None or logits is None:
-            return None
-        out.sampled = self.sampler.sample(logits, inputs.sample_reqs)
-        if inputs.drafted_reqs:
-            out.spec_tokens = self.sampler.sample_drafted(logits, inputs.drafted_reqs)
+        if inputs.logits_indices.numel():
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            if out is None or logits is None:
+                return None
+            out.sampled = self.sampler.sample(logits, inputs.sample_reqs)
+            if inputs.drafted_reqs:
+                out.spec_tokens = self.sampler.sample_drafted(logits, inputs.drafted_reqs)
+        if self.drafter is not None and out is not None:
+            out.draft_tokens = self.drafter.run(plan, out)
         return out
 
 

@@ -24,6 +24,12 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import batch_invariant
 from pagedserve.worker import sleep as sleep_mode
 from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.draft_model import (
+    DraftModel,
+    DraftRunner,
+    draft_block_bytes,
+    load_draft_model,
+)
 from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
@@ -79,6 +85,7 @@ class Worker:
         self.num_threads: int | None = None
         self.lora: LoRAManager | None = None
         self.sleep_state: SleepState | None = None
+        self.draft: DraftModel | None = None
 
     # ----- setup -------------------------------------------------------------------------
 
@@ -117,6 +124,11 @@ class Worker:
         self.resolved = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.resolved.path)
         self.build_model(self.resolved, self.model_config)
+        if self.config.speculative_model and self.ctx.is_first and self.model.stage.is_last:
+            self.draft = load_draft_model(
+                self.config.speculative_model, self.dtype, self.device,
+                self.config.attention_backend, self.config.speculative_quantization,
+                self.model_config, self.config.cpu_packed_weights)
         self.load_time_s = time.perf_counter() - t0
         logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
                     self.load_time_s)
@@ -196,10 +208,13 @@ class Worker:
         return self.kv_layout.local_slots(range(stage.start, stage.end))
 
     def _block_bytes(self) -> int:
+        """Bytes one block id takes on this rank: the target's KV, and a draft model's."""
         assert self.model_config is not None
-        return bytes_per_block(max(self._layer_slots()) + 1, self.config.block_size,
-                               self.num_kv_heads_per_rank, self.model_config.head_dim,
-                               self.kv_dtype)
+        draft = (draft_block_bytes(self.draft, self.config.block_size, self.dtype)
+                 if self.draft is not None else 0)
+        return draft + bytes_per_block(max(self._layer_slots()) + 1, self.config.block_size,
+                                       self.num_kv_heads_per_rank,
+                                       self.model_config.head_dim, self.kv_dtype)
 
     def determine_num_blocks(self) -> int:
         """Device KV blocks this rank can hold: explicit count, byte budget, or CUDA profiling.
@@ -289,10 +304,22 @@ class Worker:
         sampler = Sampler(self.model_config.eos_token_ids, grammar_book=self._grammar_book)
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
-                                  max_num_seqs=self.config.max_num_seqs, lora=self.lora)
+                                  max_num_seqs=self.config.max_num_seqs, lora=self.lora,
+                                  drafter=self._draft_runner())
         if scaled and calibrate:
             for attn in self.model.attention_layers():
                 attn.arm_calibration()
+
+    def _draft_runner(self) -> DraftRunner | None:
+        """The draft model over a KV pool of its own with the target's block ids."""
+        if self.draft is None:
+            return None
+        assert self.kv_cache is not None
+        mc = self.draft.config
+        kv = KVCache(mc.num_layers, self.kv_cache.num_blocks, self.config.block_size,
+                     mc.num_kv_heads, mc.head_dim, self.dtype, self.device, self.backend,
+                     self.kv_cache.num_cpu_blocks)
+        return DraftRunner(self.draft, kv, self.device, self.config.num_speculative_tokens)
 
     def _grammar_book(self) -> Any:
         """Structured-output state, built on the first constrained request (rank 0 only

@@ -1,0 +1,187 @@
+"""Speculative decoding with a draft model through the real engine.
+
+Greedy outputs equal Hugging Face's whatever the draft (the target's own weights,
+which it accepts almost always, or an unrelated model, which it mostly rejects),
+under chunked prefill, both preemption modes, prefix-cache hits, ``n > 1`` and
+aborts; seeded sampling draws what it draws without drafts; the pool returns to its
+baseline; bad drafts are a ``ValueError`` naming ``speculative_config.model``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.worker.testing import write_random_checkpoint
+from tests.cluster.conftest import hf_greedy
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+
+K = 3
+
+
+def _spec(model: str, **kw) -> dict:
+    return {"model": model, "num_speculative_tokens": K, **kw}
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _acceptance(llm: LLM, before: dict | None = None) -> float:
+    s = llm.engine.get_stats()["spec_decode"]
+    b = before or {"num_draft_tokens": 0, "num_accepted_tokens": 0}
+    sent = s["num_draft_tokens"] - b["num_draft_tokens"]
+    assert sent > 0, s
+    return (s["num_accepted_tokens"] - b["num_accepted_tokens"]) / sent
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Same shape and tokenizer as ``tiny_llama_dir``, other weights, one layer."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("draft"), "llama",
+                                   default_model_dir, seed=99, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: str) -> list[list[int]]:
+    return hf_greedy(tiny_llama_dir, prompts_of_mixed_lengths(), 24)
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"max_num_batched_tokens": 8},  # chunked prompts: the draft catches up chunk by chunk
+    {"num_gpu_blocks": 20, "preemption_mode": "recompute"},
+    {"num_gpu_blocks": 24, "preemption_mode": "swap"},
+])
+def test_self_draft_greedy_equals_hugging_face_and_is_accepted(tiny_llama_dir, reference,
+                                                                kw) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(model=tiny_llama_dir, block_size=4, max_num_seqs=8,
+              **{"num_gpu_blocks": 64, **kw}, speculative_config=_spec(tiny_llama_dir))
+    try:
+        steps0 = llm.engine.stats["steps"]
+        assert _tokens(llm.generate(prompts_of_mixed_lengths(), params)) == reference
+        # The draft's KV is right after every chunk, recompute and swap: its guesses
+        # are the target's own, so nearly all are kept (fp rounding may flip a tie).
+        assert _acceptance(llm) > 0.95
+        stats = llm.engine.get_stats()
+        if "preemption_mode" in kw:
+            assert sum(stats["num_preemptions"].values()) > 0
+        # Each drafted step advances a row by most of its K guesses and its own token.
+        spec = stats["spec_decode"]
+        assert spec["num_accepted_tokens"] >= 2 * spec["num_drafts"], spec
+        if not kw:  # (plain decoding takes 24 steps at least)
+            assert llm.engine.stats["steps"] - steps0 < 16
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_unrelated_draft_changes_no_token(tiny_llama_dir, other_draft, reference) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64,
+              speculative_config=_spec(other_draft))
+    try:
+        assert _tokens(llm.generate(prompts_of_mixed_lengths(), params)) == reference
+        assert _acceptance(llm) < 0.5  # the draft really is another model
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_cache_hits_keep_the_drafts_kv(tiny_llama_dir) -> None:
+    prompt = list(range(200, 260))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64,
+              speculative_config=_spec(tiny_llama_dir))
+    try:
+        first = llm.generate([prompt], params)[0]
+        before = llm.engine.get_stats()["spec_decode"]
+        again = llm.generate([[*prompt, 7]], params)[0]
+        assert again.num_cached_tokens >= 56
+        # Only the draft's KV of the cached blocks lets it guess right after a hit.
+        assert _acceptance(llm, before) > 0.95
+        assert first.outputs[0].token_ids  # (ran)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_seeded(tiny_llama_dir) -> Iterator[tuple]:
+    prompts = [list(range(100 + 9 * i, 120 + 9 * i)) for i in range(4)]
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64)
+    try:
+        yield prompts, llm.generate(prompts, _seeded()), llm.generate(prompts, _penal())
+    finally:
+        llm.shutdown()
+
+
+def _seeded() -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=20, ignore_eos=True,
+                          n=2)
+
+
+def _penal() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                          repetition_penalty=1.2, frequency_penalty=0.3, min_tokens=5)
+
+
+def test_seeded_sampling_penalties_and_n2_draw_as_without_drafts(tiny_llama_dir,
+                                                                  plain_seeded) -> None:
+    prompts, seeded, penal = plain_seeded
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks=64,
+              speculative_config=_spec(tiny_llama_dir))
+    try:
+        got = llm.generate(prompts, _seeded())
+        assert [[c.token_ids for c in o.outputs] for o in got] == \
+            [[c.token_ids for c in o.outputs] for o in seeded]
+        assert _tokens(llm.generate(prompts, _penal())) == _tokens(penal)
+        assert llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_abort_mid_decode_frees_the_lookahead_too(tiny_llama_dir) -> None:
+    llm = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64,
+              speculative_config=_spec(tiny_llama_dir))
+    try:
+        engine = llm.engine
+        for i, p in enumerate(prompts_of_mixed_lengths(4)):
+            engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True,
+                                                 temperature=0.0), request_id=f"r{i}")
+        for _ in range(4):
+            engine.step()
+        assert engine.get_stats()["spec_decode"]["num_drafts"] > 0
+        for i in range(4):
+            assert engine.abort_request(f"r{i}")
+        assert_pool_at_baseline(llm)
+        plan = engine.schedule()
+        engine.process(plan, engine.execute(plan))
+    finally:
+        llm.shutdown()
+
+
+def test_bad_drafts_are_value_errors_naming_the_field(tmp_path, tiny_llama_dir,
+                                                      default_model_dir) -> None:
+    with pytest.raises(ValueError, match=r"speculative_config\.model"):
+        LLM(model=tiny_llama_dir, num_gpu_blocks=16,
+            speculative_config=_spec(str(tmp_path / "missing")))
+    big = write_random_checkpoint(tmp_path / "big", "llama", default_model_dir,
+                                  vocab_size=50000)
+    with pytest.raises(ValueError, match=r"speculative_config\.model.*vocabulary"):
+        LLM(model=tiny_llama_dir, num_gpu_blocks=16, speculative_config=_spec(big))
+    with pytest.raises(ValueError, match=r"speculative_config\.model"):
+        LLM(model=tiny_llama_dir, speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="draft_model"):
+        LLM(model=tiny_llama_dir, speculative_config={"method": "ngram", "model": big})
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=tiny_llama_dir, speculative_config=_spec(big, quantization="fp8"))
+    windowed = write_random_checkpoint(tmp_path / "win", "mistral", default_model_dir,
+                                       sliding_window=64)
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(model=windowed, num_gpu_blocks=16, speculative_config=_spec(tiny_llama_dir))

@@ -1,0 +1,195 @@
+"""Speculative decoding with a draft model (vLLM's ``method="draft_model"``).
+
+The draft is a small model sharing the target's tokenizer. It lives beside the
+sampler only (rank 0 of the last pipeline stage), whole, with a KV pool of its own
+over the target's block ids: a block the scheduler gives a request holds the
+target's K/V on every rank and the draft's on this one, so prefix-cache hits,
+copy-on-write, swaps and offloads move both without the scheduler knowing.
+
+After each step's sampling, ``DraftRunner.run``:
+
+1. catches up: one forward of every row's tokens that the target kept this step
+   (a prompt chunk; a decode row's token and its accepted guesses), plus, for a
+   row that proposes, the token it just sampled. The draft's KV is then valid up
+   to the request's new length, as the target's is; a prefix this replica cached
+   was computed by both;
+2. proposes: ``k`` greedy tokens per proposing row, the first from the catch-up's
+   last logits, each next one from a one-token decode step whose KV lands in the
+   row's lookahead slots (``ScheduledRequest.num_lookahead``).
+
+Greedy drafts are what vLLM's draft proposers send: the verifier's sample-and-match
+rule (``Sampler.sample_drafted``) is then exactly speculative sampling for a
+one-hot draft, so outputs follow the target's distribution at any temperature,
+and seeded requests draw the tokens they draw without drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import build_varlen_metadata, get_backend
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.kv_cache import KVCache, bytes_per_block
+from pagedserve.worker.layers.attention import AttentionMetadata
+from pagedserve.worker.layers.packed import can_pack, pack_model
+from pagedserve.worker.layers.quant import quantize_model
+from pagedserve.worker.loaders import iter_safetensors, resolve_model
+from pagedserve.worker.models import MODEL_REGISTRY
+from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.pipeline import PipelineStage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftModel:
+    """A loaded draft: the model (one rank, every layer) and its config."""
+
+    model: torch.nn.Module
+    config: ModelConfig
+    model_id: str
+
+
+def load_draft_model(path: str, dtype: torch.dtype, device: torch.device,
+                     attention_backend: str | None, quantization: str | None,
+                     target: ModelConfig, packed_weights: bool = True) -> DraftModel:
+    """Build and load the draft named by ``speculative_config.model``; every reason it
+    cannot draft for ``target`` is a ``ValueError`` naming that field."""
+    try:
+        resolved = resolve_model(path)
+        mc = ModelConfig.from_pretrained(resolved.path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"speculative_config.model {path!r}: {e}") from e
+    why = _unfit(mc, target)
+    if why:
+        raise ValueError(f"speculative_config.model {path!r}: {why}")
+    backend = get_backend(attention_backend, device, kv_cache_dtype=dtype, model_dtype=dtype)
+    stage = PipelineStage.of(mc.num_layers, 1, 0, None)
+    model = MODEL_REGISTRY[mc.model_type](mc, ParallelContext(), backend, dtype, device, stage)
+    tied = {id(model.embed_tokens.weight)}
+    model.load_weights(iter_safetensors(resolved.path), (lambda name, layer: quantize_model(
+        layer, quantization, tied, prefix=name + ".")) if quantization else None)
+    if quantization:
+        quantize_model(model, quantization, tied)
+    model.eval()
+    if packed_weights and can_pack(device, dtype):
+        pack_model(model, tied)
+    logger.info("draft model %s: %d layers, vocab %d", resolved.model_id, mc.num_layers,
+                mc.vocab_size)
+    return DraftModel(model, mc, resolved.model_id)
+
+
+def _unfit(mc: ModelConfig, target: ModelConfig) -> str | None:
+    """Why ``mc`` cannot draft for ``target`` (None: it can)."""
+    if mc.model_type not in MODEL_REGISTRY:
+        return f"model_type {mc.model_type!r} is not supported"
+    if mc.image is not None or mc.embedding_only:
+        return "a draft must be a text-generation model"
+    if mc.vocab_size > target.vocab_size:
+        return (f"its vocabulary ({mc.vocab_size}) is larger than the target's "
+                f"({target.vocab_size}): the two must share a tokenizer")
+    if mc.sliding_layers or target.sliding_layers:
+        return ("sliding-window attention (in the draft or the target) is not supported "
+                "with a draft model: blocks behind a window are released")
+    return None
+
+
+def draft_block_bytes(draft: DraftModel, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one block of the draft's KV pool (every layer, every KV head)."""
+    mc = draft.config
+    return bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
+
+
+class DraftRunner:
+    """Runs the draft after each step; see the module docstring."""
+
+    def __init__(self, draft: DraftModel, kv_cache: KVCache, device: torch.device,
+                 num_speculative_tokens: int) -> None:
+        self.model, self.kv_cache, self.device = draft.model, kv_cache, device
+        self.k = num_speculative_tokens
+        self.block_size = kv_cache.block_size
+        self.vocab = draft.config.vocab_size
+        self.max_len = draft.config.max_model_len
+
+    def apply_cache_ops(self, plan: SchedulerOutput) -> None:
+        """The plan's swaps and copies, on the draft's pool (the target's order)."""
+        self.kv_cache.swap_out(plan.blocks_to_swap_out)
+        self.kv_cache.swap_in(plan.blocks_to_swap_in)
+        self.kv_cache.copy(plan.blocks_to_copy)
+
+    @torch.inference_mode()
+    def run(self, plan: SchedulerOutput, out: ModelRunnerOutput) -> dict[str, list[int]]:
+        """Catch the draft up on the step's kept tokens; return each proposing row's
+        ``k`` guesses."""
+        rows: list[tuple[list[int], int, list[int], int]] = []  # tokens, start, table, look
+        proposing: list[tuple[int, str]] = []  # (index into rows, request id)
+        for r in plan.scheduled:
+            rid = r.request_id
+            tokens, last = list(r.token_ids), None
+            if r.draft_token_ids:
+                kept = out.spec_tokens.get(rid)
+                if not kept:
+                    continue
+                tokens = tokens[:len(kept)]  # its token, then the accepted guesses
+                last = kept[-1].token_id
+            elif r.sample_ids == [rid] and rid in out.sampled:
+                last = out.sampled[rid].token_id
+            look = r.num_lookahead
+            if (last is not None and look >= self.k
+                    and r.num_computed_tokens + len(tokens) + self.k <= self.max_len):
+                tokens.append(last)
+                proposing.append((len(rows), rid))
+            rows.append((tokens, r.num_computed_tokens, r.block_table, look))
+        if not rows:
+            return {}
+        logits = self._forward(rows, [i for i, _ in proposing])
+        if not proposing:
+            return {}
+        guesses = [logits.argmax(-1)]
+        live = [rows[i] for i, _ in proposing]
+        for j in range(1, self.k):
+            # Row i's guess j-1 sits at (its catch-up's end) + j - 1.
+            step = [([int(t)], start + len(toks) + j - 1, table, look)
+                    for (toks, start, table, look), t in zip(live, guesses[-1].tolist())]
+            guesses.append(self._forward(step, list(range(len(step)))).argmax(-1))
+        drafts = torch.stack(guesses, 1).tolist()
+        return {rid: d for (_, rid), d in zip(proposing, drafts)}
+
+    def _forward(self, rows: list[tuple[list[int], int, list[int], int]],
+                 want: list[int]) -> torch.Tensor:
+        """One forward of ``rows`` (tokens, first position, block table, lookahead)
+        through the draft's pool; the logits of the last token of rows ``want``."""
+        bsz, dev = self.block_size, self.device
+        q_lens = [len(t) for t, _, _, _ in rows]
+        seq_lens = [s + q for (_, s, _, _), q in zip(rows, q_lens)]
+        width = max(-(-n // bsz) for n in seq_lens)
+        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        for i, ((_, _, bt, _), n) in enumerate(zip(rows, seq_lens)):
+            need = -(-n // bsz)
+            if len(bt) < need:
+                raise ValueError(f"draft row {i}: block table has {len(bt)} blocks, "
+                                 f"{n} tokens need {need}")
+            table[i, :need] = torch.tensor(bt[:need], dtype=torch.int32)
+        q_t = torch.tensor(q_lens)
+        first = torch.cumsum(q_t, 0) - q_t
+        starts = torch.tensor([s for _, s, _, _ in rows])
+        seq_idx = torch.repeat_interleave(torch.arange(len(rows)), q_t)
+        positions = torch.arange(int(q_t.sum())) - torch.repeat_interleave(first - starts, q_t)
+        slots = table[seq_idx, positions // bsz].long() * bsz + positions % bsz
+        ids = torch.tensor([t for toks, _, _, _ in rows for t in toks], dtype=torch.long)
+        ids.clamp_(max=self.vocab - 1)  # (an image placeholder may lie past the draft's)
+        is_decode = all(q == 1 for q in q_lens)
+        md = AttentionMetadata(
+            slot_mapping=slots.to(dev), block_table=table.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            is_decode=is_decode,
+            varlen=None if is_decode else build_varlen_metadata(q_lens, seq_lens, dev))
+        hidden = self.model(ids.to(dev), positions.to(dev), self.kv_cache.layers, md)
+        if not want:
+            return hidden[:0]
+        last = (first + q_t - 1)[torch.tensor(want)]
+        return self.model.compute_logits(hidden.index_select(0, last.to(dev)))
