@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pagedserve.cluster.beam_search import BeamSearchParams, beam_row_params
@@ -48,6 +49,7 @@ from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.worker.draft_model import check_draft
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
 from pagedserve.worker.pipeline import check_stages_fit
 
@@ -68,6 +70,9 @@ class LLMEngine:
         self.model_id = resolved.model_id
         self.tokenizer = load_tokenizer(resolved)
         wcfg = config.worker_config(resolved.path, self.device)
+        if wcfg.speculative_model is not None:  # a bad draft fails here, before any rank
+            wcfg = replace(wcfg, speculative_model=check_draft(wcfg.speculative_model,
+                                                               resolved.path))
         block_size = wcfg.block_size
         if config.pipeline_parallel_size > 1:
             check_stages_fit(resolved.path, config.pipeline_parallel_size,

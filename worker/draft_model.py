@@ -83,6 +83,20 @@ def load_draft_model(path: str, dtype: torch.dtype, device: torch.device,
     return DraftModel(model, mc, resolved.model_id)
 
 
+def check_draft(path: str, target_path: str) -> str:
+    """Resolve the draft and check it can draft for the target at ``target_path``
+    (the engine's early check, before any rank starts); returns its local path."""
+    try:
+        resolved = resolve_model(path)
+        mc = ModelConfig.from_pretrained(resolved.path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"speculative_config.model {path!r}: {e}") from e
+    why = _unfit(mc, ModelConfig.from_pretrained(target_path))
+    if why:
+        raise ValueError(f"speculative_config.model {path!r}: {why}")
+    return resolved.path
+
+
 def _unfit(mc: ModelConfig, target: ModelConfig) -> str | None:
     """Why ``mc`` cannot draft for ``target`` (None: it can)."""
     if mc.model_type not in MODEL_REGISTRY:

@@ -156,6 +156,29 @@ def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_ll
         llm.shutdown()
 
 
+def test_pp2_draft_model_with_plans_in_flight_and_swaps(ray_cluster, three_layer_llama,
+                                                       tiny_llama_dir) -> None:
+    """The draft lives beside the last stage's sampler: its proposals come back with
+    each plan's tokens, and its own pool follows the plan's swaps."""
+    prompts = prompts_of_mixed_lengths()
+    ref = hf_greedy(three_layer_llama, prompts, 12)
+    llm = LLM(model=three_layer_llama, pipeline_parallel_size=2, num_gpu_blocks=12,
+              preemption_mode="swap", num_cpu_blocks=64, max_num_batched_tokens=64,
+              num_threads=1, speculative_config={"model": three_layer_llama,
+                                                 "num_speculative_tokens": 3})
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        assert llm.engine.scheduler.num_preemptions["swap"] > 0
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert spec["num_accepted_tokens"] > 0.9 * spec["num_draft_tokens"] > 0, spec
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match=r"speculative_config\.model"):  # (the last stage's)
+        LLM(model=three_layer_llama, pipeline_parallel_size=2, num_gpu_blocks=16,
+            speculative_config={"model": tiny_llama_dir + "-missing"})
+
+
 def test_pp2_sampling_features_equal_one_rank(ray_cluster, three_layer_llama) -> None:
     """With plans in flight, what the last stage's sampler and the driver do per request
     gives a single rank's outputs: logprobs and prompt logprobs, seeded ``n=2``, a regex
