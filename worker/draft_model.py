@@ -12,7 +12,9 @@ After each step's sampling, ``DraftRunner.run``:
    (a prompt chunk; a decode row's token and its accepted guesses), plus, for a
    row that proposes, the token it just sampled. The draft's KV is then valid up
    to the request's new length, as the target's is; a prefix this replica cached
-   was computed by both;
+   was computed by both. Tokens the row's last proposal already ran at the same
+   positions in the same blocks are skipped: a decode row whose guesses were
+   rejected runs only its new token;
 2. proposes: ``k`` greedy tokens per proposing row, the first from the catch-up's
    last logits, each next one from a one-token decode step whose KV lands in the
    row's lookahead slots (``ScheduledRequest.num_lookahead``).
@@ -118,6 +120,17 @@ def draft_block_bytes(draft: DraftModel, block_size: int, kv_dtype: torch.dtype)
     return bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What a row's last proposal left in the draft's pool: K/V of ``tokens`` (the
+    sampled token, then all guesses but the last) from position ``start``, in the
+    blocks ``blocks`` (the table's ids from ``start``'s block on)."""
+
+    start: int
+    tokens: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
 class DraftRunner:
     """Runs the draft after each step; see the module docstring."""
 
@@ -128,9 +141,12 @@ class DraftRunner:
         self.block_size = kv_cache.block_size
         self.vocab = draft.config.vocab_size
         self.max_len = draft.config.max_model_len
+        self.held: dict[str, _Held] = {}
 
     def apply_cache_ops(self, plan: SchedulerOutput) -> None:
         """The plan's swaps and copies, on the draft's pool (the target's order)."""
+        for rid in (*plan.finished_ids, *plan.aborted_ids):
+            self.held.pop(rid, None)
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy(plan.blocks_to_copy)
@@ -138,8 +154,12 @@ class DraftRunner:
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput, out: ModelRunnerOutput) -> dict[str, list[int]]:
         """Catch the draft up on the step's kept tokens; return each proposing row's
-        ``k`` guesses."""
-        rows: list[tuple[list[int], int, list[int], int]] = []  # tokens, start, table, look
+        ``k`` guesses.
+
+        A decode row's leading tokens that the row's last proposal already ran (its
+        sampled token and the accepted guesses, at the same positions in the same
+        blocks) are skipped: after a rejection only the new token is left to run."""
+        rows: list[tuple[list[int], int, list[int]]] = []  # tokens, first position, table
         proposing: list[tuple[int, str]] = []  # (index into rows, request id)
         for r in plan.scheduled:
             rid = r.request_id
@@ -152,12 +172,15 @@ class DraftRunner:
                 last = kept[-1].token_id
             elif r.sample_ids == [rid] and rid in out.sampled:
                 last = out.sampled[rid].token_id
-            look = r.num_lookahead
-            if (last is not None and look >= self.k
-                    and r.num_computed_tokens + len(tokens) + self.k <= self.max_len):
+            start = r.num_computed_tokens
+            skip = self._skippable(self.held.pop(rid, None), start, tokens, r.block_table)
+            tokens, start = tokens[skip:], start + skip
+            if (last is not None and r.num_lookahead >= self.k
+                    and start + len(tokens) + self.k <= self.max_len):
                 tokens.append(last)
                 proposing.append((len(rows), rid))
-            rows.append((tokens, r.num_computed_tokens, r.block_table, look))
+            if tokens:
+                rows.append((tokens, start, r.block_table))
         if not rows:
             return {}
         logits = self._forward(rows, [i for i, _ in proposing])
@@ -167,22 +190,43 @@ class DraftRunner:
         live = [rows[i] for i, _ in proposing]
         for j in range(1, self.k):
             # Row i's guess j-1 sits at (its catch-up's end) + j - 1.
-            step = [([int(t)], start + len(toks) + j - 1, table, look)
-                    for (toks, start, table, look), t in zip(live, guesses[-1].tolist())]
+            step = [([int(t)], start + len(toks) + j - 1, table)
+                    for (toks, start, table), t in zip(live, guesses[-1].tolist())]
             guesses.append(self._forward(step, list(range(len(step)))).argmax(-1))
         drafts = torch.stack(guesses, 1).tolist()
+        bsz = self.block_size
+        for (toks, start, table), (_, rid), d in zip(live, proposing, drafts):
+            at = start + len(toks) - 1  # the sampled token's position
+            last = at + self.k - 1  # guess k-1's (the last guess is never run)
+            self.held[rid] = _Held(at, (toks[-1], *d[:-1]),
+                                   tuple(table[at // bsz:last // bsz + 1]))
         return {rid: d for (_, rid), d in zip(proposing, drafts)}
 
-    def _forward(self, rows: list[tuple[list[int], int, list[int], int]],
+    def _skippable(self, held: _Held | None, start: int, tokens: list[int],
+                   table: list[int]) -> int:
+        """How many of a row's leading tokens the draft's pool holds already."""
+        if held is None or held.start != start:
+            return 0
+        first = start // self.block_size
+        if tuple(table[first:first + len(held.blocks)]) != held.blocks:
+            return 0  # swapped, copied or recomputed since: other blocks
+        n = 0
+        for a, b in zip(tokens, held.tokens):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _forward(self, rows: list[tuple[list[int], int, list[int]]],
                  want: list[int]) -> torch.Tensor:
-        """One forward of ``rows`` (tokens, first position, block table, lookahead)
-        through the draft's pool; the logits of the last token of rows ``want``."""
+        """One forward of ``rows`` (tokens, first position, block table) through the
+        draft's pool; the logits of the last token of rows ``want``."""
         bsz, dev = self.block_size, self.device
-        q_lens = [len(t) for t, _, _, _ in rows]
-        seq_lens = [s + q for (_, s, _, _), q in zip(rows, q_lens)]
+        q_lens = [len(t) for t, _, _ in rows]
+        seq_lens = [s + q for (_, s, _), q in zip(rows, q_lens)]
         width = max(-(-n // bsz) for n in seq_lens)
         table = torch.full((len(rows), width), -1, dtype=torch.int32)
-        for i, ((_, _, bt, _), n) in enumerate(zip(rows, seq_lens)):
+        for i, ((_, _, bt), n) in enumerate(zip(rows, seq_lens)):
             need = -(-n // bsz)
             if len(bt) < need:
                 raise ValueError(f"draft row {i}: block table has {len(bt)} blocks, "
@@ -190,11 +234,11 @@ class DraftRunner:
             table[i, :need] = torch.tensor(bt[:need], dtype=torch.int32)
         q_t = torch.tensor(q_lens)
         first = torch.cumsum(q_t, 0) - q_t
-        starts = torch.tensor([s for _, s, _, _ in rows])
+        starts = torch.tensor([s for _, s, _ in rows])
         seq_idx = torch.repeat_interleave(torch.arange(len(rows)), q_t)
         positions = torch.arange(int(q_t.sum())) - torch.repeat_interleave(first - starts, q_t)
         slots = table[seq_idx, positions // bsz].long() * bsz + positions % bsz
-        ids = torch.tensor([t for toks, _, _, _ in rows for t in toks], dtype=torch.long)
+        ids = torch.tensor([t for toks, _, _ in rows for t in toks], dtype=torch.long)
         ids.clamp_(max=self.vocab - 1)  # (an image placeholder may lie past the draft's)
         is_decode = all(q == 1 for q in q_lens)
         md = AttentionMetadata(
