@@ -7,8 +7,13 @@ CPU an explicit byte or block budget, else :data:`CPU_DEFAULT_KV_BYTES`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.worker.worker import Worker
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -33,3 +38,22 @@ def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int
                                           [rid], {rid: params}))
         next_block += need
     return SchedulerOutput(step_id=-1, scheduled=scheduled), next_block
+
+
+def cuda_kv_budget(worker: Worker) -> int:  # pragma: no cover - CUDA only
+    """``total * gpu_memory_utilization`` minus what a max-size forward peaks at (the
+    worker's ``profile_forward``, its draft model's forwards included), what is not
+    torch's, and room for the LoRA adapters the config may load."""
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(worker.device)
+    worker.profile_forward()
+    torch.cuda.synchronize(worker.device)
+    peak = torch.cuda.max_memory_allocated(worker.device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(worker.device)
+    non_torch = total - free - torch.cuda.memory_reserved(worker.device)
+    loras = worker.lora.adapter_bytes() * worker.config.max_loaded_loras if worker.lora else 0
+    return int(total * worker.config.gpu_memory_utilization - peak - max(non_torch, 0)
+               - loras)

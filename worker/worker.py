@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pagedserve.kernels import get_backend
-from pagedserve.kernels.kv_quant import is_fp8, kv_dtype_name
+from pagedserve.kernels.kv_quant import is_fp8
 from pagedserve.scheduler.kv_groups import KVGroupLayout, plan_kv_groups
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import batch_invariant
@@ -30,7 +30,7 @@ from pagedserve.worker.draft_model import (
     draft_block_bytes,
     load_draft_model,
 )
-from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, profile_plan
+from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, cuda_kv_budget, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.packed import can_pack, pack_model, slow_half_precision
@@ -38,11 +38,12 @@ from pagedserve.worker.layers.quant import online_method, quantize_model, weight
 from pagedserve.worker.loaders import ResolvedModel, iter_safetensors, load_tokenizer, resolve_model
 from pagedserve.worker.loaders.hf import checkpoint_names
 from pagedserve.worker.loaders.prequant import dequantized_weights
+from pagedserve.worker.model_info import model_info
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.models.multimodal import with_vision
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
-from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage, layer_partition
+from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sleep import SleepState
 
@@ -207,7 +208,7 @@ class Worker:
         stage = self._stage()
         return self.kv_layout.local_slots(range(stage.start, stage.end))
 
-    def _block_bytes(self) -> int:
+    def block_bytes(self) -> int:
         """Bytes one block id takes on this rank: the target's KV, and a draft model's."""
         assert self.model_config is not None
         draft = (draft_block_bytes(self.draft, self.config.block_size, self.dtype)
@@ -224,11 +225,11 @@ class Worker:
         cfg = self.config
         if cfg.num_gpu_blocks is not None:
             return cfg.num_gpu_blocks
-        per_block = self._block_bytes()
+        per_block = self.block_bytes()
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            budget = self._profile_cuda_budget()
+            budget = cuda_kv_budget(self)
         else:
             budget = CPU_DEFAULT_KV_BYTES
         num = budget // per_block
@@ -259,20 +260,6 @@ class Worker:
             self.execute_model(plan, intermediate)
         finally:
             self.kv_cache = self.runner = None
-
-    def _profile_cuda_budget(self) -> int:  # pragma: no cover - CUDA only
-        """``total * gpu_memory_utilization`` minus what a max-size forward peaks at."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_forward()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        loras = self.lora.adapter_bytes() * self.config.max_loaded_loras if self.lora else 0
-        return int(total * self.config.gpu_memory_utilization - peak - max(non_torch, 0)
-                   - loras)
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int | None = None,
                       cuda_graphs: bool = True, calibrate: bool = True) -> None:
@@ -397,53 +384,7 @@ class Worker:
 
     def get_model_info(self) -> dict[str, Any]:
         """Facts the engine needs: EOS ids, max length, vocab, KV geometry, sizes."""
-        mc = self.model_config
-        if mc is None or self.resolved is None:
-            raise RuntimeError("load_model must be called before get_model_info")
-        return {
-            "model_id": self.resolved.model_id,
-            "model_path": self.resolved.path,
-            "source": self.resolved.source,
-            "model_type": mc.model_type,
-            "embedding_only": mc.embedding_only,
-            "eos_token_ids": list(mc.eos_token_ids),
-            "bos_token_id": mc.bos_token_id,
-            "max_model_len": mc.max_model_len,
-            "vocab_size": mc.vocab_size,
-            "num_layers": mc.num_layers,
-            "hidden_size": mc.hidden_size,
-            "num_heads": mc.num_heads,
-            "num_kv_heads": mc.num_kv_heads,
-            "num_kv_heads_per_rank": self.num_kv_heads_per_rank,
-            "head_dim": mc.head_dim,
-            "num_experts": mc.moe.num_experts if mc.moe else 0,
-            "num_experts_per_tok": mc.moe.top_k if mc.moe else 0,
-            "block_size": self.config.block_size,
-            "bytes_per_block": self._block_bytes(),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": kv_dtype_name(self.kv_dtype),
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-            "pipeline_parallel_size": self.config.pipeline_parallel_size,
-            "pipeline_layer_partition": [b - a for a, b in layer_partition(
-                mc.num_layers, self.config.pipeline_parallel_size,
-                self.config.pipeline_layer_partition)],
-            "attention_backend": getattr(self.backend, "name", None),
-            "load_time_s": self.load_time_s,
-            "packed_weights": self.packed_weights,
-            "quantization": self.config.quantization,
-            "checkpoint_quantization": mc.prequant.method if mc.prequant else None,
-            # One window on every layer: the scheduler may release blocks behind it.
-            "kv_sliding_window": mc.sliding_window
-            if len(mc.sliding_layers) == mc.num_layers else None,
-            # A hybrid model's groups of layers, each with its own table (None: one table).
-            "kv_group_windows": list(self.kv_layout.windows)
-            if self.kv_layout.is_hybrid else None,
-            "long_rope_from": mc.long_rope_from,
-            "weight_bytes": self.weight_bytes,
-            # A multimodal file's image facts when its encoder is loaded (None: text only).
-            "image": None if mc.image is None or not self.config.enable_images
-            else mc.image.info(),
-        }
+        return model_info(self)
 
     def shutdown(self) -> None:
         """Free the cache and leave the process group."""

@@ -102,7 +102,7 @@ def test_three_stages_equal_the_whole_model(tmp_path, kind: str, tied: bool) -> 
         assert len(whole.kv_cache.key_caches) == 2
     else:
         assert [len(w.kv_cache.key_caches) for w in stages] == [2, 2, 1]
-        assert sum(w._block_bytes() for w in stages) == whole._block_bytes()
+        assert sum(w.block_bytes() for w in stages) == whole.block_bytes()
     # No stage holds another's weights: the middle one has neither embedding nor head.
     assert stages[1].weight_bytes < whole.weight_bytes / 2
 
