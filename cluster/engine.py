@@ -71,8 +71,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(resolved)
         wcfg = config.worker_config(resolved.path, self.device)
         if wcfg.speculative_model is not None:  # a bad draft fails here, before any rank
-            wcfg = replace(wcfg, speculative_model=check_draft(wcfg.speculative_model,
-                                                               resolved.path))
+            wcfg = replace(wcfg, speculative_model=check_draft(
+                wcfg.speculative_model, resolved.path, wcfg.hybrid_kv_cache))
         block_size = wcfg.block_size
         if config.pipeline_parallel_size > 1:
             check_stages_fit(resolved.path, config.pipeline_parallel_size,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import build_varlen_metadata, get_backend
+from pagedserve.scheduler.kv_groups import plan_kv_groups
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
@@ -58,7 +59,8 @@ class DraftModel:
 
 def load_draft_model(path: str, dtype: torch.dtype, device: torch.device,
                      attention_backend: str | None, quantization: str | None,
-                     target: ModelConfig, packed_weights: bool = True) -> DraftModel:
+                     target: ModelConfig, packed_weights: bool = True,
+                     hybrid: bool = True) -> DraftModel:
     """Build and load the draft named by ``speculative_config.model``; every reason it
     cannot draft for ``target`` is a ``ValueError`` naming that field."""
     try:
@@ -66,7 +68,7 @@ def load_draft_model(path: str, dtype: torch.dtype, device: torch.device,
         mc = ModelConfig.from_pretrained(resolved.path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"speculative_config.model {path!r}: {e}") from e
-    why = _unfit(mc, target)
+    why = _unfit(mc, target, hybrid)
     if why:
         raise ValueError(f"speculative_config.model {path!r}: {why}")
     backend = get_backend(attention_backend, device, kv_cache_dtype=dtype, model_dtype=dtype)
@@ -85,7 +87,7 @@ def load_draft_model(path: str, dtype: torch.dtype, device: torch.device,
     return DraftModel(model, mc, resolved.model_id)
 
 
-def check_draft(path: str, target_path: str) -> str:
+def check_draft(path: str, target_path: str, hybrid: bool = True) -> str:
     """Resolve the draft and check it can draft for the target at ``target_path``
     (the engine's early check, before any rank starts); returns its local path."""
     try:
@@ -93,14 +95,17 @@ def check_draft(path: str, target_path: str) -> str:
         mc = ModelConfig.from_pretrained(resolved.path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"speculative_config.model {path!r}: {e}") from e
-    why = _unfit(mc, ModelConfig.from_pretrained(target_path))
+    why = _unfit(mc, ModelConfig.from_pretrained(target_path), hybrid)
     if why:
         raise ValueError(f"speculative_config.model {path!r}: {why}")
     return resolved.path
 
 
-def _unfit(mc: ModelConfig, target: ModelConfig) -> str | None:
-    """Why ``mc`` cannot draft for ``target`` (None: it can)."""
+def _unfit(mc: ModelConfig, target: ModelConfig, hybrid: bool) -> str | None:
+    """Why ``mc`` cannot draft for ``target`` (None: it can). The draft reads the
+    target's first block table (``hybrid``: a table per KV group, the first the
+    full-attention layers' whenever the target has any), so a target that releases
+    blocks behind a window needs a draft whose every layer looks no further back."""
     if mc.model_type not in MODEL_REGISTRY:
         return f"model_type {mc.model_type!r} is not supported"
     if mc.image is not None or mc.embedding_only:
@@ -108,10 +113,17 @@ def _unfit(mc: ModelConfig, target: ModelConfig) -> str | None:
     if mc.vocab_size > target.vocab_size:
         return (f"its vocabulary ({mc.vocab_size}) is larger than the target's "
                 f"({target.vocab_size}): the two must share a tokenizer")
-    if mc.sliding_layers or target.sliding_layers:
-        return ("sliding-window attention (in the draft or the target) is not supported "
-                "with a draft model: blocks behind a window are released")
+    kept = plan_kv_groups(_windows(target), hybrid).windows[0]
+    reach = None if None in _windows(mc) else max(_windows(mc))
+    if kept is not None and (reach is None or reach > kept):
+        return (f"it attends {'to every token' if reach is None else f'{reach} tokens back'}"
+                f", but the target's block table keeps only its sliding window of {kept} "
+                "(blocks behind it are released)")
     return None
+
+
+def _windows(mc: ModelConfig) -> list[int | None]:
+    return [mc.layer_window(i) for i in range(mc.num_layers)]
 
 
 def draft_block_bytes(draft: DraftModel, block_size: int, kv_dtype: torch.dtype) -> int:

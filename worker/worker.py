@@ -129,7 +129,8 @@ class Worker:
             self.draft = load_draft_model(
                 self.config.speculative_model, self.dtype, self.device,
                 self.config.attention_backend, self.config.speculative_quantization,
-                self.model_config, self.config.cpu_packed_weights)
+                self.model_config, self.config.cpu_packed_weights,
+                self.config.hybrid_kv_cache)
         self.load_time_s = time.perf_counter() - t0
         logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
                     self.load_time_s)

@@ -183,8 +183,31 @@ def test_bad_drafts_are_value_errors_naming_the_field(tmp_path, tiny_llama_dir,
         LLM(model=tiny_llama_dir, speculative_config=_spec(big, quantization="fp8"))
     windowed = write_random_checkpoint(tmp_path / "win", "mistral", default_model_dir,
                                        sliding_window=64)
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="keeps only its sliding window of 64"):
         LLM(model=windowed, num_gpu_blocks=16, speculative_config=_spec(tiny_llama_dir))
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def test_sliding_window_targets_and_drafts(tmp_path, tiny_gemma3_dir, default_model_dir,
+                                           kind) -> None:
+    """Gemma 3 (hybrid: the draft reads the full layers' table, its sliding layers
+    mask their own window) and Mistral past its window (blocks behind it released:
+    a draft with the same window never reads them), each drafted by itself."""
+    if kind == "gemma3":
+        model = tiny_gemma3_dir
+    else:
+        model = write_random_checkpoint(tmp_path / "mistral", "mistral", default_model_dir,
+                                        sliding_window=12)
+    prompts = prompts_of_mixed_lengths()
+    llm = LLM(model=model, block_size=4, num_gpu_blocks=96, speculative_config=_spec(model))
+    try:
+        got = _tokens(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
+                                                           ignore_eos=True)))
+        assert got == hf_greedy(model, prompts, 24)
+        assert _acceptance(llm) > 0.95
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_default_model_with_an_int8_copy_as_draft(smol_llm, default_model_dir) -> None:
