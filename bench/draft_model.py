@@ -11,9 +11,12 @@ cheapest int8 CPU path, as ``assistant_model`` with a constant number of guesses
 
 Requests run one at a time (latency: assisted generation takes batch 1 only);
 pagedserve also runs the prompts as one batch, where guesses cost compute that
-a wide step no longer has spare. Prints output tokens/s per engine, each engine's
-speculation over its own plain decoding, pagedserve's over Hugging Face's, the
-share of drafts accepted, and whether all four give the same greedy tokens.
+a wide step no longer has spare. A second workload samples at ``--temperature``
+(unseeded): pagedserve draws those guesses from the draft's distribution and
+verifies them by speculative sampling's rule, as HF's assisted sampling does.
+Prints output tokens/s per engine, each engine's speculation over its own plain
+decoding, pagedserve's over Hugging Face's, the share of drafts accepted, and
+whether all four give the same greedy tokens.
 
     python bench/draft_model.py
     python bench/draft_model.py --num-speculative-tokens 5 --json bench/figures/draft_model.json
@@ -53,12 +56,12 @@ def chat_ids(tok, texts: list[str]) -> list[list[int]]:
                                          return_dict=False)) for t in texts]
 
 
-def run_pagedserve(llm, prompts: list[list[int]], max_tokens: int, batched: bool
-                   ) -> tuple[float, list[list[int]]]:
+def run_pagedserve(llm, prompts: list[list[int]], max_tokens: int, batched: bool,
+                   temperature: float = 0.0) -> tuple[float, list[list[int]]]:
     """(output tokens/s, tokens per prompt): one request at a time, or one batch."""
     from pagedserve.cluster import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     t0 = time.perf_counter()
     if batched:
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -69,14 +72,18 @@ def run_pagedserve(llm, prompts: list[list[int]], max_tokens: int, batched: bool
 
 
 def run_hf(model, prompts: list[list[int]], max_tokens: int, eos: list[int],
-           assistant=None) -> tuple[float, list[list[int]]]:
+           assistant=None, temperature: float = 0.0) -> tuple[float, list[list[int]]]:
     outs = []
-    kw = {} if assistant is None else {"assistant_model": assistant}
+    kw: dict = {} if assistant is None else {"assistant_model": assistant}
+    if temperature > 0:  # (assisted: speculative sampling with the assistant's probs)
+        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw.update(do_sample=False)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for p in prompts:
             x = torch.tensor([p])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+            y = model.generate(x, attention_mask=torch.ones_like(x),
                                max_new_tokens=max_tokens, pad_token_id=0, eos_token_id=eos,
                                **kw)
             outs.append(y[0, len(p):].tolist())
@@ -99,6 +106,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="the sampled workload's temperature (unseeded, no truncation)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     commit = tree_commit()
@@ -126,11 +135,16 @@ def main() -> None:
                 rates[name], tokens[name] = run_pagedserve(llm, prompts, args.max_tokens,
                                                            batched)
                 print(f"{name:24s} {rates[name]:7.1f} tokens/s", flush=True)
+            mid = llm.engine.get_stats()["spec_decode"]
+            name = label + "_sampled"
+            rates[name], _ = run_pagedserve(llm, prompts, args.max_tokens, False,
+                                            args.temperature)
+            print(f"{name:24s} {rates[name]:7.1f} tokens/s", flush=True)
             after = llm.engine.get_stats()["spec_decode"]
         finally:
             llm.shutdown()
-    sent = after["num_draft_tokens"] - before["num_draft_tokens"]
-    acceptance = (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(1, sent)
+    acceptance = _kept(before, mid)
+    acceptance_sampled = _kept(mid, after)
 
     torch.set_num_threads(os.cpu_count() or 1)
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
@@ -140,6 +154,9 @@ def main() -> None:
     for name, helper in (("hf", None), ("hf_assisted", assistant)):
         rates[name], tokens[name] = run_hf(model, prompts, args.max_tokens, eos, helper)
         print(f"{name:24s} {rates[name]:7.1f} tokens/s", flush=True)
+        rates[name + "_sampled"], _ = run_hf(model, prompts, args.max_tokens, eos, helper,
+                                             args.temperature)
+        print(f"{name + '_sampled':24s} {rates[name + '_sampled']:7.1f} tokens/s", flush=True)
 
     same = all(tokens[n] == tokens["hf"] for n in tokens)
     ratios = {
@@ -148,14 +165,26 @@ def main() -> None:
                                               / rates["pagedserve_batch"]),
         "hf_assisted_over_plain": rates["hf_assisted"] / rates["hf"],
         "pagedserve_draft_over_hf_assisted": rates["pagedserve_draft"] / rates["hf_assisted"],
+        "sampled_pagedserve_draft_over_plain": (rates["pagedserve_draft_sampled"]
+                                                / rates["pagedserve_sampled"]),
+        "sampled_hf_assisted_over_plain": rates["hf_assisted_sampled"] / rates["hf_sampled"],
+        "sampled_pagedserve_draft_over_hf_assisted": (rates["pagedserve_draft_sampled"]
+                                                      / rates["hf_assisted_sampled"]),
     }
     for name, r in ratios.items():
         print(f"{name:36s} {r:5.2f}x")
-    print(f"draft acceptance {acceptance:.0%}, same greedy tokens everywhere: {same}; "
+    print(f"draft acceptance {acceptance:.0%} greedy, {acceptance_sampled:.0%} at temperature "
+          f"{args.temperature}; same greedy tokens everywhere: {same}; "
           f"{machine()}, tree {commit}")
     if args.json:
         write_figures(args.json, args, commit, tokens_per_s=rates, ratios=ratios,
-                      draft_acceptance=acceptance, same_tokens=same)
+                      draft_acceptance=acceptance, draft_acceptance_sampled=acceptance_sampled,
+                      same_tokens=same)
+
+
+def _kept(before: dict[str, int], after: dict[str, int]) -> float:
+    sent = after["num_draft_tokens"] - before["num_draft_tokens"]
+    return (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / max(1, sent)
 
 
 if __name__ == "__main__":

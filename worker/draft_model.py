@@ -15,14 +15,18 @@ After each step's sampling, ``DraftRunner.run``:
    was computed by both. Tokens the row's last proposal already ran at the same
    positions in the same blocks are skipped: a decode row whose guesses were
    rejected runs only its new token;
-2. proposes: ``k`` greedy tokens per proposing row, the first from the catch-up's
+2. proposes: ``k`` tokens per proposing row, the first from the catch-up's
    last logits, each next one from a one-token decode step whose KV lands in the
    row's lookahead slots (``ScheduledRequest.num_lookahead``).
 
-Greedy drafts are what vLLM's draft proposers send: the verifier's sample-and-match
-rule (``Sampler.sample_drafted``) is then exactly speculative sampling for a
-one-hot draft, so outputs follow the target's distribution at any temperature,
-and seeded requests draw the tokens they draw without drafts.
+A row that samples without a seed draws its guesses from the draft's distribution
+``q`` under its own temperature and truncation, and the verifier applies
+speculative sampling's rule with that ``q`` (``spec_sampling``): a ``q`` near the
+target's keeps most guesses at any temperature, where a greedy guess survives only
+with the target's probability of the draft's argmax (SmolLM2 drafted by its int8
+copy at temperature 1: 17% kept greedy). Greedy and seeded rows get greedy guesses,
+checked by drawing and matching (``Sampler.sample_drafted``), which is that rule for
+a one-hot ``q`` and keeps a seeded request's tokens those it draws without drafts.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from pagedserve.kernels import build_varlen_metadata, get_backend
 from pagedserve.scheduler.kv_groups import plan_kv_groups
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.attention import AttentionMetadata
@@ -44,6 +49,9 @@ from pagedserve.worker.loaders import iter_safetensors, resolve_model
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import PipelineStage
+from pagedserve.worker.sampler import SampleRequest
+from pagedserve.worker.sampling_ops import inverse_cdf
+from pagedserve.worker.spec_sampling import draft_probs
 
 logger = logging.getLogger(__name__)
 
@@ -147,18 +155,22 @@ class DraftRunner:
     """Runs the draft after each step; see the module docstring."""
 
     def __init__(self, draft: DraftModel, kv_cache: KVCache, device: torch.device,
-                 num_speculative_tokens: int) -> None:
+                 num_speculative_tokens: int, target_vocab: int) -> None:
         self.model, self.kv_cache, self.device = draft.model, kv_cache, device
         self.k = num_speculative_tokens
         self.block_size = kv_cache.block_size
         self.vocab = draft.config.vocab_size
         self.max_len = draft.config.max_model_len
         self.held: dict[str, _Held] = {}
+        # (guesses, the distributions they were drawn from) of rows that sample
+        self.probs: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.target_vocab = target_vocab
 
     def apply_cache_ops(self, plan: SchedulerOutput) -> None:
         """The plan's swaps and copies, on the draft's pool (the target's order)."""
         for rid in (*plan.finished_ids, *plan.aborted_ids):
             self.held.pop(rid, None)
+            self.probs.pop(rid, None)
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy(plan.blocks_to_copy)
@@ -173,6 +185,7 @@ class DraftRunner:
         blocks) are skipped: after a rejection only the new token is left to run."""
         rows: list[tuple[list[int], int, list[int]]] = []  # tokens, first position, table
         proposing: list[tuple[int, str]] = []  # (index into rows, request id)
+        params: list[SamplingParams | None] = []  # a proposing row's, if it samples unseeded
         for r in plan.scheduled:
             rid = r.request_id
             tokens, last = list(r.token_ids), None
@@ -191,6 +204,9 @@ class DraftRunner:
                     and start + len(tokens) + self.k <= self.max_len):
                 tokens.append(last)
                 proposing.append((len(rows), rid))
+                prm = r.sampling_params.get(rid)
+                params.append(prm if prm is not None and not prm.greedy and prm.seed is None
+                              else None)
             if tokens:
                 rows.append((tokens, start, r.block_table))
         if not rows:
@@ -198,14 +214,20 @@ class DraftRunner:
         logits = self._forward(rows, [i for i, _ in proposing])
         if not proposing:
             return {}
-        guesses = [logits.argmax(-1)]
+        qs: list[list[torch.Tensor]] = [[] for _ in proposing]
+        guesses = [self._pick(logits, params, qs)]
         live = [rows[i] for i, _ in proposing]
         for j in range(1, self.k):
             # Row i's guess j-1 sits at (its catch-up's end) + j - 1.
             step = [([int(t)], start + len(toks) + j - 1, table)
                     for (toks, start, table), t in zip(live, guesses[-1].tolist())]
-            guesses.append(self._forward(step, list(range(len(step)))).argmax(-1))
+            guesses.append(self._pick(self._forward(step, list(range(len(step)))), params, qs))
         drafts = torch.stack(guesses, 1).tolist()
+        for (_, rid), d, q in zip(proposing, drafts, qs):
+            if q:
+                self.probs[rid] = (tuple(d), torch.stack(q))
+            else:
+                self.probs.pop(rid, None)
         bsz = self.block_size
         for (toks, start, table), (_, rid), d in zip(live, proposing, drafts):
             at = start + len(toks) - 1  # the sampled token's position
@@ -213,6 +235,30 @@ class DraftRunner:
             self.held[rid] = _Held(at, (toks[-1], *d[:-1]),
                                    tuple(table[at // bsz:last // bsz + 1]))
         return {rid: d for (_, rid), d in zip(proposing, drafts)}
+
+    def _pick(self, logits: torch.Tensor, params: list[SamplingParams | None],
+              qs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Each row's guess: a draw from its ``q`` (the draft's distribution under the
+        request's temperature and truncation, kept in ``qs`` for the verifier) for
+        rows that sample unseeded, else the argmax."""
+        tokens = logits.argmax(-1)
+        for i, prm in enumerate(params):
+            if prm is None:
+                continue
+            q = draft_probs(logits[i:i + 1], prm.temperature, prm.top_k, prm.top_p,
+                            prm.min_p, self.target_vocab)
+            tokens[i] = inverse_cdf(q.clone(), torch.rand(1, device=q.device), in_place=True)[0]
+            qs[i].append(q[0])
+        return tokens
+
+    def attach_probs(self, drafted: list[SampleRequest]) -> None:
+        """Give each drafted row the distributions its guesses were drawn from, if it
+        verifies the proposal they came from (else it draws and matches)."""
+        for r in drafted:
+            held = self.probs.pop(r.request_id, None)
+            drafts = tuple(r.draft_token_ids or ())
+            if held is not None and drafts and held[0][:len(drafts)] == drafts:
+                r.draft_probs = held[1][:len(drafts)]
 
     def _skippable(self, held: _Held | None, start: int, tokens: list[int],
                    table: list[int]) -> int:

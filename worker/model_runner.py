@@ -275,6 +275,8 @@ class ModelRunner:
                 return None
             out.sampled = self.sampler.sample(logits, inputs.sample_reqs)
             if inputs.drafted_reqs:
+                if self.drafter is not None:
+                    self.drafter.attach_probs(inputs.drafted_reqs)
                 out.spec_tokens = self.sampler.sample_drafted(logits, inputs.drafted_reqs)
         if self.drafter is not None and out is not None:
             out.draft_tokens = self.drafter.run(plan, out)

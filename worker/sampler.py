@@ -28,6 +28,7 @@ import torch
 from pagedserve.scheduler.outputs import SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.sampling_ops import apply_min_p, penalize_row, sample_rows
+from pagedserve.worker.spec_sampling import target_probs, verify
 
 if TYPE_CHECKING:
     from pagedserve.worker.structured import GrammarBook
@@ -49,6 +50,10 @@ class SampleRequest:
     # (set by the sampler on a drafted row's positions: the guesses before this one,
     # already at the end of ``output_token_ids``; a grammar takes them tentatively)
     draft_prefix: list[int] | None = None
+    # A draft model's distributions the guesses were drawn from (``[k, vocab]``):
+    # verified by speculative sampling's rule (``spec_sampling``); None: drawn and
+    # matched, which is that rule for guesses that are one fixed token.
+    draft_probs: torch.Tensor | None = None
 
 
 _MASK64 = (1 << 64) - 1
@@ -143,28 +148,68 @@ class Sampler:
                     r.sample_id, r.request_id, r.row + j, r.params, done + j,
                     None if hist is None else hist + drafts[:j], r.prompt_token_ids,
                     draft_prefix=drafts[:j] or None))
-        tokens = self._draw(logits, expanded) if expanded else []
-        out: dict[str, list[SampledToken]] = {}
-        at = 0
+        ruled = [_by_rule(r) for r in reqs]
+        spans, at = [], 0
         for r in reqs:
-            drafts = r.draft_token_ids or []
-            mine = tokens[at:at + len(drafts) + 1]
-            at += len(drafts) + 1
-            keep = 0
-            while keep < len(drafts) and mine[keep].token_id == drafts[keep]:
-                keep += 1
-            out[r.sample_id] = mine[:keep + 1]
-            self._counts[r.sample_id] = self._counts.get(r.sample_id, 0) + keep + 1
+            spans.append((at, at + len(r.draft_token_ids or []) + 1))
+            at = spans[-1][1]
+        matched = [i for (a, b), by_rule in zip(spans, ruled) if not by_rule
+                   for i in range(a, b)]
+        tokens: list[SampledToken | None] = [None] * len(expanded)
+        if matched:
+            for i, t in zip(matched, self._draw(logits, [expanded[i] for i in matched])):
+                tokens[i] = t
+        kept = self._verify_by_rule(logits, reqs, expanded, spans, ruled) if any(ruled) else {}
+        out: dict[str, list[SampledToken]] = {}
+        for i, (r, (a, b)) in enumerate(zip(reqs, spans)):
+            if i in kept:
+                out[r.sample_id] = kept[i]
+            else:
+                drafts = r.draft_token_ids or []
+                mine = tokens[a:b]
+                keep = 0
+                while keep < len(drafts) and mine[keep].token_id == drafts[keep]:  # type: ignore[union-attr]
+                    keep += 1
+                out[r.sample_id] = mine[:keep + 1]  # type: ignore[assignment]
+            self._counts[r.sample_id] = self._counts.get(r.sample_id, 0) + len(out[r.sample_id])
             if r.params.structured_outputs is not None:
                 assert self._book is not None
                 for t in out[r.sample_id]:
                     self._book.accept(r.sample_id, t.token_id)
         return out
 
-    def _draw(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
-        """One token per entry. Only seeded generators advance here; counting the
-        tokens and feeding them to grammars is the caller's (a drafted row keeps
-        only some of its draws)."""
+    def _verify_by_rule(self, logits: torch.Tensor, reqs: list[SampleRequest],
+                        expanded: list[SampleRequest], spans: list[tuple[int, int]],
+                        ruled: list[bool]) -> dict[int, list[SampledToken]]:
+        """Speculative sampling's rule for the entries whose guesses a draft model drew
+        from its ``draft_probs``: entry index -> its kept guesses, then the target's
+        own token (logprobs, when asked, of the raw rows as for any draw)."""
+        rows = [i for (a, b), by_rule in zip(spans, ruled) if by_rule for i in range(a, b)]
+        sub = [expanded[i] for i in rows]
+        raw, x = self._processed(logits, sub)
+        out: dict[int, list[SampledToken]] = {}
+        chosen: list[SampledToken] = []
+        at = 0
+        for i, (r, (a, b), by_rule) in enumerate(zip(reqs, spans, ruled)):
+            if not by_rule:
+                continue
+            n, prm = b - a, r.params
+            assert r.draft_probs is not None and r.draft_token_ids is not None
+            p = target_probs(x[at:at + n], prm.temperature, prm.top_k, prm.top_p, prm.min_p)
+            out[i] = [SampledToken(t) for t in verify(p, r.draft_probs, r.draft_token_ids)]
+            # (positions past the kept ones are scored on a stand-in token, then dropped)
+            chosen += out[i] + [SampledToken(0) for _ in range(n - len(out[i]))]
+            at += n
+        logprob_rows = [j for j, r in enumerate(sub) if r.params.logprobs is not None]
+        if logprob_rows:
+            ids = torch.tensor([t.token_id for t in chosen], device=raw.device)
+            self._add_logprobs(raw, ids, sub, logprob_rows, chosen)
+        return out
+
+    def _processed(self, logits: torch.Tensor, reqs: list[SampleRequest]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each entry's raw row (fp32) and its row after the processors and its
+        grammar's mask, before temperature and truncation."""
         rows = [r.row for r in reqs]
         if rows == list(range(logits.shape[0])):
             raw = logits.float()
@@ -177,6 +222,13 @@ class Sampler:
         constrained = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
         if constrained:
             x = self._apply_grammars(raw, x, reqs, constrained)
+        return raw, x
+
+    def _draw(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
+        """One token per entry. Only seeded generators advance here; counting the
+        tokens and feeding them to grammars is the caller's (a drafted row keeps
+        only some of its draws)."""
+        raw, x = self._processed(logits, reqs)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             tokens = x.argmax(dim=-1)
@@ -326,3 +378,10 @@ class Sampler:
                 {} if top_v is None or top_i is None
                 else dict(zip(top_i[j][:n_top], top_v[j][:n_top]))
             )
+
+
+def _by_rule(r: SampleRequest) -> bool:
+    """Whether a drafted entry is verified by speculative sampling's rule: its guesses
+    came from a draft model's distributions, and it samples without a seed."""
+    return (r.draft_probs is not None and bool(r.draft_token_ids) and not r.params.greedy
+            and r.params.seed is None)

@@ -101,7 +101,16 @@ def _sample_window(z: torch.Tensor, ks: list[int], ps: list[float], u: torch.Ten
 def _sample_full(z: torch.Tensor, ks: list[int], ps: list[float], u: torch.Tensor,
                  own_row: list[bool]) -> torch.Tensor:
     """Exact path over the full vocabulary (no truncation, wide top-k or wide nucleus)."""
+    return _draw(truncated_probs(z, ks, ps), u, own_row)
+
+
+def truncated_probs(z: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """Each row's distribution over the whole vocabulary, as the samplers draw from it:
+    temperature-scaled logits ``z`` cut to the top ``ks[i]`` (0: all) and to the
+    nucleus of mass ``ps[i]``, unnormalised after the nucleus cut (``inverse_cdf``
+    takes that; divide by the row sum for probabilities)."""
     dev, v = z.device, z.shape[-1]
+    ks = [k if 0 < k < v else 0 for k in ks]
     if any(ks):
         kth_idx = torch.tensor([(k or v) - 1 for k in ks], device=dev)
         kth = z.topk(max(k or v for k in ks), dim=-1).values.gather(1, kth_idx[:, None])
@@ -115,7 +124,7 @@ def _sample_full(z: torch.Tensor, ks: list[int], ps: list[float], u: torch.Tenso
         keep = (vals.cumsum(dim=-1) - vals) < p_t[:, None]
         keep[:, 0] = True
         probs[rows_t] = torch.zeros_like(vals).scatter_(1, order, vals * keep)
-    return _draw(probs, u, own_row)
+    return probs
 
 
 def _draw(probs: torch.Tensor, u: torch.Tensor, own_row: list[bool]) -> torch.Tensor:

@@ -307,7 +307,8 @@ class Worker:
         kv = KVCache(mc.num_layers, self.kv_cache.num_blocks, self.config.block_size,
                      mc.num_kv_heads, mc.head_dim, self.dtype, self.device, self.backend,
                      self.kv_cache.num_cpu_blocks)
-        return DraftRunner(self.draft, kv, self.device, self.config.num_speculative_tokens)
+        return DraftRunner(self.draft, kv, self.device, self.config.num_speculative_tokens,
+                           self.model_config.vocab_size)
 
     def _grammar_book(self) -> Any:
         """Structured-output state, built on the first constrained request (rank 0 only

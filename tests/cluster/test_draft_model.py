@@ -238,3 +238,29 @@ def test_default_model_with_an_int8_copy_as_draft(smol_llm, default_model_dir) -
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_sampled_rows_draft_from_q_and_keep_most_guesses(tiny_llama_dir) -> None:
+    """At temperature 1.5 a row that samples unseeded gets guesses drawn from the
+    draft's own distribution, verified by speculative sampling's rule: a draft with
+    the target's weights keeps nearly all of them. Seeded rows keep greedy guesses
+    (their tokens those without drafts), which survive far less often."""
+    prompts = [list(range(300 + 11 * i, 330 + 11 * i)) for i in range(4)]
+    llm = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=128,
+              speculative_config=_spec(tiny_llama_dir))
+    try:
+        hot = SamplingParams(temperature=1.5, max_tokens=32, ignore_eos=True, logprobs=1)
+        before = llm.engine.get_stats()["spec_decode"]
+        outs = llm.generate(prompts, hot)
+        by_q = _acceptance(llm, before)
+        assert all(len(o.outputs[0].token_ids) == 32 == len(o.outputs[0].logprobs)
+                   for o in outs)
+        before = llm.engine.get_stats()["spec_decode"]
+        llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=32,
+                                             ignore_eos=True, seed=3))
+        greedy = _acceptance(llm, before)
+        assert by_q > 0.9 and by_q > greedy + 0.2, (by_q, greedy)
+        assert not llm.engine.executor.worker.runner.drafter.probs  # none left behind
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()

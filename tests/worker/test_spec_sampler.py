@@ -141,3 +141,63 @@ def test_grammar_rows_with_drafts_equal_one_position_at_a_time(bad: int) -> None
     nxt = s2.sample(logits[len(kept):len(kept) + 1],
                     [SampleRequest("a", "a", 0, params, len(kept), kept)])["a"].token_id
     assert nxt == plain[len(kept)]
+
+
+def _draft_from(q: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """``n`` draws from each row of ``q``: ``[n, rows]`` (position j from q[j])."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.multinomial(row, n, replacement=True, generator=g)
+                        for row in q], 1)
+
+
+def test_drafts_drawn_from_q_keep_the_target_distribution_and_most_guesses() -> None:
+    """Speculative sampling's rule with a draft distribution q: the first token follows
+    p0, the second (after a kept first guess) p1; a guess survives with
+    sum(min(p, q)), well above the p0(argmax q) a greedy guess gets (statistical,
+    40k draws, 4 sigma)."""
+    torch.manual_seed(1)
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.5, 0.3, 0.1],
+                                     [0.25, 0.25, 0.25, 0.25]]))
+    p = logits.softmax(-1)
+    q = torch.tensor([[0.3, 0.4, 0.2, 0.1], [0.2, 0.4, 0.3, 0.1]])
+    n = 40_000
+    drafts = _draft_from(q, n, 3).tolist()
+    params = SamplingParams(temperature=1.0)
+    reqs = [SampleRequest(f"s{i}", f"s{i}", 0, params, 0, None, None, drafts[i],
+                          draft_probs=q) for i in range(n)]
+    out = Sampler().sample_drafted(logits, reqs)
+    tol = 4 * (0.25 / n) ** 0.5
+    first = torch.tensor([out[f"s{i}"][0].token_id for i in range(n)])
+    assert torch.allclose(torch.bincount(first, minlength=4).float() / n, p[0], atol=tol)
+    kept0 = [i for i in range(n) if len(out[f"s{i}"]) > 1]  # the first guess survived
+    assert all(out[f"s{i}"][0].token_id == drafts[i][0] for i in kept0)
+    assert len(kept0) / n == pytest.approx(torch.minimum(p[0], q[0]).sum().item(), abs=tol)
+    assert len(kept0) / n > p[0, q[0].argmax()].item() + 0.3  # greedy: 0.3 kept
+    second = torch.tensor([out[f"s{i}"][1].token_id for i in kept0])
+    freq1 = torch.bincount(second, minlength=4).float() / len(kept0)
+    assert torch.allclose(freq1, p[1], atol=4 * (0.25 / len(kept0)) ** 0.5), freq1
+    assert all(len(out[f"s{i}"]) <= 3 for i in range(n))
+
+
+def test_draft_probs_rows_under_truncation_and_beside_matched_rows() -> None:
+    """A top-k target never emits a token outside its top k, even where q put mass
+    there; a seeded row beside it keeps draw-and-match (its tokens those without
+    drafts); logprobs come with kept and drawn tokens alike; counts advance."""
+    torch.manual_seed(2)
+    v = 8
+    logits = torch.randn(3, v)
+    q = torch.full((2, v), 1.0 / v)
+    top2 = set(logits[0].topk(2).indices.tolist())
+    params = SamplingParams(temperature=1.0, top_k=2, logprobs=1)
+    seeded = SamplingParams(temperature=1.0, seed=4)
+    plain = Sampler().sample(logits[:1], [SampleRequest("b", "b", 0, seeded, 0)])["b"]
+    for trial in range(200):
+        d = _draft_from(q, 1, trial)[0].tolist()
+        s = Sampler()
+        out = s.sample_drafted(torch.cat([logits, logits]), [
+            SampleRequest("a", "a", 0, params, 0, None, None, d, draft_probs=q),
+            SampleRequest("b", "b", 3, seeded, 0, None, None, d, draft_probs=q)])
+        assert out["a"][0].token_id in top2
+        assert all(t.logprob is not None and t.top_logprobs for t in out["a"])
+        assert out["b"][0].token_id == plain.token_id
+        assert s._counts == {"a": len(out["a"]), "b": len(out["b"])}
