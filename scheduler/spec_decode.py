@@ -13,7 +13,7 @@ positions cost little there. Pure Python: the scheduler imports no torch.
 
 With a draft model the guesses come from the worker instead: after each step the
 rank that samples runs the draft over the step's accepted tokens and proposes the
-next ``k`` greedily (``worker.draft_model``); the scheduler keeps each request's
+next ``k`` (``worker.draft_model``); the scheduler keeps each request's
 proposal until its next step and gives such rows ``k`` lookahead slots, where the
 draft writes its own KV for the tokens it guesses past the step.
 """

@@ -45,7 +45,7 @@ from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.packed import can_pack, pack_model
 from pagedserve.worker.layers.quant import quantize_model
-from pagedserve.worker.loaders import iter_safetensors, resolve_model
+from pagedserve.worker.loaders import ResolvedModel, iter_safetensors, resolve_model
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import PipelineStage
@@ -71,14 +71,7 @@ def load_draft_model(path: str, dtype: torch.dtype, device: torch.device,
                      hybrid: bool = True) -> DraftModel:
     """Build and load the draft named by ``speculative_config.model``; every reason it
     cannot draft for ``target`` is a ``ValueError`` naming that field."""
-    try:
-        resolved = resolve_model(path)
-        mc = ModelConfig.from_pretrained(resolved.path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"speculative_config.model {path!r}: {e}") from e
-    why = _unfit(mc, target, hybrid)
-    if why:
-        raise ValueError(f"speculative_config.model {path!r}: {why}")
+    resolved, mc = _resolve_checked(path, target, hybrid)
     backend = get_backend(attention_backend, device, kv_cache_dtype=dtype, model_dtype=dtype)
     stage = PipelineStage.of(mc.num_layers, 1, 0, None)
     model = MODEL_REGISTRY[mc.model_type](mc, ParallelContext(), backend, dtype, device, stage)
@@ -98,15 +91,20 @@ def load_draft_model(path: str, dtype: torch.dtype, device: torch.device,
 def check_draft(path: str, target_path: str, hybrid: bool = True) -> str:
     """Resolve the draft and check it can draft for the target at ``target_path``
     (the engine's early check, before any rank starts); returns its local path."""
+    return _resolve_checked(path, ModelConfig.from_pretrained(target_path), hybrid)[0].path
+
+
+def _resolve_checked(path: str, target: ModelConfig, hybrid: bool
+                     ) -> tuple[ResolvedModel, ModelConfig]:
     try:
         resolved = resolve_model(path)
         mc = ModelConfig.from_pretrained(resolved.path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"speculative_config.model {path!r}: {e}") from e
-    why = _unfit(mc, ModelConfig.from_pretrained(target_path), hybrid)
+    why = _unfit(mc, target, hybrid)
     if why:
         raise ValueError(f"speculative_config.model {path!r}: {why}")
-    return resolved.path
+    return resolved, mc
 
 
 def _unfit(mc: ModelConfig, target: ModelConfig, hybrid: bool) -> str | None:
@@ -118,6 +116,9 @@ def _unfit(mc: ModelConfig, target: ModelConfig, hybrid: bool) -> str | None:
         return f"model_type {mc.model_type!r} is not supported"
     if mc.image is not None or mc.embedding_only:
         return "a draft must be a text-generation model"
+    if mc.prequant is not None:
+        return (f"a {mc.prequant.method} checkpoint cannot draft: give its dense "
+                "checkpoint, with speculative_config.quantization for a small one")
     if mc.vocab_size > target.vocab_size:
         return (f"its vocabulary ({mc.vocab_size}) is larger than the target's "
                 f"({target.vocab_size}): the two must share a tokenizer")

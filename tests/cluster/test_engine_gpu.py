@@ -220,6 +220,25 @@ def test_cuda_speculative_decoding_equals_hugging_face(tiny_dir, engines) -> Non
     assert_pool_at_baseline(llm)
 
 
+@cuda_only
+def test_cuda_draft_model_equals_hugging_face(tiny_dir, engines) -> None:
+    """A draft model on the GPU (its own pool, eager forwards beside the target's
+    graphs): greedy tokens are HF's and a self-draft keeps nearly every guess;
+    sampled rows draw from ``q`` on the device and verify by the rule."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref = hf_greedy(tiny_dir, prompts, 32, device="cuda")
+    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", num_gpu_blocks=512,
+              speculative_config={"model": tiny_dir, "num_speculative_tokens": 4})
+    engines.append(llm)
+    assert _greedy(llm, prompts, params) == ref
+    spec = llm.engine.get_stats()["spec_decode"]
+    assert spec["num_accepted_tokens"] > 0.9 * spec["num_draft_tokens"] > 0, spec
+    hot = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in llm.generate(prompts, hot))
+    assert_pool_at_baseline(llm)
+
+
 
 def _write_lora_by_hand(base_dir: str, dest, targets: list[str], r: int, seed: int) -> str:
     """A PEFT-format adapter written without ``peft`` (the GPU box has no package index):
