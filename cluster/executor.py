@@ -54,11 +54,12 @@ class Executor(abc.ABC):
         return handle
 
     @abc.abstractmethod
-    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
-        """Every rank's K and V of device blocks, in rank order (see ``KVCache``)."""
+    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, ...]]:
+        """Every rank's K and V of device blocks, in rank order (see ``KVCache``); the
+        rank holding a draft model adds the draft's K and V."""
 
     @abc.abstractmethod
-    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, Any]]) -> None:
+    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, ...]]) -> None:
         """Write each rank its shard of shipped K and V (``read_kv_blocks``'s result)."""
 
     @abc.abstractmethod
@@ -106,12 +107,12 @@ class LocalExecutor(Executor):
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(plan)
 
-    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
+    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, ...]]:
         return [self.worker.read_kv_blocks(block_ids)]
 
-    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, Any]]) -> None:
-        (keys, values), = shards
-        self.worker.write_kv_blocks(block_ids, keys, values)
+    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, ...]]) -> None:
+        shard, = shards
+        self.worker.write_kv_blocks(block_ids, *shard)
 
     def sleep(self, level: int) -> None:
         self.worker.sleep(level)
@@ -248,12 +249,12 @@ class RayExecutor(Executor):
             self._wire.reset()  # a rank may have missed the plan: the next goes whole
             raise
 
-    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
+    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[Any, ...]]:
         return self._get([w.read_kv_blocks.remote(block_ids) for w in self.workers])
 
-    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, Any]]) -> None:
-        self._get([w.write_kv_blocks.remote(block_ids, k, v)
-                   for w, (k, v) in zip(self.workers, shards, strict=True)])
+    def write_kv_blocks(self, block_ids: list[int], shards: list[tuple[Any, ...]]) -> None:
+        self._get([w.write_kv_blocks.remote(block_ids, *shard)
+                   for w, shard in zip(self.workers, shards, strict=True)])
 
     def sleep(self, level: int) -> None:
         self._on_every_rank("sleep", level)

@@ -70,7 +70,9 @@ class KVPayload:
     """The K/V of a prompt's leading full blocks, per rank.
 
     ``shards[r]`` is rank ``r``'s ``(keys, values)`` (ranks stage by stage, then by
-    tensor-parallel rank), each
+    tensor-parallel rank; the rank holding a draft model adds the draft's keys and
+    values, every draft layer, which a decode engine with the same draft writes too),
+    each
     ``[stage caches, len(block_hashes), block_size, kv_heads_per_rank, head_dim]`` on the
     CPU: a cache per layer, or with KV cache groups one per slot, whose block holds
     one layer of the group the block belongs to (``block_hashes`` then lists every
@@ -79,7 +81,7 @@ class KVPayload:
 
     layout: KVLayout
     block_hashes: list[bytes]
-    shards: list[tuple[torch.Tensor, torch.Tensor]]
+    shards: list[tuple[torch.Tensor, ...]]
 
     @property
     def num_blocks(self) -> int:
@@ -91,7 +93,7 @@ class KVPayload:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.shards)
+        return sum(t.nbytes for shard in self.shards for t in shard)
 
 
 def export_prompt_kv(engine: LLMEngine, token_ids: list[int], cache_salt: str | None = None,
@@ -116,12 +118,13 @@ def begin_import(engine: LLMEngine, payload: KVPayload) -> ImportReservation:
 
 
 def reserved_shards(payload: KVPayload, res: ImportReservation
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each rank's K/V of just the blocks ``res`` took, in its order."""
+                    ) -> list[tuple[torch.Tensor, ...]]:
+    """Each rank's K/V (and a draft model's) of just the blocks ``res`` took, in its
+    order."""
     if res.indices == list(range(payload.num_blocks)):
         return payload.shards
     idx = torch.tensor(res.indices, dtype=torch.int64)
-    return [(_pick(k, idx), _pick(v, idx)) for k, v in payload.shards]
+    return [tuple(_pick(t, idx) for t in shard) for shard in payload.shards]
 
 
 def _pick(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

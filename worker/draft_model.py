@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.kernels import build_varlen_metadata, get_backend
@@ -46,6 +47,7 @@ from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.packed import can_pack, pack_model
 from pagedserve.worker.layers.quant import quantize_model
 from pagedserve.worker.loaders import ResolvedModel, iter_safetensors, resolve_model
+from pagedserve.worker.model_runner import int_tensor
 from pagedserve.worker.models import MODEL_REGISTRY
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import PipelineStage
@@ -243,13 +245,16 @@ class DraftRunner:
         request's temperature and truncation, kept in ``qs`` for the verifier) for
         rows that sample unseeded, else the argmax."""
         tokens = logits.argmax(-1)
-        for i, prm in enumerate(params):
-            if prm is None:
-                continue
-            q = draft_probs(logits[i:i + 1], prm.temperature, prm.top_k, prm.top_p,
-                            prm.min_p, self.target_vocab)
-            tokens[i] = inverse_cdf(q.clone(), torch.rand(1, device=q.device), in_place=True)[0]
-            qs[i].append(q[0])
+        rows = [i for i, prm in enumerate(params) if prm is not None]
+        if not rows:
+            return tokens
+        rows_t = torch.tensor(rows, device=logits.device)
+        q = draft_probs(logits.index_select(0, rows_t), [params[i] for i in rows],
+                        self.target_vocab)  # type: ignore[misc]
+        tokens[rows_t] = inverse_cdf(q.clone(), torch.rand(len(rows), device=q.device),
+                                     in_place=True)
+        for j, i in enumerate(rows):
+            qs[i].append(q[j])
         return tokens
 
     def attach_probs(self, drafted: list[SampleRequest]) -> None:
@@ -284,20 +289,22 @@ class DraftRunner:
         q_lens = [len(t) for t, _, _ in rows]
         seq_lens = [s + q for (_, s, _), q in zip(rows, q_lens)]
         width = max(-(-n // bsz) for n in seq_lens)
-        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        flat: list[int] = []
         for i, ((_, _, bt), n) in enumerate(zip(rows, seq_lens)):
             need = -(-n // bsz)
             if len(bt) < need:
                 raise ValueError(f"draft row {i}: block table has {len(bt)} blocks, "
                                  f"{n} tokens need {need}")
-            table[i, :need] = torch.tensor(bt[:need], dtype=torch.int32)
+            flat += bt[:need]
+            flat += [-1] * (width - need)
+        table = int_tensor(flat, np.int32).view(len(rows), width)
         q_t = torch.tensor(q_lens)
         first = torch.cumsum(q_t, 0) - q_t
         starts = torch.tensor([s for _, s, _ in rows])
         seq_idx = torch.repeat_interleave(torch.arange(len(rows)), q_t)
         positions = torch.arange(int(q_t.sum())) - torch.repeat_interleave(first - starts, q_t)
         slots = table[seq_idx, positions // bsz].long() * bsz + positions % bsz
-        ids = torch.tensor([t for toks, _, _ in rows for t in toks], dtype=torch.long)
+        ids = int_tensor([t for toks, _, _ in rows for t in toks], np.int64)
         ids.clamp_(max=self.vocab - 1)  # (an image placeholder may lie past the draft's)
         is_decode = all(q == 1 for q in q_lens)
         md = AttentionMetadata(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,7 +24,6 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
 )
 from pagedserve.worker.cuda_graph import DecodeGraphRunner
-from pagedserve.worker.draft_model import DraftRunner
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
@@ -34,6 +34,9 @@ from pagedserve.worker.pipeline import IntermediateTensors
 from pagedserve.worker.pooling import PoolJob, pool_hidden
 from pagedserve.worker.prompt_logprobs import PromptLogprobJob, compute_prompt_logprobs
 from pagedserve.worker.sampler import Sampler, SampleRequest
+
+if TYPE_CHECKING:
+    from pagedserve.worker.draft_model import DraftRunner
 
 
 @dataclass

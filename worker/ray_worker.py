@@ -91,11 +91,12 @@ class RayWorkerWrapper:
         ``_turn``), against what this rank's earlier plans held."""
         return self._wire.decode(plan) if isinstance(plan, EncodedPlan) else plan
 
-    def read_kv_blocks(self, block_ids: list[int]) -> tuple[Any, Any]:
+    def read_kv_blocks(self, block_ids: list[int]) -> tuple[Any, ...]:
         return self._on_compute_thread(self.worker.read_kv_blocks, block_ids)
 
-    def write_kv_blocks(self, block_ids: list[int], keys: Any, values: Any) -> None:
-        self._on_compute_thread(self.worker.write_kv_blocks, block_ids, keys, values)
+    def write_kv_blocks(self, block_ids: list[int], keys: Any, values: Any,
+                        *draft: Any) -> None:
+        self._on_compute_thread(self.worker.write_kv_blocks, block_ids, keys, values, *draft)
 
     def sleep(self, level: int) -> None:
         self._on_compute_thread(self.worker.sleep, level)

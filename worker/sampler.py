@@ -187,15 +187,16 @@ class Sampler:
         rows = [i for (a, b), by_rule in zip(spans, ruled) if by_rule for i in range(a, b)]
         sub = [expanded[i] for i in rows]
         raw, x = self._processed(logits, sub)
+        probs = target_probs(x, [e.params for e in sub])
         out: dict[int, list[SampledToken]] = {}
         chosen: list[SampledToken] = []
         at = 0
         for i, (r, (a, b), by_rule) in enumerate(zip(reqs, spans, ruled)):
             if not by_rule:
                 continue
-            n, prm = b - a, r.params
+            n = b - a
             assert r.draft_probs is not None and r.draft_token_ids is not None
-            p = target_probs(x[at:at + n], prm.temperature, prm.top_k, prm.top_p, prm.min_p)
+            p = probs[at:at + n]
             out[i] = [SampledToken(t) for t in verify(p, r.draft_probs, r.draft_token_ids)]
             # (positions past the kept ones are scored on a stand-in token, then dropped)
             chosen += out[i] + [SampledToken(0) for _ in range(n - len(out[i]))]

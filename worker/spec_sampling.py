@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.sampling_ops import apply_min_p, inverse_cdf, truncated_probs
 
 
-def target_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                 min_p: float) -> torch.Tensor:
-    """The normalised distribution each row of processed logits ``x`` samples from."""
-    z = x.float() / temperature
-    if min_p:
-        z = apply_min_p(z, [min_p] * z.shape[0])
-    n = z.shape[0]
-    probs = truncated_probs(z, [top_k] * n, [top_p] * n)
+def target_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The normalised distribution each row of processed logits ``x`` samples from,
+    row ``i`` under ``params[i]``'s temperature, ``min_p``, top-k and top-p."""
+    temps = torch.tensor([p.temperature for p in params], device=x.device)
+    z = x.float() / temps[:, None]
+    if any(p.min_p for p in params):
+        z = apply_min_p(z, [p.min_p for p in params])
+    probs = truncated_probs(z, [p.top_k for p in params], [p.top_p for p in params])
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
@@ -60,12 +61,12 @@ def verify(p: torch.Tensor, q: torch.Tensor, drafts: list[int]) -> list[int]:
     return [*drafts[:m], int(token[0])]
 
 
-def draft_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                min_p: float, vocab_size: int) -> torch.Tensor:
-    """A draft's ``q`` for its rows of logits, under the request's own temperature and
-    truncation (its penalties and grammar are the target's to apply), widened with
-    zeros to the target's ``vocab_size``."""
-    q = target_probs(logits, temperature, top_k, top_p, min_p)
+def draft_probs(logits: torch.Tensor, params: list[SamplingParams],
+                vocab_size: int) -> torch.Tensor:
+    """A draft's ``q`` for its rows of logits, each under its request's temperature and
+    truncation (penalties and grammars are the target's to apply), widened with zeros
+    to the target's ``vocab_size``."""
+    q = target_probs(logits, params)
     if q.shape[-1] < vocab_size:
         q = torch.nn.functional.pad(q, (0, vocab_size - q.shape[-1]))
     return q

@@ -339,18 +339,29 @@ class Worker:
             intermediate = intermediate.to(self.device)
         return self.runner.execute(plan, intermediate)
 
-    def read_kv_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's K and V of device blocks, for another replica (see ``KVCache``)."""
+    def read_kv_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """This rank's K and V of device blocks, for another replica (see ``KVCache``),
+        then its draft model's K and V where it holds one."""
         if self.kv_cache is None:
             raise RuntimeError("init_kv_cache must be called before read_kv_blocks")
-        return self.kv_cache.read_blocks(block_ids)
+        drafter = self.runner.drafter if self.runner is not None else None
+        extra = drafter.kv_cache.read_blocks(block_ids) if drafter is not None else ()
+        return (*self.kv_cache.read_blocks(block_ids), *extra)
 
     def write_kv_blocks(self, block_ids: list[int], keys: torch.Tensor,
-                        values: torch.Tensor) -> None:
-        """Write another replica's K and V (this rank's shard) into device blocks."""
+                        values: torch.Tensor, *draft: torch.Tensor) -> None:
+        """Write another replica's K and V (this rank's shard) into device blocks, and
+        its draft's K and V (``draft``) into this rank's draft pool when both have one
+        of the same shape (else the draft recomputes nothing there: fewer guesses kept)."""
         if self.kv_cache is None:
             raise RuntimeError("init_kv_cache must be called before write_kv_blocks")
         self.kv_cache.write_blocks(block_ids, keys, values)
+        drafter = self.runner.drafter if self.runner is not None else None
+        if drafter is not None and len(draft) == 2:
+            try:
+                drafter.kv_cache.write_blocks(block_ids, *draft)
+            except ValueError as e:
+                logger.warning("shipped draft KV not written: %s", e)
 
     def add_lora(self, lora_id: int, path: str) -> None:
         """Load a LoRA adapter's shard for this rank (``ValueError`` if it cannot serve it)."""

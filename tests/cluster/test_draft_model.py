@@ -9,6 +9,7 @@ baseline; bad drafts are a ``ValueError`` naming ``speculative_config.model``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -264,3 +265,37 @@ def test_sampled_rows_draft_from_q_and_keep_most_guesses(tiny_llama_dir) -> None
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("ship_draft", [True, False])
+def test_shipped_prompt_kv_carries_the_drafts_kv(tiny_llama_dir, reference,
+                                                 ship_draft: bool) -> None:
+    """Disaggregated prefill: the prefill engine's payload holds its draft's K/V beside
+    the target's, and a decode engine with the same draft writes both, so its guesses
+    after the imported prefix are kept as often as on the engine that computed it.
+    Without the draft's part the decode engine answers the same, guessing worse."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+    from tests.cluster.test_kv_transfer import prefill
+
+    prompts = prompts_of_mixed_lengths()
+    spec = _spec(tiny_llama_dir)
+    pre, dec = (LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=128,
+                    speculative_config=spec) for _ in range(2))
+    try:
+        payloads = prefill(pre, prompts)
+        assert all(len(s) == 4 for p in payloads for s in p.shards)  # K, V, draft K, V
+        if not ship_draft:
+            payloads = [dataclasses.replace(p, shards=[s[:2] for s in p.shards])
+                        for p in payloads]
+        assert sum(import_prompt_kv(dec.engine, p) for p in payloads) > 0
+        outs = dec.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
+                                                    ignore_eos=True))
+        assert _tokens(outs) == reference
+        assert sum(o.num_cached_tokens for o in outs) > 0
+        kept = _acceptance(dec)
+        assert kept > 0.95 if ship_draft else kept < 0.8, kept
+        for llm in (pre, dec):
+            assert_pool_at_baseline(llm)
+    finally:
+        pre.shutdown()
+        dec.shutdown()
