@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from pagedserve.cluster.beam_search import BeamSearchParams, beam_row_params
@@ -26,6 +25,7 @@ from pagedserve.cluster.engine_lifecycle import (
     start_update,
     start_wake,
 )
+from pagedserve.cluster.engine_setup import build_scheduler, checked_worker_config
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
 from pagedserve.cluster.image_prompts import ImagePrompts
 from pagedserve.cluster.kv_transfer import export_prompt_kv
@@ -41,17 +41,13 @@ from pagedserve.cluster.request_state import (
 )
 from pagedserve.cluster.step_pipeline import StepPipeline
 from pagedserve.scheduler.block_hash import hash_prompt_blocks
-from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.multimodal import ImageInput
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.worker.draft_model import check_draft
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
-from pagedserve.worker.pipeline import check_stages_fit
 
 # Counted over the steps (``get_stats``; shared_prefix_*: the backend's take_counters).
 STAT_COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "finished_requests",
@@ -69,14 +65,8 @@ class LLMEngine:
         resolved = resolve_model(config.model)
         self.model_id = resolved.model_id
         self.tokenizer = load_tokenizer(resolved)
-        wcfg = config.worker_config(resolved.path, self.device)
-        if wcfg.speculative_model is not None:  # a bad draft fails here, before any rank
-            wcfg = replace(wcfg, speculative_model=check_draft(
-                wcfg.speculative_model, resolved.path, wcfg.hybrid_kv_cache))
+        wcfg = checked_worker_config(config, resolved.path, self.device)
         block_size = wcfg.block_size
-        if config.pipeline_parallel_size > 1:
-            check_stages_fit(resolved.path, config.pipeline_parallel_size,
-                             config.resolved_layer_partition())
         self.executor: Executor
         if config.resolved_executor() == "ray":
             self.executor = RayExecutor(wcfg, use_gpu=self.device == "cuda")
@@ -93,33 +83,10 @@ class LLMEngine:
         self.pipeline = StepPipeline(self.max_concurrent_batches)
         num_gpu_blocks = self.executor.determine_num_blocks()
         num_swap, num_offload = config.cpu_tier_blocks(int(info["bytes_per_block"]))
-        num_cpu_blocks = num_swap + num_offload
-        self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs)
-                if config.enable_chunked_prefill else max(config.max_num_batched_tokens, max_len),
-                max_model_len=max_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                preemption_mode=config.preemption_mode,
-                max_loras=config.max_loras if config.enable_lora else 0,
-                policy=config.scheduling_policy, priority_aging_s=config.priority_aging_s,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                max_concurrent_batches=self.max_concurrent_batches,
-            ),
-            CacheConfig(
-                num_gpu_blocks=num_gpu_blocks,
-                block_size=block_size,
-                num_cpu_blocks=num_cpu_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-                model_id=self.model_id,
-                enable_kv_offload=num_offload > 0, sliding_window=info.get("kv_sliding_window"),
-                long_rope_from=info.get("long_rope_from", 0),
-                kv_group_windows=tuple(info.get("kv_group_windows") or ()),
-            ),
-            config.speculative_config,
-        )
+        self.executor.init_kv_cache(num_gpu_blocks, num_swap + num_offload)
+        self.scheduler = build_scheduler(config, info, self.model_id, max_len, block_size,
+                                         num_gpu_blocks, (num_swap, num_offload),
+                                         self.max_concurrent_batches)
         image_info = info.get("image")
         # A multimodal model's image prompts (None: text only, or images turned off).
         self.images = ImagePrompts(resolved.path, image_info, self.tokenizer,

@@ -1,0 +1,61 @@
+"""What ``LLMEngine`` settles before and after its ranks start: the checks that fail a
+bad configuration on the driver (a draft that cannot draft, stages the model cannot
+fill) and the scheduler sized from what the ranks report."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.draft_model import check_draft
+from pagedserve.worker.pipeline import check_stages_fit
+
+
+def checked_worker_config(config: EngineConfig, model_path: str, device: str) -> WorkerConfig:
+    """Every rank's settings, after the checks that need no rank: the draft model is
+    resolved to a local path and fits the target, the pipeline's stages hold layers."""
+    wcfg = config.worker_config(model_path, device)
+    if wcfg.speculative_model is not None:
+        wcfg = replace(wcfg, speculative_model=check_draft(
+            wcfg.speculative_model, model_path, wcfg.hybrid_kv_cache))
+    if config.pipeline_parallel_size > 1:
+        check_stages_fit(model_path, config.pipeline_parallel_size,
+                         config.resolved_layer_partition())
+    return wcfg
+
+
+def build_scheduler(config: EngineConfig, info: dict[str, Any], model_id: str, max_len: int,
+                    block_size: int, num_gpu_blocks: int, cpu_blocks: tuple[int, int],
+                    max_concurrent_batches: int) -> Scheduler:
+    """The scheduler over the pool the ranks allocated (``cpu_blocks``: swap, offload)
+    and the model facts they reported (``info``: windows, LongRoPE's switch)."""
+    num_swap, num_offload = cpu_blocks
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs)
+            if config.enable_chunked_prefill else max(config.max_num_batched_tokens, max_len),
+            max_model_len=max_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            policy=config.scheduling_policy, priority_aging_s=config.priority_aging_s,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_concurrent_batches=max_concurrent_batches,
+        ),
+        CacheConfig(
+            num_gpu_blocks=num_gpu_blocks,
+            block_size=block_size,
+            num_cpu_blocks=num_swap + num_offload,
+            enable_prefix_caching=config.enable_prefix_caching,
+            model_id=model_id,
+            enable_kv_offload=num_offload > 0, sliding_window=info.get("kv_sliding_window"),
+            long_rope_from=info.get("long_rope_from", 0),
+            kv_group_windows=tuple(info.get("kv_group_windows") or ()),
+        ),
+        config.speculative_config,
+    )
