@@ -67,6 +67,28 @@ def test_adapters_with_speculative_decoding_and_parallel_sampling(tiny_llama_dir
         llm.shutdown()
 
 
+def test_adapters_with_a_draft_model(tiny_llama_dir, llama_loras, llama_refs) -> None:
+    """A draft model guesses the base model's tokens; each row verifies them under its
+    own adapter, so adapter outputs are PEFT's and base rows keep nearly every guess."""
+    loras = [None, *llama_loras.values()]
+    prompts, per_prompt = mixed_batch(loras)
+    llm = LLM(model=tiny_llama_dir, enable_lora=True, max_loras=3, max_lora_rank=8,
+              block_size=4, num_gpu_blocks=128,
+              speculative_config={"model": tiny_llama_dir, "num_speculative_tokens": 3})
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY, lora_request=per_prompt)) == \
+            expected(llama_refs, loras)
+        base = llm.engine.get_stats()["spec_decode"]
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == llama_refs[None]
+        after = llm.engine.get_stats()["spec_decode"]
+        kept = ((after["num_accepted_tokens"] - base["num_accepted_tokens"])
+                / (after["num_draft_tokens"] - base["num_draft_tokens"]))
+        assert kept > 0.95
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_qwen2_with_qkv_bias_and_tied_embeddings_equals_hugging_face_peft(
         tmp_path, tiny_qwen2_dir) -> None:
     loras = [None, LoRARequest("qw", 7, write_adapter(tiny_qwen2_dir, tmp_path / "qw", 4,
