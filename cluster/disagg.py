@@ -80,12 +80,17 @@ class RemotePrefiller:
             "imported_blocks": 0, "received_bytes": 0, "seconds": 0.0}
 
     def wanted(self, engine: Any, req: EngineRequest, lora: Any) -> bool:
-        """Whether the prompt's part missing here is long enough to send away."""
+        """Whether the prompt's part missing here is long enough to send away. A prompt
+        with images counts as missing whole: its blocks' keys need its pictures
+        processed, which only the engine that runs it does (a picture this replica
+        holds already makes the import write nothing)."""
         if req.params.prompt_logprobs is not None:  # those need the whole prompt here
             return False
+        n = len(req.prompt_token_ids)
+        if req.images:
+            return n >= self.config.min_tokens
         core = engine.engine
         hashes = core.prompt_block_hashes(req.prompt_token_ids, req.cache_salt, lora)
-        n = len(req.prompt_token_ids)
         return n - core.scheduler.kv.prefix_hit_tokens(hashes, n) >= self.config.min_tokens
 
     async def run(self, engine: Any, req: EngineRequest, lora: Any) -> None:

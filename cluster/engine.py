@@ -190,7 +190,8 @@ class LLMEngine:
         # Built first: it may still refuse ``resumed``, before the scheduler has the request.
         group = RequestState.start(request_id, prompt if isinstance(prompt, str) else None,
                                    ids, params, n_out, self.tokenizer, pool,
-                                   (cache_salt, lora_request) if export_kv else None, resumed)
+                                   (cache_salt, lora_request, image_inputs) if export_kv
+                                   else None, resumed)
         group.output_kind = output_kind
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
                                           cache_salt, lora_request, priority, pooling_params,
@@ -254,11 +255,13 @@ class LLMEngine:
         return self.scheduler.num_waiting_tokens()
 
     def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None = None,
-                            lora_request: LoRARequest | None = None) -> list[bytes]:
-        """The prefix-cache keys of a prompt, as the scheduler computes them."""
+                            lora_request: LoRARequest | None = None,
+                            images: Sequence[ImageInput] = ()) -> list[bytes]:
+        """The prefix-cache keys of a prompt (its ``images``' keys in the blocks they
+        overlap), as the scheduler computes them."""
         keys = self.scheduler.prompt_extra_keys(
             len(token_ids), cache_salt, lora_request.cache_key if lora_request else None)
-        return hash_prompt_blocks(token_ids, self.scheduler.block_size, keys)
+        return hash_prompt_blocks(token_ids, self.scheduler.block_size, keys, images=images)
 
     # ---- the step ------------------------------------------------------------------------
 

@@ -151,7 +151,8 @@ class EngineServer:
             last = None
             async for out in self.engine.generate(req.prompt_token_ids, PREFILL_PARAMS,
                                                   req.request_id, req.cache_salt, lora,
-                                                  req.priority, export_kv=True):
+                                                  req.priority, export_kv=True,
+                                                  images=req.images):
                 last = out
             if last is None or last.kv_transfer is None:
                 raise RuntimeError("prefill ended without its KV")
@@ -258,9 +259,7 @@ class EngineServer:
         yield EngineChunk(rid, self.replica_id, prompt_tokens=len(req.prompt_token_ids))
         try:
             lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
-            # (A prompt with images is prefilled here: the prefill pool gets token ids.)
-            if self.remote_prefill is not None and not req.resumed_token_ids \
-                    and not req.images:
+            if self.remote_prefill is not None and not req.resumed_token_ids:
                 await self.remote_prefill.run(self.engine, req, lora)
             outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt,
                                         lora, req.priority,

@@ -17,6 +17,7 @@ not match leaves the decode engine computing that part itself.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ import torch
 
 from pagedserve.scheduler.kv_import import ImportReservation
 from pagedserve.scheduler.lora_request import LoRARequest
+from pagedserve.scheduler.multimodal import ImageInput
 
 if TYPE_CHECKING:
     from pagedserve.cluster.engine import LLMEngine
@@ -97,10 +99,13 @@ class KVPayload:
 
 
 def export_prompt_kv(engine: LLMEngine, token_ids: list[int], cache_salt: str | None = None,
-                     lora_request: LoRARequest | None = None) -> KVPayload:
+                     lora_request: LoRARequest | None = None,
+                     images: Sequence[ImageInput] = ()) -> KVPayload:
     """The K/V of the longest leading run of ``token_ids``'s full blocks cached in
-    ``engine`` right now (call it between steps, before the blocks can be reused)."""
-    hashes = engine.prompt_block_hashes(token_ids, cache_salt, lora_request)
+    ``engine`` right now (call it between steps, before the blocks can be reused).
+    Blocks over an image are named by its content too, so the decode engine's request
+    with the same picture hits them and one with another picture does not."""
+    hashes = engine.prompt_block_hashes(token_ids, cache_salt, lora_request, images)
     ids, names = engine.scheduler.kv.shippable_prefix(hashes, len(token_ids))
     shards = engine.executor.read_kv_blocks(ids) if ids else []
     engine.stats["kv_exported_blocks"] += len(ids)

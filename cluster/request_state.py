@@ -50,7 +50,8 @@ class RequestState:
     first_token_time: float | None = None
     pool: PoolAccumulator | None = None
     embedding: list[float] | None = None
-    kv_export: tuple[Any, Any] | None = None  # (cache_salt, lora) of an export_kv request
+    # (cache_salt, lora, image inputs) of an export_kv request
+    kv_export: tuple[Any, Any, Any] | None = None
     kv_transfer: Any = None  # its KVPayload, once finished
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS (LLMEngine.add_request)
     # A "delta" request's samples: (tokens, text characters) already in an output.
@@ -59,7 +60,8 @@ class RequestState:
     @classmethod
     def start(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
               params: SamplingParams, num_seqs: int, tokenizer: Any,
-              pool: PoolAccumulator | None = None, kv_export: tuple[Any, Any] | None = None,
+              pool: PoolAccumulator | None = None,
+              kv_export: tuple[Any, Any, Any] | None = None,
               resumed: list[int] | None = None) -> RequestState:
         """A request's outputs before its first step: a detokeniser per sample
         (``num_seqs``: ``n``, or a beam search's width), sample 0 begun at ``resumed``

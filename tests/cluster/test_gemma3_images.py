@@ -331,3 +331,50 @@ def test_n2_samples_fork_after_the_image(mm_dir: str, reference: list[list[int]]
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_image_prompts_kv_ships_to_a_decode_engine(mm_dir: str, reference) -> None:
+    """Disaggregated prefill with images: the prefill engine names its blocks over an
+    image by the picture too, so a decode engine asked for the same picture hits them
+    (image included: no encoder run there) and answers as HF does, while the same text
+    with another picture hits only the blocks before its image."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+
+    def engine() -> LLM:  # (one table: every block of the prompt ships)
+        return LLM(model=mm_dir, num_gpu_blocks=128, block_size=4,
+                   disable_hybrid_kv_cache_manager=True)
+
+    pre, dec = engine(), engine()
+    try:
+        payloads = []
+        for i, (ids, imgs) in enumerate(cases()):
+            pre.engine.add_request(ids, SamplingParams(max_tokens=1), f"pf-{i}",
+                                   export_kv=True, images=imgs or None)
+            done = None
+            while pre.engine.has_unfinished_requests():
+                for out in pre.engine.step():
+                    done = out.kv_transfer if out.finished else done
+            payloads.append(done)
+        assert payloads[0].block_hashes[0] == payloads[3].block_hashes[0]  # text only
+        assert payloads[0].block_hashes[-1] != payloads[3].block_hashes[-1]  # its picture
+        for i in (0, 1):
+            assert import_prompt_kv(dec.engine, payloads[i]) == len(cases()[i][0]) // 4
+        encoded = []
+        vision = dec.engine.executor.worker.model.vision
+        orig = vision.forward
+        vision.forward = lambda *a, **k: encoded.append(1) or orig(*a, **k)
+        # Case 1's two images lie in shipped blocks: nothing is encoded here.
+        (out1,) = dec.generate([{"prompt_token_ids": cases()[1][0],
+                                 "multi_modal_data": {"image": cases()[1][1]}}], GREEDY)
+        assert out1.outputs[0].token_ids == reference[1] and not encoded
+        assert out1.num_cached_tokens == (len(cases()[1][0]) - 1) // 4 * 4
+        # Case 0's text with case 3's picture hits only the block before the image.
+        outs = dec.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
+                             for ids, imgs in (cases()[0], cases()[3])], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [reference[0], reference[3]]
+        assert [o.num_cached_tokens for o in outs] == [(len(cases()[0][0]) - 1) // 4 * 4, 4]
+        for llm in (pre, dec):
+            assert_pool_at_baseline(llm)
+    finally:
+        pre.shutdown()
+        dec.shutdown()

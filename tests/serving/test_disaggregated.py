@@ -213,3 +213,52 @@ def test_a_hybrid_models_prompts_ship_by_group(cluster: Cluster,
         assert prefill["kv_exported_blocks"] == decode["kv_imported_blocks"]
     finally:
         cluster.delete("pd-hybrid")
+
+
+def test_image_prompts_ship_from_the_prefill_pool(cluster: Cluster,
+                                                  tmp_path_factory: pytest.TempPathFactory
+                                                  ) -> None:
+    """A random multimodal Gemma 3 behind a prefill replica: a chat with an image part is
+    prefilled there (its encoder runs there), its blocks named by the picture too, and
+    the decode replica hits the prompt's full blocks and answers as the offline engine;
+    the same text with another picture is prefilled again, not mistaken for a hit."""
+    import base64
+    import io
+
+    from pagedserve.worker.testing import random_picture, write_random_gemma3_multimodal
+
+    path = write_random_gemma3_multimodal(tmp_path_factory.mktemp("models") / "mm")
+
+    def chat(seed: int) -> list[dict[str, Any]]:
+        buf = io.BytesIO()
+        random_picture(seed).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        return [{"role": "user", "content": [
+            {"type": "text", "text": "t5 t6"},
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "t7"}]}]
+
+    args = {**ARGS, "model": str(path), "served_model_name": "tiny-mm",
+            "remote_prefill_min_tokens": 8}
+    app = cluster.deploy("pd-images", args)
+    try:
+        kw = dict(model="tiny-mm", max_tokens=8, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+        outs = [app.openai().chat.completions.create(messages=chat(s), **kw) for s in (11, 12)]
+        llm = LLM(model=str(path), num_gpu_blocks=192)
+        try:
+            refs = [llm.chat(chat(s), SamplingParams(temperature=0.0, max_tokens=8,
+                                                     ignore_eos=True))[0] for s in (11, 12)]
+        finally:
+            llm.shutdown()
+        assert refs[0].outputs[0].text != refs[1].outputs[0].text  # the picture decides
+        for out, ref in zip(outs, refs):
+            assert out.choices[0].message.content == ref.outputs[0].text
+            n = len(ref.prompt_token_ids)
+            assert out.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+        wait_for(lambda: both_at_baseline(app), 30, "both pools at baseline")
+        decode, prefill = decode_and_prefill(app)
+        assert decode["remote_prefill"]["remote_prefills"] == 2
+        assert prefill["kv_exported_blocks"] == decode["kv_imported_blocks"] > 0
+    finally:
+        cluster.delete("pd-images")
