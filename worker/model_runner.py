@@ -24,6 +24,7 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
 )
 from pagedserve.worker.cuda_graph import DecodeGraphRunner
+from pagedserve.worker.encoder_cache import EncoderCache
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
@@ -64,6 +65,7 @@ class ModelRunner:
         self.model, self.kv_cache, self.ctx, self.device = model, kv_cache, ctx, device
         self.lora = lora
         self.drafter = drafter  # (on the rank that samples, with a draft model)
+        self.encoder_cache = EncoderCache()  # (new weights get a new runner: a fresh one)
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler(model.config.eos_token_ids)
         self.long_rope = (model.config.rope_scaling or {}).get("rope_type") == "longrope"
@@ -200,9 +202,11 @@ class ModelRunner:
 
     def _image_embeds(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's image rows and the vision encoder's embeddings for them: each
-        image of the step encoded once, the rows its chunk computes taken. Images are
-        encoded one at a time: an image is thousands of patch rows already, and its
-        embeddings then do not depend on what else the step holds (batch invariance)."""
+        image of the step encoded once (or taken from the encoder cache, where an
+        earlier step or request encoded the same picture), the rows its chunk computes
+        taken. Images are encoded one at a time: an image is thousands of patch rows
+        already, and its embeddings then do not depend on what else the step holds
+        (batch invariance)."""
         if not inputs.images or not self.model.stage.is_first:
             return None  # a later pipeline stage continues from hidden states
         vision = self.model.vision
@@ -211,8 +215,8 @@ class ModelRunner:
         feats: dict[str, torch.Tensor] = {}
         for _, chunk in inputs.images:
             if chunk.key not in feats:
-                pixels = torch.as_tensor(chunk.pixels).to(self.device)
-                feats[chunk.key] = vision(pixels[None])[0]
+                feats[chunk.key] = self.encoder_cache.get(chunk.key, lambda c=chunk: vision(
+                    torch.as_tensor(c.pixels).to(self.device)[None])[0])
         rows = torch.cat([torch.arange(row, row + c.count) for row, c in inputs.images])
         embeds = torch.cat([feats[c.key][c.first:c.first + c.count] for _, c in inputs.images])
         return rows.to(self.device), embeds

@@ -359,10 +359,9 @@ def test_image_prompts_kv_ships_to_a_decode_engine(mm_dir: str, reference) -> No
         assert payloads[0].block_hashes[-1] != payloads[3].block_hashes[-1]  # its picture
         for i in (0, 1):
             assert import_prompt_kv(dec.engine, payloads[i]) == len(cases()[i][0]) // 4
-        encoded = []
+        encoded: list[int] = []
         vision = dec.engine.executor.worker.model.vision
-        orig = vision.forward
-        vision.forward = lambda *a, **k: encoded.append(1) or orig(*a, **k)
+        vision.forward = _counting(vision.forward, encoded)
         # Case 1's two images lie in shipped blocks: nothing is encoded here.
         (out1,) = dec.generate([{"prompt_token_ids": cases()[1][0],
                                  "multi_modal_data": {"image": cases()[1][1]}}], GREEDY)
@@ -378,3 +377,34 @@ def test_image_prompts_kv_ships_to_a_decode_engine(mm_dir: str, reference) -> No
     finally:
         pre.shutdown()
         dec.shutdown()
+
+
+def test_the_same_picture_is_encoded_once_across_requests(mm_dir: str, reference) -> None:
+    """Another text before the same picture misses the prefix cache but not the encoder
+    cache: the picture is encoded once, and both answers are HF's. An encoder cache of
+    no rows encodes it every time, with the same tokens."""
+    other_text = (prompt_ids([30, 31], "image", [8, 9]), [picture(1)])
+    ref = hf_reference(mm_dir, [other_text], GREEDY.max_tokens)[0]
+    for budget, encodes in ((None, 1), (0, 2)):
+        llm = LLM(model=mm_dir, num_gpu_blocks=128, block_size=4)
+        try:
+            runner = llm.engine.executor.worker.runner
+            if budget is not None:
+                runner.encoder_cache.max_rows = budget
+            vision = llm.engine.executor.worker.model.vision
+            calls: list[int] = []
+            vision.forward = _counting(vision.forward, calls)
+            assert generate(llm, [cases()[0]]) == [reference[0]]
+            assert generate(llm, [other_text]) == [ref]
+            assert len(calls) == encodes
+            assert_pool_at_baseline(llm)
+        finally:
+            llm.shutdown()
+
+
+def _counting(fn, calls: list[int]):
+    """``fn``, appending to ``calls`` on every call."""
+    def wrapped(*a, **k):
+        calls.append(1)
+        return fn(*a, **k)
+    return wrapped
