@@ -211,8 +211,10 @@ def test_sliding_window_targets_and_drafts(tmp_path, tiny_gemma3_dir, default_mo
         llm.shutdown()
 
 
-def test_default_model_with_an_int8_copy_as_draft(smol_llm, default_model_dir) -> None:
-    """Real weights and tokenizer: SmolLM2 drafted by its own int8 copy gives plain
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_default_model_with_a_quantised_copy_as_draft(smol_llm, default_model_dir,
+                                                      quantization: str) -> None:
+    """Real weights and tokenizer: SmolLM2 drafted by its own int8 (int4) copy gives plain
     decoding's greedy answers, JSON under a schema included (the grammar masks each
     guessed position), with most guesses kept."""
     from pagedserve.scheduler.sampling_params import StructuredOutputs
@@ -225,7 +227,7 @@ def test_default_model_with_an_int8_copy_as_draft(smol_llm, default_model_dir) -
               SamplingParams(temperature=0.0, max_tokens=40,
                              structured_outputs=StructuredOutputs(json=schema))]
     llm = LLM(num_gpu_blocks=256, speculative_config=_spec(default_model_dir,
-                                                           quantization="int8"))
+                                                           quantization=quantization))
     try:
         for p in params:
             for m in chats:
