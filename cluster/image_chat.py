@@ -12,9 +12,10 @@ import asyncio
 import hashlib
 from typing import Any
 
+from pagedserve.cluster.chat_protocol import ChatMessage
 from pagedserve.cluster.image_prompts import chat_ids
 from pagedserve.cluster.multimodal import image_spans, load_image
-from pagedserve.cluster.protocol import APIError, ChatMessage
+from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
 from pagedserve.scheduler.multimodal import ImageInput
 

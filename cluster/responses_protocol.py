@@ -19,7 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pagedserve.cluster.protocol import MAX_LOGPROBS, APIError, ChatCompletionRequest
+from pagedserve.cluster.chat_protocol import ChatCompletionRequest
+from pagedserve.cluster.protocol import MAX_LOGPROBS, APIError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Chat fields that carry a Responses field under another name (for error messages).

@@ -36,6 +36,7 @@ from pagedserve.cluster.admin_api import EngineAdmin
 from pagedserve.cluster.admin_api import router as admin_router
 from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
+from pagedserve.cluster.chat_protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.http_errors import api_error, http_error, validation_error
@@ -56,13 +57,7 @@ from pagedserve.cluster.observe_api import router as observe_router
 from pagedserve.cluster.placement import ingress_actor_options
 from pagedserve.cluster.pooling_api import PoolingEndpoints
 from pagedserve.cluster.pooling_api import router as pooling_router
-from pagedserve.cluster.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    max_tokens_for,
-)
+from pagedserve.cluster.protocol import APIError, CompletionRequest, max_tokens_for
 from pagedserve.cluster.reasoning import defer_constraint, thought_closed
 from pagedserve.cluster.request_ids import request_ids
 from pagedserve.cluster.response_store import ResponseStoreServer, StoreClient

@@ -10,12 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from pagedserve.cluster.protocol import (
-    APIError,
-    ChatMessage,
-    check_continuation,
-    check_template_kwargs,
-)
+from pagedserve.cluster.chat_protocol import ChatMessage, check_continuation, check_template_kwargs
+from pagedserve.cluster.protocol import APIError
 
 router = APIRouter()
 

@@ -8,14 +8,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from pagedserve.cluster.chat_protocol import ChatCompletionRequest
 from pagedserve.cluster.metrics import RequestTimer, ServerMetrics, render_prometheus
 from pagedserve.cluster.outputs import CompletionOutput, RequestOutput
-from pagedserve.cluster.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    max_tokens_for,
-)
+from pagedserve.cluster.protocol import APIError, CompletionRequest, max_tokens_for
 from pagedserve.cluster.request_ids import request_ids
 from pagedserve.cluster.responses import Formatter, ResponseState
 from pagedserve.cluster.tokenize_api import TokenizeRequest
