@@ -36,7 +36,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from provenance import machine, tree_commit, write_figures  # a sibling script
+from provenance import machine, tree_commit, write_figures  # sibling scripts
+from spec_decode import chat_ids, run_pagedserve
 
 PROMPTS = [
     "What is the capital of France?",
@@ -48,27 +49,6 @@ PROMPTS = [
     "List the planets of the solar system.",
     "Why is the sky blue?",
 ]
-
-
-def chat_ids(tok, texts: list[str]) -> list[list[int]]:
-    return [list(tok.apply_chat_template([{"role": "user", "content": t}],
-                                         add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)) for t in texts]
-
-
-def run_pagedserve(llm, prompts: list[list[int]], max_tokens: int, batched: bool,
-                   temperature: float = 0.0) -> tuple[float, list[list[int]]]:
-    """(output tokens/s, tokens per prompt): one request at a time, or one batch."""
-    from pagedserve.cluster import SamplingParams
-
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    t0 = time.perf_counter()
-    if batched:
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    else:
-        outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
-                for p in prompts]
-    return sum(map(len, outs)) / (time.perf_counter() - t0), outs
 
 
 def run_hf(model, prompts: list[list[int]], max_tokens: int, eos: list[int],

@@ -70,12 +70,12 @@ def chat_ids(tok, texts: list[str]) -> list[list[int]]:
                                          return_dict=False)) for t in texts]
 
 
-def run_pagedserve(llm, prompts: list[list[int]], max_tokens: int, batched: bool
-                   ) -> tuple[float, list[list[int]]]:
+def run_pagedserve(llm, prompts: list[list[int]], max_tokens: int, batched: bool,
+                   temperature: float = 0.0) -> tuple[float, list[list[int]]]:
     """(output tokens/s, tokens per prompt): one request at a time, or one batch."""
     from pagedserve.cluster import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     t0 = time.perf_counter()
     if batched:
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
