@@ -220,11 +220,18 @@ class DraftRunner:
         qs: list[list[torch.Tensor]] = [[] for _ in proposing]
         guesses = [self._pick(logits, params, qs)]
         live = [rows[i] for i, _ in proposing]
+        if self.k > 1:
+            # One table for the k - 1 one-token steps: it reaches the last guess run
+            # (the kernels read each row only up to its length).
+            tables = self._table([bt for _, _, bt in live],
+                                 [start + len(toks) + self.k - 1 for toks, start, _ in live])
+            tables = (tables, tables.to(self.device))
         for j in range(1, self.k):
             # Row i's guess j-1 sits at (its catch-up's end) + j - 1.
-            step = [([int(t)], start + len(toks) + j - 1, table)
-                    for (toks, start, table), t in zip(live, guesses[-1].tolist())]
-            guesses.append(self._pick(self._forward(step, list(range(len(step)))), params, qs))
+            step = [([int(t)], start + len(toks) + j - 1, bt)
+                    for (toks, start, bt), t in zip(live, guesses[-1].tolist())]
+            guesses.append(self._pick(self._forward(step, list(range(len(step))), tables),
+                                      params, qs))
         drafts = torch.stack(guesses, 1).tolist()
         for (_, rid), d, q in zip(proposing, drafts, qs):
             if q:
@@ -281,23 +288,32 @@ class DraftRunner:
             n += 1
         return n
 
-    def _forward(self, rows: list[tuple[list[int], int, list[int]]],
-                 want: list[int]) -> torch.Tensor:
-        """One forward of ``rows`` (tokens, first position, block table) through the
-        draft's pool; the logits of the last token of rows ``want``."""
-        bsz, dev = self.block_size, self.device
-        q_lens = [len(t) for t, _, _ in rows]
-        seq_lens = [s + q for (_, s, _), q in zip(rows, q_lens)]
-        width = max(-(-n // bsz) for n in seq_lens)
+    def _table(self, tables: list[list[int]], lens: list[int]) -> torch.Tensor:
+        """Each row's blocks for its first ``lens[i]`` positions, -1 padded (int32, CPU)."""
+        bsz = self.block_size
+        width = max(-(-n // bsz) for n in lens)
         flat: list[int] = []
-        for i, ((_, _, bt), n) in enumerate(zip(rows, seq_lens)):
+        for i, (bt, n) in enumerate(zip(tables, lens)):
             need = -(-n // bsz)
             if len(bt) < need:
                 raise ValueError(f"draft row {i}: block table has {len(bt)} blocks, "
                                  f"{n} tokens need {need}")
             flat += bt[:need]
             flat += [-1] * (width - need)
-        table = int_tensor(flat, np.int32).view(len(rows), width)
+        return int_tensor(flat, np.int32).view(len(tables), width)
+
+    def _forward(self, rows: list[tuple[list[int], int, list[int]]], want: list[int],
+                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One forward of ``rows`` (tokens, first position, block table) through the
+        draft's pool; the logits of the last token of rows ``want``. ``tables`` (on the
+        CPU, on the device) reach at least each row's end: built here when None."""
+        bsz, dev = self.block_size, self.device
+        q_lens = [len(t) for t, _, _ in rows]
+        seq_lens = [s + q for (_, s, _), q in zip(rows, q_lens)]
+        if tables is None:
+            table = self._table([bt for _, _, bt in rows], seq_lens)
+            tables = (table, table.to(dev))
+        table = tables[0]
         q_t = torch.tensor(q_lens)
         first = torch.cumsum(q_t, 0) - q_t
         starts = torch.tensor([s for _, s, _ in rows])
@@ -308,7 +324,7 @@ class DraftRunner:
         ids.clamp_(max=self.vocab - 1)  # (an image placeholder may lie past the draft's)
         is_decode = all(q == 1 for q in q_lens)
         md = AttentionMetadata(
-            slot_mapping=slots.to(dev), block_table=table.to(dev),
+            slot_mapping=slots.to(dev), block_table=tables[1],
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             is_decode=is_decode,
             varlen=None if is_decode else build_varlen_metadata(q_lens, seq_lens, dev))
