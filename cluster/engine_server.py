@@ -93,7 +93,7 @@ class EngineServer:
                 "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id,
                 "node_id": self.node_id,
                 # A multimodal model's image tokens (None: it takes no images).
-                "image": core.model_info.get("image") if core.images is not None else None}
+                "image": core.images.info if core.images is not None else None}
 
     async def run(self, req: EngineRequest) -> int:
         """Serve one request whose chunks go to the caller's channel; returns how many.

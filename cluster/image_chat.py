@@ -13,7 +13,7 @@ import hashlib
 from typing import Any
 
 from pagedserve.cluster.chat_protocol import ChatMessage
-from pagedserve.cluster.image_prompts import chat_ids
+from pagedserve.cluster.image_prompts import chat_ids, qwen_token_counts, write_out_runs
 from pagedserve.cluster.multimodal import image_spans, load_image
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
@@ -50,6 +50,22 @@ def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[s
                         **extra)
     except Exception as e:
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def written_out(ids: list[int], images: list[Any], image: dict[str, Any]) -> list[int]:
+    """A Qwen2-VL chat's ids with each lone ``<|image_pad|>`` written out to its
+    picture's run (counted from the decoded size), so the front's length checks and
+    default ``max_tokens`` see the prompt the engine runs; other models' are whole
+    already. A mismatch is left for the replica, which refuses it with the reason."""
+    resize = image.get("resize")
+    spans = image_spans(ids, int(image["image_token_id"]))
+    if not resize or len(spans) != len(images):
+        return ids
+    try:
+        counts = qwen_token_counts(images, resize)
+        return write_out_runs(ids, spans, counts, int(image["image_token_id"]))[0]
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
 
 
 def affinity_images(ids: list[int], images: list[Any], image: dict[str, Any]

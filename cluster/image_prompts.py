@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.cluster.image_processor import ImageProcessor
 from pagedserve.cluster.multimodal import (
-    ImageProcessor,
     expand_image_tokens,
     image_hash,
     image_spans,
@@ -47,9 +47,14 @@ def expand_text(tokenizer: Any, info: dict[str, Any], text: str) -> str:
     """``text`` with each image marker written out as its placeholder run, as the
     model's processor writes it (``info``: the worker's ``model_info()["image"]``):
     Gemma 3's begin-of-image token becomes its framed run, LLaVA's image token is
-    repeated once per image token."""
+    repeated once per image token. Qwen2-VL's ``<|image_pad|>`` stays single here:
+    its run's length depends on the picture's size, so ``ImagePrompts.build`` writes
+    it out once the picture is resized (a special token: the text around it
+    tokenises the same either way)."""
     convert = tokenizer.convert_ids_to_tokens
     marker, image = convert(int(info["marker_token_id"])), convert(int(info["image_token_id"]))
+    if info["family"] == "qwen2_vl":  # one <|image_pad|> an image: written out by ``build``
+        return text
     n = int(info["tokens_per_image"])
     if info["family"] == "gemma3":
         return expand_image_tokens(text, marker, image, convert(int(info["eoi_token_id"])), n)
@@ -84,6 +89,41 @@ def chat_ids(tokenizer: Any, info: dict[str, Any], messages: list[dict[str, Any]
     return tokenizer.encode(expand_text(tokenizer, info, text), add_special_tokens=False)
 
 
+def write_out_runs(ids: list[int], spans: list[tuple[int, int]], counts: list[int],
+                   image_token_id: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """``ids`` with each image's run ``[a, b)`` made ``counts[i]`` tokens long: a lone
+    marker is written out, a run already that long is kept, any other length is a
+    ``ValueError`` (the prompt's run does not fit its picture)."""
+    out: list[int] = []
+    new_spans: list[tuple[int, int]] = []
+    last = 0
+    for (a, b), n in zip(spans, counts, strict=True):
+        if b - a not in (1, n):
+            raise ValueError(f"prompt: the image at {a} takes {n} placeholder tokens (or one "
+                             f"to write out), the run there has {b - a}")
+        out += ids[last:a]
+        new_spans.append((len(out), len(out) + n))
+        out += [image_token_id] * n
+        last = b
+    return out + ids[last:], new_spans
+
+
+def qwen_token_counts(images: Sequence[Any], resize: dict[str, int]) -> list[int]:
+    """How many tokens each decoded picture becomes under Qwen2-VL's resize rule
+    (``ImageProcessor.resize_facts``): Hugging Face's ``smart_resize`` of its size,
+    in ``factor``-pixel cells. ``ValueError`` for a picture it cannot resize."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    f = resize["factor"]
+    counts = []
+    for img in images:
+        height, width = smart_resize(img.height, img.width, factor=f,
+                                     min_pixels=resize["min_pixels"],
+                                     max_pixels=resize["max_pixels"])
+        counts.append((height // f) * (width // f))
+    return counts
+
+
 class ImagePrompts:
     """Builds image prompts for one multimodal model (``info``: the worker's
     ``model_info()["image"]``) with its tokenizer, at most ``limit`` images a prompt,
@@ -91,10 +131,13 @@ class ImagePrompts:
 
     def __init__(self, model_dir: str, info: dict[str, Any], tokenizer: Any, limit: int,
                  allowed_local_media_path: str | None = None, dtype: str = "float32") -> None:
-        self.info, self.tokenizer, self.limit = info, tokenizer, limit
+        self.tokenizer, self.limit = tokenizer, limit
         self.allowed_local_media_path = allowed_local_media_path
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.processor = ImageProcessor.from_model_dir(model_dir, hf_config)
+        resize = self.processor.resize_facts()
+        # What the HTTP front needs (``EngineServer.info``): Qwen2-VL's resize rule too.
+        self.info = {**info, "resize": resize} if resize else info
         self.dtype = getattr(torch, dtype)
         self.image_token_id = int(info["image_token_id"])
         self.tokens_per_image = int(info["tokens_per_image"])
@@ -117,15 +160,20 @@ class ImagePrompts:
                 else f"runs of image token {self.image_token_id}"
             raise ValueError(f"images: the prompt marks {len(spans)} images ({where}) but "
                              f"{len(images)} were given")
-        for a, b in spans:
-            if b - a != self.tokens_per_image:
-                raise ValueError(f"prompt: an image takes {self.tokens_per_image} placeholder "
-                                 f"tokens, the run at {a} has {b - a}")
+        if self.tokens_per_image:
+            for a, b in spans:
+                if b - a != self.tokens_per_image:
+                    raise ValueError(f"prompt: an image takes {self.tokens_per_image} "
+                                     f"placeholder tokens, the run at {a} has {b - a}")
         if not images:
             return ids, ()
         prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
-        return ids, tuple(ImageInput(a, b, key, p) for (a, b), p, key in zip(
-            spans, prepared.pixels, prepared.keys, strict=True))
+        grids = [self.processor.grid(p) for p in prepared.pixels]
+        if not self.tokens_per_image:  # each run as long as its picture's grid
+            ids, spans = write_out_runs(ids, spans, [r * c for r, c in grids],
+                                        self.image_token_id)
+        return ids, tuple(ImageInput(a, b, key, p, grid) for (a, b), p, key, grid in zip(
+            spans, prepared.pixels, prepared.keys, grids, strict=True))
 
     def prepare(self, images: Sequence[Any]) -> PreparedImages:
         """Load and preprocess ``images`` (the slow part, seconds for a URL: the async
@@ -134,7 +182,7 @@ class ImagePrompts:
                     for img in images]
         # In the encoder's dtype already (its first step casts them): a bf16 model's
         # pixels take half the bytes in the request and in every rank's plan.
-        pixels = list(self.processor(pictures).to(self.dtype))
+        pixels = [p.to(self.dtype) for p in self.processor(pictures)]
         return PreparedImages(pixels, [image_hash(p) for p in pixels])
 
     def check_text_only(self, ids: Sequence[int]) -> None:

@@ -4,8 +4,8 @@ One request's images flow so: ``split_chat_images`` takes the image parts out of
 messages and leaves ``{"type": "image"}``, which the chat template renders as the
 begin-of-image token; ``expand_image_tokens`` turns each of those into Gemma 3's full image
 sequence, as ``Gemma3Processor`` does; after tokenizing, ``image_spans`` finds where each
-image's soft tokens sit. ``load_image`` reads each source, ``ImageProcessor`` makes the pixel
-values, ``image_hash`` names each image in the prefix-cache keys.
+image's soft tokens sit. ``load_image`` reads each source, ``image_processor.ImageProcessor``
+makes the pixel values, ``image_hash`` names each image in the prefix-cache keys.
 
 transformers is imported only where an image processor is built or run, so the HTTP front
 can split and expand messages without loading it.
@@ -17,7 +17,6 @@ import base64
 import hashlib
 import http.client
 import io
-import json
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -30,7 +29,6 @@ import torch
 if TYPE_CHECKING:  # PIL is imported where an image is read: text-only serving needs none
     from PIL import Image
 
-DEFAULT_IMAGE_SIZE = 896  # Gemma 3's SigLIP tower; its config.json may leave it out
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
 
@@ -174,99 +172,6 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         return image.convert("RGB")
     except Exception as exc:  # an unconvertible mode, a lazily read broken file
         raise _error(f"not a decodable image ({type(exc).__name__}: {exc})") from None
-
-
-class ImageProcessor:
-    """The model's Hugging Face image processor, on the PIL backend: Gemma 3's, or CLIP's
-    (LLaVA-1.5: resize the short side, centre-crop, CLIP's mean and std).
-
-    The PIL backend always, even where torchvision is installed: it is the resize of HF's
-    original (slow) processors, and the same image then gives the same pixels (and
-    ``image_hash``) on every host, whatever is installed there.
-    Gemma 3's is called with ``Gemma3Processor.images_kwargs`` (RGB conversion on,
-    pan-and-scan off), as the processor calls it, so the output equals the processor's
-    ``pixel_values``.
-    """
-
-    def __init__(self, hf_image_processor: Any) -> None:
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-        from transformers.models.gemma3.image_processing_pil_gemma3 import (
-            Gemma3ImageProcessorPil,
-        )
-        from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
-
-        hf = hf_image_processor
-        if isinstance(hf, Gemma3ImageProcessorPil):
-            if hf.do_pan_and_scan:
-                raise ValueError("image processor: do_pan_and_scan=true is not supported; "
-                                 "set it to false or null in preprocessor_config.json")
-            size, kwargs = hf.size, dict(Gemma3Processor.images_kwargs)
-        elif isinstance(hf, CLIPImageProcessorPil):
-            size = hf.crop_size if hf.do_center_crop else hf.size
-            kwargs = {}
-        else:
-            raise ValueError(f"image processor: expected Gemma 3's or CLIP's, got "
-                             f"{type(hf).__name__}")
-        if size.height is None or size.height != size.width:
-            raise ValueError(f"image processor: size must be square height=width, got {size}")
-        self._hf = hf
-        self._image_size = int(size.height)
-        self._call_kwargs = kwargs
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path, hf_config: dict) -> ImageProcessor:
-        """What ``AutoImageProcessor.from_pretrained(model_dir, backend="pil")`` loads where
-        the checkpoint has a preprocessor config, else the model's defaults at
-        ``vision_config.image_size`` (Gemma 3: 896 if absent; CLIP's: 224)."""
-        from transformers import AutoImageProcessor
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-        from transformers.models.gemma3.image_processing_pil_gemma3 import (
-            Gemma3ImageProcessorPil,
-        )
-
-        model_dir = Path(model_dir)
-        if _has_image_processor_config(model_dir):
-            hf = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil",
-                                                    local_files_only=True)
-            return cls(hf)
-        llava = hf_config.get("model_type") == "llava"
-        default = 224 if llava else DEFAULT_IMAGE_SIZE
-        size = (hf_config.get("vision_config") or {}).get("image_size", default)
-        if not isinstance(size, int) or size <= 0:
-            raise ValueError(f"vision_config.image_size must be a positive int, got {size!r}")
-        if llava:
-            return cls(CLIPImageProcessorPil(size={"shortest_edge": size},
-                                             crop_size={"height": size, "width": size}))
-        return cls(Gemma3ImageProcessorPil(size={"height": size, "width": size}))
-
-    @property
-    def image_size(self) -> int:
-        """The side S of the square pixel tensors."""
-        return self._image_size
-
-    def __call__(self, images: list[Image.Image]) -> torch.Tensor:
-        """float32 ``[N, 3, S, S]`` pixel values, one row per image, in order."""
-        if not images:
-            return torch.empty((0, 3, self._image_size, self._image_size), dtype=torch.float32)
-        out = self._hf(list(images), return_tensors="pt", **self._call_kwargs)
-        pixel_values = out["pixel_values"]
-        if pixel_values.dtype != torch.float32:
-            raise ValueError(f"image processor returned {pixel_values.dtype}, expected float32")
-        return pixel_values
-
-
-def _has_image_processor_config(model_dir: Path) -> bool:
-    """Where AutoImageProcessor finds one: ``preprocessor_config.json``, or the
-    ``image_processor`` section of ``processor_config.json`` (which it prefers)."""
-    if (model_dir / "preprocessor_config.json").is_file():
-        return True
-    nested = model_dir / "processor_config.json"
-    if not nested.is_file():
-        return False
-    try:
-        return "image_processor" in json.loads(nested.read_text())
-    except (OSError, ValueError):
-        return False
 
 
 def image_hash(pixel_values: torch.Tensor) -> str:

@@ -40,7 +40,12 @@ from pagedserve.cluster.chat_protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.http_errors import api_error, http_error, validation_error
-from pagedserve.cluster.image_chat import affinity_images, chat_images, image_chat_ids
+from pagedserve.cluster.image_chat import (
+    affinity_images,
+    chat_images,
+    image_chat_ids,
+    written_out,
+)
 from pagedserve.cluster.lora_serving import (
     AdapterCatalog,
     LoRAEndpoints,
@@ -300,9 +305,9 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
                                          self.mistral_tools)
         images = await chat_images(body.messages, info, self.allowed_local_media_path)
-        ids = body.truncate(self._chat_ids(body.messages, body.add_generation_prompt,
-                                           body.tools, body.chat_template_kwargs,
-                                           body.continue_final_message, info))
+        ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
+                             body.chat_template_kwargs, body.continue_final_message, info)
+        ids = body.truncate(written_out(ids, images, info["image"]) if images else ids)
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
                            body.max_tokens_param, body.n),

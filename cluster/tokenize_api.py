@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from pagedserve.cluster.chat_protocol import ChatMessage, check_continuation, check_template_kwargs
+from pagedserve.cluster.image_chat import chat_images, written_out
 from pagedserve.cluster.protocol import APIError
 
 router = APIRouter()
@@ -49,7 +50,7 @@ class DetokenizeRequest(BaseModel):
 
 class TokenizeEndpoints:
     """Mixed into ``OpenAIServer``, which provides ``_authorize``, ``_check_model``,
-    ``_engine_info``, ``_chat_ids`` and the tokenizer."""
+    ``_engine_info``, ``_chat_ids``, ``allowed_local_media_path`` and the tokenizer."""
 
     @router.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, raw: Request) -> dict[str, Any]:
@@ -61,6 +62,9 @@ class TokenizeEndpoints:
         if body.messages is not None:
             ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
                                  body.chat_template_kwargs, body.continue_final_message, info)
+            if (info.get("image") or {}).get("resize"):  # Qwen2-VL: runs by picture size
+                images = await chat_images(body.messages, info, self.allowed_local_media_path)
+                ids = written_out(ids, images, info["image"]) if images else ids
         else:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": info["max_model_len"]}

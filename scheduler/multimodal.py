@@ -13,7 +13,11 @@ so each reads on its own:
   different images never share their image blocks, nor (the hashes chain) anything
   after them;
 - an image longer than one step's token budget could never be scheduled, so it is
-  refused at admission (``check_images_fit``).
+  refused at admission (``check_images_fit``);
+- under Qwen2-VL's multimodal RoPE (M-RoPE) an image of ``rows x cols`` tokens
+  takes positions on a grid, ``max(rows, cols)`` of them along the sequence, so a
+  request's later tokens turn by their index plus a delta (``rope_delta``), and a
+  chunk that computes image rows carries the grids before it (``mrope_grids``).
 
 The pixel data is opaque here (a tensor the worker reads): the scheduler imports no
 torch.
@@ -29,16 +33,21 @@ from typing import Any
 @dataclass(frozen=True)
 class ImageInput:
     """One image of a prompt: its placeholder tokens ``[start, end)``, its content
-    hash (its identity in prefix-cache keys) and its preprocessed pixels."""
+    hash (its identity in prefix-cache keys) and its preprocessed pixels; ``grid``:
+    the ``(rows, cols)`` of its tokens under M-RoPE (None: positions run 1-D)."""
 
     start: int
     end: int
     key: str
     pixels: Any
+    grid: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
             raise ValueError(f"image span [{self.start}, {self.end}) is empty or negative")
+        if self.grid is not None and self.grid[0] * self.grid[1] != self.end - self.start:
+            raise ValueError(f"image grid {self.grid} does not hold the span "
+                             f"[{self.start}, {self.end})'s {self.end - self.start} tokens")
 
 
 @dataclass(frozen=True)
@@ -115,3 +124,17 @@ def block_image_keys(images: Sequence[ImageInput], block_size: int, block: int
     """Keys of the images that overlap block ``block`` (mixed into its hash)."""
     lo, hi = block * block_size, (block + 1) * block_size
     return tuple(f"image:{img.key}" for img in images if img.start < hi and img.end > lo)
+
+
+def rope_delta(images: Sequence[ImageInput]) -> int:
+    """What M-RoPE adds to the index of a token after all of ``images``: each image of
+    ``rows x cols`` tokens advances the positions by ``max(rows, cols)``, not by its
+    token count (Hugging Face's ``get_rope_index``); 0 without grids."""
+    return sum(max(img.grid) - (img.end - img.start) for img in images if img.grid)
+
+
+def mrope_grids(images: Sequence[ImageInput], stop: int) -> tuple[tuple[int, int, int], ...]:
+    """``(start, rows, cols)`` of each gridded image that starts before token ``stop``:
+    what the worker needs to place tokens ``< stop`` under M-RoPE."""
+    return tuple((img.start, *img.grid) for img in images
+                 if img.grid is not None and img.start < stop)

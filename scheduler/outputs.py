@@ -50,6 +50,10 @@ class ScheduledRequest:
     attending to itself both ways (``multimodal``); None without images.
     ``num_lookahead``: slots the block table holds past the row's tokens, where a
     draft model writes its guesses' KV (``spec_decode``); 0: it proposes none.
+    Under M-RoPE (Qwen2-VL) a row's tokens turn by their index plus ``rope_delta``
+    once past its images; a chunk that starts before its last image ends carries
+    ``mrope_grids``, ``(start, rows, cols)`` of the images before its end, instead
+    (``multimodal.mrope_grids``).
     """
 
     request_id: str
@@ -71,6 +75,8 @@ class ScheduledRequest:
     images: list[ImageChunk] | None = None
     image_spans: list[tuple[int, int]] | None = None
     num_lookahead: int = 0
+    rope_delta: int = 0
+    mrope_grids: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.block_hash import BlockHash, hash_prompt_blocks
-from pagedserve.scheduler.multimodal import ImageInput, check_images
+from pagedserve.scheduler.multimodal import ImageInput, check_images, rope_delta
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -85,6 +85,8 @@ class Request:
         # The prompt's images (``multimodal``): spans of placeholder tokens whose
         # embeddings the worker replaces with the vision encoder's output.
         self.images = tuple(images)
+        # Under M-RoPE, what the positions of tokens after the images are shifted by.
+        self.rope_delta = rope_delta(self.images)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -7,7 +7,7 @@ what travels to the workers for a request the policy already scheduled.
 from __future__ import annotations
 
 from pagedserve.scheduler.long_rope import uses_long_rope
-from pagedserve.scheduler.multimodal import chunk_images
+from pagedserve.scheduler.multimodal import chunk_images, mrope_grids
 from pagedserve.scheduler.outputs import ScheduledRequest
 from pagedserve.scheduler.request import Request
 
@@ -52,6 +52,9 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int],
         chunks, spans = chunk_images(req.images, start, num_new)
         if chunks:
             sched.images, sched.image_spans = chunks, spans
+        if req.rope_delta or any(img.grid for img in req.images):
+            sched.mrope_grids = mrope_grids(req.images, start + num_new)
+    sched.rope_delta = req.rope_delta
     pp = req.pooling_params
     if pp is not None:
         sched.pool_final = start + num_new == req.num_tokens

@@ -24,11 +24,12 @@ from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, ll
 from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
+from pagedserve.worker.qwen_vl_config import QWEN_VL_MODEL_TYPES, qwen_vl_text_config
 from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES,
-                         *GEMMA_MODEL_TYPES, "llava")
+                         *GEMMA_MODEL_TYPES, "llava", *QWEN_VL_MODEL_TYPES)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -101,8 +102,11 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama (``gemma_config``)
     rotary_dim: int = 0  # dims of each head RoPE turns (partial_rotary_factor); 0: all
-    # A multimodal Gemma 3's image facts (``image_config``); None: text only.
+    # A multimodal file's image facts (``image_config``); None: text only.
     image: ImageConfig | None = None
+    # Qwen2-VL's multimodal RoPE: the (temporal, row, column) shares of the rotary
+    # frequencies (``qwen_vl_config``); empty: plain RoPE.
+    mrope_section: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -124,6 +128,10 @@ class ModelConfig:
             if model_type not in SUPPORTED_MODEL_TYPES or model_type in GEMMA_MODEL_TYPES:
                 raise ValueError(f"model config field 'text_config.model_type' must be one of "
                                  f"{SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        mrope_section: tuple[int, ...] = ()
+        if model_type in QWEN_VL_MODEL_TYPES:  # a Qwen2 decoder with multimodal RoPE
+            cfg, mrope_section = qwen_vl_text_config(cfg)
+            model_type = "qwen2"
         cfg, gemma = gemma_from_hf(cfg, model_type)
         model_type = cfg["model_type"]  # a multimodal Gemma 3 serves its text decoder
         hidden = _positive_int("hidden_size", _require(cfg, "hidden_size"))
@@ -146,6 +154,10 @@ class ModelConfig:
             raise ValueError(f"model config field 'hidden_act' must be 'silu', got "
                              f"{cfg.get('hidden_act')!r}")
         theta, scaling, rotary_dim = parse_rope(cfg, head_dim, model_type)
+        if mrope_section and 2 * sum(mrope_section) != rotary_dim:
+            raise ValueError(f"model config field 'rope_parameters.mrope_section' "
+                             f"{list(mrope_section)} must add up to half the rotary dims "
+                             f"({rotary_dim // 2})")
 
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
@@ -181,6 +193,7 @@ class ModelConfig:
             sliding_layers=sliding_layers,
             gemma=gemma,
             image=image,
+            mrope_section=mrope_section,
             rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),

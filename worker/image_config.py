@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-MULTIMODAL_MODEL_TYPES = ("gemma3", "llava")
+MULTIMODAL_MODEL_TYPES = ("gemma3", "llava", "qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class ImageConfig:
 
 
 def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
-    """The image facts of a ``gemma3`` or ``llava`` config with a ``vision_config``; None
+    """The image facts of a ``gemma3``, ``llava`` or Qwen-VL config with a
+    ``vision_config``; None
     otherwise. ``ValueError`` names a field that cannot be served."""
     family = cfg.get("model_type")
     if family not in MULTIMODAL_MODEL_TYPES or not isinstance(cfg.get("vision_config"), dict):
@@ -62,6 +63,10 @@ def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
 
     if family == "llava":
         return _llava(cfg, index("image_token_index", 32_000))
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        from pagedserve.worker.qwen_vl_config import qwen_vl_image_config
+
+        return qwen_vl_image_config(cfg)
     vision = cfg["vision_config"]
     tokens = int(cfg.get("mm_tokens_per_image") or 256)
     side = int(tokens ** 0.5)

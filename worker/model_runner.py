@@ -30,6 +30,7 @@ from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.rotary import mark_long_rope
 from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.mrope_positions import step_positions
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import IntermediateTensors
 from pagedserve.worker.pooling import PoolJob, pool_hidden
@@ -69,6 +70,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler(model.config.eos_token_ids)
         self.long_rope = (model.config.rope_scaling or {}).get("rope_type") == "longrope"
+        self.mrope = bool(model.config.mrope_section)
         self.graphs: DecodeGraphRunner | None = None
         # The torch reference backend reads lengths back to the host, which graph
         # capture forbids; the Triton and flash paths are sync-free.
@@ -114,6 +116,8 @@ class ModelRunner:
         slots = [t[seq_idx, block].long() * bsz + offset for t in tables]
         if self.long_rope:
             positions = mark_long_rope(positions, seq_idx, [r.long_rope for r in reqs])
+        if self.mrope:
+            positions = step_positions(reqs, q_lens, positions, seq_idx)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         varlen = None if is_decode else build_varlen_metadata(q_lens, seq_lens, dev)
         mds = [AttentionMetadata(slot_mapping=s.to(dev), block_table=t.to(dev), seq_lens=lens,

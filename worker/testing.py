@@ -259,3 +259,70 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
                           crop_size={"height": image_size, "width": image_size}
                           ).save_pretrained(str(dest))
     return str(dest)
+
+
+# Qwen2-VL test files: the vision tokens at the top of a small vocabulary.
+QWEN_VL_IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+_QWEN_VL_WORDS = ("<|im_start|>", "<|im_end|>", "user", "assistant", *QWEN_VL_IMAGE_TOKENS)
+# Qwen2-VL's chat template, cut to what the tests use: an image part is
+# <|vision_start|><|image_pad|><|vision_end|>, as the released template renders it.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    " <|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def write_random_qwen2_vl(dest: str | Path, kind: str = "qwen2_vl", seed: int = 5,
+                          vocab_size: int = 300, **text: Any) -> str:
+    """Save a random ``Qwen2VLForConditionalGeneration`` (``kind`` "qwen2_vl") or
+    ``Qwen2_5_VLForConditionalGeneration`` ("qwen2_5_vl": RMSNorm, gated MLP, window
+    attention) with a small vision tower (patch 7, 2x2 merge), a Qwen2 decoder with
+    M-RoPE sections (2, 3, 3) of an 8-wide half head, a word-level tokenizer whose last
+    ids are the vision tokens (``QWEN_VL_IMAGE_TOKENS``: start, end, pad), a Qwen-style
+    chat template and the image processor's config (pictures of 14 x 14 to 56 x 56
+    pixels); return its path. ``text`` overrides the decoder's config."""
+    import transformers as tf
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    start, end, pad = vocab_size - 3, vocab_size - 2, vocab_size - 1
+    text_cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "mrope_section": [2, 3, 3]})
+    text_cfg.update(text)
+    vision = dict(depth=2, embed_dim=32, num_heads=2, patch_size=7, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    if kind == "qwen2_vl":
+        vision.update(hidden_size=64, mlp_ratio=2)
+        cls, config_cls = tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLConfig
+    elif kind == "qwen2_5_vl":
+        vision.update(hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                      window_size=28, fullatt_block_indexes=[1])
+        cls, config_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLConfig
+    else:
+        raise ValueError(f"kind must be 'qwen2_vl' or 'qwen2_5_vl', got {kind!r}")
+    torch.manual_seed(seed)
+    model = cls(config_cls(text_config=text_cfg, vision_config=vision, image_token_id=pad,
+                           vision_start_token_id=start, vision_end_token_id=end,
+                           bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.normal_(1.0 if "norm" in name or "ln_" in name else 0.0, 0.2)
+            elif "visual" in name:
+                p.normal_(0.0, 0.2)
+            else:
+                p.mul_(4.0)
+    dest = Path(dest)
+    model.save_pretrained(dest, safe_serialization=True)
+    write_wordlevel_tokenizer(dest, vocab_size, _QWEN_VL_WORDS, QWEN_VL_IMAGE_TOKENS,
+                              QWEN_VL_CHAT_TEMPLATE)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 14 * 14, "longest_edge": 56 * 56},
+                             patch_size=7, merge_size=2, temporal_patch_size=2
+                             ).save_pretrained(str(dest))
+    return str(dest)

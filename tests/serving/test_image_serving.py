@@ -2,7 +2,8 @@
 (Ray actors, each with its vision encoder) answers chat completions whose messages hold
 OpenAI image parts (a data URL, an http URL on loopback, a file under
 ``allowed_local_media_path``) as the in-process engine does; bad images are 400s on
-``messages`` and leave the replica at its baseline."""
+``messages`` and leave the replica at its baseline. A Qwen2-VL replica's picture runs
+are counted at the ingress."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing import random_picture as picture
-from pagedserve.worker.testing import write_random_gemma3_multimodal
+from pagedserve.worker.testing import write_random_gemma3_multimodal, write_random_qwen2_vl
 from tests.serving.conftest import App, Cluster, loopback_http
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -151,3 +152,44 @@ def test_responses_input_image_answers_as_chat_does(mm_app: App) -> None:
         "model": "tiny-gemma3", "input": [{"role": "user", "content": content}]})
     assert r.status_code == 400 and "file_id" in r.json()["error"]["message"], r.text
     mm_app.wait_baseline()
+
+
+@pytest.fixture(scope="module")
+def qwen_app(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[App, str]]:
+    model_dir = write_random_qwen2_vl(tmp_path_factory.mktemp("models") / "qwen2-vl")
+    app = cluster.deploy("qwen-images", {"model": model_dir, "num_threads": 1,
+                                         "served_model_name": "tiny-qwen2-vl",
+                                         "tensor_parallel_size": 2, "num_gpu_blocks": 3})
+    yield app, model_dir
+    cluster.delete("qwen-images")
+
+
+def test_qwen2_vl_chat_counts_its_picture_run_at_the_front(qwen_app: tuple[App, str]) -> None:
+    """A Qwen2-VL picture's run depends on its size: the ingress writes it out from
+    the decoded picture, so a chat without ``max_tokens`` gets the room the pool
+    really leaves (48 tokens: 3 blocks), not one that counts the run as one token
+    (which the replica would refuse), and ``/tokenize`` shows the engine's ids. Two TP
+    ranks place the tokens by M-RoPE alike: the answer equals the offline engine's."""
+    app, model_dir = qwen_app
+    chat = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(picture(3, (64, 64)))}},
+        {"type": "text", "text": "t5 t6"}]}]
+    llm = LLM(model=model_dir, num_gpu_blocks=3)
+    try:
+        ids = llm.chat(chat, SamplingParams(max_tokens=1))[0].prompt_token_ids
+        room = 48 - len(ids)
+        ref = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=room,
+                                            ignore_eos=True))[0]
+    finally:
+        llm.shutdown()
+    assert ids.count(299) == 16  # a 64 x 64 picture: 4 x 4 tokens
+    out = app.openai().chat.completions.create(
+        model="tiny-qwen2-vl", messages=chat, temperature=0.0,
+        extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == room
+    assert out.choices[0].message.content == ref.outputs[0].text
+    tokens = httpx.post(f"{app.base}/tokenize", headers=app.headers, timeout=60,
+                        json={"model": "tiny-qwen2-vl", "messages": chat})
+    assert tokens.json()["tokens"] == ids
+    app.wait_baseline()

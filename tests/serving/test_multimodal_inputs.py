@@ -21,8 +21,8 @@ import pytest
 import torch
 from PIL import Image
 
+from pagedserve.cluster.image_processor import ImageProcessor
 from pagedserve.cluster.multimodal import (
-    ImageProcessor,
     count_image_placeholders,
     expand_image_tokens,
     image_hash,

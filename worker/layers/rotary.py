@@ -111,8 +111,10 @@ class RotaryEmbedding:
     """Holds the inverse frequencies; ``cos_sin`` then ``apply`` per forward."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                 device: torch.device, rotary_dim: int = 0):
+                 device: torch.device, rotary_dim: int = 0,
+                 mrope_section: tuple[int, ...] = ()):
         self.head_dim = head_dim
+        self.mrope_section = tuple(mrope_section)
         rd = rotary_dim or head_dim
         self.inv_freq = compute_inv_freq(rd, theta, scaling).to(device)
         self.inv_freq_long: torch.Tensor | None = None
@@ -124,8 +126,16 @@ class RotaryEmbedding:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, rotary_dim/2]`` cos and sin for ``positions`` (angles in fp32, then
         cast); under LongRoPE a position marked by :func:`mark_long_rope` turns by the
-        long factors."""
-        if self.inv_freq_long is not None:
+        long factors. Under M-RoPE ``positions`` may be ``[3, T]`` (temporal, row,
+        column): frequency section ``i`` of ``mrope_section`` turns by row ``i`` of it,
+        as Hugging Face's ``Qwen2VLRotaryEmbedding`` recomposes them."""
+        if positions.dim() == 2:
+            if not self.mrope_section:
+                raise ValueError("[3, T] positions need a model with mrope_section")
+            per_axis = positions.float().unsqueeze(-1) * self.inv_freq  # [3, T, D/2]
+            parts = per_axis.split(list(self.mrope_section), dim=-1)
+            freqs = torch.cat([p[i % 3] for i, p in enumerate(parts)], dim=-1)
+        elif self.inv_freq_long is not None:
             long = positions >= LONG_ROPE_MARK
             positions = positions - long * LONG_ROPE_MARK
             inv = torch.where(long.unsqueeze(-1), self.inv_freq_long, self.inv_freq)

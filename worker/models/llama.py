@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
                 # engine never generates with it)
                 self.lm_head.tie_to(self.embed_tokens)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device,
-                                      cfg.rotary_dim)
+                                      cfg.rotary_dim, cfg.mrope_section)
 
     @property
     def num_kv_heads_per_rank(self) -> int:

@@ -2,7 +2,8 @@
 
 Gemma 3's 4B-27B files and LLaVA's save the decoder under ``language_model.`` (older
 saves) or ``model.language_model.`` (transformers 5), next to a vision tower and a
-projector. ``with_vision(cls)`` gives a decoder class (Llama's, Gemma's) that reads
+projector; Qwen2-VL's under ``model.`` or ``model.language_model.``, next to
+``visual.`` / ``model.visual.``. ``with_vision(cls)`` gives a decoder class (Llama's, Gemma's) that reads
 such a file: the decoder's names re-rooted at ``model.`` / ``lm_head.``, the tower's
 and projector's handed to the image encoder when one is attached (the first pipeline
 stage's, when images are on) and never read otherwise.
@@ -21,7 +22,7 @@ from pagedserve.worker.layers.linear import LazyTensor
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
+                    "model.multi_modal_projector.", "visual.", "model.visual.")
 
 
 def text_name(name: str) -> str | None:
@@ -49,7 +50,8 @@ def split_weights(weights: Iterable[tuple[str, LazyTensor]],
 def build_encoder(family: str, hf_config: dict, dtype: torch.dtype,
                   device: torch.device) -> nn.Module:
     """The image encoder of a ``family`` file ("gemma3": SigLIP + Gemma's projector;
-    "llava": CLIP + LLaVA's two-layer projector)."""
+    "llava": CLIP + LLaVA's two-layer projector; "qwen2_vl": Qwen2-VL's or Qwen2.5-VL's
+    tower and patch merger)."""
     if family == "gemma3":
         from pagedserve.worker.models.gemma3_vision import Gemma3VisionEncoder
 
@@ -58,6 +60,10 @@ def build_encoder(family: str, hf_config: dict, dtype: torch.dtype,
         from pagedserve.worker.models.llava_vision import LlavaVisionEncoder
 
         return LlavaVisionEncoder.from_hf_config(hf_config, dtype, device)
+    if family == "qwen2_vl":
+        from pagedserve.worker.models.qwen2_vision import Qwen2VisionEncoder
+
+        return Qwen2VisionEncoder.from_hf_config(hf_config, dtype, device)
     raise ValueError(f"no image encoder for model family {family!r}")
 
 

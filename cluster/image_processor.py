@@ -1,0 +1,169 @@
+"""The model's image processor: a picture as the pixel tensor its encoder takes.
+
+Hugging Face's processors on the PIL backend (Gemma 3's, CLIP's for LLaVA-1.5,
+Qwen2-VL's), so a picture gives the pixels (and the content hash) HF's processor
+gives it on any host, whatever else is installed there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # PIL is imported where an image is read: text-only serving needs none
+    from PIL import Image
+
+DEFAULT_IMAGE_SIZE = 896  # Gemma 3's SigLIP tower; its config.json may leave it out
+
+
+class ImageProcessor:
+    """The model's Hugging Face image processor, on the PIL backend: Gemma 3's, CLIP's
+    (LLaVA-1.5: resize the short side, centre-crop, CLIP's mean and std), or
+    Qwen2-VL's (each picture resized to a multiple of ``patch_size x merge_size`` near
+    its own size, between ``min_pixels`` and ``max_pixels``; its flattened patches are
+    turned back into one ``[3, H, W]`` tensor per picture, which the encoder patches
+    again the same way).
+
+    The PIL backend always, even where torchvision is installed: it is the resize of HF's
+    original (slow) processors, and the same image then gives the same pixels (and
+    ``image_hash``) on every host, whatever is installed there.
+    Gemma 3's is called with ``Gemma3Processor.images_kwargs`` (RGB conversion on,
+    pan-and-scan off), as the processor calls it, so the output equals the processor's
+    ``pixel_values``.
+    """
+
+    def __init__(self, hf_image_processor: Any) -> None:
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+        from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        hf = hf_image_processor
+        self._hf = hf
+        self._qwen = isinstance(hf, Qwen2VLImageProcessorPil)
+        if self._qwen:  # sizes vary: no square side
+            self._image_size, self._call_kwargs = 0, {}
+            return
+        if isinstance(hf, Gemma3ImageProcessorPil):
+            if hf.do_pan_and_scan:
+                raise ValueError("image processor: do_pan_and_scan=true is not supported; "
+                                 "set it to false or null in preprocessor_config.json")
+            size, kwargs = hf.size, dict(Gemma3Processor.images_kwargs)
+        elif isinstance(hf, CLIPImageProcessorPil):
+            size = hf.crop_size if hf.do_center_crop else hf.size
+            kwargs = {}
+        else:
+            raise ValueError(f"image processor: expected Gemma 3's, CLIP's or Qwen2-VL's, "
+                             f"got {type(hf).__name__}")
+        if size.height is None or size.height != size.width:
+            raise ValueError(f"image processor: size must be square height=width, got {size}")
+        self._hf = hf
+        self._image_size = int(size.height)
+        self._call_kwargs = kwargs
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, hf_config: dict) -> ImageProcessor:
+        """What ``AutoImageProcessor.from_pretrained(model_dir, backend="pil")`` loads where
+        the checkpoint has a preprocessor config, else the model's defaults at
+        ``vision_config.image_size`` (Gemma 3: 896 if absent; CLIP's: 224)."""
+        from transformers import AutoImageProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+
+        model_dir = Path(model_dir)
+        if _has_image_processor_config(model_dir):
+            hf = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil",
+                                                    local_files_only=True)
+            return cls(hf)
+        if hf_config.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil,
+            )
+
+            vision = hf_config.get("vision_config") or {}
+            return cls(Qwen2VLImageProcessorPil(
+                patch_size=vision.get("patch_size", 14),
+                merge_size=vision.get("spatial_merge_size", 2),
+                temporal_patch_size=vision.get("temporal_patch_size", 2)))
+        llava = hf_config.get("model_type") == "llava"
+        default = 224 if llava else DEFAULT_IMAGE_SIZE
+        size = (hf_config.get("vision_config") or {}).get("image_size", default)
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"vision_config.image_size must be a positive int, got {size!r}")
+        if llava:
+            return cls(CLIPImageProcessorPil(size={"shortest_edge": size},
+                                             crop_size={"height": size, "width": size}))
+        return cls(Gemma3ImageProcessorPil(size={"height": size, "width": size}))
+
+    def resize_facts(self) -> dict[str, int] | None:
+        """Qwen2-VL's resize rule (``factor``: patch x merge, the pixel bounds), for a
+        front end to count an image's tokens from its size (``image_prompts
+        .qwen_token_counts``) without the processor; None for the fixed-size ones."""
+        if not self._qwen:
+            return None
+        hf = self._hf
+        return {"factor": int(hf.patch_size) * int(hf.merge_size),
+                "min_pixels": int(hf.size.shortest_edge), "max_pixels": int(hf.size.longest_edge)}
+
+    @property
+    def image_size(self) -> int:
+        """The side S of the square pixel tensors (0: sizes vary, Qwen2-VL)."""
+        return self._image_size
+
+    def grid(self, pixels: torch.Tensor) -> tuple[int, int] | None:
+        """``(rows, cols)`` of the tokens a ``[3, H, W]`` picture becomes under M-RoPE
+        (Qwen2-VL); None for a fixed-size processor."""
+        if not self._qwen:
+            return None
+        from pagedserve.worker.models.qwen2_vision import image_grid
+
+        return image_grid(int(pixels.shape[-2]), int(pixels.shape[-1]),
+                          int(self._hf.patch_size), int(self._hf.merge_size))
+
+    def __call__(self, images: list[Image.Image]) -> torch.Tensor | list[torch.Tensor]:
+        """float32 ``[N, 3, S, S]`` pixel values, one row per image, in order (Qwen2-VL:
+        a list of ``[3, H, W]``, each picture's own size)."""
+        if self._qwen:
+            return self._qwen_pixels(images)
+        if not images:
+            return torch.empty((0, 3, self._image_size, self._image_size), dtype=torch.float32)
+        out = self._hf(list(images), return_tensors="pt", **self._call_kwargs)
+        pixel_values = out["pixel_values"]
+        if pixel_values.dtype != torch.float32:
+            raise ValueError(f"image processor returned {pixel_values.dtype}, expected float32")
+        return pixel_values
+
+
+    def _qwen_pixels(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        if not images:
+            return []
+        from pagedserve.worker.models.qwen2_vision import patches_to_images
+
+        hf = self._hf
+        out = hf(list(images), return_tensors="pt")
+        return patches_to_images(out["pixel_values"].float(), out["image_grid_thw"],
+                                 int(hf.patch_size), int(hf.temporal_patch_size),
+                                 int(hf.merge_size))
+
+
+def _has_image_processor_config(model_dir: Path) -> bool:
+    """Where AutoImageProcessor finds one: ``preprocessor_config.json``, or the
+    ``image_processor`` section of ``processor_config.json`` (which it prefers)."""
+    if (model_dir / "preprocessor_config.json").is_file():
+        return True
+    nested = model_dir / "processor_config.json"
+    if not nested.is_file():
+        return False
+    try:
+        return "image_processor" in json.loads(nested.read_text())
+    except (OSError, ValueError):
+        return False

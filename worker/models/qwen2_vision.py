@@ -1,0 +1,418 @@
+"""Qwen2-VL's and Qwen2.5-VL's image encoder: a native-resolution ViT and its patch merger.
+
+``encoder(pixel_values)`` is Hugging Face's ``visual(flatten_patches, grid_thw)`` for one
+resized, normalised image: the image is cut into ``patch_size`` patches in the image
+processor's merge-block order (each ``spatial_merge_size``-square block of patches
+contiguous, the still image repeated ``temporal_patch_size`` times), embedded by the
+bias-free Conv3d (one matmul here), then run through pre-norm blocks with 2-D rotary
+attention (row and column indices each rotate a quarter of every head's dimensions), and
+every block's ``merge^2`` tokens are concatenated into one LLM token by the merger.
+
+Qwen2-VL: LayerNorm, full attention over the image, ``fc2(act(fc1(x)))``. Qwen2.5-VL:
+RMSNorm, a gated MLP, and attention within ``window_size``-pixel windows except in the
+``fullatt_block_indexes`` layers; the tokens are permuted into window order before the
+blocks and the merger's rows are permuted back after it, as HF does. Every norm's eps is
+HF's hard-coded 1e-6. Plain torch: no transformers at run time (its config classes only
+supply defaults when the config is read).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.worker.layers.linear import LazyTensor
+from pagedserve.worker.models.vit import ACTIVATIONS, param, positive_int
+
+# visual.X: released files and save_pretrained's output; model.visual.X: transformers 5 in memory.
+_NAME_RE = re.compile(r"^(?:model\.)?visual\.")
+_IGNORED = ("visual.rotary_pos_emb.",)  # the inverse frequencies, recomputed here
+_ACTIVATIONS = {**ACTIVATIONS, "silu": F.silu}
+_EPS = 1e-6
+_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass(frozen=True)
+class Qwen2VisionConfig:
+    """The tower's shape, validated; errors name the HF config field at fault.
+    ``window_size`` is 0 for Qwen2-VL, whose every layer attends to the whole image."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    hidden_act: str
+    rope_theta: float
+    out_hidden_size: int
+    window_size: int
+    fullatt_blocks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        width = "hidden_size" if self.windowed else "embed_dim"
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision_config.num_heads ({self.num_heads}) does not divide "
+                             f"vision_config.{width} ({self.hidden_size})")
+        if self.head_dim % 4:
+            raise ValueError(f"vision_config.{width} / num_heads ({self.head_dim}) is not a "
+                             "multiple of 4, which the 2-D rotary embedding needs")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"vision_config.hidden_act {self.hidden_act!r} is not one of "
+                             f"{sorted(_ACTIVATIONS)}")
+        if self.windowed and self.window_size < self.patch_size * self.merge_size:
+            raise ValueError(f"vision_config.window_size ({self.window_size}) is smaller than "
+                             f"patch_size * spatial_merge_size ({self.patch_size * self.merge_size})")
+        if any(not 0 <= i < self.num_layers for i in self.fullatt_blocks):
+            raise ValueError(f"vision_config.fullatt_block_indexes {list(self.fullatt_blocks)} "
+                             f"are not all indices into the {self.num_layers} blocks")
+
+    @property
+    def windowed(self) -> bool:
+        return self.model_type == "qwen2_5_vl"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merger_window(self) -> int:
+        """A window's side in merged (LLM) tokens, as HF rounds it."""
+        return self.window_size // self.merge_size // self.patch_size
+
+    @classmethod
+    def from_hf(cls, hf_config: dict) -> Qwen2VisionConfig:
+        """Read a ``qwen2_vl`` / ``qwen2_5_vl`` config.json dict. Released files list only
+        the fields that differ from the config classes' defaults, so those fill in the rest.
+        The merger's width is what HF builds it with (Qwen2-VL: ``vision_config.hidden_size``,
+        Qwen2.5-VL: ``out_hidden_size``); it must equal the text model's hidden size where
+        the file gives one (top level in older flat saves, ``text_config`` in newer)."""
+        from transformers import Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
+
+        model_type = hf_config.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ValueError(f"model_type {model_type!r} is not one of {list(_FAMILIES)}")
+        raw = hf_config.get("vision_config")
+        if not isinstance(raw, dict):
+            raise ValueError("vision_config is missing or not a dict")
+        if raw.get("model_type", model_type) not in (model_type, f"{model_type}_vision"):
+            raise ValueError(f"vision_config.model_type {raw['model_type']!r} is not "
+                             f"'{model_type}_vision'")
+        windowed = model_type == "qwen2_5_vl"
+        defaults = (Qwen2_5_VLVisionConfig if windowed else Qwen2VLVisionConfig)().to_dict()
+        vision = {**defaults, **raw}
+        pos = functools.partial(positive_int, vision, where="vision_config")
+        if windowed:
+            hidden, inter = pos("hidden_size"), pos("intermediate_size")
+            out, window = pos("out_hidden_size"), pos("window_size")
+            full = vision["fullatt_block_indexes"]
+            if not isinstance(full, list | tuple) or any(
+                    isinstance(i, bool) or not isinstance(i, int) for i in full):
+                raise ValueError(f"vision_config.fullatt_block_indexes {full!r} is not a "
+                                 "list of ints")
+        else:
+            hidden, out, window, full = pos("embed_dim"), pos("hidden_size"), 0, ()
+            inter = int(hidden * _positive_number(vision["mlp_ratio"], "mlp_ratio"))  # HF's
+        text = hf_config.get("text_config")
+        top = text if isinstance(text, dict) and "hidden_size" in text else hf_config
+        if "hidden_size" in top:
+            where = "text_config" if top is text else ""
+            text_hidden = positive_int(top, "hidden_size", where)
+            if text_hidden != out:
+                field = "out_hidden_size" if windowed else "hidden_size"
+                raise ValueError(f"vision_config.{field} ({out}), the merger's width, != the "
+                                 f"text model's {where + '.' if where else ''}hidden_size "
+                                 f"({text_hidden})")
+        return cls(model_type=model_type, hidden_size=hidden, intermediate_size=inter,
+                   num_layers=pos("depth"), num_heads=pos("num_heads"),
+                   num_channels=pos("in_channels"), patch_size=pos("patch_size"),
+                   temporal_patch_size=pos("temporal_patch_size"),
+                   merge_size=pos("spatial_merge_size"), hidden_act=str(vision["hidden_act"]),
+                   rope_theta=_rope_theta(raw), out_hidden_size=out, window_size=window,
+                   fullatt_blocks=tuple(full))
+
+
+def _rope_theta(raw: dict) -> float:
+    """HF's order: ``rope_parameters.rope_theta``, then a bare ``rope_theta``, then 10000."""
+    rope = raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", "axial") not in ("axial", "default"):
+        raise ValueError(f"vision_config.rope_parameters {rope!r} is not an axial RoPE dict")
+    return _positive_number(rope.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta")
+
+
+def _positive_number(value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"vision_config.{key} {value!r} is not a positive number")
+    return float(value)
+
+
+def image_grid(height: int, width: int, patch_size: int, merge_size: int) -> tuple[int, int]:
+    """(rows, cols) of LLM tokens for a resized image of that size: ``(H/P/m, W/P/m)``; the
+    engine sizes an image's placeholder run from it. ValueError if a side is not a positive
+    multiple of ``P*m`` (the processor always resizes to one)."""
+    unit = patch_size * merge_size
+    if height <= 0 or width <= 0 or height % unit or width % unit:
+        raise ValueError(f"image size {height}x{width} is not a positive multiple of "
+                         f"patch_size * spatial_merge_size ({unit})")
+    return height // unit, width // unit
+
+
+def _patchify(image: torch.Tensor, patch_size: int, temporal_patch_size: int,
+              merge_size: int) -> torch.Tensor:
+    """``[C, H, W]`` -> the processor's ``flatten_patches`` ``[H/P * W/P, C*tp*P*P]``."""
+    c, h, w = image.shape
+    p, m = patch_size, merge_size
+    x = image.reshape(c, h // p // m, m, p, w // p // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    x = x.unsqueeze(5).expand(*x.shape[:5], temporal_patch_size, p, p)
+    return x.reshape((h // p) * (w // p), c * temporal_patch_size * p * p)
+
+
+def patches_to_images(pixel_values: torch.Tensor, grid_thw: torch.Tensor, patch_size: int,
+                      temporal_patch_size: int, merge_size: int) -> list[torch.Tensor]:
+    """Invert the HF processor's flattening: per image a ``[C, H, W]`` tensor (temporal
+    slice 0), so that ``forward(img[None])`` sees exactly the processor's patches; the
+    engine passes images around as pixels, not as the processor's packed rows.
+    ValueError if the rows do not add up to the grids or an entry is a video (``t != 1``)."""
+    p, tp, m = patch_size, temporal_patch_size, merge_size
+    if pixel_values.dim() != 2 or pixel_values.shape[1] % (tp * p * p):
+        raise ValueError(f"pixel_values shape {tuple(pixel_values.shape)} is not "
+                         f"[patches, C * {tp} * {p} * {p}]")
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        raise ValueError(f"grid_thw shape {tuple(grid_thw.shape)} is not [images, 3]")
+    grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+    if any(t != 1 or h <= 0 or w <= 0 or h % m or w % m for t, h, w in grids):
+        raise ValueError(f"grid_thw {grids} is not images (t == 1) with h and w multiples "
+                         f"of merge_size {m}")
+    if sum(h * w for _, h, w in grids) != pixel_values.shape[0]:
+        raise ValueError(f"grid_thw {grids} covers {sum(h * w for _, h, w in grids)} patches, "
+                         f"pixel_values has {pixel_values.shape[0]}")
+    c = pixel_values.shape[1] // (tp * p * p)
+    out = []
+    for rows, (_, h, w) in zip(pixel_values.split([h * w for _, h, w in grids]), grids):
+        x = rows.reshape(h // m, w // m, m, m, c, tp, p, p)[:, :, :, :, :, 0]
+        out.append(x.permute(4, 0, 2, 5, 1, 3, 6).reshape(c, h * p, w * p).contiguous())
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``apply_rotary_pos_emb_vision`` for one of q/k ``[n, heads, d]``: in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class _Windows:
+    """Contiguous runs of the token sequence attended to separately, padded to one length so
+    that a single batched attention call covers them all."""
+
+    def __init__(self, lengths: torch.Tensor):
+        offsets = torch.arange(int(lengths.max()), device=lengths.device)
+        self.valid = offsets < lengths[:, None]
+        self.index = torch.where(self.valid, (lengths.cumsum(0) - lengths)[:, None] + offsets, 0)
+        self.ragged = not bool(self.valid.all())
+
+
+class _Block(nn.Module):
+    """``x + proj(attn(norm1(x)))``, then ``x + mlp(norm2(x))``; Qwen2.5-VL's gate and up
+    projections fused into one matmul."""
+
+    def __init__(self, cfg: Qwen2VisionConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        p = functools.partial(param, dtype=dtype, device=device)
+        self.cfg, self.act = cfg, _ACTIVATIONS[cfg.hidden_act]
+        self.norm1_weight, self.norm2_weight = p(h), p(h)
+        self.norm1_bias, self.norm2_bias = (None, None) if cfg.windowed else (p(h), p(h))
+        self.qkv_weight, self.qkv_bias = p(3 * h, h), p(3 * h)
+        self.proj_weight, self.proj_bias = p(h, h), p(h)
+        up = 2 * i if cfg.windowed else i
+        self.up_weight, self.up_bias = p(up, h), p(up)
+        self.down_weight, self.down_bias = p(h, i), p(h)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                windows: _Windows | None) -> torch.Tensor:
+        n, heads = x.shape[0], self.cfg.num_heads
+        y = _norm(x, self.norm1_weight, self.norm1_bias)
+        q, k, v = F.linear(y, self.qkv_weight, self.qkv_bias).view(n, 3, heads, -1).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if windows is None:
+            y = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)))
+            y = y.transpose(0, 1).reshape(n, -1)
+        else:
+            q, k, v = (t[windows.index].transpose(1, 2) for t in (q, k, v))
+            mask = windows.valid[:, None, None, :] if windows.ragged else None
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = y.transpose(1, 2)[windows.valid].reshape(n, -1)
+        x = x + F.linear(y, self.proj_weight, self.proj_bias)
+        y = F.linear(_norm(x, self.norm2_weight, self.norm2_bias), self.up_weight, self.up_bias)
+        if self.cfg.windowed:
+            gate, up = y.chunk(2, dim=-1)
+            y = self.act(gate) * up
+        else:
+            y = self.act(y)
+        return x + F.linear(y, self.down_weight, self.down_bias)
+
+    def targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the tensor (or fused gate/up slice) it is copied into."""
+        out, i = {}, self.cfg.intermediate_size
+        for kind in ("weight", "bias"):
+            out[f"{prefix}attn.qkv.{kind}"] = getattr(self, f"qkv_{kind}")
+            out[f"{prefix}attn.proj.{kind}"] = getattr(self, f"proj_{kind}")
+            for j in (1, 2):
+                if getattr(self, f"norm{j}_{kind}") is not None:
+                    out[f"{prefix}norm{j}.{kind}"] = getattr(self, f"norm{j}_{kind}")
+            up, down = getattr(self, f"up_{kind}"), getattr(self, f"down_{kind}")
+            if self.cfg.windowed:
+                out[f"{prefix}mlp.gate_proj.{kind}"] = up[:i]
+                out[f"{prefix}mlp.up_proj.{kind}"] = up[i:]
+                out[f"{prefix}mlp.down_proj.{kind}"] = down
+            else:
+                out[f"{prefix}mlp.fc1.{kind}"], out[f"{prefix}mlp.fc2.{kind}"] = up, down
+        return out
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """LayerNorm when there is a bias (Qwen2-VL); else HF's RMSNorm (Qwen2.5-VL: in fp32,
+    cast back before the weight multiplies)."""
+    if bias is not None:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, _EPS)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _EPS)).to(x.dtype)
+
+
+class Qwen2VisionEncoder(nn.Module):
+    """One image ``[1, C, H, W]`` -> its LLM tokens ``[1, H/P/m * W/P/m, text_hidden]``."""
+
+    def __init__(self, cfg: Qwen2VisionConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        h, m2 = cfg.hidden_size, cfg.merge_size ** 2
+        p = functools.partial(param, dtype=dtype, device=device)
+        self.cfg = cfg
+        self.patch_weight = p(h, cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size,
+                              cfg.patch_size)
+        self.blocks = nn.ModuleList(_Block(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.ln_q_weight = p(h)
+        self.ln_q_bias = None if cfg.windowed else p(h)
+        self.mlp0_weight, self.mlp0_bias = p(h * m2, h * m2), p(h * m2)
+        self.mlp2_weight, self.mlp2_bias = p(cfg.out_hidden_size, h * m2), p(cfg.out_hidden_size)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, dtype: torch.dtype,
+                       device: torch.device) -> Qwen2VisionEncoder:
+        """Build from the config.json dict (``model_type`` ``qwen2_vl`` or ``qwen2_5_vl``),
+        so the serving config needs no transformers objects; ValueError names a bad field."""
+        return cls(Qwen2VisionConfig.from_hf(hf_config), dtype, device)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[1, C, H, W]`` (resized and normalised, as the processor leaves it before
+        patchifying) -> ``[1, (H/P/m) * (W/P/m), out_hidden]`` in the encoder's dtype, the
+        pixels cast to it first as HF does. ValueError unless H and W are positive multiples
+        of ``patch_size * spatial_merge_size``."""
+        cfg, w = self.cfg, self.patch_weight
+        m, unit = cfg.merge_size, cfg.patch_size * cfg.merge_size
+        shape = tuple(pixel_values.shape)
+        if (len(shape) != 4 or shape[:2] != (1, cfg.num_channels) or min(shape[2:]) <= 0
+                or shape[2] % unit or shape[3] % unit):
+            raise ValueError(f"pixel_values shape {shape} is not [1, {cfg.num_channels}, H, W] "
+                             f"with H and W positive multiples of {unit} (patch_size "
+                             f"{cfg.patch_size} * spatial_merge_size {m})")
+        rows, cols = shape[2] // cfg.patch_size, shape[3] // cfg.patch_size
+        x = _patchify(pixel_values[0].to(device=w.device, dtype=w.dtype), cfg.patch_size,
+                      cfg.temporal_patch_size, m)
+        x = F.linear(x, w.view(w.shape[0], -1))
+        pos = self._positions(rows, cols, w.device)
+        order = windows = None
+        if cfg.windowed:
+            order, lengths = self._window_order(rows // m, cols // m, w.device)
+            x = x.view(-1, m * m, x.shape[-1])[order].view_as(x)
+            pos = pos.view(-1, m * m, 2)[order].view_as(pos)
+            windows = _Windows(lengths * m * m)
+        cos, sin = self._rope(pos)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None if i in cfg.fullatt_blocks else windows)
+        x = _norm(x, self.ln_q_weight, self.ln_q_bias).reshape(-1, self.mlp0_weight.shape[1])
+        x = F.linear(F.gelu(F.linear(x, self.mlp0_weight, self.mlp0_bias)), self.mlp2_weight,
+                     self.mlp2_bias)
+        if order is not None:
+            x = x[torch.argsort(order)]
+        return x[None]
+
+    def _positions(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """Each patch's (row, col) ``[rows * cols, 2]``, in the merge-block order."""
+        m = self.cfg.merge_size
+        h, w = torch.meshgrid(torch.arange(rows, device=device),
+                              torch.arange(cols, device=device), indexing="ij")
+        blocks = (rows // m, m, cols // m, m)
+        return torch.stack([t.reshape(blocks).transpose(1, 2).flatten() for t in (h, w)], -1)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[n, 1, head_dim]`` in fp32: the row's angles over the first
+        quarter of the dims, the column's over the second, the whole repeated once."""
+        half = self.cfg.head_dim // 2
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (
+            torch.arange(0, half, 2, dtype=torch.float, device=pos.device) / half))
+        freqs = (pos[..., None].float() * inv_freq).flatten(1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+    def _window_order(self, rows: int, cols: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's ``get_vision_window_index`` for one image: the merged tokens' order when
+        ``merger_window``-square windows are taken row by row (each window's tokens row by
+        row), and every non-empty window's size in merged tokens."""
+        win = self.cfg.merger_window
+        pad_h, pad_w = win - rows % win, win - cols % win
+        nh, nw = (rows + pad_h) // win, (cols + pad_w) // win
+        index = torch.arange(rows * cols, device=device).view(rows, cols)
+        index = F.pad(index, (0, pad_w, 0, pad_h), value=-1)
+        index = index.view(nh, win, nw, win).permute(0, 2, 1, 3).reshape(nh * nw, win * win)
+        lengths = (index >= 0).sum(1)
+        return index[index >= 0], lengths[lengths > 0]
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        out = {"visual.patch_embed.proj.weight": self.patch_weight,
+               "visual.merger.ln_q.weight": self.ln_q_weight,
+               "visual.merger.mlp.0.weight": self.mlp0_weight,
+               "visual.merger.mlp.0.bias": self.mlp0_bias,
+               "visual.merger.mlp.2.weight": self.mlp2_weight,
+               "visual.merger.mlp.2.bias": self.mlp2_bias}
+        if self.ln_q_bias is not None:
+            out["visual.merger.ln_q.bias"] = self.ln_q_bias
+        for i, block in enumerate(self.blocks):
+            out.update(block.targets(f"visual.blocks.{i}."))
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> None:
+        """Copy the tower's and merger's tensors from a whole checkpoint (``visual.X`` or
+        ``model.visual.X``; every other name, the text decoder's, skipped, so one pass over
+        the file can feed both models). ValueError on a bad shape, an unknown vision name,
+        or a parameter the checkpoint did not provide."""
+        targets, seen = self._targets(), set()
+        for name, lazy in weights:
+            match = _NAME_RE.match(name)
+            if match is None:
+                continue
+            key = "visual." + name[match.end():]
+            if key.startswith(_IGNORED):
+                continue
+            dst = targets.get(key)
+            if dst is None:
+                raise ValueError(f"{name}: not a {self.cfg.model_type} vision tensor")
+            if tuple(lazy.shape) != tuple(dst.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(lazy[:])
+            seen.add(key)
+        missing = sorted(targets.keys() - seen)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} vision tensor(s): {missing[:5]}")
