@@ -114,3 +114,58 @@ def test_rotary_sections_recompose_as_hugging_face() -> None:
 def test_a_grid_that_does_not_hold_its_span_is_refused() -> None:
     with pytest.raises(ValueError, match="grid"):
         ImageInput(0, 5, "k", None, (2, 3))
+
+
+# Released files' config.json, as they were saved (transformers 4.4x: the decoder's
+# fields at the top level, ``rope_scaling`` naming the M-RoPE sections).
+QWEN2_VL_2B = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 1536, "intermediate_size": 8960, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "model_type": "qwen2_vl", "num_attention_heads": 12,
+    "num_hidden_layers": 28, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                      "in_chans": 3, "hidden_size": 1536, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+}
+QWEN2_5_VL_3B = {
+    **QWEN2_VL_2B, "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl", "hidden_size": 2048, "intermediate_size": 11008,
+    "num_attention_heads": 16, "num_hidden_layers": 36,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                      "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                      "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+                      "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24], "rope_type": "default"},
+}
+
+
+@pytest.mark.parametrize("cfg", [QWEN2_VL_2B, QWEN2_5_VL_3B], ids=["qwen2-vl", "qwen2.5-vl"])
+def test_released_configs_read_as_a_qwen2_decoder_with_mrope(cfg: dict) -> None:
+    from pagedserve.worker.config import ModelConfig
+    from pagedserve.worker.models.qwen2_vision import Qwen2VisionConfig
+
+    mc = ModelConfig.from_hf_dict(dict(cfg))
+    assert (mc.model_type, mc.mrope_section, mc.rope_scaling) == ("qwen2", (16, 24, 24), None)
+    assert (mc.rope_theta, mc.head_dim, mc.qkv_bias, mc.sliding_window) == (1e6, 128, True, None)
+    assert mc.image is not None and mc.image.family == "qwen2_vl"
+    assert (mc.image.image_token_id, mc.image.bidirectional) == (151655, False)
+    vision = Qwen2VisionConfig.from_hf(dict(cfg))
+    assert vision.out_hidden_size == mc.hidden_size
+
+
+def test_bad_mrope_sections_are_refused_naming_the_field() -> None:
+    from pagedserve.worker.config import ModelConfig
+
+    for section, match in (([16, 24], "three positive ints"), ([16, 24, 32], "add up")):
+        bad = {**QWEN2_VL_2B, "rope_scaling": {"type": "mrope", "mrope_section": section}}
+        with pytest.raises(ValueError, match=match) as err:
+            ModelConfig.from_hf_dict(bad)
+        assert "mrope_section" in str(err.value)
