@@ -64,7 +64,6 @@ class ImageProcessor:
                              f"got {type(hf).__name__}")
         if size.height is None or size.height != size.width:
             raise ValueError(f"image processor: size must be square height=width, got {size}")
-        self._hf = hf
         self._image_size = int(size.height)
         self._call_kwargs = kwargs
 
@@ -142,8 +141,8 @@ class ImageProcessor:
             raise ValueError(f"image processor returned {pixel_values.dtype}, expected float32")
         return pixel_values
 
-
     def _qwen_pixels(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        """HF's patches and grids turned back into one ``[3, H, W]`` per picture."""
         if not images:
             return []
         from pagedserve.worker.models.qwen2_vision import patches_to_images

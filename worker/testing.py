@@ -275,14 +275,16 @@ QWEN_VL_CHAT_TEMPLATE = (
 
 
 def write_random_qwen2_vl(dest: str | Path, kind: str = "qwen2_vl", seed: int = 5,
-                          vocab_size: int = 300, **text: Any) -> str:
+                          vocab_size: int = 300, vision_config: dict[str, Any] | None = None,
+                          max_pixels: int = 56 * 56, **text: Any) -> str:
     """Save a random ``Qwen2VLForConditionalGeneration`` (``kind`` "qwen2_vl") or
     ``Qwen2_5_VLForConditionalGeneration`` ("qwen2_5_vl": RMSNorm, gated MLP, window
     attention) with a small vision tower (patch 7, 2x2 merge), a Qwen2 decoder with
     M-RoPE sections (2, 3, 3) of an 8-wide half head, a word-level tokenizer whose last
     ids are the vision tokens (``QWEN_VL_IMAGE_TOKENS``: start, end, pad), a Qwen-style
-    chat template and the image processor's config (pictures of 14 x 14 to 56 x 56
-    pixels); return its path. ``text`` overrides the decoder's config."""
+    chat template and the image processor's config (pictures of 14 x 14 to
+    ``max_pixels`` pixels); return its path. ``text`` overrides the decoder's config,
+    ``vision_config`` the tower's."""
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -298,14 +300,15 @@ def write_random_qwen2_vl(dest: str | Path, kind: str = "qwen2_vl", seed: int = 
     vision = dict(depth=2, embed_dim=32, num_heads=2, patch_size=7, spatial_merge_size=2,
                   temporal_patch_size=2, in_channels=3)
     if kind == "qwen2_vl":
-        vision.update(hidden_size=64, mlp_ratio=2)
+        vision.update(hidden_size=text_cfg["hidden_size"], mlp_ratio=2)  # (merger's width)
         cls, config_cls = tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLConfig
     elif kind == "qwen2_5_vl":
-        vision.update(hidden_size=32, intermediate_size=48, out_hidden_size=64,
+        vision.update(hidden_size=32, intermediate_size=48, out_hidden_size=text_cfg["hidden_size"],
                       window_size=28, fullatt_block_indexes=[1])
         cls, config_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLConfig
     else:
         raise ValueError(f"kind must be 'qwen2_vl' or 'qwen2_5_vl', got {kind!r}")
+    vision.update(vision_config or {})
     torch.manual_seed(seed)
     model = cls(config_cls(text_config=text_cfg, vision_config=vision, image_token_id=pad,
                            vision_start_token_id=start, vision_end_token_id=end,
@@ -322,7 +325,7 @@ def write_random_qwen2_vl(dest: str | Path, kind: str = "qwen2_vl", seed: int = 
     model.save_pretrained(dest, safe_serialization=True)
     write_wordlevel_tokenizer(dest, vocab_size, _QWEN_VL_WORDS, QWEN_VL_IMAGE_TOKENS,
                               QWEN_VL_CHAT_TEMPLATE)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 14 * 14, "longest_edge": 56 * 56},
-                             patch_size=7, merge_size=2, temporal_patch_size=2
-                             ).save_pretrained(str(dest))
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 14 * 14, "longest_edge": max_pixels},
+                             patch_size=vision["patch_size"], merge_size=2,
+                             temporal_patch_size=2).save_pretrained(str(dest))
     return str(dest)

@@ -169,3 +169,37 @@ def test_bad_runs_are_refused_naming_the_field(qwen_dir: str) -> None:
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_shipped_prompt_kv_decodes_at_the_shifted_positions(qwen_dir: str,
+                                                            reference: list[list[int]]) -> None:
+    """Disaggregated prefill: the prefill engine's K/V (rotated on the pictures' grids)
+    ships whole, and a decode engine that hits all of it, encoding nothing, turns its
+    new tokens by ``rope_delta`` as HF does."""
+    from pagedserve.cluster.kv_transfer import import_prompt_kv
+
+    pre, dec = (LLM(model=qwen_dir, num_gpu_blocks=128, block_size=4) for _ in range(2))
+    try:
+        for i in (0, 1):
+            ids, imgs = cases()[i]
+            pre.engine.add_request(ids, SamplingParams(max_tokens=1), f"pf-{i}",
+                                   export_kv=True, images=imgs)
+            payload = None
+            while pre.engine.has_unfinished_requests():
+                for out in pre.engine.step():
+                    payload = out.kv_transfer if out.finished else payload
+            assert import_prompt_kv(dec.engine, payload) == len(ids) // 4
+        vision = dec.engine.executor.worker.model.vision
+        encoded: list[int] = []
+        forward = vision.forward
+        vision.forward = lambda px: encoded.append(1) or forward(px)
+        outs = dec.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
+                             for ids, imgs in cases()[:2]], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference[:2] and not encoded
+        assert [o.num_cached_tokens for o in outs] == [
+            (len(ids) - 1) // 4 * 4 for ids, _ in cases()[:2]]
+        for llm in (pre, dec):
+            assert_pool_at_baseline(llm)
+    finally:
+        pre.shutdown()
+        dec.shutdown()
