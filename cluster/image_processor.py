@@ -123,7 +123,7 @@ class ImageProcessor:
         (Qwen2-VL); None for a fixed-size processor."""
         if not self._qwen:
             return None
-        from pagedserve.worker.models.qwen2_vision import image_grid
+        from pagedserve.worker.models.qwen2_vision_config import image_grid
 
         return image_grid(int(pixels.shape[-2]), int(pixels.shape[-1]),
                           int(self._hf.patch_size), int(self._hf.merge_size))
@@ -145,7 +145,7 @@ class ImageProcessor:
         """HF's patches and grids turned back into one ``[3, H, W]`` per picture."""
         if not images:
             return []
-        from pagedserve.worker.models.qwen2_vision import patches_to_images
+        from pagedserve.worker.models.qwen2_vision_config import patches_to_images
 
         hf = self._hf
         out = hf(list(images), return_tensors="pt")
