@@ -172,8 +172,9 @@ class ImagePrompts:
         if not self.tokens_per_image:  # each run as long as its picture's grid
             ids, spans = write_out_runs(ids, spans, [r * c for r, c in grids],
                                         self.image_token_id)
-        return ids, tuple(ImageInput(a, b, key, p, grid) for (a, b), p, key, grid in zip(
-            spans, prepared.pixels, prepared.keys, grids, strict=True))
+        causal = not self.info["bidirectional"]
+        return ids, tuple(ImageInput(a, b, key, p, grid, causal) for (a, b), p, key, grid
+                          in zip(spans, prepared.pixels, prepared.keys, grids, strict=True))
 
     def prepare(self, images: Sequence[Any]) -> PreparedImages:
         """Load and preprocess ``images`` (the slow part, seconds for a URL: the async

@@ -6,14 +6,16 @@ with the vision encoder's output. Three scheduling rules follow from it, kept he
 so each reads on its own:
 
 - the tokens of one image attend to each other both ways (Gemma 3's mask), so a
-  prefill chunk never ends inside an image: the image's later tokens would be
-  missing from its earlier ones' keys (``fit_chunk``);
+  prefill chunk never ends inside such an image: the image's later tokens would be
+  missing from its earlier ones' keys (``fit_chunk``). A ``causal`` image (LLaVA's,
+  Qwen2-VL's) may be cut: its rows come from the encoder's output of the whole
+  picture, kept between steps by the worker's encoder cache, as vLLM chunks them;
 - every placeholder token id is the same, so a block's prefix-cache key carries the
   hashes of the images it overlaps (``block_image_keys``): two prompts with
   different images never share their image blocks, nor (the hashes chain) anything
   after them;
-- an image longer than one step's token budget could never be scheduled, so it is
-  refused at admission (``check_images_fit``);
+- a bidirectional image longer than one step's token budget could never be
+  scheduled, so it is refused at admission (``check_images_fit``);
 - under Qwen2-VL's multimodal RoPE (M-RoPE) an image of ``rows x cols`` tokens
   takes positions on a grid, ``max(rows, cols)`` of them along the sequence, so a
   request's later tokens turn by their index plus a delta (``rope_delta``), and a
@@ -34,13 +36,15 @@ from typing import Any
 class ImageInput:
     """One image of a prompt: its placeholder tokens ``[start, end)``, its content
     hash (its identity in prefix-cache keys) and its preprocessed pixels; ``grid``:
-    the ``(rows, cols)`` of its tokens under M-RoPE (None: positions run 1-D)."""
+    the ``(rows, cols)`` of its tokens under M-RoPE (None: positions run 1-D);
+    ``causal``: its tokens attend causally, so a prefill chunk may end inside it."""
 
     start: int
     end: int
     key: str
     pixels: Any
     grid: tuple[int, int] | None = None
+    causal: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
@@ -76,11 +80,12 @@ def check_images(images: Sequence[ImageInput], num_prompt_tokens: int) -> None:
 
 
 def check_images_fit(images: Sequence[ImageInput], budget: int, cap: int = 0) -> None:
-    """Refuse an image no single step could compute whole: longer than the step's
-    token budget (``max_num_batched_tokens``) or the per-prompt chunk cap."""
+    """Refuse a bidirectional image no single step could compute whole: longer than
+    the step's token budget (``max_num_batched_tokens``) or the per-prompt chunk cap
+    (a causal one is computed in chunks)."""
     limit = min(budget, cap) if cap else budget
     for i, img in enumerate(images):
-        if img.end - img.start > limit:
+        if img.end - img.start > limit and not img.causal:
             what = "long_prefill_token_threshold" if cap and cap < budget \
                 else "max_num_batched_tokens"
             raise ValueError(f"images[{i}] takes {img.end - img.start} tokens, more than "
@@ -89,11 +94,11 @@ def check_images_fit(images: Sequence[ImageInput], budget: int, cap: int = 0) ->
 
 def fit_chunk(images: Sequence[ImageInput], start: int, num_new: int) -> int:
     """``num_new`` cut back so that tokens ``[start, start + num_new)`` do not stop
-    inside an image; 0 when the chunk starts inside or at an image it cannot finish
-    (the request waits for a step with room for the rest of the image)."""
+    inside a bidirectional image; 0 when the chunk starts inside or at one it cannot
+    finish (the request waits for a step with room for the rest of the image)."""
     stop = start + num_new
     for img in images:
-        if img.start < stop < img.end:
+        if img.start < stop < img.end and not img.causal:
             return max(0, img.start - start)
         if img.start >= stop:
             break

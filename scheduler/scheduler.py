@@ -305,10 +305,11 @@ class Scheduler(StepResults):
         work = self.num_waiting_tokens() + sum(
             r.num_tokens - r.num_computed_tokens for r in (*self.running, *self.swapped)
             if r.request_id not in self.in_flight)
-        # An image is computed in one step: a share smaller than one would never run it.
+        # A bidirectional image is computed in one step: a smaller share would never run it.
         image = max((img.end - img.start for r in (*self.waiting, *self.running,
                                                    *self.swapped)
-                     for img in r.images if img.end > r.num_computed_tokens), default=0)
+                     for img in r.images if img.end > r.num_computed_tokens
+                     and not img.causal), default=0)
         return max(1, min(budget, max(-(-work // slots), image)))
 
     def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
@@ -330,7 +331,7 @@ class Scheduler(StepResults):
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """The tokens ``req`` runs this step from token ``start``: what it has left,
         within the step's budget and the per-prompt cap (``long_prefill_token_threshold``),
-        and never stopping inside an image (``multimodal.fit_chunk``)."""
+        and never stopping inside a bidirectional image (``multimodal.fit_chunk``)."""
         remaining = req.num_tokens - start
         cap = self.config.long_prefill_token_threshold
         num_new = min(remaining, budget, cap) if cap else min(remaining, budget)

@@ -34,8 +34,9 @@ class EncoderCache:
         return len(self._entries)
 
     def get(self, key: str, encode: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The output for ``key``, from the cache or from ``encode()`` (then kept, if
-        it fits the budget at all)."""
+        """The output for ``key``, from the cache or from ``encode()`` (then kept: the
+        least recently used go until it fits, or until it is the only one left; a
+        budget of 0 keeps nothing)."""
         out = self._entries.get(key)
         if out is not None:
             self._entries.move_to_end(key)
@@ -44,8 +45,10 @@ class EncoderCache:
         self.misses += 1
         out = encode()
         n = out.shape[0]
-        if n <= self.max_rows:
-            while self.rows + n > self.max_rows:
+        if self.max_rows > 0:
+            # Past the budget alone, an output is still kept, by itself: a causal image's
+            # later chunks need it in the next steps (``scheduler.multimodal``).
+            while self._entries and self.rows + n > self.max_rows:
                 _, old = self._entries.popitem(last=False)
                 self.rows -= old.shape[0]
             self._entries[key] = out

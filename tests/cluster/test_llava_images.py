@@ -62,8 +62,9 @@ def generate(llm: LLM, prompts: list[tuple[list[int], list]]) -> list[list[int]]
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=20, max_num_seqs=4)],
-                         ids=["whole", "chunked"])
+@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=20, max_num_seqs=4),
+                                dict(max_num_batched_tokens=5, max_num_seqs=4)],
+                         ids=["whole", "chunked", "split-images"])
 def test_llava_images_equal_hugging_face(llava_dir: str, reference: list[list[int]],
                                          kw: dict) -> None:
     llm = LLM(model=llava_dir, num_gpu_blocks=128, **kw)

@@ -1,6 +1,7 @@
 """Qwen2-VL and Qwen2.5-VL with images through the engine: greedy tokens equal Hugging
 Face's ``generate`` on random checkpoints (pictures of different sizes, so grids of
-different shapes and M-RoPE positions off the token index), whole and in chunks, as
+different shapes and M-RoPE positions off the token index), whole and in chunks (cut
+inside a picture too: its tokens attend causally, and it is encoded once), as
 prefix-cache hits, under recompute preemption, with n-gram drafts and beside text
 prompts in one batch; a prompt's lone ``<|image_pad|>`` is written out to its picture's
 run; bad runs are refused with the field named."""
@@ -97,11 +98,12 @@ def test_the_processor_grids_are_the_ones_the_cases_assume(qwen_dir: str) -> Non
 
 @pytest.mark.parametrize("kw", [
     dict(),
-    dict(max_num_batched_tokens=20, max_num_seqs=4),  # chunks stop before an image
+    dict(max_num_batched_tokens=20, max_num_seqs=4),
+    dict(max_num_batched_tokens=5, max_num_seqs=4),  # images cut across steps
     dict(attention_backend="torch"),
     dict(num_gpu_blocks=12, preemption_mode="recompute", block_size=4),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
-], ids=["whole", "chunked", "torch-backend", "recompute", "ngram"])
+], ids=["whole", "chunked", "split-images", "torch-backend", "recompute", "ngram"])
 def test_images_equal_hugging_face(qwen_dir: str, reference: list[list[int]],
                                    kw: dict) -> None:
     llm = LLM(model=qwen_dir, **{"num_gpu_blocks": 128, **kw})
@@ -109,6 +111,23 @@ def test_images_equal_hugging_face(qwen_dir: str, reference: list[list[int]],
         assert generate(llm, cases()) == reference
         if "preemption_mode" in kw:
             assert llm.engine.scheduler.num_preemptions[kw["preemption_mode"]] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_picture_cut_across_steps_is_encoded_once(qwen_dir: str,
+                                                   reference: list[list[int]]) -> None:
+    """A 4 x 4 picture under a 5-token step budget runs in four chunks: the encoder
+    runs once for it (its output kept between the steps) and the tokens are HF's."""
+    llm = LLM(model=qwen_dir, num_gpu_blocks=128, max_num_batched_tokens=5, max_num_seqs=1)
+    try:
+        vision = llm.engine.executor.worker.model.vision
+        encoded: list[int] = []
+        forward = vision.forward
+        vision.forward = lambda px: encoded.append(1) or forward(px)
+        assert generate(llm, [cases()[1]]) == [reference[1]]
+        assert len(encoded) == 2  # its two pictures
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()

@@ -153,3 +153,25 @@ def test_a_pipelined_budget_share_still_fits_a_whole_image() -> None:
     steps = run_to_end(sched, sim)
     assert not sched.has_unfinished_requests()
     assert any(start <= 2 and start + n >= 18 for step in steps for _, start, n in step)
+
+
+def test_a_causal_image_is_admitted_past_a_step_and_cut_into_chunks() -> None:
+    """LLaVA's and Qwen2-VL's images attend causally: one longer than a step's budget is
+    admitted and computed in chunks, each carrying its rows of the picture (the worker
+    slices them from one encoder output)."""
+    assert fit_chunk([ImageInput(4, 12, "k", None, causal=True)], 0, 8) == 8
+    sched, sim = make_scheduler(max_num_batched_tokens=5, num_gpu_blocks=64)
+    img = ImageInput(2, 14, "k", "pixels", causal=True)
+    req = sched.make_request("r", prompt_with([(2, 14)], 20), SamplingParams(max_tokens=2),
+                             images=(img,))
+    sched.add_request(req)
+    rows = []
+    for _ in range(10):
+        plan = sched.schedule()
+        for r in plan.scheduled:
+            if r.images:
+                rows += [(r.num_computed_tokens + c.offset, c.first, c.count)
+                         for c in r.images]
+        sched.update_from_output(plan, sim.execute(plan))
+    assert rows == [(2, 0, 3), (5, 3, 5), (10, 8, 4)]  # the picture's 12 rows, in order
+    assert not sched.has_unfinished_requests() and sched.kv.pool.num_free_blocks == 64

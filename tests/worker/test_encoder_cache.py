@@ -1,5 +1,6 @@
 """The image encoder cache: least recently used out first, within its row budget; an
-output larger than the budget is computed and not kept."""
+output larger than the budget is kept alone (a causal image's later chunks need it);
+a budget of 0 keeps nothing."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ def test_lru_within_the_row_budget() -> None:
     cache.get("a", enc("a", 4))
     cache.get("b", enc("b", 4))  # recomputed; c goes
     assert made == ["a", "b", "c", "b"]
-    cache.get("big", enc("big", 11))  # never fits: computed, not kept
-    assert "big" in made and len(cache) == 2 and cache.rows == 8
-    assert (cache.hits, cache.misses) == (2, 5)
+    big = cache.get("big", enc("big", 11))  # past the budget: kept alone
+    assert "big" in made and len(cache) == 1 and cache.rows == 11
+    assert cache.get("big", enc("big", 11)) is big
+    cache.get("a", enc("a", 4))  # the next output pushes it out
+    assert (len(cache), cache.rows) == (1, 4)
+    assert (cache.hits, cache.misses) == (3, 6)
+    none = EncoderCache(max_rows=0)
+    none.get("a", enc("a", 4))
+    assert len(none) == 0 and none.rows == 0
