@@ -1,6 +1,6 @@
 """What a multimodal file says about its images, read from ``config.json``.
 
-Two families take images. Gemma 3's 4B-27B releases (``model_type: gemma3``) put a
+Three families take images. Gemma 3's 4B-27B releases (``model_type: gemma3``) put a
 SigLIP tower and a projector in front of the decoder: an image becomes
 ``mm_tokens_per_image`` embeddings replacing as many ``image_token_index``
 placeholders, which the processor writes between ``boi_token_index`` and
@@ -8,8 +8,9 @@ placeholders, which the processor writes between ``boi_token_index`` and
 image's tokens attend to each other both ways. LLaVA-1.5 (``model_type: llava``) puts a
 CLIP tower and a two-layer projector in front of a Llama-family decoder: the
 processor writes ``image_token_index`` once per patch (the text marks the image with
-that token, once), attention stays causal. Defaults are transformers' config classes'
-(the released files list only what differs).
+that token, once), attention stays causal. Qwen2-VL and Qwen2.5-VL (``qwen_vl_config``)
+size each image's run by the picture (``tokens_per_image`` 0), causal too. Defaults are
+transformers' config classes' (the released files list only what differs).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class ImageConfig:
 
 def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
     """The image facts of a ``gemma3``, ``llava`` or Qwen-VL config with a
-    ``vision_config``; None
-    otherwise. ``ValueError`` names a field that cannot be served."""
+    ``vision_config``; None otherwise. ``ValueError`` names a field that cannot be
+    served."""
     family = cfg.get("model_type")
     if family not in MULTIMODAL_MODEL_TYPES or not isinstance(cfg.get("vision_config"), dict):
         return None
