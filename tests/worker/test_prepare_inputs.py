@@ -26,9 +26,10 @@ def _row(rid: str, token_ids: list[int], start: int, table: list[int]) -> Schedu
     return ScheduledRequest(rid, token_ids, start, table, [rid], {rid: SamplingParams()})
 
 
-def _runner(block_size: int, long_rope: bool = False) -> SimpleNamespace:
+def _runner(block_size: int, long_rope: bool = False, mrope: bool = False
+            ) -> SimpleNamespace:
     return SimpleNamespace(block_size=block_size, device=torch.device("cpu"),
-                           long_rope=long_rope)
+                           long_rope=long_rope, mrope=mrope)
 
 
 def test_long_rope_rows_carry_their_mark_in_the_positions() -> None:
@@ -41,6 +42,26 @@ def test_long_rope_rows_carry_their_mark_in_the_positions() -> None:
     inputs = ModelRunner.prepare_inputs(_runner(4, long_rope=True), SchedulerOutput(1, reqs))
     assert inputs.positions.tolist() == [0, 1, 2, 5 + LONG_ROPE_MARK]
     assert inputs.md.slot_mapping.tolist() == [8, 9, 10, 25]
+
+
+def test_mrope_rows_turn_on_their_grids_and_slots_stay_by_index() -> None:
+    """Under M-RoPE a chunk over a 2 x 3 picture gets ``[3, T]`` positions from its
+    grid, a decode row past it its index plus ``rope_delta`` (-3: six tokens, three
+    positions), a text row its index; the slots follow the token index."""
+    chunk = _row("a", [5, 9, 9, 9, 9, 9, 9, 6], 0, [2, 7])
+    chunk.mrope_grids, chunk.rope_delta = ((1, 2, 3),), -3
+    decode = _row("b", [7], 9, [3, 6, 1])
+    decode.rope_delta = -3
+    text = _row("c", [8, 8], 2, [4])
+    inputs = ModelRunner.prepare_inputs(_runner(4, mrope=True),
+                                        SchedulerOutput(1, [chunk, decode, text]))
+    assert inputs.positions.tolist() == [[0, 1, 1, 1, 1, 1, 1, 4, 6, 2, 3],
+                                         [0, 1, 1, 1, 2, 2, 2, 4, 6, 2, 3],
+                                         [0, 1, 2, 3, 1, 2, 3, 4, 6, 2, 3]]
+    assert inputs.md.slot_mapping.tolist() == [8, 9, 10, 11, 28, 29, 30, 31, 5, 18, 19]
+    decode_only = ModelRunner.prepare_inputs(_runner(4, mrope=True),
+                                             SchedulerOutput(2, [decode]))
+    assert decode_only.positions.tolist() == [6]  # 1-D: what decode graphs replay
 
 
 def test_a_mixed_plan_becomes_the_expected_tensors() -> None:
