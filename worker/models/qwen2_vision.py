@@ -34,13 +34,19 @@ from pagedserve.worker.models.qwen2_vision_config import (
     patches_to_images,
     patchify,
 )
-from pagedserve.worker.models.vit import param
+from pagedserve.worker.models.vit import load_targets, param
 
 __all__ = ["Qwen2VisionConfig", "Qwen2VisionEncoder", "image_grid", "patches_to_images"]
 
 # visual.X: released files and save_pretrained's output; model.visual.X: transformers 5 in memory.
 _NAME_RE = re.compile(r"^(?:model\.)?visual\.")
 _IGNORED = ("visual.rotary_pos_emb.",)  # the inverse frequencies, recomputed here
+
+
+def _visual_key(name: str) -> str | None:
+    """``visual.X`` for the tower's tensors in either layout; None for the decoder's."""
+    match = _NAME_RE.match(name)
+    return None if match is None else "visual." + name[match.end():]
 _EPS = 1e-6
 
 
@@ -238,22 +244,5 @@ class Qwen2VisionEncoder(nn.Module):
         ``model.visual.X``; every other name, the text decoder's, skipped, so one pass over
         the file can feed both models). ValueError on a bad shape, an unknown vision name,
         or a parameter the checkpoint did not provide."""
-        targets, seen = self._targets(), set()
-        for name, lazy in weights:
-            match = _NAME_RE.match(name)
-            if match is None:
-                continue
-            key = "visual." + name[match.end():]
-            if key.startswith(_IGNORED):
-                continue
-            dst = targets.get(key)
-            if dst is None:
-                raise ValueError(f"{name}: not a {self.cfg.model_type} vision tensor")
-            if tuple(lazy.shape) != tuple(dst.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
-                                 f"expected {tuple(dst.shape)}")
-            dst.copy_(lazy[:])
-            seen.add(key)
-        missing = sorted(targets.keys() - seen)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} vision tensor(s): {missing[:5]}")
+        load_targets(self._targets(), weights, f"{self.cfg.model_type} vision", _IGNORED,
+                     _visual_key)

@@ -113,20 +113,26 @@ class EncoderLayer(nn.Module):
 
 
 @torch.no_grad()
+def tower_key(name: str) -> str | None:
+    """A SigLIP / CLIP tower's or projector's checkpoint name in any saved layout as
+    ``vision_tower.X`` / ``multi_modal_projector.X``; None for another model's."""
+    m = _NAME_RE.match(name)
+    return None if m is None else f"{m.group(1) or m.group(2)}.{name[m.end():]}"
+
+
 def load_targets(targets: dict[str, torch.Tensor], weights: Iterable[tuple[str, LazyTensor]],
-                 what: str, ignored: tuple[str, ...] = ()) -> None:
+                 what: str, ignored: tuple[str, ...] = (),
+                 key_of: Callable[[str], str | None] = tower_key) -> None:
     """Copy a multimodal checkpoint's tower and projector tensors into ``targets``
     (keyed ``vision_tower.X`` / ``multi_modal_projector.X``; any saved layout; the text
     decoder's names skipped, so one pass over the file feeds both models; keys starting
     with ``ignored`` read by no one). ``ValueError`` on a bad shape, a name not in
-    ``targets`` (a ``what`` tensor), or a target the checkpoint did not provide."""
+    ``targets`` (a ``what`` tensor), or a target the checkpoint did not provide.
+    ``key_of`` names a checkpoint tensor as ``targets`` does (None: not the tower's)."""
     seen = set()
     for name, lazy in weights:
-        m = _NAME_RE.match(name)
-        if m is None:
-            continue
-        key = f"{m.group(1) or m.group(2)}.{name[m.end():]}"
-        if key.startswith(ignored):
+        key = key_of(name)
+        if key is None or key.startswith(ignored):
             continue
         dst = targets.get(key)
         if dst is None:
