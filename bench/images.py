@@ -77,6 +77,29 @@ def hugging_face(path: str, prompts: list[list[int]], images: list, max_tokens: 
     return wall, y[:, x.shape[1]:].tolist()
 
 
+def report(args: argparse.Namespace, title: str, ours_run: tuple[float, list[list[int]]],
+           hf_run: tuple[float, list[list[int]]]) -> None:
+    """Print both runs' wall time and output tokens/s (``args.requests`` x
+    ``args.max_tokens`` tokens each), their ratio and how many requests got the same
+    tokens; with ``--json``, write them with the tree and machine (``qwen_vl.py`` too)."""
+    n_out = args.requests * args.max_tokens
+    (ours_s, ours_tokens), (hf_s, hf_tokens) = ours_run, hf_run
+    same = sum(a == b for a, b in zip(ours_tokens, hf_tokens, strict=True))
+    res = {"pagedserve": {"wall_s": ours_s, "tok_per_s": n_out / ours_s},
+           "hf_generate_batched": {"wall_s": hf_s, "tok_per_s": n_out / hf_s}}
+    ratio = res["pagedserve"]["tok_per_s"] / res["hf_generate_batched"]["tok_per_s"]
+    print(f"{title}; {machine()}")
+    for name, r in res.items():
+        print(f"{name:<22} {r['wall_s']:>8.2f} s {r['tok_per_s']:>8.1f} tok/s")
+    print(f"pagedserve / HF batched generate: {ratio:.2f}x tokens/s; "
+          f"same tokens: {same}/{args.requests}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": res, "ratio": ratio,
+                       "same_tokens": same, "commit": tree_commit(), "machine": machine()},
+                      f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
@@ -108,24 +131,9 @@ def main() -> None:
         images = [random_picture(i, (400, 300)) for i in range(args.requests)]
         ours_s, ours_tokens = ours(path, prompts, images, args.max_tokens)
         hf_s, hf_tokens = hugging_face(path, prompts, images, args.max_tokens, vocab - 1)
-    n_out = args.requests * args.max_tokens
-    same = sum(a == b for a, b in zip(ours_tokens, hf_tokens, strict=True))
-    res = {"pagedserve": {"wall_s": ours_s, "tok_per_s": n_out / ours_s},
-           "hf_generate_batched": {"wall_s": hf_s, "tok_per_s": n_out / hf_s}}
-    ratio = res["pagedserve"]["tok_per_s"] / res["hf_generate_batched"]["tok_per_s"]
-    print(f"{args.requests} prompts of {len(prompts[0])} tokens (one {args.image_size}px "
-          f"image, {args.tokens_per_image} tokens) + {args.max_tokens} new; "
-          f"{machine()}")
-    for name, r in res.items():
-        print(f"{name:<22} {r['wall_s']:>8.2f} s {r['tok_per_s']:>8.1f} tok/s")
-    print(f"pagedserve / HF batched generate: {ratio:.2f}x tokens/s; "
-          f"same tokens: {same}/{args.requests}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": res, "ratio": ratio,
-                       "same_tokens": same, "commit": tree_commit(), "machine": machine()},
-                      f, indent=1)
-
+    report(args, f"{args.requests} prompts of {len(prompts[0])} tokens (one "
+                 f"{args.image_size}px image, {args.tokens_per_image} tokens) + "
+                 f"{args.max_tokens} new", (ours_s, ours_tokens), (hf_s, hf_tokens))
 
 if __name__ == "__main__":
     main()

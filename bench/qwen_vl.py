@@ -20,7 +20,6 @@ ratio, and how many requests got the same tokens from both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from provenance import machine, tree_commit  # a sibling script
+from images import report  # sibling scripts
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing import random_picture, write_random_qwen2_vl
@@ -122,26 +121,11 @@ def main() -> None:
         images = [random_picture(i, (args.image_size, args.image_size))
                   for i in range(args.requests)]
         warm = [random_picture(1000 + i, (args.image_size, args.image_size)) for i in (0, 1)]
-        ours_s, ours_tokens = ours(path, prompts, images, warm, args.max_tokens)
-        hf_s, hf_tokens = hugging_face(path, prompts, images, args.max_tokens, vocab - 1)
-    n_out = args.requests * args.max_tokens
-    same = sum(a == b for a, b in zip(ours_tokens, hf_tokens, strict=True))
-    res = {"pagedserve": {"wall_s": ours_s, "tok_per_s": n_out / ours_s},
-           "hf_generate_batched": {"wall_s": hf_s, "tok_per_s": n_out / hf_s}}
-    ratio = res["pagedserve"]["tok_per_s"] / res["hf_generate_batched"]["tok_per_s"]
-    print(f"{args.kind}: {args.requests} prompts of {len(prompts[0])} tokens (one "
-          f"{args.image_size}px picture, {tokens_per_image} tokens) + {args.max_tokens} new; "
-          f"{machine()}")
-    for name, r in res.items():
-        print(f"{name:<22} {r['wall_s']:>8.2f} s {r['tok_per_s']:>8.1f} tok/s")
-    print(f"pagedserve / HF batched generate: {ratio:.2f}x tokens/s; "
-          f"same tokens: {same}/{args.requests}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": res, "ratio": ratio,
-                       "same_tokens": same, "commit": tree_commit(), "machine": machine()},
-                      f, indent=1)
-
+        ours_run = ours(path, prompts, images, warm, args.max_tokens)
+        hf_run = hugging_face(path, prompts, images, args.max_tokens, vocab - 1)
+    report(args, f"{args.kind}: {args.requests} prompts of {len(prompts[0])} tokens (one "
+                 f"{args.image_size}px picture, {tokens_per_image} tokens) + "
+                 f"{args.max_tokens} new", ours_run, hf_run)
 
 if __name__ == "__main__":
     main()

@@ -211,6 +211,21 @@ def random_picture(seed: int, size: tuple[int, int] = (40, 30)) -> Any:
     return Image.fromarray(pixels.numpy(), "RGB")
 
 
+def _spread_weights(model: Any, tower: str, norms: tuple[str, ...]) -> None:
+    """Give a random multimodal model's weights teeth, in parameter order (so a seed
+    gives the same file): vectors around 1 (norms, names holding one of ``norms``) or
+    0 (biases) with spread 0.2, the tower's matrices (names holding ``tower``) drawn
+    N(0, 0.2), the decoder's scaled by 4."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.normal_(1.0 if any(n in name for n in norms) else 0.0, 0.2)
+            elif tower in name:
+                p.normal_(0.0, 0.2)
+            else:
+                p.mul_(4.0)
+
+
 # LLaVA test files: the image token last in a small vocabulary, chat words before it.
 _LLAVA_WORDS = ("USER:", "ASSISTANT:", "<image>")
 LLAVA_CHAT_TEMPLATE = (
@@ -243,14 +258,7 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
     model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
         text_config=text_cfg, vision_config=vision, image_token_index=vocab_size - 1,
         vision_feature_select_strategy=strategy, vision_feature_layer=-2))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() < 2:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
-            elif "vision" in name:
-                p.normal_(0.0, 0.2)
-            else:
-                p.mul_(4.0)
+    _spread_weights(model, "vision", ("norm",))
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)
     write_wordlevel_tokenizer(dest, vocab_size, _LLAVA_WORDS, ("<image>",),
@@ -313,14 +321,7 @@ def write_random_qwen2_vl(dest: str | Path, kind: str = "qwen2_vl", seed: int = 
     model = cls(config_cls(text_config=text_cfg, vision_config=vision, image_token_id=pad,
                            vision_start_token_id=start, vision_end_token_id=end,
                            bos_token_id=1, eos_token_id=2))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() < 2:
-                p.normal_(1.0 if "norm" in name or "ln_" in name else 0.0, 0.2)
-            elif "visual" in name:
-                p.normal_(0.0, 0.2)
-            else:
-                p.mul_(4.0)
+    _spread_weights(model, "visual", ("norm", "ln_"))
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)
     write_wordlevel_tokenizer(dest, vocab_size, _QWEN_VL_WORDS, QWEN_VL_IMAGE_TOKENS,
