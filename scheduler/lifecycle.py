@@ -2,9 +2,10 @@
 
 Ending a sequence (finished, stopped by a stop string, aborted, or a group
 aborted before its siblings forked) always frees its blocks at once and
-records the id for the workers; forking shares every block of the parent.
+records the id for the workers (and hands the sequence to the drafter, whose
+suffix cache keeps its response); forking shares every block of the parent.
 :class:`scheduler.Scheduler` inherits these; they touch only its queues,
-request tables and KV manager.
+request tables, KV manager and drafter.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import deque
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.queues import PriorityQueue
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.spec_decode import Drafter
 
 
 class RequestLifecycle:
@@ -25,6 +27,7 @@ class RequestLifecycle:
     running: deque[Request] | PriorityQueue
     swapped: deque[Request] | PriorityQueue
     kv: KVCacheManager
+    drafter: Drafter | None
     _finished_ids: list[str]
     _aborted_ids: list[str]
 
@@ -78,6 +81,8 @@ class RequestLifecycle:
             self.swapped.remove(req)
         req.status = status
         self.kv.free(req)
+        if self.drafter is not None:
+            self.drafter.release(req)
         del self.requests[req.request_id]
         ended = [req.request_id] + [c.request_id for c in req.pending_children]
         req.pending_children = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,8 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.beam import BeamGroup
+
+TOKEN_WIDTH = array("i").itemsize  # bytes per token in ``Request.token_buffer``
 
 
 class RequestStatus(enum.Enum):
@@ -97,7 +100,7 @@ class Request:
         self.num_hashed_blocks = 0
         self.pending_children: list[Request] = []
         # Speculative decoding: this step's guessed tokens, and the token ids as C
-        # ints for the n-gram search (see ``spec_decode``).
+        # ints for the n-gram and suffix searches (``token_buffer``).
         self.spec_token_ids: tuple[int, ...] = ()
         # A draft model's guesses for the next step, with the token count they follow.
         self.draft_proposal: tuple[int, tuple[int, ...]] | None = None
@@ -124,6 +127,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def token_buffer(self) -> bytearray:
+        """The tokens as C ints (``TOKEN_WIDTH`` bytes each) in a ``bytearray`` that
+        speculative decoding searches in place (``bytes.find``), extended as tokens
+        arrive (``all_token_ids`` only ever grows), so a step converts only the new
+        ones and never copies the whole sequence."""
+        buf = self.token_bytes
+        if buf is None:
+            buf = self.token_bytes = bytearray()
+        n = len(buf) // TOKEN_WIDTH
+        if n < len(self.all_token_ids):
+            buf += array("i", self.all_token_ids[n:]).tobytes()
+        return buf
 
     def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
         """How sampling ``token`` (already appended) ends this sequence, if it does: a

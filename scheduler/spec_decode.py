@@ -16,6 +16,10 @@ rank that samples runs the draft over the step's accepted tokens and proposes th
 next ``k`` (``worker.draft_model``); the scheduler keeps each request's
 proposal until its next step and gives such rows ``k`` lookahead slots, where the
 draft writes its own KV for the tokens it guesses past the step.
+
+Suffix decoding (``method="suffix"``, ``suffix_decoding``) weighs every match in the
+request's own tokens and in earlier responses by how often each continuation
+followed, and guesses as far as those frequencies hold up.
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.scheduler.request import Request
+from pagedserve.scheduler.request import TOKEN_WIDTH, Request
+from pagedserve.scheduler.suffix_decoding import SuffixProposer
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "suffix")
 DRAFT_QUANTIZATIONS = ("int8", "int4")
-_WIDTH = array("i").itemsize  # bytes per token in the search buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,20 +50,35 @@ class SpeculativeConfig:
     ``disable_by_batch_size``: steps with at least this many running sequences
     propose nothing (a wide batch is compute bound, where rejected guesses cost
     real work); None never disables.
+
+    ``method="suffix"`` reads vLLM's ``suffix_decoding_*`` fields: the depth of its
+    suffix trees (match plus guesses), how many responses it caches (0: only the
+    request's own tokens), how far a match of ``m`` tokens may guess
+    (``max_spec_factor * m``) and the least estimated probability a guess needs.
+    ``num_speculative_tokens`` defaults to 4, and for suffix decoding to the tree
+    depth (vLLM's default): its guesses stop where the counts do.
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = None  # type: ignore[assignment]  # set per method
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
     model: str | None = None
     quantization: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
                              f"got {self.method!r}")
+        self._check_suffix_fields()
+        if self.num_speculative_tokens is None:
+            default = self.suffix_decoding_max_tree_depth if self.method == "suffix" else 4
+            object.__setattr__(self, "num_speculative_tokens", min(default, 64))
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError("speculative_config.model must name the draft model "
@@ -84,6 +103,22 @@ class SpeculativeConfig:
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError("speculative_config.disable_by_batch_size must be None or a "
                              f"positive integer, got {b!r}")
+
+    def _check_suffix_fields(self) -> None:
+        for name, lo, hi in (("suffix_decoding_max_tree_depth", 1, 1024),
+                             ("suffix_decoding_max_cached_requests", 0, 2**31 - 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"speculative_config.{name} must be an integer in "
+                                 f"[{lo}, {hi}], got {v!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise ValueError("speculative_config.suffix_decoding_max_spec_factor must be a "
+                             f"positive number, got {factor!r}")
+        p = self.suffix_decoding_min_token_prob
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p <= 1:
+            raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in "
+                             f"[0, 1], got {p!r}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | SpeculativeConfig | None
@@ -128,8 +163,8 @@ class NgramProposer:
         k = min(self.config.num_speculative_tokens, max_tokens)
         if k <= 0:
             return ()
-        hay = _token_bytes(req)
-        width = _WIDTH
+        hay = req.token_buffer()
+        width = TOKEN_WIDTH
         n_tok = len(hay) // width
         for n in range(min(self.config.prompt_lookup_max, n_tok - 1),
                        self.config.prompt_lookup_min - 1, -1):
@@ -154,7 +189,14 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = None if config.uses_draft_model else NgramProposer(config)
+        self.proposer: NgramProposer | SuffixProposer | None = None
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests, config.num_speculative_tokens,
+                config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
 
     def active(self, num_running: int) -> bool:
@@ -183,6 +225,11 @@ class Drafter:
             return ()
         return held[1][:k]
 
+    def release(self, req: Request) -> None:
+        """A sequence ended: suffix decoding caches its response for later requests."""
+        if isinstance(self.proposer, SuffixProposer):
+            self.proposer.release(req)
+
     def lookahead(self, req: Request, num_new: int) -> int:
         """Slots after the step that a draft model may write for this row: its
         guesses follow the token the row samples for itself, so rows that sample
@@ -204,16 +251,3 @@ class Drafter:
         self.stats["num_draft_tokens"] += len(drafts)
         self.stats["num_accepted_tokens"] += accepted
         return accepted
-
-
-def _token_bytes(req: Request) -> bytearray:
-    """The request's tokens as C ints in a ``bytearray`` (searched in place by
-    ``rfind``), extended as tokens arrive (``all_token_ids`` only ever grows), so a
-    step converts only the new ones and never copies the whole sequence."""
-    buf = req.token_bytes
-    if buf is None:
-        buf = req.token_bytes = bytearray()
-    n = len(buf) // _WIDTH
-    if n < len(req.all_token_ids):
-        buf += array("i", req.all_token_ids[n:]).tobytes()
-    return buf
