@@ -92,9 +92,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs for decode steps (CUDA)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: n-gram lookup '
-                        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or a draft '
-                        'model \'{"model": "/path/to/draft", "num_speculative_tokens": 4, '
-                        '"quantization": "int8"}\'')
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\', suffix '
+                        'decoding \'{"method": "suffix"}\' (earlier answers too) or a '
+                        'draft model \'{"model": "/path/to/draft", "num_speculative_tokens": '
+                        '4, "quantization": "int8"}\'')
 
 
 def _json_object(text: str) -> dict:

@@ -16,7 +16,8 @@ tokens a step.
 Two sources, as in the paper:
 
 - the request's own prompt and output, searched in place (``Request.token_buffer``
-  and ``bytes.find``): no index to build, so a long prompt costs nothing up front;
+  and ``bytes.rfind``): no index to build, so a long prompt costs nothing up front
+  (a pattern is counted over its latest ``MAX_OCCURRENCES`` occurrences at most);
 - earlier and running responses (not prompts) in depth-limited suffix trees
   (``suffix_tree``), at most ``max_cached_requests`` of them: responses go into
   the newer of two trees, and when it holds half the limit the older tree is
@@ -31,36 +32,50 @@ oracle. Pure Python, on the scheduler like the n-gram search.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from pagedserve.scheduler.request import TOKEN_WIDTH, Request
 from pagedserve.scheduler.suffix_tree import Draft, SuffixTree, max_draft_len
 
+# A pattern seen more often than this in a request's own tokens is counted over its
+# latest occurrences only: the estimate is as good, its cost bounded on long prompts.
+MAX_OCCURRENCES = 128
+
 
 def speculate_local(hay: bytes | bytearray, tokens: Sequence[int], max_depth: int,
-                    max_spec_tokens: int, max_spec_factor: float,
-                    min_token_prob: float) -> Draft:
+                    max_spec_tokens: int, max_spec_factor: float, min_token_prob: float,
+                    max_occurrences: int = MAX_OCCURRENCES) -> Draft:
     """The best draft from one sequence's own tokens (``hay``: them as C ints; the
-    continuation is read from ``tokens``), by the rule of ``SuffixTree.speculate``."""
+    continuation is read from ``tokens``), by the rule of ``SuffixTree.speculate``,
+    counting each match's latest ``max_occurrences`` occurrences at most."""
     n = len(hay) // TOKEN_WIDTH
     best = Draft()
     end = (n - 1) * TOKEN_WIDTH  # earlier occurrences lie in all but the last token
-    for m in range(min(max_depth, n) - 1, 0, -1):
+    # The lengths whose pattern occurred before form a prefix of 1 .. depth - 1 (a
+    # pattern's suffix occurs wherever it does): bisect for the longest.
+    lo, hi = 0, min(max_depth, n) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _latest(hay, bytes(hay[(n - mid) * TOKEN_WIDTH:]), end) >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    for m in range(lo, 0, -1):
         cap = min(max_draft_len(m, max_spec_tokens, max_spec_factor), max_depth - m)
         if cap <= best.score:
             continue
         needle = bytes(hay[(n - m) * TOKEN_WIDTH:])
         ends = []
-        at = hay.find(needle, 0, end)
-        while at >= 0:
-            if at % TOKEN_WIDTH == 0:
-                ends.append(at // TOKEN_WIDTH + m)
-                at = hay.find(needle, at + TOKEN_WIDTH, end)
-            else:
-                at = hay.find(needle, at + 1, end)
+        at = _latest(hay, needle, end)
+        while at >= 0 and len(ends) < max_occurrences:
+            ends.append(at // TOKEN_WIDTH + m)
+            at = _latest(hay, needle, at + len(needle) - TOKEN_WIDTH)
         if not ends:
             continue
+        ends.reverse()
         ends.append(n)  # the current occurrence, which nothing follows yet
         draft = _follow(tokens, n, ends, cap, min_token_prob)
         if draft.score > best.score:
@@ -69,30 +84,34 @@ def speculate_local(hay: bytes | bytearray, tokens: Sequence[int], max_depth: in
     return best
 
 
+def _latest(hay: bytes | bytearray, needle: bytes, end: int) -> int:
+    """Byte offset of the latest token-aligned occurrence of ``needle`` ending by
+    ``end``, or -1."""
+    at = hay.rfind(needle, 0, end)
+    while at >= 0 and at % TOKEN_WIDTH:
+        at = hay.rfind(needle, 0, at + len(needle) - 1)
+    return at
+
+
 def _follow(tokens: Sequence[int], n: int, ends: list[int], max_tokens: int,
             min_token_prob: float) -> Draft:
     """The most frequent continuation after the occurrences ending at ``ends``
     (ascending; ties go to the token that occurs first, as the tree's first child)."""
     draft = Draft()
     prob = 1.0
-    j = 0
-    while j < max_tokens:
-        counts: dict[int, int] = {}
-        for e in ends:
-            if e + j < n:
-                t = tokens[e + j]
-                counts[t] = counts.get(t, 0) + 1
+    for j in range(max_tokens):
+        counts = Counter([tokens[e + j] for e in ends if e + j < n])
         if not counts:
             break
-        token = max(counts, key=counts.__getitem__)
-        prob *= counts[token] / len(ends)
+        token, count = max(counts.items(), key=itemgetter(1))
+        prob *= count / len(ends)
         if prob < min_token_prob:
             break
         draft.token_ids.append(token)
         draft.probs.append(prob)
         draft.score += prob
-        ends = [e for e in ends if e + j < n and tokens[e + j] == token]
-        j += 1
+        if count < len(ends):
+            ends = [e for e in ends if e + j < n and tokens[e + j] == token]
     return draft
 
 

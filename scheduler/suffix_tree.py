@@ -22,6 +22,7 @@ Inference's suffix cache, which vLLM's ``method="suffix"`` calls.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class _Node:
 
     __slots__ = ("children", "count", "length", "parent", "seq", "start")
 
-    def __init__(self, parent: _Node | None, seq: list[int], start: int, length: int,
+    def __init__(self, parent: _Node | None, seq: array, start: int, length: int,
                  count: int) -> None:
         self.parent = parent
         self.children: dict[int, _Node] | None = None
@@ -74,10 +75,10 @@ class SuffixTree:
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         self.max_depth = max_depth
-        self.root = _Node(None, [], 0, 0, 0)
+        self.root = _Node(None, array("i"), 0, 0, 0)
         self.num_nodes = 1
         self.num_tokens = 0
-        self._seqs: dict[int, list[int]] = {}
+        self._seqs: dict[int, array] = {}
         # Where each sequence's growing strings end (a node's end), oldest first.
         self._ends: dict[int, deque[_Node]] = {}
 
@@ -90,13 +91,13 @@ class SuffixTree:
 
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
         """Append ``tokens`` to sequence ``seq_id`` (created on first use)."""
-        seq = self._seqs.setdefault(seq_id, [])
+        seq = self._seqs.setdefault(seq_id, array("i"))
         ends = self._ends.setdefault(seq_id, deque())
         for token in tokens:
             self._append(seq, ends, int(token))
         self.num_tokens += len(tokens)
 
-    def _append(self, seq: list[int], ends: deque[_Node], token: int) -> None:
+    def _append(self, seq: array, ends: deque[_Node], token: int) -> None:
         root = self.root
         ends.append(root)  # the string that starts at this token
         root.count += 1

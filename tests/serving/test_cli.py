@@ -163,6 +163,8 @@ def test_serve_flags_reach_the_serve_args() -> None:
     ("--kv-offloading-size", "-1", "kv_offloading_size"),
     ("--speculative-config", '{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ("--speculative-config", "ngram", "--speculative-config: not JSON"),
+    ("--speculative-config", '{"method": "suffix", "suffix_decoding_max_tree_depth": 0}',
+     "suffix_decoding_max_tree_depth"),
     ("--batch-invariant", "--device=cuda", "batch_invariant"),
     ("--long-prefill-token-threshold", "-5", "long_prefill_token_threshold"),
 ])
