@@ -199,6 +199,10 @@ class _Collector:
              "scales when quantized)", ("memory", "weight_bytes")),
             ("requests_in_flight", "Requests open on the replica", ("server", "in_flight")),
             ("lora_adapters_loaded", "LoRA adapters loaded", ("lora", "num_loaded")),
+            ("spec_decode_suffix_cached_requests", "Responses in the suffix decoding cache",
+             ("spec_decode", "suffix_cached_requests")),
+            ("spec_decode_suffix_cached_tokens", "Tokens of the responses in the suffix "
+             "decoding cache", ("spec_decode", "suffix_cached_tokens")),
         ]
         for name, doc, path in gauges:
             fam = GaugeMetricFamily(f"{p}_{name}", doc, labels=["replica"])

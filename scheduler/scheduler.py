@@ -400,10 +400,11 @@ class Scheduler(StepResults):
 
     @property
     def spec_stats(self) -> dict[str, int]:
-        """Speculative decoding counters: drafted rows, guesses sent, guesses accepted."""
+        """Speculative decoding counters: drafted rows, guesses sent, guesses accepted
+        (and the suffix cache's responses and tokens, with suffix decoding)."""
         if self.drafter is None:
             return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-        return dict(self.drafter.stats)
+        return self.drafter.snapshot()
 
     def memory_stats(self) -> MemoryStats:
         return memory_stats(self)

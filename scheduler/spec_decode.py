@@ -227,6 +227,14 @@ class Drafter:
             return ()
         return held[1][:k]
 
+    def snapshot(self) -> dict[str, int]:
+        """The counters, and with suffix decoding the size of its response cache."""
+        out = dict(self.stats)
+        if isinstance(self.proposer, SuffixProposer):
+            out["suffix_cached_requests"] = self.proposer.cache.num_requests
+            out["suffix_cached_tokens"] = self.proposer.cache.num_tokens
+        return out
+
     def release(self, req: Request) -> None:
         """A sequence ended: suffix decoding caches its response for later requests."""
         if isinstance(self.proposer, SuffixProposer):

@@ -20,9 +20,9 @@ Two sources, as in the paper:
   (a pattern is counted over its latest ``MAX_OCCURRENCES`` occurrences at most);
 - earlier and running responses (not prompts) in depth-limited suffix trees
   (``suffix_tree``), at most ``max_cached_requests`` of them: responses go into
-  the newer of two trees, and when it holds half the limit the older tree is
-  dropped whole (the cache keeps between half the limit and the limit, oldest
-  half evicted first; vLLM evicts one response at a time).
+  the newer of two trees, and when it holds half the limit (rounded down) the
+  older tree is dropped whole (the cache keeps between half the limit and the
+  limit, oldest half evicted first; vLLM evicts one response at a time).
 
 The own-token search reads the same counts a suffix tree over the request's tokens
 would hold (each position's string limited to ``max_tree_depth`` tokens, the
@@ -121,7 +121,9 @@ class ResponseCache:
     def __init__(self, max_depth: int, max_requests: int) -> None:
         self.max_depth = max_depth
         self.max_requests = max_requests
-        self.per_tree = -(-max_requests // 2)
+        # Two trees of half the limit each (one of one response for a limit of one).
+        self.per_tree = max(1, max_requests // 2)
+        self.max_trees = 1 if max_requests == 1 else 2
         self.trees: list[SuffixTree] = []
         self._next_id = 0
 
@@ -131,7 +133,7 @@ class ResponseCache:
             return None
         if not self.trees or self.trees[-1].num_seqs >= self.per_tree:
             self.trees.append(SuffixTree(self.max_depth))
-            if len(self.trees) > 2:
+            if len(self.trees) > self.max_trees:
                 self.trees.pop(0)
         tree = self.trees[-1]
         seq_id = self._next_id

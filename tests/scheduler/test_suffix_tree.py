@@ -153,5 +153,13 @@ def test_the_response_cache_drops_its_older_half() -> None:
     first_tree = slots[0][0]  # type: ignore[index]
     assert first_tree is slots[1][0] and not cache.holds(first_tree)  # type: ignore[index]
     assert cache.num_requests == 3 and len(cache.trees) == 2
+    for limit in (1, 2, 5, 7):
+        odd = ResponseCache(max_depth=4, max_requests=limit)
+        held = []
+        for _ in range(3 * limit):
+            odd.open()
+            held.append(odd.num_requests)
+        assert max(held) == max(1, limit - limit % 2)  # never over the limit
+        assert min(held[limit:]) >= max(1, limit // 2)
     off = ResponseCache(max_depth=4, max_requests=0)
     assert off.open() is None and off.trees == []

@@ -364,9 +364,12 @@ def test_batched_prompts_with_n_fan_out_concurrently(smol: App) -> None:
     smol.wait_baseline()
 
 
-def test_speculative_decoding_over_http(smol: App, cluster) -> None:
-    """A replica with n-gram drafts streams the same greedy text as a plain one, with
-    its acceptance in /metrics, and ends at baseline."""
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_over_http(smol: App, cluster, method: str) -> None:
+    """A replica with n-gram or suffix guesses streams the same greedy text as a plain
+    one, with its acceptance in /metrics (and the suffix cache's size), and ends at
+    baseline; asked twice, the suffix replica guesses the second answer from the
+    first."""
     from prometheus_client.parser import text_string_to_metric_families
 
     passage = ("The quick brown fox jumps over the lazy dog. Paged attention stores the key "
@@ -374,20 +377,33 @@ def test_speculative_decoding_over_http(smol: App, cluster) -> None:
                "percent, and the scheduler shares blocks between requests that have the "
                "same prefix.")
     msgs = [{"role": "user", "content": f"Repeat this text exactly:\n{passage}"}]
+    if method == "suffix":  # an answer the prompt does not hold, asked twice
+        msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
     plain = smol.openai().chat.completions.create(model=MODEL, messages=msgs, temperature=0,
                                                   max_tokens=60).choices[0].message.content
-    args = {**SMOL_ARGS, "api_key": None,
-            "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
+    spec = {"method": "ngram", "num_speculative_tokens": 4} if method == "ngram" else {
+        "method": "suffix", "suffix_decoding_max_cached_requests": 8}
+    args = {**SMOL_ARGS, "api_key": None, "speculative_config": spec}
     app = cluster.deploy("spec", args)
     try:
-        parts = [c.choices[0].delta.content or "" for c in app.openai().chat.completions.create(
-            model=MODEL, messages=msgs, temperature=0, max_tokens=60, stream=True)
-            if c.choices]
-        assert "".join(parts) == plain and "lazy dog" in plain
-        text = httpx.get(f"{app.base}/metrics", timeout=30).text
-        fams = {f.name: f for f in text_string_to_metric_families(text)}
-        accepted = [s.value for s in fams["pagedserve_spec_decode_num_accepted_tokens"].samples]
-        assert accepted and accepted[0] > 10
+        accepted = []
+        for _ in range(1 if method == "ngram" else 2):
+            parts = [c.choices[0].delta.content or "" for c in
+                     app.openai().chat.completions.create(model=MODEL, messages=msgs,
+                                                          temperature=0, max_tokens=60,
+                                                          stream=True)
+                     if c.choices]
+            assert "".join(parts) == plain
+            assert method == "suffix" or "lazy dog" in plain
+            text = httpx.get(f"{app.base}/metrics", timeout=30).text
+            fams = {f.name: f for f in text_string_to_metric_families(text)}
+            accepted.append(
+                fams["pagedserve_spec_decode_num_accepted_tokens"].samples[0].value)
+        assert accepted[0] > 10
+        if method == "suffix":  # the second answer came from the first: 52 of 59 kept
+            assert accepted[1] - accepted[0] > max(40, 2 * accepted[0]), accepted
+            cached = fams["pagedserve_spec_decode_suffix_cached_requests"].samples
+            assert [s.value for s in cached] == [2.0]
         (s,) = app.wait_baseline().values()
         assert s["spec_decode"]["num_drafts"] > 0
     finally:
