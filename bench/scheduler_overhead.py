@@ -8,14 +8,21 @@ Goals on the 2-core dev machine: < 1 ms per step at 256, < 4 ms at 1024.
 sliding through ``--window`` tokens: Gemma 3 4B is 7 groups, 1,024), one block table
 each, beside the one-table scheduler in the same run (ratio printed).
 
+``--spec`` times the scheduler with n-gram and suffix speculation beside none, the
+runner replaced by a stand-in that writes each request's answer from eight
+1,000-token templates (from a random place among its first 100 tokens, one token in
+40 varied per request) and keeps the guesses that match it: what the proposers cost per step and per output token.
+
     python bench/scheduler_overhead.py [--steps 200]
     python bench/scheduler_overhead.py --kv-groups 7 --window 64
+    python bench/scheduler_overhead.py --spec
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import random
 import time
 
 from pagedserve.cluster.async_engine import configure_gc_for_serving
@@ -23,6 +30,7 @@ from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SampledToken
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.spec_decode import SpeculativeConfig
 
 
 def measure(num_running: int, steps: int,
@@ -59,12 +67,75 @@ def measure(num_running: int, steps: int,
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def measure_spec(num_running: int, steps: int, spec: dict | None) -> tuple[float, float]:
+    """(milliseconds per step, per output token) of steady decode with ``spec``'s
+    guesses, answers written from shared templates (see the module docstring)."""
+    rng = random.Random(0)
+    templates = [[rng.randrange(1, 30000) for _ in range(1000)] for _ in range(8)]
+    answers = {}
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=max(num_running, 8192),
+                        max_model_len=4096),
+        CacheConfig(num_gpu_blocks=num_running * 90, block_size=16, model_id="bench"),
+        speculative_config=SpeculativeConfig.from_dict(spec))
+    params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    for i in range(num_running):
+        start = rng.randrange(0, 100)  # requests run at different places of a template
+        answers[f"r{i}"] = [t if j % 40 else rng.randrange(1, 30000)
+                            for j, t in enumerate(templates[i % 8][start:] * 2)]
+        prompt = [rng.randrange(1, 30000) for _ in range(128)]
+        sched.add_request(sched.make_request(f"r{i}", prompt, params))
+
+    def one_step() -> int:
+        plan = sched.schedule()
+        sampled, spec_tokens, made = {}, {}, 0
+        for sr in plan.scheduled:
+            req = sched.requests[sr.request_id]
+            answer = answers[sr.request_id][req.num_output_tokens:]
+            if sr.draft_token_ids:
+                kept = 0
+                while kept < len(sr.draft_token_ids) and sr.draft_token_ids[kept] == answer[kept]:
+                    kept += 1
+                spec_tokens[sr.request_id] = [SampledToken(t) for t in answer[:kept + 1]]
+                made += kept + 1
+            elif sr.sample_ids:
+                sampled[sr.request_id] = SampledToken(answer[0])
+                made += 1
+        sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, sampled,
+                                                         spec_tokens=spec_tokens))
+        return made
+
+    for _ in range(3):  # prefill + warm-up
+        one_step()
+    made = 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        made += one_step()
+    elapsed = (time.perf_counter() - t0) * 1e3
+    return elapsed / steps, elapsed / max(1, made)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--kv-groups", type=int, default=0, help="hybrid model's groups (>= 2)")
     ap.add_argument("--window", type=int, default=1024, help="sliding groups' window")
+    ap.add_argument("--spec", action="store_true",
+                    help="n-gram and suffix speculation beside none")
     args = ap.parse_args()
+    if args.spec:
+        configure_gc_for_serving()
+        print(f"{'running':>8} {'method':>7} {'ms/step':>9} {'us/token':>9} "
+              f"{'step vs none':>12} {'token vs none':>13}")
+        for n in (64, 256):
+            base = None
+            for method in (None, "ngram", "suffix"):
+                step_ms, token_ms = measure_spec(
+                    n, args.steps, None if method is None else {"method": method})
+                base = base or (step_ms, token_ms)
+                print(f"{n:>8} {method or 'none':>7} {step_ms:>9.3f} {token_ms * 1e3:>9.1f} "
+                      f"{step_ms / base[0]:>11.2f}x {token_ms / base[1]:>12.2f}x")
+        return
     if args.kv_groups:
         if args.kv_groups < 2:
             raise SystemExit("--kv-groups needs 2 groups or more")

@@ -47,10 +47,12 @@ MAX_OCCURRENCES = 128
 
 def speculate_local(hay: bytes | bytearray, tokens: Sequence[int], max_depth: int,
                     max_spec_tokens: int, max_spec_factor: float, min_token_prob: float,
-                    max_occurrences: int = MAX_OCCURRENCES) -> Draft:
+                    max_occurrences: int = MAX_OCCURRENCES, at_least: float = 0.0) -> Draft:
     """The best draft from one sequence's own tokens (``hay``: them as C ints; the
     continuation is read from ``tokens``), by the rule of ``SuffixTree.speculate``,
-    counting each match's latest ``max_occurrences`` occurrences at most."""
+    counting each match's latest ``max_occurrences`` occurrences at most. Match
+    lengths whose drafts could not score ``at_least`` (another source's best) are
+    skipped unsearched."""
     n = len(hay) // TOKEN_WIDTH
     best = Draft()
     end = (n - 1) * TOKEN_WIDTH  # earlier occurrences lie in all but the last token
@@ -65,7 +67,7 @@ def speculate_local(hay: bytes | bytearray, tokens: Sequence[int], max_depth: in
             hi = mid - 1
     for m in range(lo, 0, -1):
         cap = min(max_draft_len(m, max_spec_tokens, max_spec_factor), max_depth - m)
-        if cap <= best.score:
+        if cap <= best.score or cap < at_least:
             continue
         needle = bytes(hay[(n - m) * TOKEN_WIDTH:])
         ends = []
@@ -181,12 +183,17 @@ class SuffixProposer:
         if k <= 0:
             return ()
         args = (k, self.max_spec_factor, self.min_token_prob)
-        best = speculate_local(req.token_buffer(), req.all_token_ids, self.max_depth, *args)
+        # The cache first (cheap), so the own-token search may skip match lengths
+        # that cannot beat it; on equal scores the own tokens' draft wins (vLLM's).
+        cached = Draft()
         context = req.all_token_ids[-self.max_depth:]
         for tree in reversed(self.cache.trees):
             draft = tree.speculate(context, *args)
-            if draft.score > best.score:
-                best = draft
+            if draft.score > cached.score:
+                cached = draft
+        own = speculate_local(req.token_buffer(), req.all_token_ids, self.max_depth, *args,
+                              at_least=cached.score)
+        best = own if own.token_ids and own.score >= cached.score else cached
         return tuple(best.token_ids)
 
     def release(self, req: Request) -> None:

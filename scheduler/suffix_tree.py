@@ -107,7 +107,8 @@ class SuffixTree:
         seq.append(token)
         for i in range(len(ends)):
             node = ends[i]
-            child = node.child(token)
+            kids = node.children
+            child = kids.get(token) if kids else None
             if child is None:
                 if node is not root and node.count == 1:
                     # Only this string reaches the node: a leaf, extended in place.
@@ -153,19 +154,23 @@ class SuffixTree:
                 self.num_nodes += 1
                 ends[i] = mid
 
-    def match(self, context: Sequence[int]) -> tuple[_Node, int] | None:
-        """Where ``context`` ends in the tree (a node and how far into its run), or
-        None when no string starts with it."""
+    def match(self, context: array) -> tuple[_Node, int] | None:
+        """Where ``context`` (C ints) ends in the tree (a node and how far into its
+        run), or None when no string starts with it. Runs are compared whole."""
         node, idx = self.root, 0
-        for token in context:
+        i, n = 0, len(context)
+        while i < n:
             if idx == node.length:
-                nxt = node.child(token)
+                nxt = node.child(context[i])
                 if nxt is None:
                     return None
                 node, idx = nxt, 0
-            if node.seq[node.start + idx] != token:
+            take = min(node.length - idx, n - i)
+            at = node.start + idx
+            if node.seq[at:at + take] != context[i:i + take]:
                 return None
-            idx += 1
+            i += take
+            idx += take
         return node, idx
 
     def continue_path(self, node: _Node, idx: int, max_tokens: int,
@@ -197,14 +202,17 @@ class SuffixTree:
                   max_spec_factor: float, min_token_prob: float) -> Draft:
         """The best-scoring draft over every match length ``1 .. len(context) - 1``
         (``context``: the sequence's last ``max_depth`` tokens at most); on equal
-        scores the longer match wins. Matching lengths form a prefix of that range,
-        so the longest is found by bisection, and shorter ones are skipped once no
-        draft they allow could beat the best so far."""
-        context = list(context[-self.max_depth:])
-        lo, hi = 0, len(context) - 1  # lo: a length known to match (0 always does)
+        scores the longer match wins. The lengths whose pattern is followed by some
+        token form a prefix of that range (where a pattern goes on, so does its
+        suffix), so the longest is found by bisection (a running response matches
+        itself up to its end, with nothing after), and shorter ones are skipped once
+        no draft they allow could beat the best so far."""
+        context = array("i", context[-self.max_depth:])
+        lo, hi = 0, len(context) - 1  # lo: a length known to go on (0 does, or nothing)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.match(context[-mid:]) is not None:
+            found = self.match(context[-mid:])
+            if found is not None and (found[1] < found[0].length or found[0].children):
                 lo = mid
             else:
                 hi = mid - 1

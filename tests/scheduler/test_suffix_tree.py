@@ -122,6 +122,13 @@ def test_own_token_search_equals_the_definition(seed: int) -> None:
         got = speculate_local(hay, tokens, depth, k, factor, min_prob)
         assert (got.token_ids, got.match_len) == (want[0], want[2]), tokens
         assert got.score == pytest.approx(want[1])
+        # Told another source scored s, it still finds its best when that reaches s.
+        bar = rng.choice([0.0, 0.5, 1.0, 2.0, 3.5])
+        floored = speculate_local(hay, tokens, depth, k, factor, min_prob, at_least=bar)
+        if want[1] >= bar:
+            assert floored.token_ids == want[0]
+        else:
+            assert floored.score < bar
 
 
 def test_frequencies_decide_the_continuation_and_its_length() -> None:
