@@ -18,6 +18,7 @@ from pagedserve.cluster.multimodal import image_spans, load_image
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
 from pagedserve.scheduler.multimodal import ImageInput
+from pagedserve.worker.anyres import facts_token_count
 
 
 async def chat_images(messages: list[ChatMessage], info: dict[str, Any],
@@ -53,16 +54,17 @@ def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[s
 
 
 def written_out(ids: list[int], images: list[Any], image: dict[str, Any]) -> list[int]:
-    """A Qwen2-VL chat's ids with each lone ``<|image_pad|>`` written out to its
-    picture's run (counted from the decoded size), so the front's length checks and
+    """A Qwen2-VL or LLaVA-NeXT chat's ids with each lone image token written out to
+    its picture's run (counted from the decoded size), so the front's length checks and
     default ``max_tokens`` see the prompt the engine runs; other models' are whole
     already. A mismatch is left for the replica, which refuses it with the reason."""
-    resize = image.get("resize")
+    resize, anyres = image.get("resize"), image.get("anyres")
     spans = image_spans(ids, int(image["image_token_id"]))
-    if not resize or len(spans) != len(images):
+    if not (resize or anyres) or len(spans) != len(images):
         return ids
     try:
-        counts = qwen_token_counts(images, resize)
+        counts = qwen_token_counts(images, resize) if resize else [
+            facts_token_count(img.height, img.width, anyres) for img in images]
         return write_out_runs(ids, spans, counts, int(image["image_token_id"]))[0]
     except ValueError as e:
         raise APIError(str(e), param="messages") from None

@@ -1,7 +1,7 @@
 """The model's image processor: a picture as the pixel tensor its encoder takes.
 
 Hugging Face's processors on the PIL backend (Gemma 3's, CLIP's for LLaVA-1.5,
-Qwen2-VL's), so a picture gives the pixels (and the content hash) HF's processor
+LLaVA-NeXT's, Qwen2-VL's), so a picture gives the pixels (and the content hash) HF's processor
 gives it on any host, whatever else is installed there.
 """
 
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pagedserve.worker.anyres import AnyresPixels, facts_token_count
 
 if TYPE_CHECKING:  # PIL is imported where an image is read: text-only serving needs none
     from PIL import Image
@@ -41,6 +43,9 @@ class ImageProcessor:
             Gemma3ImageProcessorPil,
         )
         from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+        from transformers.models.llava_next.image_processing_pil_llava_next import (
+            LlavaNextImageProcessorPil,
+        )
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
         )
@@ -48,8 +53,13 @@ class ImageProcessor:
         hf = hf_image_processor
         self._hf = hf
         self._qwen = isinstance(hf, Qwen2VLImageProcessorPil)
+        self._anyres: dict[str, Any] | None = None
         if self._qwen:  # sizes vary: no square side
             self._image_size, self._call_kwargs = 0, {}
+            return
+        if isinstance(hf, LlavaNextImageProcessorPil):
+            self._image_size, self._call_kwargs = 0, {}
+            self._anyres = _anyres_facts(hf)
             return
         if isinstance(hf, Gemma3ImageProcessorPil):
             if hf.do_pan_and_scan:
@@ -93,6 +103,17 @@ class ImageProcessor:
                 patch_size=vision.get("patch_size", 14),
                 merge_size=vision.get("spatial_merge_size", 2),
                 temporal_patch_size=vision.get("temporal_patch_size", 2)))
+        if hf_config.get("model_type") == "llava_next":
+            from transformers.models.llava_next.image_processing_pil_llava_next import (
+                LlavaNextImageProcessorPil,
+            )
+
+            from pagedserve.worker.image_config import grid_pinpoints
+
+            side = (hf_config.get("vision_config") or {}).get("image_size", 336)
+            return cls(LlavaNextImageProcessorPil(
+                size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                image_grid_pinpoints=grid_pinpoints(hf_config)))
         llava = hf_config.get("model_type") == "llava"
         default = 224 if llava else DEFAULT_IMAGE_SIZE
         size = (hf_config.get("vision_config") or {}).get("image_size", default)
@@ -113,14 +134,44 @@ class ImageProcessor:
         return {"factor": int(hf.patch_size) * int(hf.merge_size),
                 "min_pixels": int(hf.size.shortest_edge), "max_pixels": int(hf.size.longest_edge)}
 
+    def anyres_facts(self) -> dict[str, Any] | None:
+        """LLaVA-NeXT's canvases and crop side (``anyres.anyres_facts``), for a front end
+        to count a picture's tokens from its size; None for the others."""
+        return self._anyres
+
+    def check_model(self, hf_config: dict) -> None:
+        """``ValueError`` where the processor's anyres layout is not the model's: its
+        crops would not be the grid the encoder packs."""
+        if self._anyres is None:
+            return
+        from pagedserve.worker.image_config import grid_pinpoints
+
+        vision = hf_config.get("vision_config") or {}
+        want = ([list(p) for p in grid_pinpoints(hf_config)], vision.get("image_size", 336),
+                vision.get("patch_size", 14))
+        got = (self._anyres["pinpoints"], self._anyres["image_size"],
+               self._anyres["patch_size"])
+        if got[:2] != want[:2]:
+            raise ValueError(f"image processor: image_grid_pinpoints / crop size {got[:2]} "
+                             f"differ from the model's {want[:2]}")
+        self._anyres["patch_size"] = int(want[2])
+
+    def token_count(self, pixels: Any) -> int | None:
+        """How many tokens a processed picture becomes, where that varies (Qwen2-VL's
+        grid, LLaVA-NeXT's anyres layout); None for a fixed-size processor."""
+        if isinstance(pixels, AnyresPixels):
+            return facts_token_count(pixels.height, pixels.width, self._anyres or {})
+        grid = self.grid(pixels)
+        return None if grid is None else grid[0] * grid[1]
+
     @property
     def image_size(self) -> int:
-        """The side S of the square pixel tensors (0: sizes vary, Qwen2-VL)."""
+        """The side S of the square pixel tensors (0: sizes vary, Qwen2-VL, LLaVA-NeXT)."""
         return self._image_size
 
-    def grid(self, pixels: torch.Tensor) -> tuple[int, int] | None:
+    def grid(self, pixels: Any) -> tuple[int, int] | None:
         """``(rows, cols)`` of the tokens a ``[3, H, W]`` picture becomes under M-RoPE
-        (Qwen2-VL); None for a fixed-size processor."""
+        (Qwen2-VL); None for the others."""
         if not self._qwen:
             return None
         from pagedserve.worker.models.qwen2_vision_config import image_grid
@@ -128,11 +179,15 @@ class ImageProcessor:
         return image_grid(int(pixels.shape[-2]), int(pixels.shape[-1]),
                           int(self._hf.patch_size), int(self._hf.merge_size))
 
-    def __call__(self, images: list[Image.Image]) -> torch.Tensor | list[torch.Tensor]:
+    def __call__(self, images: list[Image.Image]
+                 ) -> torch.Tensor | list[torch.Tensor] | list[AnyresPixels]:
         """float32 ``[N, 3, S, S]`` pixel values, one row per image, in order (Qwen2-VL:
-        a list of ``[3, H, W]``, each picture's own size)."""
+        a list of ``[3, H, W]``, each picture's own size; LLaVA-NeXT: a list of each
+        picture's crops with its size)."""
         if self._qwen:
             return self._qwen_pixels(images)
+        if self._anyres is not None:
+            return [self._anyres_pixels(img) for img in images]
         if not images:
             return torch.empty((0, 3, self._image_size, self._image_size), dtype=torch.float32)
         out = self._hf(list(images), return_tensors="pt", **self._call_kwargs)
@@ -140,6 +195,13 @@ class ImageProcessor:
         if pixel_values.dtype != torch.float32:
             raise ValueError(f"image processor returned {pixel_values.dtype}, expected float32")
         return pixel_values
+
+    def _anyres_pixels(self, image: Image.Image) -> AnyresPixels:
+        """One picture's crops (HF's ``pixel_values[0]``, called alone: no padding to
+        another picture's crop count) and its size as HF records it."""
+        out = self._hf([image], return_tensors="pt", do_pad=False)
+        height, width = (int(v) for v in out["image_sizes"][0])
+        return AnyresPixels(torch.as_tensor(out["pixel_values"][0]).float(), height, width)
 
     def _qwen_pixels(self, images: list[Image.Image]) -> list[torch.Tensor]:
         """HF's patches and grids turned back into one ``[3, H, W]`` per picture."""
@@ -152,6 +214,20 @@ class ImageProcessor:
         return patches_to_images(out["pixel_values"].float(), out["image_grid_thw"],
                                  int(hf.patch_size), int(hf.temporal_patch_size),
                                  int(hf.merge_size))
+
+
+def _anyres_facts(hf: Any) -> dict[str, Any]:
+    """A LLaVA-NeXT processor's canvases and crop side (its patch size is the model's,
+    set by ``check_model``); ``ValueError`` for a layout its encoder cannot pack."""
+    from pagedserve.worker.anyres import anyres_facts, check_pinpoints
+
+    crop = hf.crop_size if hf.do_center_crop else hf.size
+    side = crop.height if crop.height is not None else crop.shortest_edge
+    if not side or (crop.width is not None and crop.width != side):
+        raise ValueError(f"image processor: crop_size must be square, got {crop}")
+    pinpoints = check_pinpoints(hf.image_grid_pinpoints, int(side),
+                                "preprocessor_config.image_grid_pinpoints")
+    return anyres_facts(pinpoints, int(side), 14)
 
 
 def _has_image_processor_config(model_dir: Path) -> bool:

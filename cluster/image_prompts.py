@@ -47,13 +47,13 @@ def expand_text(tokenizer: Any, info: dict[str, Any], text: str) -> str:
     """``text`` with each image marker written out as its placeholder run, as the
     model's processor writes it (``info``: the worker's ``model_info()["image"]``):
     Gemma 3's begin-of-image token becomes its framed run, LLaVA's image token is
-    repeated once per image token. Qwen2-VL's ``<|image_pad|>`` stays single here:
-    its run's length depends on the picture's size, so ``ImagePrompts.build`` writes
-    it out once the picture is resized (a special token: the text around it
-    tokenises the same either way)."""
+    repeated once per image token. Qwen2-VL's ``<|image_pad|>`` and LLaVA-NeXT's
+    ``<image>`` stay single here: the run's length depends on the picture's size, so
+    ``ImagePrompts.build`` writes it out once the picture is processed (a special
+    token: the text around it tokenises the same either way)."""
     convert = tokenizer.convert_ids_to_tokens
     marker, image = convert(int(info["marker_token_id"])), convert(int(info["image_token_id"]))
-    if info["family"] == "qwen2_vl":  # one <|image_pad|> an image: written out by ``build``
+    if not info["tokens_per_image"]:  # one marker an image: written out by ``build``
         return text
     n = int(info["tokens_per_image"])
     if info["family"] == "gemma3":
@@ -135,9 +135,12 @@ class ImagePrompts:
         self.allowed_local_media_path = allowed_local_media_path
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.processor = ImageProcessor.from_model_dir(model_dir, hf_config)
-        resize = self.processor.resize_facts()
-        # What the HTTP front needs (``EngineServer.info``): Qwen2-VL's resize rule too.
-        self.info = {**info, "resize": resize} if resize else info
+        self.processor.check_model(hf_config)
+        resize, anyres = self.processor.resize_facts(), self.processor.anyres_facts()
+        # What the HTTP front needs (``EngineServer.info``): the rule that sizes a
+        # picture's run where it varies (Qwen2-VL's resize, LLaVA-NeXT's canvases).
+        self.info = {**info, **({"resize": resize} if resize else {}),
+                     **({"anyres": anyres} if anyres else {})}
         self.dtype = getattr(torch, dtype)
         self.image_token_id = int(info["image_token_id"])
         self.tokens_per_image = int(info["tokens_per_image"])
@@ -169,8 +172,9 @@ class ImagePrompts:
             return ids, ()
         prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
         grids = [self.processor.grid(p) for p in prepared.pixels]
-        if not self.tokens_per_image:  # each run as long as its picture's grid
-            ids, spans = write_out_runs(ids, spans, [r * c for r, c in grids],
+        if not self.tokens_per_image:  # each run as long as its picture makes it
+            ids, spans = write_out_runs(ids, spans, [self.processor.token_count(p)
+                                                     for p in prepared.pixels],
                                         self.image_token_id)
         causal = not self.info["bidirectional"]
         return ids, tuple(ImageInput(a, b, key, p, grid, causal) for (a, b), p, key, grid

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.worker.anyres import AnyresPixels
+
 if TYPE_CHECKING:  # PIL is imported where an image is read: text-only serving needs none
     from PIL import Image
 
@@ -174,12 +176,17 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         raise _error(f"not a decodable image ({type(exc).__name__}: {exc})") from None
 
 
-def image_hash(pixel_values: torch.Tensor) -> str:
-    """One image's identity in the prefix-cache keys: blake2b-128 of dtype, shape and bytes,
-    so two images share cached KV exactly when the model would see the same pixels."""
+def image_hash(pixel_values: torch.Tensor | AnyresPixels) -> str:
+    """One image's identity in the prefix-cache keys: blake2b-128 of dtype, shape and bytes
+    (and an anyres picture's size, which decides its unpadding), so two images share
+    cached KV exactly when the model would see the same pixels."""
+    size = ""
+    if isinstance(pixel_values, AnyresPixels):
+        size = f"{pixel_values.height}x{pixel_values.width}|"
+        pixel_values = pixel_values.crops
     tensor = pixel_values.detach().to("cpu").contiguous().reshape(-1)
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{pixel_values.dtype}|{tuple(pixel_values.shape)}|".encode())
+    digest.update(f"{pixel_values.dtype}|{tuple(pixel_values.shape)}|{size}".encode())
     digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 

@@ -62,7 +62,8 @@ class TokenizeEndpoints:
         if body.messages is not None:
             ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
                                  body.chat_template_kwargs, body.continue_final_message, info)
-            if (info.get("image") or {}).get("resize"):  # Qwen2-VL: runs by picture size
+            image = info.get("image") or {}
+            if image.get("resize") or image.get("anyres"):  # runs by picture size
                 images = await chat_images(body.messages, info, self.allowed_local_media_path)
                 ids = written_out(ids, images, info["image"]) if images else ids
         else:

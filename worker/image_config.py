@@ -8,7 +8,9 @@ placeholders, which the processor writes between ``boi_token_index`` and
 image's tokens attend to each other both ways. LLaVA-1.5 (``model_type: llava``) puts a
 CLIP tower and a two-layer projector in front of a Llama-family decoder: the
 processor writes ``image_token_index`` once per patch (the text marks the image with
-that token, once), attention stays causal. Qwen2-VL and Qwen2.5-VL (``qwen_vl_config``)
+that token, once), attention stays causal. LLaVA-NeXT (``model_type: llava_next``) is
+LLaVA with "anyres" pictures (``anyres``): its run's length depends on the picture's
+size (``tokens_per_image`` 0). Qwen2-VL and Qwen2.5-VL (``qwen_vl_config``)
 size each image's run by the picture (``tokens_per_image`` 0), causal too. Defaults are
 transformers' config classes' (the released files list only what differs).
 """
@@ -19,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-MULTIMODAL_MODEL_TYPES = ("gemma3", "llava", "qwen2_vl", "qwen2_5_vl")
+MULTIMODAL_MODEL_TYPES = ("gemma3", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class ImageConfig:
 
 
 def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
-    """The image facts of a ``gemma3``, ``llava`` or Qwen-VL config with a
+    """The image facts of a ``gemma3``, ``llava``, ``llava_next`` or Qwen-VL config with a
     ``vision_config``; None otherwise. ``ValueError`` names a field that cannot be
     served."""
     family = cfg.get("model_type")
@@ -62,7 +64,7 @@ def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
         value = cfg.get(name, cfg.get(name.replace("_index", "_id")))
         return default if value is None else int(value)
 
-    if family == "llava":
+    if family in ("llava", "llava_next"):
         return _llava(cfg, index("image_token_index", 32_000))
     if family in ("qwen2_vl", "qwen2_5_vl"):
         from pagedserve.worker.qwen_vl_config import qwen_vl_image_config
@@ -103,10 +105,29 @@ def _llava(cfg: dict[str, Any], image_token: int) -> ImageConfig:
                          f"({vision.image_size}) must be a multiple of patch_size "
                          f"({vision.patch_size})")
     patches = (vision.image_size // vision.patch_size) ** 2
+    if cfg["model_type"] == "llava_next":
+        from pagedserve.worker.anyres import check_pinpoints
+
+        if strategy != "default":  # HF's packing lays out exactly P x P features a crop
+            raise ValueError("model config field 'vision_feature_select_strategy' must be "
+                             f"'default' for llava_next, got {strategy!r}")
+        check_pinpoints(grid_pinpoints(cfg), vision.image_size, "image_grid_pinpoints")
+        patches = 0  # each picture's own count
     return ImageConfig(
-        family="llava", image_token_id=image_token, marker_token_id=image_token,
-        eoi_token_id=None, tokens_per_image=patches + (strategy == "full"),
+        family=cfg["model_type"], image_token_id=image_token, marker_token_id=image_token,
+        eoi_token_id=None, tokens_per_image=patches and patches + (strategy == "full"),
         image_size=vision.image_size, bidirectional=False, hf_config=json.dumps(cfg))
+
+
+# ``LlavaNextConfig``'s canvases when a file lists none (made for a 336-pixel tower).
+DEFAULT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+def grid_pinpoints(cfg: dict[str, Any]) -> Any:
+    """A ``llava_next`` config's ``image_grid_pinpoints`` (its config class's default
+    when absent), unchecked."""
+    found = cfg.get("image_grid_pinpoints")
+    return DEFAULT_PINPOINTS if found is None else found
 
 
 def llava_text_config(cfg: dict[str, Any]) -> dict[str, Any]:

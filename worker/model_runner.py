@@ -30,6 +30,7 @@ from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.rotary import mark_long_rope
 from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.multimodal import encode_picture
 from pagedserve.worker.mrope_positions import step_positions
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import IntermediateTensors
@@ -219,8 +220,8 @@ class ModelRunner:
         feats: dict[str, torch.Tensor] = {}
         for _, chunk in inputs.images:
             if chunk.key not in feats:
-                feats[chunk.key] = self.encoder_cache.get(chunk.key, lambda c=chunk: vision(
-                    torch.as_tensor(c.pixels).to(self.device)[None])[0])
+                feats[chunk.key] = self.encoder_cache.get(
+                    chunk.key, lambda c=chunk: encode_picture(vision, c.pixels, self.device))
         rows = torch.cat([torch.arange(row, row + c.count) for row, c in inputs.images])
         embeds = torch.cat([feats[c.key][c.first:c.first + c.count] for _, c in inputs.images])
         return rows.to(self.device), embeds

@@ -238,13 +238,19 @@ LLAVA_CHAT_TEMPLATE = (
 
 def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
                        image_size: int = 28, patch_size: int = 7,
-                       strategy: str = "default", **text: Any) -> str:
+                       strategy: str = "default", pinpoints: list[list[int]] | None = None,
+                       **text: Any) -> str:
     """Save a random ``LlavaForConditionalGeneration`` (a 2-layer CLIP tower, LLaVA's
     projector, a Llama decoder) with a word-level tokenizer whose last id is
     ``<image>`` and a LLaVA-1.5-style chat template, plus CLIP's image processor
-    config; return its path. ``text`` overrides the decoder's config."""
+    config; return its path. With ``pinpoints``, a ``LlavaNextForConditionalGeneration``
+    over those canvases and LLaVA-NeXT's processor instead. ``text`` overrides the
+    decoder's config."""
     import transformers as tf
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil,
+    )
 
     text_cfg = dict(model_type="llama", vocab_size=vocab_size, hidden_size=64,
                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -255,17 +261,23 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
                   num_hidden_layers=2, num_attention_heads=2, image_size=image_size,
                   patch_size=patch_size, hidden_act="quick_gelu", projection_dim=32)
     torch.manual_seed(seed)
-    model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
-        text_config=text_cfg, vision_config=vision, image_token_index=vocab_size - 1,
-        vision_feature_select_strategy=strategy, vision_feature_layer=-2))
+    kw = dict(text_config=text_cfg, vision_config=vision, image_token_index=vocab_size - 1,
+              vision_feature_select_strategy=strategy, vision_feature_layer=-2)
+    if pinpoints is None:
+        model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(**kw))
+    else:
+        model = tf.LlavaNextForConditionalGeneration(tf.LlavaNextConfig(
+            **kw, image_grid_pinpoints=pinpoints))
     _spread_weights(model, "vision", ("norm",))
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)
     write_wordlevel_tokenizer(dest, vocab_size, _LLAVA_WORDS, ("<image>",),
                               LLAVA_CHAT_TEMPLATE)
-    CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                          crop_size={"height": image_size, "width": image_size}
-                          ).save_pretrained(str(dest))
+    sizes = dict(size={"shortest_edge": image_size},
+                 crop_size={"height": image_size, "width": image_size})
+    processor = CLIPImageProcessorPil(**sizes) if pinpoints is None else \
+        LlavaNextImageProcessorPil(**sizes, image_grid_pinpoints=pinpoints)
+    processor.save_pretrained(str(dest))
     return str(dest)
 
 

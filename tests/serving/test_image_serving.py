@@ -18,7 +18,11 @@ import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing import random_picture as picture
-from pagedserve.worker.testing import write_random_gemma3_multimodal, write_random_qwen2_vl
+from pagedserve.worker.testing import (
+    write_random_gemma3_multimodal,
+    write_random_llava,
+    write_random_qwen2_vl,
+)
 from tests.serving.conftest import App, Cluster, loopback_http
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -171,9 +175,36 @@ def test_qwen2_vl_chat_counts_its_picture_run_at_the_front(qwen_app: tuple[App, 
     really leaves (48 tokens: 3 blocks), not one that counts the run as one token
     (which the replica would refuse), and ``/tokenize`` shows the engine's ids. Two TP
     ranks place the tokens by M-RoPE alike: the answer equals the offline engine's."""
-    app, model_dir = qwen_app
+    ids = front_counts(*qwen_app, "tiny-qwen2-vl", (64, 64))
+    assert ids.count(299) == 16  # a 64 x 64 picture: 4 x 4 tokens
+
+
+@pytest.fixture(scope="module")
+def next_app(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[App, str]]:
+    model_dir = write_random_llava(tmp_path_factory.mktemp("models") / "llava-next", seed=13,
+                                   patch_size=14, pinpoints=[[28, 56], [56, 28], [56, 56]])
+    app = cluster.deploy("next-images", {"model": model_dir, "num_threads": 1,
+                                         "served_model_name": "tiny-llava-next",
+                                         "num_gpu_blocks": 3})
+    yield app, model_dir
+    cluster.delete("next-images")
+
+
+def test_llava_next_chat_counts_its_picture_run_at_the_front(next_app: tuple[App, str]) -> None:
+    """LLaVA-NeXT's run depends on the picture's shape too (its crop grid, unpadded):
+    the ingress counts it as the engine does."""
+    ids = front_counts(*next_app, "tiny-llava-next", (60, 30))
+    # 60 x 30 goes on the 28 x 56 canvas: 2 x 2 for the whole, the 2 x 4 grid, 2 newlines.
+    assert ids.count(299) == 4 + 2 * 4 + 2
+
+
+def front_counts(app: App, model_dir: str, name: str, size: tuple[int, int]) -> list[int]:
+    """Chat with one ``size`` picture and no ``max_tokens``: the usage and the answer
+    equal the offline engine's, which fills the 3-block pool; ``/tokenize`` gives its
+    ids. Returns them."""
     chat = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(picture(3, (64, 64)))}},
+        {"type": "image_url", "image_url": {"url": data_url(picture(3, size))}},
         {"type": "text", "text": "t5 t6"}]}]
     llm = LLM(model=model_dir, num_gpu_blocks=3)
     try:
@@ -183,13 +214,12 @@ def test_qwen2_vl_chat_counts_its_picture_run_at_the_front(qwen_app: tuple[App, 
                                             ignore_eos=True))[0]
     finally:
         llm.shutdown()
-    assert ids.count(299) == 16  # a 64 x 64 picture: 4 x 4 tokens
     out = app.openai().chat.completions.create(
-        model="tiny-qwen2-vl", messages=chat, temperature=0.0,
-        extra_body={"ignore_eos": True})
+        model=name, messages=chat, temperature=0.0, extra_body={"ignore_eos": True})
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == room
     assert out.choices[0].message.content == ref.outputs[0].text
     tokens = httpx.post(f"{app.base}/tokenize", headers=app.headers, timeout=60,
-                        json={"model": "tiny-qwen2-vl", "messages": chat})
+                        json={"model": name, "messages": chat})
     assert tokens.json()["tokens"] == ids
     app.wait_baseline()
+    return ids

@@ -69,13 +69,14 @@ class LlavaVisionConfig(TowerConfig):
 
     @classmethod
     def from_hf(cls, hf_config: dict) -> LlavaVisionConfig:
-        """Read a ``llava`` config.json dict. Released files list only the fields that
+        """Read a ``llava`` (or ``llava_next``) config.json dict. Released files list only the fields that
         differ from the config classes' defaults (llava-1.5-7b-hf's ``text_config`` has no
         ``hidden_size``), so those defaults fill in the rest."""
         from transformers import AutoConfig, CLIPVisionConfig
 
-        if hf_config.get("model_type") != "llava":
-            raise ValueError(f"model_type {hf_config.get('model_type')!r} is not 'llava'")
+        if hf_config.get("model_type") not in ("llava", "llava_next"):
+            raise ValueError(f"model_type {hf_config.get('model_type')!r} is not 'llava' or "
+                             "'llava_next'")
         vision = hf_config.get("vision_config")
         if not isinstance(vision, dict):
             raise ValueError("vision_config is missing or not a dict")
@@ -113,12 +114,6 @@ class LlavaVisionConfig(TowerConfig):
             projector_bias=bias,
             text_hidden_size=positive_int(text, "hidden_size", "text_config"),
         )
-
-
-
-
-
-
 
 
 class LlavaVisionEncoder(nn.Module):

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from functools import cache
+from typing import Any
 
 import torch
 from torch import nn
 
+from pagedserve.worker.anyres import AnyresPixels
 from pagedserve.worker.layers.linear import LazyTensor
 
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                     "model.multi_modal_projector.", "visual.", "model.visual.")
+_VISION_NAMES = ("image_newline", "model.image_newline")  # LLaVA-NeXT's row end
 
 
 def text_name(name: str) -> str | None:
@@ -31,7 +34,7 @@ def text_name(name: str) -> str | None:
     for prefix, root in _TEXT_PREFIXES:
         if name.startswith(prefix):
             return root + name[len(prefix):]
-    return None if name.startswith(_VISION_PREFIXES) else name
+    return None if name.startswith(_VISION_PREFIXES) or name in _VISION_NAMES else name
 
 
 def split_weights(weights: Iterable[tuple[str, LazyTensor]],
@@ -50,8 +53,8 @@ def split_weights(weights: Iterable[tuple[str, LazyTensor]],
 def build_encoder(family: str, hf_config: dict, dtype: torch.dtype,
                   device: torch.device) -> nn.Module:
     """The image encoder of a ``family`` file ("gemma3": SigLIP + Gemma's projector;
-    "llava": CLIP + LLaVA's two-layer projector; "qwen2_vl": Qwen2-VL's or Qwen2.5-VL's
-    tower and patch merger)."""
+    "llava": CLIP + LLaVA's two-layer projector; "llava_next": the same over anyres
+    crops; "qwen2_vl": Qwen2-VL's or Qwen2.5-VL's tower and patch merger)."""
     if family == "gemma3":
         from pagedserve.worker.models.gemma3_vision import Gemma3VisionEncoder
 
@@ -60,11 +63,24 @@ def build_encoder(family: str, hf_config: dict, dtype: torch.dtype,
         from pagedserve.worker.models.llava_vision import LlavaVisionEncoder
 
         return LlavaVisionEncoder.from_hf_config(hf_config, dtype, device)
+    if family == "llava_next":
+        from pagedserve.worker.models.llava_next_vision import LlavaNextVisionEncoder
+
+        return LlavaNextVisionEncoder.from_hf_config(hf_config, dtype, device)
     if family == "qwen2_vl":
         from pagedserve.worker.models.qwen2_vision import Qwen2VisionEncoder
 
         return Qwen2VisionEncoder.from_hf_config(hf_config, dtype, device)
     raise ValueError(f"no image encoder for model family {family!r}")
+
+
+def encode_picture(vision: nn.Module, pixels: Any, device: torch.device) -> torch.Tensor:
+    """One picture's embeddings ``[tokens, hidden]``: its pixel tensor through the
+    encoder, or an anyres picture's crops with its size (LLaVA-NeXT)."""
+    if isinstance(pixels, AnyresPixels):
+        return vision.encode_anyres(  # type: ignore[operator]
+            torch.as_tensor(pixels.crops).to(device), pixels.height, pixels.width)
+    return vision(torch.as_tensor(pixels).to(device)[None])[0]
 
 
 class VisionMixin:

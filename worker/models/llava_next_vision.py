@@ -1,0 +1,79 @@
+"""LLaVA-NeXT's image encoder: LLaVA's CLIP tower and projector over each crop of an
+"anyres" picture (``anyres``), the crops' features packed as Hugging Face's
+``pack_image_features`` packs them.
+
+The whole picture's ``P x P`` features come first; the canvas's crops are laid out
+as one ``rows*P x cols*P`` grid, the rows or columns the processor padded are cut
+off, and each remaining row is closed by the learned ``image_newline`` embedding,
+read row by row. The tower runs all of a picture's crops as one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from pagedserve.worker.anyres import anyres_layout, check_pinpoints
+from pagedserve.worker.image_config import grid_pinpoints
+from pagedserve.worker.layers.linear import LazyTensor
+from pagedserve.worker.models.llava_vision import (
+    _IGNORED,
+    LlavaVisionConfig,
+    LlavaVisionEncoder,
+)
+from pagedserve.worker.models.vit import load_targets, param, tower_key
+
+_NEWLINE_NAMES = ("image_newline", "model.image_newline")
+
+
+def _key(name: str) -> str | None:
+    return "image_newline" if name in _NEWLINE_NAMES else tower_key(name)
+
+
+class LlavaNextVisionEncoder(LlavaVisionEncoder):
+    """Crops ``[1 + rows*cols, 3, S, S]`` of one picture -> its tokens ``[count,
+    text_hidden]`` (``anyres.anyres_token_count``)."""
+
+    def __init__(self, cfg: LlavaVisionConfig, pinpoints: list[tuple[int, int]],
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(cfg, dtype, device)
+        if cfg.select_strategy != "default":
+            raise ValueError("vision_feature_select_strategy must be 'default' for "
+                             f"llava_next, got {cfg.select_strategy!r}")
+        self.pinpoints = pinpoints
+        self.image_newline = param(cfg.text_hidden_size, dtype=dtype, device=device)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, dtype: torch.dtype,
+                       device: torch.device) -> LlavaNextVisionEncoder:
+        cfg = LlavaVisionConfig.from_hf(hf_config)
+        pinpoints = check_pinpoints(grid_pinpoints(hf_config), cfg.image_size,
+                                    "image_grid_pinpoints")
+        return cls(cfg, pinpoints, dtype, device)
+
+    def encode_anyres(self, crops: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """One picture's tokens from its crops and its size before processing;
+        ValueError when the crops are not the grid that size gets."""
+        cfg = self.cfg
+        side = cfg.image_size // cfg.patch_size
+        rows, cols, h, w = anyres_layout(height, width, self.pinpoints, cfg.image_size,
+                                         cfg.patch_size)
+        if crops.dim() != 4 or crops.shape[0] != 1 + rows * cols:
+            raise ValueError(f"a {height}x{width} picture takes 1 + {rows}x{cols} crops, got "
+                             f"pixels of shape {tuple(crops.shape)}")
+        feats = self(crops)  # [1 + rows*cols, side*side, hidden]
+        hidden = feats.shape[-1]
+        grid = feats[1:].view(rows, cols, side, side, hidden)
+        grid = grid.permute(0, 2, 1, 3, 4).reshape(rows * side, cols * side, hidden)
+        top, left = (rows * side - h) // 2, (cols * side - w) // 2
+        grid = grid[top:top + h, left:left + w]
+        newline = self.image_newline.to(grid.dtype).expand(h, 1, hidden)
+        return torch.cat([feats[0], torch.cat([grid, newline], dim=1).reshape(-1, hidden)])
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> None:
+        """LLaVA's tensors and ``image_newline`` (saved at the top level or under
+        ``model.``); ValueError as ``LlavaVisionEncoder.load_weights``."""
+        targets = {**self._targets(), "image_newline": self.image_newline}
+        load_targets(targets, weights, "LLaVA-NeXT vision tower / projector", _IGNORED,
+                     key_of=_key)
