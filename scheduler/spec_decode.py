@@ -58,7 +58,8 @@ class SpeculativeConfig:
     ``num_speculative_tokens`` defaults to 4, and for suffix decoding to the tree
     depth (vLLM's default): its guesses stop where the counts do. The cache holds
     1,000 responses by default, not vLLM's 10,000: its Python nodes cost ~210 bytes
-    per cached token (SmolLM2's tokens of this README), ~60 MB at 300 tokens each.
+    per cached token (SmolLM2's tokens of the project README), ~60 MB at 300 tokens
+    each.
     """
 
     method: str = "ngram"
