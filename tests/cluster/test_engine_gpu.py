@@ -221,6 +221,23 @@ def test_cuda_speculative_decoding_equals_hugging_face(tiny_dir, engines) -> Non
 
 
 @cuda_only
+def test_cuda_suffix_decoding_equals_hugging_face(tiny_dir, engines) -> None:
+    """Suffix decoding on the GPU: the prompts asked twice, the second time guessed
+    from the cached answers (rows of up to 24 guesses through varlen attention)."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref = hf_greedy(tiny_dir, prompts, 32, device="cuda")
+    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", attention_backend="triton",
+              num_gpu_blocks=512, speculative_config={"method": "suffix"})
+    engines.append(llm)
+    assert _greedy(llm, prompts, params) == ref
+    assert _greedy(llm, prompts, params) == ref
+    spec = llm.engine.get_stats()["spec_decode"]
+    assert spec["num_accepted_tokens"] > 31 * len(prompts) // 2, spec
+    assert_pool_at_baseline(llm)
+
+
+@cuda_only
 def test_cuda_draft_model_equals_hugging_face(tiny_dir, engines) -> None:
     """A draft model on the GPU (its own pool, eager forwards beside the target's
     graphs): greedy tokens are HF's and a self-draft keeps nearly every guess;

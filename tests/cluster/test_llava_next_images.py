@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from pagedserve.cluster import LLM, SamplingParams
-from pagedserve.cluster.image_chat import written_out
 from pagedserve.worker.anyres import anyres_token_count, best_resolution, facts_token_count
 from pagedserve.worker.testing import random_picture, write_random_llava
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
@@ -154,6 +153,8 @@ def test_llava_next_images_equal_hugging_face(next_dir: str, reference: list[lis
 
 def test_lone_image_tokens_and_chats_are_written_out(next_dir: str,
                                                      reference: list[list[int]]) -> None:
+    from pagedserve.cluster.image_chat import written_out  # (the HTTP front: pydantic)
+
     llm = LLM(model=next_dir, num_gpu_blocks=128)
     try:
         ids, imgs = cases()[1]
@@ -191,3 +192,31 @@ def test_bad_llava_next_files_name_the_field(next_dir: str, tmp_path: Path, chan
     (bad / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ValueError, match=field):
         LLM(model=str(bad), num_gpu_blocks=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_llava_next_on_cuda_equals_hugging_face_on_cuda(next_dir: str) -> None:
+    """On the GPU: the crops through the tower, packing and decode in CUDA graphs;
+    HF ``generate`` on the same device."""
+    from transformers import AutoImageProcessor, LlavaNextForConditionalGeneration
+
+    model = LlavaNextForConditionalGeneration.from_pretrained(
+        next_dir, dtype=torch.float32).to("cuda").eval()
+    proc = AutoImageProcessor.from_pretrained(next_dir, backend="pil")
+    ref = []
+    with torch.inference_mode():
+        for ids, images in cases():
+            x = torch.tensor([ids], device="cuda")
+            kw = {k: v.to("cuda") for k, v in proc(images, return_tensors="pt").items()} \
+                if images else {}
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=GREEDY.max_tokens,
+                               min_new_tokens=GREEDY.max_tokens, pad_token_id=0, **kw)
+            ref.append(y[0, len(ids):].tolist())
+    llm = LLM(model=next_dir, device="cuda", num_gpu_blocks=128, max_num_batched_tokens=12,
+              max_num_seqs=4)
+    try:
+        assert generate(llm, cases()) == ref
+    finally:
+        llm.shutdown()
