@@ -285,6 +285,16 @@ class _Collector:
                 pre.add_metric([r["replica"], mode], float(n))
         yield fin
         yield pre
+        for key, doc in (("num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
+                          "position in the draft (0: the first guess)"),
+                         ("num_draft_tokens_per_pos", "Draft tokens proposed, by their "
+                          "position in the draft")):
+            fam = CounterMetricFamily(f"{p}_spec_decode_{key}", doc,
+                                      labels=["replica", "position"])
+            for r in ok:
+                for pos, n in enumerate(_dig(r["stats"], ("spec_decode", key)) or ()):
+                    fam.add_metric([r["replica"], str(pos)], float(n))
+            yield fam
         yield _hist_family(f"{p}_time_to_first_token_seconds", "Time to first token", ok,
                            "ttft")
         yield _hist_family(f"{p}_e2e_request_latency_seconds", "End-to-end latency", ok, "e2e")

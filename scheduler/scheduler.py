@@ -21,6 +21,8 @@ tokens that could start now with the plans that may still start.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagedserve.scheduler.admission import check_fits, lacks_room, lora_fits, max_tokens_held
 from pagedserve.scheduler.beam import BeamGroup, BeamSearchParams
 from pagedserve.scheduler.beam_scheduling import is_held
@@ -399,9 +401,9 @@ class Scheduler(StepResults):
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     @property
-    def spec_stats(self) -> dict[str, int]:
+    def spec_stats(self) -> dict[str, Any]:
         """Speculative decoding counters: drafted rows, guesses sent, guesses accepted
-        (and the suffix cache's responses and tokens, with suffix decoding)."""
+        (per position too; and the suffix cache's responses and tokens)."""
         if self.drafter is None:
             return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         return self.drafter.snapshot()

@@ -201,6 +201,10 @@ class Drafter:
                 config.suffix_decoding_max_cached_requests, config.num_speculative_tokens,
                 config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        # Per guess position (vLLM's ``num_accepted_tokens_per_pos``), and how many
+        # drafts reached each position (suffix decoding's lengths vary).
+        k = config.num_speculative_tokens
+        self.accepted_per_pos, self.drafted_per_pos = [0] * k, [0] * k
 
     def active(self, num_running: int) -> bool:
         """Whether this step proposes at all (``disable_by_batch_size``)."""
@@ -228,9 +232,12 @@ class Drafter:
             return ()
         return held[1][:k]
 
-    def snapshot(self) -> dict[str, int]:
-        """The counters, and with suffix decoding the size of its response cache."""
-        out = dict(self.stats)
+    def snapshot(self) -> dict[str, Any]:
+        """The counters (per guess position too), and with suffix decoding the size of
+        its response cache."""
+        out: dict[str, Any] = dict(self.stats)
+        out["num_accepted_tokens_per_pos"] = list(self.accepted_per_pos)
+        out["num_draft_tokens_per_pos"] = list(self.drafted_per_pos)
         if isinstance(self.proposer, SuffixProposer):
             out["suffix_cached_requests"] = self.proposer.cache.num_requests
             out["suffix_cached_tokens"] = self.proposer.cache.num_tokens
@@ -261,4 +268,8 @@ class Drafter:
         self.stats["num_drafts"] += 1
         self.stats["num_draft_tokens"] += len(drafts)
         self.stats["num_accepted_tokens"] += accepted
+        for i in range(len(drafts)):
+            self.drafted_per_pos[i] += 1
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
         return accepted

@@ -6,6 +6,7 @@ and the response cache forgets what ended and is bounded."""
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -93,6 +94,11 @@ def test_a_repeated_request_is_guessed_from_the_earlier_response() -> None:
     # long (the tree holds responses, not prompts), so it guesses 1, 2, 4, ... tokens.
     assert stats["num_accepted_tokens"] >= 3 * 30
     assert stats["num_accepted_tokens"] / stats["num_draft_tokens"] > 0.9
+    per_pos, drafted = stats["num_accepted_tokens_per_pos"], stats["num_draft_tokens_per_pos"]
+    assert len(per_pos) == len(drafted) == 24 and sum(per_pos) == stats["num_accepted_tokens"]
+    assert sum(drafted) == stats["num_draft_tokens"]
+    assert all(a <= d for a, d in zip(per_pos, drafted))  # kept at a position: guessed there
+    assert all(x >= y for x, y in pairwise(per_pos))  # a guess needs those before it
     proposer = sched.drafter.proposer  # type: ignore[union-attr]
     assert proposer._running == {}  # every ended request was let go
     assert proposer.cache.num_requests == 6 and proposer.cache.num_tokens == 6 * 40

@@ -400,6 +400,9 @@ def test_speculative_decoding_over_http(smol: App, cluster, method: str) -> None
             accepted.append(
                 fams["pagedserve_spec_decode_num_accepted_tokens"].samples[0].value)
         assert accepted[0] > 10
+        per_pos = {int(s.labels["position"]): s.value for s in
+                   fams["pagedserve_spec_decode_num_accepted_tokens_per_pos"].samples}
+        assert sum(per_pos.values()) == accepted[-1] and per_pos[0] >= per_pos[1] > 0
         if method == "suffix":  # the second answer came from the first: 52 of 59 kept
             assert accepted[1] - accepted[0] > max(40, 2 * accepted[0]), accepted
             cached = fams["pagedserve_spec_decode_suffix_cached_requests"].samples
