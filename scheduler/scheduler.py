@@ -2,8 +2,8 @@
 
 Each ``schedule()`` call: running sequences first (decode, or the next chunk of
 a prefill), preempting the last running sequence (the most recently admitted;
-under the priority policy the least urgent, see ``queues``) whenever the pool
-is short; then swapped sequences come back (only in a step that preempted
+under the priority policy the least urgent, see ``queues``; ``preemption``) whenever
+the pool is short; then swapped sequences come back (only in a step that preempted
 nobody); then waiting ones are admitted in queue order while the budget, the
 sequence cap, the pool and the LoRA adapter cap allow. ``update_from_output``
 (``step_results``) applies the sampled tokens, names newly full blocks in the prefix cache, forks
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.scheduler.admission import check_fits, lacks_room, lora_fits, max_tokens_held
+from pagedserve.scheduler.admission import check_fits, lora_fits, max_tokens_held
 from pagedserve.scheduler.beam import BeamGroup, BeamSearchParams
 from pagedserve.scheduler.beam_scheduling import is_held
 from pagedserve.scheduler.block_hash import make_extra_keys
@@ -44,15 +44,15 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
 )
 from pagedserve.scheduler.pooling_params import PoolingParams
+from pagedserve.scheduler.preemption import Preemption
 from pagedserve.scheduler.queues import make_queues, urgency
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.spec_decode import Drafter, SpeculativeConfig
 from pagedserve.scheduler.step_plan import scheduled_request
-from pagedserve.scheduler.step_results import StepResults
 
 
-class Scheduler(StepResults):
+class Scheduler(Preemption):
     """The single owner of every block decision of one engine replica."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -314,22 +314,6 @@ class Scheduler(StepResults):
                      and not img.causal), default=0)
         return max(1, min(budget, max(-(-work // slots), image)))
 
-    def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
-        """Priority policy, before anything is scheduled: while the most urgent waiting
-        request is more urgent than the least urgent running one and lacks a seat or
-        the blocks of its first chunk, preempt that running request (vLLM's priority
-        preemption). A waiting request never displaces one at least as urgent."""
-        while self.waiting and self.running:
-            req, victim = self.waiting[0], self.running[-1]
-            if victim.request_id in self.in_flight:
-                return  # its step is still running: wait for its tokens first
-            if urgency(victim, self.aging_s) <= urgency(req, self.aging_s) or not lacks_room(
-                    req, len(self.running), self.config, self.block_size,
-                    self.kv.pool.num_free_blocks, len(self.kv.group_windows)):
-                return
-            self.running.pop()
-            self._preempt(victim, out)
-
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """The tokens ``req`` runs this step from token ``start``: what it has left,
         within the step's budget and the per-prompt cap (``long_prefill_token_threshold``),
@@ -347,45 +331,6 @@ class Scheduler(StepResults):
                                   self.kv.group_block_ids(rid))
         sched.num_lookahead = look
         return sched
-
-    def _switch_to_long_rope(self) -> None:
-        """Recompute, with the long factors, every request that has grown past
-        LongRoPE's pre-trained length (``scheduler.long_rope``); none otherwise."""
-        limit = self.cache_config.long_rope_from
-        if not limit:
-            return
-        for req in self.waiting:  # (preempted for recompute: nothing cached to drop)
-            if needs_long_rope(req, limit):
-                start_long_rope(req)
-        for queue in (self.running, self.swapped):
-            for req in [r for r in queue if needs_long_rope(r, limit)
-                        and r.request_id not in self.in_flight]:
-                queue.remove(req)
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-                req.status = RequestStatus.WAITING
-                start_long_rope(req)
-                self.waiting.appendleft(req)
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Swap to CPU when the mode and the CPU tier allow; otherwise recompute.
-
-        A swap that does not fit on the CPU falls back to recompute for that
-        request alone: the engine never fails for lack of swap space.
-        """
-        req.num_preemptions += 1
-        self.kv.release_behind_window(req)  # its last step moved the window: copy less
-        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
-            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
-            req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
-            self.num_preemptions["swap"] += 1
-            return
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
-        self.num_preemptions["recompute"] += 1
 
     # ---- introspection ---------------------------------------------------------------
 
