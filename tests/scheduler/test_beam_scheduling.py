@@ -91,13 +91,15 @@ PARAMS = [BeamSearchParams(beam_width=4, max_tokens=10),
           BeamSearchParams(beam_width=2, max_tokens=9, length_penalty=0.0)]
 
 
-@pytest.mark.parametrize(("block_size", "spec"), [(1, False), (4, False), (16, False),
-                                                  (4, True)])
-def test_beams_equal_the_plain_search(block_size: int, spec: bool) -> None:
-    """With n-gram drafting on, a plain request in the batch drafts; beams never do."""
+@pytest.mark.parametrize(("block_size", "spec"), [(1, None), (4, None), (16, None),
+                                                  (4, "ngram"), (4, "suffix")])
+def test_beams_equal_the_plain_search(block_size: int, spec: str | None) -> None:
+    """With n-gram or suffix drafting on, a plain request in the batch drafts; beams
+    never do."""
     sched, sim = make_scheduler(
         num_gpu_blocks=512, block_size=block_size, copy_period=3 if spec else None,
-        speculative_config=SpeculativeConfig(num_speculative_tokens=3) if spec else None)
+        speculative_config=SpeculativeConfig(method=spec, num_speculative_tokens=3)
+        if spec else None)
     for (rid, prompt), p in zip(PROMPTS.items(), PARAMS, strict=True):
         add_beam(sched, rid, prompt, p)
     sched.add_request(req("plain", [1, 2, 3, 4, 5] * 3, max_tokens=40, sched=sched))

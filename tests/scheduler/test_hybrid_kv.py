@@ -116,11 +116,14 @@ def test_preemption_with_group_tables_gives_the_same_tokens(mode: str, cpu_block
     assert sum(sched.num_preemptions.values()) > 0
 
 
-def test_forks_drafts_and_prefix_hits_across_groups() -> None:
-    """n=3 siblings share every group's blocks; n-gram drafts are verified and rolled
-    back in all tables; the same prompt again hits 7 blocks: the full group's seven, the
-    sliding groups' last two (the ones before the window come back released)."""
-    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_forks_drafts_and_prefix_hits_across_groups(method: str) -> None:
+    """n=3 siblings share every group's blocks; n-gram (or suffix decoding's longer)
+    drafts are verified and rolled back in all tables; the same prompt again hits 7
+    blocks: the full group's seven, the sliding groups' last two (the ones before the
+    window come back released)."""
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3 if method == "ngram"
+                             else None, prompt_lookup_max=3)
     sched, sim = make_scheduler(kv_group_windows=GROUPS, block_size=B, copy_period=3,
                                 speculative_config=spec)
     prompt = [100 + j % 50 for j in range(29)]

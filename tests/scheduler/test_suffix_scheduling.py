@@ -135,3 +135,25 @@ def test_aborted_and_waiting_requests_leave_nothing_behind() -> None:
     assert sched.drafter.proposer._running == {}  # type: ignore[union-attr]
     sched.schedule()
     assert_baseline(sched)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_plans_in_flight_with_suffix_guesses_give_the_tokens_of_one(mode: str) -> None:
+    """Pipeline stages each on a plan: a row is guessed for only once its last step's
+    tokens are back, and its response reaches the cache as they arrive."""
+    from tests.scheduler.test_pipelined_plans import _add_all, run_pipelined
+
+    ref_sched, ref_sim = make_scheduler(num_gpu_blocks=512, max_num_batched_tokens=512,
+                                        copy_period=6)
+    _add_all(ref_sched, max_tokens=30)
+    reference = run_to_completion(ref_sched, ref_sim)
+    sched, sim = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=64 if mode == "swap" else 0,
+                                preemption_mode=mode, max_num_batched_tokens=24,
+                                max_concurrent_batches=2, speculative_config=SUFFIX,
+                                copy_period=6)
+    _add_all(sched, max_tokens=30)
+    outputs, overlapped = run_pipelined(sched, sim, depth=2)
+    assert outputs == reference
+    assert sched.spec_stats["num_accepted_tokens"] > 0 and len(overlapped) > 5
+    assert not sched.in_flight
+    assert_baseline(sched)
