@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedserve.cluster.chat_protocol import ChatMessage
 from pagedserve.cluster.image_prompts import chat_ids, qwen_token_counts, write_out_runs
-from pagedserve.cluster.multimodal import image_spans, load_image
+from pagedserve.cluster.multimodal import image_spans, load_image, marker_spans
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
 from pagedserve.scheduler.multimodal import ImageInput
@@ -59,12 +59,12 @@ def written_out(ids: list[int], images: list[Any], image: dict[str, Any]) -> lis
     default ``max_tokens`` see the prompt the engine runs; other models' are whole
     already. A mismatch is left for the replica, which refuses it with the reason."""
     resize, anyres = image.get("resize"), image.get("anyres")
-    spans = image_spans(ids, int(image["image_token_id"]))
+    spans = marker_spans(ids, int(image["image_token_id"]), len(images))
     if not (resize or anyres) or len(spans) != len(images):
         return ids
     try:
         counts = qwen_token_counts(images, resize) if resize else [
-            facts_token_count(img.height, img.width, anyres) for img in images]
+            facts_token_count(img.height, img.width, anyres, len(images)) for img in images]
         return write_out_runs(ids, spans, counts, int(image["image_token_id"]))[0]
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
@@ -77,7 +77,8 @@ def affinity_images(ids: list[int], images: list[Any], image: dict[str, Any]
     the router only compares its own keys). Without them two prompts that differ only
     in their image would look like one prefix. ``[]`` when the runs do not match the
     images (the replica refuses the request with the reason)."""
-    spans = image_spans(ids, int(image["image_token_id"]))
+    spans = image_spans(ids, int(image["image_token_id"])) if image["tokens_per_image"] \
+        else marker_spans(ids, int(image["image_token_id"]), len(images))
     if len(spans) != len(images):
         return []
     keys = [hashlib.blake2b(f"{img.mode}|{img.size}|".encode() + img.tobytes(),

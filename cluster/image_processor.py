@@ -46,6 +46,9 @@ class ImageProcessor:
         from transformers.models.llava_next.image_processing_pil_llava_next import (
             LlavaNextImageProcessorPil,
         )
+        from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+            LlavaOnevisionImageProcessorPil,
+        )
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
         )
@@ -57,9 +60,10 @@ class ImageProcessor:
         if self._qwen:  # sizes vary: no square side
             self._image_size, self._call_kwargs = 0, {}
             return
-        if isinstance(hf, LlavaNextImageProcessorPil):
+        if isinstance(hf, LlavaNextImageProcessorPil | LlavaOnevisionImageProcessorPil):
             self._image_size, self._call_kwargs = 0, {}
             self._anyres = _anyres_facts(hf)
+            self._anyres["multi_image_base"] = isinstance(hf, LlavaOnevisionImageProcessorPil)
             return
         if isinstance(hf, Gemma3ImageProcessorPil):
             if hf.do_pan_and_scan:
@@ -114,6 +118,17 @@ class ImageProcessor:
             return cls(LlavaNextImageProcessorPil(
                 size={"shortest_edge": side}, crop_size={"height": side, "width": side},
                 image_grid_pinpoints=grid_pinpoints(hf_config)))
+        if hf_config.get("model_type") == "llava_onevision":
+            from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+                LlavaOnevisionImageProcessorPil,
+            )
+
+            from pagedserve.worker.image_config import grid_pinpoints
+
+            side = (hf_config.get("vision_config") or {}).get("image_size", 384)
+            return cls(LlavaOnevisionImageProcessorPil(
+                size={"height": side, "width": side},
+                image_grid_pinpoints=grid_pinpoints(hf_config)))
         llava = hf_config.get("model_type") == "llava"
         default = 224 if llava else DEFAULT_IMAGE_SIZE
         size = (hf_config.get("vision_config") or {}).get("image_size", default)
@@ -144,23 +159,29 @@ class ImageProcessor:
         crops would not be the grid the encoder packs."""
         if self._anyres is None:
             return
+        from pagedserve.worker.anyres import max_crops_of
         from pagedserve.worker.image_config import grid_pinpoints
 
+        onevision = hf_config.get("model_type") == "llava_onevision"
         vision = hf_config.get("vision_config") or {}
-        want = ([list(p) for p in grid_pinpoints(hf_config)], vision.get("image_size", 336),
-                vision.get("patch_size", 14))
-        got = (self._anyres["pinpoints"], self._anyres["image_size"],
-               self._anyres["patch_size"])
-        if got[:2] != want[:2]:
-            raise ValueError(f"image processor: image_grid_pinpoints / crop size {got[:2]} "
-                             f"differ from the model's {want[:2]}")
-        self._anyres["patch_size"] = int(want[2])
+        want = ([list(p) for p in grid_pinpoints(hf_config)],
+                vision.get("image_size", 384 if onevision else 336))
+        got = (self._anyres["pinpoints"], self._anyres["image_size"])
+        if got != want:
+            raise ValueError(f"image processor: image_grid_pinpoints / crop size {got} "
+                             f"differ from the model's {want}")
+        if self._anyres["multi_image_base"] != onevision:
+            raise ValueError(f"image processor: {type(self._hf).__name__} does not process "
+                             f"a {hf_config.get('model_type')} model's pictures")
+        self._anyres["patch_size"] = int(vision.get("patch_size", 14))
+        self._anyres["max_crops"] = max_crops_of(hf_config)
 
     def token_count(self, pixels: Any) -> int | None:
         """How many tokens a processed picture becomes, where that varies (Qwen2-VL's
         grid, LLaVA-NeXT's anyres layout); None for a fixed-size processor."""
         if isinstance(pixels, AnyresPixels):
-            return facts_token_count(pixels.height, pixels.width, self._anyres or {})
+            return facts_token_count(pixels.height, pixels.width, self._anyres or {},
+                                     1 if pixels.single else 2)
         grid = self.grid(pixels)
         return None if grid is None else grid[0] * grid[1]
 
@@ -187,6 +208,8 @@ class ImageProcessor:
         if self._qwen:
             return self._qwen_pixels(images)
         if self._anyres is not None:
+            if self._anyres["multi_image_base"] and len(images) > 1:
+                return self._whole_pictures(images)
             return [self._anyres_pixels(img) for img in images]
         if not images:
             return torch.empty((0, 3, self._image_size, self._image_size), dtype=torch.float32)
@@ -202,6 +225,14 @@ class ImageProcessor:
         out = self._hf([image], return_tensors="pt", do_pad=False)
         height, width = (int(v) for v in out["image_sizes"][0])
         return AnyresPixels(torch.as_tensor(out["pixel_values"][0]).float(), height, width)
+
+    def _whole_pictures(self, images: list[Image.Image]) -> list[AnyresPixels]:
+        """A LLaVA-OneVision prompt's several pictures, processed as one prompt's (HF pads
+        each to a square and resizes it: one crop a picture)."""
+        out = self._hf([list(images)], return_tensors="pt")
+        return [AnyresPixels(torch.as_tensor(px[:1]).float(), int(size[0]), int(size[1]),
+                             single=False)
+                for px, size in zip(out["pixel_values"], out["image_sizes"], strict=True)]
 
     def _qwen_pixels(self, images: list[Image.Image]) -> list[torch.Tensor]:
         """HF's patches and grids turned back into one ``[3, H, W]`` per picture."""
@@ -227,7 +258,7 @@ def _anyres_facts(hf: Any) -> dict[str, Any]:
         raise ValueError(f"image processor: crop_size must be square, got {crop}")
     pinpoints = check_pinpoints(hf.image_grid_pinpoints, int(side),
                                 "preprocessor_config.image_grid_pinpoints")
-    return anyres_facts(pinpoints, int(side), 14)
+    return anyres_facts(pinpoints, int(side), 14)  # the model's patch: ``check_model``
 
 
 def _has_image_processor_config(model_dir: Path) -> bool:

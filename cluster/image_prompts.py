@@ -25,6 +25,7 @@ from pagedserve.cluster.multimodal import (
     image_hash,
     image_spans,
     load_image,
+    marker_spans,
 )
 from pagedserve.scheduler.multimodal import ImageInput
 
@@ -157,7 +158,8 @@ class ImagePrompts:
                              f"(limit_mm_per_prompt), got {len(images)}")
         ids = encode(expand_text(self.tokenizer, self.info, prompt)) \
             if isinstance(prompt, str) else expand_single_markers(list(prompt), self.info)
-        spans = image_spans(ids, self.image_token_id)
+        spans = image_spans(ids, self.image_token_id) if self.tokens_per_image else \
+            marker_spans(ids, self.image_token_id, len(images))
         if len(spans) != len(images):
             where = "image markers" if isinstance(prompt, str) \
                 else f"runs of image token {self.image_token_id}"

@@ -16,6 +16,7 @@ processor and model do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +26,17 @@ from typing import Any
 class AnyresPixels:
     """One picture as the LLaVA-NeXT encoder takes it: ``crops`` ``[1 + rows*cols, 3,
     S, S]`` (the whole picture first, then the canvas's crops row by row) and the
-    picture's size before processing, which decides how much padding to cut off."""
+    picture's size before processing, which decides how much padding to cut off.
+    ``single`` False: LLaVA-OneVision's picture among several in its prompt, which
+    gets only the whole picture (padded square), ``crops`` ``[1, 3, S, S]``."""
 
     crops: Any
     height: int
     width: int
+    single: bool = True
 
     def to(self, dtype: Any) -> AnyresPixels:
-        return AnyresPixels(self.crops.to(dtype), self.height, self.width)
+        return AnyresPixels(self.crops.to(dtype), self.height, self.width, self.single)
 
 
 def check_pinpoints(pinpoints: Any, image_size: int, field: str) -> list[tuple[int, int]]:
@@ -76,36 +80,74 @@ def unpadded_size(height: int, width: int, grid_h: int, grid_w: int) -> tuple[in
     return grid_h, grid_w - 2 * ((grid_w - kept) // 2)
 
 
+def shrunk_size(h: int, w: int, side: int, max_crops: int | None) -> tuple[int, int]:
+    """LLaVA-OneVision's ``anyres_max_N``: an unpadded grid holding more than ``N`` crops'
+    features (by more than 10% a side) is scaled down, bilinearly, to about ``N``'s."""
+    if not max_crops:
+        return h, w
+    ratio = math.sqrt(h * w / (max_crops * side * side))
+    if ratio > 1.1:
+        return int(h // ratio), int(w // ratio)
+    return h, w
+
+
 def anyres_layout(height: int, width: int, pinpoints: Sequence[tuple[int, int]],
-                  image_size: int, patch_size: int) -> tuple[int, int, int, int]:
+                  image_size: int, patch_size: int, max_crops: int | None = None
+                  ) -> tuple[int, int, int, int]:
     """``(rows, cols, h, w)``: the crop grid a ``height x width`` picture gets and the
-    features left of its ``rows*P x cols*P`` grid after unpadding."""
+    features left of its ``rows*P x cols*P`` grid after unpadding (and shrinking to
+    ``max_crops`` crops' worth, LLaVA-OneVision)."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image size {height}x{width} is empty")
     canvas_h, canvas_w = best_resolution(height, width, pinpoints)
     rows, cols = canvas_h // image_size, canvas_w // image_size
     side = image_size // patch_size
     h, w = unpadded_size(height, width, rows * side, cols * side)
-    return rows, cols, h, w
+    return (rows, cols, *shrunk_size(h, w, side, max_crops))
 
 
 def anyres_token_count(height: int, width: int, pinpoints: Sequence[tuple[int, int]],
-                       image_size: int, patch_size: int) -> int:
+                       image_size: int, patch_size: int, max_crops: int | None = None,
+                       single: bool = True) -> int:
     """Tokens a ``height x width`` picture becomes: the whole picture's ``P*P``, the
-    unpadded grid's ``h*w`` and one newline per grid row."""
-    _, _, h, w = anyres_layout(height, width, pinpoints, image_size, patch_size)
+    unpadded grid's ``h*w`` and one newline per grid row; a LLaVA-OneVision picture
+    among several in its prompt: ``P*P`` and one newline."""
     side = image_size // patch_size
+    if not single:
+        return side * side + 1
+    _, _, h, w = anyres_layout(height, width, pinpoints, image_size, patch_size, max_crops)
     return side * side + h * w + h
 
 
-def anyres_facts(pinpoints: Sequence[tuple[int, int]], image_size: int,
-                 patch_size: int) -> dict[str, Any]:
-    """What a front end needs to count a picture's tokens (``model_info()["image"]``)."""
+def anyres_facts(pinpoints: Sequence[tuple[int, int]], image_size: int, patch_size: int,
+                 max_crops: int | None = None, multi_image_base: bool = False
+                 ) -> dict[str, Any]:
+    """What a front end needs to count a picture's tokens (``model_info()["image"]``);
+    ``multi_image_base``: a prompt of several pictures gives each only its whole
+    picture (LLaVA-OneVision)."""
     return {"pinpoints": [list(p) for p in pinpoints], "image_size": image_size,
-            "patch_size": patch_size}
+            "patch_size": patch_size, "max_crops": max_crops,
+            "multi_image_base": multi_image_base}
 
 
-def facts_token_count(height: int, width: int, facts: dict[str, Any]) -> int:
-    """``anyres_token_count`` from ``anyres_facts``."""
+def facts_token_count(height: int, width: int, facts: dict[str, Any],
+                      num_images: int = 1) -> int:
+    """``anyres_token_count`` from ``anyres_facts``, for one of ``num_images`` pictures
+    of a prompt."""
     return anyres_token_count(height, width, [tuple(p) for p in facts["pinpoints"]],
-                              int(facts["image_size"]), int(facts["patch_size"]))
+                              int(facts["image_size"]), int(facts["patch_size"]),
+                              facts.get("max_crops"),
+                              not (facts.get("multi_image_base") and num_images > 1))
+
+
+def max_crops_of(cfg: dict[str, Any]) -> int | None:
+    """``vision_aspect_ratio`` ``anyres_max_N`` of a ``llava_onevision`` config as N
+    (its config class's default, 9, when absent); None for other models."""
+    if cfg.get("model_type") != "llava_onevision":
+        return None
+    ratio = cfg.get("vision_aspect_ratio", "anyres_max_9")
+    tail = ratio.removeprefix("anyres_max_") if isinstance(ratio, str) else ""
+    if not tail.isdigit() or int(tail) < 1:
+        raise ValueError("model config field 'vision_aspect_ratio' must be 'anyres_max_N' "
+                         f"with N >= 1, got {ratio!r}")
+    return int(tail)

@@ -29,7 +29,8 @@ from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES,
-                         *GEMMA_MODEL_TYPES, "llava", "llava_next", *QWEN_VL_MODEL_TYPES)
+                         *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
+                         *QWEN_VL_MODEL_TYPES)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -122,7 +123,7 @@ class ModelConfig:
                 f"got {model_type!r}"
             )
         image = image_config_from_hf(cfg)
-        if model_type in ("llava", "llava_next"):  # a Llama-family decoder behind CLIP
+        if model_type in ("llava", "llava_next", "llava_onevision"):  # decoder behind a tower
             cfg = llava_text_config(cfg)
             model_type = cfg["model_type"]
             if model_type not in SUPPORTED_MODEL_TYPES or model_type in GEMMA_MODEL_TYPES:

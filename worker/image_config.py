@@ -10,7 +10,9 @@ CLIP tower and a two-layer projector in front of a Llama-family decoder: the
 processor writes ``image_token_index`` once per patch (the text marks the image with
 that token, once), attention stays causal. LLaVA-NeXT (``model_type: llava_next``) is
 LLaVA with "anyres" pictures (``anyres``): its run's length depends on the picture's
-size (``tokens_per_image`` 0). Qwen2-VL and Qwen2.5-VL (``qwen_vl_config``)
+size (``tokens_per_image`` 0); LLaVA-OneVision (``llava_onevision``) the same behind a
+SigLIP tower, its grid shrunk past ``anyres_max_N`` crops and, in a prompt of several
+pictures, each picture whole only. Qwen2-VL and Qwen2.5-VL (``qwen_vl_config``)
 size each image's run by the picture (``tokens_per_image`` 0), causal too. Defaults are
 transformers' config classes' (the released files list only what differs).
 """
@@ -21,7 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-MULTIMODAL_MODEL_TYPES = ("gemma3", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+MULTIMODAL_MODEL_TYPES = ("gemma3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
+                          "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,9 @@ def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
         value = cfg.get(name, cfg.get(name.replace("_index", "_id")))
         return default if value is None else int(value)
 
-    if family in ("llava", "llava_next"):
-        return _llava(cfg, index("image_token_index", 32_000))
+    if family in ("llava", "llava_next", "llava_onevision"):
+        default = 151_646 if family == "llava_onevision" else 32_000
+        return _llava(cfg, index("image_token_index", default))
     if family in ("qwen2_vl", "qwen2_5_vl"):
         from pagedserve.worker.qwen_vl_config import qwen_vl_image_config
 
@@ -89,14 +93,20 @@ def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:
 
 
 def _llava(cfg: dict[str, Any], image_token: int) -> ImageConfig:
-    from transformers import CLIPVisionConfig
+    from transformers import CLIPVisionConfig, SiglipVisionConfig
 
+    from pagedserve.worker.anyres import check_pinpoints, max_crops_of
+
+    family = cfg["model_type"]
+    onevision = family == "llava_onevision"
     vision = dict(cfg["vision_config"])
-    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+    kind = vision.pop("model_type", "siglip_vision_model" if onevision else "clip_vision_model")
+    if kind not in ("clip_vision_model", "siglip_vision_model"):
         raise ValueError("model config field 'vision_config.model_type' must be "
-                         f"'clip_vision_model', got {vision.get('model_type')!r}")
-    vision = CLIPVisionConfig(**{k: v for k, v in vision.items() if k != "model_type"})
-    strategy = cfg.get("vision_feature_select_strategy", "default")
+                         f"'clip_vision_model' or 'siglip_vision_model', got {kind!r}")
+    siglip = kind == "siglip_vision_model"
+    vision = (SiglipVisionConfig if siglip else CLIPVisionConfig)(**vision)
+    strategy = cfg.get("vision_feature_select_strategy", "full" if onevision else "default")
     if strategy not in ("default", "full"):
         raise ValueError("model config field 'vision_feature_select_strategy' must be "
                          f"'default' or 'full', got {strategy!r}")
@@ -105,29 +115,36 @@ def _llava(cfg: dict[str, Any], image_token: int) -> ImageConfig:
                          f"({vision.image_size}) must be a multiple of patch_size "
                          f"({vision.patch_size})")
     patches = (vision.image_size // vision.patch_size) ** 2
-    if cfg["model_type"] == "llava_next":
-        from pagedserve.worker.anyres import check_pinpoints
-
-        if strategy != "default":  # HF's packing lays out exactly P x P features a crop
-            raise ValueError("model config field 'vision_feature_select_strategy' must be "
-                             f"'default' for llava_next, got {strategy!r}")
+    # CLIP's class token leads the features; ``default`` drops the first one.
+    tokens = patches + (not siglip) - (strategy == "default")
+    if family in ("llava_next", "llava_onevision"):
+        if tokens != patches:  # the packing lays out exactly P x P features a crop
+            raise ValueError("model config field 'vision_feature_select_strategy' must "
+                             f"leave {patches} features a crop for {family} ('default' "
+                             f"for a CLIP tower, 'full' for SigLIP), got {strategy!r}")
         check_pinpoints(grid_pinpoints(cfg), vision.image_size, "image_grid_pinpoints")
-        patches = 0  # each picture's own count
+        max_crops_of(cfg)
+        tokens = 0  # each picture's own count
     return ImageConfig(
-        family=cfg["model_type"], image_token_id=image_token, marker_token_id=image_token,
-        eoi_token_id=None, tokens_per_image=patches and patches + (strategy == "full"),
-        image_size=vision.image_size, bidirectional=False, hf_config=json.dumps(cfg))
+        family=family, image_token_id=image_token, marker_token_id=image_token,
+        eoi_token_id=None, tokens_per_image=tokens, image_size=vision.image_size,
+        bidirectional=False, hf_config=json.dumps(cfg))
 
 
-# ``LlavaNextConfig``'s canvases when a file lists none (made for a 336-pixel tower).
+# The config classes' canvases when a file lists none: LLaVA-NeXT's (made for a
+# 336-pixel tower) and LLaVA-OneVision's (1 to 6 crops of 384 a side).
 DEFAULT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+ONEVISION_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]
 
 
 def grid_pinpoints(cfg: dict[str, Any]) -> Any:
-    """A ``llava_next`` config's ``image_grid_pinpoints`` (its config class's default
-    when absent), unchecked."""
+    """A ``llava_next`` / ``llava_onevision`` config's ``image_grid_pinpoints`` (its
+    config class's default when absent), unchecked."""
     found = cfg.get("image_grid_pinpoints")
-    return DEFAULT_PINPOINTS if found is None else found
+    if found is not None:
+        return found
+    return ONEVISION_PINPOINTS if cfg.get("model_type") == "llava_onevision" \
+        else DEFAULT_PINPOINTS
 
 
 def llava_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +153,8 @@ def llava_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoConfig
 
     text = dict(cfg.get("text_config") or {})
-    model_type = text.pop("model_type", "llama")
+    model_type = text.pop("model_type",
+                          "qwen2" if cfg.get("model_type") == "llava_onevision" else "llama")
     full = AutoConfig.for_model(model_type, **text).to_dict()
     for key in ("eos_token_id", "bos_token_id", "quantization_config", "dtype", "torch_dtype"):
         if cfg.get(key) is not None:

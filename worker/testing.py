@@ -239,17 +239,21 @@ LLAVA_CHAT_TEMPLATE = (
 def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
                        image_size: int = 28, patch_size: int = 7,
                        strategy: str = "default", pinpoints: list[list[int]] | None = None,
-                       **text: Any) -> str:
+                       onevision_max_crops: int | None = None, **text: Any) -> str:
     """Save a random ``LlavaForConditionalGeneration`` (a 2-layer CLIP tower, LLaVA's
     projector, a Llama decoder) with a word-level tokenizer whose last id is
     ``<image>`` and a LLaVA-1.5-style chat template, plus CLIP's image processor
     config; return its path. With ``pinpoints``, a ``LlavaNextForConditionalGeneration``
-    over those canvases and LLaVA-NeXT's processor instead. ``text`` overrides the
-    decoder's config."""
+    over those canvases and LLaVA-NeXT's processor instead; with ``onevision_max_crops``
+    too, a ``LlavaOnevisionForConditionalGeneration`` (a SigLIP tower, ``anyres_max_N``)
+    and its processor. ``text`` overrides the decoder's config."""
     import transformers as tf
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.llava_next.image_processing_pil_llava_next import (
         LlavaNextImageProcessorPil,
+    )
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
     )
 
     text_cfg = dict(model_type="llama", vocab_size=vocab_size, hidden_size=64,
@@ -263,7 +267,15 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
     torch.manual_seed(seed)
     kw = dict(text_config=text_cfg, vision_config=vision, image_token_index=vocab_size - 1,
               vision_feature_select_strategy=strategy, vision_feature_layer=-2)
-    if pinpoints is None:
+    if onevision_max_crops is not None:
+        vision.update(model_type="siglip_vision_model", hidden_act="gelu_pytorch_tanh",
+                      vision_use_head=False)
+        vision.pop("projection_dim")
+        kw.update(vision_feature_select_strategy="full", vision_feature_layer=-1)
+        model = tf.LlavaOnevisionForConditionalGeneration(tf.LlavaOnevisionConfig(
+            **kw, image_grid_pinpoints=pinpoints,
+            vision_aspect_ratio=f"anyres_max_{onevision_max_crops}"))
+    elif pinpoints is None:
         model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(**kw))
     else:
         model = tf.LlavaNextForConditionalGeneration(tf.LlavaNextConfig(
@@ -275,8 +287,13 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
                               LLAVA_CHAT_TEMPLATE)
     sizes = dict(size={"shortest_edge": image_size},
                  crop_size={"height": image_size, "width": image_size})
-    processor = CLIPImageProcessorPil(**sizes) if pinpoints is None else \
-        LlavaNextImageProcessorPil(**sizes, image_grid_pinpoints=pinpoints)
+    if onevision_max_crops is not None:
+        processor = LlavaOnevisionImageProcessorPil(
+            size={"height": image_size, "width": image_size}, image_grid_pinpoints=pinpoints)
+    elif pinpoints is None:
+        processor = CLIPImageProcessorPil(**sizes)
+    else:
+        processor = LlavaNextImageProcessorPil(**sizes, image_grid_pinpoints=pinpoints)
     processor.save_pretrained(str(dest))
     return str(dest)
 

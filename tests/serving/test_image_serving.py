@@ -199,12 +199,34 @@ def test_llava_next_chat_counts_its_picture_run_at_the_front(next_app: tuple[App
     assert ids.count(299) == 4 + 2 * 4 + 2
 
 
-def front_counts(app: App, model_dir: str, name: str, size: tuple[int, int]) -> list[int]:
-    """Chat with one ``size`` picture and no ``max_tokens``: the usage and the answer
-    equal the offline engine's, which fills the 3-block pool; ``/tokenize`` gives its
-    ids. Returns them."""
+@pytest.fixture(scope="module")
+def onevision_app(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[tuple[App, str]]:
+    model_dir = write_random_llava(tmp_path_factory.mktemp("models") / "onevision", seed=13,
+                                   patch_size=14, pinpoints=[[28, 28], [28, 56], [56, 56]],
+                                   onevision_max_crops=1)
+    app = cluster.deploy("ov-images", {"model": model_dir, "num_threads": 1,
+                                       "served_model_name": "tiny-onevision",
+                                       "num_gpu_blocks": 3})
+    yield app, model_dir
+    cluster.delete("ov-images")
+
+
+def test_llava_onevision_chat_counts_each_pictures_run_at_the_front(
+        onevision_app: tuple[App, str]) -> None:
+    """LLaVA-OneVision's run depends on how many pictures the prompt holds: two get
+    their whole picture only (2 x 2 features and a newline each)."""
+    ids = front_counts(*onevision_app, "tiny-onevision", (60, 30), (20, 50))
+    assert ids.count(299) == 2 * (4 + 1)
+
+
+def front_counts(app: App, model_dir: str, name: str, *sizes: tuple[int, int]) -> list[int]:
+    """Chat with a picture of each of ``sizes`` and no ``max_tokens``: the usage and the
+    answer equal the offline engine's, which fills the 3-block pool; ``/tokenize`` gives
+    its ids. Returns them."""
     chat = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(picture(3, size))}},
+        *({"type": "image_url", "image_url": {"url": data_url(picture(3 + i, size))}}
+          for i, size in enumerate(sizes)),
         {"type": "text", "text": "t5 t6"}]}]
     llm = LLM(model=model_dir, num_gpu_blocks=3)
     try:

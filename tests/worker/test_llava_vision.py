@@ -167,7 +167,7 @@ def test_unknown_vision_name_raises(tiny: tuple[Any, Path, dict], name: str) -> 
 @pytest.mark.parametrize("edit, field", [
     (lambda c: c.update(model_type="gemma3"), "model_type"),
     (lambda c: c.pop("vision_config"), "vision_config"),
-    (lambda c: c["vision_config"].update(model_type="siglip_vision_model"),
+    (lambda c: c["vision_config"].update(model_type="dinov2"),
      "vision_config.model_type"),
     (lambda c: c["vision_config"].update(hidden_act="relu"), "vision_config.hidden_act"),
     (lambda c: c["vision_config"].update(num_attention_heads=5), "num_attention_heads"),

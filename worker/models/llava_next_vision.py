@@ -6,6 +6,11 @@ The whole picture's ``P x P`` features come first; the canvas's crops are laid o
 as one ``rows*P x cols*P`` grid, the rows or columns the processor padded are cut
 off, and each remaining row is closed by the learned ``image_newline`` embedding,
 read row by row. The tower runs all of a picture's crops as one batch.
+
+LLaVA-OneVision packs the same way behind a SigLIP tower, with two departures: a grid
+holding more than ``anyres_max_N`` crops' features is scaled down bilinearly to about
+``N``'s before the newlines (``anyres.shrunk_size``), and a picture among several in
+its prompt is encoded whole only (its features and one newline).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 
-from pagedserve.worker.anyres import anyres_layout, check_pinpoints
+from pagedserve.worker.anyres import anyres_layout, check_pinpoints, max_crops_of
 from pagedserve.worker.image_config import grid_pinpoints
 from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.models.llava_vision import (
@@ -36,12 +42,13 @@ class LlavaNextVisionEncoder(LlavaVisionEncoder):
     text_hidden]`` (``anyres.anyres_token_count``)."""
 
     def __init__(self, cfg: LlavaVisionConfig, pinpoints: list[tuple[int, int]],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, max_crops: int | None = None):
         super().__init__(cfg, dtype, device)
-        if cfg.select_strategy != "default":
-            raise ValueError("vision_feature_select_strategy must be 'default' for "
-                             f"llava_next, got {cfg.select_strategy!r}")
-        self.pinpoints = pinpoints
+        side = cfg.image_size // cfg.patch_size
+        if self.tokens_per_image != side * side:
+            raise ValueError(f"vision_feature_select_strategy {cfg.select_strategy!r} leaves "
+                             f"{self.tokens_per_image} features a crop, not {side * side}")
+        self.pinpoints, self.max_crops = pinpoints, max_crops
         self.image_newline = param(cfg.text_hidden_size, dtype=dtype, device=device)
 
     @classmethod
@@ -50,24 +57,35 @@ class LlavaNextVisionEncoder(LlavaVisionEncoder):
         cfg = LlavaVisionConfig.from_hf(hf_config)
         pinpoints = check_pinpoints(grid_pinpoints(hf_config), cfg.image_size,
                                     "image_grid_pinpoints")
-        return cls(cfg, pinpoints, dtype, device)
+        return cls(cfg, pinpoints, dtype, device, max_crops_of(hf_config))
 
-    def encode_anyres(self, crops: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """One picture's tokens from its crops and its size before processing;
+    def encode_anyres(self, crops: torch.Tensor, height: int, width: int,
+                      single: bool = True) -> torch.Tensor:
+        """One picture's tokens from its crops and its size before processing (``single``
+        False: a OneVision picture among several, its whole-picture crop only);
         ValueError when the crops are not the grid that size gets."""
         cfg = self.cfg
         side = cfg.image_size // cfg.patch_size
         rows, cols, h, w = anyres_layout(height, width, self.pinpoints, cfg.image_size,
                                          cfg.patch_size)
-        if crops.dim() != 4 or crops.shape[0] != 1 + rows * cols:
-            raise ValueError(f"a {height}x{width} picture takes 1 + {rows}x{cols} crops, got "
+        want = 1 + rows * cols if single else 1
+        if crops.dim() != 4 or crops.shape[0] != want:
+            raise ValueError(f"a {height}x{width} picture takes {want} crops here, got "
                              f"pixels of shape {tuple(crops.shape)}")
-        feats = self(crops)  # [1 + rows*cols, side*side, hidden]
+        feats = self(crops)  # [crops, side*side, hidden]
         hidden = feats.shape[-1]
+        if not single:
+            return torch.cat([feats[0], self.image_newline.to(feats.dtype)[None]])
         grid = feats[1:].view(rows, cols, side, side, hidden)
         grid = grid.permute(0, 2, 1, 3, 4).reshape(rows * side, cols * side, hidden)
         top, left = (rows * side - h) // 2, (cols * side - w) // 2
         grid = grid[top:top + h, left:left + w]
+        _, _, small_h, small_w = anyres_layout(height, width, self.pinpoints, cfg.image_size,
+                                               cfg.patch_size, self.max_crops)
+        if (small_h, small_w) != (h, w):
+            grid = F.interpolate(grid.permute(2, 0, 1)[None], [small_h, small_w],
+                                 mode="bilinear")[0].permute(1, 2, 0)
+            h = small_h
         newline = self.image_newline.to(grid.dtype).expand(h, 1, hidden)
         return torch.cat([feats[0], torch.cat([grid, newline], dim=1).reshape(-1, hidden)])
 

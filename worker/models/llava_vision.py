@@ -6,7 +6,9 @@ stacked: a bias-free patch Conv2d behind a learned class token, learned position
 fused into one matmul), the hidden states after ``vision_feature_layer`` layers (the CLS
 token dropped under strategy ``default``), then ``linear_2(act(linear_1(x)))``. CLIP's
 ``post_layernorm`` only feeds the pooled output, which LLaVA never reads, and the layers
-after the feature layer are loaded but never run. Plain torch: no transformers at run time.
+after the feature layer are loaded but never run. LLaVA-OneVision's SigLIP tower is the
+same less the class token and the pre-norm, its patch Conv2d with a bias. Plain torch: no
+transformers at run time.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from pagedserve.worker.models.vit import (
 )
 
 _STRATEGIES = ("default", "full")
-# Saved beside the tower but unused: CLIP's pooled-output norm and the position ids buffer.
-_IGNORED = ("vision_tower.post_layernorm.", "vision_tower.embeddings.position_ids")
+LLAVA_FAMILIES = ("llava", "llava_next", "llava_onevision")
+# Saved beside the tower but unused: the pooled-output norm (CLIP's, SigLIP's), SigLIP's
+# pooling head and the position ids buffer.
+_IGNORED = ("vision_tower.post_layernorm.", "vision_tower.embeddings.position_ids",
+            "vision_tower.head.")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class LlavaVisionConfig(TowerConfig):
     projector_act: str
     projector_bias: bool
     text_hidden_size: int
+    siglip: bool = False  # a SigLIP tower (LLaVA-OneVision): no class token, no pre-norm
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,26 +78,30 @@ class LlavaVisionConfig(TowerConfig):
         """Read a ``llava`` (or ``llava_next``) config.json dict. Released files list only the fields that
         differ from the config classes' defaults (llava-1.5-7b-hf's ``text_config`` has no
         ``hidden_size``), so those defaults fill in the rest."""
-        from transformers import AutoConfig, CLIPVisionConfig
+        from transformers import AutoConfig, CLIPVisionConfig, SiglipVisionConfig
 
-        if hf_config.get("model_type") not in ("llava", "llava_next"):
-            raise ValueError(f"model_type {hf_config.get('model_type')!r} is not 'llava' or "
-                             "'llava_next'")
+        family = hf_config.get("model_type")
+        if family not in LLAVA_FAMILIES:
+            raise ValueError(f"model_type {family!r} is not one of {LLAVA_FAMILIES}")
+        onevision = family == "llava_onevision"
         vision = hf_config.get("vision_config")
         if not isinstance(vision, dict):
             raise ValueError("vision_config is missing or not a dict")
-        if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(f"vision_config.model_type {vision['model_type']!r} is not "
-                             "'clip_vision_model'")
-        vision = {**CLIPVisionConfig().to_dict(), **vision}
+        kind = vision.get("model_type", "siglip_vision_model" if onevision
+                          else "clip_vision_model")
+        if kind not in ("clip_vision_model", "siglip_vision_model"):
+            raise ValueError(f"vision_config.model_type {kind!r} is not 'clip_vision_model' "
+                             "or 'siglip_vision_model'")
+        siglip = kind == "siglip_vision_model"
+        vision = {**(SiglipVisionConfig() if siglip else CLIPVisionConfig()).to_dict(), **vision}
         text = dict(hf_config.get("text_config") or {})
         if "hidden_size" not in text:
             try:
                 text["hidden_size"] = AutoConfig.for_model(
-                    text.get("model_type", "llama")).hidden_size
+                    text.get("model_type", "qwen2" if onevision else "llama")).hidden_size
             except (KeyError, ValueError) as e:
                 raise ValueError(f"text_config.model_type is not a known model: {e}") from e
-        layer = hf_config.get("vision_feature_layer", -2)
+        layer = hf_config.get("vision_feature_layer", -1 if onevision else -2)
         layers = tuple(layer) if isinstance(layer, list | tuple) else (layer,)
         if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
             raise ValueError(f"vision_feature_layer {layer!r} is not an int or a list of ints")
@@ -109,10 +119,12 @@ class LlavaVisionConfig(TowerConfig):
             layer_norm_eps=float(vision["layer_norm_eps"]),
             hidden_act=str(vision["hidden_act"]),
             feature_layers=layers,
-            select_strategy=str(hf_config.get("vision_feature_select_strategy", "default")),
+            select_strategy=str(hf_config.get("vision_feature_select_strategy",
+                                              "full" if onevision else "default")),
             projector_act=str(hf_config.get("projector_hidden_act", "gelu")),
             projector_bias=bias,
             text_hidden_size=positive_int(text, "hidden_size", "text_config"),
+            siglip=siglip,
         )
 
 
@@ -124,11 +136,14 @@ class LlavaVisionEncoder(nn.Module):
         h, c, ps, t = cfg.hidden_size, cfg.num_channels, cfg.patch_size, cfg.text_hidden_size
         p = functools.partial(param, dtype=dtype, device=device)
         self.cfg, self.act = cfg, ACTIVATIONS[cfg.projector_act]
-        self.tokens_per_image = cfg.num_patches + (cfg.select_strategy == "full")
+        cls_token = not cfg.siglip  # CLIP's class token (and pre-norm); SigLIP has neither
+        self.tokens_per_image = cfg.num_patches + cls_token - (cfg.select_strategy == "default")
         self.image_size = cfg.image_size
-        self.class_embedding, self.patch_weight = p(h), p(h, c, ps, ps)
-        self.position_embedding = p(cfg.num_patches + 1, h)
-        self.pre_ln_weight, self.pre_ln_bias = p(h), p(h)
+        self.patch_weight = p(h, c, ps, ps)
+        self.patch_bias = p(h) if cfg.siglip else None
+        self.class_embedding = p(h) if cls_token else None
+        self.position_embedding = p(cfg.num_patches + cls_token, h)
+        self.pre_ln_weight, self.pre_ln_bias = (p(h), p(h)) if cls_token else (None, None)
         self.layers = nn.ModuleList(EncoderLayer(cfg, dtype, device)
                                     for _ in range(cfg.num_layers))
         self.linear_1_weight = p(t, h * len(cfg.feature_layers))
@@ -153,11 +168,14 @@ class LlavaVisionEncoder(nn.Module):
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(f"pixel_values shape {tuple(pixel_values.shape)} is not "
                              f"[N, {', '.join(map(str, expected))}] (image_size {cfg.image_size})")
-        x = F.conv2d(pixel_values.to(device=w.device, dtype=w.dtype), w, stride=cfg.patch_size)
-        cls_token = self.class_embedding.expand(x.shape[0], 1, -1)
-        x = torch.cat([cls_token, x.flatten(2).transpose(1, 2)], dim=1) + self.position_embedding
-        x = F.layer_norm(x, (cfg.hidden_size,), self.pre_ln_weight, self.pre_ln_bias,
-                         cfg.layer_norm_eps)
+        x = F.conv2d(pixel_values.to(device=w.device, dtype=w.dtype), w, self.patch_bias,
+                     stride=cfg.patch_size).flatten(2).transpose(1, 2)
+        if self.class_embedding is not None:
+            x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
+        x = x + self.position_embedding
+        if self.pre_ln_weight is not None:
+            x = F.layer_norm(x, (cfg.hidden_size,), self.pre_ln_weight, self.pre_ln_bias,
+                             cfg.layer_norm_eps)
         depths = cfg.depths
         picked = {0: x}
         for i, layer in enumerate(self.layers[:max(depths)], start=1):
@@ -171,11 +189,13 @@ class LlavaVisionEncoder(nn.Module):
         return F.linear(y, self.linear_2_weight, self.linear_2_bias)
 
     def _targets(self) -> dict[str, torch.Tensor]:
-        out = {"vision_tower.embeddings.class_embedding": self.class_embedding,
-               "vision_tower.embeddings.patch_embedding.weight": self.patch_weight,
+        optional = {"vision_tower.embeddings.class_embedding": self.class_embedding,
+                    "vision_tower.embeddings.patch_embedding.bias": self.patch_bias,
+                    "vision_tower.pre_layrnorm.weight": self.pre_ln_weight,
+                    "vision_tower.pre_layrnorm.bias": self.pre_ln_bias}
+        out = {"vision_tower.embeddings.patch_embedding.weight": self.patch_weight,
                "vision_tower.embeddings.position_embedding.weight": self.position_embedding,
-               "vision_tower.pre_layrnorm.weight": self.pre_ln_weight,
-               "vision_tower.pre_layrnorm.bias": self.pre_ln_bias}
+               **{k: v for k, v in optional.items() if v is not None}}
         for j in (1, 2):
             out[f"multi_modal_projector.linear_{j}.weight"] = getattr(self, f"linear_{j}_weight")
             bias = getattr(self, f"linear_{j}_bias")

@@ -53,8 +53,8 @@ def split_weights(weights: Iterable[tuple[str, LazyTensor]],
 def build_encoder(family: str, hf_config: dict, dtype: torch.dtype,
                   device: torch.device) -> nn.Module:
     """The image encoder of a ``family`` file ("gemma3": SigLIP + Gemma's projector;
-    "llava": CLIP + LLaVA's two-layer projector; "llava_next": the same over anyres
-    crops; "qwen2_vl": Qwen2-VL's or Qwen2.5-VL's tower and patch merger)."""
+    "llava": CLIP + LLaVA's two-layer projector; "llava_next" / "llava_onevision": the
+    same (or SigLIP) over anyres crops; "qwen2_vl": Qwen2-VL's or Qwen2.5-VL's tower and patch merger)."""
     if family == "gemma3":
         from pagedserve.worker.models.gemma3_vision import Gemma3VisionEncoder
 
@@ -63,7 +63,7 @@ def build_encoder(family: str, hf_config: dict, dtype: torch.dtype,
         from pagedserve.worker.models.llava_vision import LlavaVisionEncoder
 
         return LlavaVisionEncoder.from_hf_config(hf_config, dtype, device)
-    if family == "llava_next":
+    if family in ("llava_next", "llava_onevision"):
         from pagedserve.worker.models.llava_next_vision import LlavaNextVisionEncoder
 
         return LlavaNextVisionEncoder.from_hf_config(hf_config, dtype, device)
@@ -79,7 +79,8 @@ def encode_picture(vision: nn.Module, pixels: Any, device: torch.device) -> torc
     encoder, or an anyres picture's crops with its size (LLaVA-NeXT)."""
     if isinstance(pixels, AnyresPixels):
         return vision.encode_anyres(  # type: ignore[operator]
-            torch.as_tensor(pixels.crops).to(device), pixels.height, pixels.width)
+            torch.as_tensor(pixels.crops).to(device), pixels.height, pixels.width,
+            pixels.single)
     return vision(torch.as_tensor(pixels).to(device)[None])[0]
 
 
