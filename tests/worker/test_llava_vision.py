@@ -232,3 +232,26 @@ def test_bf16_encoder_is_close_to_hf(tiny: tuple[Any, Path, dict]) -> None:
     assert (ours - ref).abs().max().item() <= 0.02 * scale
     ref_bf16 = _reference(copy.deepcopy(hf).to(torch.bfloat16), pixels).float()
     assert (ours - ref_bf16).abs().max().item() <= 0.01 * scale
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_a_siglip_tower_matches_hf_image_features(tmp_path: Path, strategy: str) -> None:
+    """LLaVA over SigLIP (LLaVA-OneVision's tower; plain LLaVA files may hold one too):
+    a patch Conv2d with a bias, no class token, no pre-norm, the pooling head unread."""
+    import transformers as tf
+
+    siglip = dict(VISION, model_type="siglip_vision_model", hidden_act="gelu_pytorch_tanh")
+    torch.manual_seed(1)
+    hf = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
+        vision_config=siglip, text_config=TEXT, image_token_index=299)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if "norm" in name and p.dim() == 1 else 0.0, 0.2)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    enc = _encoder({**config, "vision_feature_select_strategy": strategy})
+    enc.load_weights(iter_safetensors(tmp_path))
+    pixels = torch.randn(2, 3, 28, 28)
+    want = _reference(hf, pixels, strategy=strategy)
+    assert enc.tokens_per_image == want.shape[1] == 16 - (strategy == "default")
+    torch.testing.assert_close(enc(pixels), want, rtol=0, atol=1e-5)
