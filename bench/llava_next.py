@@ -1,9 +1,10 @@
-"""LLaVA-NeXT image prompts: the engine against Hugging Face's batched ``generate`` on
-the same random checkpoint, in one run.
+"""LLaVA-NeXT (or ``--kind llava_onevision``) image prompts: the engine against Hugging
+Face's batched ``generate`` on the same random checkpoint, in one run.
 
 A random ``LlavaNextForConditionalGeneration`` is written to a temporary directory: a
 2-layer CLIP tower over ``--crop``-pixel crops with 14-pixel patches, canvases of 1 x 2,
-2 x 1 and 2 x 2 crops, a Llama decoder of ``--layers`` layers. ``--requests`` prompts,
+2 x 1 and 2 x 2 crops, a Llama decoder of ``--layers`` layers (LLaVA-OneVision: a
+SigLIP tower, grids shrunk past ``anyres_max_4``). ``--requests`` prompts,
 each some text, one ``--width`` x ``--height`` picture (its own random pixels: the
 whole picture and its canvas's crops, unpadded, with a newline closing each row) and
 more text, all the same length, get ``--max-tokens`` greedy tokens: through
@@ -14,6 +15,7 @@ processor's pixels. Printed: wall time and output tokens/s each, the ratio, and 
 many requests got the same tokens from both.
 
     python bench/llava_next.py --json bench/figures/llava_next.json
+    python bench/llava_next.py --kind llava_onevision --json bench/figures/llava_onevision.json
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ def ours(path: str, prompts: list[list[int]], images: list, warm: list, max_toke
 
 def hugging_face(path: str, prompts: list[list[int]], images: list, max_tokens: int
                  ) -> tuple[float, list[list[int]]]:
-    from transformers import AutoImageProcessor, LlavaNextForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model = LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     proc = AutoImageProcessor.from_pretrained(path, backend="pil")
     x = torch.tensor(prompts)
 
@@ -82,6 +84,7 @@ def hugging_face(path: str, prompts: list[list[int]], images: list, max_tokens: 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", default="llava_next", choices=("llava_next", "llava_onevision"))
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--text", type=int, default=48, help="text tokens each side of the image")
@@ -97,12 +100,14 @@ def main() -> None:
     vocab, c = 1024, args.crop
     pinpoints = [[c, 2 * c], [2 * c, c], [2 * c, 2 * c]]
     with tempfile.TemporaryDirectory() as tmp:
+        max_crops = 4 if args.kind == "llava_onevision" else None
         path = write_random_llava(
             tmp, vocab_size=vocab, image_size=c, patch_size=14, pinpoints=pinpoints,
-            hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-            num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2)
+            onevision_max_crops=max_crops, hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=4, num_key_value_heads=2)
         tokens_per_image = anyres_token_count(args.height, args.width,
-                                              [tuple(p) for p in pinpoints], c, 14)
+                                              [tuple(p) for p in pinpoints], c, 14, max_crops)
         prompts = [prompt(i, vocab, tokens_per_image, args.text)
                    for i in range(args.requests)]
         size = (args.width, args.height)
@@ -110,7 +115,7 @@ def main() -> None:
         warm = [random_picture(1000 + i, size) for i in (0, 1)]
         ours_run = ours(path, prompts, images, warm, args.max_tokens)
         hf_run = hugging_face(path, prompts, images, args.max_tokens)
-    report(args, f"llava_next: {args.requests} prompts of {len(prompts[0])} tokens (one "
+    report(args, f"{args.kind}: {args.requests} prompts of {len(prompts[0])} tokens (one "
                  f"{args.width}x{args.height} picture, {tokens_per_image} tokens) + "
                  f"{args.max_tokens} new", ours_run, hf_run)
 
