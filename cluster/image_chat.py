@@ -13,8 +13,13 @@ import hashlib
 from typing import Any
 
 from pagedserve.cluster.chat_protocol import ChatMessage
-from pagedserve.cluster.image_prompts import chat_ids, qwen_token_counts, write_out_runs
-from pagedserve.cluster.multimodal import image_spans, load_image, marker_spans
+from pagedserve.cluster.image_prompts import (
+    chat_ids,
+    qwen_token_counts,
+    split_runs,
+    write_out_runs,
+)
+from pagedserve.cluster.multimodal import image_spans, load_image
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
 from pagedserve.scheduler.multimodal import ImageInput
@@ -53,18 +58,31 @@ def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[s
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
 
 
-def written_out(ids: list[int], images: list[Any], image: dict[str, Any]) -> list[int]:
-    """A Qwen2-VL or LLaVA-NeXT chat's ids with each lone image token written out to
-    its picture's run (counted from the decoded size), so the front's length checks and
-    default ``max_tokens`` see the prompt the engine runs; other models' are whole
-    already. A mismatch is left for the replica, which refuses it with the reason."""
+def _picture_counts(images: list[Any], image: dict[str, Any]) -> list[int] | None:
+    """Each decoded picture's run, for a model whose runs vary by picture (Qwen2-VL's
+    resize, the LLaVA anyres families' canvases); None for a fixed run."""
     resize, anyres = image.get("resize"), image.get("anyres")
-    spans = marker_spans(ids, int(image["image_token_id"]), len(images))
-    if not (resize or anyres) or len(spans) != len(images):
-        return ids
+    if resize:
+        return qwen_token_counts(images, resize)
+    if anyres:
+        return [facts_token_count(img.height, img.width, anyres, len(images))
+                for img in images]
+    return None
+
+
+def written_out(ids: list[int], images: list[Any], image: dict[str, Any]) -> list[int]:
+    """A chat's ids with each lone image token written out to its picture's run, where
+    runs vary by picture (Qwen2-VL, LLaVA-NeXT, LLaVA-OneVision; counted from the decoded
+    size), so the front's length checks and default ``max_tokens`` see the prompt the
+    engine runs; other models' are whole already. A mismatch is left for the replica,
+    which refuses it with the reason."""
     try:
-        counts = qwen_token_counts(images, resize) if resize else [
-            facts_token_count(img.height, img.width, anyres, len(images)) for img in images]
+        counts = _picture_counts(images, image)
+        if counts is None:
+            return ids
+        spans = split_runs(image_spans(ids, int(image["image_token_id"])), counts)
+        if len(spans) != len(images):
+            return ids
         return write_out_runs(ids, spans, counts, int(image["image_token_id"]))[0]
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
@@ -77,8 +95,13 @@ def affinity_images(ids: list[int], images: list[Any], image: dict[str, Any]
     the router only compares its own keys). Without them two prompts that differ only
     in their image would look like one prefix. ``[]`` when the runs do not match the
     images (the replica refuses the request with the reason)."""
-    spans = image_spans(ids, int(image["image_token_id"])) if image["tokens_per_image"] \
-        else marker_spans(ids, int(image["image_token_id"]), len(images))
+    spans = image_spans(ids, int(image["image_token_id"]))
+    try:
+        counts = _picture_counts(images, image)
+    except ValueError:
+        return []
+    if counts is not None:
+        spans = split_runs(spans, counts)
     if len(spans) != len(images):
         return []
     keys = [hashlib.blake2b(f"{img.mode}|{img.size}|".encode() + img.tobytes(),

@@ -25,7 +25,6 @@ from pagedserve.cluster.multimodal import (
     image_hash,
     image_spans,
     load_image,
-    marker_spans,
 )
 from pagedserve.scheduler.multimodal import ImageInput
 
@@ -109,6 +108,33 @@ def write_out_runs(ids: list[int], spans: list[tuple[int, int]], counts: list[in
     return out + ids[last:], new_spans
 
 
+def split_runs(spans: list[tuple[int, int]], counts: list[int]) -> list[tuple[int, int]]:
+    """Each picture's span when a run of the image token may hold several pictures side
+    by side (``counts``: each picture's run once written out): a run is the next
+    pictures' whole runs (written out already, as the HTTP front sends them) where their
+    counts add up to its length, else that many lone markers (as a chat template writes
+    them). Where that does not account for every picture, the runs as they are (the
+    caller says what is wrong)."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    for a, b in spans:
+        k, total = 0, 0
+        while i + k < len(counts) and total < b - a:
+            total += counts[i + k]
+            k += 1
+        if total == b - a:
+            widths = counts[i:i + k]
+        elif i + (b - a) <= len(counts):
+            widths = [1] * (b - a)
+        else:
+            return spans
+        for w in widths:
+            out.append((a, a + w))
+            a += w
+        i += len(widths)
+    return out if i == len(counts) else spans
+
+
 def qwen_token_counts(images: Sequence[Any], resize: dict[str, int]) -> list[int]:
     """How many tokens each decoded picture becomes under Qwen2-VL's resize rule
     (``ImageProcessor.resize_facts``): Hugging Face's ``smart_resize`` of its size,
@@ -158,8 +184,12 @@ class ImagePrompts:
                              f"(limit_mm_per_prompt), got {len(images)}")
         ids = encode(expand_text(self.tokenizer, self.info, prompt)) \
             if isinstance(prompt, str) else expand_single_markers(list(prompt), self.info)
-        spans = image_spans(ids, self.image_token_id) if self.tokens_per_image else \
-            marker_spans(ids, self.image_token_id, len(images))
+        spans = image_spans(ids, self.image_token_id)
+        prepared = None
+        if images and not self.tokens_per_image:  # runs by picture: split them by the counts
+            prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
+            counts = [self.processor.token_count(p) for p in prepared.pixels]
+            spans = split_runs(spans, counts)
         if len(spans) != len(images):
             where = "image markers" if isinstance(prompt, str) \
                 else f"runs of image token {self.image_token_id}"
@@ -172,12 +202,11 @@ class ImagePrompts:
                                      f"placeholder tokens, the run at {a} has {b - a}")
         if not images:
             return ids, ()
-        prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
+        if prepared is None:
+            prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
         grids = [self.processor.grid(p) for p in prepared.pixels]
         if not self.tokens_per_image:  # each run as long as its picture makes it
-            ids, spans = write_out_runs(ids, spans, [self.processor.token_count(p)
-                                                     for p in prepared.pixels],
-                                        self.image_token_id)
+            ids, spans = write_out_runs(ids, spans, counts, self.image_token_id)
         causal = not self.info["bidirectional"]
         return ids, tuple(ImageInput(a, b, key, p, grid, causal) for (a, b), p, key, grid
                           in zip(spans, prepared.pixels, prepared.keys, grids, strict=True))

@@ -191,19 +191,6 @@ def image_hash(pixel_values: torch.Tensor | AnyresPixels) -> str:
     return digest.hexdigest()
 
 
-def marker_spans(token_ids: Sequence[int], image_token_id: int,
-                 num_images: int) -> list[tuple[int, int]]:
-    """``image_spans``, except where the prompt holds exactly one image token per image
-    in fewer runs: lone markers side by side (a chat template that writes
-    ``<image>\n<image>`` where the newline is no token of its own), each its own image's,
-    to be written out to the picture's run. Only for models whose runs vary by picture:
-    a fixed run is never one token."""
-    spans = image_spans(token_ids, image_token_id)
-    if len(spans) < num_images and sum(b - a for a, b in spans) == num_images:
-        return [(i, i + 1) for a, b in spans for i in range(a, b)]
-    return spans
-
-
 def expand_image_tokens(text: str, boi_token: str, image_token: str, eoi_token: str,
                         tokens_per_image: int) -> str:
     """Each ``boi_token`` replaced by ``"\\n\\n" + boi + image_token * n + eoi + "\\n\\n"``:

@@ -189,10 +189,14 @@ def test_bad_llava_onevision_files_name_the_field(ov_dir: str, tmp_path: Path, c
         LLM(model=str(bad), num_gpu_blocks=16)
 
 
-def test_lone_markers_side_by_side_are_one_image_each() -> None:
-    from pagedserve.cluster.multimodal import marker_spans
+def test_runs_side_by_side_split_into_pictures() -> None:
+    """Lone markers a template writes side by side, or whole runs the HTTP front wrote
+    out side by side: each picture gets its own span."""
+    from pagedserve.cluster.image_prompts import split_runs
 
-    assert marker_spans([1, IMG, IMG, 5], IMG, 2) == [(1, 2), (2, 3)]
-    assert marker_spans([1, IMG, IMG, 5], IMG, 1) == [(1, 3)]  # one picture's written run
-    assert marker_spans([IMG, 5, IMG, IMG], IMG, 3) == [(0, 1), (2, 3), (3, 4)]
-    assert marker_spans([1, *[IMG] * 10], IMG, 2) == [(1, 11)]  # runs, not markers: as is
+    assert split_runs([(1, 3)], [5, 5]) == [(1, 2), (2, 3)]  # two lone markers
+    assert split_runs([(1, 11)], [5, 5]) == [(1, 6), (6, 11)]  # two written runs
+    assert split_runs([(1, 6)], [5]) == [(1, 6)]
+    assert split_runs([(0, 1), (2, 9)], [5, 4, 3]) == [(0, 1), (2, 6), (6, 9)]
+    assert split_runs([(1, 6)], [4, 4]) == [(1, 6)]  # accounts for neither: as it is
+    assert split_runs([(1, 4)], [5, 5]) == [(1, 4)]
