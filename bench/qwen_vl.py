@@ -28,9 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from images import report  # sibling scripts
+from images import ours_warmed, report  # sibling scripts
 
-from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing import random_picture, write_random_qwen2_vl
 
 
@@ -38,26 +37,6 @@ def prompt(i: int, vocab: int, tokens_per_image: int, text: int) -> list[int]:
     start, end, pad = vocab - 3, vocab - 2, vocab - 1
     words = [10 + (37 * i + 11 * j) % (vocab - 20) for j in range(2 * text)]
     return [*words[:text], start, *[pad] * tokens_per_image, end, *words[text:]]
-
-
-def ours(path: str, prompts: list[list[int]], images: list, warm: list, max_tokens: int
-         ) -> tuple[float, list[list[int]]]:
-    """Timed after a warm-up on two other pictures (neither the prefix cache nor the
-    encoder cache holds the timed ones)."""
-    llm = LLM(model=path, num_gpu_blocks=2048)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": img}}
-                      for p, img in zip(prompts[:2], warm, strict=True)],
-                     SamplingParams(temperature=0.0, max_tokens=2))
-        llm.reset_prefix_cache()
-        batch = [{"prompt_token_ids": p, "multi_modal_data": {"image": img}}
-                 for p, img in zip(prompts, images, strict=True)]
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, params)
-        return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
-    finally:
-        llm.shutdown()
 
 
 def hugging_face(path: str, prompts: list[list[int]], images: list, max_tokens: int,
@@ -121,7 +100,7 @@ def main() -> None:
         images = [random_picture(i, (args.image_size, args.image_size))
                   for i in range(args.requests)]
         warm = [random_picture(1000 + i, (args.image_size, args.image_size)) for i in (0, 1)]
-        ours_run = ours(path, prompts, images, warm, args.max_tokens)
+        ours_run = ours_warmed(path, prompts, images, warm, args.max_tokens)
         hf_run = hugging_face(path, prompts, images, args.max_tokens, vocab - 1)
     report(args, f"{args.kind}: {args.requests} prompts of {len(prompts[0])} tokens (one "
                  f"{args.image_size}px picture, {tokens_per_image} tokens) + "
