@@ -61,7 +61,7 @@ def speculate_local(hay: bytes | bytearray, tokens: Sequence[int], max_depth: in
     lo, hi = 0, min(max_depth, n) - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _latest(hay, bytes(hay[(n - mid) * TOKEN_WIDTH:]), end) >= 0:
+        if _latest(hay, hay[(n - mid) * TOKEN_WIDTH:], end) >= 0:
             lo = mid
         else:
             hi = mid - 1
@@ -69,7 +69,7 @@ def speculate_local(hay: bytes | bytearray, tokens: Sequence[int], max_depth: in
         cap = min(max_draft_len(m, max_spec_tokens, max_spec_factor), max_depth - m)
         if cap <= best.score or cap < at_least:
             continue
-        needle = bytes(hay[(n - m) * TOKEN_WIDTH:])
+        needle = hay[(n - m) * TOKEN_WIDTH:]
         ends = []
         at = _latest(hay, needle, end)
         while at >= 0 and len(ends) < max_occurrences:
@@ -86,7 +86,7 @@ def speculate_local(hay: bytes | bytearray, tokens: Sequence[int], max_depth: in
     return best
 
 
-def _latest(hay: bytes | bytearray, needle: bytes, end: int) -> int:
+def _latest(hay: bytes | bytearray, needle: bytes | bytearray, end: int) -> int:
     """Byte offset of the latest token-aligned occurrence of ``needle`` ending by
     ``end``, or -1."""
     at = hay.rfind(needle, 0, end)
