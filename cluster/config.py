@@ -347,6 +347,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             speculative_model=spec.model if spec else None,
+            speculative_method=spec.method if spec else "draft_model",
             speculative_quantization=spec.quantization if spec else None,
             num_threads=self.num_threads,
             max_lora_rank=self.max_lora_rank if self.enable_lora else 0,

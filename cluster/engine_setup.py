@@ -12,6 +12,8 @@ from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.draft_model import check_draft
+from pagedserve.worker.eagle_runner import check_eagle
+from pagedserve.worker.models.eagle import EAGLE_METHODS
 from pagedserve.worker.pipeline import check_stages_fit
 
 
@@ -19,7 +21,13 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
     """Every rank's settings, after the checks that need no rank: the draft model is
     resolved to a local path and fits the target, the pipeline's stages hold layers."""
     wcfg = config.worker_config(model_path, device)
-    if wcfg.speculative_model is not None:
+    if wcfg.speculative_model is not None and wcfg.speculative_method in EAGLE_METHODS:
+        wcfg = replace(wcfg, speculative_model=check_eagle(
+            wcfg.speculative_model, wcfg.speculative_method, model_path))
+        if wcfg.speculative_method == "eagle3" and config.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config.method 'eagle3' reads layers of every "
+                             "pipeline stage; run it with pipeline_parallel_size 1")
+    elif wcfg.speculative_model is not None:
         wcfg = replace(wcfg, speculative_model=check_draft(
             wcfg.speculative_model, model_path, wcfg.hybrid_kv_cache))
     if config.pipeline_parallel_size > 1:

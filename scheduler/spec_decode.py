@@ -32,7 +32,9 @@ from typing import Any
 from pagedserve.scheduler.request import TOKEN_WIDTH, Request
 from pagedserve.scheduler.suffix_decoding import SuffixProposer
 
-SPEC_METHODS = ("ngram", "draft_model", "suffix")
+SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3")
+# Methods whose guesses come from a model beside the sampler (``model`` names it).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 DRAFT_QUANTIZATIONS = ("int8", "int4")
 
 
@@ -41,7 +43,9 @@ class SpeculativeConfig:
     """vLLM's ``speculative_config``: ``method="ngram"``, or ``"draft_model"`` with
     ``model`` (a local directory or cached hub id sharing the target's tokenizer;
     given ``model``, the method defaults to it). ``quantization`` ("int8" / "int4")
-    quantises the draft's weights online, a cheaper drafter on CPU.
+    quantises the draft's weights online, a cheaper drafter on CPU. ``"eagle"`` and
+    ``"eagle3"`` take ``model`` too: an EAGLE / EAGLE-3 head that drafts from the
+    target's own hidden states (``worker.models.eagle``).
 
     Defaults from ``bench/spec_decode.py`` on SmolLM2: single-token matches
     (``prompt_lookup_min=1``) guess twice as often for little more accepted,
@@ -82,13 +86,16 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             default = self.suffix_decoding_max_tree_depth if self.method == "suffix" else 4
             object.__setattr__(self, "num_speculative_tokens", min(default, 64))
-        if self.method == "draft_model":
+        if self.method in MODEL_METHODS:
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError("speculative_config.model must name the draft model "
                                  f"(a local directory or cached hub id), got {self.model!r}")
-        elif self.model is not None or self.quantization is not None:
-            raise ValueError("speculative_config.model and .quantization are for "
-                             f"method 'draft_model', not {self.method!r}")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config.model is for methods {MODEL_METHODS}, "
+                             f"not {self.method!r}")
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError("speculative_config.quantization is for method 'draft_model', "
+                             f"not {self.method!r}")
         q = self.quantization
         if q is not None and q not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"speculative_config.quantization must be one of "
@@ -143,7 +150,8 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """Whether a model beside the sampler drafts (a draft model or an EAGLE head)."""
+        return self.method in MODEL_METHODS
 
     @property
     def num_lookahead(self) -> int:

@@ -275,8 +275,9 @@ class WorkerConfig:
     ``gpu_memory_utilization`` of the device is used after a profiling forward,
     whose logits rows include ``num_speculative_tokens`` per sequence.
 
-    ``speculative_model`` is a draft model (``worker.draft_model``) held by the rank
-    that samples, its weights quantised online by ``speculative_quantization`` when
+    ``speculative_model`` is a draft model (``worker.draft_model``), or for
+    ``speculative_method`` "eagle" / "eagle3" an EAGLE head (``models.eagle``), held by
+    the rank that samples, its weights quantised online by ``speculative_quantization`` when
     set; its KV pool has the target's block count, so its bytes count in that rank's
     bytes per block.
 
@@ -327,6 +328,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     num_speculative_tokens: int = 0
     speculative_model: str | None = None
+    speculative_method: str = "draft_model"
     speculative_quantization: str | None = None
     cpu_packed_weights: bool = True
     num_threads: int | None = None

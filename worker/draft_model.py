@@ -179,13 +179,15 @@ class DraftRunner:
         self.kv_cache.copy(plan.blocks_to_copy)
 
     @torch.inference_mode()
-    def run(self, plan: SchedulerOutput, out: ModelRunnerOutput) -> dict[str, list[int]]:
+    def run(self, plan: SchedulerOutput, out: ModelRunnerOutput,
+            hidden: torch.Tensor | None = None) -> dict[str, list[int]]:
         """Catch the draft up on the step's kept tokens; return each proposing row's
         ``k`` guesses.
 
         A decode row's leading tokens that the row's last proposal already ran (its
         sampled token and the accepted guesses, at the same positions in the same
-        blocks) are skipped: after a rejection only the new token is left to run."""
+        blocks) are skipped: after a rejection only the new token is left to run.
+        (``hidden``, the target's hidden states, is for heads that read them.)"""
         rows: list[tuple[list[int], int, list[int]]] = []  # tokens, first position, table
         proposing: list[tuple[int, str]] = []  # (index into rows, request id)
         params: list[SamplingParams | None] = []  # a proposing row's, if it samples unseeded
@@ -307,6 +309,17 @@ class DraftRunner:
         """One forward of ``rows`` (tokens, first position, block table) through the
         draft's pool; the logits of the last token of rows ``want``. ``tables`` (on the
         CPU, on the device) reach at least each row's end: built here when None."""
+        ids, positions, md, last = self._inputs(rows, tables)
+        hidden = self.model(ids, positions, self.kv_cache.layers, md)
+        if not want:
+            return hidden[:0]
+        return self.model.compute_logits(hidden.index_select(0, last[want]))
+
+    def _inputs(self, rows: list[tuple[list[int], int, list[int]]],
+                tables: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Token ids, positions and attention metadata of ``rows`` on the device, and
+        each row's last token's index into them."""
         bsz, dev = self.block_size, self.device
         q_lens = [len(t) for t, _, _ in rows]
         seq_lens = [s + q for (_, s, _), q in zip(rows, q_lens)]
@@ -328,8 +341,4 @@ class DraftRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             is_decode=is_decode,
             varlen=None if is_decode else build_varlen_metadata(q_lens, seq_lens, dev))
-        hidden = self.model(ids.to(dev), positions.to(dev), self.kv_cache.layers, md)
-        if not want:
-            return hidden[:0]
-        last = (first + q_t - 1)[torch.tensor(want)]
-        return self.model.compute_logits(hidden.index_select(0, last.to(dev)))
+        return ids.to(dev), positions.to(dev), md, (first + q_t - 1).to(dev)

@@ -194,11 +194,12 @@ class ModelRunner:
                        ) -> torch.Tensor | IntermediateTensors:
         """Final hidden states for every token of the step (CUDA graph for decode if
         captured; steps with LoRA rows run eagerly, since their grouping varies, and so
-        does the step that calibrates fp8 KV scales). A pipeline stage before the last
+        do the step that calibrates fp8 KV scales and, under an EAGLE-3 head, every
+        step: it keeps three layers' inputs, which a graph would not). A pipeline stage before the last
         returns what the next stage continues from."""
         lora_rows = self.lora is not None and self.lora.batch.groups
         if (self.graphs is not None and inputs.md.is_decode and not lora_rows
-                and not self.model.kv_scales_pending):
+                and not self.model.kv_scales_pending and not self.model.aux_layers):
             out = self.graphs.run(inputs.input_ids, inputs.positions, inputs.md)
             if out is not None:
                 return out
@@ -291,7 +292,7 @@ class ModelRunner:
                     self.drafter.attach_probs(inputs.drafted_reqs)
                 out.spec_tokens = self.sampler.sample_drafted(logits, inputs.drafted_reqs)
         if self.drafter is not None and out is not None:
-            out.draft_tokens = self.drafter.run(plan, out)
+            out.draft_tokens = self.drafter.run(plan, out, hidden)
         return out
 
 

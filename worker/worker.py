@@ -30,6 +30,7 @@ from pagedserve.worker.draft_model import (
     draft_block_bytes,
     load_draft_model,
 )
+from pagedserve.worker.eagle_runner import EagleRunner, load_eagle_head
 from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, cuda_kv_budget, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
@@ -41,6 +42,7 @@ from pagedserve.worker.loaders.prequant import dequantized_weights
 from pagedserve.worker.model_info import model_info
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
+from pagedserve.worker.models.eagle import EAGLE_METHODS, EagleHead
 from pagedserve.worker.models.multimodal import with_vision
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
@@ -126,14 +128,24 @@ class Worker:
         self.model_config = ModelConfig.from_pretrained(self.resolved.path)
         self.build_model(self.resolved, self.model_config)
         if self.config.speculative_model and self.ctx.is_first and self.model.stage.is_last:
-            self.draft = load_draft_model(
+            self.draft = self._load_draft()
+        self.load_time_s = time.perf_counter() - t0
+        logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
+                    self.load_time_s)
+
+    def _load_draft(self) -> DraftModel:
+        """The draft model or EAGLE head ``speculative_model`` names (the sampling rank's)."""
+        assert self.ctx is not None and self.config.speculative_model is not None
+        if self.config.speculative_method in EAGLE_METHODS:
+            return load_eagle_head(
+                self.config.speculative_model, self.config.speculative_method, self.model,
+                self.resolved.path, self.ctx, self.dtype, self.device,
+                self.config.attention_backend, self.config.cpu_packed_weights)
+        return load_draft_model(
                 self.config.speculative_model, self.dtype, self.device,
                 self.config.attention_backend, self.config.speculative_quantization,
                 self.model_config, self.config.cpu_packed_weights,
                 self.config.hybrid_kv_cache)
-        self.load_time_s = time.perf_counter() - t0
-        logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
-                    self.load_time_s)
 
     def build_model(self, resolved: ResolvedModel, model_config: ModelConfig) -> None:
         """Build the model from ``resolved``'s weights (this rank's shard), then quantise,
@@ -187,6 +199,8 @@ class Worker:
         if self.config.max_lora_rank:
             self.lora = LoRAManager(model, self.config.max_lora_rank, self.dtype, self.device)
         self.model = model
+        if self.draft is not None and isinstance(self.draft.model, EagleHead):
+            self.draft.model.attach(model)  # (rebuilt: woken from sleep, new weights)
 
     @property
     def num_local_layers(self) -> int:
@@ -307,6 +321,9 @@ class Worker:
         kv = KVCache(mc.num_layers, self.kv_cache.num_blocks, self.config.block_size,
                      mc.num_kv_heads, mc.head_dim, self.dtype, self.device, self.backend,
                      self.kv_cache.num_cpu_blocks)
+        if isinstance(self.draft.model, EagleHead):
+            return EagleRunner(self.draft, kv, self.device, self.config.num_speculative_tokens,
+                               self.model)
         return DraftRunner(self.draft, kv, self.device, self.config.num_speculative_tokens,
                            self.model_config.vocab_size)
 

@@ -257,6 +257,36 @@ def test_cuda_draft_model_equals_hugging_face(tiny_dir, engines) -> None:
 
 
 
+@cuda_only
+def test_cuda_eagle_heads_equal_hugging_face(tiny_dir, engines, tmp_path) -> None:
+    """EAGLE on the GPU reads the features a captured decode graph gives back, and a
+    head that guesses right keeps them all; EAGLE-3 (every step eager: it keeps three
+    layers' inputs) over a draft vocabulary changes no greedy token."""
+    from pagedserve.worker.testing_eagle import write_guessing_pair, write_random_eagle
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = _prompts()
+    target, head = write_guessing_pair(tmp_path / "pair", None, num_layers=2)
+    llm = LLM(model=target, device="cuda", dtype="float32", num_gpu_blocks=512,
+              speculative_config={"method": "eagle", "model": head,
+                                  "num_speculative_tokens": 4})
+    engines.append(llm)
+    assert _graphs(llm) is not None
+    assert _greedy(llm, prompts, params) == hf_greedy(target, prompts, 32, device="cuda")
+    spec = llm.engine.get_stats()["spec_decode"]
+    assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
+    assert_pool_at_baseline(llm)
+    e3 = write_random_eagle(tmp_path / "e3", tiny_dir, "eagle3", draft_vocab=4096,
+                            aux_layers=[0, 1, 1])
+    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", num_gpu_blocks=512,
+              speculative_config={"method": "eagle3", "model": e3,
+                                  "num_speculative_tokens": 3})
+    engines.append(llm)
+    assert _greedy(llm, prompts, params) == hf_greedy(tiny_dir, prompts, 32, device="cuda")
+    assert llm.engine.get_stats()["spec_decode"]["num_drafts"] > 0
+    assert_pool_at_baseline(llm)
+
+
 def _write_lora_by_hand(base_dir: str, dest, targets: list[str], r: int, seed: int) -> str:
     """A PEFT-format adapter written without ``peft`` (the GPU box has no package index):
     ``adapter_config.json`` and ``adapter_model.safetensors`` with random A and B."""

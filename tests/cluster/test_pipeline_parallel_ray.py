@@ -19,6 +19,7 @@ from pagedserve.cluster import LLM, BeamSearchParams, SamplingParams
 from pagedserve.cluster.async_engine import AsyncEngine
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.worker.testing import write_random_checkpoint
+from pagedserve.worker.testing_eagle import write_guessing_pair, write_random_eagle
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
@@ -177,6 +178,29 @@ def test_pp2_draft_model_with_plans_in_flight_and_swaps(ray_cluster, three_layer
     with pytest.raises(ValueError, match=r"speculative_config\.model"):  # (the last stage's)
         LLM(model=three_layer_llama, pipeline_parallel_size=2, num_gpu_blocks=16,
             speculative_config={"model": tiny_llama_dir + "-missing"})
+
+
+def test_pp2_eagle_head_drafts_on_the_last_stage(ray_cluster, default_model_dir,
+                                                 tmp_path) -> None:
+    """The last stage's rank 0 holds the head, with the embedding (on the first stage)
+    read from the checkpoint: a head that guesses right keeps every guess. EAGLE-3,
+    which reads layers of both stages, is refused before any actor starts."""
+    target, head = write_guessing_pair(tmp_path / "pair", default_model_dir, num_layers=3)
+    prompts = prompts_of_mixed_lengths(4)
+    llm = LLM(model=target, pipeline_parallel_size=2, num_gpu_blocks=64, num_threads=1,
+              speculative_config={"method": "eagle", "model": head,
+                                  "num_speculative_tokens": 3})
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(target, prompts, 12)
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    e3 = write_random_eagle(tmp_path / "e3", target, "eagle3", aux_layers=[0, 1, 2])
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        LLM(model=target, pipeline_parallel_size=2, num_gpu_blocks=64,
+            speculative_config={"method": "eagle3", "model": e3})
 
 
 def test_pp2_sampling_features_equal_one_rank(ray_cluster, three_layer_llama) -> None:

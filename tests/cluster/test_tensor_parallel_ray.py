@@ -9,6 +9,7 @@ import os
 import pytest
 
 from pagedserve.cluster import LLM, LoRARequest, PoolingParams, SamplingParams
+from pagedserve.worker.testing_eagle import write_guessing_pair
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.lora_fixtures import GREEDY, make_llama_adapters, mixed_batch, write_adapter
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
@@ -119,6 +120,26 @@ def test_tp2_with_speculative_decoding_equals_hugging_face(ray_cluster, tiny_lla
                                                     ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama_dir, prompts, 16)
         assert llm.engine.get_stats()["spec_decode"]["num_drafts"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_eagle_head_reads_its_own_copy_of_the_embedding_and_head(
+        ray_cluster, default_model_dir, tmp_path) -> None:
+    """Rank 0 drafts alone, so under TP its head loads the target's embedding and LM
+    head whole from the checkpoint: a head that guesses right keeps every guess."""
+    target, head = write_guessing_pair(tmp_path, default_model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = prompts_of_mixed_lengths(4)
+    llm = LLM(model=target, tensor_parallel_size=2, num_gpu_blocks=64, num_threads=1,
+              speculative_config={"method": "eagle", "model": head,
+                                  "num_speculative_tokens": 3})
+    try:
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(target, prompts, 16)
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()

@@ -58,7 +58,10 @@ def test_proposer_equals_the_definition_on_random_sequences() -> None:
 
 
 @pytest.mark.parametrize("bad,field", [
-    ({"method": "eagle"}, "method"),
+    ({"method": "medusa"}, "method"),
+    ({"method": "eagle"}, "speculative_config.model"),
+    ({"method": "eagle3", "model": "x", "quantization": "int8"}, "quantization"),
+    ({"method": "suffix", "model": "x"}, "speculative_config.model"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size"),

@@ -133,6 +133,10 @@ class LlamaForCausalLM(nn.Module):
 
     layer_cls: type[nn.Module] = LlamaDecoderLayer
     norm_cls: type[nn.Module] = RMSNorm
+    # Layers whose inputs (the residual stream) each forward keeps in ``aux_hidden``,
+    # by layer index, for an EAGLE-3 head (``models.eagle``); none by default.
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: dict[int, torch.Tensor] = {}
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device, stage: PipelineStage | None = None):
@@ -208,7 +212,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = intermediate.hidden, intermediate.residual
         ropes = self.layer_ropes(positions, x.dtype)
-        for layer, kv, (cos, sin) in zip(self.layers, kv_caches, ropes, strict=True):
+        if self.aux_layers:
+            self.aux_hidden = {}
+        for i, (layer, kv, (cos, sin)) in enumerate(zip(self.layers, kv_caches, ropes,
+                                                        strict=True), self.stage.start):
+            if i in self.aux_layers:
+                self.aux_hidden[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, cos, sin, kv, md)
         if self.norm is None:
             assert residual is not None  # every stage holds at least one layer
