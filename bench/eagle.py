@@ -11,8 +11,8 @@ so that its next token depends on its last token only, with a one-layer head tha
 computes exactly that (``worker.testing_eagle.write_guessing_pair``); the draft
 model and HF's assistant are the target itself. Every guess of all three is kept,
 so the differences are what drafting costs: one layer a guess for the head, 30 for
-the draft. A real head keeps fewer (vLLM reports 2-3.5 tokens a step for EAGLE-3 on
-Llama-3-8B), which scales the gain over plain decoding down, not the cost.
+the draft. A real head keeps fewer, which scales the gain over plain decoding down
+with the tokens kept a step, not the cost of a guess.
 
 Requests run one at a time (latency; assisted generation takes batch 1 only), and
 pagedserve also runs the prompts as one batch. Prints output tokens/s of each, the
