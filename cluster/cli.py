@@ -95,7 +95,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\', suffix '
                         'decoding \'{"method": "suffix"}\' (earlier answers too) or a '
                         'draft model \'{"model": "/path/to/draft", "num_speculative_tokens": '
-                        '4, "quantization": "int8"}\'')
+                        '4, "quantization": "int8"}\' or an EAGLE head \'{"method": "eagle3", '
+                        '"model": "/path/to/head", "num_speculative_tokens": 3}\'')
 
 
 def _json_object(text: str) -> dict:

@@ -16,7 +16,9 @@ ends an ``n > 1`` prompt leaves its last feature to each sibling's first step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -26,8 +28,9 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.draft_model import DraftModel, DraftRunner
 from pagedserve.worker.kv_cache import KVCache
+from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.layers.packed import can_pack, pack_model
-from pagedserve.worker.loaders import iter_safetensors, resolve_model
+from pagedserve.worker.loaders import BIN_CHECKPOINT, iter_safetensors, resolve_model
 from pagedserve.worker.loaders.hf import checkpoint_names
 from pagedserve.worker.models.eagle import EagleHead, EagleSpec, read_eagle_spec
 from pagedserve.worker.models.llama import LlamaForCausalLM
@@ -47,7 +50,7 @@ def check_eagle(path: str, method: str, target_path: str) -> str:
 
 def _resolve(path: str, method: str, target: ModelConfig) -> tuple[str, EagleSpec]:
     try:
-        local = resolve_model(path).path
+        local = resolve_model(path, allow_bin=True).path
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"speculative_config.model {path!r}: {e}") from e
     return local, read_eagle_spec(local, method, target)
@@ -63,7 +66,8 @@ def load_eagle_head(path: str, method: str, target: LlamaForCausalLM, target_pat
     if spec.aux_layers and target.stage.size > 1:
         raise ValueError(f"speculative_config.model {path!r}: EAGLE-3 reads layers of "
                          "every pipeline stage; run it with pipeline_parallel_size 1")
-    names = {n.removeprefix("model.") for n in checkpoint_names(local)}
+    names, tensors = _head_tensors(local)
+    names = {n.removeprefix("model.") for n in names}
     whole = ctx.world_size == 1 and target.embed_tokens is not None \
         and target.lm_head is not None
     backend = get_backend(attention_backend, device, kv_cache_dtype=dtype, model_dtype=dtype)
@@ -72,7 +76,7 @@ def load_eagle_head(path: str, method: str, target: LlamaForCausalLM, target_pat
                      target.lm_head if whole else None,
                      fc_bias="fc.bias" in names,
                      embed_in_checkpoint="embed_tokens.weight" in names)
-    head.load_weights(iter_safetensors(local))
+    head.load_weights(tensors)
     if (head.own_embed and "embed_tokens.weight" not in head._expected_names()) \
             or (head.own_head and not head.eagle3):
         head.load_target_tensors(iter_safetensors(target_path),
@@ -86,6 +90,16 @@ def load_eagle_head(path: str, method: str, target: LlamaForCausalLM, target_pat
     logger.info("%s head %s for a %d-layer target%s", method, path, target.config.num_layers,
                 f", reading layers {list(spec.aux_layers)}" if spec.aux_layers else "")
     return DraftModel(head, spec.config, path)
+
+
+def _head_tensors(local: str) -> tuple[set[str], Iterable[tuple[str, LazyTensor]]]:
+    """The head's tensor names, and its tensors: safetensors read lazily, else
+    ``pytorch_model.bin`` (as most heads are published; one layer, memory-mapped)."""
+    if any(Path(local).glob("*.safetensors")):
+        return checkpoint_names(local), iter_safetensors(local)
+    state = torch.load(Path(local) / BIN_CHECKPOINT, map_location="cpu", weights_only=True,
+                       mmap=True)
+    return set(state), state.items()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pagedserve.worker.testing import write_random_checkpoint
 def write_random_eagle(dest: str | Path, target_dir: str | Path, method: str = "eagle",
                        seed: int = 0, draft_vocab: int | None = None, fc_bias: bool = True,
                        aux_layers: list[int] | None = None, scale: float = 1.0,
-                       **overrides: Any) -> str:
+                       safetensors: bool = True, **overrides: Any) -> str:
     """Save a random head for the checkpoint at ``target_dir``; return its path.
 
     ``method``: "eagle" (``fc`` over ``[embedding, feature]``, a layer without an input
@@ -25,7 +25,8 @@ def write_random_eagle(dest: str | Path, target_dir: str | Path, method: str = "
     "eagle3" (``fc`` over three layers' inputs, ``midlayer`` reading
     ``[norm(embedding), norm(feature)]``, a final norm and its own LM head over
     ``draft_vocab`` ids, mapped by ``d2t``). ``aux_layers`` goes to its
-    ``eagle_config``; ``overrides`` are config fields."""
+    ``eagle_config``; ``safetensors=False`` writes ``pytorch_model.bin``, as most
+    released heads are; ``overrides`` are config fields."""
     if method not in ("eagle", "eagle3"):
         raise ValueError(f"method must be 'eagle' or 'eagle3', got {method!r}")
     target = json.loads((Path(target_dir) / "config.json").read_text())
@@ -73,7 +74,7 @@ def write_random_eagle(dest: str | Path, target_dir: str | Path, method: str = "
         config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=rows)
         if aux_layers is not None:
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
-    return _save(dest, config, tensors)
+    return _save(dest, config, tensors, safetensors)
 
 
 def write_guessing_pair(dest: str | Path, tokenizer_dir: str | Path | None = None,
@@ -122,11 +123,15 @@ def _target_tensor(target_dir: str | Path, name: str) -> torch.Tensor:
     raise KeyError(f"{name} not in {target_dir}")
 
 
-def _save(dest: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
+def _save(dest: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+          safetensors: bool = True) -> str:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()},
-              str(dest / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if safetensors:
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, dest / "pytorch_model.bin")
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return str(dest)
 

