@@ -24,13 +24,8 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import batch_invariant
 from pagedserve.worker import sleep as sleep_mode
 from pagedserve.worker.config import ModelConfig, WorkerConfig
-from pagedserve.worker.draft_model import (
-    DraftModel,
-    DraftRunner,
-    draft_block_bytes,
-    load_draft_model,
-)
-from pagedserve.worker.eagle_runner import EagleRunner, load_eagle_head
+from pagedserve.worker.draft_model import DraftModel, draft_block_bytes
+from pagedserve.worker.drafting import drafter_runner, load_drafter
 from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, cuda_kv_budget, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
@@ -42,7 +37,7 @@ from pagedserve.worker.loaders.prequant import dequantized_weights
 from pagedserve.worker.model_info import model_info
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
-from pagedserve.worker.models.eagle import EAGLE_METHODS, EagleHead
+from pagedserve.worker.models.eagle import EagleHead
 from pagedserve.worker.models.multimodal import with_vision
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
@@ -128,24 +123,11 @@ class Worker:
         self.model_config = ModelConfig.from_pretrained(self.resolved.path)
         self.build_model(self.resolved, self.model_config)
         if self.config.speculative_model and self.ctx.is_first and self.model.stage.is_last:
-            self.draft = self._load_draft()
+            self.draft = load_drafter(self.config, self.model, self.model_config,
+                                      self.resolved.path, self.ctx, self.dtype, self.device)
         self.load_time_s = time.perf_counter() - t0
         logger.info("rank %d loaded %s in %.1fs", self.ctx.rank, self.resolved.model_id,
                     self.load_time_s)
-
-    def _load_draft(self) -> DraftModel:
-        """The draft model or EAGLE head ``speculative_model`` names (the sampling rank's)."""
-        assert self.ctx is not None and self.config.speculative_model is not None
-        if self.config.speculative_method in EAGLE_METHODS:
-            return load_eagle_head(
-                self.config.speculative_model, self.config.speculative_method, self.model,
-                self.resolved.path, self.ctx, self.dtype, self.device,
-                self.config.attention_backend, self.config.cpu_packed_weights)
-        return load_draft_model(
-                self.config.speculative_model, self.dtype, self.device,
-                self.config.attention_backend, self.config.speculative_quantization,
-                self.model_config, self.config.cpu_packed_weights,
-                self.config.hybrid_kv_cache)
 
     def build_model(self, resolved: ResolvedModel, model_config: ModelConfig) -> None:
         """Build the model from ``resolved``'s weights (this rank's shard), then quantise,
@@ -307,25 +289,12 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
                                   max_num_seqs=self.config.max_num_seqs, lora=self.lora,
-                                  drafter=self._draft_runner())
+                                  drafter=None if self.draft is None else drafter_runner(
+                                      self.draft, self.model, self.kv_cache, self.config,
+                                      self.dtype, self.device, self.backend))
         if scaled and calibrate:
             for attn in self.model.attention_layers():
                 attn.arm_calibration()
-
-    def _draft_runner(self) -> DraftRunner | None:
-        """The draft model over a KV pool of its own with the target's block ids."""
-        if self.draft is None:
-            return None
-        assert self.kv_cache is not None
-        mc = self.draft.config
-        kv = KVCache(mc.num_layers, self.kv_cache.num_blocks, self.config.block_size,
-                     mc.num_kv_heads, mc.head_dim, self.dtype, self.device, self.backend,
-                     self.kv_cache.num_cpu_blocks)
-        if isinstance(self.draft.model, EagleHead):
-            return EagleRunner(self.draft, kv, self.device, self.config.num_speculative_tokens,
-                               self.model)
-        return DraftRunner(self.draft, kv, self.device, self.config.num_speculative_tokens,
-                           self.model_config.vocab_size)
 
     def _grammar_book(self) -> Any:
         """Structured-output state, built on the first constrained request (rank 0 only
