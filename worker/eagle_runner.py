@@ -77,8 +77,7 @@ def load_eagle_head(path: str, method: str, target: LlamaForCausalLM, target_pat
                      fc_bias="fc.bias" in names,
                      embed_in_checkpoint="embed_tokens.weight" in names)
     head.load_weights(tensors)
-    if (head.own_embed and "embed_tokens.weight" not in head._expected_names()) \
-            or (head.own_head and not head.eagle3):
+    if head.needs_target_tensors:
         head.load_target_tensors(iter_safetensors(target_path),
                                  target.config.tie_word_embeddings)
     head.eval()

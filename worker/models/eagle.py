@@ -29,7 +29,6 @@ or under ``model.``.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -46,8 +45,6 @@ from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.llama import LlamaDecoderLayer
 from pagedserve.worker.parallel import ParallelContext
-
-logger = logging.getLogger(__name__)
 
 EAGLE_METHODS = ("eagle", "eagle3")
 _LAYER = "layers.0."
@@ -241,6 +238,13 @@ class EagleHead(nn.Module):
                                  f"of {self.config.vocab_size}")
             if len(ids) != self.config.vocab_size or bool(self.d2t.any()):
                 self.target_ids = ids
+
+    @property
+    def needs_target_tensors(self) -> bool:
+        """Whether the embedding or LM head must come from the target's checkpoint (the
+        target holds no whole copy here and the head's checkpoint has none)."""
+        return (self.own_embed and not self._embed_in_checkpoint) or \
+            (self.own_head and not self.eagle3)
 
     def load_target_tensors(self, weights: Iterable[tuple[str, LazyTensor]],
                             tied: bool) -> None:
