@@ -58,7 +58,11 @@ HELD_OUT = 8
 TEMPLATES = ["Explain {t} in simple terms.", "Write a short paragraph about {t}.",
              "What are three interesting facts about {t}?", "Why is {t} important?",
              "Describe {t} to a ten year old.", "Give a brief history of {t}.",
-             "What are the pros and cons of {t}?", "Write a short poem about {t}."]
+             "What are the pros and cons of {t}?", "Write a short poem about {t}.",
+             "How does {t} affect everyday life?", "Write a short story involving {t}.",
+             "What would the world be like without {t}?", "Summarize what you know about {t}.",
+             "List five words that describe {t}.", "What do scientists study about {t}?",
+             "Write a tweet about {t}.", "What are common misconceptions about {t}?"]
 
 
 class DenseEagle(nn.Module):
@@ -184,6 +188,22 @@ def train(head: DenseEagle, seqs: list[list[int]], feats: list[torch.Tensor], mi
             "final_token_loss": losses[-1][1]}
 
 
+def heldout_top1(head: DenseEagle, seqs: list[list[int]], feats: list[torch.Tensor],
+                 prompt_lens: list[int]) -> float:
+    """How often the head's first guess (from the model's own features, as the
+    engine's first guess of a step is) is the model's next token, over the answers
+    to the held-out prompts (from their second token: the first is sampled): what
+    the engine's first guesses should keep."""
+    hit = total = 0
+    with torch.inference_mode():
+        for s, f, n in zip(seqs, feats, prompt_lens):
+            out = head(torch.tensor([s[1:]]), f[None, :-1])[0]
+            guess = (out[n - 1:-1] @ head.embed.T).argmax(-1)
+            hit += int((guess == torch.tensor(s[n + 1:])).sum())
+            total += len(s) - n - 1
+    return hit / max(total, 1)
+
+
 def run(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     from pagedserve.cluster import SamplingParams
 
@@ -195,9 +215,9 @@ def run(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[lis
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--train-minutes", type=float, default=8.0)
+    ap.add_argument("--train-minutes", type=float, default=10.0)
     ap.add_argument("--answer-tokens", type=int, default=160)
-    ap.add_argument("--num-train-prompts", type=int, default=None, help="(all: 400)")
+    ap.add_argument("--num-train-prompts", type=int, default=None, help="(all: 800)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ce-weight", type=float, default=0.1)
@@ -234,6 +254,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     t0 = time.perf_counter()
     feats = features(model, seqs)
+    eval_seqs = [p + o for p, o in zip(eval_prompts, plain_out)]
+    eval_feats = features(model, eval_seqs)
     print(f"features in {time.perf_counter() - t0:.0f} s", flush=True)
     embed = model.model.embed_tokens.weight.detach()
     hf_t0 = time.perf_counter()
@@ -250,6 +272,10 @@ def main() -> None:
     head = DenseEagle(cfg, embed)
     stats = train(head, seqs, feats, args.train_minutes, args.batch, args.ce_weight,
                   args.noise, args.lr)
+    stats["heldout_top1"] = heldout_top1(head, eval_seqs, eval_feats,
+                                         [len(p) for p in eval_prompts])
+    print(f"held-out answers, teacher-forced: the head's top guess is the model's next "
+          f"token {stats['heldout_top1']:.0%} of the time", flush=True)
     head_dir = Path(args.head_dir or tempfile.mkdtemp())
     head_dir.mkdir(parents=True, exist_ok=True)
     save_file(head.checkpoint(), str(head_dir / "model.safetensors"), metadata={"format": "pt"})
