@@ -37,21 +37,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 from provenance import machine, tree_commit, write_figures  # sibling scripts
-
-
-def run_ours(llm, prompts: list[list[int]], max_tokens: int, batched: bool
-             ) -> tuple[float, list[list[int]]]:
-    """(output tokens/s, tokens per prompt): one request at a time, or one batch."""
-    from pagedserve.cluster import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    if batched:
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    else:
-        outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
-                for p in prompts]
-    return sum(map(len, outs)) / (time.perf_counter() - t0), outs
+from spec_decode import run_pagedserve
 
 
 def run_hf(model, prompts: list[list[int]], max_tokens: int, assistant=None
@@ -106,11 +92,12 @@ def main() -> None:
     for name, spec in specs.items():
         llm = LLM(model=target, dtype="float32", speculative_config=spec)
         try:
-            run_ours(llm, prompts[:2], 8, batched=False)  # warm-up
+            run_pagedserve(llm, prompts[:2], 8, False, ignore_eos=True)  # warm-up
             before = llm.engine.get_stats().get("spec_decode") or {}
-            seq, tokens[name] = run_ours(llm, prompts, args.max_tokens, batched=False)
+            seq, tokens[name] = run_pagedserve(llm, prompts, args.max_tokens, False,
+                                                ignore_eos=True)
             kept = _kept(llm, before) if spec else None
-            batch, _ = run_ours(llm, prompts, args.max_tokens, batched=True)
+            batch, _ = run_pagedserve(llm, prompts, args.max_tokens, True, ignore_eos=True)
         finally:
             llm.shutdown()
         rows[name] = {"one_at_a_time_tok_s": seq, "batch_tok_s": batch, "kept": kept}

@@ -71,11 +71,13 @@ def chat_ids(tok, texts: list[str]) -> list[list[int]]:
 
 
 def run_pagedserve(llm, prompts: list[list[int]], max_tokens: int, batched: bool,
-                   temperature: float = 0.0) -> tuple[float, list[list[int]]]:
+                   temperature: float = 0.0, ignore_eos: bool = False
+                   ) -> tuple[float, list[list[int]]]:
     """(output tokens/s, tokens per prompt): one request at a time, or one batch."""
     from pagedserve.cluster import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                            ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     if batched:
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -39,7 +39,7 @@ import torch
 
 from pagedserve.kernels import build_varlen_metadata, get_backend
 from pagedserve.scheduler.kv_groups import plan_kv_groups
-from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
@@ -143,6 +143,29 @@ def draft_block_bytes(draft: DraftModel, block_size: int, kv_dtype: torch.dtype)
     return bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
 
 
+def kept_tokens(r: ScheduledRequest, out: ModelRunnerOutput
+                ) -> tuple[list[int], int | None] | None:
+    """A row's tokens the target kept this step (a decode row's token and its accepted
+    guesses; all of a prompt chunk) and the token it sampled after them (None: it
+    sampled none for itself); None for a drafted row the runner did not answer."""
+    tokens, rid = list(r.token_ids), r.request_id
+    if r.draft_token_ids:
+        kept = out.spec_tokens.get(rid)
+        if not kept:
+            return None
+        return tokens[:len(kept)], kept[-1].token_id
+    if r.sample_ids == [rid] and rid in out.sampled:
+        return tokens, out.sampled[rid].token_id
+    return tokens, None
+
+
+def unseeded_params(r: ScheduledRequest) -> SamplingParams | None:
+    """The row's params if it samples without a seed (its guesses are drawn from the
+    drafter's ``q``), else None (greedy guesses)."""
+    prm = r.sampling_params.get(r.request_id)
+    return prm if prm is not None and not prm.greedy and prm.seed is None else None
+
+
 @dataclass(frozen=True)
 class _Held:
     """What a row's last proposal left in the draft's pool: K/V of ``tokens`` (the
@@ -193,15 +216,10 @@ class DraftRunner:
         params: list[SamplingParams | None] = []  # a proposing row's, if it samples unseeded
         for r in plan.scheduled:
             rid = r.request_id
-            tokens, last = list(r.token_ids), None
-            if r.draft_token_ids:
-                kept = out.spec_tokens.get(rid)
-                if not kept:
-                    continue
-                tokens = tokens[:len(kept)]  # its token, then the accepted guesses
-                last = kept[-1].token_id
-            elif r.sample_ids == [rid] and rid in out.sampled:
-                last = out.sampled[rid].token_id
+            got = kept_tokens(r, out)
+            if got is None:
+                continue
+            tokens, last = got
             start = r.num_computed_tokens
             skip = self._skippable(self.held.pop(rid, None), start, tokens, r.block_table)
             tokens, start = tokens[skip:], start + skip
@@ -209,9 +227,7 @@ class DraftRunner:
                     and start + len(tokens) + self.k <= self.max_len):
                 tokens.append(last)
                 proposing.append((len(rows), rid))
-                prm = r.sampling_params.get(rid)
-                params.append(prm if prm is not None and not prm.greedy and prm.seed is None
-                              else None)
+                params.append(unseeded_params(r))
             if tokens:
                 rows.append((tokens, start, r.block_table))
         if not rows:
@@ -234,12 +250,7 @@ class DraftRunner:
                     for (toks, start, bt), t in zip(live, guesses[-1].tolist())]
             guesses.append(self._pick(self._forward(step, list(range(len(step))), tables),
                                       params, qs))
-        drafts = torch.stack(guesses, 1).tolist()
-        for (_, rid), d, q in zip(proposing, drafts, qs):
-            if q:
-                self.probs[rid] = (tuple(d), torch.stack(q))
-            else:
-                self.probs.pop(rid, None)
+        drafts = self._hold_probs(proposing, guesses, qs)
         bsz = self.block_size
         for (toks, start, table), (_, rid), d in zip(live, proposing, drafts):
             at = start + len(toks) - 1  # the sampled token's position
@@ -247,6 +258,18 @@ class DraftRunner:
             self.held[rid] = _Held(at, (toks[-1], *d[:-1]),
                                    tuple(table[at // bsz:last // bsz + 1]))
         return {rid: d for (_, rid), d in zip(proposing, drafts)}
+
+    def _hold_probs(self, proposing: list[tuple[int, str]], guesses: list[torch.Tensor],
+                    qs: list[list[torch.Tensor]]) -> list[list[int]]:
+        """Each proposing row's guesses as lists, keeping the distributions sampled
+        rows drew them from until the verifier asks (``attach_probs``)."""
+        drafts = torch.stack(guesses, 1).tolist()
+        for (_, rid), d, q in zip(proposing, drafts, qs):
+            if q:
+                self.probs[rid] = (tuple(d), torch.stack(q))
+            else:
+                self.probs.pop(rid, None)
+        return drafts
 
     def _pick(self, logits: torch.Tensor, params: list[SamplingParams | None],
               qs: list[list[torch.Tensor]]) -> torch.Tensor:

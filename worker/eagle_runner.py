@@ -26,7 +26,12 @@ from pagedserve.kernels import get_backend
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import ModelConfig
-from pagedserve.worker.draft_model import DraftModel, DraftRunner
+from pagedserve.worker.draft_model import (
+    DraftModel,
+    DraftRunner,
+    kept_tokens,
+    unseeded_params,
+)
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.layers.packed import can_pack, pack_model
@@ -144,17 +149,12 @@ class EagleRunner(DraftRunner):
         params: list[SamplingParams | None] = []
         base = 0
         for r in plan.scheduled:
-            rid, tokens = r.request_id, list(r.token_ids)
-            lo, base = base, base + len(tokens)
-            nxt = None
-            if r.draft_token_ids:
-                kept = out.spec_tokens.get(rid)
-                if not kept:
-                    continue
-                tokens = tokens[:len(kept)]  # its token, then the accepted guesses
-                nxt = kept[-1].token_id
-            elif r.sample_ids == [rid] and rid in out.sampled:
-                nxt = out.sampled[rid].token_id
+            rid = r.request_id
+            lo, base = base, base + len(r.token_ids)
+            got = kept_tokens(r, out)
+            if got is None:
+                continue
+            tokens, nxt = got
             start, end = r.num_computed_tokens, r.num_computed_tokens + len(tokens)
             ids = tokens[1:]
             waiting = self.pending.pop(rid, None)
@@ -173,9 +173,7 @@ class EagleRunner(DraftRunner):
             if (nxt is not None and r.num_lookahead >= self.k
                     and end + self.k <= self.max_len):
                 proposing.append((len(rows), rid))
-                prm = r.sampling_params.get(rid)
-                params.append(prm if prm is not None and not prm.greedy and prm.seed is None
-                              else None)
+                params.append(unseeded_params(r))
             rows.append(_Catchup((ids, first, r.block_table),
                                  waiting[1] if first < start else None, lo, hi))
         if not rows:
@@ -203,12 +201,7 @@ class EagleRunner(DraftRunner):
                     for (ids, start, bt), t in zip(live, guesses[-1].tolist())]
             logits, fed = self._run(step, fed, list(range(len(step))), both)
             guesses.append(self._pick(logits, params, qs))
-        drafts = torch.stack(guesses, 1).tolist()
-        for (_, rid), d, q in zip(proposing, drafts, qs):
-            if q:
-                self.probs[rid] = (tuple(d), torch.stack(q))
-            else:
-                self.probs.pop(rid, None)
+        drafts = self._hold_probs(proposing, guesses, qs)
         return {rid: d for (_, rid), d in zip(proposing, drafts)}
 
     def _target_features(self, hidden: torch.Tensor) -> torch.Tensor:
