@@ -276,10 +276,10 @@ class WorkerConfig:
     whose logits rows include ``num_speculative_tokens`` per sequence.
 
     ``speculative_model`` is a draft model (``worker.draft_model``), or for
-    ``speculative_method`` "eagle" / "eagle3" an EAGLE head (``models.eagle``), held by
-    the rank that samples, its weights quantised online by ``speculative_quantization`` when
-    set; its KV pool has the target's block count, so its bytes count in that rank's
-    bytes per block.
+    ``speculative_method`` "eagle" / "eagle3" an EAGLE head (``models.eagle``), held
+    by the rank that samples, a draft's weights quantised online by
+    ``speculative_quantization`` when set; its KV pool has the target's block count,
+    so its bytes count in that rank's bytes per block.
 
     ``kv_cache_dtype`` (``kernels.kv_quant``) stores the KV pool narrower than
     ``dtype``: "auto" is the model dtype; fp16/bf16 halve an fp32 pool's bytes

@@ -195,8 +195,8 @@ class ModelRunner:
         """Final hidden states for every token of the step (CUDA graph for decode if
         captured; steps with LoRA rows run eagerly, since their grouping varies, and so
         do the step that calibrates fp8 KV scales and, under an EAGLE-3 head, every
-        step: it keeps three layers' inputs, which a graph would not). A pipeline stage before the last
-        returns what the next stage continues from."""
+        step: it keeps three layers' inputs, which a graph would not). A pipeline
+        stage before the last returns what the next stage continues from."""
         lora_rows = self.lora is not None and self.lora.batch.groups
         if (self.graphs is not None and inputs.md.is_decode and not lora_rows
                 and not self.model.kv_scales_pending and not self.model.aux_layers):

@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv, (cos, sin)) in enumerate(zip(self.layers, kv_caches, ropes,
                                                         strict=True), self.stage.start):
             if i in self.aux_layers:
-                self.aux_hidden[i] = x if residual is None else x + residual
+                self.aux_hidden[i] = x.clone() if residual is None else x + residual
             x, residual = layer(x, residual, cos, sin, kv, md)
         if self.norm is None:
             assert residual is not None  # every stage holds at least one layer
