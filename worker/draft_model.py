@@ -238,16 +238,9 @@ class DraftRunner:
         qs: list[list[torch.Tensor]] = [[] for _ in proposing]
         guesses = [self._pick(logits, params, qs)]
         live = [rows[i] for i, _ in proposing]
-        if self.k > 1:
-            # One table for the k - 1 one-token steps: it reaches the last guess run
-            # (the kernels read each row only up to its length).
-            tables = self._table([bt for _, _, bt in live],
-                                 [start + len(toks) + self.k - 1 for toks, start, _ in live])
-            tables = (tables, tables.to(self.device))
+        tables = self._step_tables(live)
         for j in range(1, self.k):
-            # Row i's guess j-1 sits at (its catch-up's end) + j - 1.
-            step = [([int(t)], start + len(toks) + j - 1, bt)
-                    for (toks, start, bt), t in zip(live, guesses[-1].tolist())]
+            step = self._step_rows(live, guesses[-1], j)
             guesses.append(self._pick(self._forward(step, list(range(len(step))), tables),
                                       params, qs))
         drafts = self._hold_probs(proposing, guesses, qs)
@@ -258,6 +251,25 @@ class DraftRunner:
             self.held[rid] = _Held(at, (toks[-1], *d[:-1]),
                                    tuple(table[at // bsz:last // bsz + 1]))
         return {rid: d for (_, rid), d in zip(proposing, drafts)}
+
+    def _step_tables(self, live: list[tuple[list[int], int, list[int]]]
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One block table (on the CPU, on the device) for the ``k - 1`` one-token steps
+        after the catch-up of rows ``live``: it reaches the last guess run (the kernels
+        read each row only up to its length). None when ``k`` is 1."""
+        if self.k == 1:
+            return None
+        table = self._table([bt for _, _, bt in live],
+                            [start + len(toks) + self.k - 1 for toks, start, _ in live])
+        return table, table.to(self.device)
+
+    @staticmethod
+    def _step_rows(live: list[tuple[list[int], int, list[int]]], last: torch.Tensor,
+                   j: int) -> list[tuple[list[int], int, list[int]]]:
+        """One-token step ``j``'s rows: row i's guess ``j - 1`` sits at (its catch-up's
+        end) + j - 1."""
+        return [([int(t)], start + len(toks) + j - 1, bt)
+                for (toks, start, bt), t in zip(live, last.tolist())]
 
     def _hold_probs(self, proposing: list[tuple[int, str]], guesses: list[torch.Tensor],
                     qs: list[list[torch.Tensor]]) -> list[list[int]]:

@@ -191,15 +191,10 @@ class EagleRunner(DraftRunner):
         qs: list[list[torch.Tensor]] = [[] for _ in proposing]
         guesses = [self._pick(logits, params, qs)]
         live = [rows[i].row for i in want]
-        both = None
-        if self.k > 1:
-            tables = self._table([bt for _, _, bt in live],
-                                 [start + len(ids) + self.k - 1 for ids, start, _ in live])
-            both = (tables, tables.to(self.device))
+        tables = self._step_tables(live)
         for j in range(1, self.k):
-            step = [([int(t)], start + len(ids) + j - 1, bt)
-                    for (ids, start, bt), t in zip(live, guesses[-1].tolist())]
-            logits, fed = self._run(step, fed, list(range(len(step))), both)
+            step = self._step_rows(live, guesses[-1], j)
+            logits, fed = self._run(step, fed, list(range(len(step))), tables)
             guesses.append(self._pick(logits, params, qs))
         drafts = self._hold_probs(proposing, guesses, qs)
         return {rid: d for (_, rid), d in zip(proposing, drafts)}

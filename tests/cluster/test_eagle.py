@@ -33,6 +33,16 @@ def _greedy(n: int = 24, count: int = 1) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, n=count)
 
 
+def _plain_greedy(model: str, prompts: list[list[int]], params: SamplingParams
+                  ) -> list[list[int]]:
+    """The tokens the engine gives without guesses: what every head must reproduce."""
+    plain = LLM(model=model, block_size=4, num_gpu_blocks=64)
+    try:
+        return [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    finally:
+        plain.shutdown()
+
+
 def _prompts() -> list[list[int]]:
     return [list(range(300 + 11 * i, 300 + 11 * i + 3 + 5 * i)) for i in range(4)]
 
@@ -129,11 +139,7 @@ def test_a_pytorch_bin_head_drafts_as_its_safetensors_copy(tiny_llama_dir, tmp_p
 def test_a_head_that_guesses_right_is_always_kept(pair, kw) -> None:
     target, head = pair
     params = _greedy()
-    plain = LLM(model=target, block_size=4, num_gpu_blocks=64)
-    try:
-        reference = [o.outputs[0].token_ids for o in plain.generate(_prompts(), params)]
-    finally:
-        plain.shutdown()
+    reference = _plain_greedy(target, _prompts(), params)
     llm = LLM(model=target, block_size=4, max_num_seqs=8, **{"num_gpu_blocks": 64, **kw},
               speculative_config=_spec("eagle", head))
     try:
@@ -154,11 +160,7 @@ def test_a_head_that_guesses_right_is_always_kept(pair, kw) -> None:
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_random_heads_change_no_greedy_token(tiny_llama_dir, heads, method) -> None:
     prompts = _prompts()
-    plain = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64)
-    try:
-        reference = [o.outputs[0].token_ids for o in plain.generate(prompts, _greedy())]
-    finally:
-        plain.shutdown()
+    reference = _plain_greedy(tiny_llama_dir, prompts, _greedy())
     llm = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64,
               speculative_config=_spec(method, heads[method]))
     try:
@@ -246,11 +248,7 @@ def test_sleep_and_new_weights_keep_the_head_attached(tiny_llama_dir, heads, tmp
 
     prompts = _prompts()
     other = write_random_checkpoint(tmp_path / "other", "llama", tiny_llama_dir, seed=77)
-    plain = LLM(model=other, block_size=4, num_gpu_blocks=64)
-    try:
-        reference = [o.outputs[0].token_ids for o in plain.generate(prompts, _greedy())]
-    finally:
-        plain.shutdown()
+    reference = _plain_greedy(other, prompts, _greedy())
     llm = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64,
               speculative_config=_spec("eagle3", heads["eagle3"]))
     try:
