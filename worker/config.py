@@ -23,6 +23,7 @@ from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
 from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
+from pagedserve.worker.mla_config import MLA_MODEL_TYPES, MLAConfig, mla_config_from_hf
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 from pagedserve.worker.qwen_vl_config import QWEN_VL_MODEL_TYPES, qwen_vl_text_config
 from pagedserve.worker.rope_config import parse_rope
@@ -108,6 +109,9 @@ class ModelConfig:
     # Qwen2-VL's multimodal RoPE: the (temporal, row, column) shares of the rotary
     # frequencies (``qwen_vl_config``); empty: plain RoPE.
     mrope_section: tuple[int, ...] = ()
+    # DeepSeek's multi-head latent attention (``mla_config``): ``head_dim`` is then the
+    # latent a token caches and ``num_kv_heads`` 1; None: plain attention.
+    mla: MLAConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -146,6 +150,8 @@ class ModelConfig:
                 f"num_attention_heads ({heads})"
             )
         head_dim = cfg.get("head_dim") or hidden // heads
+        if model_type in MLA_MODEL_TYPES:  # (the rotated part of a head; checked there)
+            head_dim = cfg.get("qk_rope_head_dim")
         _positive_int("head_dim", head_dim)
         if head_dim % 2:
             raise ValueError(f"model config field 'head_dim' must be even for RoPE, got {head_dim}")
@@ -168,6 +174,9 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         num_layers = _positive_int("num_hidden_layers", _require(cfg, "num_hidden_layers"))
+        mla = mla_config_from_hf(cfg, model_type, scaling)
+        if mla is not None:  # the cache holds one latent "head" a token (``mla_config``)
+            head_dim, kv_heads, rotary_dim = mla.cache_dim, 1, mla.cache_dim
         window, sliding_layers = sliding_window_layers(cfg, model_type, num_layers)
         return cls(
             model_type=model_type,
@@ -202,6 +211,7 @@ class ModelConfig:
             embedding_only=_names_base_model(cfg.get("architectures")),
             moe=moe_config_from_hf(cfg, model_type, num_layers),
             prequant=prequant_config(cfg.get("quantization_config")),
+            mla=mla,
         )
 
     @classmethod
@@ -254,9 +264,10 @@ class ModelConfig:
 
     def kv_bytes_per_block(self, block_size: int, num_kv_heads_per_rank: int,
                            dtype: torch.dtype) -> int:
-        """Bytes one block costs on one rank: K and V for every layer (DESIGN's M_KV per block)."""
+        """Bytes one block costs on one rank: K and V for every layer (DESIGN's M_KV per block;
+        an MLA layer caches one vector, no separate V)."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * num_kv_heads_per_rank * self.head_dim * elem
+        return (1 if self.mla else 2) * self.num_layers * block_size * num_kv_heads_per_rank * self.head_dim * elem
 
 
 @dataclass

@@ -7,7 +7,9 @@ them (``scheduler.kv_groups``): ``layer_slots[i]`` is the cache local layer ``i`
 reads, one layer of each KV cache group per cache, each group through its own
 block table, so a block id names one group's block in every cache. The scheduler
 decides every move; this class only executes swap-out, swap-in and copy through
-the attention backend, in that order, before the forward.
+the attention backend, in that order, before the forward. A multi-head latent
+attention model (DeepSeek, ``shared_kv``) caches one vector a token that serves as
+both key and value: its value caches are its key caches, so a block costs half.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from pagedserve.kernels import AttentionBackend
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, shared_kv: bool = False) -> int:
     """Bytes of one block (K and V, all layers) on one rank: ``2*L*B*Hkv*D*elem``
-    (``L``: the caches, a hybrid model's group size)."""
+    (``L``: the caches, a hybrid model's group size; one, not two, with ``shared_kv``)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    return (1 if shared_kv else 2) * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -35,7 +37,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, num_cpu_blocks: int = 0,
-                 layer_slots: list[int] | None = None):
+                 layer_slots: list[int] | None = None, shared_kv: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if num_cpu_blocks < 0:
@@ -53,14 +55,15 @@ class KVCache:
         # matmul must never meet NaN garbage (0 * NaN is NaN).
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device)
                            for _ in range(num_caches)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                             for _ in range(num_caches)]
+        self.shared_kv = shared_kv
+        self.value_caches = self.key_caches if shared_kv else [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_caches)]
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         self.cpu_key_caches = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
                                for _ in range(num_caches)]
-        self.cpu_value_caches = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
-                                 for _ in range(num_caches)]
+        self.cpu_value_caches = self.cpu_key_caches if shared_kv else [
+            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_caches)]
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -79,7 +82,8 @@ class KVCache:
         self._check("swap-out device", p[:, 0], self.num_blocks)
         self._check("swap-out cpu", p[:, 1], self.num_cpu_blocks)
         self.backend.swap_blocks(self.key_caches, self.cpu_key_caches, p)
-        self.backend.swap_blocks(self.value_caches, self.cpu_value_caches, p)
+        if not self.shared_kv:
+            self.backend.swap_blocks(self.value_caches, self.cpu_value_caches, p)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to device blocks; pairs are ``(device_block, cpu_block)``."""
@@ -89,7 +93,8 @@ class KVCache:
         self._check("swap-in cpu", p[:, 0], self.num_cpu_blocks)
         self._check("swap-in device", p[:, 1], self.num_blocks)
         self.backend.swap_blocks(self.cpu_key_caches, self.key_caches, p)
-        self.backend.swap_blocks(self.cpu_value_caches, self.value_caches, p)
+        if not self.shared_kv:
+            self.backend.swap_blocks(self.cpu_value_caches, self.value_caches, p)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write ``(src, dst)`` device blocks in every cache."""

@@ -1,12 +1,17 @@
-"""Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
 
-The three families differ only in config spellings and in three choices:
-whether the top-k routing weights are renormalised to sum to one (Mixtral
-always; the Qwen models by ``norm_topk_prob``), whether a gated shared expert
-runs beside the routed ones (Qwen2-MoE), and which layers are sparse (the
-Qwen models may keep dense MLPs in ``mlp_only_layers`` or off the
-``decoder_sparse_step`` rhythm). Parsed once here, so the model code reads
-plain fields and a malformed config names its field at load time.
+The families differ only in config spellings and in a few choices: whether
+the top-k routing weights are renormalised to sum to one (Mixtral always; the
+others by ``norm_topk_prob``), whether a shared expert runs beside the routed
+ones (Qwen2-MoE's gated by a sigmoid, DeepSeek's plain), and which layers are
+sparse (the Qwen models may keep dense MLPs in ``mlp_only_layers`` or off the
+``decoder_sparse_step`` rhythm; DeepSeek keeps its first ``first_k_dense_replace``).
+DeepSeek also routes differently (``layers.moe_routing``): V2 limits each token to
+the ``topk_group`` groups of experts with the best single score, V3 scores by a
+sigmoid, picks groups by their two best scores and experts by scores plus a learnt
+bias (``e_score_correction_bias``), and both scale the weights by
+``routed_scaling_factor``. Parsed once here, so the model code reads plain fields
+and a malformed config names its field at load time.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,17 @@ class MoEConfig:
     ``mixtral_names``: the checkpoint spells a layer's experts Mixtral's way
     (``block_sparse_moe.experts.{e}.w1/w3/w2``), else Qwen's
     (``mlp.experts.{e}.gate_proj/up_proj/down_proj``).
+
+    The rest is DeepSeek's routing (defaults: Mixtral's and Qwen's): ``scoring``
+    "softmax" or "sigmoid"; ``num_groups`` groups of experts of which each token may
+    use ``topk_group``, ranked by their best score ("max") or the sum of their two
+    best ("top2"); ``score_bias``: a per-expert bias added to the scores that choose
+    (not to the weights); ``routed_scale`` multiplies the weights, after
+    renormalising, unless ``scale_unnormalized_only`` (V2 scales only weights it did
+    not renormalise). ``shared_gated``: Qwen2-MoE's sigmoid gate on the shared
+    expert, which DeepSeek (``shared_experts``, plural) has not. ``router_fp32``: the
+    router's weight and logits stay float32 in any model dtype (DeepSeek's, as
+    Hugging Face keeps them).
     """
 
     num_experts: int
@@ -33,6 +50,20 @@ class MoEConfig:
     shared_intermediate_size: int
     sparse_layers: tuple[int, ...]
     mixtral_names: bool = False
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_group: int = 1
+    group_rank: str = "max"
+    score_bias: bool = False
+    routed_scale: float = 1.0
+    scale_unnormalized_only: bool = False
+    shared_gated: bool = True
+    router_fp32: bool = False
+
+    @property
+    def grouped(self) -> bool:
+        """Whether routing first narrows each token to ``topk_group`` groups."""
+        return self.num_groups > 1 and self.topk_group < self.num_groups
 
 
 def _count(cfg: dict[str, Any], name: str, default: Any = None) -> int:
@@ -54,11 +85,15 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
     key = "num_local_experts" if model_type == "mixtral" else "num_experts"
     if cfg.get(key) is None:
         key = "num_experts" if key == "num_local_experts" else "num_local_experts"
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        key = "n_routed_experts"
     num_experts = _count(cfg, key)
     top_k = _count(cfg, "num_experts_per_tok")
     if top_k > num_experts:
         raise ValueError(f"model config field 'num_experts_per_tok' ({top_k}) must be at most "
                          f"the number of experts ({num_experts})")
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        return _deepseek(cfg, model_type, num_layers, num_experts, top_k)
     if model_type == "mixtral":
         return MoEConfig(num_experts, top_k, _count(cfg, "intermediate_size"), True, 0,
                          tuple(range(num_layers)), mixtral_names=True)
@@ -73,3 +108,48 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
         shared = _count(cfg, "shared_expert_intermediate_size")
     return MoEConfig(num_experts, top_k, _count(cfg, "moe_intermediate_size"),
                      bool(cfg.get("norm_topk_prob", False)), shared, sparse)
+
+
+def _deepseek(cfg: dict[str, Any], model_type: str, num_layers: int, num_experts: int,
+              top_k: int) -> MoEConfig:
+    """DeepSeek-V2 / V3 routing: V2's ``topk_method`` "greedy" or "group_limited_greedy"
+    over softmax scores, V3's sigmoid scores with a bias and groups ranked by their two
+    best (its ``topk_method`` "noaux_tc"; Hugging Face's implementation reads none)."""
+    first_dense = cfg.get("first_k_dense_replace") or 0
+    if not isinstance(first_dense, int) or first_dense < 0:
+        raise ValueError(f"model config field 'first_k_dense_replace' must be a non-negative "
+                         f"integer, got {first_dense!r}")
+    step = _count(cfg, "moe_layer_freq", 1)
+    sparse = tuple(i for i in range(num_layers) if i >= first_dense and i % step == 0)
+    shared = cfg.get("n_shared_experts") or 0
+    if not isinstance(shared, int) or shared < 0:
+        raise ValueError(f"model config field 'n_shared_experts' must be a non-negative "
+                         f"integer, got {shared!r}")
+    width = _count(cfg, "moe_intermediate_size")
+    v3 = model_type == "deepseek_v3"
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if method not in methods:
+        raise ValueError(f"model config field 'topk_method' must be one of {methods} for "
+                         f"{model_type}, got {method!r}")
+    groups = topk_group = 1
+    if v3 or method == "group_limited_greedy":
+        groups = _count(cfg, "n_group", 1)
+        topk_group = _count(cfg, "topk_group", 1)
+        if num_experts % groups or topk_group > groups:
+            raise ValueError(f"model config fields 'n_group' ({groups}) and 'topk_group' "
+                             f"({topk_group}) must split {num_experts} experts into groups "
+                             "and pick at most all of them")
+        if v3 and num_experts // groups < 2:
+            raise ValueError(f"model config field 'n_group' ({groups}) must leave at least "
+                             "two experts a group (groups rank by their two best)")
+    scale = cfg.get("routed_scaling_factor", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
+        raise ValueError(f"model config field 'routed_scaling_factor' must be a positive "
+                         f"number, got {scale!r}")
+    return MoEConfig(num_experts, top_k, width, bool(cfg.get("norm_topk_prob", False)),
+                     width * shared, sparse, scoring="sigmoid" if v3 else "softmax",
+                     num_groups=groups, topk_group=topk_group,
+                     group_rank="top2" if v3 else "max", score_bias=v3,
+                     routed_scale=float(scale), scale_unnormalized_only=not v3,
+                     shared_gated=False, router_fp32=True)

@@ -212,7 +212,8 @@ class Worker:
                  if self.draft is not None else 0)
         return draft + bytes_per_block(max(self._layer_slots()) + 1, self.config.block_size,
                                        self.num_kv_heads_per_rank,
-                                       self.model_config.head_dim, self.kv_dtype)
+                                       self.model_config.head_dim, self.kv_dtype,
+                                       shared_kv=self.model_config.mla is not None)
 
     def determine_num_blocks(self) -> int:
         """Device KV blocks this rank can hold: explicit count, byte budget, or CUDA profiling.
@@ -271,7 +272,8 @@ class Worker:
         self.kv_cache = KVCache(self.num_local_layers, num_gpu_blocks,
                                 self.config.block_size, self.num_kv_heads_per_rank,
                                 self.model_config.head_dim, self.kv_dtype, self.device,
-                                self.backend, cpu_blocks, self._layer_slots())
+                                self.backend, cpu_blocks, self._layer_slots(),
+                                shared_kv=self.model_config.mla is not None)
         self.build_runner(cuda_graphs, calibrate)
 
     def build_runner(self, cuda_graphs: bool = True, calibrate: bool = True) -> None:

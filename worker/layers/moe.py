@@ -1,4 +1,4 @@
-"""Routed SwiGLU experts (Mixtral, Qwen2-MoE, Qwen3-MoE), sharded for tensor parallelism.
+"""Routed SwiGLU experts (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), sharded for tensor parallelism.
 
 Every rank holds every expert, each cut along its intermediate dimension (as
 vLLM's default MoE tensor parallelism does): gate/up rows and down columns of
@@ -34,6 +34,7 @@ from pagedserve.worker.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from pagedserve.worker.layers.moe_routing import route
 from pagedserve.worker.layers.packed import PACK_BATCH_HINT, padded_rows
 from pagedserve.worker.moe_config import MoEConfig
 from pagedserve.worker.parallel import ParallelContext
@@ -55,10 +56,11 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class SparseMoE(nn.Module):
-    """A layer's routed experts plus, for Qwen2-MoE, its sigmoid-gated shared expert.
+    """A layer's routed experts plus a shared expert (Qwen2-MoE's sigmoid-gated one,
+    DeepSeek's plain ``shared_experts``).
 
     ``checkpoint_prefix`` is the submodule name the checkpoint files the
-    experts under (``block_sparse_moe`` for Mixtral, ``mlp`` for Qwen).
+    experts under (``block_sparse_moe`` for Mixtral, ``mlp`` for Qwen and DeepSeek).
     """
 
     def __init__(self, hidden: int, moe: MoEConfig, ctx: ParallelContext, dtype: torch.dtype,
@@ -69,6 +71,7 @@ class SparseMoE(nn.Module):
             raise ValueError(f"expert intermediate size {moe.intermediate_size} is not "
                              f"divisible by TP size {w}")
         self.ctx, self.hidden = ctx, hidden
+        self.moe = moe
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.renormalize = moe.renormalize
         self.full_i = moe.intermediate_size
@@ -87,7 +90,11 @@ class SparseMoE(nn.Module):
         self.int8_native: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
         # Set by ``worker.batch_invariant``: router GEMM rows padded to a multiple of it.
         self.row_multiple = 0
-        self.router = _param((moe.num_experts, hidden), dtype, device)
+        self.router = _param((moe.num_experts, hidden),
+                             torch.float32 if moe.router_fp32 else dtype, device)
+        # DeepSeek-V3's learnt bias on the scores that choose experts (not the weights).
+        self.score_bias = _param((moe.num_experts,), torch.float32, device) \
+            if moe.score_bias else None
         self.w13 = _param((moe.num_experts, 2 * self.local_i, hidden), dtype, device)
         self.w2 = _param((moe.num_experts, hidden, self.local_i), dtype, device)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
@@ -95,7 +102,9 @@ class SparseMoE(nn.Module):
             s = moe.shared_intermediate_size
             self.shared_gate_up = MergedColumnParallelLinear(hidden, [s, s], ctx, dtype, device)
             self.shared_down = RowParallelLinear(s, hidden, False, ctx, dtype, device)
-            self.shared_gate = _param((1, hidden), dtype, device)
+            if moe.shared_gated:
+                self.shared_gate = _param((1, hidden), dtype, device)
+        self._shared_name = "shared_expert" if moe.shared_gated else "shared_experts"
 
     def gate_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The router's (or the shared expert's gate's) small GEMM, its rows padded to
@@ -104,16 +113,15 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` through the router's top-k experts (and the shared one)."""
-        probs = torch.softmax(self.gate_linear(x, self.router), dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        logits = self.gate_linear(x.float() if self.moe.router_fp32 else x, self.router)
+        weights, experts = route(logits, self.moe, self.score_bias)
         out = self._routed(x, experts, weights.to(x.dtype))
         if self.shared_gate_up is not None:
             # The down projection's partial sum, gated (a per-row scalar, the same on
             # every rank), joins the experts' before the one all-reduce.
             shared = self.shared_down.matmul(silu_and_mul(self.shared_gate_up(x)))
-            shared.mul_(torch.sigmoid(self.gate_linear(x, self.shared_gate)))
+            if self.shared_gate is not None:
+                shared.mul_(torch.sigmoid(self.gate_linear(x, self.shared_gate)))
             out += shared
         return self.ctx.all_reduce(out)
 
@@ -203,8 +211,11 @@ class SparseMoE(nn.Module):
         names = {"gate.weight"}
         for e in range(self.num_experts):
             names |= {f"experts.{e}.{m}.weight" for m in self._names}
+        if self.score_bias is not None:
+            names.add("gate.e_score_correction_bias")
         if self.shared_gate_up is not None:
-            names |= {f"shared_expert.{m}_proj.weight" for m in ("gate", "up", "down")}
+            names |= {f"{self._shared_name}.{m}_proj.weight" for m in ("gate", "up", "down")}
+        if self.shared_gate is not None:
             names.add("shared_expert_gate.weight")
         return names
 
@@ -215,15 +226,20 @@ class SparseMoE(nn.Module):
             _check(name, lazy, (self.num_experts, self.hidden))
             self.router.data.copy_(lazy[:])
             return True
+        if name == "gate.e_score_correction_bias" and self.score_bias is not None:
+            _check(name, lazy, (self.num_experts,))
+            self.score_bias.data.copy_(lazy[:])
+            return True
+        if name == "shared_expert_gate.weight" and self.shared_gate is not None:
+            _check(name, lazy, (1, self.hidden))
+            self.shared_gate.data.copy_(lazy[:])
+            return True
         if self.shared_gate_up is not None:
-            if name == "shared_expert_gate.weight":
-                _check(name, lazy, (1, self.hidden))
-                self.shared_gate.data.copy_(lazy[:])
+            shared = self._shared_name
+            if name in (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"):
+                self.shared_gate_up.load(0 if "gate_proj" in name else 1, lazy)
                 return True
-            if name in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"):
-                self.shared_gate_up.load(0 if "gate" in name else 1, lazy)
-                return True
-            if name == "shared_expert.down_proj.weight":
+            if name == f"{shared}.down_proj.weight":
                 self.shared_down.load(lazy)
                 return True
         m = _EXPERT_RE.match(name)

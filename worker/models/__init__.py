@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.worker.models.deepseek import DeepseekForCausalLM
 from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
@@ -16,6 +17,8 @@ MODEL_REGISTRY = {
     "phi3": LlamaForCausalLM,  # (its fused qkv / gate_up projections load split)
     "gemma3_text": Gemma3ForCausalLM,
     "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)
+    "deepseek_v2": DeepseekForCausalLM,  # (multi-head latent attention, DeepSeekMoE)
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
-__all__ = ["MODEL_REGISTRY", "Gemma3ForCausalLM", "LlamaForCausalLM"]
+__all__ = ["MODEL_REGISTRY", "DeepseekForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM"]

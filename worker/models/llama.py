@@ -96,11 +96,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = LlamaAttention  # (DeepSeek's layer swaps in MLA)
+
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, ctx, backend, dtype, device, index)
+        self.self_attn = self.attention_cls(cfg, ctx, backend, dtype, device, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 device)
         self.mlp: LlamaMLP | SparseMoE
@@ -333,15 +335,40 @@ class LlamaForCausalLM(nn.Module):
                 names |= {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
             else:
                 names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
-            qkv = ("qkv", "o") if cfg.model_type == "phi3" else ("q", "k", "v", "o")
-            names |= {p + f"self_attn.{m}_proj.weight" for m in qkv}
-            if cfg.qkv_bias:
-                names |= {p + f"self_attn.{m}_proj.bias" for m in ("q", "k", "v")}
-            if cfg.o_bias:
-                names.add(p + "self_attn.o_proj.bias")
-            if cfg.qk_norm:
-                names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+            names |= {p + "self_attn." + n for n in self._attention_names()}
         return names
+
+    def _attention_names(self) -> set[str]:
+        """A layer's attention tensors, as named under ``self_attn.``."""
+        cfg = self.config
+        qkv = ("qkv", "o") if cfg.model_type == "phi3" else ("q", "k", "v", "o")
+        names = {f"{m}_proj.weight" for m in qkv}
+        if cfg.qkv_bias:
+            names |= {f"{m}_proj.bias" for m in ("q", "k", "v")}
+        if cfg.o_bias:
+            names.add("o_proj.bias")
+        if cfg.qk_norm:
+            names |= {"q_norm.weight", "k_norm.weight"}
+        return names
+
+    def _load_attention(self, attn: nn.Module, module: str, is_bias: bool, name: str,
+                        lazy: LazyTensor) -> bool:
+        """Load a tensor of ``attn`` (``module``: its name under ``self_attn.``); False
+        when it is not one of the layer's."""
+        if module in ("q_norm", "k_norm") and self.config.qk_norm and not is_bias:
+            _copy_full(name, getattr(attn, module).weight, lazy)
+        elif module in _QKV:
+            attn.qkv_proj.load(_QKV[module], lazy, is_bias)
+        elif module == "qkv_proj" and self.config.model_type == "phi3":
+            cfg = self.config
+            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            for part, rows in zip("qkv", split_rows(lazy, sizes, name), strict=True):
+                attn.qkv_proj.load(part, rows, is_bias)
+        elif module == "o_proj":
+            attn.o_proj.load(lazy, is_bias)
+        else:
+            return False
+        return True
 
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
         if name == "model.embed_tokens.weight":
@@ -372,18 +399,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
         elif module in ("input_layernorm", "post_attention_layernorm") and not is_bias:
             _copy_full(name, getattr(layer, module).weight, lazy)
-        elif module in ("self_attn.q_norm", "self_attn.k_norm") and self.config.qk_norm \
-                and not is_bias:
-            _copy_full(name, getattr(layer.self_attn, module[10:]).weight, lazy)
-        elif module.startswith("self_attn.") and module[10:] in _QKV:
-            layer.self_attn.qkv_proj.load(_QKV[module[10:]], lazy, is_bias)
-        elif module == "self_attn.qkv_proj" and self.config.model_type == "phi3":
-            cfg = self.config
-            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-            for part, rows in zip("qkv", split_rows(lazy, sizes, name), strict=True):
-                layer.self_attn.qkv_proj.load(part, rows, is_bias)
-        elif module == "self_attn.o_proj":
-            layer.self_attn.o_proj.load(lazy, is_bias)
+        elif module.startswith("self_attn.") and self._load_attention(
+                layer.self_attn, module[10:], is_bias, name, lazy):
+            return
         elif moe is not None:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         elif module == "mlp.gate_up_proj" and self.config.model_type == "phi3" and not is_bias:
