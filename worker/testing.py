@@ -31,6 +31,18 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                       shared_expert_intermediate_size=48),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),
+    # DeepSeek: MLA shapes (a 64-number latent cache: the native CPU kernel's) and 8
+    # experts in 4 groups, of which each token may use 2; V2-Lite's one-matrix query.
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        kv_lora_rank=56, q_lora_rank=48, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
+                        norm_topk_prob=True),
+    "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=2, n_group=4, topk_group=2,
+                        topk_method="group_limited_greedy", first_k_dense_replace=1,
+                        kv_lora_rank=56, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.0),
 }
 
 
@@ -63,7 +75,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     """Save a random ``kind`` model to ``dest``; return its path.
 
     ``kind``: "llama", "mistral", "qwen2", "qwen3", or the mixtures of experts "mixtral",
-    "qwen2_moe", "qwen3_moe" (4 experts, top 2, 32 wide unless overridden).
+    "qwen2_moe", "qwen3_moe" (4 experts, top 2, 32 wide unless overridden) and
+    "deepseek_v2", "deepseek_v3" (MLA, 8 experts in 4 groups: ``MOE_DEFAULTS``).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are.
@@ -84,7 +97,11 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, tf.Qwen3Model),
                "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, tf.MixtralModel),
                "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, tf.Qwen2MoeModel),
-               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, tf.Qwen3MoeModel)}
+               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, tf.Qwen3MoeModel),
+               "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM,
+                               tf.DeepseekV2Model),
+               "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM,
+                               tf.DeepseekV3Model)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -103,6 +120,9 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                 p.mul_(weight_scale)
             elif kind.startswith("gemma"):  # its norms init to 0 (a scale of 1 + w)
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias inits to 0
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.5)
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)
     if tokenizer_dir is None:

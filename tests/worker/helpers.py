@@ -36,7 +36,9 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
                "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
                "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
+               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+               "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))
@@ -45,6 +47,9 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias inits to 0
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.5)
     model.save_pretrained(str(path), safe_serialization=True, max_shard_size="200KB")
     return path
 

@@ -70,6 +70,23 @@ CASES = {
     # Renormalised top-3 of 8; layer 1 keeps a dense MLP (``mlp_only_layers``).
     "qwen3_moe_dense_layer": dict(model_type="qwen3_moe", num_experts=8,
                                   num_experts_per_tok=3, mlp_only_layers=[1]),
+    # DeepSeek-V3: latent attention (a low-rank query, interleaved RoPE) under its YaRN
+    # (mscale_all_dim scales every score), sigmoid routing with a bias over 4 groups.
+    "deepseek_v3_yarn": dict(
+        model_type="deepseek_v3", num_key_value_heads=4,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                          mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)),
+    # RoPE in halves; a 40-number latent, which the native CPU kernel does not take.
+    "deepseek_v3_halves_torch_attention": dict(model_type="deepseek_v3", rope_interleave=False,
+                                               kv_lora_rank=32, num_key_value_heads=4),
+    # DeepSeek-V2-Lite's shape: one query matrix, softmax routing limited to 2 groups.
+    # (HF's MLA counts num_key_value_heads = num_attention_heads)
+    "deepseek_v2_lite": dict(model_type="deepseek_v2", num_key_value_heads=4),
+    # DeepSeek-V2's plain top-k of all experts, weights scaled (HF's V2 never
+    # renormalises; every V2 release says norm_topk_prob false).
+    "deepseek_v2_greedy": dict(model_type="deepseek_v2", num_key_value_heads=4,
+                               topk_method="greedy", n_group=None, topk_group=None,
+                               routed_scaling_factor=3.0),
 }
 
 

@@ -1,4 +1,5 @@
-"""``SparseMoE`` against Hugging Face's MoE blocks on the same weights, row by row.
+"""``SparseMoE`` against Hugging Face's MoE blocks on the same weights, row by row
+(Mixtral, Qwen2/3-MoE, and DeepSeek-V2/V3's grouped routing and plain shared experts).
 
 Batches from one row (a decode of one sequence: two experts) to 300 rows (a
 prefill where every expert takes dozens), through each path: plain
@@ -30,6 +31,8 @@ def _hf_block(kind: str, **overrides):
         "mixtral": (tf.MixtralConfig, "mixtral", "MixtralSparseMoeBlock"),
         "qwen2_moe": (tf.Qwen2MoeConfig, "qwen2_moe", "Qwen2MoeSparseMoeBlock"),
         "qwen3_moe": (tf.Qwen3MoeConfig, "qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+        "deepseek_v2": (tf.DeepseekV2Config, "deepseek_v2", "DeepseekV2Moe"),
+        "deepseek_v3": (tf.DeepseekV3Config, "deepseek_v3", "DeepseekV3MoE"),
     }[kind]
     module = __import__(f"transformers.models.{block_mod}.modeling_{block_mod}",
                         fromlist=[block_cls])
@@ -41,6 +44,9 @@ def _hf_block(kind: str, **overrides):
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.3)
+        for name, b in block.named_buffers():  # DeepSeek-V3's routing bias
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.5)
     return cfg, block
 
 
@@ -49,7 +55,8 @@ def _checkpoint_tensors(block, mixtral: bool) -> dict[str, torch.Tensor]:
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     out: dict[str, torch.Tensor] = {}
     for name, t in block.state_dict().items():
-        if name == "gate.weight" or name.startswith("shared_expert"):
+        if name in ("gate.weight", "gate.e_score_correction_bias") \
+                or name.startswith("shared_expert"):
             out[name] = t
         elif name == "experts.gate_up_proj":
             i = t.shape[1] // 2
@@ -69,7 +76,11 @@ def _checkpoint_tensors(block, mixtral: bool) -> dict[str, torch.Tensor]:
     ("mixtral", {}),
     ("qwen2_moe", {}),
     ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3)),
-], ids=["mixtral", "qwen2_moe_shared", "qwen3_moe_top3_of_8"])
+    ("deepseek_v3", {}),
+    ("deepseek_v2", {}),
+    ("deepseek_v2", dict(topk_method="greedy", n_group=None, topk_group=None)),
+], ids=["mixtral", "qwen2_moe_shared", "qwen3_moe_top3_of_8", "deepseek_v3_sigmoid_groups",
+        "deepseek_v2_limited_groups", "deepseek_v2_greedy"])
 def test_layer_equals_hugging_face_block(kind, overrides, path, monkeypatch) -> None:
     if path == "onednn" and not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("no oneDNN weight packing in this torch build")

@@ -2,9 +2,10 @@
 
 Covers KV heads split across ranks (4 q / 2 kv heads), a single KV head
 replicated on both ranks (4 q / 1 kv), an odd vocabulary (padded vocab shards),
-a biased Qwen2 attention, Qwen3's per-head q/k norms (replicated on each rank), and
+a biased Qwen2 attention, Qwen3's per-head q/k norms (replicated on each rank),
 mixtures of experts (every expert cut along its intermediate dimension, Qwen2-MoE's
-shared expert too, one all-reduce per layer).
+shared expert too, one all-reduce per layer), and DeepSeek's latent attention (heads
+split, the latent cache whole on each rank) with grouped routing.
 """
 
 from __future__ import annotations
@@ -80,8 +81,11 @@ def _free_port() -> int:
     ("gemma3_text", dict(num_key_value_heads=2, head_dim=16, sliding_window=5,
                          layer_types=["sliding_attention", "full_attention"])),
     ("phi3", dict(num_key_value_heads=2, pad_token_id=0)),
+    ("deepseek_v3", dict(num_key_value_heads=2)),
+    ("deepseek_v2", dict(num_key_value_heads=2)),
 ], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm", "mixtral_experts",
-        "qwen2_moe_shared_expert", "gemma3_sliding", "phi3_fused"])
+        "qwen2_moe_shared_expert", "gemma3_sliding", "phi3_fused", "deepseek_v3_mla",
+        "deepseek_v2_mla"])
 def test_tp2_equals_tp1(tmp_path, kind, kw):
     path = save_tiny_model(tmp_path / "m", kind, seed=4, **kw)
     ref_worker = make_worker(path, num_blocks=40, block_size=4)

@@ -44,6 +44,9 @@ from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import PipelineStage
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# The latent norms' epsilon: DeepSeek's reference code (and Hugging Face's) builds them
+# with the RMSNorm default, not ``rms_norm_eps`` (the releases set both to 1e-6).
+LATENT_NORM_EPS = 1e-6
 _REPLICATED = ParallelContext()  # (a one-rank context: every rank holds the whole matrix)
 
 
@@ -79,12 +82,12 @@ class MLAAttention(nn.Module):
         else:
             self.q_a_proj = MergedColumnParallelLinear(hidden, [mla.q_lora_rank], _REPLICATED,
                                                        dtype, device)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps, dtype, device)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype, device)
             self.q_b_proj = MergedColumnParallelLinear(mla.q_lora_rank, [h * qk], ctx, dtype,
                                                        device)
         self.kv_a_proj_with_mqa = MergedColumnParallelLinear(hidden, [mla.cache_dim],
                                                              _REPLICATED, dtype, device)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps, dtype, device)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
         # kv_b_proj's two halves per local head: W_UK [H, nope, R] and W_UV [H, v, R].
         n, r = self.num_heads, mla.kv_lora_rank
         self.w_uk = nn.Parameter(torch.zeros(n, mla.qk_nope_head_dim, r, dtype=dtype,
