@@ -1,11 +1,11 @@
 """Mixture-of-experts throughput: pagedserve vs Hugging Face on one routed model.
 
 Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
-(``--kind``: or Mixtral, Qwen2-MoE) of ``--layers`` layers, ``--experts``
-experts of which each token takes ``--top-k``, written with
-``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32 by
-default); ``--num-prompts`` prompts of 10-75 random token ids,
-``--output-len`` greedy tokens each.
+(``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention) of
+``--layers`` layers, ``--experts`` experts of which each token takes ``--top-k``,
+written with ``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32
+by default); ``--num-prompts`` prompts of 10-75 random token ids (or of
+``--prompt-len`` each), ``--output-len`` greedy tokens each.
 
 - pagedserve ``LLM.generate`` (continuous batching; each step groups its rows
   by expert);
@@ -20,6 +20,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py --kind mixtral --json bench/figures/moe_mixtral.json
     python bench/moe.py --dtype bfloat16      # bf16 weights (the kernel widens them)
     python bench/moe.py --quantization int8   # pagedserve with int8 experts
+    python bench/moe.py --kind deepseek_v3 --prompt-len 1000   # MLA at long contexts
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import tempfile
 
@@ -52,7 +54,19 @@ def model_overrides(args: argparse.Namespace) -> dict:
                num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
                max_position_embeddings=4096, num_experts_per_tok=args.top_k,
                tie_word_embeddings=False)
-    if args.kind == "mixtral":
+    if args.kind.startswith("deepseek"):  # DeepSeek-V3's MLA proportions, narrowed
+        h = args.hidden
+        cfg.update(num_key_value_heads=8, n_routed_experts=args.experts,
+                   moe_intermediate_size=args.expert_width,
+                   intermediate_size=4 * args.expert_width, n_shared_experts=1, n_group=4,
+                   topk_group=2, first_k_dense_replace=1, kv_lora_rank=h // 2,
+                   q_lora_rank=3 * h // 4 if args.kind == "deepseek_v3" else None,
+                   qk_rope_head_dim=h // 16, qk_nope_head_dim=h // 8, v_head_dim=h // 8,
+                   norm_topk_prob=args.kind == "deepseek_v3", routed_scaling_factor=2.5)
+        if args.kind == "deepseek_v2":
+            cfg["topk_method"] = "group_limited_greedy"
+        del cfg["head_dim"]
+    elif args.kind == "mixtral":
         cfg.update(num_local_experts=args.experts, intermediate_size=args.expert_width)
     else:
         cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
@@ -77,8 +91,10 @@ def active_params(model: torch.nn.Module, top_k: int, num_experts: int) -> float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe"),
-                    default="qwen3_moe")
+    ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3",
+                                       "deepseek_v2"), default="qwen3_moe")
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="every prompt this many random token ids (default 10-75)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--experts", type=int, default=32)
@@ -102,6 +118,10 @@ def main() -> None:
                                    **model_overrides(args))
     prompts = make_prompts(None, args.num_prompts, seed=0)
     prompts = [[t % 32000 for t in p] for p in prompts]
+    if args.prompt_len:
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, 32000) for _ in range(args.prompt_len)]
+                   for _ in prompts]
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     peak = gemm_peak_flops("cpu", dtype)
@@ -122,7 +142,8 @@ def main() -> None:
     peak = max(peak, gemm_peak_flops("cpu", dtype))
     active = active_params(model, args.top_k, args.experts)
     roofline = peak / (2 * active)
-    print(f"\n{args.num_prompts} prompts (10-75 random token ids), {args.output_len} new tokens "
+    lengths = f"{args.prompt_len}" if args.prompt_len else "10-75"
+    print(f"\n{args.num_prompts} prompts ({lengths} random token ids), {args.output_len} new tokens "
           f"each; random {args.kind}: {args.layers} layers, hidden {args.hidden}, "
           f"{args.experts} experts x {args.expert_width} wide, top {args.top_k}; {args.dtype}"
           f"{f' (pagedserve {args.quantization})' if args.quantization else ''}, "

@@ -5,12 +5,13 @@ fill) and the scheduler sized from what the ranks report."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.draft_model import check_draft
 from pagedserve.worker.eagle_runner import check_eagle
 from pagedserve.worker.models.eagle import EAGLE_METHODS
@@ -33,6 +34,29 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
     if config.pipeline_parallel_size > 1:
         check_stages_fit(model_path, config.pipeline_parallel_size,
                          config.resolved_layer_partition())
+    if (Path(model_path) / "config.json").is_file() \
+            and ModelConfig.from_pretrained(model_path).mla is not None:
+        wcfg = _latent_attention_config(wcfg)
+    return wcfg
+
+
+def _latent_attention_config(wcfg: WorkerConfig) -> WorkerConfig:
+    """Refuse what a DeepSeek (MLA) model cannot serve yet, naming the option, and keep
+    flash-attn (heads of at most 256; the latent is 576 wide) off the automatic choice."""
+    refused = {"enable_lora": wcfg.max_lora_rank > 0,
+               "calculate_kv_scales": wcfg.calculate_kv_scales,  # (K and V share the cache)
+               "batch_invariant": wcfg.batch_invariant,
+               "speculative_config.method": wcfg.speculative_model is not None
+               and wcfg.speculative_method in EAGLE_METHODS}
+    for option, on in refused.items():
+        if on:
+            raise ValueError(f"{option} is not supported for multi-head latent attention "
+                             "models (DeepSeek-V2 / V3)")
+    if wcfg.attention_backend == "flash":
+        raise ValueError("attention_backend 'flash' takes heads of at most 256 numbers; a "
+                         "DeepSeek model's latent cache is wider: use 'triton'")
+    if wcfg.attention_backend is None and wcfg.device.startswith("cuda"):
+        return replace(wcfg, attention_backend="triton")
     return wcfg
 
 

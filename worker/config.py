@@ -149,12 +149,12 @@ class ModelConfig:
                 f"model config field 'num_key_value_heads' ({kv_heads}) must divide "
                 f"num_attention_heads ({heads})"
             )
-        head_dim = cfg.get("head_dim") or hidden // heads
-        if model_type in MLA_MODEL_TYPES:  # (the rotated part of a head; checked there)
-            head_dim = cfg.get("qk_rope_head_dim")
-        _positive_int("head_dim", head_dim)
+        head_dim, field = cfg.get("head_dim") or hidden // heads, "head_dim"
+        if model_type in MLA_MODEL_TYPES:  # the part of a head RoPE turns
+            head_dim, field = cfg.get("qk_rope_head_dim"), "qk_rope_head_dim"
+        _positive_int(field, head_dim)
         if head_dim % 2:
-            raise ValueError(f"model config field 'head_dim' must be even for RoPE, got {head_dim}")
+            raise ValueError(f"model config field {field!r} must be even for RoPE, got {head_dim}")
         if cfg.get("mlp_bias"):
             raise ValueError("model config field 'mlp_bias' = true is not supported")
         if cfg.get("hidden_act", "silu") != "silu":

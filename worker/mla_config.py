@@ -69,9 +69,7 @@ def mla_config_from_hf(cfg: dict[str, Any], model_type: str,
         raise ValueError("model config field 'attention_bias' = true is not supported for "
                          f"{model_type} (no release has one)")
     nope, rope = _width(cfg, "qk_nope_head_dim"), _width(cfg, "qk_rope_head_dim")
-    assert nope is not None and rope is not None
-    if rope % 2:
-        raise ValueError(f"model config field 'qk_rope_head_dim' must be even, got {rope}")
+    assert nope is not None and rope is not None  # (rope's evenness: ModelConfig's check)
     scale = (nope + rope) ** -0.5
     if rope_scaling and rope_scaling.get("rope_type") == "yarn" \
             and rope_scaling.get("mscale_all_dim"):

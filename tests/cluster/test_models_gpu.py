@@ -1,8 +1,9 @@
 """The newer model paths through the engine on CUDA (Triton attention, decode in CUDA
 graphs) against Hugging Face on the same device: a Mistral whose every layer slides
 (blocks released behind the window), a Gemma 3 (sliding and global layers, two RoPE
-tables, head size 256), a Gemma 2 (softcapped scores in the Triton kernel) and a
-LongRoPE Phi-3 (recomputed at the switch).
+tables, head size 256), a Gemma 2 (softcapped scores in the Triton kernel), a
+LongRoPE Phi-3 (recomputed at the switch) and a DeepSeek-V3 (latent attention over a
+576-wide cache, grouped routing).
 
 Each case also runs on CPU, so every CI run exercises the fixtures and the check; the
 ``cuda`` cases are ``gpu`` tests for ``bash bench/gpu_check.sh``. Tokenizers are made
@@ -43,6 +44,11 @@ CASES = {
                                       num_hidden_layers=3, attn_logit_softcapping=1.0,
                                       final_logit_softcapping=6.0,
                                       max_position_embeddings=1024)),
+    # DeepSeek-V3's own latent width: 512 compressed + 64 rotated numbers a token, one
+    # "head" of 576 (Triton pads it to 1024 lanes), routed experts in groups.
+    "deepseek_v3_mla": ("deepseek_v3", dict(num_key_value_heads=4, kv_lora_rank=512,
+                                            qk_rope_head_dim=64, num_hidden_layers=3,
+                                            max_position_embeddings=1024)),
 }
 
 
