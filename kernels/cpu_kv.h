@@ -12,7 +12,7 @@
 #include "cpu_math.h"
 
 /* Head sizes the kernel takes (the Python side checks): Llama-family heads are 64-256. */
-#define MAX_HEAD_DIM 256
+#define MAX_HEAD_DIM 576
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
 

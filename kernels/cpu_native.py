@@ -58,7 +58,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 # Query dtypes the decode kernel takes (it computes in fp32), and the cache dtypes it
 # reads with their kernel codes (KV_* in cpu_paged_decode.c; each widened exactly).
 _DECODE_DTYPES = (torch.float32, torch.bfloat16)
-_MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in cpu_paged_decode.c
+_MAX_HEAD_DIM = 576  # MAX_HEAD_DIM in cpu_kv.h (DeepSeek's latent: 512 + 64)
 # Prefill rows of one sequence that read its K/V together (``row_chunks``).
 ROWS_PER_CHUNK = 16
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,

@@ -1,6 +1,7 @@
 """DeepSeek-V2 / V3 through the engine: Hugging Face's greedy tokens under chunked
-prefill, preemption, prefix hits, n-gram drafts and shipped prompt K/V; the latent
-cache's size; a V3 file's multi-token-prediction layers skipped; clear refusals.
+prefill, preemption, prefix hits, n-gram drafts, CPU offloading and shipped prompt
+K/V; the latent cache's size; a V3 file's multi-token-prediction layers skipped;
+clear refusals.
 
 (Logits against HF's forward step by step, the routers against HF's, and TP=2 =
 TP=1 are in ``tests/worker``.)
@@ -80,6 +81,21 @@ def test_prefix_hits_and_ngram_drafts_equal_hugging_face(v3_dir, refs) -> None:
         for outs in (first, again):
             assert [o.outputs[0].token_ids for o in outs] == refs["v3"]
         assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 4 * 4 for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+def test_offloaded_latent_blocks_come_back_as_hugging_face(v3_dir, refs) -> None:
+    """A pool of 24 blocks under prompts that need more: evicted prefixes go to the CPU
+    tier, the second pass loads them back, and the tokens stay HF's."""
+    llm = LLM(model=v3_dir, block_size=4, num_gpu_blocks=24, num_offload_blocks=128)
+    try:
+        for _ in range(2):
+            outs = llm.generate(prompts_of_mixed_lengths(), GREEDY)
+            assert [o.outputs[0].token_ids for o in outs] == refs["v3"]
+        off = llm.engine.get_stats()["kv_offload"]
+        assert off["offloaded_blocks"] > 0 and off["loaded_blocks"] > 0
+        assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
 

@@ -9,6 +9,8 @@ build cache and the switch that turns the kernel off.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -165,3 +167,16 @@ def test_attention_kernels_build_at_o1_without_512_bit_vectors(monkeypatch) -> N
     assert "-O1" in narrow and "-fpeel-loops" in narrow and "-O3" not in narrow
     assert cpu_native._source_flags(lora, avx2) == cpu_native._FLAGS
     assert cpu_native._source_flags(decode, avx2 + " avx512f avx512bw") == cpu_native._FLAGS
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "varlen"])
+def test_latent_width_shared_cache_matches_oracle(decode: bool) -> None:
+    """DeepSeek's latent attention as the kernels see it: one KV "head" 576 numbers wide
+    (512 compressed + 64 rotated) under 16 query heads, the value cache being the key
+    cache itself (``KVCache(shared_kv=True)``)."""
+    q_lens = [1, 1, 1, 1] if decode else [5, 1, 17, 3]
+    b = make_paged_batch(q_lens, [40, 7, 130, 3], 16, 1, 576, 16, seed=2)
+    b = dataclasses.replace(b, v=b.k, value_cache=b.key_cache)
+    assert cpu_native.supports(b.q, b.key_cache, b.value_cache)
+    for name in ("cpu", "torch"):
+        check_against_oracle(get_backend(name), b, FP32_TOL, decode=decode)
