@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # (DeepSeek's MLA)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

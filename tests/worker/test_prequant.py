@@ -95,6 +95,22 @@ def test_fp8_block_scales_equal_dense(tmp_path, dense_src):
                                atol=2e-5, rtol=1e-4)
 
 
+def test_deepseek_fp8_block_scales_equal_dense(tmp_path):
+    """DeepSeek-V3 / R1 ship fine-grained fp8: every projection of latent attention and
+    of the experts in E4M3 with a scale per block, dequantised as they load (before
+    the RoPE rows are reordered); the router and norms stay dense."""
+    src = save_tiny_model(tmp_path / "m", "deepseek_v3", seed=6, num_key_value_heads=4)
+    qpath, dense = write_fp8(src, tmp_path / "fp8")
+    from safetensors import safe_open
+
+    with safe_open(str(qpath / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    scaled = {k.rsplit(".", 2)[-2] for k in keys if k.endswith("weight_scale_inv")}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= scaled
+    torch.testing.assert_close(_paged_logits(qpath), _hf_logits(load_hf(dense)),
+                               atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_bits,strategy,group", [(4, "group", 32), (8, "channel", None)],
                          ids=["w4a16_group32", "w8a16_channel"])
 def test_compressed_tensors_equals_transformers(tmp_path, dense_src, num_bits, strategy,

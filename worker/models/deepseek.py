@@ -169,6 +169,13 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
         super().load_weights(decoder_only(), on_layer)
 
+    def owns_tensor(self, name: str) -> bool:
+        """Not the MTP layers: a pre-quantised file's parts of them are never read."""
+        m = _LAYER_RE.match(name)
+        if m is not None and int(m.group(1)) >= self.config.num_layers:
+            return False
+        return super().owns_tensor(name)
+
     def _attention_names(self) -> set[str]:
         mla = self.config.mla
         assert mla is not None
