@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.scheduler.spec_decode import SpeculativeConfig
+from pagedserve.scheduler.spec_decode import OWN_HEAD_METHODS, SpeculativeConfig
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.pipeline import check_partition
 
@@ -346,7 +346,8 @@ class EngineConfig:
             enable_cuda_graph=device == "cuda" and not self.enforce_eager,
             max_num_seqs=self.max_num_seqs,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            speculative_model=spec.model if spec else None,
+            speculative_model=(model_path if spec.method in OWN_HEAD_METHODS else spec.model)
+            if spec else None,
             speculative_method=spec.method if spec else "draft_model",
             speculative_quantization=spec.quantization if spec else None,
             num_threads=self.num_threads,

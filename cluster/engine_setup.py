@@ -14,7 +14,9 @@ from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.draft_model import check_draft
 from pagedserve.worker.eagle_runner import check_eagle
+from pagedserve.worker.loaders.hf import checkpoint_names
 from pagedserve.worker.models.eagle import EAGLE_METHODS
+from pagedserve.worker.models.mtp import MTP_METHODS, mtp_problem
 from pagedserve.worker.pipeline import check_stages_fit
 
 
@@ -28,6 +30,11 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
         if wcfg.speculative_method == "eagle3" and config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config.method 'eagle3' reads layers of every "
                              "pipeline stage; run it with pipeline_parallel_size 1")
+    elif wcfg.speculative_method in MTP_METHODS:
+        why = mtp_problem(ModelConfig.from_pretrained(model_path),
+                          checkpoint_names(model_path))
+        if why is not None:
+            raise ValueError(f"speculative_config.method {wcfg.speculative_method!r}: {why}")
     elif wcfg.speculative_model is not None:
         wcfg = replace(wcfg, speculative_model=check_draft(
             wcfg.speculative_model, model_path, wcfg.hybrid_kv_cache))

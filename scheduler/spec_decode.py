@@ -32,9 +32,11 @@ from typing import Any
 from pagedserve.scheduler.request import TOKEN_WIDTH, Request
 from pagedserve.scheduler.suffix_decoding import SuffixProposer
 
-SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3")
+SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "deepseek_mtp", "mtp")
 # Methods whose guesses come from a model beside the sampler (``model`` names it).
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+# The target's own multi-token-prediction layers draft (DeepSeek-V3): no ``model``.
+OWN_HEAD_METHODS = ("deepseek_mtp", "mtp")
 DRAFT_QUANTIZATIONS = ("int8", "int4")
 
 
@@ -45,7 +47,9 @@ class SpeculativeConfig:
     given ``model``, the method defaults to it). ``quantization`` ("int8" / "int4")
     quantises the draft's weights online, a cheaper drafter on CPU. ``"eagle"`` and
     ``"eagle3"`` take ``model`` too: an EAGLE / EAGLE-3 head that drafts from the
-    target's own hidden states (``worker.models.eagle``).
+    target's own hidden states (``worker.models.eagle``). ``"deepseek_mtp"`` (or
+    ``"mtp"``) drafts with a DeepSeek-V3 target's own multi-token-prediction layer
+    (``worker.models.mtp``), one guess a step unless ``num_speculative_tokens`` says.
 
     Defaults from ``bench/spec_decode.py`` on SmolLM2: single-token matches
     (``prompt_lookup_min=1``) guess twice as often for little more accepted,
@@ -84,7 +88,8 @@ class SpeculativeConfig:
                              f"got {self.method!r}")
         self._check_suffix_fields()
         if self.num_speculative_tokens is None:
-            default = self.suffix_decoding_max_tree_depth if self.method == "suffix" else 4
+            default = self.suffix_decoding_max_tree_depth if self.method == "suffix" else \
+                1 if self.method in OWN_HEAD_METHODS else 4  # (one MTP layer: one guess)
             object.__setattr__(self, "num_speculative_tokens", min(default, 64))
         if self.method in MODEL_METHODS:
             if not isinstance(self.model, str) or not self.model:
@@ -92,7 +97,9 @@ class SpeculativeConfig:
                                  f"(a local directory or cached hub id), got {self.model!r}")
         elif self.model is not None:
             raise ValueError(f"speculative_config.model is for methods {MODEL_METHODS}, "
-                             f"not {self.method!r}")
+                             f"not {self.method!r}" + (" (it drafts with the target's own "
+                                                      "layers)" if self.method in
+                                                      OWN_HEAD_METHODS else ""))
         if self.quantization is not None and self.method != "draft_model":
             raise ValueError("speculative_config.quantization is for method 'draft_model', "
                              f"not {self.method!r}")
@@ -150,8 +157,9 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """Whether a model beside the sampler drafts (a draft model or an EAGLE head)."""
-        return self.method in MODEL_METHODS
+        """Whether a model beside the sampler drafts (a draft model, an EAGLE head, or
+        the target's own MTP layer)."""
+        return self.method in MODEL_METHODS or self.method in OWN_HEAD_METHODS
 
     @property
     def num_lookahead(self) -> int:

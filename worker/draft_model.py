@@ -140,7 +140,8 @@ def _windows(mc: ModelConfig) -> list[int | None]:
 def draft_block_bytes(draft: DraftModel, block_size: int, kv_dtype: torch.dtype) -> int:
     """Bytes of one block of the draft's KV pool (every layer, every KV head)."""
     mc = draft.config
-    return bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    return bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, kv_dtype,
+                           shared_kv=mc.mla is not None)
 
 
 def kept_tokens(r: ScheduledRequest, out: ModelRunnerOutput

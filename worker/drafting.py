@@ -1,19 +1,32 @@
 """Which drafter a rank holds for speculative decoding: a draft model
-(``draft_model``) or an EAGLE head (``eagle_runner``), loaded beside the target on the
-rank that samples, and the runner that drives it over a KV pool of its own."""
+(``draft_model``), an EAGLE head (``eagle_runner``) or a DeepSeek-V3 target's own MTP
+layer (``models.mtp``, run as an EAGLE head is), loaded beside the target on the rank
+that samples, and the runner that drives it over a KV pool of its own."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import torch
 
-from pagedserve.kernels import AttentionBackend
+from pagedserve.kernels import AttentionBackend, get_backend
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.draft_model import DraftModel, DraftRunner, load_draft_model
 from pagedserve.worker.eagle_runner import EagleRunner, load_eagle_head
 from pagedserve.worker.kv_cache import KVCache
+from pagedserve.worker.layers.packed import can_pack, pack_model
+from pagedserve.worker.loaders import iter_safetensors
+from pagedserve.worker.loaders.hf import checkpoint_names
+from pagedserve.worker.loaders.prequant import dequantized_weights
 from pagedserve.worker.models.eagle import EAGLE_METHODS, EagleHead
 from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.mtp import MTP_METHODS, MTPHead, mtp_problem
 from pagedserve.worker.parallel import ParallelContext
+
+# Heads that draft from the target's hidden states (``EagleRunner``), reattached to
+# a target built anew (woken from sleep, new weights).
+HEAD_TYPES = (EagleHead, MTPHead)
 
 
 def load_drafter(config: WorkerConfig, target: LlamaForCausalLM, target_config: ModelConfig,
@@ -21,6 +34,9 @@ def load_drafter(config: WorkerConfig, target: LlamaForCausalLM, target_config: 
                  device: torch.device) -> DraftModel:
     """The draft model or EAGLE head ``config.speculative_model`` names."""
     assert config.speculative_model is not None
+    if config.speculative_method in MTP_METHODS:
+        return load_mtp_head(target, target_config, target_path, ctx, dtype, device,
+                             config.attention_backend, config.cpu_packed_weights)
     if config.speculative_method in EAGLE_METHODS:
         return load_eagle_head(config.speculative_model, config.speculative_method, target,
                                target_path, ctx, dtype, device, config.attention_backend,
@@ -36,8 +52,36 @@ def drafter_runner(draft: DraftModel, target: LlamaForCausalLM, target_kv: KVCac
     """``draft`` over a KV pool of its own with the target's block ids (and CPU blocks)."""
     mc = draft.config
     kv = KVCache(mc.num_layers, target_kv.num_blocks, config.block_size, mc.num_kv_heads,
-                 mc.head_dim, dtype, device, backend, target_kv.num_cpu_blocks)
-    if isinstance(draft.model, EagleHead):
+                 mc.head_dim, dtype, device, backend, target_kv.num_cpu_blocks,
+                 shared_kv=mc.mla is not None)
+    if isinstance(draft.model, HEAD_TYPES):
         return EagleRunner(draft, kv, device, config.num_speculative_tokens, target)
     return DraftRunner(draft, kv, device, config.num_speculative_tokens,
                        target.config.vocab_size)
+
+
+def load_mtp_head(target: LlamaForCausalLM, cfg: ModelConfig, target_path: str,
+                  ctx: ParallelContext, dtype: torch.dtype, device: torch.device,
+                  attention_backend: str | None, packed_weights: bool = True) -> DraftModel:
+    """The target checkpoint's first MTP layer as a head on this rank (the last
+    stage's rank 0), sharing the target's embedding where it holds it whole."""
+    names = checkpoint_names(target_path)
+    if (why := mtp_problem(cfg, names)) is not None:
+        raise ValueError(f"speculative_config.method 'deepseek_mtp': {why}")
+    whole = ctx.world_size == 1 and target.embed_tokens is not None
+    backend = get_backend(attention_backend, device, kv_cache_dtype=dtype, model_dtype=dtype)
+    head = MTPHead(cfg, backend, dtype, device, target.embed_tokens if whole else None)
+    weights = iter_safetensors(target_path)
+    if cfg.prequant is not None:
+        weights = dequantized_weights(weights, cfg.prequant, names, _mtp_or_embedding(cfg))
+    head.load_weights(weights)
+    head.eval()
+    if packed_weights and can_pack(device, dtype):
+        pack_model(head.layer)
+        pack_model(head.lm_head)
+    return DraftModel(head, replace(cfg, num_layers=1), f"{target_path} (MTP layer)")
+
+
+def _mtp_or_embedding(cfg: ModelConfig) -> Callable[[str], bool]:
+    prefix = f"model.layers.{cfg.num_layers}."
+    return lambda name: name.startswith(prefix) or name == "model.embed_tokens.weight"

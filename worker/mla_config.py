@@ -34,6 +34,9 @@ class MLAConfig:
     v_head_dim: int
     rope_interleave: bool
     softmax_scale: float
+    # DeepSeek-V3's multi-token-prediction layers after the decoder's
+    # (``num_nextn_predict_layers``; ``models.mtp`` drafts with the first).
+    mtp_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -82,4 +85,15 @@ def mla_config_from_hf(cfg: dict[str, Any], model_type: str,
     assert kv_rank is not None and v_dim is not None
     return MLAConfig(q_lora_rank=_width(cfg, "q_lora_rank", optional=True),
                      kv_lora_rank=kv_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-                     v_head_dim=v_dim, rope_interleave=interleave, softmax_scale=scale)
+                     v_head_dim=v_dim, rope_interleave=interleave, softmax_scale=scale,
+                     mtp_layers=_mtp_layers(cfg, model_type))
+
+
+def _mtp_layers(cfg: dict[str, Any], model_type: str) -> int:
+    n = cfg.get("num_nextn_predict_layers") or 0
+    if model_type != "deepseek_v3":
+        return 0
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"model config field 'num_nextn_predict_layers' must be a "
+                         f"non-negative integer, got {n!r}")
+    return n

@@ -25,7 +25,7 @@ from pagedserve.worker import batch_invariant
 from pagedserve.worker import sleep as sleep_mode
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.draft_model import DraftModel, draft_block_bytes
-from pagedserve.worker.drafting import drafter_runner, load_drafter
+from pagedserve.worker.drafting import HEAD_TYPES, drafter_runner, load_drafter
 from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, cuda_kv_budget, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
@@ -37,7 +37,6 @@ from pagedserve.worker.loaders.prequant import dequantized_weights
 from pagedserve.worker.model_info import model_info
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import MODEL_REGISTRY
-from pagedserve.worker.models.eagle import EagleHead
 from pagedserve.worker.models.multimodal import with_vision
 from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_parallel
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
@@ -181,7 +180,7 @@ class Worker:
         if self.config.max_lora_rank:
             self.lora = LoRAManager(model, self.config.max_lora_rank, self.dtype, self.device)
         self.model = model
-        if self.draft is not None and isinstance(self.draft.model, EagleHead):
+        if self.draft is not None and isinstance(self.draft.model, HEAD_TYPES):
             self.draft.model.attach(model)  # (rebuilt: woken from sleep, new weights)
 
     @property

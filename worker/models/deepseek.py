@@ -121,6 +121,42 @@ class MLAAttention(nn.Module):
         o = torch.bmm(out[..., :rank].transpose(0, 1), self.w_uv.transpose(1, 2))
         return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))
 
+    def load(self, module: str, name: str, lazy: LazyTensor) -> bool:
+        """Load checkpoint tensor ``name`` (``module``: its name under ``self_attn.``, no
+        ``.weight``); False when it is not one of this layer's."""
+        mla = self.mla
+        if f"{module}.weight" not in self.tensor_names() or not name.endswith(".weight"):
+            return False
+        if module == "kv_b_proj":
+            self.load_kv_b(name, lazy)
+        elif module in ("q_a_layernorm", "kv_a_layernorm"):
+            norm = getattr(self, module).weight
+            if tuple(lazy.shape) != tuple(norm.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
+                                 f"{tuple(norm.shape)}")
+            norm.data.copy_(lazy[:])
+        elif module == "o_proj":
+            self.o_proj.load(lazy)
+        elif module == "q_a_proj":
+            self.q_a_proj.load(0, lazy)
+        else:  # q_proj, q_b_proj, kv_a_proj_with_mqa: rows RoPE turns come reordered
+            rows = lazy[:]
+            if mla.rope_interleave:  # per head (q) or once (the latent's key part)
+                groups = 1 if module == "kv_a_proj_with_mqa" else self.total_heads
+                if rows.dim() == 2 and rows.shape[0] % groups == 0:
+                    rows = _deinterleave(rows.view(groups, -1, rows.shape[1]),
+                                         mla.qk_rope_head_dim).view(rows.shape)
+            getattr(self, module).load(0, rows)
+        return True
+
+    def tensor_names(self) -> set[str]:
+        """The layer's checkpoint tensors, as named under ``self_attn.``."""
+        names = {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
+                 "o_proj.weight"}
+        if self.mla.q_lora_rank is None:
+            return names | {"q_proj.weight"}
+        return names | {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"}
+
     def load_kv_b(self, name: str, lazy: LazyTensor) -> None:
         """This rank's heads of ``kv_b_proj`` ``[H * (nope + v), R]``, split into W_UK
         and W_UV."""
@@ -177,38 +213,9 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return super().owns_tensor(name)
 
     def _attention_names(self) -> set[str]:
-        mla = self.config.mla
-        assert mla is not None
-        names = {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
-                 "o_proj.weight"}
-        if mla.q_lora_rank is None:
-            return names | {"q_proj.weight"}
-        return names | {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"}
+        return self.layers[0].self_attn.tensor_names()
 
     def _load_attention(self, attn: nn.Module, module: str, is_bias: bool, name: str,
                         lazy: LazyTensor) -> bool:
-        mla = self.config.mla
-        assert mla is not None and isinstance(attn, MLAAttention)
-        if is_bias or f"{module}.weight" not in self._attention_names():
-            return False
-        if module == "kv_b_proj":
-            attn.load_kv_b(name, lazy)
-        elif module in ("q_a_layernorm", "kv_a_layernorm"):
-            norm = getattr(attn, module).weight
-            if tuple(lazy.shape) != tuple(norm.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
-                                 f"{tuple(norm.shape)}")
-            norm.data.copy_(lazy[:])
-        elif module == "o_proj":
-            attn.o_proj.load(lazy)
-        elif module in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
-            rows = lazy[:]
-            if mla.rope_interleave:  # per head (q) or once (the latent's key part)
-                groups = 1 if module == "kv_a_proj_with_mqa" else self.config.num_heads
-                if rows.dim() == 2 and rows.shape[0] % groups == 0:
-                    rows = _deinterleave(rows.view(groups, -1, rows.shape[1]),
-                                         mla.qk_rope_head_dim).view(rows.shape)
-            getattr(attn, module).load(0, rows)
-        else:
-            getattr(attn, module).load(0, lazy)
-        return True
+        assert isinstance(attn, MLAAttention)
+        return not is_bias and attn.load(module, name, lazy)
