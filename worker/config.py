@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_dtype
+from pagedserve.worker.config_fields import positive_int, require
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
 from pagedserve.worker.layers.quant import check_quantization
@@ -46,18 +47,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[key]
-
-
-def _require(cfg: dict[str, Any], name: str) -> Any:
-    if name not in cfg or cfg[name] is None:
-        raise ValueError(f"model config is missing required field {name!r}")
-    return cfg[name]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"model config field {name!r} must be a positive integer, got {value!r}")
-    return value
 
 
 def _names_base_model(architectures: Any) -> bool:
@@ -120,7 +109,7 @@ class ModelConfig:
         Transformers 5 writes ``rope_parameters`` (theta and scaling in one
         dict); older checkpoints have ``rope_theta`` plus ``rope_scaling``.
         """
-        model_type = _require(cfg, "model_type")
+        model_type = require(cfg, "model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model config field 'model_type' must be one of {SUPPORTED_MODEL_TYPES}, "
@@ -139,9 +128,9 @@ class ModelConfig:
             model_type = "qwen2"
         cfg, gemma = gemma_from_hf(cfg, model_type)
         model_type = cfg["model_type"]  # a multimodal Gemma 3 serves its text decoder
-        hidden = _positive_int("hidden_size", _require(cfg, "hidden_size"))
-        heads = _positive_int("num_attention_heads", _require(cfg, "num_attention_heads"))
-        kv_heads = _positive_int(
+        hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
+        heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
+        kv_heads = positive_int(
             "num_key_value_heads", cfg.get("num_key_value_heads") or heads
         )
         if heads % kv_heads:
@@ -152,7 +141,7 @@ class ModelConfig:
         head_dim, field = cfg.get("head_dim") or hidden // heads, "head_dim"
         if model_type in MLA_MODEL_TYPES:  # the part of a head RoPE turns
             head_dim, field = cfg.get("qk_rope_head_dim"), "qk_rope_head_dim"
-        _positive_int(field, head_dim)
+        positive_int(field, head_dim)
         if head_dim % 2:
             raise ValueError(f"model config field {field!r} must be even for RoPE, got {head_dim}")
         if cfg.get("mlp_bias"):
@@ -173,7 +162,7 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        num_layers = _positive_int("num_hidden_layers", _require(cfg, "num_hidden_layers"))
+        num_layers = positive_int("num_hidden_layers", require(cfg, "num_hidden_layers"))
         mla = mla_config_from_hf(cfg, model_type, scaling)
         if mla is not None:  # the cache holds one latent "head" a token (``mla_config``)
             head_dim, kv_heads, rotary_dim = mla.cache_dim, 1, mla.cache_dim
@@ -182,13 +171,13 @@ class ModelConfig:
             model_type=model_type,
             num_layers=num_layers,
             hidden_size=hidden,
-            intermediate_size=_positive_int(
-                "intermediate_size", _require(cfg, "intermediate_size")
+            intermediate_size=positive_int(
+                "intermediate_size", require(cfg, "intermediate_size")
             ),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            vocab_size=_positive_int("vocab_size", _require(cfg, "vocab_size")),
+            vocab_size=positive_int("vocab_size", require(cfg, "vocab_size")),
             rope_theta=theta,
             rope_scaling=scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -196,7 +185,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            max_position_embeddings=_positive_int(
+            max_position_embeddings=positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
             ),
             sliding_window=window,
@@ -261,13 +250,6 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None where it attends to every key."""
         return self.sliding_window if layer in self.sliding_layers else None
-
-    def kv_bytes_per_block(self, block_size: int, num_kv_heads_per_rank: int,
-                           dtype: torch.dtype) -> int:
-        """Bytes one block costs on one rank: K and V for every layer (DESIGN's M_KV per block;
-        an MLA layer caches one vector, no separate V)."""
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return (1 if self.mla else 2) * self.num_layers * block_size * num_kv_heads_per_rank * self.head_dim * elem
 
 
 @dataclass

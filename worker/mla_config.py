@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.worker.config_fields import count, non_negative_int
+
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -48,15 +50,6 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-def _width(cfg: dict[str, Any], name: str, optional: bool = False) -> int | None:
-    value = cfg.get(name)
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"model config field {name!r} must be a positive integer, got {value!r}")
-    return value
-
-
 def yarn_mscale(scale: float, mscale: float) -> float:
     """YaRN's magnitude correction for a context stretched ``scale`` times."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -71,8 +64,7 @@ def mla_config_from_hf(cfg: dict[str, Any], model_type: str,
     if cfg.get("attention_bias"):
         raise ValueError("model config field 'attention_bias' = true is not supported for "
                          f"{model_type} (no release has one)")
-    nope, rope = _width(cfg, "qk_nope_head_dim"), _width(cfg, "qk_rope_head_dim")
-    assert nope is not None and rope is not None  # (rope's evenness: ModelConfig's check)
+    nope, rope = count(cfg, "qk_nope_head_dim"), count(cfg, "qk_rope_head_dim")
     scale = (nope + rope) ** -0.5
     if rope_scaling and rope_scaling.get("rope_type") == "yarn" \
             and rope_scaling.get("mscale_all_dim"):
@@ -81,19 +73,14 @@ def mla_config_from_hf(cfg: dict[str, Any], model_type: str,
     # V2's reference code always interleaves (complex multiplication); V3 says so.
     interleave = bool(cfg.get("rope_interleave", True)) if model_type == "deepseek_v3" \
         else True
-    kv_rank, v_dim = _width(cfg, "kv_lora_rank"), _width(cfg, "v_head_dim")
-    assert kv_rank is not None and v_dim is not None
-    return MLAConfig(q_lora_rank=_width(cfg, "q_lora_rank", optional=True),
+    kv_rank, v_dim = count(cfg, "kv_lora_rank"), count(cfg, "v_head_dim")
+    q_rank = None if cfg.get("q_lora_rank") is None else count(cfg, "q_lora_rank")
+    return MLAConfig(q_lora_rank=q_rank,
                      kv_lora_rank=kv_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                      v_head_dim=v_dim, rope_interleave=interleave, softmax_scale=scale,
                      mtp_layers=_mtp_layers(cfg, model_type))
 
 
 def _mtp_layers(cfg: dict[str, Any], model_type: str) -> int:
-    n = cfg.get("num_nextn_predict_layers") or 0
-    if model_type != "deepseek_v3":
-        return 0
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"model config field 'num_nextn_predict_layers' must be a "
-                         f"non-negative integer, got {n!r}")
-    return n
+    return non_negative_int(cfg, "num_nextn_predict_layers") if model_type == "deepseek_v3" \
+        else 0

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.worker.config_fields import count, non_negative_int
+
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
@@ -66,13 +68,6 @@ class MoEConfig:
         return self.num_groups > 1 and self.topk_group < self.num_groups
 
 
-def _count(cfg: dict[str, Any], name: str, default: Any = None) -> int:
-    value = cfg.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"model config field {name!r} must be a positive integer, got {value!r}")
-    return value
-
-
 def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                        ) -> MoEConfig | None:
     """The MoE part of a parsed ``config.json``; None for a dense model type.
@@ -87,17 +82,17 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
         key = "num_experts" if key == "num_local_experts" else "num_local_experts"
     if model_type in DEEPSEEK_MODEL_TYPES:
         key = "n_routed_experts"
-    num_experts = _count(cfg, key)
-    top_k = _count(cfg, "num_experts_per_tok")
+    num_experts = count(cfg, key)
+    top_k = count(cfg, "num_experts_per_tok")
     if top_k > num_experts:
         raise ValueError(f"model config field 'num_experts_per_tok' ({top_k}) must be at most "
                          f"the number of experts ({num_experts})")
     if model_type in DEEPSEEK_MODEL_TYPES:
         return _deepseek(cfg, model_type, num_layers, num_experts, top_k)
     if model_type == "mixtral":
-        return MoEConfig(num_experts, top_k, _count(cfg, "intermediate_size"), True, 0,
+        return MoEConfig(num_experts, top_k, count(cfg, "intermediate_size"), True, 0,
                          tuple(range(num_layers)), mixtral_names=True)
-    step = _count(cfg, "decoder_sparse_step", 1)
+    step = count(cfg, "decoder_sparse_step", 1)
     dense = cfg.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
         raise ValueError(f"model config field 'mlp_only_layers' must be a list of layer "
@@ -105,8 +100,8 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
     sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     shared = 0
     if model_type == "qwen2_moe":
-        shared = _count(cfg, "shared_expert_intermediate_size")
-    return MoEConfig(num_experts, top_k, _count(cfg, "moe_intermediate_size"),
+        shared = count(cfg, "shared_expert_intermediate_size")
+    return MoEConfig(num_experts, top_k, count(cfg, "moe_intermediate_size"),
                      bool(cfg.get("norm_topk_prob", False)), shared, sparse)
 
 
@@ -115,17 +110,11 @@ def _deepseek(cfg: dict[str, Any], model_type: str, num_layers: int, num_experts
     """DeepSeek-V2 / V3 routing: V2's ``topk_method`` "greedy" or "group_limited_greedy"
     over softmax scores, V3's sigmoid scores with a bias and groups ranked by their two
     best (its ``topk_method`` "noaux_tc"; Hugging Face's implementation reads none)."""
-    first_dense = cfg.get("first_k_dense_replace") or 0
-    if not isinstance(first_dense, int) or first_dense < 0:
-        raise ValueError(f"model config field 'first_k_dense_replace' must be a non-negative "
-                         f"integer, got {first_dense!r}")
-    step = _count(cfg, "moe_layer_freq", 1)
+    first_dense = non_negative_int(cfg, "first_k_dense_replace")
+    step = count(cfg, "moe_layer_freq", 1)
     sparse = tuple(i for i in range(num_layers) if i >= first_dense and i % step == 0)
-    shared = cfg.get("n_shared_experts") or 0
-    if not isinstance(shared, int) or shared < 0:
-        raise ValueError(f"model config field 'n_shared_experts' must be a non-negative "
-                         f"integer, got {shared!r}")
-    width = _count(cfg, "moe_intermediate_size")
+    shared = non_negative_int(cfg, "n_shared_experts")
+    width = count(cfg, "moe_intermediate_size")
     v3 = model_type == "deepseek_v3"
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
@@ -134,8 +123,8 @@ def _deepseek(cfg: dict[str, Any], model_type: str, num_layers: int, num_experts
                          f"{model_type}, got {method!r}")
     groups = topk_group = 1
     if v3 or method == "group_limited_greedy":
-        groups = _count(cfg, "n_group", 1)
-        topk_group = _count(cfg, "topk_group", 1)
+        groups = count(cfg, "n_group", 1)
+        topk_group = count(cfg, "topk_group", 1)
         if num_experts % groups or topk_group > groups:
             raise ValueError(f"model config fields 'n_group' ({groups}) and 'topk_group' "
                              f"({topk_group}) must split {num_experts} experts into groups "

@@ -21,13 +21,8 @@ from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.layers.norm import GemmaRMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
-from pagedserve.worker.models.llama import (
-    _LAYER_RE,
-    LlamaAttention,
-    LlamaForCausalLM,
-    LlamaMLP,
-    _copy_full,
-)
+from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedserve.worker.models.llama_loading import _LAYER_RE, _copy_full
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import PipelineStage
 

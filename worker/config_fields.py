@@ -1,0 +1,34 @@
+"""Reading a Hugging Face ``config.json``'s fields with errors that name the field:
+shared by the model, mixture-of-experts and latent-attention parsers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def require(cfg: dict[str, Any], name: str) -> Any:
+    """``cfg[name]``, which must be there and not null."""
+    if name not in cfg or cfg[name] is None:
+        raise ValueError(f"model config is missing required field {name!r}")
+    return cfg[name]
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` (field ``name``'s), which must be a positive integer."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"model config field {name!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def count(cfg: dict[str, Any], name: str, default: Any = None) -> int:
+    """Field ``name`` (``default`` when absent) as a positive integer."""
+    return positive_int(name, cfg.get(name, default))
+
+
+def non_negative_int(cfg: dict[str, Any], name: str) -> int:
+    """Field ``name`` as an integer >= 0 (absent or null: 0)."""
+    value = cfg.get(name) or 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"model config field {name!r} must be a non-negative integer, "
+                         f"got {value!r}")
+    return value
