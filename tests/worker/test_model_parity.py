@@ -76,6 +76,12 @@ CASES = {
         model_type="deepseek_v3", num_key_value_heads=4,
         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
                           mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)),
+    # Prompt chunks over keys and values rebuilt per head (``mla_prefill``) at any length
+    # (0.5: every row of a step with a chunk; 4: chunks of 5+, beside latent rows).
+    "deepseek_v3_rebuilt_keys": dict(model_type="deepseek_v3", num_key_value_heads=4,
+                                     decompress_above=0.5),
+    "deepseek_v2_rebuilt_keys_mixed": dict(model_type="deepseek_v2", num_key_value_heads=4,
+                                           decompress_above=4),
     # RoPE in halves; a 40-number latent, which the native CPU kernel does not take.
     "deepseek_v3_halves_torch_attention": dict(model_type="deepseek_v3", rope_interleave=False,
                                                kv_lora_rank=32, num_key_value_heads=4),
@@ -105,9 +111,13 @@ def test_paged_forward_matches_hf(tmp_path, case, monkeypatch):
         case = "qwen3_qk_norm_tied"
     kw = dict(CASES[case])
     model_type = kw.pop("model_type")
+    above = kw.pop("decompress_above", None)
     path = save_tiny_model(tmp_path / case, model_type, seed=1, **kw)
     hf = load_hf(path)
     worker = make_worker(path, num_blocks=48, block_size=4)
+    if above is not None:
+        for layer in worker.model.layers:
+            layer.self_attn.decompress_above = above
     alloc = BlockAllocator(48, 4, seed=3, groups=worker.kv_layout.num_groups)
     g = torch.Generator().manual_seed(0)
     seqs = {r: torch.randint(3, 101, (n,), generator=g).tolist()

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import AttentionBackend
+from pagedserve.kernels.kv_quant import dequantize, storage_view
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.layers.linear import (
@@ -40,6 +41,12 @@ from pagedserve.worker.layers.linear import (
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.worker.models.mla_prefill import (
+    StepSplit,
+    decompress_above,
+    dense_chunks,
+    step_split,
+)
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import PipelineStage
 
@@ -97,6 +104,8 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(h * mla.v_head_dim, hidden, False, ctx, dtype, device)
         self.attn = PagedAttention(self.num_heads, 1, mla.cache_dim, backend,
                                    scale=mla.softmax_scale)
+        # Chunks of more queries than this attend over rebuilt keys (``mla_prefill``).
+        self.decompress_above = decompress_above(mla)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
@@ -112,14 +121,50 @@ class MLAAttention(nn.Module):
         c_kv = self.kv_a_layernorm(latent[:, :rank].contiguous())[0]
         k_pe = RotaryEmbedding.apply(latent[:, rank:].reshape(t, 1, rope).contiguous(), cos, sin)
         q_pe = RotaryEmbedding.apply(q[..., nope:].contiguous(), cos, sin)
-        # Each head's q_nope carried into the latent space: [H, T, nope] @ [H, nope, R].
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk).transpose(0, 1)
-        query = torch.cat((q_lat, q_pe), dim=-1)
         key = torch.cat((c_kv.unsqueeze(1), k_pe), dim=-1)
-        out = self.attn(query, key, key, kv_cache, md).view(t, h, mla.cache_dim)
-        # Back out of the latent space per head: [H, T, R] @ [H, R, v].
-        o = torch.bmm(out[..., :rank].transpose(0, 1), self.w_uv.transpose(1, 2))
-        return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))
+        split = None
+        if not md.is_decode and md.varlen is not None and md.image_spans is None:
+            split = step_split(md, kv_cache[0].shape[1], self.decompress_above)
+        if split is None:
+            out = self.attn(self._latent_query(q[..., :nope], q_pe), key, key, kv_cache, md)
+            o = self._leave_latent(out.view(t, h, mla.cache_dim))
+        else:
+            o = self._split_step(q[..., :nope], q_pe, key, kv_cache[0], md, split)
+        return self.o_proj(o.reshape(t, h * mla.v_head_dim))
+
+    def _latent_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """Each head's ``q_nope`` carried into the latent space ([H, T, nope] @
+        [H, nope, R]), the turned part beside it."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        return torch.cat((q_lat, q_pe), dim=-1)
+
+    def _leave_latent(self, out: torch.Tensor) -> torch.Tensor:
+        """Heads' latent outputs ``[T, H, R + rope]`` back to ``[T, H, v]`` per head
+        ([H, T, R] @ [H, R, v]); the rotary keys' weighted sum is dropped."""
+        rank = self.mla.kv_lora_rank
+        return torch.bmm(out[..., :rank].transpose(0, 1),
+                         self.w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _split_step(self, q_nope: torch.Tensor, q_pe: torch.Tensor, key: torch.Tensor,
+                    cache: torch.Tensor, md: AttentionMetadata, split: StepSplit
+                    ) -> torch.Tensor:
+        """A step with long prompt chunks (``mla_prefill``): every token's latent stored,
+        the chunks attend densely over rebuilt keys, the other rows in the latent."""
+        mla, backend = self.mla, self.attn.backend
+        backend.store_kv(key, key, cache, cache, md.slot_mapping)
+        o = q_nope.new_empty(q_nope.shape[0], self.num_heads, mla.v_head_dim)
+        rows = split.latent_rows
+        if split.latent_md is not None:
+            query = self._latent_query(q_nope[rows], q_pe[rows])
+            out = backend.varlen_attention(query, cache, cache, split.latent_table,
+                                           split.latent_md, mla.softmax_scale)
+            o[rows] = self._leave_latent(out.view(len(rows), self.num_heads, mla.cache_dim))
+        flat = storage_view(cache).view(-1, mla.cache_dim)
+        latents = dequantize(flat[split.key_slots].view(cache.dtype), q_nope.dtype)
+        rows = split.dense_rows
+        o[rows] = dense_chunks(q_nope[rows], q_pe[rows], latents, self.w_uk, self.w_uv, split,
+                               mla.kv_lora_rank, mla.softmax_scale)
+        return o
 
     def load(self, module: str, name: str, lazy: LazyTensor) -> bool:
         """Load checkpoint tensor ``name`` (``module``: its name under ``self_attn.``, no
