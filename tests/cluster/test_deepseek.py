@@ -10,6 +10,7 @@ TP=1 are in ``tests/worker``.)
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,27 @@ def test_offloaded_latent_blocks_come_back_as_hugging_face(v3_dir, refs) -> None
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_narrow_latent_caches(v3_dir, refs) -> None:
+    """A bf16 latent pool under the fp32 model keeps HF's tokens; an fp8 one (which
+    moves them: E4M3 keeps 3 mantissa bits) gives the same tokens whether prompt
+    chunks read it back through rebuilt keys (widened) or in the latent."""
+    prompts = prompts_of_mixed_lengths()
+    got = {}
+    for dtype, above in (("bfloat16", None), ("fp8", None), ("fp8", math.inf)):
+        llm = LLM(model=v3_dir, block_size=4, num_gpu_blocks=128, kv_cache_dtype=dtype)
+        try:
+            worker = llm.engine.executor.worker
+            assert worker.kv_cache.key_caches[0].element_size() < 4
+            for layer in worker.model.layers if above else ():
+                layer.self_attn.decompress_above = above
+            got[dtype, above] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+            assert_pool_at_baseline(llm)
+        finally:
+            llm.shutdown()
+    assert got["bfloat16", None] == refs["v3"]
+    assert got["fp8", None] == got["fp8", math.inf]
 
 
 def test_the_latent_cache_is_one_vector_a_token(v3_dir) -> None:
