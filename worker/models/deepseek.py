@@ -12,8 +12,9 @@ until ``W_UV`` takes each back to ``v_head_dim``. So attention is plain
 multi-query attention (every query head on the one cached "head"), run by the
 same paged kernels as every other model, with the value cache the key cache
 itself (``KVCache(shared_kv=True)``); its last ``qk_rope_head_dim`` output numbers
-are the rotary keys' weighted sum and are dropped. No per-head K or V is ever
-built, for prompt or decode tokens.
+are the rotary keys' weighted sum and are dropped. Decode rows never build a
+per-head key or value; prompt chunks long enough to pay for it attend over keys
+and values rebuilt from the latent instead (``mla_prefill``).
 
 Tensor parallelism splits the heads (``q_b_proj`` / ``q_proj``, ``kv_b_proj``,
 ``o_proj``); the latent projection is replicated and each rank caches the whole
