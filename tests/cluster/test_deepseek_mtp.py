@@ -19,7 +19,7 @@ from pagedserve.cluster import LLM
 from pagedserve.worker.testing import write_random_checkpoint
 from pagedserve.worker.testing_mtp import add_random_mtp_layer
 from tests.cluster.mtp_reference import DenseMTP
-from tests.cluster.test_eagle import _greedy, _record
+from tests.cluster.test_eagle import _greedy, guesses_of_three_runs
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
 
@@ -37,27 +37,12 @@ def _spec(k: int) -> dict:
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}], ids=["whole", "chunked"])
 def test_every_guess_equals_the_dense_reference(mtp_dir, kw) -> None:
-    prompt = list(range(500, 521))
-    llm = LLM(model=mtp_dir, block_size=4, num_gpu_blocks=64, **kw, speculative_config=_spec(2))
-    try:
-        seen = _record(llm)
-        first = llm.generate([prompt], _greedy(6))[0].outputs[0].token_ids
-        hit = llm.generate([[*prompt, 7]], _greedy(6))[0]
-        assert hit.num_cached_tokens >= 16
-        twins = llm.generate([[*prompt, 9]], _greedy(5, count=2))[0].outputs
-        assert twins[0].token_ids == twins[1].token_ids
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
+    seen = guesses_of_three_runs(LLM(model=mtp_dir, block_size=4, num_gpu_blocks=64, **kw,
+                                     speculative_config=_spec(2)))
     dense = DenseMTP(mtp_dir)
-    full = {0: prompt + first, 1: [*prompt, 7, *hit.outputs[0].token_ids],
-            2: [*prompt, 9, *twins[0].token_ids]}
-    firsts = list(dict.fromkeys(rid for rid, _, _ in seen))
-    assert len(firsts) == 4, firsts
-    seq_of = {rid: full[min(i, 2)] for i, rid in enumerate(firsts)}
     assert len(seen) >= 8
-    for rid, length, guesses in seen:
-        assert guesses == dense.propose(seq_of[rid][:length], 2), (rid, length)
+    for seq, length, guesses in seen:
+        assert guesses == dense.propose(seq[:length], 2), length
 
 
 def test_the_heads_logits_and_features_equal_the_dense_reference(mtp_dir) -> None:

@@ -79,17 +79,15 @@ def _record(llm: LLM) -> list[tuple[str, int, list[int]]]:
     return seen
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}])
-def test_every_guess_equals_the_dense_reference(tiny_llama_dir, heads, method, kw) -> None:
+def guesses_of_three_runs(llm: LLM) -> list[tuple[list[int], int, list[int]]]:
+    """Through ``llm`` (closed after): a 21-token prompt, then a prefix-cache hit on it
+    (the head's KV of the cached blocks is the first run's), then two greedy siblings
+    that share the prompt's last feature. Every proposal as (the whole sequence its
+    request produced, the length it had, the guesses)."""
     prompt = list(range(500, 521))
-    llm = LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64, **kw,
-              speculative_config=_spec(method, heads[method]))
     try:
         seen = _record(llm)
         first = llm.generate([prompt], _greedy(6))[0].outputs[0].token_ids
-        # A prefix-cache hit (the head's KV of the cached blocks is the first run's),
-        # then two greedy siblings that share the prompt's last feature.
         hit = llm.generate([[*prompt, 7]], _greedy(6))[0]
         assert hit.num_cached_tokens >= 16
         twins = llm.generate([[*prompt, 9]], _greedy(5, count=2))[0].outputs
@@ -97,18 +95,25 @@ def test_every_guess_equals_the_dense_reference(tiny_llama_dir, heads, method, k
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
-    dense = DenseHead(heads[method], tiny_llama_dir, method)
-    aux = AUX if method == "eagle3" else None
     full = {0: prompt + first, 1: [*prompt, 7, *hit.outputs[0].token_ids],
             2: [*prompt, 9, *twins[0].token_ids]}
     # Requests in the order they first proposed: the prompt, the hit, then both twins.
     firsts = list(dict.fromkeys(rid for rid, _, _ in seen))
     assert len(firsts) == 4, firsts
     seq_of = {rid: full[min(i, 2)] for i, rid in enumerate(firsts)}
+    return [(seq_of[rid], length, guesses) for rid, length, guesses in seen]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}])
+def test_every_guess_equals_the_dense_reference(tiny_llama_dir, heads, method, kw) -> None:
+    seen = guesses_of_three_runs(LLM(model=tiny_llama_dir, block_size=4, num_gpu_blocks=64,
+                                     **kw, speculative_config=_spec(method, heads[method])))
+    dense = DenseHead(heads[method], tiny_llama_dir, method)
+    aux = AUX if method == "eagle3" else None
     assert len(seen) >= 12
-    for rid, length, guesses in seen:
-        want = dense.propose(tiny_llama_dir, seq_of[rid][:length], K, aux)
-        assert guesses == want, (rid, length)
+    for seq, length, guesses in seen:
+        assert guesses == dense.propose(tiny_llama_dir, seq[:length], K, aux), length
 
 
 def test_a_pytorch_bin_head_drafts_as_its_safetensors_copy(tiny_llama_dir, tmp_path) -> None:
