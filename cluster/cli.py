@@ -96,7 +96,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         'decoding \'{"method": "suffix"}\' (earlier answers too) or a '
                         'draft model \'{"model": "/path/to/draft", "num_speculative_tokens": '
                         '4, "quantization": "int8"}\' or an EAGLE head \'{"method": "eagle3", '
-                        '"model": "/path/to/head", "num_speculative_tokens": 3}\'')
+                        '"model": "/path/to/head", "num_speculative_tokens": 3}\' or a '
+                        'DeepSeek-V3\'s own MTP layer \'{"method": "deepseek_mtp"}\'')
 
 
 def _json_object(text: str) -> dict:
