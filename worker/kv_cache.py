@@ -114,23 +114,28 @@ class KVCache:
         self._check("read", idx, self.num_blocks)
         idx = idx.to(self.key_caches[0].device)
         k = torch.stack([_bytes(c).index_select(0, idx) for c in self.key_caches])
-        v = torch.stack([_bytes(c).index_select(0, idx) for c in self.value_caches])
         dtype = self.key_caches[0].dtype
+        if self.shared_kv:  # (the values are the keys: shipped once, an empty stand-in)
+            return k.cpu().view(dtype), torch.empty(0, dtype=dtype)
+        v = torch.stack([_bytes(c).index_select(0, idx) for c in self.value_caches])
         return k.cpu().view(dtype), v.cpu().view(dtype)
 
     def write_blocks(self, block_ids: list[int], keys: torch.Tensor,
                      values: torch.Tensor) -> None:
-        """Overwrite device blocks with shipped K and V (``read_blocks``'s layout)."""
+        """Overwrite device blocks with shipped K and V (``read_blocks``'s layout; with
+        ``shared_kv`` the values' stand-in is empty and the keys are written once)."""
         idx = torch.tensor(block_ids, dtype=torch.int64)
         self._check("write", idx, self.num_blocks)
         kc = self.key_caches[0]
         want = (len(self.key_caches), len(block_ids), *kc.shape[1:])
-        for name, t in (("keys", keys), ("values", values)):
+        shipped = (("keys", keys),) if self.shared_kv else (("keys", keys), ("values", values))
+        for name, t in shipped:
             if tuple(t.shape) != want or t.dtype != kc.dtype:
                 raise ValueError(f"shipped {name} are {tuple(t.shape)} {t.dtype}, this pool "
                                  f"takes {want} {kc.dtype}")
         idx = idx.to(kc.device)
-        for caches, t in ((self.key_caches, keys), (self.value_caches, values)):
+        for caches, t in ((self.key_caches, keys), (self.value_caches, values))[
+                :1 if self.shared_kv else 2]:
             src = _bytes(t.to(kc.device))
             for layer, cache in enumerate(caches):
                 _bytes(cache).index_copy_(0, idx, src[layer])

@@ -153,6 +153,8 @@ def test_shipped_prompt_kv_decodes_as_hugging_face(v2_dir, refs) -> None:
     made = [LLM(model=v2_dir, num_gpu_blocks=128, block_size=4) for _ in range(2)]
     try:
         for payload in prefill(made[0], prompts):
+            # The latent once a token and layer (values are the keys: not shipped again).
+            assert payload.nbytes == payload.num_tokens * 3 * (56 + 8) * 4
             import_prompt_kv(made[1].engine, payload)
         outs = made[1].generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == refs["v2"]
