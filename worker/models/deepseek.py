@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3 (and R1, Kimi K2, V2-Lite: the same two model types): multi-head
+"""DeepSeek-V2 / V3 (and V2-Lite, V2.5, R1: the same two model types): multi-head
 latent attention over a latent paged cache, and DeepSeekMoE experts.
 
 MLA caches one vector a token and layer, ``[c_kv | k_pe]`` (``mla_config``): the
