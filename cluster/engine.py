@@ -64,7 +64,6 @@ class LLMEngine:
         self.device = config.resolved_device()
         resolved = resolve_model(config.model)
         self.model_id = resolved.model_id
-        # (the checks first: they name a bad config field, the tokenizer's loader may not)
         wcfg = checked_worker_config(config, resolved.path, self.device)
         self.tokenizer = load_tokenizer(resolved)
         block_size = wcfg.block_size

@@ -22,8 +22,12 @@ from pagedserve.worker.pipeline import check_stages_fit
 
 def checked_worker_config(config: EngineConfig, model_path: str, device: str) -> WorkerConfig:
     """Every rank's settings, after the checks that need no rank: the draft model is
-    resolved to a local path and fits the target, the pipeline's stages hold layers."""
+    resolved to a local path and fits the target, the pipeline's stages hold layers,
+    the model's config reads (the engine runs this before loading the tokenizer, whose
+    loader may reject a bad field without naming it)."""
     wcfg = config.worker_config(model_path, device)
+    has_config = (Path(model_path) / "config.json").is_file()
+    mc = ModelConfig.from_pretrained(model_path) if has_config else None
     if wcfg.speculative_model is not None and wcfg.speculative_method in EAGLE_METHODS:
         wcfg = replace(wcfg, speculative_model=check_eagle(
             wcfg.speculative_model, wcfg.speculative_method, model_path))
@@ -31,7 +35,7 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
             raise ValueError("speculative_config.method 'eagle3' reads layers of every "
                              "pipeline stage; run it with pipeline_parallel_size 1")
     elif wcfg.speculative_method in MTP_METHODS:
-        why = mtp_problem(ModelConfig.from_pretrained(model_path),
+        why = mtp_problem(mc or ModelConfig.from_pretrained(model_path),
                           checkpoint_names(model_path))
         if why is not None:
             raise ValueError(f"speculative_config.method {wcfg.speculative_method!r}: {why}")
@@ -41,8 +45,7 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
     if config.pipeline_parallel_size > 1:
         check_stages_fit(model_path, config.pipeline_parallel_size,
                          config.resolved_layer_partition())
-    if (Path(model_path) / "config.json").is_file() \
-            and ModelConfig.from_pretrained(model_path).mla is not None:
+    if mc is not None and mc.mla is not None:
         wcfg = _latent_attention_config(wcfg)
     return wcfg
 

@@ -128,14 +128,15 @@ class KVCache:
         self._check("write", idx, self.num_blocks)
         kc = self.key_caches[0]
         want = (len(self.key_caches), len(block_ids), *kc.shape[1:])
-        shipped = (("keys", keys),) if self.shared_kv else (("keys", keys), ("values", values))
-        for name, t in shipped:
+        shipped = [("keys", self.key_caches, keys)]
+        if not self.shared_kv:
+            shipped.append(("values", self.value_caches, values))
+        for name, _, t in shipped:
             if tuple(t.shape) != want or t.dtype != kc.dtype:
                 raise ValueError(f"shipped {name} are {tuple(t.shape)} {t.dtype}, this pool "
                                  f"takes {want} {kc.dtype}")
         idx = idx.to(kc.device)
-        for caches, t in ((self.key_caches, keys), (self.value_caches, values))[
-                :1 if self.shared_kv else 2]:
+        for _, caches, t in shipped:
             src = _bytes(t.to(kc.device))
             for layer, cache in enumerate(caches):
                 _bytes(cache).index_copy_(0, idx, src[layer])

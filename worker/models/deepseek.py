@@ -25,7 +25,6 @@ routing (``layers.moe_routing``) and plain shared experts.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,6 +41,7 @@ from pagedserve.worker.layers.linear import (
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.worker.models.llama_loading import _copy_full
 from pagedserve.worker.models.mla_prefill import (
     StepSplit,
     decompress_above,
@@ -176,11 +176,7 @@ class MLAAttention(nn.Module):
         if module == "kv_b_proj":
             self.load_kv_b(name, lazy)
         elif module in ("q_a_layernorm", "kv_a_layernorm"):
-            norm = getattr(self, module).weight
-            if tuple(lazy.shape) != tuple(norm.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
-                                 f"{tuple(norm.shape)}")
-            norm.data.copy_(lazy[:])
+            _copy_full(name, getattr(self, module).weight, lazy)
         elif module == "o_proj":
             self.o_proj.load(lazy)
         elif module == "q_a_proj":
@@ -238,25 +234,12 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         self.rotary = RotaryEmbedding(mla.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       device)
 
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
-                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
-        """As Llama's, skipping the multi-token-prediction layers after the decoder's."""
-        n = self.config.num_layers
-
-        def decoder_only() -> Iterator[tuple[str, LazyTensor]]:
-            for name, lazy in weights:
-                m = _LAYER_RE.match(name)
-                if m is None or int(m.group(1)) < n:
-                    yield name, lazy
-
-        super().load_weights(decoder_only(), on_layer)
-
-    def owns_tensor(self, name: str) -> bool:
-        """Not the MTP layers: a pre-quantised file's parts of them are never read."""
+    def _on_this_stage(self, name: str) -> bool:
+        """Never the MTP layers (so never read, not even a pre-quantised file's parts)."""
         m = _LAYER_RE.match(name)
         if m is not None and int(m.group(1)) >= self.config.num_layers:
             return False
-        return super().owns_tensor(name)
+        return super()._on_this_stage(name)
 
     def _attention_names(self) -> set[str]:
         return self.layers[0].self_attn.tensor_names()

@@ -36,6 +36,7 @@ from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.deepseek import DeepseekDecoderLayer, MLAAttention
+from pagedserve.worker.models.llama_loading import _copy_full
 from pagedserve.worker.parallel import ParallelContext
 
 MTP_METHODS = ("deepseek_mtp", "mtp")
@@ -170,9 +171,9 @@ class MTPHead(nn.Module):
             norm = {"shared_head.norm": self.norm, "enorm": self.enorm, "hnorm": self.hnorm,
                     "input_layernorm": layer.input_layernorm,
                     "post_attention_layernorm": layer.post_attention_layernorm}[module]
-            _copy(name, norm.weight, lazy)
+            _copy_full(name, norm.weight, lazy)
         elif rest == "eh_proj.weight":
-            _copy(name, self.eh_proj.weight, lazy)
+            _copy_full(name, self.eh_proj.weight, lazy)
         elif rest == "shared_head.head.weight":
             self.lm_head.load(lazy)
         elif rest.startswith("self_attn."):
@@ -188,9 +189,3 @@ class MTPHead(nn.Module):
             else:
                 layer.mlp.gate_up_proj.load(0 if which == "gate_proj" else 1, lazy)
 
-
-def _copy(name: str, target: torch.Tensor, lazy: LazyTensor) -> None:
-    if tuple(lazy.shape) != tuple(target.shape):
-        raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
-                         f"{tuple(target.shape)}")
-    target.data.copy_(lazy[:])
