@@ -59,6 +59,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "int4 only (16-bit activations, a Triton W4A16 GEMM); gptq, awq, "
                         "compressed-tensors, fp8: the checkpoint's own (vLLM's names; it "
                         "must say so), served dequantised")
+    p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="mixtures of experts: each tensor-parallel rank holds whole routed "
+                        "experts, a share of them, instead of a slice of every expert")
+    p.add_argument("--expert-placement-strategy", choices=("linear", "round_robin"),
+                   default="linear",
+                   help="which experts a rank holds under --enable-expert-parallel: a "
+                        "contiguous run, or every world-size-th (spreads expert groups)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs do not depend on what else is in "
                         "its batch, bit for bit (reproducible seeded sampling, exact "
@@ -281,6 +288,8 @@ def generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         kv_offloading_size=args.kv_offloading_size,
         quantization=args.quantization, batch_invariant=args.batch_invariant,
+        enable_expert_parallel=args.enable_expert_parallel,
+        expert_placement_strategy=args.expert_placement_strategy,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         allowed_local_media_path=args.allowed_local_media_path)

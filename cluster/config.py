@@ -64,6 +64,10 @@ class EngineConfig:
     prompts that arrive behind a long one start in the same steps (vLLM's option).
     ``batch_invariant`` makes a request's logits independent of what else runs in its
     steps, bit for bit (CPU only; ``worker.batch_invariant``).
+    ``enable_expert_parallel`` (vLLM's option) gives each rank of a tensor-parallel
+    group whole routed experts of a mixture-of-experts model, a share of them placed by
+    ``expert_placement_strategy`` ("linear" or "round_robin"), instead of a slice of
+    every expert (``worker.layers.expert_placement``); attention stays tensor-parallel.
     ``disable_hybrid_kv_cache_manager`` (vLLM's option) keeps one block table for every
     layer of a model that mixes full and sliding-window layers (Gemma 2 and 3), so its
     sliding layers hold every block too; by default each kind of layer has its own
@@ -115,6 +119,8 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     quantization: str | None = None
     batch_invariant: bool = False
+    enable_expert_parallel: bool = False
+    expert_placement_strategy: str = "linear"
     disable_hybrid_kv_cache_manager: bool = False
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str | None = None
@@ -145,6 +151,9 @@ class EngineConfig:
                            None if self.device == "auto" else self.device)
         if self.batch_invariant:
             self._check_batch_invariant()
+        from pagedserve.worker.layers.expert_placement import check_placement
+
+        check_placement(self.expert_placement_strategy)
         from pagedserve.scheduler.config import SchedulerConfig
 
         # The policy, its aging and the prompt cap, checked where the scheduler checks them.
@@ -357,6 +366,8 @@ class EngineConfig:
             calculate_kv_scales=self.calculate_kv_scales,
             quantization=self.quantization,
             batch_invariant=self.batch_invariant,
+            enable_expert_parallel=self.enable_expert_parallel,
+            expert_placement_strategy=self.expert_placement_strategy,
             hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             enable_images=self.image_limit > 0,
             extra=dict(self.worker_extra),

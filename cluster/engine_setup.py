@@ -14,6 +14,7 @@ from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.config import ModelConfig, WorkerConfig
 from pagedserve.worker.draft_model import check_draft
 from pagedserve.worker.eagle_runner import check_eagle
+from pagedserve.worker.layers.expert_placement import expert_parallel_problem
 from pagedserve.worker.loaders.hf import checkpoint_names
 from pagedserve.worker.models.eagle import EAGLE_METHODS
 from pagedserve.worker.models.mtp import MTP_METHODS, mtp_problem
@@ -23,7 +24,7 @@ from pagedserve.worker.pipeline import check_stages_fit
 def checked_worker_config(config: EngineConfig, model_path: str, device: str) -> WorkerConfig:
     """Every rank's settings, after the checks that need no rank: the draft model is
     resolved to a local path and fits the target, the pipeline's stages hold layers,
-    the model's config reads (the engine runs this before loading the tokenizer, whose
+    expert parallelism has an expert for every rank, the model's config reads (the engine runs this before loading the tokenizer, whose
     loader may reject a bad field without naming it)."""
     wcfg = config.worker_config(model_path, device)
     has_config = (Path(model_path) / "config.json").is_file()
@@ -47,6 +48,9 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
                          config.resolved_layer_partition())
     if mc is not None and mc.mla is not None:
         wcfg = _latent_attention_config(wcfg)
+    if wcfg.enable_expert_parallel and mc is not None and mc.moe is not None and (
+            why := expert_parallel_problem(mc.moe.num_experts, config.tensor_parallel_size)):
+        raise ValueError(why)
     return wcfg
 
 

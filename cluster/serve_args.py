@@ -49,6 +49,8 @@ class ServeArgs(BaseModel):
     calculate_kv_scales: bool = False
     quantization: Literal["int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] | None = None
     batch_invariant: bool = False  # logits independent of the batch (``worker.batch_invariant``)
+    enable_expert_parallel: bool = False  # whole experts per TP rank (``layers.expert_placement``)
+    expert_placement_strategy: Literal["linear", "round_robin"] = "linear"
     disable_hybrid_kv_cache_manager: bool = False  # one block table for every layer
     limit_mm_per_prompt: dict[str, int] | None = None  # images a prompt may carry (vLLM's)
     allowed_local_media_path: str | None = None  # image URLs may name files under it
@@ -219,6 +221,8 @@ class ServeArgs(BaseModel):
             dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales, quantization=self.quantization,
             batch_invariant=self.batch_invariant,
+            enable_expert_parallel=self.enable_expert_parallel,
+            expert_placement_strategy=self.expert_placement_strategy,
             disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             limit_mm_per_prompt=self.limit_mm_per_prompt,
             allowed_local_media_path=self.allowed_local_media_path,

@@ -311,7 +311,8 @@ int int8_linear(const float *x, int64_t x_stride, int64_t M, int64_t K,
  * 16) scales, and likewise c2 / s2. Each token's rows are quantised once;
  * each pair's SiLU-and-multiply output is quantised per row like any
  * activation. out[t] sums scales[p] * down(h_p) over the token's pairs in
- * ascending pair (= expert) order, the loop's order. Returns -1 (out
+ * ascending pair (= expert) order, the loop's order; pairs offsets[E] .. P
+ * (expert parallelism: another rank's experts) are skipped. Returns -1 (out
  * untouched) without VNNI, when H or I is not a multiple of 32, top-k is over
  * 64 or the routing is out of range. */
 int moe_int8(const float *x, int64_t x_stride, float *out, int64_t out_stride, int64_t T,
@@ -347,8 +348,9 @@ int moe_int8(const float *x, int64_t x_stride, float *out, int64_t out_stride, i
     for (int64_t e = 0; e < E; e++)
         if (offsets[e] > offsets[e + 1])
             goto done;
-    if (offsets[0] != 0 || offsets[E] != P)
+    if (offsets[0] != 0 || offsets[E] > P)
         goto done;
+    const int64_t PL = offsets[E]; /* the pairs this rank runs */
     quantize_rows(x, x_stride, T, H, qt, ft, ft + T * G1, it);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; p++) {
@@ -361,10 +363,10 @@ int moe_int8(const float *x, int64_t x_stride, float *out, int64_t out_stride, i
     int64_t nt = plan_tasks(tasks, offsets, E, pairs1);
     run_experts(tasks, nt, q1, f1, f1 + P * G1, i1, H, c13, L1, s13, S1, 2 * I, gu);
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < P; p++)
+    for (int64_t p = 0; p < PL; p++)
         for (int64_t i = 0; i < I; i++)
             h[p * I + i] = silu_f32(gu[p * 2 * I + i]) * gu[p * 2 * I + I + i];
-    quantize_rows(h, I, P, I, q2, f2, f2 + P * G2, i2);
+    quantize_rows(h, I, PL, I, q2, f2, f2 + P * G2, i2);
     nt = plan_tasks(tasks, offsets, E, pairs2);
     run_experts(tasks, nt, q2, f2, f2 + P * G2, i2, I, c2, L2, s2, S2, H, y);
 #pragma omp parallel for schedule(static)
@@ -382,7 +384,7 @@ int moe_int8(const float *x, int64_t x_stride, float *out, int64_t out_stride, i
         float *o = out + t * out_stride;
         for (int64_t c = 0; c < H; c++)
             o[c] = 0.f;
-        for (int64_t j = 0; j < k; j++) {
+        for (int64_t j = 0; j < k && ps[j] < PL; j++) {
             const float w = scales[ps[j]];
             const float *yr = y + ps[j] * H;
             for (int64_t c = 0; c < H; c++)

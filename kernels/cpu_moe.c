@@ -9,7 +9,8 @@
  * and then each token's K pairs are summed into out in ascending expert
  * order (Hugging Face's order): out[t] = sum_j ypairs[inv[t * K + j]], where
  * inv maps a token's j-th choice to its pair; pairs are sorted by expert, so
- * ascending pair order is ascending expert order.
+ * ascending pair order is ascending expert order. Pairs offsets[E] .. T * K
+ * (expert parallelism: experts another rank holds) run nothing and add zero.
  *
  * Weights are packed once (cpu_moe.pack, in torch) so every product runs
  * along a contiguous stream: the gate/up matrix as column tiles of 32 (a
@@ -163,8 +164,8 @@ int moe_experts(const void *x, int64_t xs, void *out, int64_t os, int64_t T, int
                 const int64_t *offsets, const int64_t *rows, const float *scales,
                 const int64_t *inv, float *ypairs, int bf16, int nthreads)
 {
-    if (H <= 0 || H % 16 || I <= 0 || I % 16 || K <= 0 || K > E || K > MAX_K
-        || offsets[0] != 0 || offsets[E] != T * K)
+    if (H <= 0 || H % 16 || I <= 0 || I % 16 || K <= 0 || E <= 0 || K > MAX_K
+        || offsets[0] != 0 || offsets[E] > T * K)
         return -1;
     int64_t ntasks = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -211,6 +212,9 @@ int moe_experts(const void *x, int64_t xs, void *out, int64_t os, int64_t T, int
     }
     if (failed)
         return -1;
+    /* Pairs past offsets[E] chose another rank's expert (expert parallelism): they sort
+     * last in their token's sum and add zero. */
+    memset(ypairs + offsets[E] * H, 0, sizeof(float) * (size_t)((T * K - offsets[E]) * H));
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         /* This token's pairs in ascending order (K is small: insertion sort). */

@@ -61,12 +61,19 @@ def route_pairs(chosen: torch.Tensor, weights: torch.Tensor, num_experts: int
     """The step's (token, expert) pairs sorted by expert, as the native kernels take them:
     (offsets ``[E + 1]``: expert e's pairs are ``offsets[e] .. offsets[e + 1]``, rows
     ``[P]``: each pair's token row, scales ``[P]``: its routing weight in fp32, inv
-    ``[T * K]``: the pair of each token's j-th choice)."""
+    ``[T * K]``: the pair of each token's j-th choice). A choice of -1 (an expert another
+    rank holds, under expert parallelism) sorts past ``offsets[E]``: the kernels run no
+    expert for it and add nothing to its token."""
     t, k = chosen.shape
     flat = chosen.reshape(-1)
+    if flat.numel() and int(flat.max()) >= num_experts:
+        raise ValueError(f"MoE kernel: routing out of range (expert {int(flat.max())} of "
+                         f"{num_experts})")
+    flat = torch.where(flat < 0, num_experts, flat)
     order = torch.argsort(flat, stable=True)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, out=offsets[1:])
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    torch.cumsum(counts, 0, out=offsets[1:])
     inv = torch.empty_like(order)
     inv[order] = torch.arange(t * k)
     return offsets, order // k, weights.reshape(-1).to(torch.float32)[order], inv

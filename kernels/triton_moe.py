@@ -30,23 +30,29 @@ def align(chosen: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pairs, block_experts)``: pair ids (``token * K + j``) grouped by expert, each
     group padded with ``T * K`` (no pair) to a multiple of ``block_m``, the list padded
-    to its static bound; and each row block's expert (-1 past the last group)."""
+    to its static bound; and each row block's expert (-1 past the last group). A choice
+    of -1 (another rank's expert, under expert parallelism) gets no slot."""
     t, k = chosen.shape
     n, dev = t * k, chosen.device
     flat = chosen.reshape(-1)
+    held = flat >= 0
+    flat = torch.where(held, flat, num_experts)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
     first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
-    experts_sorted = flat[order]
+    experts_sorted = flat[order].clamp(max=num_experts - 1)
     dest = starts[experts_sorted] + torch.arange(n, device=dev) - first[experts_sorted]
     bound = n + num_experts * (block_m - 1)
     bound = (bound + block_m - 1) // block_m * block_m
-    pairs = torch.full((bound,), n, dtype=torch.int64, device=dev)
+    dest = torch.where(held[order], dest, bound)  # one slot past the list, cut off below
+    pairs = torch.full((bound + 1,), n, dtype=torch.int64, device=dev)
     pairs.scatter_(0, dest, order)
+    pairs = pairs[:bound]
     block_start = torch.arange(0, bound, block_m, device=dev)
     block_experts = torch.searchsorted(ends, block_start, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1)
@@ -130,11 +136,12 @@ def _down_kernel(
 
 
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-            w13: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k: int = 32
-            ) -> torch.Tensor:
+            w13: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k: int = 32,
+            partial: bool = False) -> torch.Tensor:
     """Sum over each row's ``chosen [T, K]`` experts of ``weights [T, K]`` times the
     expert's SwiGLU of ``x [T, H]``; ``w13 [E, 2I, H]`` (gate rows, then up rows),
-    ``w2 [E, H, I]``, all in ``x``'s dtype, last dimension contiguous."""
+    ``w2 [E, H, I]``, all in ``x``'s dtype, last dimension contiguous. With ``partial``
+    a choice may be -1 (another rank's expert), which adds nothing."""
     t, k = chosen.shape
     e, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -144,7 +151,9 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     pairs, block_experts = align(chosen, e)
     n = t * k
     h = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((n, hidden), dtype=torch.float32, device=x.device)
+    # With another rank's pairs (expert parallelism) zeros: those rows are never written.
+    y = (torch.zeros if partial else torch.empty)((n, hidden), dtype=torch.float32,
+                                                   device=x.device)
     scales = weights.reshape(-1).to(torch.float32).contiguous()
     m_blocks = block_experts.shape[0]
     f32 = x.dtype == torch.float32  # exact fp32 dots (not TF32); 16-bit dots accumulate in fp32

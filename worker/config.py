@@ -22,6 +22,7 @@ from pagedserve.kernels.kv_quant import check_kv_cache_dtype, resolve_kv_cache_d
 from pagedserve.worker.config_fields import positive_int, require
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
+from pagedserve.worker.layers.expert_placement import check_placement
 from pagedserve.worker.layers.quant import check_quantization
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.mla_config import MLA_MODEL_TYPES, MLAConfig, mla_config_from_hf
@@ -288,6 +289,9 @@ class WorkerConfig:
     ``batch_invariant`` pads GEMM rows and runs every attention row on the native
     per-row kernel, so a row's logits do not depend on the batch (``batch_invariant``).
 
+    ``enable_expert_parallel`` gives each rank of a TP group whole routed experts, a
+    share placed by ``expert_placement_strategy`` (``layers.expert_placement``).
+
     ``hybrid_kv_cache`` gives a model that mixes full and sliding-window layers one
     block table per group of layers of one kind (``scheduler.kv_groups``), so sliding
     layers hold only their window; off, every layer keeps every block.
@@ -331,6 +335,8 @@ class WorkerConfig:
     calculate_kv_scales: bool = False
     quantization: str | None = None
     batch_invariant: bool = False
+    enable_expert_parallel: bool = False
+    expert_placement_strategy: str = "linear"
     hybrid_kv_cache: bool = True
     enable_images: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -338,6 +344,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_quantization(self.quantization, self.device.split(":")[0])
+        check_placement(self.expert_placement_strategy)
         if self.max_lora_rank < 0:
             raise ValueError(f"max_lora_rank must be >= 0, got {self.max_lora_rank}")
         if self.block_size < 1:

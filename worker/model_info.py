@@ -36,6 +36,9 @@ def model_info(worker: Worker) -> dict[str, Any]:
         "head_dim": mc.head_dim,
         "num_experts": mc.moe.num_experts if mc.moe else 0,
         "num_experts_per_tok": mc.moe.top_k if mc.moe else 0,
+        # Whole routed experts, a share per rank (False: a slice of every one per rank).
+        "expert_parallel": bool(mc.moe) and worker.ctx.expert_parallel
+        and worker.config.tensor_parallel_size > 1,
         "block_size": worker.config.block_size,
         "bytes_per_block": worker.block_bytes(),
         "dtype": str(worker.dtype).removeprefix("torch."),

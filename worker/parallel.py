@@ -26,6 +26,10 @@ class ParallelContext:
     # Set by ``worker.batch_invariant``: sums add every element's partials in rank
     # order (see ``all_reduce``), whatever the tensor's size.
     fixed_order: bool = False
+    # Routed experts held whole, a share per rank, instead of a slice of every one
+    # (``layers.expert_placement``; set by the worker from its config).
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
 
     @property
     def is_first(self) -> bool:

@@ -105,6 +105,8 @@ class Worker:
         torch.manual_seed(cfg.seed)
         method = dist_init_method or cfg.dist_init_method
         self.ctx = init_parallel(cfg.rank, cfg.tensor_parallel_size, method, self.device)
+        self.ctx.expert_parallel = cfg.enable_expert_parallel
+        self.ctx.expert_placement = cfg.expert_placement_strategy
         self.backend = get_backend(cfg.attention_backend, self.device,
                                    kv_cache_dtype=self.kv_dtype, model_dtype=self.dtype)
         if not self.backend.supports_block_size(cfg.block_size):

@@ -65,6 +65,28 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         tp2.shutdown()
 
 
+def test_tp2_expert_parallel_equals_hugging_face(ray_cluster, tiny_qwen3_moe_dir,
+                                                 tiny_mixtral_dir) -> None:
+    """``enable_expert_parallel`` reaches the ranks: each holds whole experts (every
+    other one, round robin), chunked prompts and decode give HF's greedy tokens; more
+    ranks than experts is refused on the driver, before any rank starts."""
+    prompts = prompts_of_mixed_lengths(6)
+    llm = LLM(model=tiny_qwen3_moe_dir, tensor_parallel_size=2, num_gpu_blocks=64,
+              num_threads=1, enable_expert_parallel=True,
+              expert_placement_strategy="round_robin", max_num_batched_tokens=32)
+    try:
+        assert llm.engine.model_info["expert_parallel"]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                    ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen3_moe_dir,
+                                                                   prompts, 12)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="4 routed experts cannot give each of 8 ranks"):
+        LLM(model=tiny_mixtral_dir, tensor_parallel_size=8, enable_expert_parallel=True)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_batch_invariant_probe_in_a_crowd_equals_probe_alone(
         ray_cluster, tmp_path, default_model_dir, tp: int) -> None:

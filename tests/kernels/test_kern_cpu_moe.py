@@ -55,8 +55,28 @@ def test_out_of_range_routing_is_refused_not_computed() -> None:
     w13, w2 = torch.randn(4, 32, 16), torch.randn(4, 16, 16)
     p13, p2 = cpu_moe.pack(w13, w2)
     x = torch.randn(3, 16)
-    with pytest.raises(ValueError, match="out of range"):  # top-k above the expert count
-        cpu_moe.experts(x, torch.zeros(3, 5, dtype=torch.int64), torch.rand(3, 5), p13, p2)
+    with pytest.raises(ValueError, match="out of range"):  # an expert past the last
+        cpu_moe.experts(x, torch.tensor([[0, 4]] * 3), torch.rand(3, 2), p13, p2)
+
+
+@pytest.mark.parametrize("e,k", [(6, 2), (2, 4), (1, 3)])
+def test_another_ranks_choices_are_skipped(e, k) -> None:
+    """Expert parallelism: a choice of -1 is an expert another rank holds. It runs
+    nothing and adds nothing, a token with none here gets zeros, and a rank may hold
+    fewer experts than a token's top-k (DeepSeek-V3: 256 experts, top 8, over 64 ranks
+    is 4 a rank)."""
+    g = torch.Generator().manual_seed(e * 10 + k)
+    w13, w2 = torch.randn(e, 64, 32, generator=g) / 6, torch.randn(e, 32, 32, generator=g) / 6
+    p13, p2 = cpu_moe.pack(w13, w2)
+    for t in (1, 3, 40):
+        x = torch.randn(t, 32, generator=g)
+        chosen = torch.randint(-1, e, (t, k), generator=g)
+        chosen[0] = -1  # the first token's experts are all elsewhere
+        weights = torch.rand(t, k, generator=g)
+        got = cpu_moe.experts(x, chosen, weights, p13, p2)
+        torch.testing.assert_close(got, expert_loop(x, chosen, weights, w13, w2),
+                                   atol=2e-5, rtol=2e-5)
+        assert not got[0].any()
 
 
 def test_bf16_experts_within_one_rounding_of_fp32() -> None:

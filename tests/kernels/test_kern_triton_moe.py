@@ -63,6 +63,37 @@ def test_fused_experts_equal_the_expert_loop(e, h, i, k) -> None:
 
 
 @needs_interpreter
+@pytest.mark.parametrize("e,k", [(5, 2), (2, 3)])
+def test_another_ranks_choices_get_no_slot_and_add_nothing(e, k) -> None:
+    """Expert parallelism: a choice of -1 (an expert another rank holds) is given no row
+    of any block, its output row stays zero, and a rank may hold fewer experts than the
+    top-k; the padded list keeps its static bound."""
+    from pagedserve.kernels import triton_moe
+
+    g = torch.Generator().manual_seed(e + k)
+    h, i = 32, 16
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=g) / i ** 0.5
+    for t in (1, 9):
+        x = torch.randn(t, h, generator=g)
+        chosen = torch.randint(-1, e, (t, k), generator=g)
+        chosen[0] = -1
+        weights = torch.rand(t, k, generator=g)
+        pairs, block_experts = triton_moe.align(chosen, e, 4)
+        n = t * k
+        assert pairs.shape == (-(-(n + e * 3) // 4) * 4,)
+        held = torch.nonzero(chosen.reshape(-1) >= 0).reshape(-1)
+        assert sorted(pairs[pairs < n].tolist()) == held.tolist()
+        for b, ex in enumerate(block_experts.tolist()):  # a block is one held expert's
+            rows = pairs[b * 4:(b + 1) * 4]
+            assert (chosen.reshape(-1)[rows[rows < n]] == ex).all()
+        got = triton_moe.experts(x, chosen, weights, w13, w2, partial=True)
+        torch.testing.assert_close(got, expert_loop(x, chosen, weights, w13, w2),
+                                   atol=1e-5, rtol=1e-5)
+        assert not got[0].any()
+
+
+@needs_interpreter
 def test_sparse_moe_layer_uses_the_fused_kernels() -> None:
     """The layer's Triton path (what CUDA runs) equals its torch loop on the same weights."""
     from pagedserve.worker.layers import moe as moe_mod
@@ -102,4 +133,9 @@ def test_cuda_fused_experts_equal_the_expert_loop(dtype, tol) -> None:
         weights = torch.rand(t, k, generator=g, device="cuda")
         got = triton_moe.experts(x, chosen, weights, w13, w2).float()
         ref = expert_loop(x.float(), chosen, weights, w13.float(), w2.float())
+        torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+        # Expert parallelism over 8 ranks: this rank holds experts 0-15, the rest are -1.
+        mine = torch.where(chosen < 16, chosen, -1)
+        got = triton_moe.experts(x, mine, weights, w13[:16], w2[:16], partial=True).float()
+        ref = expert_loop(x.float(), mine, weights, w13[:16].float(), w2[:16].float())
         torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)

@@ -140,9 +140,12 @@ def test_serve_flags_reach_the_serve_args() -> None:
     plain = ServeArgs.parse(build_parser().parse_args([
         "serve", "--batch-invariant", "--scheduling-policy", "priority",
         "--priority-aging-s", "30", "--long-prefill-token-threshold", "256",
-        "--allow-runtime-lora-updating"]))
+        "--allow-runtime-lora-updating", "-ep", "--expert-placement-strategy",
+        "round_robin"]))
     kwargs = plain.settings().engine_kwargs
     assert kwargs["batch_invariant"] is True and kwargs["priority_aging_s"] == 30.0
+    assert kwargs["enable_expert_parallel"] is True
+    assert kwargs["expert_placement_strategy"] == "round_robin"
     assert kwargs["long_prefill_token_threshold"] == 256
     assert plain.allow_runtime_lora_updating and kwargs["enable_lora"] is True
     with pytest.raises(ValueError, match="priority_aging_s needs scheduling_policy"):

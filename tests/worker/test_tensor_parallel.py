@@ -52,10 +52,17 @@ def _logits_or_none(worker, p):
         return worker.model.compute_logits(hidden)
 
 
-def _rank_main(rank: int, path: str, init: str, result: str, quant: str | None = None) -> None:
+def _rank_main(rank: int, path: str, init: str, result: str, quant: str | None = None,
+               placement: str | None = None) -> None:
     torch.set_num_threads(1)
     worker = make_worker(path, num_blocks=40, block_size=4, tensor_parallel_size=2, rank=rank,
-                         dist_init_method=init, num_threads=1, quantization=quant)
+                         dist_init_method=init, num_threads=1, quantization=quant,
+                         enable_expert_parallel=placement is not None,
+                         expert_placement_strategy=placement or "linear")
+    if placement is not None:  # whole experts, a share each: 5 over 2 is 3 + 2 (linear)
+        held = worker.model.layers[-1].mlp.held
+        want = ([0, 1, 2], [3, 4])[rank] if placement == "linear" else list(range(rank, 8, 2))
+        assert held == want
     logits, toks = _run(worker, 4)
     if rank == 0:
         torch.save({"logits": logits, "toks": toks,
@@ -97,6 +104,27 @@ def test_tp2_equals_tp1(tmp_path, kind, kw):
     torch.testing.assert_close(got["logits"], ref_logits, atol=2e-5, rtol=1e-4)
     assert got["toks"] == ref_toks
     assert got["kv_heads"] == max(1, kw["num_key_value_heads"] // 2)
+
+
+@pytest.mark.parametrize("kind,kw,placement", [
+    ("mixtral", dict(num_local_experts=5), "linear"),
+    ("qwen2_moe", dict(num_experts=8), "round_robin"),
+    ("deepseek_v3", {}, "round_robin"),
+], ids=["mixtral_uneven", "qwen2_moe_shared_expert", "deepseek_v3_groups"])
+def test_tp2_expert_parallel_equals_tp1(tmp_path, kind, kw, placement):
+    """Expert parallelism over a gloo group: each rank holds whole experts, attention
+    stays split by heads, and the layer's one all-reduce adds the ranks' experts (and
+    the shared expert's TP halves): TP=1's logits and greedy tokens."""
+    path = save_tiny_model(tmp_path / "m", kind, seed=4, num_key_value_heads=2, **kw)
+    ref_worker = make_worker(path, num_blocks=40, block_size=4)
+    ref_logits, ref_toks = _run(ref_worker, 4)
+    result = tmp_path / "ep2.pt"
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(_rank_main, args=(str(path), init, str(result), None, placement), nprocs=2,
+             join=True)
+    got = torch.load(result)
+    torch.testing.assert_close(got["logits"], ref_logits, atol=2e-5, rtol=1e-4)
+    assert got["toks"] == ref_toks
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

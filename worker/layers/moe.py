@@ -6,6 +6,11 @@ the rank's share. A rank's output is then a partial sum exactly like a
 row-parallel layer's, so the routed experts and the shared expert (gated
 before the sum, which is linear) add up in one all-reduce per layer. The
 router is replicated: each rank picks the same experts for every token.
+Under expert parallelism (``ParallelContext.expert_parallel``) a rank holds
+whole experts instead, a share of them (``layers.expert_placement``): the
+routing's expert ids become the rank's own indices, -1 for another rank's
+expert, which every kernel below skips, and the same all-reduce adds the
+ranks' parts.
 
 The compute groups the step's token rows by expert (one stable sort), runs
 two matmuls per expert that received rows and scatters the weighted results
@@ -29,6 +34,11 @@ from torch import nn
 
 from pagedserve.kernels import cpu_int8, cpu_moe
 from pagedserve.worker.layers.activation import silu_and_mul
+from pagedserve.worker.layers.expert_placement import (
+    expert_map,
+    expert_parallel_problem,
+    local_experts,
+)
 from pagedserve.worker.layers.linear import (
     LazyTensor,
     MergedColumnParallelLinear,
@@ -67,15 +77,29 @@ class SparseMoE(nn.Module):
                  device: torch.device):
         super().__init__()
         w = ctx.world_size
-        if moe.intermediate_size % w:
-            raise ValueError(f"expert intermediate size {moe.intermediate_size} is not "
-                             f"divisible by TP size {w}")
+        # Expert parallelism: whole experts, a share of them; else a slice of every one.
+        self.expert_parallel = ctx.expert_parallel and w > 1
+        if self.expert_parallel:
+            if (why := expert_parallel_problem(moe.num_experts, w)) is not None:
+                raise ValueError(why)
+            self.held = local_experts(moe.num_experts, ctx.rank, w, ctx.expert_placement)
+        else:
+            if moe.intermediate_size % w:
+                raise ValueError(f"expert intermediate size {moe.intermediate_size} is not "
+                                 f"divisible by TP size {w} (enable_expert_parallel keeps "
+                                 "experts whole)")
+            self.held = list(range(moe.num_experts))
+        # Global expert id -> this rank's index, -1 elsewhere (None: it holds them all).
+        self.expert_map = expert_map(moe.num_experts, self.held, device) \
+            if self.expert_parallel else None
+        self._local_index = {e: i for i, e in enumerate(self.held)}
         self.ctx, self.hidden = ctx, hidden
         self.moe = moe
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.num_local_experts = len(self.held)
         self.renormalize = moe.renormalize
         self.full_i = moe.intermediate_size
-        self.local_i = moe.intermediate_size // w
+        self.local_i = moe.intermediate_size // (1 if self.expert_parallel else w)
         self.checkpoint_prefix = "block_sparse_moe" if moe.mixtral_names else "mlp"
         self._names = _MIXTRAL if moe.mixtral_names else _QWEN
         # After ``pack`` (CPU): the native kernel's packed gate/up and down stacks, or
@@ -95,8 +119,8 @@ class SparseMoE(nn.Module):
         # DeepSeek-V3's learnt bias on the scores that choose experts (not the weights).
         self.score_bias = _param((moe.num_experts,), torch.float32, device) \
             if moe.score_bias else None
-        self.w13 = _param((moe.num_experts, 2 * self.local_i, hidden), dtype, device)
-        self.w2 = _param((moe.num_experts, hidden, self.local_i), dtype, device)
+        self.w13 = _param((self.num_local_experts, 2 * self.local_i, hidden), dtype, device)
+        self.w2 = _param((self.num_local_experts, hidden, self.local_i), dtype, device)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if moe.shared_intermediate_size:
             s = moe.shared_intermediate_size
@@ -115,6 +139,8 @@ class SparseMoE(nn.Module):
         """``x [T, hidden]`` through the router's top-k experts (and the shared one)."""
         logits = self.gate_linear(x.float() if self.moe.router_fp32 else x, self.router)
         weights, experts = route(logits, self.moe, self.score_bias)
+        if self.expert_map is not None:
+            experts = self.expert_map[experts]  # this rank's indices, -1: another rank's
         out = self._routed(x, experts, weights.to(x.dtype))
         if self.shared_gate_up is not None:
             # The down projection's partial sum, gated (a per-row scalar, the same on
@@ -134,10 +160,14 @@ class SparseMoE(nn.Module):
         if self.fused:
             from pagedserve.kernels import triton_moe
 
-            return triton_moe.experts(x, experts, weights, self.w13, self.w2)
+            return triton_moe.experts(x, experts, weights, self.w13, self.w2,
+                                      partial=self.expert_parallel)
+        n = self.num_local_experts
         flat = experts.reshape(-1)
+        if self.expert_map is not None:  # another rank's pairs sort last and are not run
+            flat = torch.where(flat < 0, n, flat)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=n + 1).tolist()[:n]
         rows = order // self.top_k  # token row of each routed pair, grouped by expert
         scales = weights.reshape(-1)[order].unsqueeze(1)
         out = torch.zeros_like(x)
@@ -176,7 +206,7 @@ class SparseMoE(nn.Module):
             reorder = torch.ops.mkldnn._reorder_linear_weight
             self.packed = [(reorder(self.w13[e], PACK_BATCH_HINT),
                             reorder(self.w2[e], PACK_BATCH_HINT))
-                           for e in range(self.num_experts)]
+                           for e in range(self.num_local_experts)]
         if release_plain:
             self.w13 = nn.Parameter(self.w13.new_empty((0,)), requires_grad=False)
             self.w2 = nn.Parameter(self.w2.new_empty((0,)), requires_grad=False)
@@ -195,7 +225,7 @@ class SparseMoE(nn.Module):
         def q(w: torch.Tensor) -> cpu_int8.Int8Weight:
             return cpu_int8.make(*cpu_int8.quantize_symmetric(w), 128)
 
-        pairs = [(q(self.w13[e]), q(self.w2[e])) for e in range(self.num_experts)]
+        pairs = [(q(self.w13[e]), q(self.w2[e])) for e in range(self.num_local_experts)]
         self.w13 = nn.Parameter(self.w13.new_empty((0,)), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty((0,)), requires_grad=False)
         self.native, self.packed, self.fused = None, None, False
@@ -245,8 +275,11 @@ class SparseMoE(nn.Module):
         m = _EXPERT_RE.match(name)
         if m is None or m.group(2) not in self._names or int(m.group(1)) >= self.num_experts:
             return False
-        e, which = int(m.group(1)), self._names[m.group(2)]
-        lo, hi = self.ctx.rank * self.local_i, (self.ctx.rank + 1) * self.local_i
+        e, which = self._local_index.get(int(m.group(1))), self._names[m.group(2)]
+        if e is None:
+            return True  # another rank's expert: never read
+        rank = 0 if self.expert_parallel else self.ctx.rank
+        lo, hi = rank * self.local_i, (rank + 1) * self.local_i
         if which == 2:
             _check(name, lazy, (self.hidden, self.full_i))
             self.w2.data[e].copy_(lazy[:, lo:hi])
