@@ -63,6 +63,12 @@ def test_bad_settings_are_value_errors_naming_the_field() -> None:
                   torch.device("cpu"))
 
 
+def _hf(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's block on rows ``x`` (some blocks also return their router logits)."""
+    out = block(x.unsqueeze(0))
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
 def _ranks(kind: str, overrides: dict, world: int, strategy: str, dtype=torch.float32):
     cfg, block = _hf_block(kind, **overrides)
     moe_cfg = ModelConfig.from_hf_dict({**cfg.to_dict(), "model_type": kind,
@@ -108,9 +114,7 @@ def test_ranks_parts_add_up_to_the_whole_block(kind, overrides, world, strategy,
     for rows in (1, 7, 300):
         x = torch.randn(rows, HIDDEN, generator=g)
         with torch.no_grad():
-            ref = block(x.unsqueeze(0))
-            ref = (ref[0] if isinstance(ref, tuple) else ref)[0]
-            got = sum(layer(x) for layer in ranks)
+            ref, got = _hf(block, x), sum(layer(x) for layer in ranks)
         if path == "int8":
             assert float((got - ref).norm() / ref.norm()) < 0.02
         else:
@@ -153,3 +157,30 @@ def test_a_rank_reads_only_its_own_experts() -> None:
     assert not rank0.load("experts.4.w1.weight", Unreadable())  # past the last expert
     with pytest.raises(ValueError, match="checkpoint shape"):
         rank0.load("experts.1.w2.weight", torch.zeros(32, HIDDEN))
+
+
+def test_expert_widths_tensor_parallelism_cannot_cut_are_served_whole() -> None:
+    """Experts 32 wide cannot be cut for three ranks (nor, 96 wide, into two int8 halves
+    of whole 32-input groups); whole experts can, and still add up to HF's block."""
+    cfg, _ = _hf_block("qwen3_moe")
+    moe_cfg = ModelConfig.from_hf_dict({**cfg.to_dict(), "model_type": "qwen3_moe",
+                                        "num_hidden_layers": 1}).moe
+    with pytest.raises(ValueError, match="not divisible by TP size 3"):
+        SparseMoE(HIDDEN, moe_cfg, _OwnSum(0, 3), torch.float32, torch.device("cpu"))
+    block, ranks = _ranks("qwen3_moe", {}, 3, "linear")
+    x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(sum(layer(x) for layer in ranks), _hf(block, x),
+                                   atol=1e-5, rtol=1e-5)
+    wide = dict(moe_intermediate_size=96)
+    sharded_half = SparseMoE(HIDDEN, ModelConfig.from_hf_dict(
+        {**cfg.to_dict(), "model_type": "qwen3_moe", "num_hidden_layers": 1, **wide}).moe,
+        _OwnSum(0, 2), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="64 / 48 inputs per rank"):
+        sharded_half.quantize("layers.0.mlp")
+    block, ranks = _ranks("qwen3_moe", wide, 2, "round_robin")
+    for layer in ranks:
+        layer.quantize("layers.0.mlp")
+    with torch.no_grad():
+        ref, got = _hf(block, x), sum(layer(x) for layer in ranks)
+    assert float((got - ref).norm() / ref.norm()) < 0.02
