@@ -47,6 +47,7 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.layers.expert_placement import balance
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
 
 # Counted over the steps (``get_stats``; shared_prefix_*: the backend's take_counters).
@@ -379,6 +380,7 @@ class LLMEngine:
                        "weight_bytes": int(self.model_info.get("weight_bytes", 0))},
             "model": self.model_id,
             "batch_invariant": self.config.batch_invariant,
+            "expert_parallel_balance": balance(self.stats, self.config.tensor_parallel_size),
         }
 
     def sleep(self, level: int = 1) -> None:

@@ -203,6 +203,9 @@ class _Collector:
              ("spec_decode", "suffix_cached_requests")),
             ("spec_decode_suffix_cached_tokens", "Tokens of the responses in the suffix "
              "decoding cache", ("spec_decode", "suffix_cached_tokens")),
+            ("expert_parallel_balance", "Expert parallelism since start: the mean rank's "
+             "routed pairs over the busiest rank's, per layer and step (1: even)",
+             ("expert_parallel_balance",)),
         ]
         for name, doc, path in gauges:
             fam = GaugeMetricFamily(f"{p}_{name}", doc, labels=["replica"])
@@ -258,6 +261,12 @@ class _Collector:
              ("shared_prefix_rows",)),
             ("shared_prefix_keys_saved", "Prefix keys per layer not read again thanks to the "
              "split", ("shared_prefix_keys_saved",)),
+            ("expert_parallel_routed_pairs", "Token-expert pairs routed, over layers and "
+             "steps (expert parallelism; the last pipeline stage's layers)",
+             ("expert_parallel_routed_pairs",)),
+            ("expert_parallel_busiest_pairs", "The busiest rank's pairs of each layer and "
+             "step, summed (routed / (ranks x busiest) is the balance)",
+             ("expert_parallel_busiest_pairs",)),
         ]
         for name, doc, path in counters:
             fam = CounterMetricFamily(f"{p}_{name}", doc, labels=["replica"])

@@ -28,6 +28,7 @@ from pagedserve.worker.encoder_cache import EncoderCache
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
+from pagedserve.worker.layers.moe import take_expert_load
 from pagedserve.worker.layers.rotary import mark_long_rope
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.multimodal import encode_picture
@@ -84,6 +85,7 @@ class ModelRunner:
                                             groups)
             with torch.inference_mode():
                 self.graphs.capture_all()
+        take_expert_load(model)  # profiling and warm-up passes are not served work
 
     def prepare_inputs(self, plan: SchedulerOutput) -> ModelInputs:
         """Build input ids, positions, slot mapping, -1 padded block tables and metadata."""
@@ -271,7 +273,8 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
-        counters = self.kv_cache.backend.take_counters()  # every rank's, rank 0's reported
+        # Every rank's, rank 0's reported (its routing counts every rank's expert load).
+        counters = self.kv_cache.backend.take_counters() | take_expert_load(self.model)
         if isinstance(hidden, IntermediateTensors):
             return hidden.to(torch.device("cpu")) if self.ctx.is_first else None
         if out is not None:

@@ -68,8 +68,9 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
 def test_tp2_expert_parallel_equals_hugging_face(ray_cluster, tiny_qwen3_moe_dir,
                                                  tiny_mixtral_dir) -> None:
     """``enable_expert_parallel`` reaches the ranks: each holds whole experts (every
-    other one, round robin), chunked prompts and decode give HF's greedy tokens; more
-    ranks than experts is refused on the driver, before any rank starts."""
+    other one, round robin), chunked prompts and decode give HF's greedy tokens, and
+    rank 0's count of each rank's routed pairs reaches the stats; more ranks than
+    experts is refused on the driver, before any rank starts."""
     prompts = prompts_of_mixed_lengths(6)
     llm = LLM(model=tiny_qwen3_moe_dir, tensor_parallel_size=2, num_gpu_blocks=64,
               num_threads=1, enable_expert_parallel=True,
@@ -80,6 +81,11 @@ def test_tp2_expert_parallel_equals_hugging_face(ray_cluster, tiny_qwen3_moe_dir
                                                     ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen3_moe_dir,
                                                                    prompts, 12)
+        # Rank 0 counted every rank's pairs: 3 for each token the one routed layer ran
+        # (every prompt token, and 11 of each answer's 12: the last is never fed back).
+        stats = llm.engine.get_stats()
+        assert stats["expert_parallel_routed_pairs"] == 3 * (sum(map(len, prompts)) + 6 * 11)
+        assert 0.5 <= stats["expert_parallel_balance"] <= 1.0
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()

@@ -184,3 +184,31 @@ def test_expert_widths_tensor_parallelism_cannot_cut_are_served_whole() -> None:
     with torch.no_grad():
         ref, got = _hf(block, x), sum(layer(x) for layer in ranks)
     assert float((got - ref).norm() / ref.norm()) < 0.02
+
+
+def test_rank_zero_counts_every_ranks_routed_pairs() -> None:
+    """Routing is replicated, so rank 0 alone counts each rank's pairs; taking them
+    reads and clears them, and the balance is the mean rank over the busiest."""
+    from pagedserve.worker.layers.expert_placement import balance
+    from pagedserve.worker.layers.moe import take_expert_load
+    from pagedserve.worker.layers.moe_routing import route
+
+    _, ranks = _ranks("deepseek_v3", {}, 4, "round_robin")
+    rank0, others = ranks[0], ranks[1:]
+    assert rank0.rank_pairs is not None and all(r.rank_pairs is None for r in others)
+    model = torch.nn.ModuleList(ranks)
+    x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        for layer in ranks:
+            layer(x)
+        _, experts = route(rank0.gate_linear(x.float(), rank0.router), rank0.moe,
+                           rank0.score_bias)
+    want = torch.bincount(experts.reshape(-1) % 4, minlength=4)  # round robin: e % 4
+    assert rank0.rank_pairs.tolist() == want.tolist()
+    load = take_expert_load(model)
+    assert load == {"expert_parallel_routed_pairs": 26,
+                    "expert_parallel_busiest_pairs": int(want.max())}
+    assert not rank0.rank_pairs.any() and take_expert_load(model)["expert_parallel_routed_pairs"] == 0
+    assert balance(load, 4) == 26 / (4 * int(want.max()))
+    assert balance({}, 4) is None
+    assert take_expert_load(torch.nn.ModuleList(others)) == {}

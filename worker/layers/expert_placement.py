@@ -18,6 +18,8 @@ groups) over every rank instead of piling it onto one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 PLACEMENTS = ("linear", "round_robin")
@@ -49,6 +51,25 @@ def local_experts(num_experts: int, rank: int, world_size: int, strategy: str) -
     base, extra = divmod(num_experts, world_size)
     start = rank * base + min(rank, extra)
     return list(range(start, start + base + (rank < extra)))
+
+
+def owners(num_experts: int, world_size: int, strategy: str) -> list[int]:
+    """The rank that holds each expert, by global id."""
+    out = [0] * num_experts
+    for rank in range(world_size):
+        for e in local_experts(num_experts, rank, world_size, strategy):
+            out[e] = rank
+    return out
+
+
+def balance(stats: Mapping[str, float], world_size: int) -> float | None:
+    """vLLM's EPLB balancedness over the layer-steps an engine's ``stats`` counted
+    (``layers.moe.take_expert_load``): the mean rank's routed pairs over the busiest
+    rank's, each layer of each step a rendezvous the busiest rank sets the pace of
+    (1.0: even; 1 / W: one rank took every pair). None before any pair was counted."""
+    busiest = stats.get("expert_parallel_busiest_pairs", 0)
+    routed = stats.get("expert_parallel_routed_pairs", 0)
+    return routed / (world_size * busiest) if busiest else None
 
 
 def expert_map(num_experts: int, held: list[int], device: torch.device) -> torch.Tensor:

@@ -38,6 +38,7 @@ from pagedserve.worker.layers.expert_placement import (
     expert_map,
     expert_parallel_problem,
     local_experts,
+    owners,
 )
 from pagedserve.worker.layers.linear import (
     LazyTensor,
@@ -59,6 +60,31 @@ def _triton_ready() -> bool:
     from pagedserve.kernels.backend import available_backends
 
     return "triton" in available_backends("cuda")
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured: its padded rows must not count as routed
+    pairs, so replayed decode steps count none."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def take_expert_load(model: nn.Module) -> dict[str, int]:
+    """Routed pairs since the last call under expert parallelism (rank 0 only, else
+    empty): ``expert_parallel_routed_pairs`` over every layer and step, and
+    ``expert_parallel_busiest_pairs``, the sum of each layer-step's busiest rank's
+    (``expert_placement.balance`` makes them vLLM's balancedness)."""
+    layers = getattr(model, "_expert_load_layers", None)
+    if layers is None:
+        layers = [m for m in model.modules()
+                  if isinstance(m, SparseMoE) and m.rank_pairs is not None]
+        model._expert_load_layers = layers
+    if not layers:
+        return {}
+    per_layer = torch.stack([m.rank_pairs for m in layers])
+    routed, busiest = int(per_layer.sum()), int(per_layer.max(dim=1).values.sum())
+    for m in layers:
+        m.rank_pairs.zero_()
+    return {"expert_parallel_routed_pairs": routed, "expert_parallel_busiest_pairs": busiest}
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -93,6 +119,13 @@ class SparseMoE(nn.Module):
         self.expert_map = expert_map(moe.num_experts, self.held, device) \
             if self.expert_parallel else None
         self._local_index = {e: i for i, e in enumerate(self.held)}
+        # Rank 0 (which reports the step's counters) sees every rank's routing: routed
+        # pairs per rank, summed until ``take_expert_load`` reads them.
+        self.rank_owner = self.rank_pairs = None
+        if self.expert_parallel and ctx.rank == 0:
+            self.rank_owner = torch.tensor(owners(moe.num_experts, w, ctx.expert_placement),
+                                           dtype=torch.int64, device=device)
+            self.rank_pairs = torch.zeros(w, dtype=torch.int64, device=device)
         self.ctx, self.hidden = ctx, hidden
         self.moe = moe
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
@@ -139,6 +172,9 @@ class SparseMoE(nn.Module):
         """``x [T, hidden]`` through the router's top-k experts (and the shared one)."""
         logits = self.gate_linear(x.float() if self.moe.router_fp32 else x, self.router)
         weights, experts = route(logits, self.moe, self.score_bias)
+        if self.rank_pairs is not None and not _capturing(x):
+            ranks = self.rank_owner[experts.reshape(-1)]
+            self.rank_pairs.index_add_(0, ranks, torch.ones_like(ranks))
         if self.expert_map is not None:
             experts = self.expert_map[experts]  # this rank's indices, -1: another rank's
         out = self._routed(x, experts, weights.to(x.dtype))
