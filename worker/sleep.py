@@ -13,6 +13,11 @@ trains, then hands it new weights and wakes it (vLLM's sleep mode and SGLang's
   swaps it in only once complete, so a bad file leaves the old weights serving.
   Asleep at level 2 there is no old copy, so the swap costs no second copy.
 
+A DeepSeek model drafting with its own multi-token-prediction layer
+(``deepseek_mtp``) holds that layer as a head beside the model: new weights bring
+their own (a checkpoint without one is refused before anything changes), and level 2
+drops it with the model and loads it again on waking.
+
 The engine keeps the block accounting: it sleeps only when idle, forgets its
 prefix cache (the blocks' contents are gone or stale), and re-adds LoRA
 adapters after the model is rebuilt. fp8 KV scales calibrated at start-up are
@@ -30,6 +35,8 @@ import torch
 
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.loaders import resolve_model
+from pagedserve.worker.loaders.hf import checkpoint_names
+from pagedserve.worker.models.mtp import MTPHead, mtp_problem
 
 if TYPE_CHECKING:
     from pagedserve.worker.worker import Worker
@@ -44,6 +51,7 @@ class SleepState:
     num_blocks: int
     num_cpu_blocks: int
     kv_scales: list[tuple[float, float]] | None = None
+    mtp_head: bool = False  # level 2 dropped the model's own MTP head; waking loads it
 
 
 def kv_scales(model: torch.nn.Module) -> list[tuple[float, float]] | None:
@@ -88,10 +96,13 @@ def sleep(worker: Worker, level: int) -> None:
     if kv is None:
         raise RuntimeError("init_kv_cache must be called before sleep")
     scales = kv_scales(worker.model) if level == 2 else None
-    worker.sleep_state = SleepState(level, kv.num_blocks, kv.num_cpu_blocks, scales)
+    mtp = level == 2 and _drafts_with_mtp(worker)
+    worker.sleep_state = SleepState(level, kv.num_blocks, kv.num_cpu_blocks, scales, mtp)
     worker.runner = worker.kv_cache = None
     if level == 2:
         worker.model = worker.lora = None
+        if mtp:
+            worker.draft = None
     elif worker.device.type == "cuda":  # pragma: no cover - CUDA only
         worker.model.to("cpu")
     _release(worker.device)
@@ -106,6 +117,8 @@ def wake_up(worker: Worker) -> None:
         assert worker.resolved is not None and worker.model_config is not None
         worker.build_model(worker.resolved, worker.model_config)
         set_kv_scales(worker.model, state.kv_scales, worker.device)
+        if state.mtp_head:
+            _load_mtp(worker)
     elif worker.device.type == "cuda":  # pragma: no cover - CUDA only
         worker.model.to(worker.device)
     worker.init_kv_cache(state.num_blocks, state.num_cpu_blocks, calibrate=False)
@@ -120,6 +133,11 @@ def update_weights(worker: Worker, model: str) -> None:
     check_same_architecture(worker.model_config, config)
     # The new file may be quantised another way (a GPTQ file after a dense one).
     new_config = dataclasses.replace(worker.model_config, prequant=config.prequant)
+    mtp = _drafts_with_mtp(worker) or (worker.sleep_state is not None
+                                       and worker.sleep_state.mtp_head)
+    if mtp and (why := mtp_problem(config, checkpoint_names(resolved.path))):
+        raise ValueError(f"speculative_config.method "
+                         f"{worker.config.speculative_method!r}: the new weights: {why}")
     if worker.model is None:  # asleep at level 2: waking loads from the new path
         worker.resolved, worker.model_config = resolved, new_config
         return
@@ -128,12 +146,30 @@ def update_weights(worker: Worker, model: str) -> None:
     worker.build_model(resolved, new_config)
     set_kv_scales(worker.model, scales, worker.device)
     worker.resolved, worker.model_config = resolved, new_config
+    if mtp:
+        _load_mtp(worker)
     if worker.sleep_state is not None:  # asleep at level 1: keep the weights off the GPU
         if worker.device.type == "cuda":  # pragma: no cover - CUDA only
             worker.model.to("cpu")
     elif worker.kv_cache is not None:
         worker.build_runner(calibrate=False)
     _release(worker.device)
+
+
+def _drafts_with_mtp(worker: Worker) -> bool:
+    """Whether this rank holds the model's own MTP layer as its drafter."""
+    return worker.draft is not None and isinstance(worker.draft.model, MTPHead)
+
+
+def _load_mtp(worker: Worker) -> None:
+    """The served checkpoint's MTP layer as this rank's drafter, beside the model just
+    built (it shares that model's embedding where the rank holds it whole)."""
+    from pagedserve.worker.drafting import load_drafter
+
+    assert worker.model is not None and worker.model_config is not None
+    assert worker.resolved is not None and worker.ctx is not None
+    worker.draft = load_drafter(worker.config, worker.model, worker.model_config,
+                                worker.resolved.path, worker.ctx, worker.dtype, worker.device)
 
 
 def _release(device: torch.device) -> None:

@@ -102,3 +102,31 @@ def test_a_target_without_the_layer_is_refused(tmp_path, default_model_dir) -> N
     with pytest.raises(ValueError, match="target's own layers"):
         LLM(model=str(Path(v3)), num_gpu_blocks=16,
             speculative_config={**_spec(1), "model": v3})
+
+
+def test_new_weights_bring_their_own_mtp_layer(mtp_dir, tmp_path, default_model_dir) -> None:
+    """``update_weights`` loads the new checkpoint's MTP layer as the drafter (awake, and
+    asleep at level 2, which drops the head with the model and loads it on waking):
+    every guess is then the new file's dense drafter's. A file without the layer is
+    refused before anything changes, the old head still drafting."""
+    other = add_random_mtp_layer(write_random_checkpoint(
+        tmp_path / "b", "deepseek_v3", default_model_dir, seed=77, num_key_value_heads=4,
+        num_hidden_layers=2, max_position_embeddings=256), seed=8)
+    bare = write_random_checkpoint(tmp_path / "bare", "deepseek_v3", default_model_dir,
+                                   seed=78, num_key_value_heads=4, num_hidden_layers=2,
+                                   max_position_embeddings=256)
+    for asleep in (False, True):
+        llm = LLM(model=mtp_dir, block_size=4, num_gpu_blocks=64, speculative_config=_spec(2))
+        if asleep:
+            llm.sleep(2)
+            assert llm.engine.executor.worker.draft is None  # dropped with the model
+        with pytest.raises(ValueError, match=r"deepseek_mtp.*the new weights.*no MTP layer"):
+            llm.update_weights(bare)
+        llm.update_weights(other)
+        if asleep:
+            llm.wake_up()
+        seen = guesses_of_three_runs(llm)
+        dense = DenseMTP(other)
+        assert len(seen) >= 8
+        for seq, length, guesses in seen:
+            assert guesses == dense.propose(seq[:length], 2), (asleep, length)
