@@ -20,6 +20,7 @@ from pagedserve.cluster.async_engine import AsyncEngine
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.worker.testing import write_random_checkpoint
 from pagedserve.worker.testing_eagle import write_guessing_pair, write_random_eagle
+from pagedserve.worker.testing_mtp import write_guessing_mtp_model
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
@@ -201,6 +202,25 @@ def test_pp2_eagle_head_drafts_on_the_last_stage(ray_cluster, default_model_dir,
     with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
         LLM(model=target, pipeline_parallel_size=2, num_gpu_blocks=64,
             speculative_config={"method": "eagle3", "model": e3})
+
+
+def test_pp2_mtp_layer_drafts_on_the_last_stage(ray_cluster, default_model_dir,
+                                                tmp_path) -> None:
+    """DeepSeek-V3's own MTP layer, held by the last stage's rank 0 with the embedding
+    (on the first stage) read from the checkpoint, and the decoder skipping the MTP
+    layer on every stage: a layer that guesses right keeps every guess, the tokens HF's."""
+    model = write_guessing_mtp_model(tmp_path / "v3", default_model_dir, num_hidden_layers=3,
+                                     num_key_value_heads=4, max_position_embeddings=256)
+    prompts = prompts_of_mixed_lengths(4)
+    llm = LLM(model=model, pipeline_parallel_size=2, num_gpu_blocks=64, num_threads=1,
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(model, prompts, 12)
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_pp2_sampling_features_equal_one_rank(ray_cluster, three_layer_llama) -> None:
