@@ -18,6 +18,7 @@ import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing_eagle import write_guessing_pair, write_random_eagle
+from tests.cluster.conftest import hf_greedy
 from tests.cluster.eagle_reference import DenseHead
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
@@ -31,6 +32,20 @@ def _spec(method: str, head: str, **kw) -> dict:
 
 def _greedy(n: int = 24, count: int = 1) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, n=count)
+
+
+def assert_every_guess_kept(llm: LLM, model: str, prompts: list[list[int]],
+                            max_tokens: int) -> None:
+    """Through ``llm`` (closed after), whose head was built to guess right: greedy tokens
+    are HF's, over 95% of the guesses are kept, and the pool returns to its baseline."""
+    try:
+        outs = llm.generate(prompts, _greedy(max_tokens))
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, max_tokens)
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
 
 
 def _plain_greedy(model: str, prompts: list[list[int]], params: SamplingParams

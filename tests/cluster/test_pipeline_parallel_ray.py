@@ -22,6 +22,7 @@ from pagedserve.worker.testing import write_random_checkpoint
 from pagedserve.worker.testing_eagle import write_guessing_pair, write_random_eagle
 from pagedserve.worker.testing_mtp import write_guessing_mtp_model
 from tests.cluster.conftest import hf_greedy
+from tests.cluster.test_eagle import assert_every_guess_kept
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 
@@ -188,16 +189,10 @@ def test_pp2_eagle_head_drafts_on_the_last_stage(ray_cluster, default_model_dir,
     which reads layers of both stages, is refused before any actor starts."""
     target, head = write_guessing_pair(tmp_path / "pair", default_model_dir, num_layers=3)
     prompts = prompts_of_mixed_lengths(4)
-    llm = LLM(model=target, pipeline_parallel_size=2, num_gpu_blocks=64, num_threads=1,
-              speculative_config={"method": "eagle", "model": head,
-                                  "num_speculative_tokens": 3})
-    try:
-        assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(target, prompts, 12)
-        spec = llm.engine.get_stats()["spec_decode"]
-        assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
+    assert_every_guess_kept(LLM(model=target, pipeline_parallel_size=2, num_gpu_blocks=64,
+                                num_threads=1, speculative_config={
+                                    "method": "eagle", "model": head,
+                                    "num_speculative_tokens": 3}), target, prompts, 12)
     e3 = write_random_eagle(tmp_path / "e3", target, "eagle3", aux_layers=[0, 1, 2])
     with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
         LLM(model=target, pipeline_parallel_size=2, num_gpu_blocks=64,
@@ -212,15 +207,10 @@ def test_pp2_mtp_layer_drafts_on_the_last_stage(ray_cluster, default_model_dir,
     model = write_guessing_mtp_model(tmp_path / "v3", default_model_dir, num_hidden_layers=3,
                                      num_key_value_heads=4, max_position_embeddings=256)
     prompts = prompts_of_mixed_lengths(4)
-    llm = LLM(model=model, pipeline_parallel_size=2, num_gpu_blocks=64, num_threads=1,
-              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
-    try:
-        assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(model, prompts, 12)
-        spec = llm.engine.get_stats()["spec_decode"]
-        assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
+    assert_every_guess_kept(LLM(model=model, pipeline_parallel_size=2, num_gpu_blocks=64,
+                                num_threads=1, speculative_config={
+                                    "method": "deepseek_mtp", "num_speculative_tokens": 2}),
+                            model, prompts, 12)
 
 
 def test_pp2_sampling_features_equal_one_rank(ray_cluster, three_layer_llama) -> None:

@@ -13,6 +13,7 @@ from pagedserve.worker.testing_eagle import write_guessing_pair
 from pagedserve.worker.testing_mtp import write_guessing_mtp_model
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.lora_fixtures import GREEDY, make_llama_adapters, mixed_batch, write_adapter
+from tests.cluster.test_eagle import assert_every_guess_kept
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 
@@ -159,19 +160,11 @@ def test_tp2_eagle_head_reads_its_own_copy_of_the_embedding_and_head(
     """Rank 0 drafts alone, so under TP its head loads the target's embedding and LM
     head whole from the checkpoint: a head that guesses right keeps every guess."""
     target, head = write_guessing_pair(tmp_path, default_model_dir)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = prompts_of_mixed_lengths(4)
-    llm = LLM(model=target, tensor_parallel_size=2, num_gpu_blocks=64, num_threads=1,
-              speculative_config={"method": "eagle", "model": head,
-                                  "num_speculative_tokens": 3})
-    try:
-        outs = llm.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(target, prompts, 16)
-        spec = llm.engine.get_stats()["spec_decode"]
-        assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
+    assert_every_guess_kept(LLM(model=target, tensor_parallel_size=2, num_gpu_blocks=64,
+                                num_threads=1, speculative_config={
+                                    "method": "eagle", "model": head,
+                                    "num_speculative_tokens": 3}),
+                            target, prompts_of_mixed_lengths(4), 16)
 
 
 def test_tp2_mtp_layer_drafts_on_rank_zero(ray_cluster, default_model_dir, tmp_path) -> None:
@@ -181,17 +174,10 @@ def test_tp2_mtp_layer_drafts_on_rank_zero(ray_cluster, default_model_dir, tmp_p
     model = write_guessing_mtp_model(tmp_path / "v3", default_model_dir, num_hidden_layers=2,
                                      num_key_value_heads=4, max_position_embeddings=256)
     prompts = prompts_of_mixed_lengths(4)
-    llm = LLM(model=model, tensor_parallel_size=2, num_gpu_blocks=64, num_threads=1,
-              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
-                                                    ignore_eos=True))
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, 16)
-        spec = llm.engine.get_stats()["spec_decode"]
-        assert spec["num_accepted_tokens"] > 0.95 * spec["num_draft_tokens"] > 0, spec
-        assert_pool_at_baseline(llm)
-    finally:
-        llm.shutdown()
+    assert_every_guess_kept(LLM(model=model, tensor_parallel_size=2, num_gpu_blocks=64,
+                                num_threads=1, speculative_config={
+                                    "method": "deepseek_mtp", "num_speculative_tokens": 2}),
+                            model, prompts, 16)
 
 
 def test_tp2_with_lora_adapters_equals_tp1(ray_cluster, tiny_llama_dir, tmp_path) -> None:
