@@ -24,8 +24,9 @@ from pagedserve.worker.pipeline import check_stages_fit
 def checked_worker_config(config: EngineConfig, model_path: str, device: str) -> WorkerConfig:
     """Every rank's settings, after the checks that need no rank: the draft model is
     resolved to a local path and fits the target, the pipeline's stages hold layers,
-    expert parallelism has an expert for every rank, the model's config reads (the engine runs this before loading the tokenizer, whose
-    loader may reject a bad field without naming it)."""
+    expert parallelism has an expert for every rank, the model's config reads (the
+    engine runs this before loading the tokenizer, whose loader may reject a bad field
+    without naming it)."""
     wcfg = config.worker_config(model_path, device)
     has_config = (Path(model_path) / "config.json").is_file()
     mc = ModelConfig.from_pretrained(model_path) if has_config else None
