@@ -26,6 +26,7 @@ from pagedserve.cluster.engine_lifecycle import (
     start_wake,
 )
 from pagedserve.cluster.engine_setup import build_scheduler, checked_worker_config
+from pagedserve.cluster.engine_stats import STAT_COUNTERS, engine_stats
 from pagedserve.cluster.executor import Executor, LocalExecutor, RayExecutor
 from pagedserve.cluster.image_prompts import ImagePrompts
 from pagedserve.cluster.kv_transfer import export_prompt_kv
@@ -47,14 +48,7 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.layers.expert_placement import balance
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
-
-# Counted over the steps (``get_stats``; shared_prefix_*: the backend's take_counters).
-STAT_COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "finished_requests",
-                 "aborted_requests", "execute_seconds", "kv_exported_blocks",
-                 "kv_imported_blocks", "kv_import_failures", "shared_prefix_steps",
-                 "shared_prefix_rows", "shared_prefix_keys_saved", "pipelined_steps")
 
 
 class LLMEngine:
@@ -363,25 +357,7 @@ class LLMEngine:
         self.executor.check_health()
 
     def get_stats(self) -> dict[str, Any]:
-        sched, mem = self.scheduler, self.scheduler.memory_stats().as_dict()
-        queues = {"running": sched.running, "waiting": sched.waiting, "swapped": sched.swapped}
-        return {
-            **self.stats,
-            **{f"num_{name}": len(q) for name, q in queues.items()},
-            "num_preemptions": dict(sched.num_preemptions),
-            "prefix_cache_queries": sched.kv.prefix_queries,
-            "prefix_cache_hits": sched.kv.prefix_hits,
-            "kv_offload": {"enabled": sched.kv.offload_enabled, **sched.kv.offload_stats},
-            "spec_decode": dict(sched.spec_stats),
-            "lora": self.loras.stats(queues),
-            "memory": {**mem, **{k: self.model_info.get(k) for k in (
-                "kv_cache_dtype", "quantization", "checkpoint_quantization")},
-                       "bytes_per_block": int(self.model_info["bytes_per_block"]),
-                       "weight_bytes": int(self.model_info.get("weight_bytes", 0))},
-            "model": self.model_id,
-            "batch_invariant": self.config.batch_invariant,
-            "expert_parallel_balance": balance(self.stats, self.config.tensor_parallel_size),
-        }
+        return engine_stats(self)
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (level 2: the weights too) until ``wake_up``; idle engines only."""

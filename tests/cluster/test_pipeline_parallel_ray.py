@@ -105,6 +105,24 @@ def test_pp2_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         llm.shutdown()
 
 
+def test_pp2_tp2_expert_parallel_equals_hugging_face(ray_cluster, tiny_mixtral_dir) -> None:
+    """Expert parallelism inside each stage's TP group (2 of Mixtral's 4 experts a rank,
+    one routed layer a stage): HF's greedy tokens; the last stage's rank 0 counts its
+    layer's pairs, 2 for each token it ran."""
+    prompts = prompts_of_mixed_lengths(4)
+    llm = LLM(model=tiny_mixtral_dir, pipeline_parallel_size=2, tensor_parallel_size=2,
+              num_gpu_blocks=64, num_threads=1, enable_expert_parallel=True)
+    try:
+        assert llm.engine.model_info["expert_parallel"]
+        assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(tiny_mixtral_dir, prompts,
+                                                                    12)
+        stats = llm.engine.get_stats()
+        assert stats["expert_parallel_routed_pairs"] == 2 * (sum(map(len, prompts)) + 4 * 11)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_pp2_tp2_hybrid_gemma_equals_hugging_face(ray_cluster, tiny_gemma3_dir) -> None:
     """A Gemma 3 of a sliding, a full and a sliding layer: three KV cache groups, each
     table sent to four actors as changes (released fronts included), each stage's
