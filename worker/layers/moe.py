@@ -80,10 +80,10 @@ def take_expert_load(model: nn.Module) -> dict[str, int]:
         model._expert_load_layers = layers
     if not layers:
         return {}
-    per_layer = torch.stack([m.rank_pairs for m in layers])
-    routed, busiest = int(per_layer.sum()), int(per_layer.max(dim=1).values.sum())
+    per_layer = torch.stack([m.rank_pairs for m in layers]).tolist()  # one read to the host
     for m in layers:
         m.rank_pairs.zero_()
+    routed, busiest = sum(map(sum, per_layer)), sum(map(max, per_layer))
     return {"expert_parallel_routed_pairs": routed, "expert_parallel_busiest_pairs": busiest}
 
 
