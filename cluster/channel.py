@@ -30,7 +30,10 @@ from pagedserve.cluster.wire import ReplicaCall, chunk_from_wire
 
 logger = logging.getLogger(__name__)
 
-SUBSCRIPTION_IDLE_S = 2.0  # a replica ends a subscription idle this long with nothing in flight
+# A replica ends a subscription idle this long with nothing in flight. Serve counts a
+# subscription as an ongoing request, so a replica being stopped waits for it: short, so
+# that an idle replica stops at once; a request after a pause subscribes again (~1 ms).
+SUBSCRIPTION_IDLE_S = 0.25
 ORPHAN_S = 60.0  # chunks nobody subscribed to for this long are dropped (the ingress died)
 ABANDONED_S = 10.0  # a request whose chunks nobody has taken for this long is aborted
 RESUBSCRIBE_EVERY_S = 0.5  # a waiting request re-checks its ingress's subscriptions this often

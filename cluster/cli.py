@@ -248,6 +248,10 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
                    help="a replica that is replaced (a redeploy), scaled down or stopped "
                         "finishes its open requests for up to this long; past it, an "
                         "engine replica's requests resume on another replica")
+    s.add_argument("--graceful-shutdown-wait-loop-s", type=float, default=2.0,
+                   help="a stopping replica looks for open requests this often, the "
+                        "first time after one period (routers' time to stop sending to "
+                        "it): what an idle replica's stop takes")
     s.add_argument("--checkpoint-interval-ms", type=float, default=1000.0,
                    help="a non-streamed request's replica sends the ingress its tokens "
                         "this often, so that it resumes from them if the replica dies "

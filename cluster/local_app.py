@@ -103,7 +103,7 @@ def _delete_app(name: str, drain_timeout_s: float, failover_wait_s: float) -> No
         app = serve.status().applications.get(name)
         if app is None or app.status == "NOT_STARTED":
             return
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def _serve_running() -> bool:

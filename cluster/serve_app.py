@@ -353,13 +353,15 @@ def build_app(args: ServeArgs | Mapping[str, Any] | Any | None = None) -> serve.
                                                a.stream_messages_per_s, prefill,
                                                a.remote_prefill(), a.checkpoint_interval_ms)
     api_key = a.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
-    store = ResponseStoreServer.bind(a.responses_store_max_entries) \
-        if a.enable_responses_store else None
+    store = ResponseStoreServer.options(
+        graceful_shutdown_wait_loop_s=a.graceful_shutdown_wait_loop_s,
+    ).bind(a.responses_store_max_entries) if a.enable_responses_store else None
     return OpenAIServer.options(
         # The ingress outlives its engine replicas' drain: what the drain cuts off must
         # still resume (a redeploy) or end with an error event (a deletion).
         num_replicas=a.ingress_replicas,
         graceful_shutdown_timeout_s=a.drain_timeout_s + a.failover_wait_s,
+        graceful_shutdown_wait_loop_s=a.graceful_shutdown_wait_loop_s,
         ray_actor_options=ingress_actor_options(a.ingress_on_head),
     ).bind(engine, a.model, a.served_model_name, api_key, s.lora_modules, s.lora_dir,
            a.pooling_type, a.reasoning_parser,

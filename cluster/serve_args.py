@@ -85,6 +85,9 @@ class ServeArgs(BaseModel):
     # A replica being replaced (a redeploy), scaled down or stopped finishes its open
     # requests for up to this long; past it an engine replica's requests resume elsewhere.
     drain_timeout_s: float = Field(default=600.0, ge=0.0)
+    # How often a stopping replica looks for open requests (Serve's option, its default):
+    # its first look comes after one period, the time routers get to stop sending to it.
+    graceful_shutdown_wait_loop_s: float = Field(default=2.0, gt=0.0)
     imbalance_threshold: int = 8
     enable_lora: bool = False
     max_loras: int = 1
@@ -169,6 +172,7 @@ class ServeArgs(BaseModel):
             health_check_period_s=self.health_check_period_s,
             health_check_timeout_s=self.health_check_timeout_s,
             graceful_shutdown_timeout_s=self.drain_timeout_s,
+            graceful_shutdown_wait_loop_s=self.graceful_shutdown_wait_loop_s,
             request_router_config=RequestRouterConfig(
                 request_router_class=ROUTER_CLASS_PATH,
                 request_router_kwargs={"imbalance_threshold": self.imbalance_threshold}),

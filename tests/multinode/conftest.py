@@ -88,6 +88,9 @@ class Nodes:
     def deploy(self, name: str, args: dict[str, Any]) -> App:
         return Cluster(self.port).deploy(name, args)
 
+    def delete(self, name: str) -> None:
+        Cluster(self.port).delete(name)
+
 
 @pytest.fixture(scope="package")
 def nodes() -> Iterator[Nodes]:

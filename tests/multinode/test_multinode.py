@@ -32,13 +32,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def two_nodes_app(nodes: Nodes, tiny_model: Path) -> Iterator[App]:
-    from ray import serve
-
     # Each replica reserves a worker node's two CPUs: one replica per worker node.
     app = nodes.deploy("spread", {**COMMON, "model": str(tiny_model), "num_replicas": 2,
                                   "num_threads": WORKER_CPUS})
     yield app
-    serve.delete("spread")
+    nodes.delete("spread")
 
 
 def _wait(cond: Any, timeout: float, what: str) -> Any:

@@ -24,8 +24,6 @@ LONG_PROMPTS = [" ".join([p] * 8) for p in PROMPTS if p != "Hello"][:4]
 
 def test_prefill_and_decode_replicas_on_two_nodes_give_the_in_process_answers(
         nodes: Nodes, tiny_model: Path) -> None:
-    from ray import serve
-
     from pagedserve.cluster import LLM, SamplingParams
 
     llm = LLM(model=str(tiny_model), num_gpu_blocks=64)
@@ -60,4 +58,4 @@ def test_prefill_and_decode_replicas_on_two_nodes_give_the_in_process_answers(
         assert remote["received_bytes"] > 0
         assert prefill["kv_exported_blocks"] == decode["kv_imported_blocks"] > 0
     finally:
-        serve.delete("pdspread")
+        nodes.delete("pdspread")

@@ -36,7 +36,7 @@ def test_tensor_parallel_ranks_on_three_nodes_give_the_in_process_answers(
         assert complete_all(app) == expected
         app.wait_baseline()
     finally:
-        serve.delete("tpspread")
+        nodes.delete("tpspread")
 
 
 def test_pipeline_stages_on_their_own_nodes_give_the_in_process_answers(
@@ -59,4 +59,4 @@ def test_pipeline_stages_on_their_own_nodes_give_the_in_process_answers(
         assert complete_all(app) == expected
         app.wait_baseline()
     finally:
-        serve.delete("ppspread")
+        nodes.delete("ppspread")

@@ -71,7 +71,7 @@ def test_run_batch_answers_each_line_as_the_http_api_does(tiny_model: Path,
     src.write_text("\n".join([*(json.dumps(x) for x in lines), "not json"]) + "\n")
     out = subprocess.run([*CLI, "run-batch", "-i", str(src), "-o", "-", "--model",
                           str(tiny_model), "--num-gpu-blocks", "64", "--max-model-len", "512",
-                          "--max-concurrency", "3"],
+                          "--max-concurrency", "3", "--graceful-shutdown-wait-loop-s", "0.2"],
                          capture_output=True, text=True, timeout=300, env=_env())
     assert out.returncode == 0, out.stderr[-2000:]
     got = [json.loads(x) for x in out.stdout.splitlines()]
@@ -128,15 +128,17 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "priority", "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
         "--kv-cache-dtype", "fp8_e5m2", "--kv-offloading-size", "1.5", "--no-resume-streams",
         "--checkpoint-interval-ms", "250", "--drain-timeout-s", "30", "--batch-invariant",
-        "--failover-wait-s", "240", "--priority-aging-s", "30"])
+        "--failover-wait-s", "240", "--priority-aging-s", "30",
+        "--graceful-shutdown-wait-loop-s", "0.5"])
     a = ServeArgs.parse(ns)
     assert (a.lora_modules, a.lora_dir, a.max_loras, a.max_lora_rank, a.max_loaded_loras,
             a.scheduling_policy, a.autoscaling_config, a.kv_cache_dtype,
             a.kv_offloading_size, a.resume_streams, a.checkpoint_interval_ms,
-            a.drain_timeout_s, a.batch_invariant, a.failover_wait_s, a.priority_aging_s) == (
+            a.drain_timeout_s, a.batch_invariant, a.failover_wait_s, a.priority_aging_s,
+            a.graceful_shutdown_wait_loop_s) == (
         ["a=/x", "b=/y"], "/adapters", 2, 8, 4, "priority",
         {"min_replicas": 1, "max_replicas": 3}, "fp8_e5m2", 1.5, False, 250.0, 30.0, True,
-        240.0, 30.0)
+        240.0, 30.0, 0.5)
     plain = ServeArgs.parse(build_parser().parse_args([
         "serve", "--batch-invariant", "--scheduling-policy", "priority",
         "--priority-aging-s", "30", "--long-prefill-token-threshold", "256",
@@ -153,8 +155,8 @@ def test_serve_flags_reach_the_serve_args() -> None:
                         ).settings()
     default = ServeArgs.parse(build_parser().parse_args(["serve"]))
     assert (default.resume_streams, default.checkpoint_interval_ms, default.drain_timeout_s,
-            default.batch_invariant, default.failover_wait_s) == (True, 1000.0, 600.0, False,
-                                                                  60.0)
+            default.batch_invariant, default.failover_wait_s,
+            default.graceful_shutdown_wait_loop_s) == (True, 1000.0, 600.0, False, 60.0, 2.0)
 
 
 @pytest.mark.parametrize(("flag", "value", "field"), [
@@ -226,7 +228,8 @@ def test_serve_rejects_bad_settings_in_process(flags: list[str], field: str,
 def _start_serve(tiny_model: Path, port: int, *extra: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [*CLI, "serve", "--model", str(tiny_model), "--port", str(port), "--num-gpu-blocks",
-         "32", "--max-model-len", "256", "--num-threads", "1", *extra],
+         "32", "--max-model-len", "256", "--num-threads", "1",
+         "--graceful-shutdown-wait-loop-s", "0.2", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     lines: queue.Queue[str] = queue.Queue()
 

@@ -141,6 +141,29 @@ def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
         build_app({"device": "cpu", "dtype": "int8"})
 
 
+def test_every_deployment_stops_at_the_wait_loop_asked_for() -> None:
+    """``graceful_shutdown_wait_loop_s`` (Serve's 2 s unless asked) reaches the ingress,
+    the engine and prefill replicas and the response store: what an idle replica's
+    stop takes, in a redeploy, a scale-down or a deletion."""
+    def loops(app: object) -> dict[str, float]:
+        out, todo = {}, [app._bound_deployment]
+        while todo:
+            d = todo.pop()
+            out[d._name] = d._deployment_config.graceful_shutdown_wait_loop_s
+            todo += [a._bound_deployment for a in d.init_args if hasattr(a, "_bound_deployment")]
+            todo += [v._bound_deployment for v in d.init_kwargs.values()
+                     if hasattr(v, "_bound_deployment")]
+        return out
+
+    args = {"device": "cpu", "num_gpu_blocks": 64, "prefill_replicas": 1,
+            "enable_responses_store": True}
+    assert set(loops(build_app(args)).values()) == {2.0}
+    quick = loops(build_app({**args, "graceful_shutdown_wait_loop_s": 0.2}))
+    assert len(quick) == 4 and set(quick.values()) == {0.2}, quick
+    with pytest.raises(ValueError, match="graceful_shutdown_wait_loop_s"):
+        build_app({"device": "cpu", "graceful_shutdown_wait_loop_s": 0})
+
+
 def test_stream_message_budget_scales_with_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement.os, "cpu_count", lambda: 4)
     assert placement.stream_message_budget(None) == 4 * placement.STREAM_MESSAGES_PER_CORE
