@@ -17,9 +17,9 @@ from pathlib import Path
 
 def child(mode: str, path: str, quantization: str) -> None:
     """Load the model once (``mode``: "streamed" or "whole") and print the peak RSS."""
-    from pagedserve.worker.config import WorkerConfig
     from pagedserve.worker.models import llama
     from pagedserve.worker.worker import Worker
+    from pagedserve.worker.worker_config import WorkerConfig
 
     if mode == "whole":  # no per-layer hook: every layer dense until the end
         load = llama.LlamaForCausalLM.load_weights

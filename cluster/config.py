@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.scheduler.spec_decode import OWN_HEAD_METHODS, SpeculativeConfig
-from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.pipeline import check_partition
+from pagedserve.worker.worker_config import WorkerConfig
 
 EXECUTORS = ("auto", "local", "ray")
 FLASH_BLOCK_SIZE = 256
@@ -171,7 +171,7 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype != "auto":
-            from pagedserve.worker.config import parse_dtype
+            from pagedserve.worker.worker_config import parse_dtype
 
             parse_dtype(self.dtype)  # raises naming the field and the accepted names
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
@@ -301,7 +301,7 @@ class EngineConfig:
             return self.block_size
         from pagedserve.kernels import get_backend
         from pagedserve.kernels.kv_quant import resolve_kv_cache_dtype
-        from pagedserve.worker.config import parse_dtype
+        from pagedserve.worker.worker_config import parse_dtype
 
         model_dtype = parse_dtype(self.resolved_dtype(device))
         backend = get_backend(self.attention_backend, device,

@@ -11,7 +11,7 @@ from typing import Any
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.draft_model import check_draft
 from pagedserve.worker.eagle_runner import check_eagle
 from pagedserve.worker.layers.expert_placement import expert_parallel_problem
@@ -19,6 +19,7 @@ from pagedserve.worker.loaders.hf import checkpoint_names
 from pagedserve.worker.models.eagle import EAGLE_METHODS
 from pagedserve.worker.models.mtp import MTP_METHODS, mtp_problem
 from pagedserve.worker.pipeline import check_stages_fit
+from pagedserve.worker.worker_config import WorkerConfig
 
 
 def checked_worker_config(config: EngineConfig, model_path: str, device: str) -> WorkerConfig:

@@ -16,8 +16,8 @@ from typing import Any
 
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.plan_wire import PlanEncoder
-from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.worker import Worker
+from pagedserve.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

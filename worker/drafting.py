@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from pagedserve.kernels import AttentionBackend, get_backend
-from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.draft_model import DraftModel, DraftRunner, load_draft_model
 from pagedserve.worker.eagle_runner import EagleRunner, load_eagle_head
 from pagedserve.worker.kv_cache import KVCache
@@ -23,6 +23,7 @@ from pagedserve.worker.models.eagle import EAGLE_METHODS, EagleHead
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.mtp import MTP_METHODS, MTPHead, mtp_problem
 from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.worker_config import WorkerConfig
 
 # Heads that draft from the target's hidden states (``EagleRunner``), reattached to
 # a target built anew (woken from sleep, new weights).

@@ -40,6 +40,26 @@ def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int
     return SchedulerOutput(step_id=-1, scheduled=scheduled), next_block
 
 
+def num_device_blocks(worker: Worker) -> int:
+    """Device KV blocks ``worker`` can hold: its explicit count, else its byte budget
+    (``kv_cache_memory_bytes``, CUDA profiling, or the CPU default) over its bytes per
+    block; a budget below one block is an error, not an empty pool."""
+    cfg = worker.config
+    if cfg.num_gpu_blocks is not None:
+        return cfg.num_gpu_blocks
+    per_block = worker.block_bytes()
+    if cfg.kv_cache_memory_bytes is not None:
+        budget = cfg.kv_cache_memory_bytes
+    elif worker.device.type == "cuda":
+        budget = cuda_kv_budget(worker)
+    else:
+        budget = CPU_DEFAULT_KV_BYTES
+    if budget < per_block:
+        raise RuntimeError(f"KV budget of {budget} bytes is below one block "
+                           f"({per_block} bytes)")
+    return int(budget // per_block)
+
+
 def cuda_kv_budget(worker: Worker) -> int:  # pragma: no cover - CUDA only
     """``total * gpu_memory_utilization`` minus what a max-size forward peaks at (the
     worker's ``profile_forward``, its draft model's forwards included), what is not

@@ -25,10 +25,10 @@ import ray
 
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.scheduler.plan_wire import EncodedPlan, PlanDecoder
-from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.parallel import get_node_ip_and_free_port
 from pagedserve.worker.pipeline import IntermediateTensors
 from pagedserve.worker.worker import Worker
+from pagedserve.worker.worker_config import WorkerConfig
 
 T = TypeVar("T")
 

@@ -23,10 +23,10 @@ from pagedserve.scheduler.kv_groups import KVGroupLayout, plan_kv_groups
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import batch_invariant
 from pagedserve.worker import sleep as sleep_mode
-from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.draft_model import DraftModel, draft_block_bytes
 from pagedserve.worker.drafting import HEAD_TYPES, drafter_runner, load_drafter
-from pagedserve.worker.kv_budget import CPU_DEFAULT_KV_BYTES, cuda_kv_budget, profile_plan
+from pagedserve.worker.kv_budget import num_device_blocks, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.packed import can_pack, pack_model, slow_half_precision
@@ -42,6 +42,7 @@ from pagedserve.worker.parallel import ParallelContext, destroy_parallel, init_p
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sleep import SleepState
+from pagedserve.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -217,26 +218,9 @@ class Worker:
                                        shared_kv=self.model_config.mla is not None)
 
     def determine_num_blocks(self) -> int:
-        """Device KV blocks this rank can hold: explicit count, byte budget, or CUDA profiling.
-
-        The engine takes the minimum over ranks so every rank has the same pool.
-        """
-        cfg = self.config
-        if cfg.num_gpu_blocks is not None:
-            return cfg.num_gpu_blocks
-        per_block = self.block_bytes()
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = cuda_kv_budget(self)
-        else:
-            budget = CPU_DEFAULT_KV_BYTES
-        num = budget // per_block
-        if num < 1:
-            raise RuntimeError(
-                f"KV budget of {budget} bytes is below one block ({per_block} bytes)"
-            )
-        return int(num)
+        """Device KV blocks this rank can hold (``kv_budget.num_device_blocks``); the
+        engine takes the minimum over ranks so every rank has the same pool."""
+        return num_device_blocks(self)
 
     def profile_forward(self) -> None:
         """Run the largest step the engine may plan, on a throwaway cache just big enough.

@@ -10,9 +10,9 @@ import torch
 
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.testing import MOE_DEFAULTS
 from pagedserve.worker.worker import Worker
+from pagedserve.worker.worker_config import WorkerConfig
 
 TINY: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -8,12 +8,13 @@ import os
 import pytest
 import torch
 
-from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.kv_budget import profile_plan
 from pagedserve.worker.layers.rotary import attention_factor, compute_inv_freq
 from pagedserve.worker.loaders import resolve_model
 from pagedserve.worker.loaders.gguf import reverse_permute
 from pagedserve.worker.parallel import ParallelContext, get_node_ip_and_free_port
+from pagedserve.worker.worker_config import WorkerConfig
 from tests.worker.helpers import TINY, make_worker, save_tiny_model
 
 BASE = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=96,
@@ -327,3 +328,42 @@ def test_failed_conversion_leaves_no_partial_cache(tmp_path, monkeypatch):
     leftovers = [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")]
     assert leftovers == []
 
+
+
+def test_a_plain_tokenizer_loads_without_auto_tokenizer_and_equals_its(tmp_path):
+    """A ``tokenizer_config.json`` naming the plain backend over a ``tokenizer.json`` is
+    loaded as that class directly (AutoTokenizer's import and lookup were ~4 s of a
+    replica's start): the same class, vocabulary, special tokens, ids and chat prompt as
+    AutoTokenizer's. Any other class, or no ``tokenizer.json``, still goes through it."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from pagedserve.worker import loaders
+
+    src = Path(resolve_model(None).path)
+    assert loaders._plain_tokenizer(src)
+    ours = loaders.load_tokenizer(resolve_model(None))
+    ref = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    assert type(ours) is type(ref) and ours.get_vocab() == ref.get_vocab()
+    assert ours.all_special_tokens == ref.all_special_tokens
+    for text in ("Hello world", " héllo wörld 😀\n\n  x", "<|im_start|>user\nhi<|im_end|>"):
+        assert ours(text).input_ids == ref(text).input_ids
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, other / f)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    assert not loaders._plain_tokenizer(other)
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert loaders._plain_tokenizer(other)
+    (other / "tokenizer.json").unlink()
+    assert not loaders._plain_tokenizer(other)
+    assert not loaders._plain_tokenizer(tmp_path / "missing")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_int8, cpu_native
-from pagedserve.worker.config import ModelConfig, WorkerConfig
+from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.expert_placement import (
     expert_map,
     expert_parallel_problem,
@@ -20,6 +20,7 @@ from pagedserve.worker.layers.expert_placement import (
 )
 from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.worker_config import WorkerConfig
 from tests.worker.test_moe_layer import HIDDEN, _checkpoint_tensors, _hf_block
 
 

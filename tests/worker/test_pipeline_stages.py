@@ -130,7 +130,7 @@ def test_a_later_stage_without_hidden_states_fails_clearly(tmp_path) -> None:
 
 
 def test_stage_settings_are_checked() -> None:
-    from pagedserve.worker.config import WorkerConfig
+    from pagedserve.worker.worker_config import WorkerConfig
 
     with pytest.raises(ValueError, match="pp_rank must be in"):
         WorkerConfig(pipeline_parallel_size=2, pp_rank=2)

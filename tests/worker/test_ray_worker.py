@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.worker_config import WorkerConfig
 from tests.worker.helpers import BlockAllocator, make_worker, plan, request, save_tiny_model
 
 pytestmark = pytest.mark.ray

@@ -8,6 +8,7 @@ tokenizer) then has a single code path. Nothing is ever downloaded.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,13 +106,34 @@ def _hub_cache_snapshot(model: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+# Tokenizer classes that are the plain ``tokenizers`` backend (transformers 5 names both
+# so). AutoTokenizer would load the same class, but importing it and looking the model
+# up cost ~4 s of each replica's start here (the ingress and every engine rank load one).
+PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
 def load_tokenizer(resolved: ResolvedModel | str) -> Any:
-    """The transformers tokenizer (with chat template) stored next to the weights."""
+    """The transformers tokenizer (with chat template) stored next to the weights: the
+    class its ``tokenizer_config.json`` names, directly where that is the plain backend
+    over a ``tokenizer.json``, else through ``AutoTokenizer``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolved.path if isinstance(resolved, ResolvedModel) else str(resolved)
+    if _plain_tokenizer(Path(path)):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
 
-    path = resolved.path if isinstance(resolved, ResolvedModel) else str(resolved)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _plain_tokenizer(path: Path) -> bool:
+    try:
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(cfg, dict) and cfg.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES
+            and (path / "tokenizer.json").is_file())
 
 
 __all__ = [
