@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 # A replica ends a subscription idle this long with nothing in flight. Serve counts a
 # subscription as an ongoing request, so a replica being stopped waits for it: short, so
-# that an idle replica stops at once; a request after a pause subscribes again (~1 ms).
+# that an idle replica stops at once; a request after a pause subscribes again.
 SUBSCRIPTION_IDLE_S = 0.25
 ORPHAN_S = 60.0  # chunks nobody subscribed to for this long are dropped (the ingress died)
 ABANDONED_S = 10.0  # a request whose chunks nobody has taken for this long is aborted

@@ -126,7 +126,7 @@ def at_baseline(s: dict[str, Any]) -> bool:
             and m["num_shared_blocks"] == 0 and s["server"]["in_flight"] == 0)
 
 
-# Replicas stop a tenth of a second after their last request, not Serve's 2 s: every
+# Replicas stop a fifth of a second after their last request, not Serve's 2 s: every
 # deletion, redeploy and scale-down in the tests pays that wait.
 QUICK_STOP: dict[str, Any] = {"graceful_shutdown_wait_loop_s": 0.2}
 

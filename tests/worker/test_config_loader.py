@@ -332,8 +332,8 @@ def test_failed_conversion_leaves_no_partial_cache(tmp_path, monkeypatch):
 
 def test_a_plain_tokenizer_loads_without_auto_tokenizer_and_equals_its(tmp_path):
     """A ``tokenizer_config.json`` naming the plain backend over a ``tokenizer.json`` is
-    loaded as that class directly (AutoTokenizer's import and lookup were ~4 s of a
-    replica's start): the same class, vocabulary, special tokens, ids and chat prompt as
+    loaded as that class directly (AutoTokenizer's import and lookup cost each replica
+    process ~1.4 s more, ``bench/cold_start.py``): the same class, vocabulary, special tokens, ids and chat prompt as
     AutoTokenizer's. Any other class, or no ``tokenizer.json``, still goes through it."""
     import shutil
     from pathlib import Path

@@ -108,7 +108,8 @@ def _hub_cache_snapshot(model: str) -> Path | None:
 
 # Tokenizer classes that are the plain ``tokenizers`` backend (transformers 5 names both
 # so). AutoTokenizer would load the same class, but importing it and looking the model
-# up cost ~4 s of each replica's start here (the ingress and every engine rank load one).
+# up cost each replica process (the ingress, every engine rank) ~1.4 s more here
+# (``bench/cold_start.py``).
 PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
