@@ -19,7 +19,9 @@ so each reads on its own:
 - under Qwen2-VL's multimodal RoPE (M-RoPE) an image of ``rows x cols`` tokens
   takes positions on a grid, ``max(rows, cols)`` of them along the sequence, so a
   request's later tokens turn by their index plus a delta (``rope_delta``), and a
-  chunk that computes image rows carries the grids before it (``mrope_grids``).
+  chunk that computes image rows carries the grids before it (``mrope_grids``). A
+  video is such a grid repeated once per temporal slice (``times``: each slice's
+  temporal position), its span ``len(times) * rows * cols`` tokens.
 
 The pixel data is opaque here (a tensor the worker reads): the scheduler imports no
 torch.
@@ -37,7 +39,9 @@ class ImageInput:
     """One image of a prompt: its placeholder tokens ``[start, end)``, its content
     hash (its identity in prefix-cache keys) and its preprocessed pixels; ``grid``:
     the ``(rows, cols)`` of its tokens under M-RoPE (None: positions run 1-D);
-    ``causal``: its tokens attend causally, so a prefill chunk may end inside it."""
+    ``causal``: its tokens attend causally, so a prefill chunk may end inside it;
+    ``times``: a video's temporal positions, one per slice of ``rows x cols`` tokens
+    (an image: ``(0,)``, one slice)."""
 
     start: int
     end: int
@@ -45,13 +49,27 @@ class ImageInput:
     pixels: Any
     grid: tuple[int, int] | None = None
     causal: bool = False
+    times: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
             raise ValueError(f"image span [{self.start}, {self.end}) is empty or negative")
-        if self.grid is not None and self.grid[0] * self.grid[1] != self.end - self.start:
-            raise ValueError(f"image grid {self.grid} does not hold the span "
-                             f"[{self.start}, {self.end})'s {self.end - self.start} tokens")
+        if not self.times or any(b < a for a, b in zip(self.times, self.times[1:])) \
+                or self.times[0] < 0:
+            raise ValueError(f"video times {self.times} are not non-decreasing from >= 0")
+        if self.grid is not None and \
+                len(self.times) * self.grid[0] * self.grid[1] != self.end - self.start:
+            raise ValueError(f"image grid {self.grid} x {len(self.times)} slices does not hold "
+                             f"the span [{self.start}, {self.end})'s {self.end - self.start} "
+                             "tokens")
+
+    @property
+    def positions(self) -> int:
+        """How far M-RoPE's positions advance over it: past its largest position on any
+        axis (an image: ``max(rows, cols)``; a video: its last slice's time too, as
+        Qwen2-VL's reference ``get_rope_index`` and vLLM count)."""
+        assert self.grid is not None
+        return max(self.times[-1], self.grid[0] - 1, self.grid[1] - 1) + 1
 
 
 @dataclass(frozen=True)
@@ -134,12 +152,16 @@ def block_image_keys(images: Sequence[ImageInput], block_size: int, block: int
 def rope_delta(images: Sequence[ImageInput]) -> int:
     """What M-RoPE adds to the index of a token after all of ``images``: each image of
     ``rows x cols`` tokens advances the positions by ``max(rows, cols)``, not by its
-    token count (Hugging Face's ``get_rope_index``); 0 without grids."""
-    return sum(max(img.grid) - (img.end - img.start) for img in images if img.grid)
+    token count (Hugging Face's ``get_rope_index``; a video by ``ImageInput.positions``);
+    0 without grids."""
+    return sum(img.positions - (img.end - img.start) for img in images if img.grid)
 
 
-def mrope_grids(images: Sequence[ImageInput], stop: int) -> tuple[tuple[int, int, int], ...]:
-    """``(start, rows, cols)`` of each gridded image that starts before token ``stop``:
-    what the worker needs to place tokens ``< stop`` under M-RoPE."""
-    return tuple((img.start, *img.grid) for img in images
+MRopeGrid = tuple[int, int, int, tuple[int, ...]]
+
+
+def mrope_grids(images: Sequence[ImageInput], stop: int) -> tuple[MRopeGrid, ...]:
+    """``(start, rows, cols, times)`` of each gridded image that starts before token
+    ``stop``: what the worker needs to place tokens ``< stop`` under M-RoPE."""
+    return tuple((img.start, *img.grid, img.times) for img in images
                  if img.grid is not None and img.start < stop)

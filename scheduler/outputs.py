@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.scheduler.multimodal import ImageChunk  # (a plan type: workers read it here)
+from pagedserve.scheduler.multimodal import (  # (plan types: workers read them here)
+    ImageChunk,
+    MRopeGrid,
+)
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,7 +55,7 @@ class ScheduledRequest:
     draft model writes its guesses' KV (``spec_decode``); 0: it proposes none.
     Under M-RoPE (Qwen2-VL) a row's tokens turn by their index plus ``rope_delta``
     once past its images; a chunk that starts before its last image ends carries
-    ``mrope_grids``, ``(start, rows, cols)`` of the images before its end, instead
+    ``mrope_grids``, ``(start, rows, cols, times)`` of the images before its end, instead
     (``multimodal.mrope_grids``).
     """
 
@@ -76,7 +79,7 @@ class ScheduledRequest:
     image_spans: list[tuple[int, int]] | None = None
     num_lookahead: int = 0
     rope_delta: int = 0
-    mrope_grids: tuple[tuple[int, int, int], ...] | None = None
+    mrope_grids: tuple[MRopeGrid, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

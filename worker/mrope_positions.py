@@ -8,7 +8,10 @@ row, column). Text tokens have the three equal and count on by one; an image of
 turns as plain RoPE at ``i + rope_delta``: decode steps and CUDA graphs keep 1-D
 positions. Only a chunk that computes tokens before its request's last image ends
 needs the grids (``ScheduledRequest.mrope_grids``); a step with such a chunk runs on
-``[3, T]`` positions, which ``RotaryEmbedding.cos_sin`` takes.
+``[3, T]`` positions, which ``RotaryEmbedding.cos_sin`` takes. A video is ``t`` such
+grids one after another, slice ``k``'s tokens at time ``p + times[k]`` (Qwen2-VL:
+``k``; Qwen2.5-VL: ``k`` seconds-per-slice in ``tokens_per_second`` units), and the
+text after it continues past its largest position on any axis.
 """
 
 from __future__ import annotations
@@ -17,27 +20,31 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedserve.scheduler.multimodal import MRopeGrid
 from pagedserve.scheduler.outputs import ScheduledRequest
 
 
-def grid_positions(start: int, count: int, grids: Sequence[tuple[int, int, int]]
-                   ) -> torch.Tensor:
+def grid_positions(start: int, count: int, grids: Sequence[MRopeGrid]) -> torch.Tensor:
     """``[3, count]`` positions of tokens ``start .. start + count - 1`` of a prompt
-    whose images before them are ``grids`` (``(first token, rows, cols)``, in order)."""
+    whose images before them are ``grids`` (``(first token, rows, cols, times)``, in
+    order; a video's slice ``k`` of ``rows x cols`` tokens sits at time ``times[k]``)."""
     index = torch.arange(start, start + count)
     out = index.expand(3, count).clone()
     delta = 0  # what the images so far add to a token's index
-    for first, rows, cols in grids:
-        end = first + rows * cols
+    for first, rows, cols, times in grids:
+        area = rows * cols
+        end = first + len(times) * area
         inside = (index >= first) & (index < end)
         if inside.any():
             j = index[inside] - first
             base = first + delta
-            out[0, inside] = base
-            out[1, inside] = base + torch.div(j, cols, rounding_mode="floor")
-            out[2, inside] = base + j % cols
-        delta += max(rows, cols) - rows * cols
-        out[:, index >= end] += max(rows, cols) - rows * cols
+            within = j % area
+            out[0, inside] = base + torch.tensor(times)[torch.div(j, area, rounding_mode="floor")]
+            out[1, inside] = base + torch.div(within, cols, rounding_mode="floor")
+            out[2, inside] = base + within % cols
+        advance = max(times[-1], rows - 1, cols - 1) + 1 - len(times) * area
+        delta += advance
+        out[:, index >= end] += advance
     return out
 
 

@@ -126,6 +126,44 @@ def test_fp32_encoder_matches_hf_visual(tiny: tuple[Any, Path, dict],
         torch.testing.assert_close(ours[0], expected, atol=1e-5, rtol=1e-4)
 
 
+def _video_patches(frames: torch.Tensor) -> torch.Tensor:
+    """HF's video processor's ``patchify`` of ``[T, C, H, W]`` frames (its own steps)."""
+    t, c, h, w = frames.shape
+    x = frames.reshape(1, t // TP, TP, c, h // P // M, M, P, w // P // M, M, P)
+    x = x.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    return x.reshape((t // TP) * (h // P) * (w // P), c * TP * P * P)
+
+
+@pytest.mark.parametrize("size", [(42, 84), (56, 28)], ids=["ragged-windows", "small"])
+def test_fp32_video_encoder_matches_hf_visual(tiny: tuple[Any, Path, dict],
+                                              size: tuple[int, int]) -> None:
+    """Six frames (three temporal slices) through ``encode_video`` = HF's ``visual`` on the
+    video processor's patches and ``video_grid_thw``: slices attend apart, frames in one
+    slice meet only in the Conv3d (so swapping two frames of a slice changes the output)."""
+    hf, path, config = tiny
+    enc = _encoder(config)
+    enc.load_weights(iter_safetensors(path))
+    frames = torch.randn(6, 3, *size, generator=torch.Generator().manual_seed(3))
+    grid = torch.tensor([[3, size[0] // P, size[1] // P]])
+    with torch.no_grad():
+        ref = hf.model.visual(_video_patches(frames), grid_thw=grid).pooler_output
+    with torch.inference_mode():
+        ours = enc.encode_video(frames)
+        swapped = enc.encode_video(frames[[1, 0, 2, 3, 4, 5]])
+    assert ours.shape == (3 * size[0] * size[1] // (P * M) ** 2, 48)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    n = ours.shape[0] // 3
+    assert not torch.allclose(swapped[:n], ours[:n])
+    torch.testing.assert_close(swapped[n:], ours[n:])
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 28, 28), (2, 3, 28, 30), (0, 3, 28, 28),
+                                   (2, 1, 28, 28), (3, 28, 28)])
+def test_bad_video_shape_raises(tiny: tuple[Any, Path, dict], shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"video frames shape \(" + ", ".join(map(str, shape))):
+        _encoder(tiny[2]).encode_video(torch.zeros(shape))
+
+
 @pytest.mark.parametrize("shape", [(1, 3, 28, 30), (1, 3, 21, 28), (2, 3, 28, 28),
                                    (1, 1, 28, 28), (3, 28, 28), (1, 3, 0, 28)])
 def test_bad_pixel_shape_raises(tiny: tuple[Any, Path, dict], shape: tuple[int, ...]) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedserve.worker.anyres import AnyresPixels
 from pagedserve.worker.layers.linear import LazyTensor
+from pagedserve.worker.video_pixels import VideoPixels
 
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
@@ -76,7 +77,12 @@ def build_encoder(family: str, hf_config: dict, dtype: torch.dtype,
 
 def encode_picture(vision: nn.Module, pixels: Any, device: torch.device) -> torch.Tensor:
     """One picture's embeddings ``[tokens, hidden]``: its pixel tensor through the
-    encoder, or an anyres picture's crops with its size (LLaVA-NeXT)."""
+    encoder, an anyres picture's crops with its size (LLaVA-NeXT), or a video's frames
+    (Qwen2-VL)."""
+    if isinstance(pixels, VideoPixels):
+        if not hasattr(vision, "encode_video"):
+            raise ValueError("this model takes no videos")
+        return vision.encode_video(torch.as_tensor(pixels.frames).to(device))
     if isinstance(pixels, AnyresPixels):
         return vision.encode_anyres(  # type: ignore[operator]
             torch.as_tensor(pixels.crops).to(device), pixels.height, pixels.width,

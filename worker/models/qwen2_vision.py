@@ -33,6 +33,7 @@ from pagedserve.worker.models.qwen2_vision_config import (
     image_grid,
     patches_to_images,
     patchify,
+    patchify_frames,
 )
 from pagedserve.worker.models.vit import load_targets, param
 
@@ -137,7 +138,8 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 
 
 class Qwen2VisionEncoder(nn.Module):
-    """One image ``[1, C, H, W]`` -> its LLM tokens ``[1, H/P/m * W/P/m, text_hidden]``."""
+    """One image ``[1, C, H, W]`` -> its LLM tokens ``[1, H/P/m * W/P/m, text_hidden]``;
+    a video's frames through ``encode_video``."""
 
     def __init__(self, cfg: Qwen2VisionConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -172,10 +174,37 @@ class Qwen2VisionEncoder(nn.Module):
             raise ValueError(f"pixel_values shape {shape} is not [1, {cfg.num_channels}, H, W] "
                              f"with H and W positive multiples of {unit} (patch_size "
                              f"{cfg.patch_size} * spatial_merge_size {m})")
-        rows, cols = shape[2] // cfg.patch_size, shape[3] // cfg.patch_size
         x = patchify(pixel_values[0].to(device=w.device, dtype=w.dtype), cfg.patch_size,
-                      cfg.temporal_patch_size, m)
-        x = F.linear(x, w.view(w.shape[0], -1))
+                     cfg.temporal_patch_size, m)
+        return self._encode(x, shape[2] // cfg.patch_size, shape[3] // cfg.patch_size)[None]
+
+    def encode_video(self, frames: torch.Tensor) -> torch.Tensor:
+        """``[T, C, H, W]`` frames (resized and normalised; ``T`` a multiple of
+        ``temporal_patch_size``) -> ``[T / tp * (H/P/m) * (W/P/m), out_hidden]``: HF's
+        ``visual(pixel_values_videos, video_grid_thw)``. Each temporal slice (``tp``
+        consecutive frames, one Conv3d patch deep) is its own sequence in every block, as
+        HF's per-frame ``cu_seqlens`` and window index make it, so slices are encoded one
+        after another and their tokens concatenated. ValueError on a bad shape."""
+        cfg, w = self.cfg, self.patch_weight
+        tp, unit = cfg.temporal_patch_size, cfg.patch_size * cfg.merge_size
+        shape = tuple(frames.shape)
+        if (len(shape) != 4 or shape[1] != cfg.num_channels or not shape[0] or shape[0] % tp
+                or min(shape[2:]) <= 0 or shape[2] % unit or shape[3] % unit):
+            raise ValueError(f"video frames shape {shape} is not [T, {cfg.num_channels}, H, W] "
+                             f"with T a positive multiple of temporal_patch_size {tp} and H, W "
+                             f"positive multiples of {unit}")
+        rows, cols = shape[2] // cfg.patch_size, shape[3] // cfg.patch_size
+        frames = frames.to(device=w.device, dtype=w.dtype)
+        return torch.cat([self._encode(patchify_frames(frames[k:k + tp], cfg.patch_size,
+                                                       cfg.merge_size), rows, cols)
+                          for k in range(0, shape[0], tp)])
+
+    def _encode(self, patches: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """One temporal slice's flattened patches ``[rows * cols, C*tp*P*P]`` (merge-block
+        order) -> its LLM tokens ``[rows/m * cols/m, out_hidden]``."""
+        cfg, w = self.cfg, self.patch_weight
+        m = cfg.merge_size
+        x = F.linear(patches, w.view(w.shape[0], -1))
         pos = self._positions(rows, cols, w.device)
         order = windows = None
         if cfg.windowed:
@@ -191,7 +220,7 @@ class Qwen2VisionEncoder(nn.Module):
                      self.mlp2_bias)
         if order is not None:
             x = x[torch.argsort(order)]
-        return x[None]
+        return x
 
     def _positions(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
         """Each patch's (row, col) ``[rows * cols, 2]``, in the merge-block order."""

@@ -159,6 +159,16 @@ def patchify(image: torch.Tensor, patch_size: int, temporal_patch_size: int,
     return x.reshape((h // p) * (w // p), c * temporal_patch_size * p * p)
 
 
+def patchify_frames(frames: torch.Tensor, patch_size: int, merge_size: int) -> torch.Tensor:
+    """One temporal slice of a video, ``[tp, C, H, W]`` consecutive frames -> the video
+    processor's ``flatten_patches`` rows for it ``[H/P * W/P, C*tp*P*P]`` (a still image
+    is ``patchify``'s: its one frame repeated ``tp`` times)."""
+    tp, c, h, w = frames.shape
+    p, m = patch_size, merge_size
+    x = frames.reshape(tp, c, h // p // m, m, p, w // p // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
+    return x.reshape((h // p) * (w // p), c * tp * p * p)
+
+
 def patches_to_images(pixel_values: torch.Tensor, grid_thw: torch.Tensor, patch_size: int,
                       temporal_patch_size: int, merge_size: int) -> list[torch.Tensor]:
     """Invert the HF processor's flattening: per image a ``[C, H, W]`` tensor (temporal
