@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from images import ours_warmed, report  # sibling scripts
 
-from pagedserve.worker.testing import random_picture, write_random_qwen2_vl
+from pagedserve.worker.testing import random_picture
+from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
 
 
 def prompt(i: int, vocab: int, tokens_per_image: int, text: int) -> list[int]:

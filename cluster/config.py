@@ -13,6 +13,7 @@ EXECUTORS = ("auto", "local", "ray")
 FLASH_BLOCK_SIZE = 256
 ENGINE_CPU_KV_BYTES = 512 << 20  # the KV pool on CPU when no budget is given
 DEFAULT_IMAGE_LIMIT = 16  # images one prompt may carry unless limit_mm_per_prompt says
+DEFAULT_VIDEO_LIMIT = 4  # videos likewise (a video is many pictures' tokens)
 
 
 @dataclass(frozen=True)
@@ -131,11 +132,11 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_dict(self.speculative_config))
         limit = self.limit_mm_per_prompt
-        if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image"} or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                for v in limit.values())):
-            raise ValueError("limit_mm_per_prompt must map 'image' to an integer >= 0, got "
-                             f"{limit!r}")
+        if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image", "video"}
+                                  or not all(isinstance(v, int) and not isinstance(v, bool)
+                                             and v >= 0 for v in limit.values())):
+            raise ValueError("limit_mm_per_prompt must map 'image' and / or 'video' to an "
+                             f"integer >= 0, got {limit!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
         n = self.max_loaded_loras
@@ -326,6 +327,12 @@ class EngineConfig:
         """The most images one prompt may carry (``limit_mm_per_prompt``)."""
         return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGE_LIMIT)
 
+    @property
+    def video_limit(self) -> int:
+        """The most videos one prompt may carry (``limit_mm_per_prompt``; a model
+        without videos takes none whatever this says)."""
+        return (self.limit_mm_per_prompt or {}).get("video", DEFAULT_VIDEO_LIMIT)
+
     def worker_config(self, model_path: str, device: str) -> WorkerConfig:
         """What every rank of this engine loads and sizes (``model_path``: the resolved
         local checkpoint). The largest step the scheduler may plan sizes the CUDA
@@ -369,6 +376,6 @@ class EngineConfig:
             enable_expert_parallel=self.enable_expert_parallel,
             expert_placement_strategy=self.expert_placement_strategy,
             hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
-            enable_images=self.image_limit > 0,
+            enable_images=self.image_limit > 0 or self.video_limit > 0,
             extra=dict(self.worker_extra),
         )

@@ -139,6 +139,11 @@ class ImageProcessor:
                                              crop_size={"height": size, "width": size}))
         return cls(Gemma3ImageProcessorPil(size={"height": size, "width": size}))
 
+    @property
+    def hf(self) -> Any:
+        """The Hugging Face processor (Qwen2-VL's resizes video frames too)."""
+        return self._hf
+
     def resize_facts(self) -> dict[str, int] | None:
         """Qwen2-VL's resize rule (``factor``: patch x merge, the pixel bounds), for a
         front end to count an image's tokens from its size (``image_prompts

@@ -26,7 +26,10 @@ from pagedserve.cluster.multimodal import (
     image_spans,
     load_image,
 )
+from pagedserve.cluster.video import VideoSource, is_video, load_video
+from pagedserve.cluster.video_processor import VideoProcessor
 from pagedserve.scheduler.multimodal import ImageInput
+from pagedserve.worker.video_pixels import VideoPixels
 
 
 @dataclass(frozen=True)
@@ -90,22 +93,53 @@ def chat_ids(tokenizer: Any, info: dict[str, Any], messages: list[dict[str, Any]
 
 
 def write_out_runs(ids: list[int], spans: list[tuple[int, int]], counts: list[int],
-                   image_token_id: int) -> tuple[list[int], list[tuple[int, int]]]:
+                   image_token_id: int | Sequence[int], kinds: Sequence[str] | None = None
+                   ) -> tuple[list[int], list[tuple[int, int]]]:
     """``ids`` with each image's run ``[a, b)`` made ``counts[i]`` tokens long: a lone
     marker is written out, a run already that long is kept, any other length is a
-    ``ValueError`` (the prompt's run does not fit its picture)."""
+    ``ValueError`` (the prompt's run does not fit its picture). ``image_token_id``: the
+    placeholder, or each run's (images and videos side by side, ``kinds`` naming each)."""
+    tokens = [image_token_id] * len(spans) if isinstance(image_token_id, int) \
+        else list(image_token_id)
     out: list[int] = []
     new_spans: list[tuple[int, int]] = []
     last = 0
-    for (a, b), n in zip(spans, counts, strict=True):
+    for i, ((a, b), n, token) in enumerate(zip(spans, counts, tokens, strict=True)):
         if b - a not in (1, n):
-            raise ValueError(f"prompt: the image at {a} takes {n} placeholder tokens (or one "
+            what = kinds[i] if kinds else "image"
+            raise ValueError(f"prompt: the {what} at {a} takes {n} placeholder tokens (or one "
                              f"to write out), the run there has {b - a}")
         out += ids[last:a]
         new_spans.append((len(out), len(out) + n))
-        out += [image_token_id] * n
+        out += [token] * n
         last = b
     return out + ids[last:], new_spans
+
+
+def place_media(ids: list[int], kinds: Sequence[str], counts: Sequence[int],
+                tokens: dict[str, int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """A prompt's images and videos side by side (``kinds``: each item's, in the order
+    given; ``tokens``: each kind's placeholder id): the items of one kind fill that
+    kind's runs in order, each run written out to its item's ``counts``; returns the ids
+    and each item's span, in the order given. ``ValueError`` names the kind whose runs
+    do not match its items."""
+    placed: list[tuple[int, int, int]] = []
+    for kind, token in tokens.items():
+        items = [i for i, k in enumerate(kinds) if k == kind]
+        spans = split_runs(image_spans(ids, token), [counts[i] for i in items])
+        if len(spans) != len(items):
+            raise ValueError(f"{kind}s: the prompt marks {len(spans)} {kind}s (runs of "
+                             f"{kind} token {token}) but {len(items)} were given")
+        placed += [(a, b, i) for (a, b), i in zip(spans, items, strict=True)]
+    placed.sort()
+    ids, spans = write_out_runs(ids, [(a, b) for a, b, _ in placed],
+                                [counts[i] for *_, i in placed],
+                                [tokens[kinds[i]] for *_, i in placed],
+                                [kinds[i] for *_, i in placed])
+    out = [(0, 0)] * len(kinds)
+    for span, (*_, i) in zip(spans, placed, strict=True):
+        out[i] = span
+    return ids, out
 
 
 def split_runs(spans: list[tuple[int, int]], counts: list[int]) -> list[tuple[int, int]]:
@@ -153,12 +187,14 @@ def qwen_token_counts(images: Sequence[Any], resize: dict[str, int]) -> list[int
 
 class ImagePrompts:
     """Builds image prompts for one multimodal model (``info``: the worker's
-    ``model_info()["image"]``) with its tokenizer, at most ``limit`` images a prompt,
-    pixels in the model's ``dtype``."""
+    ``model_info()["image"]``) with its tokenizer, at most ``limit`` images (and
+    ``video_limit`` videos, where the model takes them: Qwen2-VL) a prompt, pixels in the
+    model's ``dtype``."""
 
     def __init__(self, model_dir: str, info: dict[str, Any], tokenizer: Any, limit: int,
-                 allowed_local_media_path: str | None = None, dtype: str = "float32") -> None:
-        self.tokenizer, self.limit = tokenizer, limit
+                 allowed_local_media_path: str | None = None, dtype: str = "float32",
+                 video_limit: int = 0) -> None:
+        self.tokenizer, self.limit, self.video_limit = tokenizer, limit, video_limit
         self.allowed_local_media_path = allowed_local_media_path
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.processor = ImageProcessor.from_model_dir(model_dir, hf_config)
@@ -168,6 +204,12 @@ class ImagePrompts:
         # picture's run where it varies (Qwen2-VL's resize, LLaVA-NeXT's canvases).
         self.info = {**info, **({"resize": resize} if resize else {}),
                      **({"anyres": anyres} if anyres else {})}
+        self.video: VideoProcessor | None = None
+        self.video_token_id = info.get("video_token_id")
+        if self.video_token_id is not None and video_limit:
+            self.video = VideoProcessor.from_model_dir(model_dir, self.processor.hf,
+                                                       info.get("tokens_per_second"))
+            self.info["video"] = {**self.video.facts(), "limit": video_limit}
         self.dtype = getattr(torch, dtype)
         self.image_token_id = int(info["image_token_id"])
         self.tokens_per_image = int(info["tokens_per_image"])
@@ -178,12 +220,23 @@ class ImagePrompts:
         ``multimodal.load_image`` takes). A text prompt marks each image with its marker
         (Gemma 3's begin-of-image token, LLaVA's ``<image>``; ``encode`` tokenises it after
         expansion); token ids hold every image's placeholder run (LLaVA's may hold a lone
-        image token). ``ValueError`` names the field."""
-        if len(images) > self.limit:
+        image token). Videos (``is_video``) fill the video placeholder's runs the same
+        way. ``ValueError`` names the field."""
+        videos = sum(1 for x in images if is_video(x))
+        if len(images) - videos > self.limit:
             raise ValueError(f"images: at most {self.limit} images a prompt "
-                             f"(limit_mm_per_prompt), got {len(images)}")
+                             f"(limit_mm_per_prompt), got {len(images) - videos}")
+        if videos and self.video is None:
+            why = " (limit_mm_per_prompt has video: 0)" \
+                if self.video_token_id is not None else ""
+            raise ValueError(f"videos: this model takes no videos{why}")
+        if videos > self.video_limit:
+            raise ValueError(f"videos: at most {self.video_limit} videos a prompt "
+                             f"(limit_mm_per_prompt), got {videos}")
         ids = encode(expand_text(self.tokenizer, self.info, prompt)) \
             if isinstance(prompt, str) else expand_single_markers(list(prompt), self.info)
+        if videos:
+            return self._build_media(ids, images)
         spans = image_spans(ids, self.image_token_id)
         prepared = None
         if images and not self.tokens_per_image:  # runs by picture: split them by the counts
@@ -211,19 +264,52 @@ class ImagePrompts:
         return ids, tuple(ImageInput(a, b, key, p, grid, causal) for (a, b), p, key, grid
                           in zip(spans, prepared.pixels, prepared.keys, grids, strict=True))
 
+    def _build_media(self, ids: list[int], items: Sequence[Any]
+                     ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """A Qwen2-VL prompt with videos (and perhaps images): each kind's runs written
+        out to its items' token counts; the inputs in prompt order."""
+        prepared = items if isinstance(items, PreparedImages) else self.prepare(items)
+        kinds = ["video" if isinstance(p, VideoPixels) else "image" for p in prepared.pixels]
+        grids = [self.processor.grid(p.frames if isinstance(p, VideoPixels) else p)
+                 for p in prepared.pixels]
+        times = [p.times if isinstance(p, VideoPixels) else (0,) for p in prepared.pixels]
+        counts = [len(t) * g[0] * g[1] for t, g in zip(times, grids, strict=True)]
+        ids, spans = place_media(ids, kinds, counts, {"image": self.image_token_id,
+                                                      "video": int(self.video_token_id)})
+        inputs = [ImageInput(a, b, key, p, grid, True, t) for (a, b), p, key, grid, t
+                  in zip(spans, prepared.pixels, prepared.keys, grids, times, strict=True)]
+        return ids, tuple(sorted(inputs, key=lambda i: i.start))
+
     def prepare(self, images: Sequence[Any]) -> PreparedImages:
-        """Load and preprocess ``images`` (the slow part, seconds for a URL: the async
-        engine runs it off its event loop and hands ``build`` the result)."""
-        pictures = [load_image(img, allowed_local_media_path=self.allowed_local_media_path)
-                    for img in images]
+        """Load and preprocess ``images`` and videos (the slow part, seconds for a URL:
+        the async engine runs it off its event loop and hands ``build`` the result)."""
+        at = self.allowed_local_media_path
+        videos = {i: self._video_pixels(x) for i, x in enumerate(images) if is_video(x)}
+        pictures = [load_image(img, allowed_local_media_path=at)
+                    for i, img in enumerate(images) if i not in videos]
         # In the encoder's dtype already (its first step casts them): a bf16 model's
         # pixels take half the bytes in the request and in every rank's plan.
-        pixels = [p.to(self.dtype) for p in self.processor(pictures)]
+        processed = iter(p.to(self.dtype) for p in self.processor(pictures)) \
+            if pictures else iter(())
+        pixels = [videos[i].to(self.dtype) if i in videos else next(processed)
+                  for i in range(len(images))]
         return PreparedImages(pixels, [image_hash(p) for p in pixels])
 
+    def _video_pixels(self, video: Any) -> VideoPixels:
+        if isinstance(video, VideoPixels):
+            return video
+        assert self.video is not None  # ``build`` refused videos for a model without
+        source = video.source if isinstance(video, VideoSource) else video
+        clip = load_video(source, self.video.sampling,
+                          allowed_local_media_path=self.allowed_local_media_path)
+        return self.video(clip)
+
     def check_text_only(self, ids: Sequence[int]) -> None:
-        """A prompt without images may not hold image placeholders: nothing would
-        fill them (Hugging Face refuses the mismatch too)."""
+        """A prompt without images may not hold image (or video) placeholders: nothing
+        would fill them (Hugging Face refuses the mismatch too)."""
         if self.image_token_id in ids:
             raise ValueError(f"prompt: image placeholder token {self.image_token_id} "
                              "without an image")
+        if self.video_token_id is not None and self.video_token_id in ids:
+            raise ValueError(f"prompt: video placeholder token {self.video_token_id} "
+                             "without a video")

@@ -18,6 +18,7 @@ from pagedserve.cluster.outputs import (
     ScoringRequestOutput,
 )
 from pagedserve.cluster.text_pairs import pair_texts
+from pagedserve.cluster.video import VideoSource
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -45,15 +46,27 @@ def _unwrap(prompt: PromptType) -> Prompt:
 
 
 def _images(data: Any) -> list[Any] | None:
+    """A prompt's ``multi_modal_data`` as one media list: its images, then its videos
+    (each kind fills its own placeholders in order). A video is a URL, bytes, a
+    ``VideoClip``, PIL frames or a uint8 ``[T, H, W, 3]`` array; a list of such is
+    several, except a list of PIL images, which is one video's frames."""
     if data is None:
         return None
-    if not isinstance(data, Mapping) or set(data) - {"image"}:
-        raise ValueError("multi_modal_data: only {'image': an image or a list} is taken, "
-                         f"got {data if not isinstance(data, Mapping) else sorted(data)!r}")
+    if not isinstance(data, Mapping) or set(data) - {"image", "video"}:
+        raise ValueError("multi_modal_data: only {'image': an image or a list, 'video': a "
+                         "video or a list} is taken, got "
+                         f"{data if not isinstance(data, Mapping) else sorted(data)!r}")
     images = data.get("image")
-    if images is None:
-        return None
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+    images = [] if images is None else \
+        list(images) if isinstance(images, (list, tuple)) else [images]
+    videos = data.get("video")
+    if videos is not None:
+        from PIL import Image
+
+        one = not isinstance(videos, (list, tuple)) or \
+            (bool(videos) and all(isinstance(v, Image.Image) for v in videos))
+        images += [VideoSource(v) for v in ([videos] if one else videos)]
+    return images or None
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[Prompt]:

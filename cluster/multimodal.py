@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.worker.anyres import AnyresPixels
+from pagedserve.worker.video_pixels import VideoPixels
 
 if TYPE_CHECKING:  # PIL is imported where an image is read: text-only serving needs none
     from PIL import Image
@@ -34,12 +35,13 @@ if TYPE_CHECKING:  # PIL is imported where an image is read: text-only serving n
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
 
-def _error(what: str) -> ValueError:
-    return ValueError(f"image_url: {what}")
+def _error(what: str, field: str = "image_url") -> ValueError:
+    return ValueError(f"{field}: {what}")
 
 
-def _too_large(size: int, max_bytes: int) -> ValueError:
-    return _error(f"image is {size} bytes, over the {max_bytes}-byte limit")
+def _too_large(size: int, max_bytes: int, field: str = "image_url") -> ValueError:
+    return _error(f"{field.split('_')[0]} is {size} bytes, over the {max_bytes}-byte limit",
+                  field)
 
 
 def load_image(source: str | bytes | Image.Image, *, allowed_local_media_path: str | None = None,
@@ -59,34 +61,43 @@ def load_image(source: str | bytes | Image.Image, *, allowed_local_media_path: s
         data = bytes(source)
     elif not isinstance(source, str):
         raise _error(f"expected a URL, bytes or an image, got {type(source).__name__}")
-    elif source[:5].lower() == "data:":
-        data = _read_data_url(source, max_bytes)
     else:
-        scheme = urllib.parse.urlsplit(source).scheme.lower()
-        if scheme in ("http", "https"):
-            data = _fetch(source, fetch_timeout_s, max_bytes)
-        elif scheme in ("file", ""):
-            data = _read_local(source, scheme, allowed_local_media_path, max_bytes)
-        else:
-            raise _error(f"unsupported URL scheme {scheme!r}: use http(s), data or file")
+        data = read_media(source, "image_url", allowed_local_media_path=allowed_local_media_path,
+                          fetch_timeout_s=fetch_timeout_s, max_bytes=max_bytes)
     if len(data) > max_bytes:
         raise _too_large(len(data), max_bytes)
     return _decode(data)
 
 
-def _read_data_url(url: str, max_bytes: int) -> bytes:
+def read_media(source: str, field: str, *, allowed_local_media_path: str | None = None,
+               fetch_timeout_s: float = 10.0, max_bytes: int = 32 * 2**20) -> bytes:
+    """The bytes a media URL names: a base64 ``data:`` URL, an ``http(s)://`` URL, or a
+    ``file://`` URL or path under ``allowed_local_media_path``; every failure is a
+    ``ValueError`` naming ``field`` (``image_url``, ``video_url``)."""
+    if source[:5].lower() == "data:":
+        return _read_data_url(source, max_bytes, field)
+    scheme = urllib.parse.urlsplit(source).scheme.lower()
+    if scheme in ("http", "https"):
+        return _fetch(source, fetch_timeout_s, max_bytes, field)
+    if scheme in ("file", ""):
+        return _read_local(source, scheme, allowed_local_media_path, max_bytes, field)
+    raise _error(f"unsupported URL scheme {scheme!r}: use http(s), data or file", field)
+
+
+def _read_data_url(url: str, max_bytes: int, field: str) -> bytes:
     header, comma, payload = url[5:].partition(",")
     if not comma:
-        raise _error("data URL has no ',' before its payload")
+        raise _error("data URL has no ',' before its payload", field)
     if not header.lower().endswith(";base64"):
-        raise _error("data URL must be base64-encoded (data:image/png;base64,...)")
+        example = "video/mp4" if field == "video_url" else "image/png"
+        raise _error(f"data URL must be base64-encoded (data:{example};base64,...)", field)
     payload = payload.strip()
     if len(payload) > 4 * -(-max_bytes // 3):  # longer than max_bytes could ever encode to
-        raise _error(f"data URL decodes to over the {max_bytes}-byte limit")
+        raise _error(f"data URL decodes to over the {max_bytes}-byte limit", field)
     try:
         return base64.b64decode(payload, validate=True)
     except ValueError:  # binascii.Error, or non-ASCII characters
-        raise _error("data URL payload is not valid base64") from None
+        raise _error("data URL payload is not valid base64", field) from None
 
 
 class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
@@ -99,7 +110,7 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def _fetch(url: str, timeout_s: float, max_bytes: int) -> bytes:
+def _fetch(url: str, timeout_s: float, max_bytes: int, field: str) -> bytes:
     opener = urllib.request.build_opener(_HttpOnlyRedirects)
     request = urllib.request.Request(url, headers={"User-Agent": "pagedserve"})
     try:
@@ -109,25 +120,28 @@ def _fetch(url: str, timeout_s: float, max_bytes: int) -> bytes:
             too_long = length.isdigit() and int(length) > max_bytes
             data = response.read(max_bytes + 1) if status == 200 and not too_long else b""
     except urllib.error.HTTPError as exc:
-        raise _error(f"fetching the URL failed: HTTP {exc.code} {exc.reason}") from None
+        raise _error(f"fetching the URL failed: HTTP {exc.code} {exc.reason}", field) from None
     except (OSError, http.client.HTTPException) as exc:  # URLError, timeouts, resets
         reason = getattr(exc, "reason", None) or exc
-        raise _error(f"fetching the URL failed: {reason}") from None
+        raise _error(f"fetching the URL failed: {reason}", field) from None
     if status != 200:
-        raise _error(f"fetching the URL answered HTTP {status}, expected 200")
+        raise _error(f"fetching the URL answered HTTP {status}, expected 200", field)
     if too_long:
-        raise _too_large(int(length), max_bytes)
+        raise _too_large(int(length), max_bytes, field)
+    if len(data) > max_bytes:
+        raise _too_large(len(data), max_bytes, field)
     return data
 
 
 def _read_local(source: str, scheme: str, allowed_local_media_path: str | None,
-                max_bytes: int) -> bytes:
+                max_bytes: int, field: str) -> bytes:
     if allowed_local_media_path is None:
-        raise _error("local files are refused: the server has no --allowed-local-media-path")
+        raise _error("local files are refused: the server has no --allowed-local-media-path",
+                     field)
     if scheme == "file":
         parts = urllib.parse.urlsplit(source)
         if parts.netloc not in ("", "localhost"):
-            raise _error("a file URL must name a local path (file:///...)")
+            raise _error("a file URL must name a local path (file:///...)", field)
         path = Path(urllib.request.url2pathname(parts.path))
     else:
         path = Path(source)
@@ -135,16 +149,16 @@ def _read_local(source: str, scheme: str, allowed_local_media_path: str | None,
         root = Path(allowed_local_media_path).resolve()
         resolved = (root / path).resolve()  # symlinks resolved before the check, not after
     except (OSError, ValueError) as exc:  # a NUL byte, a symlink loop
-        raise _error(f"bad local path: {exc}") from None
+        raise _error(f"bad local path: {exc}", field) from None
     if not resolved.is_relative_to(root):
-        raise _error("path is outside the allowed local media path")
+        raise _error("path is outside the allowed local media path", field)
     try:
         size = resolved.stat().st_size
         if size <= max_bytes:
             return resolved.read_bytes()
     except OSError as exc:
-        raise _error(f"cannot read the local file: {exc.strerror or exc}") from None
-    raise _too_large(size, max_bytes)
+        raise _error(f"cannot read the local file: {exc.strerror or exc}", field) from None
+    raise _too_large(size, max_bytes, field)
 
 
 def _decode(data: bytes) -> Image.Image:
@@ -176,11 +190,14 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         raise _error(f"not a decodable image ({type(exc).__name__}: {exc})") from None
 
 
-def image_hash(pixel_values: torch.Tensor | AnyresPixels) -> str:
+def image_hash(pixel_values: torch.Tensor | AnyresPixels | VideoPixels) -> str:
     """One image's identity in the prefix-cache keys: blake2b-128 of dtype, shape and bytes
     (and an anyres picture's size, which decides its unpadding), so two images share
     cached KV exactly when the model would see the same pixels."""
     size = ""
+    if isinstance(pixel_values, VideoPixels):  # the same frames at other times differ
+        size = f"video{pixel_values.times}|"
+        pixel_values = pixel_values.frames
     if isinstance(pixel_values, AnyresPixels):
         size = f"{pixel_values.height}x{pixel_values.width}|"
         pixel_values = pixel_values.crops
@@ -230,7 +247,11 @@ def image_spans(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int
 def split_chat_images(messages: list[dict]) -> tuple[list[dict], list[object]]:
     """Take the images out of OpenAI chat messages, leaving ``{"type": "image"}`` where each
     was (what HF chat templates render as the begin-of-image token); the sources come back
-    in order of appearance, for ``load_image``. The inputs are not mutated."""
+    in order of appearance, for ``load_image``. Video parts (``video_url``) leave
+    ``{"type": "video"}``, their sources wrapped as ``video.VideoSource``. The inputs are
+    not mutated."""
+    from pagedserve.cluster.video import VIDEO_PART_TYPES, VideoSource
+
     converted: list[dict] = []
     sources: list[object] = []
     for i, message in enumerate(messages):
@@ -248,10 +269,25 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list[object]]:
             if part.get("type") in IMAGE_PART_TYPES:
                 sources.append(_image_source(part, where))
                 parts.append({"type": "image"})
+            elif part.get("type") in VIDEO_PART_TYPES:
+                sources.append(VideoSource(_video_source(part, where)))
+                parts.append({"type": "video"})
             else:
                 parts.append(dict(part))
         converted.append({**message, "content": parts})
     return converted, sources
+
+
+def _video_source(part: dict, where: str) -> object:
+    kind = part["type"]
+    value = part.get("video") if kind == "video" else part.get("video_url")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if value is None or (isinstance(value, str | bytes) and not value):
+        key = "video" if kind == "video" else "video_url"
+        raise ValueError(f"{where}: a {kind} part needs '{key}': a URL string or "
+                         "{'url': <URL string>}")
+    return value
 
 
 def _image_source(part: dict, where: str) -> object:

@@ -33,7 +33,9 @@ class ImageConfig:
     marks an image with; ``eoi_token_id`` (Gemma 3) closes an image's run;
     ``bidirectional``: an image's tokens see each other both ways. ``hf_config`` is
     the whole ``config.json`` as JSON text (the encoder builds from it; text keeps the
-    dataclass hashable)."""
+    dataclass hashable). ``video_token_id``: the placeholder a video's run repeats
+    (Qwen2-VL; None: no videos); ``tokens_per_second``: Qwen2.5-VL's temporal
+    position scale (None: a slice's index is its time)."""
 
     family: str
     image_token_id: int
@@ -43,6 +45,8 @@ class ImageConfig:
     image_size: int
     bidirectional: bool
     hf_config: str
+    video_token_id: int | None = None
+    tokens_per_second: float | None = None
 
     def hf_dict(self) -> dict[str, Any]:
         return json.loads(self.hf_config)
@@ -52,7 +56,8 @@ class ImageConfig:
         return {"family": self.family, "image_token_id": self.image_token_id,
                 "marker_token_id": self.marker_token_id, "eoi_token_id": self.eoi_token_id,
                 "tokens_per_image": self.tokens_per_image, "image_size": self.image_size,
-                "bidirectional": self.bidirectional}
+                "bidirectional": self.bidirectional, "video_token_id": self.video_token_id,
+                "tokens_per_second": self.tokens_per_second}
 
 
 def image_config_from_hf(cfg: dict[str, Any]) -> ImageConfig | None:

@@ -26,6 +26,7 @@ QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # transformers' Qwen2VLTextConfig / Qwen2_5_VLTextConfig default (rotary embedding's).
 _DEFAULT_MROPE_SECTION = (16, 24, 24)
 _DEFAULT_IMAGE_TOKEN_ID = 151_655  # <|image_pad|>
+_DEFAULT_VIDEO_TOKEN_ID = 151_656  # <|video_pad|>
 
 
 def qwen_vl_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
@@ -51,19 +52,35 @@ def qwen_vl_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], tuple[int,
 
 def qwen_vl_image_config(cfg: dict[str, Any]) -> ImageConfig:
     """The image facts of a Qwen2-VL / Qwen2.5-VL config: ``<|image_pad|>`` is both the
-    marker a prompt holds once per image and the placeholder its run repeats; attention
-    stays causal, as in Hugging Face's model."""
-    image = cfg.get("image_token_id", cfg.get("image_token_index"))
-    image = _DEFAULT_IMAGE_TOKEN_ID if image is None else image
-    if isinstance(image, bool) or not isinstance(image, int) or image < 0:
-        raise ValueError(f"model config field 'image_token_id' must be a token id, got "
-                         f"{image!r}")
+    marker a prompt holds once per image and the placeholder its run repeats
+    (``<|video_pad|>`` a video's); attention stays causal, as in Hugging Face's model."""
+    image = _token_id(cfg, "image_token_id", "image_token_index", _DEFAULT_IMAGE_TOKEN_ID)
+    video = _token_id(cfg, "video_token_id", "video_token_index", _DEFAULT_VIDEO_TOKEN_ID)
+    if video == image:
+        raise ValueError(f"model config field 'video_token_id' ({video}) is the image token")
     vision = cfg["vision_config"]
     for name in ("patch_size", "spatial_merge_size"):
         value = vision.get(name, 14 if name == "patch_size" else 2)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"model config field 'vision_config.{name}' must be a positive "
                              f"int, got {value!r}")
+    tokens_per_second = None
+    if cfg.get("model_type") == "qwen2_5_vl":  # HF's Qwen2_5_VLVisionConfig default: 4
+        tokens_per_second = vision.get("tokens_per_second", 4)
+        if isinstance(tokens_per_second, bool) or not isinstance(tokens_per_second, int | float) \
+                or tokens_per_second <= 0:
+            raise ValueError("model config field 'vision_config.tokens_per_second' must be a "
+                             f"positive number, got {tokens_per_second!r}")
+        tokens_per_second = float(tokens_per_second)
     return ImageConfig(family="qwen2_vl", image_token_id=image, marker_token_id=image,
                        eoi_token_id=None, tokens_per_image=0, image_size=0,
-                       bidirectional=False, hf_config=json.dumps(cfg))
+                       bidirectional=False, hf_config=json.dumps(cfg), video_token_id=video,
+                       tokens_per_second=tokens_per_second)
+
+
+def _token_id(cfg: dict[str, Any], name: str, alias: str, default: int) -> int:
+    value = cfg.get(name, cfg.get(alias))
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"model config field '{name}' must be a token id, got {value!r}")
+    return value

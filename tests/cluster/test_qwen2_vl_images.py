@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pagedserve.cluster import LLM, SamplingParams
-from pagedserve.worker.testing import random_picture, write_random_qwen2_vl
+from pagedserve.worker.testing import random_picture
+from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

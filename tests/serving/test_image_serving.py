@@ -18,11 +18,8 @@ import pytest
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing import random_picture as picture
-from pagedserve.worker.testing import (
-    write_random_gemma3_multimodal,
-    write_random_llava,
-    write_random_qwen2_vl,
-)
+from pagedserve.worker.testing import write_random_gemma3_multimodal, write_random_llava
+from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
 from tests.serving.conftest import App, Cluster, loopback_http
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
