@@ -376,6 +376,7 @@ class EngineConfig:
             enable_expert_parallel=self.enable_expert_parallel,
             expert_placement_strategy=self.expert_placement_strategy,
             hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
-            enable_images=self.image_limit > 0 or self.video_limit > 0,
+            enable_images=self.image_limit > 0,
+            enable_videos=self.video_limit > 0,
             extra=dict(self.worker_extra),
         )

@@ -209,9 +209,12 @@ class LLMEngine:
                 self.images.check_text_only(ids)
             return ids, ()
         if self.images is None:
-            why = " (limit_mm_per_prompt has image: 0)" \
-                if self.model_info.get("image") is None and self.config.image_limit == 0 else ""
-            raise ValueError(f"images: this model takes no images{why}")
+            from pagedserve.cluster.video import is_video
+
+            kind = "video" if all(is_video(x) for x in images) else "image"
+            limit = self.config.video_limit if kind == "video" else self.config.image_limit
+            why = f" (limit_mm_per_prompt has {kind}: 0)" if limit == 0 else ""
+            raise ValueError(f"{kind}s: this model takes no {kind}s{why}")
         return self.images.build(prompt, images, self.tokenize)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

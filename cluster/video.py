@@ -169,9 +169,12 @@ def decode_video(data: bytes, sampling: VideoSampling) -> VideoClip:
                     frames.append(frame.to_image().convert("RGB"))
                 if i >= wanted[-1]:
                     break
-    except ValueError:
+    except av.FFmpegError as exc:  # (some are ValueErrors too: caught first)
+        raise ValueError(f"video_url: not a decodable video ({type(exc).__name__}: "
+                         f"{exc})") from None
+    except ValueError:  # ours, naming video_url already
         raise
-    except Exception as exc:  # av.error.*, a broken stream
+    except Exception as exc:  # a broken stream PyAV reports otherwise
         raise ValueError(f"video_url: not a decodable video ({type(exc).__name__}: "
                          f"{exc})") from None
     if not frames:

@@ -62,7 +62,6 @@ def model_info(worker: Worker) -> dict[str, Any]:
         "long_rope_from": mc.long_rope_from,
         "weight_bytes": worker.weight_bytes,
         # A multimodal file's image facts when its encoder is loaded (None: text only).
-        "image": None if mc.image is None or not worker.config.enable_images
-        else mc.image.info(),
+        "image": mc.image.info() if worker.config.vision_encoded(mc.image) else None,
     }
 

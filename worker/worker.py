@@ -142,7 +142,7 @@ class Worker:
         stage = PipelineStage.of(model_config.num_layers, self.config.pipeline_parallel_size,
                                  self.config.pp_rank, self.config.pipeline_layer_partition)
         model = cls(model_config, self.ctx, self.backend, self.dtype, self.device, stage)
-        if model_config.image is not None and self.config.enable_images:
+        if self.config.vision_encoded(model_config.image):
             model.attach_vision(self.dtype, self.device)
         layout = kv_layout_of(model_config, self.config.hybrid_kv_cache)
         for i, attn in enumerate(model.attention_layers()):

@@ -75,7 +75,8 @@ class WorkerConfig:
     layers hold only their window; off, every layer keeps every block.
 
     ``enable_images`` builds a multimodal file's image encoder (Gemma 3's SigLIP tower
-    and projector); off, the file serves text only and the tower is never read.
+    and projector); off, the file serves text only and the tower is never read, unless
+    ``enable_videos`` and the file takes videos (Qwen2-VL: ``vision_encoded``).
 
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank
     (``layers.lora``); 0 serves the base model only. CUDA profiling keeps room
@@ -117,7 +118,14 @@ class WorkerConfig:
     expert_placement_strategy: str = "linear"
     hybrid_kv_cache: bool = True
     enable_images: bool = True
+    enable_videos: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def vision_encoded(self, image: Any) -> bool:
+        """Whether a file with these image facts (``ImageConfig``, None: text only) gets
+        its vision encoder: for pictures, or for videos where it takes them."""
+        return image is not None and (self.enable_images or (
+            self.enable_videos and image.video_token_id is not None))
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)

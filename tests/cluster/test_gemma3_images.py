@@ -176,7 +176,9 @@ def test_bad_image_input_is_refused_naming_the_field(mm_dir: str, tmp_path: Path
             ({"prompt_token_ids": [*ids[:-3], EOI]}, "without an image"),
             ({"prompt_token_ids": ids, "multi_modal_data": {"image": b"not an image"}},
              "image_url"),
-            ({"prompt_token_ids": ids, "multi_modal_data": {"video": b""}}, "multi_modal_data"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"video": b""}},
+             "videos: this model takes no videos"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"audio": b""}}, "multi_modal_data"),
             ({"prompt_token_ids": ids, "multi_modal_data": {
                 "image": (tmp_path / "x.png").as_uri()}}, "image_url"),
         ]

@@ -8,6 +8,8 @@ with every block back in the pool."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.cluster.video import VideoClip
 from pagedserve.worker.testing import random_picture
-from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
+from pagedserve.worker.testing_qwen_vl import video_bytes, write_random_qwen2_vl
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
 pytest.importorskip("av")
@@ -119,5 +121,136 @@ def test_a_video_equals_hugging_face(qwen_dir: str, kw: dict) -> None:
         lone = [5, 6, START, VPAD, END, 8, 9, 10]  # a lone placeholder is written out
         assert_same(tokens(llm, lone, video=video), want)
         assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_video_beside_a_picture_equals_hugging_face(qwen_dir: str) -> None:
+    """A picture (2 x 3 tokens) then a video in one prompt: each fills its own kind's
+    run whatever order they are given in."""
+    video, pic = clip(7), random_picture(8, (40, 30))
+    ids = [5, START, *[PAD] * 6, END, 6, *video_run(3), 8, 9]
+    want = hf_reference(qwen_dir, ids, video, pic)
+    llm = LLM(model=qwen_dir, num_gpu_blocks=64, max_num_batched_tokens=40)
+    try:
+        assert_same(tokens(llm, ids, image=pic, video=video), want)
+        lone = [5, START, PAD, END, 6, START, VPAD, END, 8, 9]
+        out = llm.generate({"prompt_token_ids": lone,
+                            "multi_modal_data": {"video": video, "image": [pic]}}, GREEDY)[0]
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want[0]
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_the_same_video_hits_the_prefix_cache_and_is_encoded_once(qwen_dir: str) -> None:
+    """The same clip again: every whole block is a hit and the encoder does not run;
+    the same frames at another rate (other times on Qwen2.5-VL) or other frames miss."""
+    llm = LLM(model=qwen_dir, num_gpu_blocks=128, block_size=4)
+    try:
+        vision = llm.engine.executor.worker.model.vision
+        encoded: list[int] = []
+        encode = vision.encode_video
+        vision.encode_video = lambda f: encoded.append(1) or encode(f)
+        ids = [5, 6, *video_run(3), 8]
+        first = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": clip(1)}},
+                             GREEDY)[0]
+        again = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": clip(1)}},
+                             GREEDY)[0]
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert again.num_cached_tokens == (len(ids) - 1) // 4 * 4 and encoded == [1]
+        other = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": clip(2)}},
+                             GREEDY)[0]
+        assert other.num_cached_tokens == 0 and encoded == [1, 1]  # block 0 holds the video
+        slower = VideoClip(clip(1).frames, 2.0)
+        out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": slower}},
+                           GREEDY)[0]
+        rescaled = "qwen2_5" in qwen_dir
+        assert out.num_cached_tokens == (0 if rescaled else (len(ids) - 1) // 4 * 4)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("container", ["mp4", "webm"])
+def test_an_encoded_video_is_sampled_at_the_processor_rate(qwen_dir: str,
+                                                           container: str) -> None:
+    """15 frames at 5 a second (3 s) sampled at 2 a second: frames 0, 2, 5, 7, 10, 12
+    (HF's ``sample_frames``), so three slices a second apart; the bytes, a data URL in a
+    chat and the decoded clip give the same tokens."""
+    import av
+
+    from pagedserve.cluster.video import VideoSampling, load_video
+
+    data = video_bytes(4, frames=15, fps=5, size=(112, 112), container=container)
+    sampling = VideoSampling(fps=2.0, min_frames=2, max_frames=16)
+    decoded = load_video(data, sampling)
+    assert decoded.fps == pytest.approx(2.0) and len(decoded.frames) == 6
+    with av.open(io.BytesIO(data)) as c:
+        every = [f.to_image() for f in c.decode(video=0)]
+    assert [f.tobytes() for f in decoded.frames] == \
+        [every[i].tobytes() for i in (0, 2, 5, 7, 10, 12)]
+    llm = LLM(model=qwen_dir, num_gpu_blocks=64)
+    try:
+        ids = [5, *video_run(3), 8]
+        want = tokens(llm, ids, video=decoded)
+        assert_same(tokens(llm, ids, video=data), want)
+        url = f"data:video/{container};base64," + base64.b64encode(data).decode()
+        chat = llm.chat([{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": url}},
+            {"type": "text", "text": "t5 t6"}]}], GREEDY)[0]
+        assert chat.prompt_token_ids == [293, 295, *video_run(3), 5, 6, 294, 293, 296]
+        if "qwen2_5" not in qwen_dir:  # HF's positions after a video longer than its grid
+            assert_same(tokens(llm, ids, video=data), hf_reference(qwen_dir, ids, decoded))
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_bad_videos_are_refused_naming_the_field(qwen_dir: str, tmp_path: Path) -> None:
+    llm = LLM(model=qwen_dir, num_gpu_blocks=64, limit_mm_per_prompt={"video": 1})
+    try:
+        ids = [5, START, VPAD, END]
+        bad = [
+            ({"prompt_token_ids": ids, "multi_modal_data": {"video": b"not a video"}},
+             "video_url: not a decodable video"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"video": "data:video/mp4,xx"}},
+             "video_url: data URL must be base64"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"video": str(tmp_path / "a.mp4")}},
+             "video_url: local files are refused"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"video": [clip(1), clip(2)]}},
+             "at most 1 videos"),
+            ({"prompt_token_ids": [5, START, VPAD, VPAD, END],
+              "multi_modal_data": {"video": clip(1)}}, "video at 2 takes 192"),
+            ({"prompt_token_ids": [5, START, PAD, END], "multi_modal_data": {"video": clip(1)}},
+             "marks 1 images .* but 0 were given"),
+            ({"prompt_token_ids": [5, START, VPAD, END], "multi_modal_data": {"image": clip(1).frames[0]}},
+             "marks 0 images"),
+            ({"prompt_token_ids": [5, VPAD, 6]}, "without a video"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"video": torch.zeros(2, 8, 8)}},
+             r"frames must be uint8 \[T, H, W, 3\]"),
+            ({"prompt_token_ids": ids, "multi_modal_data": {"audio": b""}}, "multi_modal_data"),
+        ]
+        for prompt, match in bad:
+            with pytest.raises(ValueError, match=match):
+                llm.generate(prompt, GREEDY)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    off = LLM(model=qwen_dir, num_gpu_blocks=64, limit_mm_per_prompt={"video": 0})
+    try:
+        with pytest.raises(ValueError, match=r"takes no videos \(limit_mm_per_prompt"):
+            off.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": clip(1)}})
+    finally:
+        off.shutdown()
+
+
+def test_a_model_without_videos_refuses_one(tmp_path: Path) -> None:
+    from pagedserve.worker.testing import write_random_llava
+
+    llm = LLM(model=write_random_llava(tmp_path / "llava"), num_gpu_blocks=32)
+    try:
+        with pytest.raises(ValueError, match="videos: this model takes no videos"):
+            llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"video": clip(1)}})
     finally:
         llm.shutdown()
