@@ -37,25 +37,47 @@ class ImagePart(BaseModel):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
+class VideoURL(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    url: str
+
+
+class VideoPart(BaseModel):
+    """vLLM's video content part (``video_url``), for a model that takes videos
+    (Qwen2-VL): a data URL, an http(s) URL or a local file, as for images."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["video_url"]
+    video_url: VideoURL | str
+
+    @property
+    def url(self) -> str:
+        return self.video_url if isinstance(self.video_url, str) else self.video_url.url
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | ImagePart | VideoPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @property
-    def image_urls(self) -> list[str]:
-        return [p.url for p in self.content or () if isinstance(p, ImagePart)] \
+    def media(self) -> list[tuple[str, str]]:
+        """Each image and video part as ``(kind, url)``, in order."""
+        return [("image" if isinstance(p, ImagePart) else "video", p.url)
+                for p in self.content or () if isinstance(p, ImagePart | VideoPart)] \
             if isinstance(self.content, list) else []
 
     def as_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates take it: text joined; with images, a list of
-        text and ``{"type": "image"}`` parts (what multimodal templates render)."""
+        """The message as chat templates take it: text joined; with images or videos, a
+        list of text and ``{"type": "image"}`` / ``{"type": "video"}`` parts (what
+        multimodal templates render)."""
         content: str | list[dict[str, str]]
-        if isinstance(self.content, list) and self.image_urls:
+        if isinstance(self.content, list) and self.media:
             content = [{"type": "image"} if isinstance(p, ImagePart)
+                       else {"type": "video"} if isinstance(p, VideoPart)
                        else {"type": "text", "text": p.text} for p in self.content]
         else:
             content = self.content if isinstance(self.content, str) else "".join(

@@ -4,6 +4,7 @@ prompt rendered as the model's processor renders it.
 The ingress does this, not the engine replica: fetching an image URL may take
 seconds, and a bad image is a 400 before any replica is asked. The decoded images
 travel in the ``EngineRequest``; the replica preprocesses them (``image_prompts``).
+Videos likewise: decoded and sampled here (only the sampled frames travel).
 """
 
 from __future__ import annotations
@@ -13,33 +14,42 @@ import hashlib
 from typing import Any
 
 from pagedserve.cluster.chat_protocol import ChatMessage
-from pagedserve.cluster.image_prompts import (
-    chat_ids,
-    qwen_token_counts,
-    split_runs,
-    write_out_runs,
-)
+from pagedserve.cluster.image_prompts import chat_ids, place_media, qwen_token_counts
 from pagedserve.cluster.multimodal import image_spans, load_image
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
+from pagedserve.cluster.video import VideoClip, load_video
+from pagedserve.cluster.video_processor import sampling_of, video_token_count
 from pagedserve.scheduler.multimodal import ImageInput
 from pagedserve.worker.anyres import facts_token_count
 
 
 async def chat_images(messages: list[ChatMessage], info: dict[str, Any],
                       allowed_local_media_path: str | None) -> list[Any]:
-    """The messages' images in order, decoded (none: ``[]``); a 400 on ``messages`` for
-    a model without images or an image that cannot be read."""
-    urls = [url for m in messages for url in m.image_urls]
-    if not urls:
+    """The messages' images and videos in order, decoded (videos sampled at the model's
+    rate: ``video.VideoClip``; none: ``[]``); a 400 on ``messages`` for a model without
+    images (or videos) or one that cannot be read."""
+    media = [item for m in messages for item in m.media]
+    if not media:
         return []
-    if not info.get("image"):
+    image = info.get("image")
+    if not image:
         raise APIError("this model takes no images (a text model, or the server runs "
                        "with --limit-mm-per-prompt '{\"image\": 0}')", param="messages")
+    video = image.get("video")
+    if video is None and any(kind == "video" for kind, _ in media):
+        raise APIError("this model takes no videos (only Qwen2-VL and Qwen2.5-VL do, "
+                       "unless --limit-mm-per-prompt has video: 0)", param="messages")
+
+    def load(kind: str, url: str) -> Any:
+        if kind == "video":
+            return load_video(url, sampling_of(video),
+                              allowed_local_media_path=allowed_local_media_path)
+        return load_image(url, allowed_local_media_path=allowed_local_media_path)
+
     try:
-        return list(await asyncio.gather(*(asyncio.to_thread(
-            load_image, url, allowed_local_media_path=allowed_local_media_path)
-            for url in urls)))
+        return list(await asyncio.gather(*(asyncio.to_thread(load, kind, url)
+                                           for kind, url in media)))
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
 
@@ -59,51 +69,78 @@ def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[s
 
 
 def _picture_counts(images: list[Any], image: dict[str, Any]) -> list[int] | None:
-    """Each decoded picture's run, for a model whose runs vary by picture (Qwen2-VL's
-    resize, the LLaVA anyres families' canvases); None for a fixed run."""
+    """Each decoded picture's (or video's) run, for a model whose runs vary by picture
+    (Qwen2-VL's resize, the LLaVA anyres families' canvases); None for a fixed run."""
     resize, anyres = image.get("resize"), image.get("anyres")
     if resize:
-        return qwen_token_counts(images, resize)
+        return [video_token_count(x, image["video"]) if isinstance(x, VideoClip)
+                else qwen_token_counts([x], resize)[0] for x in images]
     if anyres:
         return [facts_token_count(img.height, img.width, anyres, len(images))
                 for img in images]
     return None
 
 
+def _spans(ids: list[int], images: list[Any], image: dict[str, Any]
+           ) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """The ids with each run written out and each item's span, where runs vary by
+    picture; None where the runs do not match the items (the replica refuses those)."""
+    counts = _picture_counts(images, image)
+    if counts is None:
+        return None
+    kinds = ["video" if isinstance(x, VideoClip) else "image" for x in images]
+    tokens = {"image": int(image["image_token_id"])}
+    if "video" in kinds:
+        tokens["video"] = int(image["video_token_id"])
+    try:
+        return place_media(ids, kinds, counts, tokens)
+    except ValueError as e:
+        if "were given" in str(e):
+            return None
+        raise
+
+
 def written_out(ids: list[int], images: list[Any], image: dict[str, Any]) -> list[int]:
-    """A chat's ids with each lone image token written out to its picture's run, where
-    runs vary by picture (Qwen2-VL, LLaVA-NeXT, LLaVA-OneVision; counted from the decoded
-    size), so the front's length checks and default ``max_tokens`` see the prompt the
-    engine runs; other models' are whole already. A mismatch is left for the replica,
+    """A chat's ids with each lone image (or video) token written out to its item's run,
+    where runs vary by picture (Qwen2-VL, LLaVA-NeXT, LLaVA-OneVision; counted from the
+    decoded size), so the front's length checks and default ``max_tokens`` see the prompt
+    the engine runs; other models' are whole already. A mismatch is left for the replica,
     which refuses it with the reason."""
     try:
-        counts = _picture_counts(images, image)
-        if counts is None:
-            return ids
-        spans = split_runs(image_spans(ids, int(image["image_token_id"])), counts)
-        if len(spans) != len(images):
-            return ids
-        return write_out_runs(ids, spans, counts, int(image["image_token_id"]))[0]
+        placed = _spans(ids, images, image)
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
+    return ids if placed is None else placed[0]
 
 
 def affinity_images(ids: list[int], images: list[Any], image: dict[str, Any]
                     ) -> list[ImageInput]:
     """The images as the router's prefix affinity keys them: each placeholder run with a
-    hash of its decoded picture (not the replicas' pixel hash, which needs the resize;
-    the router only compares its own keys). Without them two prompts that differ only
-    in their image would look like one prefix. ``[]`` when the runs do not match the
-    images (the replica refuses the request with the reason)."""
-    spans = image_spans(ids, int(image["image_token_id"]))
+    hash of its decoded picture (a video's: its frames and rate; not the replicas' pixel
+    hash, which needs the resize; the router only compares its own keys). Without them
+    two prompts that differ only in their image would look like one prefix. ``[]`` when
+    the runs do not match the images (the replica refuses the request with the
+    reason)."""
     try:
-        counts = _picture_counts(images, image)
+        placed = _spans(ids, images, image)
     except ValueError:
         return []
-    if counts is not None:
-        spans = split_runs(spans, counts)
-    if len(spans) != len(images):
-        return []
-    keys = [hashlib.blake2b(f"{img.mode}|{img.size}|".encode() + img.tobytes(),
-                            digest_size=16).hexdigest() for img in images]
-    return [ImageInput(a, b, key, None) for (a, b), key in zip(spans, keys, strict=True)]
+    if placed is not None:
+        spans = placed[1]
+    else:
+        spans = image_spans(ids, int(image["image_token_id"]))
+        if len(spans) != len(images):
+            return []
+    items = sorted(zip(spans, images, strict=True), key=lambda item: item[0])
+    return [ImageInput(a, b, _decoded_key(x), None) for (a, b), x in items]
+
+
+def _decoded_key(item: Any) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    if isinstance(item, VideoClip):
+        digest.update(f"video|{item.fps}|".encode())
+        for frame in item.frames:
+            digest.update(f"{frame.size}|".encode() + frame.tobytes())
+    else:
+        digest.update(f"{item.mode}|{item.size}|".encode() + item.tobytes())
+    return digest.hexdigest()

@@ -331,7 +331,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         """The chat's prompt ids; with images, each one's placeholder run written out as
         the model's processor writes it (``image_chat``)."""
         dicts = [m.as_template_dict() for m in messages]
-        if any(m.image_urls for m in messages):
+        if any(m.media for m in messages):
             image = (info or {}).get("image")
             if not image:
                 raise APIError("this model takes no images", param="messages")

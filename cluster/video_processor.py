@@ -70,9 +70,10 @@ class VideoProcessor:
 
     def facts(self) -> dict[str, Any]:
         """What a front end needs to count a decoded clip's tokens (``token_count``)."""
+        s = self.sampling
         return {"factor": self.patch * self.merge, "min_pixels": self.min_pixels,
                 "max_pixels": self.max_pixels, "temporal_patch_size": self.temporal_patch_size,
-                "sampling": self.sampling}
+                "fps": s.fps, "min_frames": s.min_frames, "max_frames": s.max_frames}
 
     def __call__(self, clip: VideoClip) -> VideoPixels:
         """The clip's frames resized, normalised and padded to whole temporal slices,
@@ -90,6 +91,14 @@ class VideoProcessor:
         seconds = None if self.tokens_per_second is None else tp / clip.fps
         times = slice_times(len(frames) // tp, seconds, self.tokens_per_second or 1.0)
         return VideoPixels(torch.stack(pictures), times)
+
+
+def sampling_of(facts: dict[str, Any]) -> VideoSampling:
+    """The sampling ``facts`` (``VideoProcessor.facts``) describe, for a front end that
+    decodes videos before the replica processes them."""
+    return VideoSampling(fps=facts["fps"], min_frames=facts["min_frames"],
+                         max_frames=facts["max_frames"],
+                         temporal_patch_size=facts["temporal_patch_size"])
 
 
 def video_token_count(clip: VideoClip, facts: dict[str, Any]) -> int:

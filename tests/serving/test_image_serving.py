@@ -176,6 +176,29 @@ def test_qwen2_vl_chat_counts_its_picture_run_at_the_front(qwen_app: tuple[App, 
     assert ids.count(299) == 16  # a 64 x 64 picture: 4 x 4 tokens
 
 
+def test_qwen2_vl_chat_takes_a_video_url(qwen_app: tuple[App, str]) -> None:
+    """A ``video_url`` part (an MP4 as a data URL, 4 frames at 2 a second): the ingress
+    decodes and samples it and counts its run (2 slices of 2 x 2 tokens), the answer
+    equals the offline engine's, ``/tokenize`` shows the same ids; an undecodable video
+    is a 400 naming ``messages``."""
+    pytest.importorskip("av")
+    from pagedserve.worker.testing_qwen_vl import video_bytes
+
+    url = "data:video/mp4;base64," + base64.b64encode(
+        video_bytes(2, frames=4, fps=2, size=(28, 28))).decode()
+    ids = front_counts(*qwen_app, "tiny-qwen2-vl", parts=[
+        {"type": "video_url", "video_url": {"url": url}}])
+    assert ids.count(292) == 2 * 2 * 2
+    app = qwen_app[0]
+    bad = "data:video/mp4;base64," + base64.b64encode(b"not a video").decode()
+    r = httpx.post(f"{app.base}/v1/chat/completions", headers=app.headers, timeout=60,
+                   json={"model": "tiny-qwen2-vl", "messages": [{"role": "user", "content": [
+                       {"type": "video_url", "video_url": {"url": bad}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "video_url: not a decodable video" in r.json()["error"]["message"]
+    app.wait_baseline()
+
+
 @pytest.fixture(scope="module")
 def next_app(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[tuple[App, str]]:
@@ -194,6 +217,11 @@ def test_llava_next_chat_counts_its_picture_run_at_the_front(next_app: tuple[App
     ids = front_counts(*next_app, "tiny-llava-next", (60, 30))
     # 60 x 30 goes on the 28 x 56 canvas: 2 x 2 for the whole, the 2 x 4 grid, 2 newlines.
     assert ids.count(299) == 4 + 2 * 4 + 2
+    app = next_app[0]  # a model without videos: a 400 before any replica is asked
+    r = httpx.post(f"{app.base}/v1/chat/completions", headers=app.headers, timeout=60,
+                   json={"model": "tiny-llava-next", "messages": [{"role": "user", "content": [
+                       {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,"}}]}]})
+    assert r.status_code == 400 and "takes no videos" in r.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")
@@ -217,13 +245,14 @@ def test_llava_onevision_chat_counts_each_pictures_run_at_the_front(
     assert ids.count(299) == 2 * (4 + 1)
 
 
-def front_counts(app: App, model_dir: str, name: str, *sizes: tuple[int, int]) -> list[int]:
-    """Chat with a picture of each of ``sizes`` and no ``max_tokens``: the usage and the
-    answer equal the offline engine's, which fills the 3-block pool; ``/tokenize`` gives
-    its ids. Returns them."""
+def front_counts(app: App, model_dir: str, name: str, *sizes: tuple[int, int],
+                 parts: list[dict] | None = None) -> list[int]:
+    """Chat with a picture of each of ``sizes`` (and ``parts``) and no ``max_tokens``:
+    the usage and the answer equal the offline engine's, which fills the 3-block pool;
+    ``/tokenize`` gives its ids. Returns them."""
     chat = [{"role": "user", "content": [
         *({"type": "image_url", "image_url": {"url": data_url(picture(3 + i, size))}}
-          for i, size in enumerate(sizes)),
+          for i, size in enumerate(sizes)), *(parts or []),
         {"type": "text", "text": "t5 t6"}]}]
     llm = LLM(model=model_dir, num_gpu_blocks=3)
     try:
