@@ -136,6 +136,8 @@ def _frames(source: Any) -> tuple[Image.Image, ...]:
                                                         for f in source):
         return tuple(load_image(f) for f in source)
     try:
+        if not hasattr(source, "__len__"):
+            raise TypeError
         array = torch.as_tensor(source)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"video_url: expected a URL, bytes, PIL frames or a [T, H, W, 3] "

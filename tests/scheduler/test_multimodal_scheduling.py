@@ -12,6 +12,8 @@ from pagedserve.scheduler.multimodal import (
     block_image_keys,
     chunk_images,
     fit_chunk,
+    mrope_grids,
+    rope_delta,
 )
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -75,6 +77,27 @@ def test_blocks_hash_with_their_images_and_chain_past_them() -> None:
 def test_bad_spans_are_refused(bad: list[ImageInput], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Request("r", prompt_with([], 16), SamplingParams(), images=bad)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(grid=(2, 2), times=(0, 1)), r"x 2 slices does not hold the span \[0, 12\)"),
+    (dict(grid=(2, 3), times=(0, 3, 1)), "non-decreasing"),
+    (dict(grid=(2, 3), times=()), "non-decreasing"),
+    (dict(grid=(2, 3), times=(-1, 0)), "non-decreasing"),
+])
+def test_bad_video_grids_are_refused(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ImageInput(0, 12, "v", None, causal=True, **kw)
+
+
+def test_a_videos_rope_delta_counts_its_last_time() -> None:
+    """Two slices of 2 x 3 at times 0 and 7 take 12 tokens and advance the positions 8:
+    past the last time (a picture of 2 x 3 advances them 3)."""
+    video = ImageInput(2, 14, "v", None, (2, 3), True, (0, 7))
+    picture = ImageInput(20, 26, "p", None, (2, 3), True)
+    assert video.positions == 8 and picture.positions == 3
+    assert rope_delta([video, picture]) == (8 - 12) + (3 - 6)
+    assert mrope_grids([video, picture], 21) == ((2, 2, 3, (0, 7)), (20, 2, 3, (0,)))
 
 
 def test_an_image_longer_than_a_step_is_refused_at_admission() -> None:

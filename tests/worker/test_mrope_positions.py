@@ -169,3 +169,85 @@ def test_bad_mrope_sections_are_refused_naming_the_field() -> None:
         with pytest.raises(ValueError, match=match) as err:
             ModelConfig.from_hf_dict(bad)
         assert "mrope_section" in str(err.value)
+
+
+def reference_index(layout: list) -> torch.Tensor:
+    """Qwen2-VL's reference ``get_rope_index`` (transformers 4.45, vLLM's
+    ``MRotaryEmbedding``): a text run continues from one past the largest position so far
+    on any axis; a grid ``(times, rows, cols)`` puts slice ``k``'s token ``(r, c)`` at
+    ``(p + times[k], p + r, p + c)``."""
+    parts, start = [], 0
+    for part in layout:
+        if isinstance(part, int):
+            parts.append(torch.arange(part).expand(3, -1) + start)
+        else:
+            times, rows, cols = part
+            t, h, w = torch.meshgrid(torch.tensor(times), torch.arange(rows),
+                                     torch.arange(cols), indexing="ij")
+            parts.append(torch.stack([t.flatten(), h.flatten(), w.flatten()]) + start)
+        start = int(parts[-1].max()) + 1
+    return torch.cat(parts, dim=1)
+
+
+def video_prompt(layout: list) -> tuple[list[int], list[ImageInput]]:
+    ids: list[int] = []
+    images = []
+    for part in layout:
+        if isinstance(part, int):
+            ids += [5 + i % 7 for i in range(part)]
+        else:
+            times, rows, cols = part
+            start = len(ids)
+            ids += [PAD] * (len(times) * rows * cols)
+            images.append(ImageInput(start, len(ids), f"k{start}", None, (rows, cols), True,
+                                     times))
+    return ids, images
+
+
+VIDEO_LAYOUTS = [
+    [3, ((0, 1, 2), 3, 3), 4],  # Qwen2-VL: a slice a step
+    [2, ((0,), 2, 3), 1, ((0, 1, 3), 4, 4), 2],  # a picture, then Qwen2.5-VL times
+    [1, ((0, 4, 9), 2, 2), 3, ((0, 1), 1, 2), 2],  # times past the grid
+]
+
+
+@pytest.mark.parametrize("layout", VIDEO_LAYOUTS, ids=["steps", "scaled", "long"])
+def test_video_positions_equal_the_reference_rope_index(layout: list) -> None:
+    ids, images = video_prompt(layout)
+    want = reference_index(layout)
+    n = len(ids)
+    assert torch.equal(grid_positions(0, n, mrope_grids(images, n)), want)
+    for cut in range(1, n):
+        head = grid_positions(0, cut, mrope_grids(images, cut))
+        tail = grid_positions(cut, n - cut, mrope_grids(images, n))
+        assert torch.equal(torch.cat([head, tail], dim=1), want)
+    assert rope_delta(images) == int(want.max()) + 1 - n
+    assert torch.equal(grid_positions(n, 2, mrope_grids(images, n + 2))[0],
+                       torch.arange(n, n + 2) + rope_delta(images))
+
+
+def test_hugging_face_places_a_video_within_its_grid_as_the_reference() -> None:
+    """transformers 5 continues text after a video from ``max(rows, cols)`` (not past the
+    video's last time): the same wherever the times stay within the grid, as here, and
+    Qwen2.5-VL's slice times are HF's ``(arange(t) * tokens_per_second * seconds).long()``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
+
+    from pagedserve.worker.video_pixels import slice_times
+
+    times = slice_times(3, 0.5, 3.0)
+    assert times == (0, 1, 3)
+    layout = [2, (times, 4, 4), 3]
+    ids, images = video_prompt(layout)
+    cfg = Qwen2_5_VLConfig(text_config=dict(hidden_size=16, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1,
+                                            intermediate_size=16, vocab_size=128),
+                           vision_config=dict(depth=1, hidden_size=8, num_heads=1,
+                                              out_hidden_size=16, tokens_per_second=3),
+                           video_token_id=PAD)
+    x = torch.tensor([ids])
+    pos, delta = Qwen2_5_VLModel(cfg).get_rope_index(
+        x, mm_token_type_ids=2 * (x == PAD).int(), video_grid_thw=torch.tensor([[3, 8, 8]]),
+        second_per_grid_ts=torch.tensor([0.5]))
+    assert torch.equal(pos[:, 0], reference_index(layout))
+    assert torch.equal(grid_positions(0, len(ids), mrope_grids(images, len(ids))), pos[:, 0])
+    assert rope_delta(images) == int(delta[0, 0])
