@@ -222,17 +222,7 @@ class ImagePrompts:
         expansion); token ids hold every image's placeholder run (LLaVA's may hold a lone
         image token). Videos (``is_video``) fill the video placeholder's runs the same
         way. ``ValueError`` names the field."""
-        videos = sum(1 for x in images if is_video(x))
-        if len(images) - videos > self.limit:
-            raise ValueError(f"images: at most {self.limit} images a prompt "
-                             f"(limit_mm_per_prompt), got {len(images) - videos}")
-        if videos and self.video is None:
-            why = " (limit_mm_per_prompt has video: 0)" \
-                if self.video_token_id is not None else ""
-            raise ValueError(f"videos: this model takes no videos{why}")
-        if videos > self.video_limit:
-            raise ValueError(f"videos: at most {self.video_limit} videos a prompt "
-                             f"(limit_mm_per_prompt), got {videos}")
+        videos = self._check_counts(images)
         ids = encode(expand_text(self.tokenizer, self.info, prompt)) \
             if isinstance(prompt, str) else expand_single_markers(list(prompt), self.info)
         if videos:
@@ -264,6 +254,22 @@ class ImagePrompts:
         return ids, tuple(ImageInput(a, b, key, p, grid, causal) for (a, b), p, key, grid
                           in zip(spans, prepared.pixels, prepared.keys, grids, strict=True))
 
+    def _check_counts(self, items: Sequence[Any]) -> int:
+        """``ValueError`` for more images or videos than a prompt may carry, or videos
+        for a model without them (before anything is decoded); the video count."""
+        videos = sum(1 for x in items if is_video(x))
+        if len(items) - videos > self.limit:
+            raise ValueError(f"images: at most {self.limit} images a prompt "
+                             f"(limit_mm_per_prompt), got {len(items) - videos}")
+        if videos and self.video is None:
+            why = " (limit_mm_per_prompt has video: 0)" \
+                if self.video_token_id is not None else ""
+            raise ValueError(f"videos: this model takes no videos{why}")
+        if videos > self.video_limit:
+            raise ValueError(f"videos: at most {self.video_limit} videos a prompt "
+                             f"(limit_mm_per_prompt), got {videos}")
+        return videos
+
     def _build_media(self, ids: list[int], items: Sequence[Any]
                      ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """A Qwen2-VL prompt with videos (and perhaps images): each kind's runs written
@@ -283,6 +289,7 @@ class ImagePrompts:
     def prepare(self, images: Sequence[Any]) -> PreparedImages:
         """Load and preprocess ``images`` and videos (the slow part, seconds for a URL:
         the async engine runs it off its event loop and hands ``build`` the result)."""
+        self._check_counts(images)
         at = self.allowed_local_media_path
         videos = {i: self._video_pixels(x) for i, x in enumerate(images) if is_video(x)}
         pictures = [load_image(img, allowed_local_media_path=at)
@@ -298,7 +305,7 @@ class ImagePrompts:
     def _video_pixels(self, video: Any) -> VideoPixels:
         if isinstance(video, VideoPixels):
             return video
-        assert self.video is not None  # ``build`` refused videos for a model without
+        assert self.video is not None  # ``_check_counts`` refused videos for a model without
         source = video.source if isinstance(video, VideoSource) else video
         clip = load_video(source, self.video.sampling,
                           allowed_local_media_path=self.allowed_local_media_path)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedserve.cluster import LLM, SamplingParams
-from pagedserve.cluster.video import VideoClip
+from pagedserve.cluster.video import VideoClip, VideoSource
 from pagedserve.worker.testing import random_picture
 from pagedserve.worker.testing_qwen_vl import video_bytes, write_random_qwen2_vl
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
@@ -234,6 +234,8 @@ def test_bad_videos_are_refused_naming_the_field(qwen_dir: str, tmp_path: Path) 
         for prompt, match in bad:
             with pytest.raises(ValueError, match=match):
                 llm.generate(prompt, GREEDY)
+        with pytest.raises(ValueError, match="at most 1 videos"):  # before decoding any
+            llm.engine.images.prepare([VideoSource(b"x"), VideoSource(b"y")])
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
@@ -252,5 +254,7 @@ def test_a_model_without_videos_refuses_one(tmp_path: Path) -> None:
     try:
         with pytest.raises(ValueError, match="videos: this model takes no videos"):
             llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"video": clip(1)}})
+        with pytest.raises(ValueError, match="videos: this model takes no videos"):
+            llm.engine.images.prepare([VideoSource(b"")])  # the async engine's first call
     finally:
         llm.shutdown()
