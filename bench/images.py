@@ -57,18 +57,19 @@ def ours(path: str, prompts: list[list[int]], images: list, max_tokens: int
 
 
 def ours_warmed(path: str, prompts: list[list[int]], images: list, warm: list,
-                max_tokens: int, num_gpu_blocks: int = 2048) -> tuple[float, list[list[int]]]:
+                max_tokens: int, num_gpu_blocks: int = 2048,
+                kind: str = "image") -> tuple[float, list[list[int]]]:
     """The engine's run of ``prompts``, timed after a warm-up on two other pictures
     (neither the prefix cache nor the encoder cache holds the timed ones);
-    ``qwen_vl.py`` and ``llava_next.py``."""
+    ``qwen_vl.py``, ``qwen_vl_video.py`` (``kind`` "video") and ``llava_next.py``."""
     llm = LLM(model=path, num_gpu_blocks=num_gpu_blocks)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": img}}
+        llm.generate([{"prompt_token_ids": p, "multi_modal_data": {kind: img}}
                       for p, img in zip(prompts[:2], warm, strict=True)],
                      SamplingParams(temperature=0.0, max_tokens=2))
         llm.reset_prefix_cache()
-        batch = [{"prompt_token_ids": p, "multi_modal_data": {"image": img}}
+        batch = [{"prompt_token_ids": p, "multi_modal_data": {kind: img}}
                  for p, img in zip(prompts, images, strict=True)]
         t0 = time.perf_counter()
         outs = llm.generate(batch, params)

@@ -15,10 +15,11 @@ from pagedserve.cluster.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from pagedserve.cluster.video import VideoClip
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
            "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams",
-           "ScoringOutput", "ScoringRequestOutput"]
+           "ScoringOutput", "ScoringRequestOutput", "VideoClip"]

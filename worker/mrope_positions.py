@@ -20,8 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.scheduler.multimodal import MRopeGrid
-from pagedserve.scheduler.outputs import ScheduledRequest
+from pagedserve.scheduler.outputs import MRopeGrid, ScheduledRequest
 
 
 def grid_positions(start: int, count: int, grids: Sequence[MRopeGrid]) -> torch.Tensor:

@@ -49,7 +49,7 @@ def test_mrope_rows_turn_on_their_grids_and_slots_stay_by_index() -> None:
     grid, a decode row past it its index plus ``rope_delta`` (-3: six tokens, three
     positions), a text row its index; the slots follow the token index."""
     chunk = _row("a", [5, 9, 9, 9, 9, 9, 9, 6], 0, [2, 7])
-    chunk.mrope_grids, chunk.rope_delta = ((1, 2, 3),), -3
+    chunk.mrope_grids, chunk.rope_delta = ((1, 2, 3, (0,)),), -3
     decode = _row("b", [7], 9, [3, 6, 1])
     decode.rope_delta = -3
     text = _row("c", [8, 8], 2, [4])

@@ -1,0 +1,141 @@
+"""Qwen2-VL video prompts: the engine against Hugging Face's batched ``generate`` on the
+same random checkpoint, in one run.
+
+A random Qwen2-VL (``--kind qwen2_5_vl``: Qwen2.5-VL's) is written to a temporary
+directory, as ``qwen_vl.py`` writes it, with the video processor's pixel bounds set to
+``--size`` pixels square. ``--requests`` prompts, each some text, one video of
+``--frames`` random frames of ``--size`` pixels (``frames / 2`` slices of ``(size /
+28)^2`` tokens) and more text, all the same length, get ``--max-tokens`` greedy tokens:
+through ``LLM.generate`` (each video processed, encoded slice by slice in the step that
+prefills it, M-RoPE times from its rate) and through transformers' ``generate`` on the
+whole batch at once with the same frames as ``pixel_values_videos`` (the prompts are the
+same length, so no padding: its best case). fp32. Printed: wall time and output
+tokens/s each, the ratio, and how many requests got the same tokens from both.
+
+    python bench/qwen_vl_video.py
+    python bench/qwen_vl_video.py --json bench/figures/qwen_vl_video.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from images import ours_warmed, report  # sibling scripts
+
+from pagedserve.cluster.video import VideoClip
+from pagedserve.cluster.video_processor import VideoProcessor
+from pagedserve.worker.testing import random_picture
+from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
+
+
+def prompt(i: int, vocab: int, tokens: int, text: int) -> list[int]:
+    start, end, pad = vocab - 3, vocab - 2, vocab - 8
+    words = [10 + (37 * i + 11 * j) % (vocab - 20) for j in range(2 * text)]
+    return [*words[:text], start, *[pad] * tokens, end, *words[text:]]
+
+
+def clip(seed: int, frames: int, size: int) -> VideoClip:
+    return VideoClip(tuple(random_picture(seed * 1000 + f, (size, size))
+                           for f in range(frames)), 2.0)
+
+
+def hf_inputs(path: str, kind: str, videos: list[VideoClip]) -> dict[str, torch.Tensor]:
+    """The batch's ``pixel_values_videos`` (HF's video patch order), grids and seconds a
+    slice, from the frames our processor gives (so both run on the same pixels)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    proc = VideoProcessor.from_model_dir(path, Qwen2VLImageProcessorPil.from_pretrained(path),
+                                         None)
+    p, m, tp = proc.patch, proc.merge, proc.temporal_patch_size
+    rows, grids = [], []
+    for v in videos:
+        x = proc(v).frames
+        t, c, h, w = x.shape
+        x = x.reshape(t // tp, tp, c, h // p // m, m, p, w // p // m, m, p)
+        rows.append(x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(-1, c * tp * p * p))
+        grids.append([t // tp, h // p, w // p])
+    out = {"pixel_values_videos": torch.cat(rows), "video_grid_thw": torch.tensor(grids)}
+    if kind == "qwen2_5_vl":
+        out["second_per_grid_ts"] = torch.tensor([tp / v.fps for v in videos])
+    return out
+
+
+def hugging_face(path: str, kind: str, prompts: list[list[int]], videos: list[VideoClip],
+                 max_tokens: int, video_token: int) -> tuple[float, list[list[int]]]:
+    import transformers as tf
+
+    model = tf.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.tensor(prompts)
+
+    def kwargs(n: int | None) -> dict:
+        rows = slice(None) if n is None else slice(0, n)
+        return dict(attention_mask=torch.ones_like(x[rows]),
+                    mm_token_type_ids=2 * (x[rows] == video_token).int(),
+                    do_sample=False, pad_token_id=0, **hf_inputs(path, kind, videos[rows]))
+
+    with torch.inference_mode():
+        model.generate(x[:2], **kwargs(2), max_new_tokens=2)  # warm-up
+        t0 = time.perf_counter()
+        y = model.generate(x, **kwargs(None), max_new_tokens=max_tokens,
+                           min_new_tokens=max_tokens)
+        wall = time.perf_counter() - t0
+    return wall, y[:, x.shape[1]:].tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl"))
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--text", type=int, default=32, help="text tokens each side of the video")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vision-layers", type=int, default=4)
+    ap.add_argument("--frames", type=int, default=8)
+    ap.add_argument("--size", type=int, default=112)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.size % 28 or args.frames % 2:
+        ap.error("--size must be a multiple of 28 (patch 14 x merge 2), --frames even")
+    vocab, heads = 1024, 4
+    eighth = args.hidden // heads // 16
+    vision = dict(depth=args.vision_layers, embed_dim=256, num_heads=4, patch_size=14)
+    if args.kind == "qwen2_5_vl":  # one token a second: times within the grid
+        vision.update(hidden_size=256, intermediate_size=512, window_size=112,
+                      fullatt_block_indexes=[args.vision_layers - 1], tokens_per_second=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_random_qwen2_vl(
+            tmp, args.kind, vocab_size=vocab, vision_config=vision,
+            hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [2 * eighth, 3 * eighth, 3 * eighth]})
+        bounds = Path(path) / "video_preprocessor_config.json"
+        config = json.loads(bounds.read_text())
+        config["size"] = {"shortest_edge": 28 * 28, "longest_edge": args.size ** 2}
+        config["max_frames"] = max(args.frames, 2)
+        bounds.write_text(json.dumps(config))
+        tokens = args.frames // 2 * (args.size // 28) ** 2
+        prompts = [prompt(i, vocab, tokens, args.text) for i in range(args.requests)]
+        videos = [clip(i, args.frames, args.size) for i in range(args.requests)]
+        warm = [clip(1000 + i, args.frames, args.size) for i in (0, 1)]
+        ours_run = ours_warmed(path, prompts, videos, warm, args.max_tokens, kind="video")
+        hf_run = hugging_face(path, args.kind, prompts, videos, args.max_tokens, vocab - 8)
+    report(args, f"{args.kind}: {args.requests} prompts of {len(prompts[0])} tokens (one "
+                 f"{args.frames}-frame {args.size}px video, {tokens} tokens) + "
+                 f"{args.max_tokens} new", ours_run, hf_run)
+
+
+if __name__ == "__main__":
+    main()
