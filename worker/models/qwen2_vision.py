@@ -183,8 +183,8 @@ class Qwen2VisionEncoder(nn.Module):
         ``temporal_patch_size``) -> ``[T / tp * (H/P/m) * (W/P/m), out_hidden]``: HF's
         ``visual(pixel_values_videos, video_grid_thw)``. Each temporal slice (``tp``
         consecutive frames, one Conv3d patch deep) is its own sequence in every block, as
-        HF's per-frame ``cu_seqlens`` and window index make it, so slices are encoded one
-        after another and their tokens concatenated. ValueError on a bad shape."""
+        HF's per-frame ``cu_seqlens`` and window index make it; the slices share every
+        matmul. ValueError on a bad shape."""
         cfg, w = self.cfg, self.patch_weight
         tp, unit = cfg.temporal_patch_size, cfg.patch_size * cfg.merge_size
         shape = tuple(frames.shape)
@@ -195,26 +195,36 @@ class Qwen2VisionEncoder(nn.Module):
                              f"positive multiples of {unit}")
         rows, cols = shape[2] // cfg.patch_size, shape[3] // cfg.patch_size
         frames = frames.to(device=w.device, dtype=w.dtype)
-        return torch.cat([self._encode(patchify_frames(frames[k:k + tp], cfg.patch_size,
-                                                       cfg.merge_size), rows, cols)
-                          for k in range(0, shape[0], tp)])
+        x = torch.cat([patchify_frames(frames[k:k + tp], cfg.patch_size, cfg.merge_size)
+                       for k in range(0, shape[0], tp)])
+        return self._encode(x, rows, cols, shape[0] // tp)
 
-    def _encode(self, patches: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        """One temporal slice's flattened patches ``[rows * cols, C*tp*P*P]`` (merge-block
-        order) -> its LLM tokens ``[rows/m * cols/m, out_hidden]``."""
+    def _encode(self, patches: torch.Tensor, rows: int, cols: int,
+                slices: int = 1) -> torch.Tensor:
+        """``slices`` temporal slices' flattened patches ``[slices * rows * cols,
+        C*tp*P*P]`` (merge-block order, slice after slice) -> their LLM tokens
+        ``[slices * rows/m * cols/m, out_hidden]``. The slices run as one batch through
+        every matmul; attention stays within a slice (within a window of it, Qwen2.5-VL),
+        as HF's per-frame ``cu_seqlens`` keep it."""
         cfg, w = self.cfg, self.patch_weight
         m = cfg.merge_size
         x = F.linear(patches, w.view(w.shape[0], -1))
-        pos = self._positions(rows, cols, w.device)
+        pos = self._positions(rows, cols, w.device).repeat(slices, 1)
+        n = rows * cols
+        whole = _Windows(torch.full((slices,), n, device=w.device)) if slices > 1 else None
         order = windows = None
         if cfg.windowed:
-            order, lengths = self._window_order(rows // m, cols // m, w.device)
+            one, lengths = self._window_order(rows // m, cols // m, w.device)
+            per = n // (m * m)  # merged tokens a slice
+            order = torch.cat([one + k * per for k in range(slices)])
             x = x.view(-1, m * m, x.shape[-1])[order].view_as(x)
             pos = pos.view(-1, m * m, 2)[order].view_as(pos)
-            windows = _Windows(lengths * m * m)
+            windows = _Windows(lengths.repeat(slices) * m * m)
+        else:
+            windows = whole
         cos, sin = self._rope(pos)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if i in cfg.fullatt_blocks else windows)
+            x = block(x, cos, sin, whole if i in cfg.fullatt_blocks else windows)
         x = _norm(x, self.ln_q_weight, self.ln_q_bias).reshape(-1, self.mlp0_weight.shape[1])
         x = F.linear(F.gelu(F.linear(x, self.mlp0_weight, self.mlp0_bias)), self.mlp2_weight,
                      self.mlp2_bias)
