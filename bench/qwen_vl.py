@@ -34,8 +34,11 @@ from pagedserve.worker.testing import random_picture
 from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
 
 
-def prompt(i: int, vocab: int, tokens_per_image: int, text: int) -> list[int]:
-    start, end, pad = vocab - 3, vocab - 2, vocab - 1
+def prompt(i: int, vocab: int, tokens_per_image: int, text: int,
+           pad_offset: int = 1) -> list[int]:
+    """``text`` words, a run of the placeholder (``vocab - pad_offset``: the image's;
+    8, the video's) framed by the vision tokens, ``text`` more words."""
+    start, end, pad = vocab - 3, vocab - 2, vocab - pad_offset
     words = [10 + (37 * i + 11 * j) % (vocab - 20) for j in range(2 * text)]
     return [*words[:text], start, *[pad] * tokens_per_image, end, *words[text:]]
 

@@ -13,7 +13,8 @@ same length, so no padding: its best case). fp32. Printed: wall time and output
 tokens/s each, the ratio, and how many requests got the same tokens from both.
 
     python bench/qwen_vl_video.py
-    python bench/qwen_vl_video.py --json bench/figures/qwen_vl_video.json
+    python bench/qwen_vl_video.py --kind qwen2_5_vl --requests 16 --size 224 \
+        --json bench/figures/qwen_vl_video_qwen2_5_vl.json
 """
 
 from __future__ import annotations
@@ -30,17 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from images import ours_warmed, report  # sibling scripts
+from qwen_vl import prompt
 
 from pagedserve.cluster.video import VideoClip
 from pagedserve.cluster.video_processor import VideoProcessor
 from pagedserve.worker.testing import random_picture
 from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
-
-
-def prompt(i: int, vocab: int, tokens: int, text: int) -> list[int]:
-    start, end, pad = vocab - 3, vocab - 2, vocab - 8
-    words = [10 + (37 * i + 11 * j) % (vocab - 20) for j in range(2 * text)]
-    return [*words[:text], start, *[pad] * tokens, end, *words[text:]]
 
 
 def clip(seed: int, frames: int, size: int) -> VideoClip:
@@ -127,7 +123,7 @@ def main() -> None:
         config["max_frames"] = max(args.frames, 2)
         bounds.write_text(json.dumps(config))
         tokens = args.frames // 2 * (args.size // 28) ** 2
-        prompts = [prompt(i, vocab, tokens, args.text) for i in range(args.requests)]
+        prompts = [prompt(i, vocab, tokens, args.text, 8) for i in range(args.requests)]
         videos = [clip(i, args.frames, args.size) for i in range(args.requests)]
         warm = [clip(1000 + i, args.frames, args.size) for i in (0, 1)]
         ours_run = ours_warmed(path, prompts, videos, warm, args.max_tokens, kind="video")

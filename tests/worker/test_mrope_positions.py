@@ -36,17 +36,20 @@ def hf_index(ids: list[int], grids: list[tuple[int, int]]) -> tuple[torch.Tensor
     return pos[:, 0], int(delta[0, 0])
 
 
-def prompt(layout: list[int | tuple[int, int]]) -> tuple[list[int], list[ImageInput]]:
-    """Text runs (an int: that many tokens) and images (rows, cols) in order."""
+def prompt(layout: list) -> tuple[list[int], list[ImageInput]]:
+    """Text runs (an int: that many tokens), images (rows, cols) and videos (times, rows,
+    cols) in order."""
     ids: list[int] = []
     images = []
     for part in layout:
         if isinstance(part, int):
             ids += [5 + i % 7 for i in range(part)]
         else:
+            times, rows, cols = part if len(part) == 3 else ((0,), *part)
             start = len(ids)
-            ids += [PAD] * (part[0] * part[1])
-            images.append(ImageInput(start, len(ids), f"k{start}", None, part))
+            ids += [PAD] * (len(times) * rows * cols)
+            images.append(ImageInput(start, len(ids), f"k{start}", None, (rows, cols), True,
+                                     times))
     return ids, images
 
 
@@ -189,21 +192,6 @@ def reference_index(layout: list) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def video_prompt(layout: list) -> tuple[list[int], list[ImageInput]]:
-    ids: list[int] = []
-    images = []
-    for part in layout:
-        if isinstance(part, int):
-            ids += [5 + i % 7 for i in range(part)]
-        else:
-            times, rows, cols = part
-            start = len(ids)
-            ids += [PAD] * (len(times) * rows * cols)
-            images.append(ImageInput(start, len(ids), f"k{start}", None, (rows, cols), True,
-                                     times))
-    return ids, images
-
-
 VIDEO_LAYOUTS = [
     [3, ((0, 1, 2), 3, 3), 4],  # Qwen2-VL: a slice a step
     [2, ((0,), 2, 3), 1, ((0, 1, 3), 4, 4), 2],  # a picture, then Qwen2.5-VL times
@@ -213,7 +201,7 @@ VIDEO_LAYOUTS = [
 
 @pytest.mark.parametrize("layout", VIDEO_LAYOUTS, ids=["steps", "scaled", "long"])
 def test_video_positions_equal_the_reference_rope_index(layout: list) -> None:
-    ids, images = video_prompt(layout)
+    ids, images = prompt(layout)
     want = reference_index(layout)
     n = len(ids)
     assert torch.equal(grid_positions(0, n, mrope_grids(images, n)), want)
@@ -237,7 +225,7 @@ def test_hugging_face_places_a_video_within_its_grid_as_the_reference() -> None:
     times = slice_times(3, 0.5, 3.0)
     assert times == (0, 1, 3)
     layout = [2, (times, 4, 4), 3]
-    ids, images = video_prompt(layout)
+    ids, images = prompt(layout)
     cfg = Qwen2_5_VLConfig(text_config=dict(hidden_size=16, num_hidden_layers=1,
                                             num_attention_heads=2, num_key_value_heads=1,
                                             intermediate_size=16, vocab_size=128),
