@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 VIDEO_PART_TYPES = ("video_url", "input_video", "video")
 DEFAULT_MAX_VIDEO_BYTES = 256 * 2**20
+MAX_FRAME_PIXELS = 8192 * 8192  # a frame past this is refused before it is decoded
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,13 @@ def decode_video(data: bytes, sampling: VideoSampling) -> VideoClip:
             if not container.streams.video:
                 raise ValueError("video_url: the file holds no video stream")
             stream = container.streams.video[0]
+            if stream.width * stream.height > MAX_FRAME_PIXELS:
+                raise ValueError(f"video_url: frames of {stream.width} x {stream.height} "
+                                 f"pixels, over the {MAX_FRAME_PIXELS}-pixel limit")
             rate = float(stream.average_rate or stream.guessed_rate or 0) or 24.0
             total = stream.frames or _counted_frames(data)
+            if total <= 0:
+                raise ValueError("video_url: the video has no frames")
             wanted = sampling.indices(total, rate)
             picked = set(wanted)
             frames: list[Image.Image] = []
@@ -181,7 +187,7 @@ def decode_video(data: bytes, sampling: VideoSampling) -> VideoClip:
                          f"{exc})") from None
     if not frames:
         raise ValueError("video_url: the video has no decodable frames")
-    return VideoClip(tuple(frames), len(wanted) / total * rate)
+    return VideoClip(tuple(frames), len(frames) / total * rate)
 
 
 def _counted_frames(data: bytes) -> int:

@@ -78,7 +78,8 @@ def test_bad_videos_name_video_url(source: object, match: str) -> None:
         load_video(source, VideoSampling())
 
 
-def test_an_audio_only_file_and_mixed_frame_sizes_are_refused() -> None:
+def test_an_audio_only_file_and_mixed_frame_sizes_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     buf = io.BytesIO()
     with av.open(buf, "w", format="wav") as out:
         stream = out.add_stream("pcm_s16le", rate=8000)
@@ -95,5 +96,10 @@ def test_an_audio_only_file_and_mixed_frame_sizes_are_refused() -> None:
         VideoClip((random_picture(1, (8, 8)), random_picture(2, (8, 6))), 2.0)
     with pytest.raises(ValueError, match="video fps must be positive"):
         VideoSampling(fps=0)
+    from pagedserve.worker.testing_qwen_vl import video_bytes
+
+    with pytest.raises(ValueError, match=r"frames of 48 x 32 pixels, over the 100-pixel"):
+        monkeypatch.setattr("pagedserve.cluster.video.MAX_FRAME_PIXELS", 100)
+        decode_video(video_bytes(1, frames=2, fps=2, size=(48, 32)), VideoSampling())
     with pytest.raises(ValueError, match="over the 10-byte limit"):
         load_video(b"x" * 11, VideoSampling(), max_bytes=10)
