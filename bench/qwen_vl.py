@@ -43,6 +43,32 @@ def prompt(i: int, vocab: int, tokens_per_image: int, text: int,
     return [*words[:text], start, *[pad] * tokens_per_image, end, *words[text:]]
 
 
+VOCAB = 1024
+
+
+def write_bench_model(dest: str, args: argparse.Namespace, max_pixels: int = 56 * 56,
+                      tokens_per_second: float | None = None) -> str:
+    """The random ``args.kind`` checkpoint both Qwen-VL benches run: a tower of
+    ``args.vision_layers`` layers (width 256, 14-pixel patches; Qwen2.5-VL's with
+    112-pixel windows, a last full-attention layer and, if given, ``tokens_per_second``)
+    and a decoder of ``args.layers`` layers of width ``args.hidden`` with M-RoPE sections
+    2/8, 3/8, 3/8 of a half head; pictures up to ``max_pixels``."""
+    heads = 4
+    eighth = args.hidden // heads // 16
+    vision = dict(depth=args.vision_layers, embed_dim=256, num_heads=4, patch_size=14)
+    if args.kind == "qwen2_5_vl":
+        vision.update(hidden_size=256, intermediate_size=512, window_size=112,
+                      fullatt_block_indexes=[args.vision_layers - 1])
+        if tokens_per_second is not None:
+            vision["tokens_per_second"] = tokens_per_second
+    return write_random_qwen2_vl(
+        dest, args.kind, vocab_size=VOCAB, vision_config=vision, max_pixels=max_pixels,
+        hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [2 * eighth, 3 * eighth, 3 * eighth]})
+
+
 def hugging_face(path: str, prompts: list[list[int]], images: list, max_tokens: int,
                  image_token: int) -> tuple[float, list[list[int]]]:
     import transformers as tf
@@ -84,20 +110,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.image_size % 28:
         ap.error("--image-size must be a multiple of 28 (patch 14 x merge 2)")
-    vocab, heads = 1024, 4
-    eighth = args.hidden // heads // 16  # M-RoPE sections: 2/8, 3/8, 3/8 of a half head
-    vision = dict(depth=args.vision_layers, embed_dim=256, num_heads=4, patch_size=14)
-    if args.kind == "qwen2_5_vl":
-        vision.update(hidden_size=256, intermediate_size=512, window_size=112,
-                      fullatt_block_indexes=[args.vision_layers - 1])
+    vocab = VOCAB
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_random_qwen2_vl(
-            tmp, args.kind, vocab_size=vocab, vision_config=vision,
-            max_pixels=args.image_size ** 2, hidden_size=args.hidden,
-            intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-            num_attention_heads=heads, num_key_value_heads=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [2 * eighth, 3 * eighth, 3 * eighth]})
+        path = write_bench_model(tmp, args, max_pixels=args.image_size ** 2)
         tokens_per_image = (args.image_size // 28) ** 2
         prompts = [prompt(i, vocab, tokens_per_image, args.text)
                    for i in range(args.requests)]

@@ -31,12 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from images import ours_warmed, report  # sibling scripts
-from qwen_vl import prompt
+from qwen_vl import VOCAB, prompt, write_bench_model
 
 from pagedserve.cluster.video import VideoClip
 from pagedserve.cluster.video_processor import VideoProcessor
 from pagedserve.worker.testing import random_picture
-from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
 
 
 def clip(seed: int, frames: int, size: int) -> VideoClip:
@@ -104,19 +103,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.size % 28 or args.frames % 2:
         ap.error("--size must be a multiple of 28 (patch 14 x merge 2), --frames even")
-    vocab, heads = 1024, 4
-    eighth = args.hidden // heads // 16
-    vision = dict(depth=args.vision_layers, embed_dim=256, num_heads=4, patch_size=14)
-    if args.kind == "qwen2_5_vl":  # one token a second: times within the grid
-        vision.update(hidden_size=256, intermediate_size=512, window_size=112,
-                      fullatt_block_indexes=[args.vision_layers - 1], tokens_per_second=1)
+    vocab = VOCAB
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_random_qwen2_vl(
-            tmp, args.kind, vocab_size=vocab, vision_config=vision,
-            hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-            num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [2 * eighth, 3 * eighth, 3 * eighth]})
+        # Qwen2.5-VL at one token a second: the slices' times stay within the grid.
+        path = write_bench_model(tmp, args, tokens_per_second=1)
         bounds = Path(path) / "video_preprocessor_config.json"
         config = json.loads(bounds.read_text())
         config["size"] = {"shortest_edge": 28 * 28, "longest_edge": args.size ** 2}

@@ -14,7 +14,12 @@ import hashlib
 from typing import Any
 
 from pagedserve.cluster.chat_protocol import ChatMessage
-from pagedserve.cluster.image_prompts import chat_ids, place_media, qwen_token_counts
+from pagedserve.cluster.image_prompts import (
+    MediaCountError,
+    chat_ids,
+    place_media,
+    qwen_token_counts,
+)
 from pagedserve.cluster.multimodal import image_spans, load_image
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
@@ -94,10 +99,8 @@ def _spans(ids: list[int], images: list[Any], image: dict[str, Any]
         tokens["video"] = int(image["video_token_id"])
     try:
         return place_media(ids, kinds, counts, tokens)
-    except ValueError as e:
-        if "were given" in str(e):
-            return None
-        raise
+    except MediaCountError:
+        return None
 
 
 def written_out(ids: list[int], images: list[Any], image: dict[str, Any]) -> list[int]:

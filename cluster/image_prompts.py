@@ -116,20 +116,24 @@ def write_out_runs(ids: list[int], spans: list[tuple[int, int]], counts: list[in
     return out + ids[last:], new_spans
 
 
+class MediaCountError(ValueError):
+    """The prompt marks another number of images (or videos) than it was given."""
+
+
 def place_media(ids: list[int], kinds: Sequence[str], counts: Sequence[int],
                 tokens: dict[str, int]) -> tuple[list[int], list[tuple[int, int]]]:
     """A prompt's images and videos side by side (``kinds``: each item's, in the order
     given; ``tokens``: each kind's placeholder id): the items of one kind fill that
     kind's runs in order, each run written out to its item's ``counts``; returns the ids
-    and each item's span, in the order given. ``ValueError`` names the kind whose runs
-    do not match its items."""
+    and each item's span, in the order given. ``MediaCountError`` names the kind whose
+    runs do not match its items (a ``ValueError`` a run of the wrong length)."""
     placed: list[tuple[int, int, int]] = []
     for kind, token in tokens.items():
         items = [i for i, k in enumerate(kinds) if k == kind]
         spans = split_runs(image_spans(ids, token), [counts[i] for i in items])
         if len(spans) != len(items):
-            raise ValueError(f"{kind}s: the prompt marks {len(spans)} {kind}s (runs of "
-                             f"{kind} token {token}) but {len(items)} were given")
+            raise MediaCountError(f"{kind}s: the prompt marks {len(spans)} {kind}s (runs of "
+                                  f"{kind} token {token}) but {len(items)} were given")
         placed += [(a, b, i) for (a, b), i in zip(spans, items, strict=True)]
     placed.sort()
     ids, spans = write_out_runs(ids, [(a, b) for a, b, _ in placed],
