@@ -81,6 +81,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="image URLs may name local files under DIR (file://...); "
                         "default: no local files")
+    p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
+                   help='the multimodal processor\'s options as JSON: Gemma 3\'s '
+                        '{"do_pan_and_scan": true} (crops of wide or tall pictures), '
+                        'Qwen2-VL\'s {"min_pixels": ..., "max_pixels": ...}')
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
@@ -296,7 +300,8 @@ def generate(args: argparse.Namespace) -> int:
         expert_placement_strategy=args.expert_placement_strategy,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
-        allowed_local_media_path=args.allowed_local_media_path)
+        allowed_local_media_path=args.allowed_local_media_path,
+        mm_processor_kwargs=args.mm_processor_kwargs)
     lora = None
     try:
         if args.lora is not None:

@@ -78,6 +78,10 @@ class EngineConfig:
     (``{"image": 4}``; None: 16); ``{"image": 0}`` serves a multimodal file as text
     only, its vision encoder never loaded. ``allowed_local_media_path`` (vLLM's) lets
     image URLs name local files under that directory (``file://``); off by default.
+    ``mm_processor_kwargs`` (vLLM's) sets the multimodal processor's options, e.g.
+    Gemma 3's ``{"do_pan_and_scan": true}`` or Qwen2-VL's ``min_pixels`` /
+    ``max_pixels``; a key the model's processor does not take is refused by name
+    (``processor_options``).
     """
 
     model: str | None = None
@@ -125,6 +129,7 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,6 +142,10 @@ class EngineConfig:
                                              and v >= 0 for v in limit.values())):
             raise ValueError("limit_mm_per_prompt must map 'image' and / or 'video' to an "
                              f"integer >= 0, got {limit!r}")
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs,
+                                                                   dict):
+            raise ValueError(f"mm_processor_kwargs must be a JSON object, got "
+                             f"{self.mm_processor_kwargs!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
         n = self.max_loaded_loras

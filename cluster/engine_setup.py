@@ -4,11 +4,13 @@ fill) and the scheduler sized from what the ranks report."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.processor_options import check_processor_kwargs
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.config import ModelConfig
@@ -25,9 +27,9 @@ from pagedserve.worker.worker_config import WorkerConfig
 def checked_worker_config(config: EngineConfig, model_path: str, device: str) -> WorkerConfig:
     """Every rank's settings, after the checks that need no rank: the draft model is
     resolved to a local path and fits the target, the pipeline's stages hold layers,
-    expert parallelism has an expert for every rank, the model's config reads (the
-    engine runs this before loading the tokenizer, whose loader may reject a bad field
-    without naming it)."""
+    expert parallelism has an expert for every rank, the multimodal processor takes
+    its options, the model's config reads (the engine runs this before loading the
+    tokenizer, whose loader may reject a bad field without naming it)."""
     wcfg = config.worker_config(model_path, device)
     has_config = (Path(model_path) / "config.json").is_file()
     mc = ModelConfig.from_pretrained(model_path) if has_config else None
@@ -45,6 +47,10 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
     elif wcfg.speculative_model is not None:
         wcfg = replace(wcfg, speculative_model=check_draft(
             wcfg.speculative_model, model_path, wcfg.hybrid_kv_cache))
+    if config.mm_processor_kwargs:  # a key the model's processor does not take, by name
+        model_type = json.loads((Path(model_path) / "config.json").read_text()).get(
+            "model_type") if has_config else None
+        check_processor_kwargs(config.mm_processor_kwargs, model_type)
     if config.pipeline_parallel_size > 1:
         check_stages_fit(model_path, config.pipeline_parallel_size,
                          config.resolved_layer_partition())

@@ -21,6 +21,7 @@ from pagedserve.cluster.image_prompts import (
     qwen_token_counts,
 )
 from pagedserve.cluster.multimodal import image_spans, load_image
+from pagedserve.cluster.processor_options import crop_counts
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
 from pagedserve.cluster.video import VideoClip, load_video
@@ -62,13 +63,17 @@ async def chat_images(messages: list[ChatMessage], info: dict[str, Any],
 def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[str, Any],
                    add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
                    template_kwargs: dict[str, Any] | None = None,
-                   continue_final_message: bool = False) -> list[int]:
+                   continue_final_message: bool = False,
+                   pictures: list[Any] | None = None) -> list[int]:
     """``image_prompts.chat_ids`` of the request's messages (tools and template
-    variables too); a template that cannot render them is a 400 on ``messages``."""
+    variables too; ``pictures``: the decoded ones, whose crop counts write out their
+    runs under Gemma 3's pan-and-scan); a template that cannot render them, or
+    markers that do not match the pictures, is a 400 on ``messages``."""
     extra = template_extra(tools, template_kwargs, continue_final_message)
+    crops = crop_counts(pictures or [], image)
     try:
         return chat_ids(tokenizer, image, template_messages(messages), add_generation_prompt,
-                        **extra)
+                        crops, **extra)
     except Exception as e:
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -131,11 +136,26 @@ def affinity_images(ids: list[int], images: list[Any], image: dict[str, Any]
     if placed is not None:
         spans = placed[1]
     else:
-        spans = image_spans(ids, int(image["image_token_id"]))
+        spans = _picture_spans(image_spans(ids, int(image["image_token_id"])),
+                               crop_counts(images, image))
         if len(spans) != len(images):
             return []
     items = sorted(zip(spans, images, strict=True), key=lambda item: item[0])
     return [ImageInput(a, b, _decoded_key(x), None) for (a, b), x in items]
+
+
+def _picture_spans(runs: list[tuple[int, int]], crops: list[int] | None
+                   ) -> list[tuple[int, int]]:
+    """Each picture's span over its runs: one run a picture, or under pan-and-scan
+    (``crops``) the picture's run through its last crop's; the runs as they are where
+    they do not add up."""
+    if crops is None or len(runs) != sum(1 + n for n in crops):
+        return runs
+    out, k = [], 0
+    for n in crops:
+        out.append((runs[k][0], runs[k + n][1]))
+        k += 1 + n
+    return out
 
 
 def _decoded_key(item: Any) -> str:

@@ -8,11 +8,13 @@ gives it on any host, whatever else is installed there.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.cluster.processor_options import PanAndScan
 from pagedserve.worker.anyres import AnyresPixels, facts_token_count
 
 if TYPE_CHECKING:  # PIL is imported where an image is read: text-only serving needs none
@@ -33,11 +35,14 @@ class ImageProcessor:
     original (slow) processors, and the same image then gives the same pixels (and
     ``image_hash``) on every host, whatever is installed there.
     Gemma 3's is called with ``Gemma3Processor.images_kwargs`` (RGB conversion on,
-    pan-and-scan off), as the processor calls it, so the output equals the processor's
-    ``pixel_values``.
+    pan-and-scan off unless its saved config or ``options`` turn it on: ``PanAndScan``),
+    as the processor calls it, so the output equals the processor's ``pixel_values``.
+    ``options``: checked ``mm_processor_kwargs`` (``processor_options``), which take
+    precedence over the saved config, as in the processor's call.
     """
 
-    def __init__(self, hf_image_processor: Any) -> None:
+    def __init__(self, hf_image_processor: Any, options: Mapping[str, Any] | None = None
+                 ) -> None:
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
         from transformers.models.gemma3.image_processing_pil_gemma3 import (
             Gemma3ImageProcessorPil,
@@ -54,11 +59,17 @@ class ImageProcessor:
         )
 
         hf = hf_image_processor
+        options = dict(options or {})
         self._hf = hf
         self._qwen = isinstance(hf, Qwen2VLImageProcessorPil)
         self._anyres: dict[str, Any] | None = None
+        self.pan_and_scan: PanAndScan | None = None
         if self._qwen:  # sizes vary: no square side
             self._image_size, self._call_kwargs = 0, {}
+            self._pixel_bounds = _pixel_bounds(hf, options)
+            if options:
+                lo, hi = self._pixel_bounds
+                self._call_kwargs = {"size": {"shortest_edge": lo, "longest_edge": hi}}
             return
         if isinstance(hf, LlavaNextImageProcessorPil | LlavaOnevisionImageProcessorPil):
             self._image_size, self._call_kwargs = 0, {}
@@ -66,10 +77,10 @@ class ImageProcessor:
             self._anyres["multi_image_base"] = isinstance(hf, LlavaOnevisionImageProcessorPil)
             return
         if isinstance(hf, Gemma3ImageProcessorPil):
-            if hf.do_pan_and_scan:
-                raise ValueError("image processor: do_pan_and_scan=true is not supported; "
-                                 "set it to false or null in preprocessor_config.json")
             size, kwargs = hf.size, dict(Gemma3Processor.images_kwargs)
+            self.pan_and_scan = PanAndScan.of(hf, options)
+            if self.pan_and_scan is not None:
+                kwargs.update(self.pan_and_scan.call_kwargs())
         elif isinstance(hf, CLIPImageProcessorPil):
             size = hf.crop_size if hf.do_center_crop else hf.size
             kwargs = {}
@@ -82,10 +93,12 @@ class ImageProcessor:
         self._call_kwargs = kwargs
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, hf_config: dict) -> ImageProcessor:
+    def from_model_dir(cls, model_dir: str | Path, hf_config: dict,
+                       options: Mapping[str, Any] | None = None) -> ImageProcessor:
         """What ``AutoImageProcessor.from_pretrained(model_dir, backend="pil")`` loads where
         the checkpoint has a preprocessor config, else the model's defaults at
-        ``vision_config.image_size`` (Gemma 3: 896 if absent; CLIP's: 224)."""
+        ``vision_config.image_size`` (Gemma 3: 896 if absent; CLIP's: 224); ``options``
+        as the constructor takes them."""
         from transformers import AutoImageProcessor
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
         from transformers.models.gemma3.image_processing_pil_gemma3 import (
@@ -96,7 +109,7 @@ class ImageProcessor:
         if _has_image_processor_config(model_dir):
             hf = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil",
                                                     local_files_only=True)
-            return cls(hf)
+            return cls(hf, options)
         if hf_config.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
                 Qwen2VLImageProcessorPil,
@@ -106,7 +119,7 @@ class ImageProcessor:
             return cls(Qwen2VLImageProcessorPil(
                 patch_size=vision.get("patch_size", 14),
                 merge_size=vision.get("spatial_merge_size", 2),
-                temporal_patch_size=vision.get("temporal_patch_size", 2)))
+                temporal_patch_size=vision.get("temporal_patch_size", 2)), options)
         if hf_config.get("model_type") == "llava_next":
             from transformers.models.llava_next.image_processing_pil_llava_next import (
                 LlavaNextImageProcessorPil,
@@ -137,7 +150,7 @@ class ImageProcessor:
         if llava:
             return cls(CLIPImageProcessorPil(size={"shortest_edge": size},
                                              crop_size={"height": size, "width": size}))
-        return cls(Gemma3ImageProcessorPil(size={"height": size, "width": size}))
+        return cls(Gemma3ImageProcessorPil(size={"height": size, "width": size}), options)
 
     @property
     def hf(self) -> Any:
@@ -150,9 +163,9 @@ class ImageProcessor:
         .qwen_token_counts``) without the processor; None for the fixed-size ones."""
         if not self._qwen:
             return None
-        hf = self._hf
-        return {"factor": int(hf.patch_size) * int(hf.merge_size),
-                "min_pixels": int(hf.size.shortest_edge), "max_pixels": int(hf.size.longest_edge)}
+        lo, hi = self._pixel_bounds
+        return {"factor": int(self._hf.patch_size) * int(self._hf.merge_size),
+                "min_pixels": lo, "max_pixels": hi}
 
     def anyres_facts(self) -> dict[str, Any] | None:
         """LLaVA-NeXT's canvases and crop side (``anyres.anyres_facts``), for a front end
@@ -209,7 +222,8 @@ class ImageProcessor:
                  ) -> torch.Tensor | list[torch.Tensor] | list[AnyresPixels]:
         """float32 ``[N, 3, S, S]`` pixel values, one row per image, in order (Qwen2-VL:
         a list of ``[3, H, W]``, each picture's own size; LLaVA-NeXT: a list of each
-        picture's crops with its size)."""
+        picture's crops with its size; Gemma 3 with pan-and-scan: a list of
+        ``[1 + crops, 3, S, S]``, the whole picture first, as the processor orders them)."""
         if self._qwen:
             return self._qwen_pixels(images)
         if self._anyres is not None:
@@ -222,7 +236,10 @@ class ImageProcessor:
         pixel_values = out["pixel_values"]
         if pixel_values.dtype != torch.float32:
             raise ValueError(f"image processor returned {pixel_values.dtype}, expected float32")
-        return pixel_values
+        if self.pan_and_scan is None:
+            return pixel_values
+        views = [1 + int(n) for n in out["num_crops"]]
+        return list(torch.split(pixel_values, views))
 
     def _anyres_pixels(self, image: Image.Image) -> AnyresPixels:
         """One picture's crops (HF's ``pixel_values[0]``, called alone: no padding to
@@ -246,10 +263,21 @@ class ImageProcessor:
         from pagedserve.worker.models.qwen2_vision_config import patches_to_images
 
         hf = self._hf
-        out = hf(list(images), return_tensors="pt")
+        out = hf(list(images), return_tensors="pt", **self._call_kwargs)
         return patches_to_images(out["pixel_values"].float(), out["image_grid_thw"],
                                  int(hf.patch_size), int(hf.temporal_patch_size),
                                  int(hf.merge_size))
+
+
+def _pixel_bounds(hf: Any, options: Mapping[str, Any]) -> tuple[int, int]:
+    """Qwen2-VL's picture bounds in pixels: the saved ``size``, ``min_pixels`` /
+    ``max_pixels`` in ``options`` over it; ``ValueError`` where they cross."""
+    lo = int(options.get("min_pixels", hf.size.shortest_edge))
+    hi = int(options.get("max_pixels", hf.size.longest_edge))
+    if lo > hi:
+        raise ValueError(f"mm_processor_kwargs: min_pixels {lo} > max_pixels {hi} (the "
+                         "other bound is the processor's)")
+    return lo, hi
 
 
 def _anyres_facts(hf: Any) -> dict[str, Any]:

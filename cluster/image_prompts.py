@@ -26,6 +26,11 @@ from pagedserve.cluster.multimodal import (
     image_spans,
     load_image,
 )
+from pagedserve.cluster.processor_options import (
+    check_processor_kwargs,
+    crop_counts,
+    pan_and_scan_inputs,
+)
 from pagedserve.cluster.video import VideoSource, is_video, load_video
 from pagedserve.cluster.video_processor import VideoProcessor
 from pagedserve.scheduler.multimodal import ImageInput
@@ -46,21 +51,27 @@ class PreparedImages(Sequence[Any]):
         return self.pixels[i]
 
 
-def expand_text(tokenizer: Any, info: dict[str, Any], text: str) -> str:
+def expand_text(tokenizer: Any, info: dict[str, Any], text: str,
+                crops: Sequence[int] | None = None) -> str:
     """``text`` with each image marker written out as its placeholder run, as the
     model's processor writes it (``info``: the worker's ``model_info()["image"]``):
-    Gemma 3's begin-of-image token becomes its framed run, LLaVA's image token is
-    repeated once per image token. Qwen2-VL's ``<|image_pad|>`` and LLaVA-NeXT's
-    ``<image>`` stay single here: the run's length depends on the picture's size, so
-    ``ImagePrompts.build`` writes it out once the picture is processed (a special
-    token: the text around it tokenises the same either way)."""
+    Gemma 3's begin-of-image token becomes its framed run (under pan-and-scan, its
+    sentence of runs: ``crops``, each picture's crop count, is then required), LLaVA's
+    image token is repeated once per image token. Qwen2-VL's ``<|image_pad|>`` and
+    LLaVA-NeXT's ``<image>`` stay single here: the run's length depends on the
+    picture's size, so ``ImagePrompts.build`` writes it out once the picture is
+    processed (a special token: the text around it tokenises the same either way)."""
     convert = tokenizer.convert_ids_to_tokens
     marker, image = convert(int(info["marker_token_id"])), convert(int(info["image_token_id"]))
     if not info["tokens_per_image"]:  # one marker an image: written out by ``build``
         return text
     n = int(info["tokens_per_image"])
     if info["family"] == "gemma3":
-        return expand_image_tokens(text, marker, image, convert(int(info["eoi_token_id"])), n)
+        if info.get("pan_and_scan") and crops is None:
+            raise ValueError("pan-and-scan: each picture's crop count is needed to write "
+                             "out its runs (processor_options.crop_counts)")
+        return expand_image_tokens(text, marker, image, convert(int(info["eoi_token_id"])), n,
+                                   crops)
     return text.replace(marker, image * n)
 
 
@@ -80,16 +91,17 @@ def expand_single_markers(ids: list[int], info: dict[str, Any]) -> list[int]:
 
 
 def chat_ids(tokenizer: Any, info: dict[str, Any], messages: list[dict[str, Any]],
-             add_generation_prompt: bool, **template: Any) -> list[int]:
+             add_generation_prompt: bool, crops: Sequence[int] | None = None,
+             **template: Any) -> list[int]:
     """The prompt ids of a chat with images: the template rendered to text (an image
     part is its marker: Gemma 3's begin-of-image token, LLaVA's ``<image>``), each
-    image's run written out, then tokenised
-    without adding special tokens (the template wrote them), as Hugging Face's
-    processor does."""
+    image's run written out (``crops``: under pan-and-scan, each picture's crop count),
+    then tokenised without adding special tokens (the template wrote them), as Hugging
+    Face's processor does."""
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          **template)
-    return tokenizer.encode(expand_text(tokenizer, info, text), add_special_tokens=False)
+    return tokenizer.encode(expand_text(tokenizer, info, text, crops), add_special_tokens=False)
 
 
 def write_out_runs(ids: list[int], spans: list[tuple[int, int]], counts: list[int],
@@ -193,21 +205,26 @@ class ImagePrompts:
     """Builds image prompts for one multimodal model (``info``: the worker's
     ``model_info()["image"]``) with its tokenizer, at most ``limit`` images (and
     ``video_limit`` videos, where the model takes them: Qwen2-VL) a prompt, pixels in the
-    model's ``dtype``."""
+    model's ``dtype``; ``processor_kwargs``: vLLM's ``mm_processor_kwargs``
+    (``processor_options``)."""
 
     def __init__(self, model_dir: str, info: dict[str, Any], tokenizer: Any, limit: int,
                  allowed_local_media_path: str | None = None, dtype: str = "float32",
-                 video_limit: int = 0) -> None:
+                 video_limit: int = 0, processor_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer, self.limit, self.video_limit = tokenizer, limit, video_limit
         self.allowed_local_media_path = allowed_local_media_path
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.processor = ImageProcessor.from_model_dir(model_dir, hf_config)
+        options = check_processor_kwargs(processor_kwargs, hf_config.get("model_type"))
+        self.processor = ImageProcessor.from_model_dir(model_dir, hf_config, options)
         self.processor.check_model(hf_config)
         resize, anyres = self.processor.resize_facts(), self.processor.anyres_facts()
+        pas = self.processor.pan_and_scan
         # What the HTTP front needs (``EngineServer.info``): the rule that sizes a
-        # picture's run where it varies (Qwen2-VL's resize, LLaVA-NeXT's canvases).
+        # picture's run where it varies (Qwen2-VL's resize, LLaVA-NeXT's canvases,
+        # Gemma 3's pan-and-scan crops).
         self.info = {**info, **({"resize": resize} if resize else {}),
-                     **({"anyres": anyres} if anyres else {})}
+                     **({"anyres": anyres} if anyres else {}),
+                     **({"pan_and_scan": pas.facts()} if pas else {})}
         self.video: VideoProcessor | None = None
         self.video_token_id = info.get("video_token_id")
         if self.video_token_id is not None and video_limit:
@@ -227,6 +244,8 @@ class ImagePrompts:
         image token). Videos (``is_video``) fill the video placeholder's runs the same
         way. ``ValueError`` names the field."""
         videos = self._check_counts(images)
+        if self.processor.pan_and_scan is not None:
+            return self._build_views(prompt, images, encode)
         ids = encode(expand_text(self.tokenizer, self.info, prompt)) \
             if isinstance(prompt, str) else expand_single_markers(list(prompt), self.info)
         if videos:
@@ -257,6 +276,35 @@ class ImagePrompts:
         causal = not self.info["bidirectional"]
         return ids, tuple(ImageInput(a, b, key, p, grid, causal) for (a, b), p, key, grid
                           in zip(spans, prepared.pixels, prepared.keys, grids, strict=True))
+
+    def _build_views(self, prompt: str | list[int], images: Sequence[Any],
+                     encode: Callable[[str], list[int]]
+                     ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """A Gemma 3 prompt under pan-and-scan: a text prompt's markers written out to
+        each picture's sentence of runs once its crops are known; token ids as they are
+        (their runs the processor's); a run for each view (``pan_and_scan_inputs``)."""
+        prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
+        ids = list(prompt) if not isinstance(prompt, str) else encode(expand_text(
+            self.tokenizer, self.info, prompt, [int(p.shape[0]) - 1 for p in prepared.pixels]))
+        runs = image_spans(ids, self.image_token_id)
+        return ids, pan_and_scan_inputs(runs, prepared.pixels, prepared.keys,
+                                        self.tokens_per_image)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], sources: Sequence[Any],
+                    add_generation_prompt: bool, **template: Any
+                    ) -> tuple[list[int], list[Any]]:
+        """``chat_ids`` of rendered ``messages`` whose image parts came out as
+        ``sources`` (``multimodal.split_chat_images``), and the sources to hand the
+        engine: under pan-and-scan the pictures are read first, their crop counts
+        writing out the runs, and handed on read (not fetched twice)."""
+        crops = None
+        if self.processor.pan_and_scan is not None:
+            self._check_counts(sources)
+            at = self.allowed_local_media_path
+            sources = [load_image(s, allowed_local_media_path=at) for s in sources]
+            crops = crop_counts(sources, self.info)
+        return chat_ids(self.tokenizer, self.info, messages, add_generation_prompt, crops,
+                        **template), list(sources)
 
     def _check_counts(self, items: Sequence[Any]) -> int:
         """``ValueError`` for more images or videos than a prompt may carry, or videos

@@ -8,7 +8,6 @@ from typing import Any
 from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_sequences
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
-from pagedserve.cluster.image_prompts import chat_ids
 from pagedserve.cluster.multimodal import split_chat_images
 from pagedserve.cluster.outputs import (
     EmbeddingOutput,
@@ -170,8 +169,8 @@ class LLM:
                 continue
             if self.engine.images is None:
                 raise ValueError("messages: this model takes no images")
-            ids = chat_ids(tok, self.engine.model_info["image"], rendered,
-                           add_generation_prompt, **extra)
+            ids, images = self.engine.images.chat_prompt(rendered, images,
+                                                         add_generation_prompt, **extra)
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.cluster.processor_options import pan_and_scan_text
 from pagedserve.worker.anyres import AnyresPixels
 from pagedserve.worker.video_pixels import VideoPixels
 
@@ -209,15 +210,27 @@ def image_hash(pixel_values: torch.Tensor | AnyresPixels | VideoPixels) -> str:
 
 
 def expand_image_tokens(text: str, boi_token: str, image_token: str, eoi_token: str,
-                        tokens_per_image: int) -> str:
+                        tokens_per_image: int, crops: Sequence[int] | None = None) -> str:
     """Each ``boi_token`` replaced by ``"\\n\\n" + boi + image_token * n + eoi + "\\n\\n"``:
-    ``Gemma3Processor.full_image_sequence``, substituted as its ``__call__`` does."""
+    ``Gemma3Processor.full_image_sequence``, substituted as its ``__call__`` does. With
+    ``crops`` (pan-and-scan: each picture's crop count, in order) the i-th marker becomes
+    its picture's sentence of runs (``processor_options.pan_and_scan_text``);
+    ``ValueError`` where the text marks another number of pictures."""
     if not boi_token:
         raise ValueError("boi_token must not be empty")
     if tokens_per_image <= 0:
         raise ValueError(f"tokens_per_image must be positive, got {tokens_per_image}")
     sequence = f"\n\n{boi_token}{image_token * tokens_per_image}{eoi_token}\n\n"
-    return text.replace(boi_token, sequence)
+    if crops is None:
+        return text.replace(boi_token, sequence)
+    pieces = text.split(boi_token)
+    if len(pieces) - 1 != len(crops):
+        raise ValueError(f"images: the prompt marks {len(pieces) - 1} images (image markers) "
+                         f"but {len(crops)} were given")
+    out = [pieces[0]]
+    for n, piece in zip(crops, pieces[1:], strict=True):
+        out += [pan_and_scan_text(sequence, n), piece]
+    return "".join(out)
 
 
 def count_image_placeholders(text: str, boi_token: str) -> int:

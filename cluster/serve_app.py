@@ -306,7 +306,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                                          self.mistral_tools)
         images = await chat_images(body.messages, info, self.allowed_local_media_path)
         ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
-                             body.chat_template_kwargs, body.continue_final_message, info)
+                             body.chat_template_kwargs, body.continue_final_message, info,
+                             images)
         ids = body.truncate(written_out(ids, images, info["image"]) if images else ids)
         params = body.sampling_params(
             max_tokens_for(body.requested_max_tokens(), len(ids), info,
@@ -327,16 +328,18 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                   tools: list[dict[str, Any]] | None,
                   template_kwargs: dict[str, Any] | None,
                   continue_final_message: bool = False,
-                  info: dict[str, Any] | None = None) -> list[int]:
+                  info: dict[str, Any] | None = None,
+                  images: list[Any] | None = None) -> list[int]:
         """The chat's prompt ids; with images, each one's placeholder run written out as
-        the model's processor writes it (``image_chat``)."""
+        the model's processor writes it (``image_chat``; ``images``: the decoded ones,
+        which Gemma 3's pan-and-scan needs to write the runs of their crops)."""
         dicts = [m.as_template_dict() for m in messages]
         if any(m.media for m in messages):
             image = (info or {}).get("image")
             if not image:
                 raise APIError("this model takes no images", param="messages")
             return image_chat_ids(self.tokenizer, dicts, image, add_generation_prompt, tools,
-                                  template_kwargs, continue_final_message)
+                                  template_kwargs, continue_final_message, images)
         return chat_prompt_ids(self.tokenizer, dicts, add_generation_prompt, tools,
                                template_kwargs, continue_final_message)
 

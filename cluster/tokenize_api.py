@@ -60,12 +60,15 @@ class TokenizeEndpoints:
         self._check_model(body.model)
         info = await self._engine_info()
         if body.messages is not None:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
-                                 body.chat_template_kwargs, body.continue_final_message, info)
             image = info.get("image") or {}
-            if image.get("resize") or image.get("anyres"):  # runs by picture size
+            images = None
+            if image.get("resize") or image.get("anyres") or image.get("pan_and_scan"):
+                # runs by picture size: the pictures are read to count them
                 images = await chat_images(body.messages, info, self.allowed_local_media_path)
-                ids = written_out(ids, images, info["image"]) if images else ids
+            ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
+                                 body.chat_template_kwargs, body.continue_final_message, info,
+                                 images)
+            ids = written_out(ids, images, info["image"]) if images else ids
         else:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": info["max_model_len"]}

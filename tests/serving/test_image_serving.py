@@ -1,5 +1,6 @@
 """Images over HTTP: a random multimodal Gemma 3 in an engine replica of two TP ranks
-(Ray actors, each with its vision encoder) answers chat completions whose messages hold
+(Ray actors, each with its vision encoder), its pictures cut by pan-and-scan
+(``mm_processor_kwargs``), answers chat completions whose messages hold
 OpenAI image parts (a data URL, an http URL on loopback, a file under
 ``allowed_local_media_path``) as the in-process engine does; bad images are 400s on
 ``messages`` and leave the replica at its baseline. A Qwen2-VL replica's picture runs
@@ -23,6 +24,7 @@ from pagedserve.worker.testing_qwen_vl import write_random_qwen2_vl
 from tests.serving.conftest import App, Cluster, loopback_http
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}
 
 
 def png(img) -> bytes:
@@ -51,14 +53,17 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def mm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_random_gemma3_multimodal(tmp_path_factory.mktemp("models") / "gemma3-mm")
+    # (seed 8: its answer depends on which picture it sees, crops and all)
+    return write_random_gemma3_multimodal(tmp_path_factory.mktemp("models") / "gemma3-mm",
+                                          seed=8)
 
 
 @pytest.fixture(scope="module")
 def mm_app(cluster: Cluster, mm_dir: str, media: Path) -> Iterator[App]:
     app = cluster.deploy("images", {"model": mm_dir, "served_model_name": "tiny-gemma3",
                                     "tensor_parallel_size": 2, "num_gpu_blocks": 64,
-                                    "num_threads": 1, "allowed_local_media_path": str(media)})
+                                    "num_threads": 1, "allowed_local_media_path": str(media),
+                                    "mm_processor_kwargs": PAN_AND_SCAN})
     yield app
     cluster.delete("images")
 
@@ -83,8 +88,8 @@ def test_image_chat_over_http_equals_the_offline_engine(
     client = mm_app.openai()
     kw = dict(model="tiny-gemma3", max_tokens=8, temperature=0.0,
               extra_body={"ignore_eos": True})
-    img = picture(11)
-    llm = LLM(model=mm_dir, num_gpu_blocks=64)
+    img = picture(11)  # 40 x 30: two crops besides the whole
+    llm = LLM(model=mm_dir, num_gpu_blocks=64, mm_processor_kwargs=PAN_AND_SCAN)
     try:
         ref = llm.chat(messages(data_url(img)), SamplingParams(
             temperature=0.0, max_tokens=8, ignore_eos=True))[0]
@@ -93,6 +98,7 @@ def test_image_chat_over_http_equals_the_offline_engine(
     finally:
         llm.shutdown()
     assert ref.outputs[0].text != other.outputs[0].text  # the image decides the answer
+    assert ref.prompt_token_ids.count(299) == 3 * 16  # a run for the picture and each crop
     for url in (data_url(img), f"{image_server}/a.png", (media / "a.png").as_uri()):
         out = client.chat.completions.create(messages=messages(url), **kw)
         assert out.choices[0].message.content == ref.outputs[0].text, url

@@ -66,6 +66,12 @@ def image() -> Image.Image:
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    return bpe_tokenizer()
+
+
+def bpe_tokenizer():
+    """A byte-level BPE tokenizer (spaces and newlines are tokens) with Gemma 3's image
+    tokens as special tokens, as the processor needs them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -322,14 +328,6 @@ def test_default_size_is_896_and_no_images_give_an_empty_batch(tmp_path: Path) -
     ours = ImageProcessor.from_model_dir(tmp_path, {"model_type": "gemma3"})
     assert ours.image_size == 896
     assert ours([]).shape == (0, 3, 896, 896)
-
-
-def test_pan_and_scan_in_the_config_is_refused(tmp_path: Path) -> None:
-    config = {"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": True,
-              "size": {"height": SIZE, "width": SIZE}}
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="do_pan_and_scan"):
-        ImageProcessor.from_model_dir(tmp_path, {})
 
 
 # image_hash

@@ -1,0 +1,170 @@
+"""``mm_processor_kwargs``: the options a multimodal model's processor takes, checked, and
+Gemma 3's pan-and-scan, which they switch on.
+
+vLLM's ``--mm-processor-kwargs`` passes its JSON to the Hugging Face processor. Here
+each family lists what it takes, and a key it does not take (a typo, another model's
+option) is a ``ValueError`` naming it before any rank starts, rather than a silent
+no-op: Gemma 3's pan-and-scan switches and bounds, Qwen2-VL's picture bounds
+(``min_pixels`` / ``max_pixels``).
+
+Pan-and-scan (``PanAndScan``) is Gemma 3's answer to pictures far from square: besides
+the whole picture, resized to the tower's square, the processor cuts it into 2 to
+``max_num_crops`` equal crops along its long side and gives each its own 256 tokens.
+The prompt then reads "Here is the original image <the picture's run> and here are
+some crops to help you see better <a run per crop>" (``Gemma3Processor
+.replace_image_token``). How many crops a picture gets depends only on its size, so a
+front end counts them from the decoded picture (``crop_count``) before the replica
+processes it, as it counts Qwen2-VL's runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pagedserve.scheduler.multimodal import ImageInput
+
+# Each family's options: key -> (kind, description of what it takes).
+_GEMMA3 = {
+    "do_pan_and_scan": (bool, "true or false"),
+    "pan_and_scan_min_crop_size": (int, "an integer >= 1"),
+    "pan_and_scan_max_num_crops": (int, "an integer >= 1"),
+    "pan_and_scan_min_ratio_to_activate": (float, "a number > 0"),
+}
+_QWEN_VL = {
+    "min_pixels": (int, "an integer >= 1"),
+    "max_pixels": (int, "an integer >= 1"),
+}
+PROCESSOR_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
+    "gemma3": _GEMMA3, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL,
+    "llava": {}, "llava_next": {}, "llava_onevision": {},
+}
+
+
+def check_processor_kwargs(kwargs: Mapping[str, Any] | None, model_type: str | None
+                           ) -> dict[str, Any]:
+    """``kwargs`` checked against what ``model_type``'s processor takes (a copy; ``{}``
+    for None). ``ValueError`` names ``mm_processor_kwargs`` and the key: a model without
+    a multimodal processor, a key its processor does not take, a value of the wrong
+    kind, ``min_pixels`` over ``max_pixels``."""
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"mm_processor_kwargs must be a JSON object, got {kwargs!r}")
+    options = PROCESSOR_OPTIONS.get(model_type or "")
+    if options is None:
+        raise ValueError(f"mm_processor_kwargs: model type {model_type!r} has no multimodal "
+                         "processor to pass them to")
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key not in options:
+            takes = ", ".join(sorted(options)) or "none"
+            raise ValueError(f"mm_processor_kwargs.{key}: not an option of {model_type}'s "
+                             f"processor (it takes: {takes})")
+        kind, what = options[key]
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, int | float) and not isinstance(value, bool)
+            and (value >= 1 and float(value).is_integer() if kind is int else value > 0))
+        if not ok or (kind is float and not math.isfinite(value)):
+            raise ValueError(f"mm_processor_kwargs.{key} must be {what}, got {value!r}")
+        out[key] = int(value) if kind is int else float(value) if kind is float else value
+    lo, hi = out.get("min_pixels"), out.get("max_pixels")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"mm_processor_kwargs: min_pixels {lo} > max_pixels {hi}")
+    return out
+
+
+@dataclass(frozen=True)
+class PanAndScan:
+    """Gemma 3's pan-and-scan bounds (``Gemma3Processor.images_kwargs``' defaults): a
+    picture whose long side is at least ``min_ratio_to_activate`` times its short side
+    is cut into crops of at least ``min_crop_size`` pixels, at most ``max_num_crops``."""
+
+    min_crop_size: int = 256
+    max_num_crops: int = 4
+    min_ratio_to_activate: float = 1.2
+
+    @classmethod
+    def of(cls, saved: Any, overrides: Mapping[str, Any]) -> PanAndScan | None:
+        """The bounds in force for a Gemma 3 processor whose saved fields are ``saved``
+        (its ``do_pan_and_scan``... attributes; None: the processor's default) under
+        checked ``overrides`` (``check_processor_kwargs``); None where it is off."""
+        def pick(name: str) -> Any:
+            key = f"pan_and_scan_{name}" if name != "do" else "do_pan_and_scan"
+            value = overrides.get(key, getattr(saved, key, None))
+            return value if value is not None else (
+                False if name == "do" else getattr(cls, name))
+
+        if not pick("do"):
+            return None
+        return cls(int(pick("min_crop_size")), int(pick("max_num_crops")),
+                   float(pick("min_ratio_to_activate")))
+
+    def crop_count(self, height: int, width: int) -> int:
+        """How many crops ``Gemma3ImageProcessor.pan_and_scan`` cuts a ``height x width``
+        picture into (0: none; the same arithmetic, so a front end's count is the
+        processor's)."""
+        long, short = (width, height) if width >= height else (height, width)
+        if long / short < self.min_ratio_to_activate:
+            return 0
+        n = min(math.floor(long / short + 0.5), math.floor(long / self.min_crop_size))
+        n = min(self.max_num_crops, max(2, n))
+        if min(math.ceil(long / n), short) < self.min_crop_size:
+            return 0
+        return n
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """The processor's call arguments that switch it on with these bounds."""
+        return {"do_pan_and_scan": True, **{f"pan_and_scan_{k}": v
+                                            for k, v in asdict(self).items()}}
+
+    def facts(self) -> dict[str, Any]:
+        """The bounds as JSON, for a front end (``from_facts``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_facts(cls, facts: Mapping[str, Any]) -> PanAndScan:
+        return cls(**facts)
+
+
+def crop_counts(pictures: Sequence[Any], image_info: Mapping[str, Any]) -> list[int] | None:
+    """Each decoded picture's crop count where the model cuts pictures (Gemma 3 with
+    pan-and-scan on: ``image_info["pan_and_scan"]``); None where it does not."""
+    facts = image_info.get("pan_and_scan")
+    if not facts:
+        return None
+    pas = PanAndScan.from_facts(facts)
+    return [pas.crop_count(p.height, p.width) for p in pictures]
+
+
+def pan_and_scan_text(sequence: str, crops: int) -> str:
+    """What one picture's marker becomes: its run (``sequence``, Gemma 3's framed run)
+    alone without crops, else ``Gemma3Processor.replace_image_token``'s sentence with a
+    run per crop."""
+    if not crops:
+        return sequence
+    return (f"Here is the original image {sequence} and here are some crops to help you "
+            "see better " + " ".join([sequence] * crops))
+
+
+def pan_and_scan_inputs(runs: Sequence[tuple[int, int]], pixels: Sequence[Any],
+                        keys: Sequence[str], tokens_per_image: int) -> tuple[ImageInput, ...]:
+    """A Gemma 3 prompt's image inputs under pan-and-scan: picture i's ``pixels[i]``
+    (``[1 + crops, 3, S, S]``) fills the next ``1 + crops`` runs of ``runs``, one view
+    a run, each attended both ways within itself (as ``token_type_ids`` group them in
+    HF's mask). A view's key is its picture's with its index. ``ValueError`` where the
+    runs do not match the pictures' views."""
+    views = [int(p.shape[0]) for p in pixels]
+    if len(runs) != sum(views):
+        raise ValueError(f"images: the prompt has {len(runs)} image runs, its {len(views)} "
+                         f"pictures take {sum(views)} under pan-and-scan (the whole picture "
+                         f"and each crop a run: {views})")
+    for a, b in runs:
+        if b - a != tokens_per_image:
+            raise ValueError(f"prompt: an image takes {tokens_per_image} placeholder "
+                             f"tokens, the run at {a} has {b - a}")
+    at = iter(runs)
+    return tuple(ImageInput(*next(at), f"{key}:{j}", p[j], None, False)
+                 for p, key, n in zip(pixels, keys, views, strict=True) for j in range(n))
