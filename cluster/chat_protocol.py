@@ -107,6 +107,7 @@ class ChatCompletionRequest(SamplingRequestBase):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, e.g. enable_thinking
     include_reasoning: bool = True  # vLLM's: with a reasoning parser, return the thought
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: this request's processor options
 
     def check(self) -> None:
         self._check_unsupported()

@@ -21,13 +21,25 @@ from pagedserve.cluster.image_prompts import (
     qwen_token_counts,
 )
 from pagedserve.cluster.multimodal import image_spans, load_image
-from pagedserve.cluster.processor_options import crop_counts
+from pagedserve.cluster.processor_options import crop_counts, request_info
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
 from pagedserve.cluster.video import VideoClip, load_video
 from pagedserve.cluster.video_processor import sampling_of, video_token_count
 from pagedserve.scheduler.multimodal import ImageInput
 from pagedserve.worker.anyres import facts_token_count
+
+
+def request_image_info(info: dict[str, Any], kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The replica's facts (``EngineServer.info``) as a request's ``mm_processor_kwargs``
+    change its images' runs (``processor_options.request_info``); a key the model's
+    processor does not take is a 400 on ``mm_processor_kwargs``."""
+    if not kwargs or not info.get("image"):
+        return info
+    try:
+        return {**info, "image": request_info(info["image"], kwargs)}
+    except ValueError as e:
+        raise APIError(str(e), param="mm_processor_kwargs") from None
 
 
 async def chat_images(messages: list[ChatMessage], info: dict[str, Any],

@@ -60,10 +60,11 @@ class ImageProcessor:
 
         hf = hf_image_processor
         options = dict(options or {})
-        self._hf = hf
+        self._hf, self.options = hf, options
         self._qwen = isinstance(hf, Qwen2VLImageProcessorPil)
         self._anyres: dict[str, Any] | None = None
         self.pan_and_scan: PanAndScan | None = None
+        self.pan_and_scan_bounds: PanAndScan | None = None  # Gemma 3's, on or off
         if self._qwen:  # sizes vary: no square side
             self._image_size, self._call_kwargs = 0, {}
             self._pixel_bounds = _pixel_bounds(hf, options)
@@ -79,6 +80,7 @@ class ImageProcessor:
         if isinstance(hf, Gemma3ImageProcessorPil):
             size, kwargs = hf.size, dict(Gemma3Processor.images_kwargs)
             self.pan_and_scan = PanAndScan.of(hf, options)
+            self.pan_and_scan_bounds = PanAndScan.bounds(hf, options)
             if self.pan_and_scan is not None:
                 kwargs.update(self.pan_and_scan.call_kwargs())
         elif isinstance(hf, CLIPImageProcessorPil):
@@ -151,6 +153,13 @@ class ImageProcessor:
             return cls(CLIPImageProcessorPil(size={"shortest_edge": size},
                                              crop_size={"height": size, "width": size}))
         return cls(Gemma3ImageProcessorPil(size={"height": size, "width": size}), options)
+
+    def variant(self, options: Mapping[str, Any]) -> ImageProcessor:
+        """This processor under one request's checked options over its own (vLLM's
+        per-request ``mm_processor_kwargs``); itself where there are none."""
+        if not options:
+            return self
+        return ImageProcessor(self._hf, {**self.options, **options})
 
     @property
     def hf(self) -> Any:

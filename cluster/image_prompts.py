@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,12 @@ from pagedserve.cluster.multimodal import (
     load_image,
 )
 from pagedserve.cluster.processor_options import (
+    MediaList,
     check_processor_kwargs,
     crop_counts,
+    options_of,
     pan_and_scan_inputs,
+    request_info,
 )
 from pagedserve.cluster.video import VideoSource, is_video, load_video
 from pagedserve.cluster.video_processor import VideoProcessor
@@ -39,10 +42,12 @@ from pagedserve.worker.video_pixels import VideoPixels
 
 @dataclass(frozen=True)
 class PreparedImages(Sequence[Any]):
-    """Images already preprocessed: their pixel tensors and content hashes, in order."""
+    """Images already preprocessed: their pixel tensors and content hashes, in order,
+    and the request's processor options they were processed under."""
 
     pixels: list[Any]
     keys: list[str]
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.pixels)
@@ -222,9 +227,11 @@ class ImagePrompts:
         # What the HTTP front needs (``EngineServer.info``): the rule that sizes a
         # picture's run where it varies (Qwen2-VL's resize, LLaVA-NeXT's canvases,
         # Gemma 3's pan-and-scan crops).
+        bounds = self.processor.pan_and_scan_bounds
         self.info = {**info, **({"resize": resize} if resize else {}),
                      **({"anyres": anyres} if anyres else {}),
-                     **({"pan_and_scan": pas.facts()} if pas else {})}
+                     **({"pan_and_scan": pas.facts()} if pas else {}),
+                     **({"pan_and_scan_bounds": bounds.facts()} if bounds else {})}
         self.video: VideoProcessor | None = None
         self.video_token_id = info.get("video_token_id")
         if self.video_token_id is not None and video_limit:
@@ -242,12 +249,14 @@ class ImagePrompts:
         (Gemma 3's begin-of-image token, LLaVA's ``<image>``; ``encode`` tokenises it after
         expansion); token ids hold every image's placeholder run (LLaVA's may hold a lone
         image token). Videos (``is_video``) fill the video placeholder's runs the same
-        way. ``ValueError`` names the field."""
+        way. A ``MediaList``'s options (vLLM's per-request ``mm_processor_kwargs``)
+        process its pictures. ``ValueError`` names the field."""
         videos = self._check_counts(images)
-        if self.processor.pan_and_scan is not None:
+        info = request_info(self.info, options_of(images))
+        if info.get("pan_and_scan"):
             return self._build_views(prompt, images, encode)
-        ids = encode(expand_text(self.tokenizer, self.info, prompt)) \
-            if isinstance(prompt, str) else expand_single_markers(list(prompt), self.info)
+        ids = encode(expand_text(self.tokenizer, info, prompt)) \
+            if isinstance(prompt, str) else expand_single_markers(list(prompt), info)
         if videos:
             return self._build_media(ids, images)
         spans = image_spans(ids, self.image_token_id)
@@ -291,20 +300,22 @@ class ImagePrompts:
                                         self.tokens_per_image)
 
     def chat_prompt(self, messages: list[dict[str, Any]], sources: Sequence[Any],
-                    add_generation_prompt: bool, **template: Any
-                    ) -> tuple[list[int], list[Any]]:
+                    add_generation_prompt: bool, options: dict[str, Any] | None = None,
+                    **template: Any) -> tuple[list[int], list[Any]]:
         """``chat_ids`` of rendered ``messages`` whose image parts came out as
         ``sources`` (``multimodal.split_chat_images``), and the sources to hand the
-        engine: under pan-and-scan the pictures are read first, their crop counts
-        writing out the runs, and handed on read (not fetched twice)."""
+        engine (with ``options``, the request's ``mm_processor_kwargs``: a
+        ``MediaList``): under pan-and-scan the pictures are read first, their crop
+        counts writing out the runs, and handed on read (not fetched twice)."""
+        info = request_info(self.info, options)
         crops = None
-        if self.processor.pan_and_scan is not None:
+        if info.get("pan_and_scan"):
             self._check_counts(sources)
             at = self.allowed_local_media_path
             sources = [load_image(s, allowed_local_media_path=at) for s in sources]
-            crops = crop_counts(sources, self.info)
-        return chat_ids(self.tokenizer, self.info, messages, add_generation_prompt, crops,
-                        **template), list(sources)
+            crops = crop_counts(sources, info)
+        ids = chat_ids(self.tokenizer, info, messages, add_generation_prompt, crops, **template)
+        return ids, MediaList(sources, options) if options else list(sources)
 
     def _check_counts(self, items: Sequence[Any]) -> int:
         """``ValueError`` for more images or videos than a prompt may carry, or videos
@@ -340,19 +351,23 @@ class ImagePrompts:
 
     def prepare(self, images: Sequence[Any]) -> PreparedImages:
         """Load and preprocess ``images`` and videos (the slow part, seconds for a URL:
-        the async engine runs it off its event loop and hands ``build`` the result)."""
+        the async engine runs it off its event loop and hands ``build`` the result),
+        under the request's options where ``images`` is a ``MediaList``."""
         self._check_counts(images)
+        options = options_of(images)
+        processor = self.processor.variant(
+            check_processor_kwargs(options, self.info["family"]))
         at = self.allowed_local_media_path
         videos = {i: self._video_pixels(x) for i, x in enumerate(images) if is_video(x)}
         pictures = [load_image(img, allowed_local_media_path=at)
                     for i, img in enumerate(images) if i not in videos]
         # In the encoder's dtype already (its first step casts them): a bf16 model's
         # pixels take half the bytes in the request and in every rank's plan.
-        processed = iter(p.to(self.dtype) for p in self.processor(pictures)) \
+        processed = iter(p.to(self.dtype) for p in processor(pictures)) \
             if pictures else iter(())
         pixels = [videos[i].to(self.dtype) if i in videos else next(processed)
                   for i in range(len(images))]
-        return PreparedImages(pixels, [image_hash(p) for p in pixels])
+        return PreparedImages(pixels, [image_hash(p) for p in pixels], options)
 
     def _video_pixels(self, video: Any) -> VideoPixels:
         if isinstance(video, VideoPixels):

@@ -16,6 +16,7 @@ from pagedserve.cluster.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from pagedserve.cluster.processor_options import MediaList
 from pagedserve.cluster.text_pairs import pair_texts
 from pagedserve.cluster.video import VideoSource
 from pagedserve.scheduler.lora_request import LoRARequest
@@ -32,9 +33,13 @@ Prompt = tuple[str | list[int], list[Any] | None]
 
 def _unwrap(prompt: PromptType) -> Prompt:
     """Text or token ids, and images, from any of vLLM's prompt forms (a dict's
-    ``multi_modal_data`` holds ``{"image": one or a list}``)."""
+    ``multi_modal_data`` holds ``{"image": one or a list}``, its ``mm_processor_kwargs``
+    the processor's options for this prompt's images: a ``MediaList``)."""
     if isinstance(prompt, Mapping):
         images = _images(prompt.get("multi_modal_data"))
+        options = prompt.get("mm_processor_kwargs")
+        if images and options:
+            images = MediaList(images, options)
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"]), images
         if "prompt" in prompt:
@@ -145,13 +150,15 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with ``chat_template_kwargs`` as extra
         template variables, e.g. Qwen3's ``enable_thinking``; ``continue_final_message``
         leaves the last message open, so the model goes on with it: set
         ``add_generation_prompt=False`` with it, as in vLLM), then generate. Messages
         may hold OpenAI's image parts (``image_url``: a data URL, an http(s) URL, a
-        local file under ``allowed_local_media_path``) for a multimodal model."""
+        local file under ``allowed_local_media_path``) for a multimodal model,
+        processed under ``mm_processor_kwargs`` over the engine's (vLLM's)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -170,8 +177,10 @@ class LLM:
             if self.engine.images is None:
                 raise ValueError("messages: this model takes no images")
             ids, images = self.engine.images.chat_prompt(rendered, images,
-                                                         add_generation_prompt, **extra)
-            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+                                                         add_generation_prompt,
+                                                         mm_processor_kwargs, **extra)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images},
+                            "mm_processor_kwargs": mm_processor_kwargs})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(

@@ -87,20 +87,24 @@ class PanAndScan:
     min_ratio_to_activate: float = 1.2
 
     @classmethod
-    def of(cls, saved: Any, overrides: Mapping[str, Any]) -> PanAndScan | None:
-        """The bounds in force for a Gemma 3 processor whose saved fields are ``saved``
-        (its ``do_pan_and_scan``... attributes; None: the processor's default) under
-        checked ``overrides`` (``check_processor_kwargs``); None where it is off."""
+    def bounds(cls, saved: Any, overrides: Mapping[str, Any]) -> PanAndScan:
+        """The bounds a Gemma 3 processor whose saved fields are ``saved`` (its
+        ``pan_and_scan_*`` attributes; None: the processor's default) cuts with under
+        checked ``overrides`` (``check_processor_kwargs``), whether on or not."""
         def pick(name: str) -> Any:
-            key = f"pan_and_scan_{name}" if name != "do" else "do_pan_and_scan"
-            value = overrides.get(key, getattr(saved, key, None))
-            return value if value is not None else (
-                False if name == "do" else getattr(cls, name))
+            value = overrides.get(f"pan_and_scan_{name}",
+                                  getattr(saved, f"pan_and_scan_{name}", None))
+            return getattr(cls, name) if value is None else value
 
-        if not pick("do"):
-            return None
         return cls(int(pick("min_crop_size")), int(pick("max_num_crops")),
                    float(pick("min_ratio_to_activate")))
+
+    @classmethod
+    def of(cls, saved: Any, overrides: Mapping[str, Any]) -> PanAndScan | None:
+        """``bounds`` where pan-and-scan is on (``do_pan_and_scan`` in ``overrides``,
+        else the saved one), None where it is off."""
+        on = overrides.get("do_pan_and_scan", getattr(saved, "do_pan_and_scan", None))
+        return cls.bounds(saved, overrides) if on else None
 
     def crop_count(self, height: int, width: int) -> int:
         """How many crops ``Gemma3ImageProcessor.pan_and_scan`` cuts a ``height x width``
@@ -127,6 +131,49 @@ class PanAndScan:
     @classmethod
     def from_facts(cls, facts: Mapping[str, Any]) -> PanAndScan:
         return cls(**facts)
+
+
+class MediaList(list):
+    """A prompt's images (and videos) with the request's own processor options (vLLM's
+    per-request ``mm_processor_kwargs``), over the engine's: the list travels from the
+    ingress or ``LLM.generate`` to the replica as the media list does."""
+
+    def __init__(self, items: Sequence[Any] = (), options: Mapping[str, Any] | None = None
+                 ) -> None:
+        super().__init__(items)
+        self.options = dict(options or {})
+
+
+def options_of(items: Any) -> dict[str, Any]:
+    """The request's processor options a media list carries (``{}``: the engine's)."""
+    return dict(getattr(items, "options", None) or {})
+
+
+def request_info(image_info: Mapping[str, Any], kwargs: Mapping[str, Any] | None
+                 ) -> dict[str, Any]:
+    """A replica's image facts (``ImagePrompts.info``) as one request's own
+    ``mm_processor_kwargs`` change them, so the front end counts crops and runs as the
+    replica will: pan-and-scan switched or its bounds moved, Qwen2-VL's picture bounds.
+    ``ValueError`` names a key the model's processor does not take."""
+    options = check_processor_kwargs(kwargs, image_info.get("family"))
+    info = dict(image_info)
+    base = info.get("pan_and_scan_bounds")
+    if base is not None:
+        bounds = PanAndScan.bounds(None, {f"pan_and_scan_{k}": v for k, v in base.items()}
+                                   | options)
+        if options.get("do_pan_and_scan", bool(info.get("pan_and_scan"))):
+            info["pan_and_scan"] = bounds.facts()
+        else:
+            info.pop("pan_and_scan", None)
+    if info.get("resize") and ("min_pixels" in options or "max_pixels" in options):
+        resize = {**info["resize"], **{k: options[k] for k in ("min_pixels", "max_pixels")
+                                       if k in options}}
+        if resize["min_pixels"] > resize["max_pixels"]:
+            raise ValueError(f"mm_processor_kwargs: min_pixels {resize['min_pixels']} > "
+                             f"max_pixels {resize['max_pixels']} (the other bound is the "
+                             "processor's)")
+        info["resize"] = resize
+    return info
 
 
 def crop_counts(pictures: Sequence[Any], image_info: Mapping[str, Any]) -> list[int] | None:

@@ -44,6 +44,7 @@ from pagedserve.cluster.image_chat import (
     affinity_images,
     chat_images,
     image_chat_ids,
+    request_image_info,
     written_out,
 )
 from pagedserve.cluster.lora_serving import (
@@ -62,6 +63,7 @@ from pagedserve.cluster.observe_api import router as observe_router
 from pagedserve.cluster.placement import ingress_actor_options
 from pagedserve.cluster.pooling_api import PoolingEndpoints
 from pagedserve.cluster.pooling_api import router as pooling_router
+from pagedserve.cluster.processor_options import MediaList
 from pagedserve.cluster.protocol import APIError, CompletionRequest, max_tokens_for
 from pagedserve.cluster.reasoning import defer_constraint, thought_closed
 from pagedserve.cluster.request_ids import request_ids
@@ -304,6 +306,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         info = await self._engine_info()
         tools = ToolContext.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
                                          self.mistral_tools)
+        info = request_image_info(info, body.mm_processor_kwargs)
         images = await chat_images(body.messages, info, self.allowed_local_media_path)
         ids = self._chat_ids(body.messages, body.add_generation_prompt, body.tools,
                              body.chat_template_kwargs, body.continue_final_message, info,
@@ -321,7 +324,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
                              body.priority,
                              affinity_images(ids, images, info["image"]) if images else ())
-        req.images = images or None
+        req.images = (MediaList(images, body.mm_processor_kwargs)
+                      if body.mm_processor_kwargs else images) if images else None
         return req, tools, closed
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,

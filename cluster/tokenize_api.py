@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from pagedserve.cluster.chat_protocol import ChatMessage, check_continuation, check_template_kwargs
-from pagedserve.cluster.image_chat import chat_images, written_out
+from pagedserve.cluster.image_chat import chat_images, request_image_info, written_out
 from pagedserve.cluster.protocol import APIError
 
 router = APIRouter()
@@ -29,6 +29,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         check_template_kwargs(self.chat_template_kwargs)
@@ -60,6 +61,7 @@ class TokenizeEndpoints:
         self._check_model(body.model)
         info = await self._engine_info()
         if body.messages is not None:
+            info = request_image_info(info, body.mm_processor_kwargs)
             image = info.get("image") or {}
             images = None
             if image.get("resize") or image.get("anyres") or image.get("pan_and_scan"):

@@ -45,9 +45,11 @@ def hf_processor(model_dir: str):
                            image_seq_length=N)
 
 
-def hf_generate(model_dir: str, prompts: list[tuple[str, list]]) -> list[tuple[list, list]]:
-    """Each prompt's ids as HF's processor writes them under pan-and-scan, and HF's
-    greedy tokens for them (its token types give each crop's run its own block)."""
+def hf_generate(model_dir: str, prompts: list[tuple[str, list]], options: dict | None = None
+                ) -> list[tuple[list, list]]:
+    """Each prompt's ids as HF's processor writes them under pan-and-scan (or
+    ``options``), and HF's greedy tokens for them (its token types give each crop's run
+    its own block)."""
     from transformers import Gemma3ForConditionalGeneration
 
     proc = hf_processor(model_dir)
@@ -56,7 +58,7 @@ def hf_generate(model_dir: str, prompts: list[tuple[str, list]]) -> list[tuple[l
     with torch.inference_mode():
         for text, images in prompts:
             inputs = proc(text=[text], images=[images] if images else None,
-                          return_tensors="pt", **PAS)
+                          return_tensors="pt", **(PAS if options is None else options))
             ids = inputs["input_ids"]
             kw = {k: inputs[k] for k in ("pixel_values", "token_type_ids") if k in inputs}
             y = model.eval().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -138,6 +140,43 @@ def test_chat_counts_crops_and_the_cache_keys_each_view(mm_dir: str, reference) 
         assert changed.num_cached_tokens == first_run // 4 * 4
     finally:
         llm.shutdown()
+
+
+def test_a_request_switches_pan_and_scan_for_its_own_pictures(mm_dir: str, reference) -> None:
+    """vLLM's per-request ``mm_processor_kwargs``: one request cuts its pictures
+    beside one that does not (the same pictures, no cache hit between them), on an
+    engine with it off; on an engine with it on, a request turns it off."""
+    plain = hf_generate(mm_dir, [(TEXT, pictures())], {"do_pan_and_scan": False})[0]
+    assert plain[0] != reference[0][0]
+    llm = LLM(model=mm_dir, num_gpu_blocks=256, block_size=4)
+    try:
+        cut, whole = llm.generate([
+            {"prompt": TEXT, "multi_modal_data": {"image": pictures()},
+             "mm_processor_kwargs": PAS},
+            {"prompt": TEXT, "multi_modal_data": {"image": pictures()}}], GREEDY)
+        assert (cut.prompt_token_ids, cut.outputs[0].token_ids) == reference[0]
+        assert (whole.prompt_token_ids, whole.outputs[0].token_ids) == plain
+        again = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": pictures()}},
+                             GREEDY)[0]
+        assert again.num_cached_tokens == (len(plain[0]) - 1) // 4 * 4
+        content = [{"type": "image_url", "image_url": {"url": data_url(pictures()[0])}}]
+        chat = llm.chat([{"role": "user", "content": content}], GREEDY,
+                        mm_processor_kwargs=PAS)[0]
+        assert chat.prompt_token_ids.count(IMG) == 4 * N  # the picture and its 3 crops
+    finally:
+        llm.shutdown()
+    on = LLM(model=mm_dir, num_gpu_blocks=256, mm_processor_kwargs=PAS)
+    try:
+        off = on.generate({"prompt": TEXT, "multi_modal_data": {"image": pictures()},
+                           "mm_processor_kwargs": {"do_pan_and_scan": False}}, GREEDY)[0]
+        assert (off.prompt_token_ids, off.outputs[0].token_ids) == plain
+        with pytest.raises(ValueError, match=r"mm_processor_kwargs\.max_pixels: not an"):
+            on.generate({"prompt": TEXT, "multi_modal_data": {"image": pictures()},
+                         "mm_processor_kwargs": {"max_pixels": 10}}, GREEDY)
+        pool = on.engine.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks
+    finally:
+        on.shutdown()
 
 
 def test_runs_that_do_not_fit_the_crops_and_foreign_options_are_refused(

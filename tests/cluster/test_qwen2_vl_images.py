@@ -47,10 +47,11 @@ def cases() -> list[tuple[list[int], list]]:
     ]
 
 
-def hf_reference(model_dir: str, prompts: list[tuple[list[int], list]], max_new: int
-                 ) -> list[list[int]]:
+def hf_reference(model_dir: str, prompts: list[tuple[list[int], list]], max_new: int,
+                 size: dict[str, int] | None = None) -> list[list[int]]:
     """Hugging Face's greedy tokens, one prompt at a time, with the processor's patches,
-    grids and token types (its M-RoPE positions)."""
+    grids and token types (its M-RoPE positions); ``size``: the processor's picture
+    bounds for the call."""
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -65,7 +66,7 @@ def hf_reference(model_dir: str, prompts: list[tuple[list[int], list]], max_new:
             x = torch.tensor([ids])
             kw = {}
             if images:
-                px = proc(images, return_tensors="pt")
+                px = proc(images, return_tensors="pt", **({"size": size} if size else {}))
                 kw = dict(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
                           mm_token_type_ids=(x == PAD).int())
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
@@ -169,6 +170,38 @@ def test_a_lone_image_pad_and_a_chat_are_written_out(qwen_dir: str,
         text = llm.generate({"prompt": "t5 <|vision_start|><|image_pad|><|vision_end|> t9",
                              "multi_modal_data": {"image": picture(2)}}, GREEDY)[0]
         assert text.prompt_token_ids == [5, *run(2), 9]
+    finally:
+        llm.shutdown()
+
+
+def test_picture_bounds_from_mm_processor_kwargs_equal_hugging_face(qwen_dir: str) -> None:
+    """``max_pixels`` shrinks a picture's grid as HF's processor does with that bound,
+    set for the engine or for one request (beside a request under the saved bounds);
+    a key Qwen2-VL's processor does not take is refused by name."""
+    bounds = {"min_pixels": 196, "max_pixels": 8 * 196}
+    lone = [5, START, PAD, END, 8]
+    shrunk = [5, START, *[PAD] * 4, END, 8]  # picture 3, 64 x 64: 2 x 2 tokens, not 4 x 4
+    want = hf_reference(qwen_dir, [(shrunk, [picture(3)])], GREEDY.max_tokens,
+                        {"shortest_edge": 196, "longest_edge": 8 * 196})[0]
+    plain = hf_reference(qwen_dir, [([5, *run(3), 8], [picture(3)])], GREEDY.max_tokens)[0]
+    engine = LLM(model=qwen_dir, num_gpu_blocks=128, mm_processor_kwargs=bounds)
+    try:
+        out = engine.generate({"prompt_token_ids": lone,
+                               "multi_modal_data": {"image": picture(3)}}, GREEDY)[0]
+        assert out.prompt_token_ids == shrunk and out.outputs[0].token_ids == want
+    finally:
+        engine.shutdown()
+    llm = LLM(model=qwen_dir, num_gpu_blocks=128)
+    try:
+        outs = llm.generate([{"prompt_token_ids": lone, "multi_modal_data": {"image": p},
+                              "mm_processor_kwargs": kw}
+                             for p, kw in ((picture(3), bounds), (picture(3), None))], GREEDY)
+        assert [o.prompt_token_ids for o in outs] == [shrunk, [5, *run(3), 8]]
+        assert [o.outputs[0].token_ids for o in outs] == [want, plain]
+        with pytest.raises(ValueError, match=r"mm_processor_kwargs\.do_pan_and_scan: not an"):
+            llm.generate({"prompt_token_ids": lone, "multi_modal_data": {"image": picture(3)},
+                          "mm_processor_kwargs": {"do_pan_and_scan": True}}, GREEDY)
+        assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
 

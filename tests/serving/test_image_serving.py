@@ -95,10 +95,19 @@ def test_image_chat_over_http_equals_the_offline_engine(
             temperature=0.0, max_tokens=8, ignore_eos=True))[0]
         other = llm.chat(messages(data_url(picture(12))), SamplingParams(
             temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+        plain = llm.chat(messages(data_url(img)), SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True),
+            mm_processor_kwargs={"do_pan_and_scan": False})[0]
     finally:
         llm.shutdown()
     assert ref.outputs[0].text != other.outputs[0].text  # the image decides the answer
     assert ref.prompt_token_ids.count(299) == 3 * 16  # a run for the picture and each crop
+    whole = client.chat.completions.create(messages=messages(data_url(img)), **{
+        **kw, "extra_body": {"ignore_eos": True,
+                             "mm_processor_kwargs": {"do_pan_and_scan": False}}})
+    assert plain.prompt_token_ids.count(299) == 16  # this request's picture: not cut
+    assert whole.usage.prompt_tokens == len(plain.prompt_token_ids)
+    assert whole.choices[0].message.content == plain.outputs[0].text
     for url in (data_url(img), f"{image_server}/a.png", (media / "a.png").as_uri()):
         out = client.chat.completions.create(messages=messages(url), **kw)
         assert out.choices[0].message.content == ref.outputs[0].text, url
@@ -180,6 +189,14 @@ def test_qwen2_vl_chat_counts_its_picture_run_at_the_front(qwen_app: tuple[App, 
     ranks place the tokens by M-RoPE alike: the answer equals the offline engine's."""
     ids = front_counts(*qwen_app, "tiny-qwen2-vl", (64, 64))
     assert ids.count(299) == 16  # a 64 x 64 picture: 4 x 4 tokens
+    ids = front_counts(*qwen_app, "tiny-qwen2-vl", (64, 64), options={"max_pixels": 8 * 196})
+    assert ids.count(299) == 4  # the request's own bound: 2 x 2 tokens
+    app = qwen_app[0]
+    r = post_chat(app, {"model": "tiny-qwen2-vl", "max_tokens": 2,
+                        "messages": [{"role": "user", "content": "t5"}],
+                        "mm_processor_kwargs": {"do_pan_and_scan": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs"
+    assert "not an option of qwen2_vl's processor" in r.json()["error"]["message"]
 
 
 def test_qwen2_vl_chat_takes_a_video_url(qwen_app: tuple[App, str]) -> None:
@@ -252,28 +269,31 @@ def test_llava_onevision_chat_counts_each_pictures_run_at_the_front(
 
 
 def front_counts(app: App, model_dir: str, name: str, *sizes: tuple[int, int],
-                 parts: list[dict] | None = None) -> list[int]:
-    """Chat with a picture of each of ``sizes`` (and ``parts``) and no ``max_tokens``:
-    the usage and the answer equal the offline engine's, which fills the 3-block pool;
-    ``/tokenize`` gives its ids. Returns them."""
+                 parts: list[dict] | None = None, options: dict | None = None) -> list[int]:
+    """Chat with a picture of each of ``sizes`` (and ``parts``) and no ``max_tokens``
+    (under ``options``, the request's ``mm_processor_kwargs``): the usage and the answer
+    equal the offline engine's, which fills the 3-block pool; ``/tokenize`` gives its
+    ids. Returns them."""
     chat = [{"role": "user", "content": [
         *({"type": "image_url", "image_url": {"url": data_url(picture(3 + i, size))}}
           for i, size in enumerate(sizes)), *(parts or []),
         {"type": "text", "text": "t5 t6"}]}]
     llm = LLM(model=model_dir, num_gpu_blocks=3)
     try:
-        ids = llm.chat(chat, SamplingParams(max_tokens=1))[0].prompt_token_ids
+        ids = llm.chat(chat, SamplingParams(max_tokens=1),
+                       mm_processor_kwargs=options)[0].prompt_token_ids
         room = 48 - len(ids)
         ref = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=room,
-                                            ignore_eos=True))[0]
+                                            ignore_eos=True), mm_processor_kwargs=options)[0]
     finally:
         llm.shutdown()
     out = app.openai().chat.completions.create(
-        model=name, messages=chat, temperature=0.0, extra_body={"ignore_eos": True})
+        model=name, messages=chat, temperature=0.0,
+        extra_body={"ignore_eos": True, "mm_processor_kwargs": options})
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == room
     assert out.choices[0].message.content == ref.outputs[0].text
     tokens = httpx.post(f"{app.base}/tokenize", headers=app.headers, timeout=60,
-                        json={"model": name, "messages": chat})
+                        json={"model": name, "messages": chat, "mm_processor_kwargs": options})
     assert tokens.json()["tokens"] == ids
     app.wait_baseline()
     return ids

@@ -20,10 +20,13 @@ from pagedserve.cluster.image_chat import affinity_images, image_chat_ids
 from pagedserve.cluster.image_processor import ImageProcessor
 from pagedserve.cluster.multimodal import expand_image_tokens
 from pagedserve.cluster.processor_options import (
+    MediaList,
     PanAndScan,
     check_processor_kwargs,
     crop_counts,
+    options_of,
     pan_and_scan_inputs,
+    request_info,
 )
 from tests.serving.test_multimodal_inputs import (
     BOI,
@@ -222,3 +225,35 @@ def test_the_front_writes_and_keys_a_pictures_runs(tokenizer) -> None:
     assert [(k.start, k.end) for k in keys] == [(runs[0], runs[4 * SEQ_LEN - 1] + 1),
                                                 (runs[4 * SEQ_LEN], runs[-1] + 1)]
     assert keys[0].key != keys[1].key
+
+
+# one request's options
+
+
+def test_a_requests_options_change_the_facts_the_front_counts_with() -> None:
+    bounds = PanAndScan(10, 2, 1.2).facts()
+    off = {"family": "gemma3", "tokens_per_image": 4, "pan_and_scan_bounds": bounds}
+    on = {**off, "pan_and_scan": bounds}
+    assert request_info(off, None) == off and request_info(on, {}) == on
+    assert request_info(off, {"do_pan_and_scan": True})["pan_and_scan"] == bounds
+    assert "pan_and_scan" not in request_info(on, {"do_pan_and_scan": False})
+    moved = request_info(on, {"pan_and_scan_max_num_crops": 4})
+    assert moved["pan_and_scan"] == {**bounds, "max_num_crops": 4}
+    assert "pan_and_scan" not in request_info(off, {"pan_and_scan_max_num_crops": 4})
+    qwen = {"family": "qwen2_vl", "resize": {"factor": 28, "min_pixels": 100,
+                                             "max_pixels": 1000}}
+    assert request_info(qwen, {"max_pixels": 500})["resize"] == {
+        "factor": 28, "min_pixels": 100, "max_pixels": 500}
+    with pytest.raises(ValueError, match=r"min_pixels 2000 > max_pixels 1000 \(the other"):
+        request_info(qwen, {"min_pixels": 2000})
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs\.do_pan_and_scan"):
+        request_info(qwen, {"do_pan_and_scan": True})
+
+
+def test_a_media_list_carries_its_options_through_pickling() -> None:
+    import pickle
+
+    items = MediaList(["a", "b"], {"max_pixels": 784})
+    back = pickle.loads(pickle.dumps(items))
+    assert back == ["a", "b"] and options_of(back) == {"max_pixels": 784}
+    assert options_of(["a"]) == {} and options_of(MediaList(["a"])) == {}
