@@ -82,9 +82,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="image URLs may name local files under DIR (file://...); "
                         "default: no local files")
     p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
-                   help='the multimodal processor\'s options as JSON: Gemma 3\'s '
-                        '{"do_pan_and_scan": true} (crops of wide or tall pictures), '
-                        'Qwen2-VL\'s {"min_pixels": ..., "max_pixels": ...}')
+                   help='processor options as JSON, e.g. Gemma 3\'s {"do_pan_and_scan": '
+                        'true} or Qwen2-VL\'s {"min_pixels": N, "max_pixels": N}')
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",

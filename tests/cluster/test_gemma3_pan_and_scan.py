@@ -6,14 +6,13 @@ chat; options the processor does not take are refused before any rank starts."""
 
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
 import torch
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing import random_picture, write_random_gemma3_multimodal
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+from tests.cluster.test_gemma3_images import data_url
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PAS = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
@@ -98,16 +97,9 @@ def test_text_and_id_prompts_equal_hugging_face(mm_dir: str, reference, kw: dict
         assert [o.outputs[0].token_ids for o in by_ids] == [toks for _, toks in reference]
         if "preemption_mode" in kw:
             assert llm.engine.scheduler.num_preemptions["recompute"] > 0
-        pool = llm.engine.scheduler.kv.pool
-        assert pool.num_free_blocks == pool.num_blocks
+        assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
-
-
-def data_url(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def test_chat_counts_crops_and_the_cache_keys_each_view(mm_dir: str, reference) -> None:
@@ -173,8 +165,7 @@ def test_a_request_switches_pan_and_scan_for_its_own_pictures(mm_dir: str, refer
         with pytest.raises(ValueError, match=r"mm_processor_kwargs\.max_pixels: not an"):
             on.generate({"prompt": TEXT, "multi_modal_data": {"image": pictures()},
                          "mm_processor_kwargs": {"max_pixels": 10}}, GREEDY)
-        pool = on.engine.scheduler.kv.pool
-        assert pool.num_free_blocks == pool.num_blocks
+        assert_pool_at_baseline(on)
     finally:
         on.shutdown()
 
@@ -190,8 +181,7 @@ def test_runs_that_do_not_fit_the_crops_and_foreign_options_are_refused(
         with pytest.raises(ValueError, match=r"marks 3 images .* but 2 were given"):
             llm.generate({"prompt": TEXT, "multi_modal_data": {"image": pictures()[:2]}},
                          GREEDY)
-        pool = llm.engine.scheduler.kv.pool
-        assert pool.num_free_blocks == pool.num_blocks
+        assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
     with pytest.raises(ValueError, match=r"mm_processor_kwargs\.min_pixels: not an option "
