@@ -236,7 +236,7 @@ class ImagePrompts:
         self.video_token_id = info.get("video_token_id")
         if self.video_token_id is not None and video_limit:
             self.video = VideoProcessor.from_model_dir(model_dir, self.processor.hf,
-                                                       info.get("tokens_per_second"))
+                                                       info.get("tokens_per_second"), options)
             self.info["video"] = {**self.video.facts(), "limit": video_limit}
         self.dtype = getattr(torch, dtype)
         self.image_token_id = int(info["image_token_id"])
@@ -355,10 +355,11 @@ class ImagePrompts:
         under the request's options where ``images`` is a ``MediaList``."""
         self._check_counts(images)
         options = options_of(images)
-        processor = self.processor.variant(
-            check_processor_kwargs(options, self.info["family"]))
+        checked = check_processor_kwargs(options, self.info["family"])
+        processor = self.processor.variant(checked)
         at = self.allowed_local_media_path
-        videos = {i: self._video_pixels(x) for i, x in enumerate(images) if is_video(x)}
+        videos = {i: self._video_pixels(x, checked) for i, x in enumerate(images)
+                  if is_video(x)}
         pictures = [load_image(img, allowed_local_media_path=at)
                     for i, img in enumerate(images) if i not in videos]
         # In the encoder's dtype already (its first step casts them): a bf16 model's
@@ -369,14 +370,16 @@ class ImagePrompts:
                   for i in range(len(images))]
         return PreparedImages(pixels, [image_hash(p) for p in pixels], options)
 
-    def _video_pixels(self, video: Any) -> VideoPixels:
+    def _video_pixels(self, video: Any, options: dict[str, Any]) -> VideoPixels:
+        """A video read (not yet: sampled under the request's options) and processed."""
         if isinstance(video, VideoPixels):
             return video
         assert self.video is not None  # ``_check_counts`` refused videos for a model without
+        processor = self.video.variant(options)
         source = video.source if isinstance(video, VideoSource) else video
-        clip = load_video(source, self.video.sampling,
+        clip = load_video(source, processor.sampling,
                           allowed_local_media_path=self.allowed_local_media_path)
-        return self.video(clip)
+        return processor(clip)
 
     def check_text_only(self, ids: Sequence[int]) -> None:
         """A prompt without images may not hold image (or video) placeholders: nothing

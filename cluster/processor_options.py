@@ -5,7 +5,9 @@ vLLM's ``--mm-processor-kwargs`` passes its JSON to the Hugging Face processor. 
 each family lists what it takes, and a key it does not take (a typo, another model's
 option) is a ``ValueError`` naming it before any rank starts, rather than a silent
 no-op: Gemma 3's pan-and-scan switches and bounds, Qwen2-VL's picture bounds
-(``min_pixels`` / ``max_pixels``).
+(``min_pixels`` / ``max_pixels``, for its pictures and video frames alike, as HF's
+processor hands a flat option to every modality that takes it) and video sampling
+(``fps`` or ``num_frames``, ``min_frames``, ``max_frames``).
 
 Pan-and-scan (``PanAndScan``) is Gemma 3's answer to pictures far from square: besides
 the whole picture, resized to the tower's square, the processor cuts it into 2 to
@@ -36,7 +38,12 @@ _GEMMA3 = {
 _QWEN_VL = {
     "min_pixels": (int, "an integer >= 1"),
     "max_pixels": (int, "an integer >= 1"),
+    "fps": (float, "a number > 0"),
+    "num_frames": (int, "an integer >= 1"),
+    "min_frames": (int, "an integer >= 1"),
+    "max_frames": (int, "an integer >= 1"),
 }
+VIDEO_SAMPLING_KEYS = ("fps", "num_frames", "min_frames", "max_frames")
 PROCESSOR_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
     "gemma3": _GEMMA3, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL,
     "llava": {}, "llava_next": {}, "llava_onevision": {},
@@ -70,9 +77,24 @@ def check_processor_kwargs(kwargs: Mapping[str, Any] | None, model_type: str | N
         if not ok or (kind is float and not math.isfinite(value)):
             raise ValueError(f"mm_processor_kwargs.{key} must be {what}, got {value!r}")
         out[key] = int(value) if kind is int else float(value) if kind is float else value
-    lo, hi = out.get("min_pixels"), out.get("max_pixels")
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"mm_processor_kwargs: min_pixels {lo} > max_pixels {hi}")
+    for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
+        lo, hi = out.get(low), out.get(high)
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"mm_processor_kwargs: {low} {lo} > {high} {hi}")
+    if "fps" in out and "num_frames" in out:
+        raise ValueError("mm_processor_kwargs: fps and num_frames are mutually exclusive "
+                         "(a rate, or a count of frames)")
+    return out
+
+
+def with_options(base: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` (saved fields, or the engine's options) under ``options``: one layer
+    over another, where a rate (``fps``) replaces a count (``num_frames``) below it. A
+    count always wins over a rate (HF's ``sample_frames``), which then only dates
+    frames given already sampled."""
+    out = {**base, **options}
+    if "fps" in options and "num_frames" not in options:
+        out["num_frames"] = None
     return out
 
 
@@ -165,14 +187,22 @@ def request_info(image_info: Mapping[str, Any], kwargs: Mapping[str, Any] | None
             info["pan_and_scan"] = bounds.facts()
         else:
             info.pop("pan_and_scan", None)
-    if info.get("resize") and ("min_pixels" in options or "max_pixels" in options):
-        resize = {**info["resize"], **{k: options[k] for k in ("min_pixels", "max_pixels")
-                                       if k in options}}
-        if resize["min_pixels"] > resize["max_pixels"]:
-            raise ValueError(f"mm_processor_kwargs: min_pixels {resize['min_pixels']} > "
-                             f"max_pixels {resize['max_pixels']} (the other bound is the "
-                             "processor's)")
-        info["resize"] = resize
+    bounds = {k: options[k] for k in ("min_pixels", "max_pixels") if k in options}
+    for kind in ("resize", "video"):  # a picture's bounds, a video frame's
+        if info.get(kind) and bounds:
+            facts = {**info[kind], **bounds}
+            if facts["min_pixels"] > facts["max_pixels"]:
+                what = "the video processor's" if kind == "video" else "the processor's"
+                raise ValueError(f"mm_processor_kwargs: min_pixels {facts['min_pixels']} > "
+                                 f"max_pixels {facts['max_pixels']} (the other bound is "
+                                 f"{what})")
+            info[kind] = facts
+    sampling = {k: options[k] for k in VIDEO_SAMPLING_KEYS if k in options}
+    if info.get("video") and sampling:
+        from pagedserve.cluster.video_processor import sampling_of
+
+        info["video"] = with_options(info["video"], sampling)
+        sampling_of(info["video"])  # ``ValueError`` for bounds that cross
     return info
 
 

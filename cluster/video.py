@@ -35,14 +35,18 @@ MAX_FRAME_PIXELS = 8192 * 8192  # a frame past this is refused before it is deco
 @dataclass(frozen=True)
 class VideoSampling:
     """How frames are taken from an encoded video (HF's Qwen2-VL video processor's
-    defaults, ``fps`` as Qwen's own preprocessing uses it)."""
+    defaults, ``fps`` as Qwen's own preprocessing uses it); ``num_frames``, where set,
+    takes that many instead, whatever the video's length (HF's precedence)."""
 
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
     temporal_patch_size: int = 2
+    num_frames: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ValueError(f"video num_frames must be positive, got {self.num_frames}")
         if not self.fps > 0:
             raise ValueError(f"video fps must be positive, got {self.fps}")
         if not 1 <= self.min_frames <= self.max_frames:
@@ -55,8 +59,15 @@ class VideoSampling:
     def indices(self, total: int, video_fps: float) -> list[int]:
         """The frames to keep of ``total`` at ``video_fps``: HF's ``sample_frames`` with
         ``fps`` (a video shorter than one temporal patch keeps every frame; its last is
-        repeated when the frames are grouped)."""
+        repeated when the frames are grouped); with ``num_frames``, that many rounded to
+        whole temporal patches, spread evenly (``ValueError`` past the video's frames)."""
         tp = self.temporal_patch_size
+        if self.num_frames is not None:
+            count = round(self.num_frames / tp) * tp
+            if not 0 < count <= total:
+                raise ValueError(f"video_url: num_frames {self.num_frames} is {count} frames "
+                                 f"in whole temporal patches of {tp}; the video has {total}")
+            return torch.arange(0, total, total / count).int().tolist()
         most = math.floor(min(self.max_frames, total) / tp) * tp
         wanted = min(max(total / video_fps * self.fps, self.min_frames), most, total)
         count = math.floor(wanted / tp) * tp

@@ -9,7 +9,8 @@ goes through the model's image processor on the PIL backend (the resize of HF's
 original processors, as pictures do) with the video's bounds, so a frame is resized
 as a picture of that size would be, on any host. ``video_preprocessor_config.json``
 (transformers 5 saves one beside the image processor's) sets the bounds, mean, std and
-sampling; without it, HF's class defaults hold.
+sampling; without it, HF's class defaults hold. ``mm_processor_kwargs`` (the engine's,
+then a request's: ``processor_options``) move the bounds and the sampling over it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.cluster.processor_options import VIDEO_SAMPLING_KEYS, with_options
 from pagedserve.cluster.video import VideoClip, VideoSampling
 from pagedserve.worker.video_pixels import VideoPixels, slice_times
 
@@ -34,6 +36,7 @@ class VideoProcessor:
 
     def __init__(self, hf_image: Any, config: dict[str, Any],
                  tokens_per_second: float | None) -> None:
+        self._config = dict(config)
         size = config.get("size") or {}
         lo = config.get("min_pixels", size.get("shortest_edge", _MIN_PIXELS))
         hi = config.get("max_pixels", size.get("longest_edge", _MAX_PIXELS))
@@ -54,26 +57,43 @@ class VideoProcessor:
         self.min_pixels, self.max_pixels = lo, hi
         self.tokens_per_second = tokens_per_second
         self._norm = {k: config[k] for k in ("image_mean", "image_std") if k in config}
+        frames = config.get("num_frames")
         self.sampling = VideoSampling(
-            fps=float(config.get("fps") or 2.0), min_frames=int(config.get("min_frames", 4)),
-            max_frames=int(config.get("max_frames", 768)),
-            temporal_patch_size=self.temporal_patch_size)
+            fps=float(config.get("fps") or 2.0),
+            min_frames=int(config.get("min_frames") or 4),
+            max_frames=int(config.get("max_frames") or 768),
+            temporal_patch_size=self.temporal_patch_size,
+            num_frames=None if frames is None else int(frames))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, hf_image: Any,
-                       tokens_per_second: float | None) -> VideoProcessor:
+                       tokens_per_second: float | None,
+                       options: dict[str, Any] | None = None) -> VideoProcessor:
+        """The saved video processor (``video_preprocessor_config.json``, or HF's
+        defaults) under checked ``options``."""
         path = Path(model_dir) / "video_preprocessor_config.json"
         config = json.loads(path.read_text()) if path.is_file() else {}
         if not isinstance(config, dict):
             raise ValueError(f"{path.name} is not a JSON object")
-        return cls(hf_image, config, tokens_per_second)
+        return cls(hf_image, config, tokens_per_second).variant(options or {})
+
+    def variant(self, options: dict[str, Any]) -> VideoProcessor:
+        """This processor under checked options over its own fields: the pixel bounds
+        and the sampling move; itself where none of them is given."""
+        taken = {k: v for k, v in options.items()
+                 if k in ("min_pixels", "max_pixels", *VIDEO_SAMPLING_KEYS)}
+        if not taken:
+            return self
+        return VideoProcessor(self._hf, with_options(self._config, taken),
+                              self.tokens_per_second)
 
     def facts(self) -> dict[str, Any]:
         """What a front end needs to count a decoded clip's tokens (``token_count``)."""
         s = self.sampling
         return {"factor": self.patch * self.merge, "min_pixels": self.min_pixels,
                 "max_pixels": self.max_pixels, "temporal_patch_size": self.temporal_patch_size,
-                "fps": s.fps, "min_frames": s.min_frames, "max_frames": s.max_frames}
+                "fps": s.fps, "min_frames": s.min_frames, "max_frames": s.max_frames,
+                "num_frames": s.num_frames}
 
     def __call__(self, clip: VideoClip) -> VideoPixels:
         """The clip's frames resized, normalised and padded to whole temporal slices,
@@ -98,7 +118,8 @@ def sampling_of(facts: dict[str, Any]) -> VideoSampling:
     decodes videos before the replica processes them."""
     return VideoSampling(fps=facts["fps"], min_frames=facts["min_frames"],
                          max_frames=facts["max_frames"],
-                         temporal_patch_size=facts["temporal_patch_size"])
+                         temporal_patch_size=facts["temporal_patch_size"],
+                         num_frames=facts.get("num_frames"))
 
 
 def video_token_count(clip: VideoClip, facts: dict[str, Any]) -> int:

@@ -43,16 +43,19 @@ def clip(seed: int, frames: int = 6, size: tuple[int, int] = (112, 112)) -> Vide
     return VideoClip(tuple(random_picture(seed + i, size) for i in range(frames)), 4.0)
 
 
-def hf_video_inputs(model_dir: str, video: VideoClip) -> dict[str, torch.Tensor]:
+def hf_video_inputs(model_dir: str, video: VideoClip, size: dict | None = None
+                    ) -> dict[str, torch.Tensor]:
     """HF's video inputs for ``video``: each frame as the image processor resizes it
-    within the video bounds, patched as HF's video processor patches."""
+    within the video bounds (``size``: other bounds), patched as HF's video processor
+    patches."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     from pagedserve.worker.models.qwen2_vision_config import patches_to_images
 
-    bounds = json.loads((Path(model_dir) / "video_preprocessor_config.json").read_text())["size"]
+    bounds = size or json.loads(
+        (Path(model_dir) / "video_preprocessor_config.json").read_text())["size"]
     proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     frames = list(video.frames) + [video.frames[-1]] * (len(video.frames) % TP)
     out = proc(frames, size=bounds, return_tensors="pt")
@@ -65,8 +68,8 @@ def hf_video_inputs(model_dir: str, video: VideoClip) -> dict[str, torch.Tensor]
             "second_per_grid_ts": torch.tensor([TP / video.fps])}
 
 
-def hf_reference(model_dir: str, ids: list[int], video: VideoClip, picture=None
-                 ) -> tuple[list[int], list[float]]:
+def hf_reference(model_dir: str, ids: list[int], video: VideoClip, picture=None,
+                 size: dict | None = None) -> tuple[list[int], list[float]]:
     """HF's greedy tokens and each one's log-probability (of the raw logits)."""
     import transformers as tf
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -75,7 +78,7 @@ def hf_reference(model_dir: str, ids: list[int], video: VideoClip, picture=None
 
     model = tf.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     x = torch.tensor([ids])
-    kw = hf_video_inputs(model_dir, video)
+    kw = hf_video_inputs(model_dir, video, size)
     if "qwen2_5" not in model.config.model_type:
         kw.pop("second_per_grid_ts")
     if picture is not None:
@@ -205,6 +208,59 @@ def test_an_encoded_video_is_sampled_at_the_processor_rate(qwen_dir: str,
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_sampling_and_frame_bounds_from_mm_processor_kwargs(qwen_dir: str) -> None:
+    """vLLM's ``mm_processor_kwargs`` for videos, for the engine or one request: 15
+    frames at 5 a second give frames 0, 3, 7, 11 under ``num_frames: 4`` (HF's
+    ``sample_frames``) and 0, 7 under ``fps: 1``; a request's rate replaces the
+    engine's count; ``max_pixels`` shrinks every frame (8 x 8 tokens to 4 x 4). Each
+    equals the same frames given as a clip (and HF's tokens for the shrunk one)."""
+    import av
+
+    data = video_bytes(4, frames=15, fps=5, size=(112, 112))
+    with av.open(io.BytesIO(data)) as c:
+        every = [f.to_image() for f in c.decode(video=0)]
+
+    def picked(*frames: int) -> VideoClip:
+        return VideoClip(tuple(every[i] for i in frames), len(frames) / 15 * 5)
+
+    lone = [5, START, VPAD, END, 8]
+    small = {"max_pixels": 56 * 56}
+
+    def run(llm: LLM, options: dict | None, video=data) -> tuple[list[int], tuple]:
+        out = llm.generate({"prompt_token_ids": lone, "multi_modal_data": {"video": video},
+                            "mm_processor_kwargs": options}, GREEDY)[0]
+        seq = out.outputs[0]
+        return out.prompt_token_ids, (seq.token_ids, [lp[t] for lp, t in zip(
+            seq.logprobs, seq.token_ids, strict=True)])
+
+    llm = LLM(model=qwen_dir, num_gpu_blocks=64)
+    try:
+        ids, got = run(llm, {"num_frames": 4})
+        assert ids == [5, *video_run(2), 8]
+        assert_same(got, tokens(llm, ids, video=picked(0, 3, 7, 11)))
+        ids, got = run(llm, {"fps": 1.0})
+        assert ids == [5, *video_run(1), 8]
+        assert_same(got, tokens(llm, ids, video=picked(0, 7)))
+        ids, got = run(llm, small)
+        assert ids == [5, *video_run(3, 4, 4), 8]
+        clip6 = picked(0, 2, 5, 7, 10, 12)
+        assert_same(got, run(llm, small, clip6)[1])
+        if "qwen2_5" not in qwen_dir:
+            assert_same(got, hf_reference(qwen_dir, ids, clip6, size={
+                "shortest_edge": 14 * 14, "longest_edge": 56 * 56}))
+        with pytest.raises(ValueError, match="num_frames 40 is 40 frames"):
+            run(llm, {"num_frames": 40})
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    counted = LLM(model=qwen_dir, num_gpu_blocks=64, mm_processor_kwargs={"num_frames": 4})
+    try:
+        assert run(counted, None)[0] == [5, *video_run(2), 8]
+        assert run(counted, {"fps": 2.0})[0] == [5, *video_run(3), 8]
+    finally:
+        counted.shutdown()
 
 
 def test_bad_videos_are_refused_naming_the_field(qwen_dir: str, tmp_path: Path) -> None:

@@ -38,6 +38,30 @@ def test_sampling_equals_hugging_faces(total: int, rate: float, fps: float, lo: 
     assert len(got) % 2 == 0 and len(got) <= hi
 
 
+def hf_sample_count(total: int, num_frames: int, tp: int) -> list[int]:
+    """``sample_frames`` with ``num_frames`` (its lines, as above)."""
+    num_frames = round(num_frames / tp) * tp
+    return torch.arange(0, total, total / num_frames).int().tolist()
+
+
+@pytest.mark.parametrize("total, count", [(15, 4), (15, 5), (15, 3), (300, 16), (8, 8),
+                                          (9, 7), (1000, 768)])
+def test_a_frame_count_samples_as_hugging_faces(total: int, count: int) -> None:
+    """``num_frames`` rounds to whole temporal patches (Python's rounding, as HF's) and
+    wins over the rate and frame bounds, as in HF."""
+    got = VideoSampling(fps=0.1, max_frames=4, num_frames=count).indices(total, 30.0)
+    assert got == hf_sample_count(total, count, 2) and len(got) % 2 == 0
+
+
+@pytest.mark.parametrize("count, match", [(1, "num_frames 1 is 0 frames"),
+                                          (11, r"num_frames 11 is 12 frames .* the video has 8")])
+def test_a_frame_count_the_video_cannot_give_is_refused(count: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        VideoSampling(num_frames=count).indices(8, 30.0)
+    with pytest.raises(ValueError, match="num_frames must be positive"):
+        VideoSampling(num_frames=0)
+
+
 def test_a_video_shorter_than_a_temporal_patch_keeps_its_frame() -> None:
     assert VideoSampling().indices(1, 30.0) == [0]
 

@@ -212,6 +212,9 @@ def test_qwen2_vl_chat_takes_a_video_url(qwen_app: tuple[App, str]) -> None:
     ids = front_counts(*qwen_app, "tiny-qwen2-vl", parts=[
         {"type": "video_url", "video_url": {"url": url}}])
     assert ids.count(292) == 2 * 2 * 2
+    ids = front_counts(*qwen_app, "tiny-qwen2-vl", options={"num_frames": 2}, parts=[
+        {"type": "video_url", "video_url": {"url": url}}])
+    assert ids.count(292) == 2 * 2  # the request's own sampling: one slice
     app = qwen_app[0]
     bad = "data:video/mp4;base64," + base64.b64encode(b"not a video").decode()
     r = httpx.post(f"{app.base}/v1/chat/completions", headers=app.headers, timeout=60,

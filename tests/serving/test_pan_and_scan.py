@@ -70,8 +70,12 @@ def test_each_family_takes_its_own_options_with_their_kinds() -> None:
 
 @pytest.mark.parametrize("kwargs, family, match", [
     ({"do_pan_and_scan": True}, "qwen2_vl", r"mm_processor_kwargs\.do_pan_and_scan: not an "
-                                            r"option of qwen2_vl's processor \(it takes: "
-                                            r"max_pixels, min_pixels\)"),
+                                            r"option of qwen2_vl's processor \(it takes: fps, "
+                                            r"max_frames, max_pixels, min_frames, min_pixels, "
+                                            r"num_frames\)"),
+    ({"fps": 1, "num_frames": 8}, "qwen2_5_vl", "fps and num_frames are mutually exclusive"),
+    ({"min_frames": 9, "max_frames": 8}, "qwen2_vl", "min_frames 9 > max_frames 8"),
+    ({"fps": -1}, "qwen2_vl", r"fps must be a number > 0"),
     ({"min_pixels": 784}, "gemma3", r"mm_processor_kwargs\.min_pixels: not an option"),
     ({"num_crops": 4}, "llava_next", r"it takes: none"),
     ({"do_pan_and_scan": True}, "llama", "model type 'llama' has no multimodal processor"),
@@ -248,6 +252,29 @@ def test_a_requests_options_change_the_facts_the_front_counts_with() -> None:
         request_info(qwen, {"min_pixels": 2000})
     with pytest.raises(ValueError, match=r"mm_processor_kwargs\.do_pan_and_scan"):
         request_info(qwen, {"do_pan_and_scan": True})
+
+
+def test_a_requests_options_move_video_sampling_and_frame_bounds() -> None:
+    """A rate replaces a count below it, a count wins over a rate (HF's precedence);
+    the picture bounds move a video frame's too, each against its own saved bound."""
+    video = {"factor": 28, "min_pixels": 500, "max_pixels": 5000, "temporal_patch_size": 2,
+             "fps": 2.0, "min_frames": 4, "max_frames": 768, "num_frames": None}
+    qwen = {"family": "qwen2_vl", "video": video,
+            "resize": {"factor": 28, "min_pixels": 100, "max_pixels": 1000}}
+    counted = request_info(qwen, {"num_frames": 8})["video"]
+    assert counted == {**video, "num_frames": 8}
+    assert request_info({**qwen, "video": counted}, {"fps": 1.0})["video"] == {
+        **video, "fps": 1.0}
+    moved = request_info(qwen, {"max_pixels": 800, "max_frames": 16})
+    assert moved["resize"]["max_pixels"] == 800 and moved["video"]["max_pixels"] == 800
+    assert moved["video"]["max_frames"] == 16
+    with pytest.raises(ValueError, match=r"min_pixels 2000 > max_pixels 1000 \(the other "
+                                         r"bound is the processor's\)"):
+        request_info(qwen, {"min_pixels": 2000})
+    with pytest.raises(ValueError, match="video processor's"):
+        request_info({**qwen, "resize": None}, {"min_pixels": 6000})
+    with pytest.raises(ValueError, match="min_frames / max_frames"):
+        request_info(qwen, {"min_frames": 800})
 
 
 def test_a_media_list_carries_its_options_through_pickling() -> None:
