@@ -39,6 +39,7 @@ timeout 300 "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=8 --
     tests/cluster/test_moe.py tests/kernels/test_kern_triton_moe.py tests/worker/test_prequant.py \
     tests/kernels/test_kern_triton_w4a16.py tests/cluster/test_int4_gpu.py \
     tests/cluster/test_models_gpu.py tests/cluster/test_gemma3_images.py \
+    tests/cluster/test_gemma3_pan_and_scan.py \
     tests/cluster/test_llava_next_images.py 2>&1 \
     | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}

@@ -12,7 +12,7 @@ import torch
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.worker.testing import random_picture, write_random_gemma3_multimodal
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
-from tests.cluster.test_gemma3_images import data_url
+from tests.cluster.test_gemma3_images import _has_pillow, data_url
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PAS = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
@@ -44,22 +44,24 @@ def hf_processor(model_dir: str):
                            image_seq_length=N)
 
 
-def hf_generate(model_dir: str, prompts: list[tuple[str, list]], options: dict | None = None
-                ) -> list[tuple[list, list]]:
+def hf_generate(model_dir: str, prompts: list[tuple[str, list]], options: dict | None = None,
+                device: str = "cpu") -> list[tuple[list, list]]:
     """Each prompt's ids as HF's processor writes them under pan-and-scan (or
     ``options``), and HF's greedy tokens for them (its token types give each crop's run
-    its own block)."""
+    its own block), on ``device``."""
     from transformers import Gemma3ForConditionalGeneration
 
     proc = hf_processor(model_dir)
     model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model.to(device)
     out = []
     with torch.inference_mode():
         for text, images in prompts:
             inputs = proc(text=[text], images=[images] if images else None,
                           return_tensors="pt", **(PAS if options is None else options))
-            ids = inputs["input_ids"]
-            kw = {k: inputs[k] for k in ("pixel_values", "token_type_ids") if k in inputs}
+            ids = inputs["input_ids"].to(device)
+            kw = {k: inputs[k].to(device) for k in ("pixel_values", "token_type_ids")
+                  if k in inputs}
             y = model.eval().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=GREEDY.max_tokens,
                                       min_new_tokens=GREEDY.max_tokens, pad_token_id=0, **kw)
@@ -98,6 +100,23 @@ def test_text_and_id_prompts_equal_hugging_face(mm_dir: str, reference, kw: dict
         if "preemption_mode" in kw:
             assert llm.engine.scheduler.num_preemptions["recompute"] > 0
         assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not _has_pillow(), reason="needs Pillow (images)")
+def test_pan_and_scan_on_cuda_equals_hugging_face_on_cuda(mm_dir: str) -> None:
+    """On the GPU: every crop's run through the encoder and the masked image op, in
+    chunks, decode in CUDA graphs; HF's processor and ``generate`` on the same device."""
+    want = hf_generate(mm_dir, cases(), device="cuda")
+    llm = LLM(model=mm_dir, device="cuda", num_gpu_blocks=128, max_num_batched_tokens=40,
+              max_num_seqs=4, mm_processor_kwargs=PAS)
+    try:
+        outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}
+                             for text, images in cases()], GREEDY)
+        assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == want
     finally:
         llm.shutdown()
 
