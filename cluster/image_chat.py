@@ -56,8 +56,9 @@ async def chat_images(messages: list[ChatMessage], info: dict[str, Any],
                        "with --limit-mm-per-prompt '{\"image\": 0}')", param="messages")
     video = image.get("video")
     if video is None and any(kind == "video" for kind, _ in media):
-        raise APIError("this model takes no videos (only Qwen2-VL and Qwen2.5-VL do, "
-                       "unless --limit-mm-per-prompt has video: 0)", param="messages")
+        raise APIError("this model takes no videos (only Qwen2-VL, Qwen2.5-VL and "
+                       "LLaVA-OneVision do, unless --limit-mm-per-prompt has video: 0)",
+                       param="messages")
 
     def load(kind: str, url: str) -> Any:
         if kind == "video":
@@ -97,9 +98,10 @@ def _picture_counts(images: list[Any], image: dict[str, Any]) -> list[int] | Non
     if resize:
         return [video_token_count(x, image["video"]) if isinstance(x, VideoClip)
                 else qwen_token_counts([x], resize)[0] for x in images]
-    if anyres:
-        return [facts_token_count(img.height, img.width, anyres, len(images))
-                for img in images]
+    if anyres:  # (LLaVA-OneVision: "several pictures" counts its pictures, not videos)
+        pictures = sum(1 for x in images if not isinstance(x, VideoClip))
+        return [video_token_count(x, image["video"]) if isinstance(x, VideoClip)
+                else facts_token_count(x.height, x.width, anyres, pictures) for x in images]
     return None
 
 

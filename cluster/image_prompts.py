@@ -26,6 +26,7 @@ from pagedserve.cluster.multimodal import (
     image_spans,
     load_image,
 )
+from pagedserve.cluster.onevision_video import OnevisionVideoProcessor
 from pagedserve.cluster.processor_options import (
     MediaList,
     check_processor_kwargs,
@@ -232,11 +233,12 @@ class ImagePrompts:
                      **({"anyres": anyres} if anyres else {}),
                      **({"pan_and_scan": pas.facts()} if pas else {}),
                      **({"pan_and_scan_bounds": bounds.facts()} if bounds else {})}
-        self.video: VideoProcessor | None = None
+        self.video: VideoProcessor | OnevisionVideoProcessor | None = None
         self.video_token_id = info.get("video_token_id")
         if self.video_token_id is not None and video_limit:
-            self.video = VideoProcessor.from_model_dir(model_dir, self.processor.hf,
-                                                       info.get("tokens_per_second"), options)
+            self.video = OnevisionVideoProcessor.from_model_dir(model_dir, hf_config, options) \
+                if info["family"] == "llava_onevision" else VideoProcessor.from_model_dir(
+                    model_dir, self.processor.hf, info.get("tokens_per_second"), options)
             self.info["video"] = {**self.video.facts(), "limit": video_limit}
         self.dtype = getattr(torch, dtype)
         self.image_token_id = int(info["image_token_id"])
@@ -335,14 +337,18 @@ class ImagePrompts:
 
     def _build_media(self, ids: list[int], items: Sequence[Any]
                      ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """A Qwen2-VL prompt with videos (and perhaps images): each kind's runs written
-        out to its items' token counts; the inputs in prompt order."""
+        """A prompt with videos (and perhaps images; Qwen2-VL, LLaVA-OneVision): each
+        kind's runs written out to its items' token counts; the inputs in prompt order
+        (a video's slices on M-RoPE's time axis where the model has one)."""
         prepared = items if isinstance(items, PreparedImages) else self.prepare(items)
+        assert self.video is not None  # ``_check_counts`` refused videos for a model without
         kinds = ["video" if isinstance(p, VideoPixels) else "image" for p in prepared.pixels]
         grids = [self.processor.grid(p.frames if isinstance(p, VideoPixels) else p)
                  for p in prepared.pixels]
-        times = [p.times if isinstance(p, VideoPixels) else (0,) for p in prepared.pixels]
-        counts = [len(t) * g[0] * g[1] for t, g in zip(times, grids, strict=True)]
+        times = [p.times if isinstance(p, VideoPixels) and g is not None else (0,)
+                 for p, g in zip(prepared.pixels, grids, strict=True)]
+        counts = [self.video.token_count(p) if isinstance(p, VideoPixels)
+                  else self.processor.token_count(p) for p in prepared.pixels]
         ids, spans = place_media(ids, kinds, counts, {"image": self.image_token_id,
                                                       "video": int(self.video_token_id)})
         inputs = [ImageInput(a, b, key, p, grid, True, t) for (a, b), p, key, grid, t

@@ -35,6 +35,7 @@ _GEMMA3 = {
     "pan_and_scan_max_num_crops": (int, "an integer >= 1"),
     "pan_and_scan_min_ratio_to_activate": (float, "a number > 0"),
 }
+VIDEO_SAMPLING_KEYS = ("fps", "num_frames", "min_frames", "max_frames")
 _QWEN_VL = {
     "min_pixels": (int, "an integer >= 1"),
     "max_pixels": (int, "an integer >= 1"),
@@ -43,10 +44,10 @@ _QWEN_VL = {
     "min_frames": (int, "an integer >= 1"),
     "max_frames": (int, "an integer >= 1"),
 }
-VIDEO_SAMPLING_KEYS = ("fps", "num_frames", "min_frames", "max_frames")
 PROCESSOR_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
     "gemma3": _GEMMA3, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL,
-    "llava": {}, "llava_next": {}, "llava_onevision": {},
+    "llava": {}, "llava_next": {},
+    "llava_onevision": {k: v for k, v in _QWEN_VL.items() if k in VIDEO_SAMPLING_KEYS},
 }
 
 

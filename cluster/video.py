@@ -36,13 +36,16 @@ MAX_FRAME_PIXELS = 8192 * 8192  # a frame past this is refused before it is deco
 class VideoSampling:
     """How frames are taken from an encoded video (HF's Qwen2-VL video processor's
     defaults, ``fps`` as Qwen's own preprocessing uses it); ``num_frames``, where set,
-    takes that many instead, whatever the video's length (HF's precedence)."""
+    takes that many instead, whatever the video's length (HF's precedence), or with
+    ``cap_frames`` at most that many (a shorter video keeps every frame: LLaVA-OneVision's
+    32, as vLLM loads videos for it)."""
 
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
     temporal_patch_size: int = 2
     num_frames: int | None = None
+    cap_frames: bool = False
 
     def __post_init__(self) -> None:
         if self.num_frames is not None and self.num_frames < 1:
@@ -64,6 +67,8 @@ class VideoSampling:
         tp = self.temporal_patch_size
         if self.num_frames is not None:
             count = round(self.num_frames / tp) * tp
+            if self.cap_frames:
+                count = min(count, total // tp * tp)
             if not 0 < count <= total:
                 raise ValueError(f"video_url: num_frames {self.num_frames} is {count} frames "
                                  f"in whole temporal patches of {tp}; the video has {total}")

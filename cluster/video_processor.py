@@ -95,6 +95,12 @@ class VideoProcessor:
                 "fps": s.fps, "min_frames": s.min_frames, "max_frames": s.max_frames,
                 "num_frames": s.num_frames}
 
+    def token_count(self, pixels: VideoPixels) -> int:
+        """A processed video's run: its slices of ``rows x cols`` merged patches."""
+        _, _, height, width = pixels.frames.shape
+        cell = self.patch * self.merge
+        return len(pixels.times) * (height // cell) * (width // cell)
+
     def __call__(self, clip: VideoClip) -> VideoPixels:
         """The clip's frames resized, normalised and padded to whole temporal slices,
         and each slice's M-RoPE time."""
@@ -114,17 +120,24 @@ class VideoProcessor:
 
 
 def sampling_of(facts: dict[str, Any]) -> VideoSampling:
-    """The sampling ``facts`` (``VideoProcessor.facts``) describe, for a front end that
-    decodes videos before the replica processes them."""
+    """The sampling ``facts`` (``VideoProcessor.facts``, ``OnevisionVideoProcessor
+    .facts``) describe, for a front end that decodes videos before the replica
+    processes them."""
     return VideoSampling(fps=facts["fps"], min_frames=facts["min_frames"],
                          max_frames=facts["max_frames"],
                          temporal_patch_size=facts["temporal_patch_size"],
-                         num_frames=facts.get("num_frames"))
+                         num_frames=facts.get("num_frames"),
+                         cap_frames=bool(facts.get("cap_frames")))
 
 
 def video_token_count(clip: VideoClip, facts: dict[str, Any]) -> int:
-    """How many tokens a clip becomes: its slices times the tokens of one resized frame."""
+    """How many tokens a clip becomes: its slices times the tokens of one resized frame
+    (Qwen2-VL), or its frames' pooled tokens and a newline (LLaVA-OneVision's facts
+    carry ``tokens_per_frame``)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    if "tokens_per_frame" in facts:
+        return len(clip.frames) * int(facts["tokens_per_frame"]) + 1
 
     f, tp = facts["factor"], facts["temporal_patch_size"]
     height, width = smart_resize(clip.height, clip.width, factor=f,

@@ -12,9 +12,10 @@ that token, once), attention stays causal. LLaVA-NeXT (``model_type: llava_next`
 LLaVA with "anyres" pictures (``anyres``): its run's length depends on the picture's
 size (``tokens_per_image`` 0); LLaVA-OneVision (``llava_onevision``) the same behind a
 SigLIP tower, its grid shrunk past ``anyres_max_N`` crops and, in a prompt of several
-pictures, each picture whole only. Qwen2-VL and Qwen2.5-VL (``qwen_vl_config``)
-size each image's run by the picture (``tokens_per_image`` 0), causal too. Defaults are
-transformers' config classes' (the released files list only what differs).
+pictures, each picture whole only; it takes videos too (``video_token_index``).
+Qwen2-VL and Qwen2.5-VL (``qwen_vl_config``) size each image's run by the picture
+(``tokens_per_image`` 0), causal too. Defaults are transformers' config classes' (the
+released files list only what differs).
 """
 
 from __future__ import annotations
@@ -130,10 +131,17 @@ def _llava(cfg: dict[str, Any], image_token: int) -> ImageConfig:
         check_pinpoints(grid_pinpoints(cfg), vision.image_size, "image_grid_pinpoints")
         max_crops_of(cfg)
         tokens = 0  # each picture's own count
+    video = None
+    if onevision:  # its videos: frames pooled 2 x 2, ``LlavaNextVisionEncoder.encode_video``
+        found = cfg.get("video_token_index", cfg.get("video_token_id"))
+        video = 151_647 if found is None else int(found)
+        if video == image_token:
+            raise ValueError(f"model config field 'video_token_index' ({video}) is the "
+                             "image token")
     return ImageConfig(
         family=family, image_token_id=image_token, marker_token_id=image_token,
         eoi_token_id=None, tokens_per_image=tokens, image_size=vision.image_size,
-        bidirectional=False, hf_config=json.dumps(cfg))
+        bidirectional=False, hf_config=json.dumps(cfg), video_token_id=video)
 
 
 # The config classes' canvases when a file lists none: LLaVA-NeXT's (made for a

@@ -251,7 +251,8 @@ _LLAVA_WORDS = ("USER:", "ASSISTANT:", "<image>")
 LLAVA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'].upper() }}: "
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}<image>\n{% elif p['type'] == 'text' %}{{ p['text'] }}"
+    "{% if p['type'] == 'image' %}<image>\n{% elif p['type'] == 'video' %}<video>\n"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}"
     "{% endif %}{% endfor %}{% endif %} {% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
@@ -265,8 +266,9 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
     ``<image>`` and a LLaVA-1.5-style chat template, plus CLIP's image processor
     config; return its path. With ``pinpoints``, a ``LlavaNextForConditionalGeneration``
     over those canvases and LLaVA-NeXT's processor instead; with ``onevision_max_crops``
-    too, a ``LlavaOnevisionForConditionalGeneration`` (a SigLIP tower, ``anyres_max_N``)
-    and its processor. ``text`` overrides the decoder's config."""
+    too, a ``LlavaOnevisionForConditionalGeneration`` (a SigLIP tower, ``anyres_max_N``,
+    ``<video>`` the id before the chat words) and its processor. ``text`` overrides the
+    decoder's config."""
     import transformers as tf
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.llava_next.image_processing_pil_llava_next import (
@@ -291,7 +293,8 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
         vision.update(model_type="siglip_vision_model", hidden_act="gelu_pytorch_tanh",
                       vision_use_head=False)
         vision.pop("projection_dim")
-        kw.update(vision_feature_select_strategy="full", vision_feature_layer=-1)
+        kw.update(vision_feature_select_strategy="full", vision_feature_layer=-1,
+                  video_token_index=vocab_size - 1 - len(_LLAVA_WORDS))
         model = tf.LlavaOnevisionForConditionalGeneration(tf.LlavaOnevisionConfig(
             **kw, image_grid_pinpoints=pinpoints,
             vision_aspect_ratio=f"anyres_max_{onevision_max_crops}"))
@@ -303,8 +306,10 @@ def write_random_llava(dest: str | Path, seed: int = 11, vocab_size: int = 300,
     _spread_weights(model, "vision", ("norm",))
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)
-    write_wordlevel_tokenizer(dest, vocab_size, _LLAVA_WORDS, ("<image>",),
-                              LLAVA_CHAT_TEMPLATE)
+    words, specials = _LLAVA_WORDS, ("<image>",)
+    if onevision_max_crops is not None:
+        words, specials = ("<video>", *words), ("<video>", *specials)
+    write_wordlevel_tokenizer(dest, vocab_size, words, specials, LLAVA_CHAT_TEMPLATE)
     sizes = dict(size={"shortest_edge": image_size},
                  crop_size={"height": image_size, "width": image_size})
     if onevision_max_crops is not None:

@@ -62,6 +62,13 @@ def test_a_frame_count_the_video_cannot_give_is_refused(count: int, match: str) 
         VideoSampling(num_frames=0)
 
 
+def test_a_frame_cap_keeps_a_shorter_video_whole() -> None:
+    """LLaVA-OneVision's default: at most 32 frames; a shorter video keeps them all."""
+    cap = VideoSampling(num_frames=32, temporal_patch_size=1, cap_frames=True)
+    assert cap.indices(10, 30.0) == list(range(10))
+    assert cap.indices(40, 30.0) == hf_sample_count(40, 32, 1)
+
+
 def test_a_video_shorter_than_a_temporal_patch_keeps_its_frame() -> None:
     assert VideoSampling().indices(1, 30.0) == [0]
 

@@ -266,9 +266,18 @@ def onevision_app(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
 def test_llava_onevision_chat_counts_each_pictures_run_at_the_front(
         onevision_app: tuple[App, str]) -> None:
     """LLaVA-OneVision's run depends on how many pictures the prompt holds: two get
-    their whole picture only (2 x 2 features and a newline each)."""
+    their whole picture only (2 x 2 features and a newline each); a video beside one
+    picture leaves it anyres, and its run is counted from its sampled frames."""
     ids = front_counts(*onevision_app, "tiny-onevision", (60, 30), (20, 50))
     assert ids.count(299) == 2 * (4 + 1)
+    pytest.importorskip("av")
+    from pagedserve.worker.testing_qwen_vl import video_bytes
+
+    url = "data:video/mp4;base64," + base64.b64encode(
+        video_bytes(5, frames=4, fps=2, size=(28, 28))).decode()
+    ids = front_counts(*onevision_app, "tiny-onevision", (60, 30), parts=[
+        {"type": "video_url", "video_url": {"url": url}}])
+    assert ids.count(296) == 4 * 1 + 1  # a video: 4 frames of one pooled feature, a newline
 
 
 def front_counts(app: App, model_dir: str, name: str, *sizes: tuple[int, int],

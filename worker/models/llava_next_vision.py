@@ -10,7 +10,9 @@ read row by row. The tower runs all of a picture's crops as one batch.
 LLaVA-OneVision packs the same way behind a SigLIP tower, with two departures: a grid
 holding more than ``anyres_max_N`` crops' features is scaled down bilinearly to about
 ``N``'s before the newlines (``anyres.shrunk_size``), and a picture among several in
-its prompt is encoded whole only (its features and one newline).
+its prompt is encoded whole only (its features and one newline). It takes videos too
+(``encode_video``): each frame's ``P x P`` features pooled to ``ceil(P / 2)`` a side,
+the frames in order, one newline after the last.
 """
 
 from __future__ import annotations
@@ -88,6 +90,19 @@ class LlavaNextVisionEncoder(LlavaVisionEncoder):
             h = small_h
         newline = self.image_newline.to(grid.dtype).expand(h, 1, hidden)
         return torch.cat([feats[0], torch.cat([grid, newline], dim=1).reshape(-1, hidden)])
+
+    def encode_video(self, frames: torch.Tensor) -> torch.Tensor:
+        """A LLaVA-OneVision video's frames ``[F, 3, S, S]`` -> ``[F * Q * Q + 1,
+        hidden]``, ``Q = ceil(P / 2)``: each frame's projected features scaled down
+        bilinearly (HF's ``apply_pooling``), then one ``image_newline`` (HF's
+        ``get_video_features``). The frames run through the tower as one batch."""
+        side = self.cfg.image_size // self.cfg.patch_size
+        feats = self(frames)  # [F, side*side, hidden]
+        count, _, hidden = feats.shape
+        grid = feats.view(count, side, side, hidden).permute(0, 3, 1, 2)
+        pooled = F.interpolate(grid, size=[-(-side // 2)] * 2, mode="bilinear")
+        pooled = pooled.permute(0, 2, 3, 1).reshape(-1, hidden)
+        return torch.cat([pooled, self.image_newline.to(pooled.dtype)[None]])
 
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> None:
         """LLaVA's tensors and ``image_newline`` (saved at the top level or under
