@@ -87,7 +87,7 @@ class LLMEngine:
         self.images = ImagePrompts(resolved.path, image_info, self.tokenizer,
                                    config.image_limit, config.allowed_local_media_path,
                                    str(info["dtype"]), config.video_limit,
-                                   config.mm_processor_kwargs) \
+                                   config.mm_processor_kwargs, max_len) \
             if image_info else None
         self.loras = LoRARegistry(self.executor, config.enable_lora,
                                   config.resolved_max_loaded_loras(), self._lora_in_use)

@@ -14,7 +14,7 @@ import hashlib
 from typing import Any
 
 from pagedserve.cluster.chat_protocol import ChatMessage
-from pagedserve.cluster.image_prompts import (
+from pagedserve.cluster.media_runs import (
     MediaCountError,
     chat_ids,
     place_media,
@@ -78,12 +78,15 @@ def image_chat_ids(tokenizer: Any, messages: list[dict[str, Any]], image: dict[s
                    template_kwargs: dict[str, Any] | None = None,
                    continue_final_message: bool = False,
                    pictures: list[Any] | None = None) -> list[int]:
-    """``image_prompts.chat_ids`` of the request's messages (tools and template
+    """``media_runs.chat_ids`` of the request's messages (tools and template
     variables too; ``pictures``: the decoded ones, whose crop counts write out their
     runs under Gemma 3's pan-and-scan); a template that cannot render them, or
     markers that do not match the pictures, is a 400 on ``messages``."""
     extra = template_extra(tools, template_kwargs, continue_final_message)
-    crops = crop_counts(pictures or [], image)
+    try:
+        crops = crop_counts(pictures or [], image)
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
     try:
         return chat_ids(tokenizer, image, template_messages(messages), add_generation_prompt,
                         crops, **extra)

@@ -209,12 +209,22 @@ def request_info(image_info: Mapping[str, Any], kwargs: Mapping[str, Any] | None
 
 def crop_counts(pictures: Sequence[Any], image_info: Mapping[str, Any]) -> list[int] | None:
     """Each decoded picture's crop count where the model cuts pictures (Gemma 3 with
-    pan-and-scan on: ``image_info["pan_and_scan"]``); None where it does not."""
+    pan-and-scan on: ``image_info["pan_and_scan"]``); None where it does not.
+    ``ValueError`` where the runs would not fit ``image_info["max_model_len"]``: a
+    long thin picture under small crop bounds would otherwise be cut into thousands
+    of crops before any length check."""
     facts = image_info.get("pan_and_scan")
     if not facts:
         return None
     pas = PanAndScan.from_facts(facts)
-    return [pas.crop_count(p.height, p.width) for p in pictures]
+    counts = [pas.crop_count(p.height, p.width) for p in pictures]
+    tokens = sum(1 + n for n in counts) * int(image_info.get("tokens_per_image") or 0)
+    limit = image_info.get("max_model_len")
+    if limit and tokens > limit:
+        raise ValueError(f"images: cut by pan-and-scan into {sum(counts)} crops, the "
+                         f"pictures take {tokens} tokens, over the model's context of "
+                         f"{limit} (mm_processor_kwargs pan_and_scan_*)")
+    return counts
 
 
 def pan_and_scan_text(sequence: str, crops: int) -> str:

@@ -200,6 +200,12 @@ def test_runs_that_do_not_fit_the_crops_and_foreign_options_are_refused(
         with pytest.raises(ValueError, match=r"marks 3 images .* but 2 were given"):
             llm.generate({"prompt": TEXT, "multi_modal_data": {"image": pictures()[:2]}},
                          GREEDY)
+        thin = random_picture(6, (20000, 1))  # 20,000 crops of 1 pixel: refused uncut
+        with pytest.raises(ValueError, match="over the model's context of 1024"):
+            llm.generate({"prompt": "<start_of_image>", "multi_modal_data": {"image": thin},
+                          "mm_processor_kwargs": {"pan_and_scan_min_crop_size": 1,
+                                                  "pan_and_scan_max_num_crops": 10**6}},
+                         GREEDY)
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()

@@ -192,7 +192,7 @@ def test_bad_llava_onevision_files_name_the_field(ov_dir: str, tmp_path: Path, c
 def test_runs_side_by_side_split_into_pictures() -> None:
     """Lone markers a template writes side by side, or whole runs the HTTP front wrote
     out side by side: each picture gets its own span."""
-    from pagedserve.cluster.image_prompts import split_runs
+    from pagedserve.cluster.media_runs import split_runs
 
     assert split_runs([(1, 3)], [5, 5]) == [(1, 2), (2, 3)]  # two lone markers
     assert split_runs([(1, 11)], [5, 5]) == [(1, 6), (6, 11)]  # two written runs

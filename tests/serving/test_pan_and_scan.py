@@ -117,10 +117,32 @@ def test_crop_count_is_the_processors_at_every_size(pas: PanAndScan) -> None:
 
 
 def test_crop_counts_read_the_front_ends_facts() -> None:
-    facts = {"pan_and_scan": PanAndScan(8, 4, 1.2).facts()}
+    facts = {"pan_and_scan": PanAndScan(8, 4, 1.2).facts(), "tokens_per_image": 4}
     pics = [picture(40, 10), picture(10, 40), picture(20, 20)]
     assert crop_counts(pics, facts) == [4, 4, 0]
     assert crop_counts(pics, {}) is None
+
+
+def test_crops_past_the_context_are_refused_before_any_is_cut(tokenizer) -> None:
+    """A long thin picture under tiny bounds (one request may set them) would be cut
+    into thousands of crops: refused by its count, at the front a 400 on messages."""
+    from pagedserve.cluster.protocol import APIError
+
+    facts = {"family": "gemma3", "tokens_per_image": 256, "max_model_len": 4096,
+             "pan_and_scan": PanAndScan(1, 10**6, 1.2).facts()}
+    thin = picture(5000, 1)
+    with pytest.raises(ValueError, match=r"into 5000 crops, the pictures take 1280256 "
+                                         r"tokens, over the model's context of 4096"):
+        crop_counts([thin], facts)
+    assert crop_counts([picture(30, 10)], facts) == [3]  # 4 x 256 tokens fit
+    vocab = tokenizer.get_vocab()
+    info = {**facts, "marker_token_id": vocab[BOI], "image_token_id": vocab[IMAGE],
+            "eoi_token_id": vocab[EOI]}
+    tokenizer.chat_template = "{% for m in messages %}" + BOI + "{% endfor %}"
+    with pytest.raises(APIError) as err:
+        image_chat_ids(tokenizer, [{"role": "user", "content": [{"type": "image"}]}], info,
+                       False, None, pictures=[thin])
+    assert err.value.param == "messages" and "over the model's context" in str(err.value)
 
 
 # pixels
