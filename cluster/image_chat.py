@@ -25,7 +25,7 @@ from pagedserve.cluster.processor_options import crop_counts, request_info
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.tools import template_extra, template_messages
 from pagedserve.cluster.video import VideoClip, load_video
-from pagedserve.cluster.video_processor import sampling_of, video_token_count
+from pagedserve.cluster.video_processor import frame_fit, sampling_of, video_token_count
 from pagedserve.scheduler.multimodal import ImageInput
 from pagedserve.worker.anyres import facts_token_count
 
@@ -63,7 +63,8 @@ async def chat_images(messages: list[ChatMessage], info: dict[str, Any],
     def load(kind: str, url: str) -> Any:
         if kind == "video":
             return load_video(url, sampling_of(video),
-                              allowed_local_media_path=allowed_local_media_path)
+                              allowed_local_media_path=allowed_local_media_path,
+                              fit=frame_fit(video, info.get("max_model_len")))
         return load_image(url, allowed_local_media_path=allowed_local_media_path)
 
     try:

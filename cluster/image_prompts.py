@@ -40,7 +40,7 @@ from pagedserve.cluster.processor_options import (
     request_info,
 )
 from pagedserve.cluster.video import VideoSource, is_video, load_video
-from pagedserve.cluster.video_processor import VideoProcessor
+from pagedserve.cluster.video_processor import VideoProcessor, frame_fit
 from pagedserve.scheduler.multimodal import ImageInput
 from pagedserve.worker.video_pixels import VideoPixels
 
@@ -242,7 +242,8 @@ class ImagePrompts:
         processor = self.video.variant(options)
         source = video.source if isinstance(video, VideoSource) else video
         clip = load_video(source, processor.sampling,
-                          allowed_local_media_path=self.allowed_local_media_path)
+                          allowed_local_media_path=self.allowed_local_media_path,
+                          fit=frame_fit(processor.facts(), self.info.get("max_model_len")))
         return processor(clip)
 
     def check_text_only(self, ids: Sequence[int]) -> None:

@@ -78,7 +78,8 @@ class OnevisionVideoProcessor:
         """What a front end needs to sample a video and count its run
         (``video_processor.sampling_of``, ``video_token_count``)."""
         s = self.sampling
-        return {"tokens_per_frame": self.tokens_per_frame, "temporal_patch_size": 1,
+        return {"tokens_per_frame": self.tokens_per_frame, "size": self.height,
+                "temporal_patch_size": 1,
                 "fps": s.fps, "min_frames": s.min_frames, "max_frames": s.max_frames,
                 "num_frames": s.num_frames, "cap_frames": True}
 

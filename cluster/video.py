@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +82,22 @@ class VideoSampling:
 
 
 @dataclass(frozen=True)
+class FrameFit:
+    """What the model makes of a video's frames, known from the stream's size before
+    any frame is decoded: ``size`` maps a frame's ``(height, width)`` to the size its
+    processor resizes it to (``resample``: PIL's filter, the processor's), and
+    ``tokens`` the run ``(frames, height, width)`` becomes. Decoding resizes each kept
+    frame at once, so a long high-resolution video never sits in memory at its own
+    size (the processor's own resize is then the identity: the same pixels), and a
+    video whose run passes ``limit`` tokens is refused before it is decoded."""
+
+    size: Callable[[int, int], tuple[int, int]]
+    tokens: Callable[[int, int, int], int]
+    limit: int | None = None
+    resample: int = 3  # PIL's BICUBIC, Qwen2-VL's and LLaVA-OneVision's
+
+
+@dataclass(frozen=True)
 class VideoClip:
     """A video's chosen frames (RGB PIL images, one size) and the rate, in frames per
     second of the original, that they were taken at."""
@@ -125,11 +141,13 @@ def is_video(item: Any) -> bool:
 
 def load_video(source: Any, sampling: VideoSampling, *,
                allowed_local_media_path: str | None = None, fetch_timeout_s: float = 30.0,
-               max_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> VideoClip:
+               max_bytes: int = DEFAULT_MAX_VIDEO_BYTES, fit: FrameFit | None = None
+               ) -> VideoClip:
     """One user-supplied video as a ``VideoClip``: a clip as it is; frames (PIL images,
     or a uint8 ``[T, H, W, 3]`` array / tensor, taken as sampled already, at
-    ``sampling.fps``); encoded bytes or a URL, decoded and sampled. Every failure is a
-    ``ValueError`` naming ``video_url`` (a 400 at the HTTP front)."""
+    ``sampling.fps``); encoded bytes or a URL, decoded and sampled (its frames resized
+    and its run bounded by ``fit``). Every failure is a ``ValueError`` naming
+    ``video_url`` (a 400 at the HTTP front)."""
     if isinstance(source, VideoClip):
         return source
     if isinstance(source, str):
@@ -139,7 +157,7 @@ def load_video(source: Any, sampling: VideoSampling, *,
         if len(source) > max_bytes:
             raise ValueError(f"video_url: video is {len(source)} bytes, over the "
                              f"{max_bytes}-byte limit")
-        return decode_video(bytes(source), sampling)
+        return decode_video(bytes(source), sampling, fit)
     return VideoClip(_frames(source), sampling.fps)
 
 
@@ -166,8 +184,11 @@ def _frames(source: Any) -> tuple[Image.Image, ...]:
     return tuple(Image.fromarray(f.numpy(), "RGB") for f in array.cpu())
 
 
-def decode_video(data: bytes, sampling: VideoSampling) -> VideoClip:
-    """Decode and sample an encoded video (any container and codec FFmpeg reads)."""
+def decode_video(data: bytes, sampling: VideoSampling, fit: FrameFit | None = None
+                 ) -> VideoClip:
+    """Decode and sample an encoded video (any container and codec FFmpeg reads); with
+    ``fit``, each kept frame resized as its processor will, and a run past its limit
+    refused before decoding."""
     try:
         import av
     except ImportError:
@@ -186,11 +207,15 @@ def decode_video(data: bytes, sampling: VideoSampling) -> VideoClip:
             if total <= 0:
                 raise ValueError("video_url: the video has no frames")
             wanted = sampling.indices(total, rate)
+            target = _check_fit(fit, len(wanted), stream.height, stream.width)
             picked = set(wanted)
             frames: list[Image.Image] = []
             for i, frame in enumerate(container.decode(stream)):
                 if i in picked:
-                    frames.append(frame.to_image().convert("RGB"))
+                    image = frame.to_image().convert("RGB")
+                    if fit is not None and image.size != target:
+                        image = image.resize(target, resample=fit.resample)
+                    frames.append(image)
                 if i >= wanted[-1]:
                     break
     except av.FFmpegError as exc:  # (some are ValueErrors too: caught first)
@@ -204,6 +229,21 @@ def decode_video(data: bytes, sampling: VideoSampling) -> VideoClip:
     if not frames:
         raise ValueError("video_url: the video has no decodable frames")
     return VideoClip(tuple(frames), len(frames) / total * rate)
+
+
+def _check_fit(fit: FrameFit | None, count: int, height: int, width: int
+               ) -> tuple[int, int] | None:
+    """The ``(width, height)`` each kept frame is resized to; ``ValueError`` where the
+    video's run would pass the fit's limit."""
+    if fit is None:
+        return None
+    run = fit.tokens(count, height, width)
+    if fit.limit is not None and run > fit.limit:
+        raise ValueError(f"video_url: {count} frames of {width} x {height} make {run} "
+                         f"tokens, over the model's context of {fit.limit} (fewer frames: "
+                         "mm_processor_kwargs num_frames or fps)")
+    h, w = fit.size(height, width)
+    return w, h
 
 
 def _counted_frames(data: bytes) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pagedserve.cluster.processor_options import VIDEO_SAMPLING_KEYS, with_options
-from pagedserve.cluster.video import VideoClip, VideoSampling
+from pagedserve.cluster.video import FrameFit, VideoClip, VideoSampling
 from pagedserve.worker.video_pixels import VideoPixels, slice_times
 
 # Qwen2VLVideoProcessor's class defaults.
@@ -130,16 +130,30 @@ def sampling_of(facts: dict[str, Any]) -> VideoSampling:
                          cap_frames=bool(facts.get("cap_frames")))
 
 
-def video_token_count(clip: VideoClip, facts: dict[str, Any]) -> int:
-    """How many tokens a clip becomes: its slices times the tokens of one resized frame
-    (Qwen2-VL), or its frames' pooled tokens and a newline (LLaVA-OneVision's facts
-    carry ``tokens_per_frame``)."""
+def frame_fit(facts: dict[str, Any], limit: int | None = None) -> FrameFit:
+    """How a model with these facts (``VideoProcessor.facts``, ``OnevisionVideoProcessor
+    .facts``) resizes and counts a video's frames: Qwen2-VL's ``smart_resize`` within
+    the frame bounds, its slices of ``rows x cols`` tokens; LLaVA-OneVision's square
+    (``tokens_per_frame`` a frame and a newline)."""
+    if "tokens_per_frame" in facts:
+        side, per_frame = int(facts["size"]), int(facts["tokens_per_frame"])
+        return FrameFit(lambda h, w: (side, side), lambda n, h, w: n * per_frame + 1, limit)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    if "tokens_per_frame" in facts:
-        return len(clip.frames) * int(facts["tokens_per_frame"]) + 1
+    f, tp = int(facts["factor"]), int(facts["temporal_patch_size"])
 
-    f, tp = facts["factor"], facts["temporal_patch_size"]
-    height, width = smart_resize(clip.height, clip.width, factor=f,
-                                 min_pixels=facts["min_pixels"], max_pixels=facts["max_pixels"])
-    return -(-len(clip.frames) // tp) * (height // f) * (width // f)
+    def size(height: int, width: int) -> tuple[int, int]:
+        return smart_resize(height, width, factor=f, min_pixels=facts["min_pixels"],
+                            max_pixels=facts["max_pixels"])
+
+    def tokens(count: int, height: int, width: int) -> int:
+        h, w = size(height, width)
+        return -(-count // tp) * (h // f) * (w // f)
+
+    return FrameFit(size, tokens, limit)
+
+
+def video_token_count(clip: VideoClip, facts: dict[str, Any]) -> int:
+    """How many tokens a clip becomes: its slices times the tokens of one resized frame
+    (Qwen2-VL), or its frames' pooled tokens and a newline (LLaVA-OneVision)."""
+    return frame_fit(facts).tokens(len(clip.frames), clip.height, clip.width)

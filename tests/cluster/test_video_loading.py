@@ -134,3 +134,28 @@ def test_an_audio_only_file_and_mixed_frame_sizes_are_refused(
         decode_video(video_bytes(1, frames=2, fps=2, size=(48, 32)), VideoSampling())
     with pytest.raises(ValueError, match="over the 10-byte limit"):
         load_video(b"x" * 11, VideoSampling(), max_bytes=10)
+
+
+def test_frames_resized_as_decoded_process_to_the_same_pixels() -> None:
+    """A frame resized at decode to the size its processor picks (Qwen2-VL's
+    ``smart_resize`` within the bounds) gives the processor's own pixels (its resize
+    is then the identity); a run past the fit's limit is refused before decoding."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from pagedserve.cluster.video_processor import VideoProcessor, frame_fit
+    from pagedserve.worker.testing_qwen_vl import video_bytes
+
+    data = video_bytes(3, frames=6, fps=3, size=(200, 150))
+    proc = VideoProcessor(Qwen2VLImageProcessorPil(patch_size=7, merge_size=2),
+                          {"size": {"shortest_edge": 196, "longest_edge": 112 * 112}}, None)
+    sampling = VideoSampling(fps=3.0, min_frames=2, max_frames=16)
+    full = decode_video(data, sampling)
+    small = decode_video(data, sampling, frame_fit(proc.facts()))
+    assert full.frames[0].size == (200, 150) and small.frames[0].size == (126, 84)
+    a, b = proc(full), proc(small)
+    assert torch.equal(a.frames, b.frames) and a.times == b.times
+    with pytest.raises(ValueError, match=r"6 frames of 200 x 150 make 162 tokens, over the "
+                                         r"model's context of 100"):
+        decode_video(data, sampling, frame_fit(proc.facts(), 100))
