@@ -62,6 +62,7 @@ class OnevisionVideoProcessor:
         config = json.loads(path.read_text()) if path.is_file() else {}
         if not isinstance(config, dict):
             raise ValueError(f"{path.name} is not a JSON object")
+        config = {k: v for k, v in config.items() if v is not None}  # null: the default
         vision = hf_config.get("vision_config") or {}
         return cls(config, int(vision.get("image_size", 384)),
                    int(vision.get("patch_size", 14))).variant(options or {})

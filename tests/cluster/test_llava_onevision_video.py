@@ -164,3 +164,19 @@ def test_encoded_videos_are_sampled_to_32_frames_or_as_asked(ov_dir: str) -> Non
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+
+
+def test_a_saved_video_config_with_nulls_keeps_the_32_frame_default(ov_dir: str,
+                                                                     tmp_path: Path) -> None:
+    """transformers saves a video processor's unset fields as null: those are the
+    defaults, not "no cap"; a set ``num_frames`` is taken."""
+    cfg = json.loads((Path(ov_dir) / "config.json").read_text())
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"num_frames": None, "fps": None, "max_frames": None, "size": {"height": 28,
+                                                                       "width": 28}}))
+    saved = OnevisionVideoProcessor.from_model_dir(tmp_path, cfg)
+    assert (saved.sampling.num_frames, saved.sampling.cap_frames) == (32, True)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"num_frames": 8}))
+    assert OnevisionVideoProcessor.from_model_dir(tmp_path, cfg).sampling.num_frames == 8
+    assert OnevisionVideoProcessor.from_model_dir(
+        tmp_path, cfg, {"fps": 1.0}).sampling.num_frames is None
