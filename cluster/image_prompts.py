@@ -235,7 +235,8 @@ class ImagePrompts:
         return PreparedImages(pixels, [image_hash(p) for p in pixels], options)
 
     def _video_pixels(self, video: Any, options: dict[str, Any]) -> VideoPixels:
-        """A video read (not yet: sampled under the request's options) and processed."""
+        """A video processed under the request's options, read and sampled first where
+        it arrives encoded (frames given are taken as sampled)."""
         if isinstance(video, VideoPixels):
             return video
         assert self.video is not None  # ``_check_counts`` refused videos for a model without
