@@ -46,6 +46,15 @@ def prompt(i: int, vocab: int, tokens_per_image: int, text: int,
 VOCAB = 1024
 
 
+def model_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags ``write_bench_model`` reads (and ``--json``), shared by both benches."""
+    ap.add_argument("--kind", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl"))
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vision-layers", type=int, default=4)
+    ap.add_argument("--json", default=None)
+
+
 def write_bench_model(dest: str, args: argparse.Namespace, max_pixels: int = 56 * 56,
                       tokens_per_second: float | None = None) -> str:
     """The random ``args.kind`` checkpoint both Qwen-VL benches run: a tower of
@@ -98,15 +107,11 @@ def hugging_face(path: str, prompts: list[list[int]], images: list, max_tokens: 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kind", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl"))
+    model_flags(ap)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--text", type=int, default=48, help="text tokens each side of the image")
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vision-layers", type=int, default=4)
     ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.image_size % 28:
         ap.error("--image-size must be a multiple of 28 (patch 14 x merge 2)")

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from images import ours_warmed, report  # sibling scripts
-from qwen_vl import VOCAB, prompt, write_bench_model
+from qwen_vl import VOCAB, model_flags, prompt, write_bench_model
 
 from pagedserve.cluster.video import VideoClip
 from pagedserve.cluster.video_processor import VideoProcessor
@@ -90,16 +90,12 @@ def hugging_face(path: str, kind: str, prompts: list[list[int]], videos: list[Vi
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kind", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl"))
+    model_flags(ap)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--text", type=int, default=32, help="text tokens each side of the video")
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vision-layers", type=int, default=4)
     ap.add_argument("--frames", type=int, default=8)
     ap.add_argument("--size", type=int, default=112)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.size % 28 or args.frames % 2:
         ap.error("--size must be a multiple of 28 (patch 14 x merge 2), --frames even")
