@@ -25,8 +25,6 @@ from pagedserve.cluster.processor_options import VIDEO_SAMPLING_KEYS, with_optio
 from pagedserve.cluster.video import VideoClip, VideoSampling
 from pagedserve.worker.video_pixels import VideoPixels
 
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / _STD
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_FRAMES = 32
 
 
@@ -36,6 +34,8 @@ class OnevisionVideoProcessor:
     empty), ``image_size`` / ``patch_size``: the tower's."""
 
     def __init__(self, config: dict[str, Any], image_size: int, patch_size: int) -> None:
+        from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
         self._config, self._tower = dict(config), (image_size, patch_size)
         size = config.get("size") or {}
         self.height = int(size.get("height") or image_size)
@@ -43,8 +43,8 @@ class OnevisionVideoProcessor:
         if (self.height, self.width) != (image_size, image_size):
             raise ValueError(f"video_preprocessor_config: size {self.height} x {self.width} "
                              f"is not the tower's {image_size} x {image_size}")
-        self.mean = np.asarray(config.get("image_mean") or _CLIP_MEAN, dtype=np.float32)
-        self.std = np.asarray(config.get("image_std") or _CLIP_STD, dtype=np.float32)
+        self.mean = np.asarray(config.get("image_mean") or OPENAI_CLIP_MEAN, dtype=np.float32)
+        self.std = np.asarray(config.get("image_std") or OPENAI_CLIP_STD, dtype=np.float32)
         side = -(-(image_size // patch_size) // 2)
         self.tokens_per_frame = side * side
         frames = config.get("num_frames", DEFAULT_FRAMES)
