@@ -36,6 +36,7 @@ from pagedserve.cluster.engine_lifecycle import (
 )
 from pagedserve.cluster.kv_transfer import KVPayload, begin_import, end_import, reserved_shards
 from pagedserve.cluster.outputs import RequestOutput
+from pagedserve.cluster.prompt_embeds import EmbedsPrompt
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -164,7 +165,7 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | EmbedsPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -218,7 +219,7 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
-    async def beam_search(self, prompt: list[int], params: BeamSearchParams,
+    async def beam_search(self, prompt: list[int] | EmbedsPrompt, params: BeamSearchParams,
                           lora_request: LoRARequest | None = None,
                           cache_salt: str | None = None, priority: int = 0,
                           images: list[Any] | None = None) -> list[BeamSearchSequence]:

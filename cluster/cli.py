@@ -83,6 +83,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
                    help='processor options as JSON, e.g. Gemma 3\'s {"do_pan_and_scan": '
                         'true} or Qwen2-VL\'s {"min_pixels": N, "max_pixels": N}')
+    p.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="/v1/completions takes prompt_embeds: base64 torch.save tensors "
+                        "[tokens, hidden] in place of text (loaded weights-only; only for "
+                        "trusted clients)")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",

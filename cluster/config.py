@@ -82,6 +82,8 @@ class EngineConfig:
     Gemma 3's ``{"do_pan_and_scan": true}`` or Qwen2-VL's ``min_pixels`` /
     ``max_pixels``; a key the model's processor does not take is refused by name
     (``processor_options``).
+    ``enable_prompt_embeds`` (vLLM's option, off by default) lets prompts be given as
+    input embeddings ``[tokens, hidden]`` instead of text (``prompt_embeds``).
     """
 
     model: str | None = None
@@ -130,6 +132,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    enable_prompt_embeds: bool = False
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -86,6 +86,8 @@ class RemotePrefiller:
         holds already makes the import write nothing)."""
         if req.params.prompt_logprobs is not None:  # those need the whole prompt here
             return False
+        if req.prompt_embeds is not None:  # (not shipped twice: it runs where it is)
+            return False
         n = len(req.prompt_token_ids)
         if req.images:
             return n >= self.config.min_tokens

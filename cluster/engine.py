@@ -33,6 +33,7 @@ from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.cluster.pooling import PoolAccumulator
+from pagedserve.cluster.prompt_embeds import EmbedsPrompt, embeds_request_inputs
 from pagedserve.cluster.request_state import (
     RequestState,
     check_prompt_ids,
@@ -114,7 +115,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | EmbedsPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -144,7 +145,8 @@ class LLMEngine:
         ``step`` returns for it, one of ``request_state.OUTPUT_KINDS``. ``images`` (a
         multimodal model's; ``cluster.multimodal.load_image``'s forms) fill the prompt's
         image placeholders, one begin-of-image token each in a text prompt
-        (``image_prompts``).
+        (``image_prompts``). An ``EmbedsPrompt`` (``enable_prompt_embeds``) is a prompt
+        of input embeddings; its ids are placeholders (``prompt_embeds``).
         """
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -169,10 +171,15 @@ class LLMEngine:
             from pagedserve.worker.structured import check_structured_outputs
 
             check_structured_outputs(params.structured_outputs)
-        ids, image_inputs = self._prompt_ids(prompt, images)
+        if isinstance(prompt, EmbedsPrompt):
+            ids, image_inputs = embeds_request_inputs(
+                prompt, params, images, self.config.enable_prompt_embeds,
+                int(self.model_info["hidden_size"]), self.scheduler.block_size)
+        else:
+            ids, image_inputs = self._prompt_ids(prompt, images)
         if not ids:
             raise ValueError("prompt is empty")
-        if params.truncate_prompt_tokens is not None:
+        if params.truncate_prompt_tokens is not None and not isinstance(prompt, EmbedsPrompt):
             if image_inputs:
                 raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
             ids = ids[-params.truncate_prompt_tokens:]
@@ -188,7 +195,8 @@ class LLMEngine:
         group = RequestState.start(request_id, prompt if isinstance(prompt, str) else None,
                                    ids, params, n_out, self.tokenizer, pool,
                                    (cache_salt, lora_request, image_inputs) if export_kv
-                                   else None, resumed)
+                                   else None, resumed,
+                                   token_prompt=not isinstance(prompt, EmbedsPrompt))
         group.output_kind = output_kind
         req = self.scheduler.make_request(request_id, ids, params, self.eos_token_ids,
                                           cache_salt, lora_request, priority, pooling_params,

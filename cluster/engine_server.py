@@ -93,7 +93,10 @@ class EngineServer:
                 "vocab_size": int(core.model_info["vocab_size"]), "replica": self.replica_id,
                 "node_id": self.node_id,
                 # A multimodal model's image tokens (None: it takes no images).
-                "image": core.images.info if core.images is not None else None}
+                "image": core.images.info if core.images is not None else None,
+                # Whether prompts may come as embeddings, and of what width.
+                "prompt_embeds": core.config.enable_prompt_embeds,
+                "hidden_size": int(core.model_info["hidden_size"])}
 
     async def run(self, req: EngineRequest) -> int:
         """Serve one request whose chunks go to the caller's channel; returns how many.
@@ -132,7 +135,7 @@ class EngineServer:
 
         async def work(lora: Any) -> dict[str, Any]:
             last = None
-            async for out in self.engine.generate(req.prompt_token_ids, req.params,
+            async for out in self.engine.generate(req.engine_prompt(), req.params,
                                                   req.request_id, req.cache_salt, lora,
                                                   req.priority, req.pooling):
                 last = out
@@ -149,7 +152,7 @@ class EngineServer:
 
         async def work(lora: Any) -> dict[str, Any]:
             last = None
-            async for out in self.engine.generate(req.prompt_token_ids, PREFILL_PARAMS,
+            async for out in self.engine.generate(req.engine_prompt(), PREFILL_PARAMS,
                                                   req.request_id, req.cache_salt, lora,
                                                   req.priority, export_kv=True,
                                                   images=req.images):
@@ -170,7 +173,7 @@ class EngineServer:
         """
 
         async def work(lora: Any) -> dict[str, Any]:
-            seqs = await self.engine.beam_search(req.prompt_token_ids, params, lora,
+            seqs = await self.engine.beam_search(req.engine_prompt(), params, lora,
                                                  req.cache_salt, req.priority, req.images)
             tok, skip = self.engine.tokenizer, req.params.skip_special_tokens
             return {"sequences": [
@@ -261,7 +264,7 @@ class EngineServer:
             lora = self.engine.engine.loras.resolve(*req.lora) if req.lora else None
             if self.remote_prefill is not None and not req.resumed_token_ids:
                 await self.remote_prefill.run(self.engine, req, lora)
-            outs = self.engine.generate(req.prompt_token_ids, req.params, rid, req.cache_salt,
+            outs = self.engine.generate(req.engine_prompt(), req.params, rid, req.cache_salt,
                                         lora, req.priority,
                                         resumed_token_ids=req.resumed_token_ids,
                                         output_kind="delta", images=req.images)

@@ -17,6 +17,7 @@ from pagedserve.cluster.outputs import (
     ScoringRequestOutput,
 )
 from pagedserve.cluster.processor_options import MediaList
+from pagedserve.cluster.prompt_embeds import EmbedsPrompt
 from pagedserve.cluster.text_pairs import pair_texts
 from pagedserve.cluster.video import VideoSource
 from pagedserve.scheduler.lora_request import LoRARequest
@@ -27,15 +28,20 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 PromptType = str | list[int] | Mapping[str, Any]
 
 
-# A prompt as the engine takes it: text or token ids, and its images (None: none).
-Prompt = tuple[str | list[int], list[Any] | None]
+# A prompt as the engine takes it: text, token ids or embeddings, and its images (None:
+# none).
+Prompt = tuple[str | list[int] | EmbedsPrompt, list[Any] | None]
 
 
 def _unwrap(prompt: PromptType) -> Prompt:
-    """Text or token ids, and images, from any of vLLM's prompt forms (a dict's
-    ``multi_modal_data`` holds ``{"image": one or a list}``, its ``mm_processor_kwargs``
-    the processor's options for this prompt's images: a ``MediaList``)."""
+    """Text, token ids or embeddings, and images, from any of vLLM's prompt forms (a
+    dict's ``multi_modal_data`` holds ``{"image": one or a list}``, its
+    ``mm_processor_kwargs`` the processor's options for this prompt's images: a
+    ``MediaList``; an ``EmbedsPrompt`` dict's ``prompt_embeds`` a ``[tokens, hidden]``
+    tensor)."""
     if isinstance(prompt, Mapping):
+        if "prompt_embeds" in prompt:
+            return EmbedsPrompt(prompt["prompt_embeds"]), _images(prompt.get("multi_modal_data"))
         images = _images(prompt.get("multi_modal_data"))
         options = prompt.get("mm_processor_kwargs")
         if images and options:
@@ -44,7 +50,8 @@ def _unwrap(prompt: PromptType) -> Prompt:
             return list(prompt["prompt_token_ids"]), images
         if "prompt" in prompt:
             return prompt["prompt"], images
-        raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids', "
+        raise ValueError("prompts: a dict prompt needs 'prompt', 'prompt_token_ids' or "
+                         "'prompt_embeds', "
                          f"got keys {sorted(prompt)}")
     return prompt, None
 

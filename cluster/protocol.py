@@ -227,9 +227,12 @@ class SamplingRequestBase(BaseModel):
 
 
 class CompletionRequest(SamplingRequestBase):
-    """``POST /v1/completions``: ``prompt`` is text, token ids, or a batch of either."""
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a batch of either;
+    ``prompt_embeds`` (vLLM's, ``--enable-prompt-embeds``) one or a batch of base64
+    ``torch.save`` tensors ``[tokens, hidden]``, answered before the ``prompt`` ones."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -247,8 +250,32 @@ class CompletionRequest(SamplingRequestBase):
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
 
     def prompts(self) -> list[str | list[int]]:
-        """The batch as a list; an empty prompt or batch is a 400."""
-        return as_batch(self.prompt, "prompt", MAX_PROMPTS)
+        """The batch as a list; an empty prompt or batch is a 400. Beside
+        ``prompt_embeds`` no ``prompt``, or an empty one (what OpenAI's client must
+        send), is none."""
+        if self.prompt is None or (self.prompt_embeds and self.prompt in ("", [""])):
+            if not self.prompt_embeds:
+                raise APIError("either prompt or prompt_embeds must be given", param="prompt")
+            return []
+        return as_batch(self.prompt, "prompt", MAX_PROMPTS - len(self.embeds()))
+
+    def embeds(self) -> list[str]:
+        """The ``prompt_embeds`` batch as a list of base64 strings (400 if empty or
+        too many; ``echo`` has no text to echo for them)."""
+        if self.prompt_embeds is None:
+            return []
+        batch = [self.prompt_embeds] if isinstance(self.prompt_embeds, str) \
+            else list(self.prompt_embeds)
+        if not batch or any(not x for x in batch):
+            raise APIError("prompt_embeds must not be empty", param="prompt_embeds")
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt_embeds")
+        if self.echo:
+            raise APIError("echo cannot echo prompt_embeds (they are not text)", param="echo")
+        if self.prompt_logprobs is not None:
+            raise APIError("prompt_logprobs: prompt_embeds have no tokens to score",
+                           param="prompt_logprobs")
+        return batch
 
 
 def as_batch(value: str | list[str] | list[int] | list[list[int]], param: str, limit: int

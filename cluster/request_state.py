@@ -62,10 +62,12 @@ class RequestState:
               params: SamplingParams, num_seqs: int, tokenizer: Any,
               pool: PoolAccumulator | None = None,
               kv_export: tuple[Any, Any, Any] | None = None,
-              resumed: list[int] | None = None) -> RequestState:
+              resumed: list[int] | None = None, token_prompt: bool = True
+              ) -> RequestState:
         """A request's outputs before its first step: a detokeniser per sample
         (``num_seqs``: ``n``, or a beam search's width), sample 0 begun at ``resumed``
-        (``ValueError`` if they hold a stop string)."""
+        (``ValueError`` if they hold a stop string). Without ``token_prompt`` (a prompt
+        of embeddings, its ids placeholders) the detokenisers start from no context."""
         state = cls(request_id, prompt, prompt_token_ids, params, [], pool=pool,
                     kv_export=kv_export)
         if params.prompt_logprobs is not None:
@@ -73,7 +75,8 @@ class RequestState:
             state.prompt_ranks = [None] * len(prompt_token_ids)
         lps = params.logprobs is not None
         for i in range(num_seqs):
-            detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
+            detok = IncrementalDetokenizer(tokenizer, prompt_token_ids if token_prompt else (),
+                                           params.stop,
                                            params.include_stop_str_in_output,
                                            params.skip_special_tokens)
             state.seqs.append(SequenceState(detok, CompletionOutput(

@@ -38,6 +38,7 @@ from pagedserve.cluster.beam_serving import answer_beam_search
 from pagedserve.cluster.channel import ChannelClient
 from pagedserve.cluster.chat_protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
+from pagedserve.cluster.embeds_api import decoded_embeds, routed_embeds_request
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
 from pagedserve.cluster.http_errors import api_error, http_error, validation_error
 from pagedserve.cluster.image_chat import (
@@ -247,15 +248,18 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         info = await self._engine_info()
         rid, eid = request_ids("cmpl", body.request_id, raw.headers.get("x-request-id"))
         reqs, echo = [], []
-        for i, p in enumerate(body.prompts()):
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        prompts: list[Any] = [*decoded_embeds(body, info), *body.prompts()]  # embeds first
+        for i, p in enumerate(prompts):
+            embeds = None if isinstance(p, (str, list)) else p
+            ids = [0] * len(p) if embeds is not None else \
+                self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             if any(not isinstance(t, int) or not 0 <= t < info["vocab_size"] for t in ids):
                 raise APIError("prompt token ids must be within the vocabulary",
                                param="prompt")
             ids = body.truncate(ids)
             params = body.sampling_params(
                 max_tokens_for(body.max_tokens, len(ids), info, "max_tokens", body.n,
-                               prompt_param="prompt"),
+                               prompt_param="prompt" if embeds is None else "prompt_embeds"),
                 body.logprobs, info["vocab_size"])
             if body.echo:  # the prompt's own logprobs lead the choice's when both are asked
                 whole = isinstance(p, str) and body.truncate_prompt_tokens is None
@@ -264,7 +268,10 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                     params = dataclasses.replace(params, prompt_logprobs=max(
                         body.logprobs, body.prompt_logprobs or 0))
             reqs.append(routed_request(f"{eid}-{i}", ids, params, body.cache_salt, info,
-                                       body.stream, lora, body.priority))
+                                       body.stream, lora, body.priority) if embeds is None
+                        else routed_embeds_request(f"{eid}-{i}", embeds[-len(ids):], params,
+                                                   body.cache_salt, info, body.stream, lora,
+                                                   body.priority))
         if body.use_beam_search:
             return await answer_beam_search(
                 self._engine, "text_completion", rid, lora[0] if lora else self.served_name,

@@ -43,6 +43,18 @@ class EngineRequest:
     resumed_token_ids: list[int] | None = None
     # The prompt's images, decoded by the ingress (PIL images; ``image_chat``).
     images: list[Any] | None = None
+    # A prompt given as input embeddings (a CPU tensor ``[tokens, hidden]``, decoded by
+    # the ingress; ``prompt_embeds``): ``prompt_token_ids`` are its placeholders.
+    prompt_embeds: Any = None
+
+    def engine_prompt(self) -> Any:
+        """What ``LLMEngine.add_request`` takes as the prompt: its token ids, or its
+        embeddings as an ``EmbedsPrompt``."""
+        if self.prompt_embeds is None:
+            return self.prompt_token_ids
+        from pagedserve.cluster.prompt_embeds import EmbedsPrompt
+
+        return EmbedsPrompt(self.prompt_embeds)
 
 
 @dataclass

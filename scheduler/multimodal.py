@@ -33,6 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# The key prefix of a span of prompt embeddings (``cluster.prompt_embeds``): rows the
+# client computed itself, which the worker copies in as they are (no encoder).
+EMBEDS_KEY = "embeds:"
+
 
 @dataclass(frozen=True)
 class ImageInput:
@@ -64,6 +68,12 @@ class ImageInput:
                              "tokens")
 
     @property
+    def is_embeds(self) -> bool:
+        """Whether the span is prompt embeddings a client sent, not an image: its
+        placeholder ids stand for no tokens (no repetition penalty counts them)."""
+        return self.key.startswith(EMBEDS_KEY)
+
+    @property
     def positions(self) -> int:
         """How far M-RoPE's positions advance over it: past its largest position on any
         axis (an image: ``max(rows, cols)``; a video: its last slice's time too, as
@@ -82,6 +92,11 @@ class ImageChunk:
     count: int
     key: str
     pixels: Any
+
+    @property
+    def is_embeds(self) -> bool:
+        """Rows of prompt embeddings (``ImageInput.is_embeds``): copied in, not encoded."""
+        return self.key.startswith(EMBEDS_KEY)
 
 
 def check_images(images: Sequence[ImageInput], num_prompt_tokens: int) -> None:
@@ -126,8 +141,9 @@ def fit_chunk(images: Sequence[ImageInput], start: int, num_new: int) -> int:
 def chunk_images(images: Sequence[ImageInput], start: int, num_new: int
                  ) -> tuple[list[ImageChunk], list[tuple[int, int]]]:
     """The image rows of tokens ``[start, start + num_new)`` and the bidirectional
-    spans their attention needs (every image the chunk computes part of, whole: a
-    span may begin in cached context, a prefix-cache hit that stopped inside it)."""
+    spans their attention needs (every bidirectional image the chunk computes part
+    of, whole: a span may begin in cached context, a prefix-cache hit that stopped
+    inside it; a causal one needs no span)."""
     stop = start + num_new
     chunks: list[ImageChunk] = []
     spans: list[tuple[int, int]] = []
@@ -138,7 +154,8 @@ def chunk_images(images: Sequence[ImageInput], start: int, num_new: int
             break
         lo, hi = max(img.start, start), min(img.end, stop)
         chunks.append(ImageChunk(lo - start, lo - img.start, hi - lo, img.key, img.pixels))
-        spans.append((img.start, img.end))
+        if not img.causal:
+            spans.append((img.start, img.end))
     return chunks, spans
 
 

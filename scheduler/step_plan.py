@@ -65,8 +65,9 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int],
         # Siblings share the params; at the prompt's end none has an output yet.
         outputs = req.output_token_ids
         sched.output_token_ids = {sid: outputs if sid == rid else [] for sid in sample_ids}
-        if sp.repetition_penalty != 1.0:
-            sched.prompt_token_ids = req.prompt_token_ids
+        if sp.repetition_penalty != 1.0:  # (prompt embeddings' placeholders are no tokens)
+            embeds = bool(req.images) and req.images[0].is_embeds
+            sched.prompt_token_ids = [] if embeds else req.prompt_token_ids
     n_prompt = req.num_prompt_tokens
     if sp.prompt_logprobs is not None and start < n_prompt - 1:
         sched.prompt_logprob_targets = req.prompt_token_ids[

@@ -173,8 +173,9 @@ class ModelRunner:
                                                  out, r.prompt_token_ids))
         if images:
             image_cfg = self.model.config.image
-            if image_cfg is not None and image_cfg.bidirectional:  # (LLaVA's stay causal)
-                spans = [r.image_spans or [] for r in reqs]
+            spans = [r.image_spans or [] for r in reqs]
+            # (LLaVA's images stay causal, as do prompt embeddings: no spans)
+            if image_cfg is not None and image_cfg.bidirectional and any(spans):
                 for m in mds:
                     m.image_spans = spans
             for row, chunk in images:  # placeholders may lie past the vocabulary
@@ -218,13 +219,17 @@ class ModelRunner:
         if not inputs.images or not self.model.stage.is_first:
             return None  # a later pipeline stage continues from hidden states
         vision = self.model.vision
-        if vision is None:
-            raise ValueError("a request has images, but this model serves text only")
         feats: dict[str, torch.Tensor] = {}
         for _, chunk in inputs.images:
-            if chunk.key not in feats:
-                feats[chunk.key] = self.encoder_cache.get(
-                    chunk.key, lambda c=chunk: encode_picture(vision, c.pixels, self.device))
+            if chunk.key in feats:
+                continue
+            if chunk.is_embeds:  # a client's own rows: nothing to encode
+                feats[chunk.key] = torch.as_tensor(chunk.pixels).to(self.device)
+                continue
+            if vision is None:
+                raise ValueError("a request has images, but this model serves text only")
+            feats[chunk.key] = self.encoder_cache.get(
+                chunk.key, lambda c=chunk: encode_picture(vision, c.pixels, self.device))
         rows = torch.cat([torch.arange(row, row + c.count) for row, c in inputs.images])
         embeds = torch.cat([feats[c.key][c.first:c.first + c.count] for _, c in inputs.images])
         return rows.to(self.device), embeds
