@@ -156,7 +156,7 @@ def test_bad_tensors_are_refused_by_field(value: Any, match: str) -> None:
 def test_bad_base64_is_refused_by_field() -> None:
     with pytest.raises(ValueError, match="prompt_embeds must be a base64"):
         decode_embeds("not base64!")
-    with pytest.raises(ValueError, match="not a torch.save'd tensor"):
+    with pytest.raises(ValueError, match=r"not a torch\.save'd tensor"):
         decode_embeds("aGVsbG8=")
     with pytest.raises(ValueError, match="hidden size 32, the model's is 64"):
         decode_embeds(encode_embeds(torch.zeros(3, 32)), hidden_size=64)
@@ -171,7 +171,7 @@ def test_engine_refuses_what_embeds_cannot_take(llama: LLM, tiny_llama_dir: str)
     with pytest.raises(ValueError, match="no images"):
         llama.generate({"prompt_embeds": e, "multi_modal_data": {"image": [object()]}},
                        GREEDY)
-    with pytest.raises(ValueError, match="prompt is 200 tokens, the model.s context is 128"):
+    with pytest.raises(ValueError, match=r"prompt is 200 tokens, the model.s context is 128"):
         llama.generate({"prompt_embeds": torch.randn(200, 64)}, GREEDY)
     kept = SamplingParams(max_tokens=3, temperature=0.0, truncate_prompt_tokens=5)
     tail = llama.generate({"prompt_embeds": torch.cat([torch.randn(30, 64), e[:5]])}, kept)

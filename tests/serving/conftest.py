@@ -30,7 +30,8 @@ import pytest
 
 API_KEY = "test-key"
 SMOL_ARGS: dict[str, Any] = {"num_gpu_blocks": 192, "max_model_len": 1024, "num_threads": 2,
-                             "max_num_seqs": 32, "api_key": API_KEY}
+                             "max_num_seqs": 32, "api_key": API_KEY,
+                             "enable_prompt_embeds": True}
 
 
 @contextlib.contextmanager
