@@ -185,3 +185,18 @@ def test_engine_refuses_what_embeds_cannot_take(llama: LLM, tiny_llama_dir: str)
             plain.generate({"prompt_embeds": e}, GREEDY)
     finally:
         plain.shutdown()
+
+
+def test_draft_model_speculation_stays_exact(llama: LLM, tiny_llama_dir: str) -> None:
+    """A draft model reads the placeholder ids of the prompt (its guesses then miss),
+    but verification keeps the target's tokens."""
+    embeds, _ = hf_embeds(tiny_llama_dir, IDS[:1])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = llama.generate({"prompt_embeds": embeds[0]}, params)[0].outputs[0].token_ids
+    llm = LLM(tiny_llama_dir, enable_prompt_embeds=True, num_gpu_blocks=32,
+              speculative_config={"model": tiny_llama_dir, "num_speculative_tokens": 3})
+    try:
+        got = llm.generate({"prompt_embeds": embeds[0]}, params)[0].outputs[0].token_ids
+        assert got == want and llm.engine.scheduler.spec_stats["num_draft_tokens"] > 0
+    finally:
+        llm.shutdown()
