@@ -27,34 +27,32 @@ attention path.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
-import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
-import tempfile
 import threading
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
+from pagedserve.kernels.cpu_native_build import (
+    HEADERS,
+    SOURCES,
+    build,
+    build_lock,
+    cache_dir,
+    cpu_fingerprint,
+    declare_signatures,
+    library_path,
+)
 from pagedserve.kernels.kv_quant import quantize
+
+__all__ = ["cache_dir", "library_path", "load", "paged_decode", "store_kv", "supports"]
 
 logger = logging.getLogger(__name__)
 
-_HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_paged_decode.c", _HERE / "cpu_fused_ops.c", _HERE / "cpu_lora.c",
-            _HERE / "cpu_moe.c", _HERE / "cpu_int8.c"]
-_HEADERS = [_HERE / "cpu_math.h", _HERE / "cpu_vec.h", _HERE / "cpu_kv.h",
-            _HERE / "cpu_paged_rows.h", _HERE / "cpu_int8_avx2.h"]
-# Associative math lets the dot products vectorise; the kernel never forms inf/nan.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
-          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast"]
 # Query dtypes the decode kernel takes (it computes in fp32), and the cache dtypes it
 # reads with their kernel codes (KV_* in cpu_paged_decode.c; each widened exactly).
 _DECODE_DTYPES = (torch.float32, torch.bfloat16)
@@ -63,100 +61,9 @@ _MAX_HEAD_DIM = 576  # MAX_HEAD_DIM in cpu_kv.h (DeepSeek's latent: 512 + 64)
 ROWS_PER_CHUNK = 16
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
              torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-# Per source; a build that takes longer fails (and is not tried again, see ``load``).
-_BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def cache_dir() -> Path:
-    """Where the compiled libraries (and ``.failed`` build notes) live."""
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
-    return Path(root) / "native"
-
-
-def library_path() -> Path:
-    """The library this checkout's sources build on this CPU (built or not): its name
-    holds a digest of the sources, the compiler flags and the CPU's feature flags."""
-    fingerprint = _cpu_fingerprint()
-    key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-        + " ".join(" ".join(_source_flags(p, fingerprint)) for p in _SOURCES).encode()
-        + fingerprint.encode()
-    ).hexdigest()[:16]
-    return cache_dir() / f"cpu_kernels_{key}.so"
-
-
-def _cpu_fingerprint() -> str:
-    """Machine + CPU feature flags: what ``-march=native`` code depends on."""
-    flags = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    return f"{platform.machine()}|{flags}"
-
-
-def _has_wide_vectors(fingerprint: str) -> bool:
-    """Whether this CPU has 512-bit vectors (or is not x86, where the flag does not apply)."""
-    return platform.machine() not in ("x86_64", "AMD64") or " avx512f" in fingerprint
-
-
-def _source_flags(source: Path, fingerprint: str) -> list[str]:
-    """Compiler flags of one source on this CPU.
-
-    The attention kernels hold sixteen-lane vectors of whole head rows in arrays. On
-    an x86 CPU without AVX-512, GCC splits each into two 256-bit halves, and at -O2 /
-    -O3 its redundancy-elimination passes then take minutes on the one file (357 s
-    on a 2-core AVX2 EPYC), longer than the build may take. -O1 with complete loop
-    peeling and unswitching (what the kernels' fixed-trip loops need to stay in
-    registers) builds in seconds there and decodes as fast as the -O3 build
-    (``bench/kernels.py --backends cpu``, both builds side by side on that machine).
-    """
-    if source.name == "cpu_paged_decode.c" and not _has_wide_vectors(fingerprint):
-        return [f for f in _FLAGS if f != "-O3"] + ["-O1", "-fpeel-loops", "-funswitch-loops"]
-    return _FLAGS
-
-
-def _build(cc: str, out: Path, fingerprint: str) -> None:
-    """Compile every source (at once, one process each) and link them into ``out``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objects = [Path(tmp) / f"{src.stem}.o" for src in _SOURCES]
-        procs = [subprocess.Popen([cc, *_source_flags(src, fingerprint), "-c", f"-I{_HERE}",
-                                   str(src), "-o", str(obj)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for src, obj in zip(_SOURCES, objects, strict=True)]
-        try:
-            for proc in procs:
-                _, err = proc.communicate(timeout=_BUILD_TIMEOUT_S)
-                if proc.returncode:
-                    raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        # Link to a temp name and rename: another process never loads a half-written file.
-        linked = Path(tmp) / out.name
-        subprocess.run([cc, "-shared", "-fopenmp", *map(str, objects), "-o", str(linked), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-        os.replace(linked, out)
-
-
-@contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
-    """One process builds at a time: ranks starting together wait for the first build
-    instead of each compiling the same library on the same cores."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load() -> ctypes.CDLL | None:
@@ -174,20 +81,20 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("PAGEDSERVE_NATIVE_KERNELS", "1") in ("0", "false", "no"):
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None or not all(p.exists() for p in _SOURCES + _HEADERS):
+        if cc is None or not all(p.exists() for p in SOURCES + HEADERS):
             logger.info("native CPU kernels off: no C compiler found")
             return None
         path = library_path()
         failed = path.with_suffix(".failed")
         try:
-            with _build_lock(path):
+            with build_lock(path):
                 if failed.exists():
                     logger.warning("native CPU kernels off: an earlier build failed (%s)",
                                    failed)
                     return None
                 if not path.exists():
                     try:
-                        _build(cc, path, _cpu_fingerprint())
+                        build(cc, path, cpu_fingerprint())
                     except (OSError, subprocess.SubprocessError) as e:
                         detail = getattr(e, "stderr", "") or str(e)
                         failed.write_text(f"{e}\n{detail}")
@@ -197,37 +104,7 @@ def load() -> ctypes.CDLL | None:
             detail = getattr(e, "stderr", "") or str(e)
             logger.warning("native CPU kernels off: build failed: %s", str(detail).strip()[:500])
             return None
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.paged_decode_kv.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr,
-                                        i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                                        ctypes.c_int, ctypes.c_int, ptr, ctypes.c_float]
-        lib.paged_decode_kv.restype = ctypes.c_int
-        lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
-        lib.store_kv_rows.restype = ctypes.c_int
-        lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int]
-        lib.silu_and_mul_f32.restype = None
-        for name in ("rms_norm_f32", "rms_norm_bf16"):
-            getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
-                                           ctypes.c_float, ctypes.c_int]
-            getattr(lib, name).restype = None
-        lib.lora_sgmv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64,
-                                  ctypes.c_int, ctypes.c_int]
-        lib.lora_sgmv.restype = ctypes.c_int
-        lib.moe_experts.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr,
-                                    ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
-        lib.moe_experts.restype = ctypes.c_int
-        lib.int8_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int32, i64,
-                                    ptr, i64, ctypes.c_int]
-        lib.int8_linear.restype = ctypes.c_int
-        lib.moe_int8.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
-                                 ptr, ptr, ptr, ptr, ptr]
-        lib.moe_int8.restype = ctypes.c_int
-        lib.grid_steps4.argtypes = [ptr, i64, ptr]
-        lib.grid_steps4.restype = None
-        for name in ("rope_f32", "rope_bf16"):
-            getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64,
-                                           ctypes.c_int]
-            getattr(lib, name).restype = None
+        declare_signatures(lib)
         _lib = lib
         return _lib
 

@@ -159,14 +159,16 @@ def test_a_failed_build_is_noted_and_not_retried(fresh_loader, monkeypatch: pyte
 def test_attention_kernels_build_at_o1_without_512_bit_vectors(monkeypatch) -> None:
     """Without AVX-512, GCC -O3 takes minutes on the attention kernels' split vectors;
     they build at -O1 with loop peeling there, and at -O3 elsewhere."""
-    monkeypatch.setattr(cpu_native.platform, "machine", lambda: "x86_64")
-    decode = cpu_native._HERE / "cpu_paged_decode.c"
-    lora = cpu_native._HERE / "cpu_lora.c"
+    from pagedserve.kernels import cpu_native_build as native_build
+
+    monkeypatch.setattr(native_build.platform, "machine", lambda: "x86_64")
+    decode = native_build.HERE / "cpu_paged_decode.c"
+    lora = native_build.HERE / "cpu_lora.c"
     avx2 = "flags : fpu sse2 avx avx2 fma"
-    narrow = cpu_native._source_flags(decode, avx2)
+    narrow = native_build.source_flags(decode, avx2)
     assert "-O1" in narrow and "-fpeel-loops" in narrow and "-O3" not in narrow
-    assert cpu_native._source_flags(lora, avx2) == cpu_native._FLAGS
-    assert cpu_native._source_flags(decode, avx2 + " avx512f avx512bw") == cpu_native._FLAGS
+    assert native_build.source_flags(lora, avx2) == native_build.FLAGS
+    assert native_build.source_flags(decode, avx2 + " avx512f avx512bw") == native_build.FLAGS
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "varlen"])
