@@ -84,6 +84,7 @@ class EngineConfig:
     (``processor_options``).
     ``enable_prompt_embeds`` (vLLM's option, off by default) lets prompts be given as
     input embeddings ``[tokens, hidden]`` instead of text (``prompt_embeds``).
+    ``logits_processors`` (vLLM's): custom processor classes (``worker.logits_processors``).
     """
 
     model: str | None = None
@@ -133,6 +134,7 @@ class EngineConfig:
     allowed_local_media_path: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     enable_prompt_embeds: bool = False
+    logits_processors: list[str | type] | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,6 +166,10 @@ class EngineConfig:
                            None if self.device == "auto" else self.device)
         if self.batch_invariant:
             self._check_batch_invariant()
+        if self.logits_processors:
+            from pagedserve.worker.logits_processors import check_engine_processors
+
+            check_engine_processors(self.logits_processors, self.speculative_config)
         from pagedserve.worker.layers.expert_placement import check_placement
 
         check_placement(self.expert_placement_strategy)
@@ -390,5 +396,6 @@ class EngineConfig:
             hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             enable_images=self.image_limit > 0,
             enable_videos=self.video_limit > 0,
+            logits_processors=tuple(self.logits_processors or ()),
             extra=dict(self.worker_extra),
         )

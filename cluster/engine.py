@@ -50,6 +50,7 @@ from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus, sequence_id
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.loaders import load_tokenizer, resolve_model
+from pagedserve.worker.logits_processors import check_params, load_processor_classes
 
 
 class LLMEngine:
@@ -62,6 +63,8 @@ class LLMEngine:
         self.model_id = resolved.model_id
         wcfg = checked_worker_config(config, resolved.path, self.device)
         self.tokenizer = load_tokenizer(resolved)
+        # Custom logits processors' classes: each checks a request's params on arrival.
+        self.logits_processor_classes = load_processor_classes(config.logits_processors)
         block_size = wcfg.block_size
         self.executor: Executor
         if config.resolved_executor() == "ray":
@@ -171,6 +174,7 @@ class LLMEngine:
             from pagedserve.worker.structured import check_structured_outputs
 
             check_structured_outputs(params.structured_outputs)
+        check_params(self.logits_processor_classes, params)
         if isinstance(prompt, EmbedsPrompt):
             ids, image_inputs = embeds_request_inputs(
                 prompt, params, images, self.config.enable_prompt_embeds,

@@ -100,6 +100,7 @@ def build_scheduler(config: EngineConfig, info: dict[str, Any], model_id: str, m
             policy=config.scheduling_policy, priority_aging_s=config.priority_aging_s,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_concurrent_batches=max_concurrent_batches,
+            output_history=bool(config.logits_processors),
         ),
         CacheConfig(
             num_gpu_blocks=num_gpu_blocks,

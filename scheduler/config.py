@@ -22,6 +22,9 @@ class SchedulerConfig:
     ``max_concurrent_batches`` is how many plans may be in flight at once (a pipeline's
     stages each working on its own micro-batch, vLLM's batch queue): a plan takes
     at most its share of the running sequences and never one still in flight.
+    ``output_history`` sends every sampling row's prompt and output ids to the
+    sampler, as custom logits processors read them (else only where penalties,
+    grammars or bad words need them).
     """
 
     max_num_seqs: int = 256
@@ -34,6 +37,7 @@ class SchedulerConfig:
     priority_aging_s: float | None = None
     long_prefill_token_threshold: int = 0
     max_concurrent_batches: int = 1
+    output_history: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

@@ -98,7 +98,8 @@ class SamplingParams:
     :class:`StructuredOutputs`). ``bad_words`` (vLLM's) are never generated: the
     engine writes each word's token ids (as written, and after a space) into
     ``bad_words_token_ids``, and the sampler forbids a sequence's last token
-    whenever the output ends with the ones before it.
+    whenever the output ends with the ones before it. ``extra_args`` (vLLM's) are
+    settings for custom logits processors, which read them (``logits_processors``).
     """
 
     n: int = 1
@@ -125,8 +126,13 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict) or not all(
+                isinstance(k, str) for k in self.extra_args)):
+            raise ValueError(f"extra_args must be a dict with string keys, got "
+                             f"{self.extra_args!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

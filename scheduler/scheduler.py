@@ -328,7 +328,7 @@ class Scheduler(Preemption):
     def _scheduled(self, req: Request, num_new: int, look: int = 0) -> ScheduledRequest:
         rid = req.request_id
         sched = scheduled_request(req, num_new, self.kv.block_ids(rid),
-                                  self.kv.group_block_ids(rid))
+                                  self.kv.group_block_ids(rid), self.config.output_history)
         sched.num_lookahead = look
         return sched
 

@@ -13,14 +13,16 @@ from pagedserve.scheduler.request import Request
 
 
 def scheduled_request(req: Request, num_new: int, block_ids: list[int],
-                      group_block_ids: list[list[int]] | None = None) -> ScheduledRequest:
+                      group_block_ids: list[list[int]] | None = None,
+                      history: bool = False) -> ScheduledRequest:
     """Tokens ``num_computed_tokens .. + num_new`` of ``req`` over its ``block_ids``
     (and a hybrid model's other groups' tables, ``group_block_ids``).
 
     The row samples only when it reaches the end of the sequence: for the
     sequence itself, or at a group's prompt end for every sibling waiting to
     fork. The token history goes along only when penalties or a grammar need it
-    (``SamplingParams.needs_output_history``), and the prompt tokens to score only
+    (``SamplingParams.needs_output_history``) or ``history`` asks for it (custom
+    logits processors: the prompt's ids too), and the prompt tokens to score only
     for requests that asked for prompt logprobs. Draft tokens the scheduler
     proposed (``req.spec_token_ids``) follow a decode row's token.
     """
@@ -61,11 +63,11 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int],
         if pp.pooling_type == "mean" or sched.pool_final:
             sched.pooling = pp.pooling_type
     sp = req.sampling_params
-    if sample_ids and sp.needs_output_history:
+    if sample_ids and (sp.needs_output_history or history):
         # Siblings share the params; at the prompt's end none has an output yet.
         outputs = req.output_token_ids
         sched.output_token_ids = {sid: outputs if sid == rid else [] for sid in sample_ids}
-        if sp.repetition_penalty != 1.0:  # (prompt embeddings' placeholders are no tokens)
+        if sp.repetition_penalty != 1.0 or history:  # (embeddings' placeholders: no tokens)
             embeds = bool(req.images) and req.images[0].is_embeds
             sched.prompt_token_ids = [] if embeds else req.prompt_token_ids
     n_prompt = req.num_prompt_tokens

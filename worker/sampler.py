@@ -31,6 +31,7 @@ from pagedserve.worker.sampling_ops import apply_min_p, penalize_row, sample_row
 from pagedserve.worker.spec_sampling import target_probs, verify
 
 if TYPE_CHECKING:
+    from pagedserve.worker.logits_processors import ProcessorBatch
     from pagedserve.worker.structured import GrammarBook
 
 
@@ -81,10 +82,13 @@ class Sampler:
     draws; both dropped on finish/abort."""
 
     def __init__(self, eos_token_ids: Iterable[int] = (),
-                 grammar_book: Callable[[], GrammarBook] | None = None):
+                 grammar_book: Callable[[], GrammarBook] | None = None,
+                 processors: ProcessorBatch | None = None):
         """``grammar_book`` builds the structured-output state on the first constrained
-        request (it loads the tokenizer); without it such requests are refused."""
+        request (it loads the tokenizer); without it such requests are refused.
+        ``processors``: custom logits processors, after the built-in ones."""
         self.eos_token_ids = tuple(eos_token_ids)
+        self.processors = processors
         self._counts: dict[str, int] = {}
         self._children: dict[str, set[str]] = {}
         self._make_book = grammar_book
@@ -93,7 +97,10 @@ class Sampler:
     def forget(self, ids: Iterable[str]) -> None:
         """Drop state of finished or aborted requests (and of their forked sample ids)."""
         for rid in ids:
-            for sid in self._children.pop(rid, set()) | {rid}:
+            sids = self._children.pop(rid, set()) | {rid}
+            if self.processors is not None:
+                self.processors.forget(sids)
+            for sid in sids:
                 self._counts.pop(sid, None)
                 if self._book is not None:
                     self._book.forget(sid)
@@ -220,6 +227,8 @@ class Sampler:
             if r.request_id != r.sample_id:
                 self._children.setdefault(r.request_id, set()).add(r.sample_id)
         x = self._process_logits(raw, reqs)
+        if self.processors is not None:
+            x = self.processors.apply(x, reqs)
         constrained = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
         if constrained:
             x = self._apply_grammars(raw, x, reqs, constrained)

@@ -272,7 +272,8 @@ class Worker:
             for attn in self.model.attention_layers():
                 if attn.k_scale is None:  # (a model kept through sleep keeps its scales)
                     attn.use_kv_scales(self.device)
-        sampler = Sampler(self.model_config.eos_token_ids, grammar_book=self._grammar_book)
+        sampler = Sampler(self.model_config.eos_token_ids, grammar_book=self._grammar_book,
+                          processors=self._logits_processors())
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
                                   max_num_seqs=self.config.max_num_seqs, lora=self.lora,
@@ -282,6 +283,18 @@ class Worker:
         if scaled and calibrate:
             for attn in self.model.attention_layers():
                 attn.arm_calibration()
+
+    def _logits_processors(self) -> Any:
+        """Custom logits processors, built on the rank that samples only."""
+        if not self.config.logits_processors or not (
+                self.ctx is not None and self.ctx.is_first and self.model.stage.is_last):
+            return None
+        from pagedserve.worker.logits_processors import ProcessorConfig, build_processors
+
+        mc = self.model_config
+        return build_processors(self.config.logits_processors, ProcessorConfig(
+            str(self.config.model), mc.vocab_size, mc.max_model_len, self.config.max_num_seqs),
+            self.device)
 
     def _grammar_book(self) -> Any:
         """Structured-output state, built on the first constrained request (rank 0 only

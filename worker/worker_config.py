@@ -119,6 +119,7 @@ class WorkerConfig:
     hybrid_kv_cache: bool = True
     enable_images: bool = True
     enable_videos: bool = True
+    logits_processors: tuple[Any, ...] = ()  # classes or "pkg.mod:Cls" names (sampling rank)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def vision_encoded(self, image: Any) -> bool:
