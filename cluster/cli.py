@@ -87,6 +87,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="/v1/completions takes prompt_embeds: base64 torch.save tensors "
                         "[tokens, hidden] in place of text (loaded weights-only; only for "
                         "trusted clients)")
+    p.add_argument("--logits-processors", nargs="+", default=None, metavar="CLASS",
+                   help="custom logits processors, each 'pkg.module:Class' (a "
+                        "pagedserve.worker.logits_processors.LogitsProcessor); requests "
+                        "set theirs through vllm_xargs")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",

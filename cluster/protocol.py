@@ -104,6 +104,8 @@ class SamplingRequestBase(BaseModel):
     length_penalty: float = 1.0  # beam search only
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:N"
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank
+    # vLLM's: custom logits processors' per-request settings (SamplingParams.extra_args)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -146,7 +148,7 @@ class SamplingRequestBase(BaseModel):
             structured_outputs=structured,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._token_bias(),
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs, extra_args=self.vllm_xargs)
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

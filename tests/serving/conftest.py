@@ -31,7 +31,8 @@ import pytest
 API_KEY = "test-key"
 SMOL_ARGS: dict[str, Any] = {"num_gpu_blocks": 192, "max_model_len": 1024, "num_threads": 2,
                              "max_num_seqs": 32, "api_key": API_KEY,
-                             "enable_prompt_embeds": True}
+                             "enable_prompt_embeds": True, "logits_processors": [
+                                 "pagedserve.worker.testing_logits:TargetTokenProcessor"]}
 
 
 @contextlib.contextmanager
