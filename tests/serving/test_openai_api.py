@@ -383,7 +383,8 @@ def test_speculative_decoding_over_http(smol: App, cluster, method: str) -> None
                                                   max_tokens=60).choices[0].message.content
     spec = {"method": "ngram", "num_speculative_tokens": 4} if method == "ngram" else {
         "method": "suffix", "suffix_decoding_max_cached_requests": 8}
-    args = {**SMOL_ARGS, "api_key": None, "speculative_config": spec}
+    args = {**SMOL_ARGS, "api_key": None, "speculative_config": spec,
+            "logits_processors": None}  # (not beside speculative decoding)
     app = cluster.deploy("spec", args)
     try:
         accepted = []
