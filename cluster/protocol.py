@@ -178,9 +178,12 @@ class SamplingRequestBase(BaseModel):
                     raise APIError("response_format json_schema needs json_schema.schema, "
                                    "a JSON schema object", param="response_format")
                 specs.append(("response_format", {"json": schema}))
+            elif kind == "structural_tag":  # vLLM's: the whole object is xgrammar's tag
+                specs.append(("response_format", {"structural_tag": dict(rf)}))
             elif kind != "text":
-                raise APIError("response_format type must be text, json_object or "
-                               f"json_schema, got {kind!r}", param="response_format")
+                raise APIError("response_format type must be text, json_object, "
+                               f"json_schema or structural_tag, got {kind!r}",
+                               param="response_format")
         if self.structured_outputs is not None:
             specs.append(("structured_outputs", dict(self.structured_outputs)))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"),

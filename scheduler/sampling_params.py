@@ -23,6 +23,11 @@ class StructuredOutputs:
     a context-free ``grammar`` (EBNF as xgrammar reads it, rule ``root`` first: GBNF-style
     ``root ::= "yes" | "no"``).
 
+    ``structural_tag`` (vLLM's; a JSON text or object, xgrammar's structural tag:
+    ``{"type": "structural_tag", "format": {...}}``, or the older ``{"structures":
+    [{"begin", "schema", "end"}], "triggers": [...]}``) leaves text free until a
+    trigger, then holds the tagged part to its schema (tool calls in a model's own tags).
+
     ``reasoning`` (one of ``REASONING_FORMATS``) lets a thinking model think first, as
     vLLM does under a reasoning parser: the constraint starts after a thought in that
     format, ``<think> ... </think>`` (optional with ``qwen3``; with ``deepseek_r1`` the
@@ -40,8 +45,19 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     reasoning: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            try:
+                obj = json.loads(tag) if isinstance(tag, str) else tag
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: "
+                                 f"{e}") from None
+            if not isinstance(obj, dict):
+                raise ValueError("structured_outputs.structural_tag must be a JSON object")
+            object.__setattr__(self, "structural_tag", json.dumps(obj, sort_keys=True))
         if self.choice is not None:
             choice = tuple(self.choice)
             if not choice or not all(isinstance(c, str) and c for c in choice):
@@ -63,17 +79,18 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.reasoning must be one of "
                              f"{list(REASONING_FORMATS)}, got {self.reasoning!r}")
         given = [self.json is not None, bool(self.json_object), self.regex is not None,
-                 self.choice is not None, self.grammar is not None]
+                 self.choice is not None, self.grammar is not None,
+                 self.structural_tag is not None]
         if sum(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, json_object, "
-                             "regex, choice, grammar")
+                             "regex, choice, grammar, structural_tag")
 
     def key(self) -> str:
         """A stable text naming the constraint (compiled grammars are cached by it)."""
         schema = self.json if isinstance(self.json, str) or self.json is None else json.dumps(
             self.json, sort_keys=True)
         return json.dumps([schema, self.json_object, self.regex, self.choice, self.grammar,
-                           self.reasoning])
+                           self.reasoning, self.structural_tag])
 
 
 @dataclass(slots=True)

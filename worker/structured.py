@@ -1,5 +1,5 @@
 """Structured outputs on rank 0: xgrammar token masks for JSON schemas, JSON objects,
-regular expressions and fixed choices.
+regular expressions, fixed choices, EBNF grammars and structural tags.
 
 Each constrained sample has a grammar matcher that has accepted exactly its output
 tokens. Before a draw the matcher's bitmask sends every token that cannot continue
@@ -76,8 +76,33 @@ def _constraint(xgr: Any, spec: StructuredOutputs) -> Any:
         return xgr.Grammar.from_regex(spec.regex)
     if spec.grammar is not None:
         return xgr.Grammar.from_ebnf(spec.grammar)
+    if spec.structural_tag is not None:
+        return _structural_tag(xgr, spec.structural_tag)
     alternatives = " | ".join(json.dumps(c) for c in spec.choice or ())
     return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+
+
+def _structural_tag(xgr: Any, text: str) -> Any:
+    """xgrammar's structural tag, or the older ``structures`` / ``triggers`` form that
+    vLLM still takes (each structure's ``schema`` a JSON schema object)."""
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(text)
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(
+            isinstance(t, str) and t for t in triggers):
+        raise ValueError("structural_tag.triggers must be a non-empty list of strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structural_tag.structures must be a non-empty list")
+    items = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) \
+                or not isinstance(s.get("end"), str) or not isinstance(s.get("schema"), dict):
+            raise ValueError(f"structural_tag.structures[{i}] needs begin and end strings "
+                             "and a schema object")
+        items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
+                                           end=s["end"]))
+    return xgr.Grammar.from_structural_tag(items, triggers)
 
 
 def check_structured_outputs(spec: StructuredOutputs) -> None:

@@ -75,7 +75,7 @@ def test_preempted_requests_keep_their_processor_state(tiny_llama_dir: str) -> N
 
 
 def test_bad_settings_are_refused_by_field(llm: LLM, tiny_llama_dir: str) -> None:
-    with pytest.raises(ValueError, match="extra_args.target_token must be an integer"):
+    with pytest.raises(ValueError, match=r"extra_args\.target_token must be an integer"):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
                      [greedy(), greedy(target_token="x")])
     assert not llm.engine.has_unfinished_requests()  # the batch's first was withdrawn
