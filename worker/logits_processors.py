@@ -213,19 +213,26 @@ class ProcessorBatch:
         for sid in sample_ids:
             self._outputs.pop(sid, None)
 
-    def apply(self, x: torch.Tensor, reqs: Sequence[SampleRequest]) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, reqs: Sequence[SampleRequest], owned: bool = False
+              ) -> torch.Tensor:
         """``x`` (one row per entry of ``reqs``) after every processor, its rows in
-        the persistent batch's order while they run."""
+        the persistent batch's order while they run. ``owned``: ``x`` is the caller's
+        own copy, which may be written (else it is left as it is)."""
         order = self._update(reqs)
         greedy = all(r.params.greedy for r in reqs)
         active = [p for p in self.processors if not (greedy and p.is_argmax_invariant())]
         if not active:
             return x
+        if order == list(range(len(order))):  # rows already in the batch's order
+            y = x if owned else x.clone()
+            for p in active:
+                y = p.apply(y)
+            return y
         index = torch.tensor(order, device=x.device)
         y = x.index_select(0, index)
         for p in active:
             y = p.apply(y)
-        out = x.clone()
+        out = x if owned else x.clone()
         out[index] = y
         return out
 

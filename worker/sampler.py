@@ -228,7 +228,7 @@ class Sampler:
                 self._children.setdefault(r.request_id, set()).add(r.sample_id)
         x = self._process_logits(raw, reqs)
         if self.processors is not None:
-            x = self.processors.apply(x, reqs)
+            x = self.processors.apply(x, reqs, owned=x is not raw)
         constrained = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
         if constrained:
             x = self._apply_grammars(raw, x, reqs, constrained)
