@@ -67,6 +67,31 @@ def test_tp2_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
         tp2.shutdown()
 
 
+def test_tp2_prompt_embeds_and_logits_processors_equal_hugging_face(ray_cluster,
+                                                                   tiny_llama_dir) -> None:
+    """Embedding rows travel to every rank in the plan; processors are built and run
+    on rank 0 only, over the history the plan carries."""
+    from tests.cluster.test_prompt_embeds import IDS, hf_embeds, hf_generate_embeds
+
+    embeds, model = hf_embeds(tiny_llama_dir, IDS)
+    want = [hf_generate_embeds(model, e, 10) for e in embeds]
+    want_ngram = hf_greedy(tiny_llama_dir, IDS, 10, no_repeat_ngram_size=2)
+    llm = LLM(model=tiny_llama_dir, tensor_parallel_size=2, num_gpu_blocks=64, num_threads=1,
+              enable_prompt_embeds=True, block_size=16, max_num_batched_tokens=20,
+              logits_processors=["pagedserve.worker.testing_logits:NoRepeatNgramProcessor"])
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        outs = llm.generate([{"prompt_embeds": e} for e in embeds], greedy)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        ngram = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                               extra_args={"no_repeat_ngram_size": 2})
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in IDS], ngram)
+        assert [o.outputs[0].token_ids for o in outs] == want_ngram
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_tp2_expert_parallel_equals_hugging_face(ray_cluster, tiny_qwen3_moe_dir,
                                                  tiny_mixtral_dir) -> None:
     """``enable_expert_parallel`` reaches the ranks: each holds whole experts (every
