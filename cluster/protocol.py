@@ -103,6 +103,7 @@ class SamplingRequestBase(BaseModel):
     use_beam_search: bool = False  # vLLM's: n beams per prompt (cluster/beam_serving.py)
     length_penalty: float = 1.0  # beam search only
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:N"
+    return_token_ids: bool | None = None  # vLLM's: prompt and output token ids alongside
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank
     # vLLM's: custom logits processors' per-request settings (SamplingParams.extra_args)
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None

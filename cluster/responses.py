@@ -1,97 +1,35 @@
 """OpenAI-compatible responses: full JSON bodies and SSE events from engine chunks.
 
-``ResponseState`` accumulates one response's choices; ``Formatter`` folds each
-``EngineChunk`` into it and renders either the final body or one SSE event per
-step, including logprobs in the completions and chat shapes and ``usage``
-with ``prompt_tokens_details.cached_tokens``.
+``ResponseState`` (``response_state``) accumulates one response's choices;
+``Formatter`` folds each ``EngineChunk`` into it and renders either the final body
+or one SSE event per step, including logprobs in the completions and chat shapes
+and ``usage`` with ``prompt_tokens_details.cached_tokens``.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.reasoning import ReasoningStream, split_reasoning
+from pagedserve.cluster.response_state import Choice, ResponseState, now, usage
 from pagedserve.cluster.tools import ToolContext, ToolStream
 
-
-def now() -> int:
-    return int(time.time())
+__all__ = ["Formatter", "ResponseState", "now", "render_response", "sse", "started", "usage"]
 
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
 def _likeliest(entry: dict[int, float], n: int | None, keep: int) -> dict[int, float]:
     """``entry``'s ``n`` likeliest tokens, and ``keep``."""
     best = set(sorted(entry, key=lambda t: -entry[t])[:n])
     return {t: v for t, v in entry.items() if t == keep or t in best}
-
-
-@dataclass
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: Any = None
-    started: bool = False
-    echoed: bool = False
-    tool_stream: ToolStream | None = None
-    reasoning_stream: ReasoningStream | None = None
-
-
-class ResponseState:
-    """Everything a response accumulates; choice ``j`` of prompt ``i`` is ``i * n + j``."""
-
-    def __init__(self, kind: str, rid: str, prompts: list[tuple[int, int]], logprobs: bool,
-                 top_n: int | None = None, echo: list[tuple[str, list[int]]] | None = None,
-                 tools: ToolContext | None = None, model: str | None = None,
-                 reasoning: str | None = None, include_reasoning: bool = True,
-                 thought_closed: bool = False, tokens_as_ids: bool = False) -> None:
-        """``prompts``: ``(prompt_tokens, n)`` per prompt, in order; ``top_n``: alternatives
-        per token in chat ``top_logprobs`` (the engine's dict also holds the sampled token);
-        ``echo``: each prompt's text and ids, which lead its choices (completions ``echo``);
-        ``tools``: how a chat output turns into tool calls; ``model``: the name the
-        response carries when not the server's (a LoRA adapter's); ``reasoning``: the
-        reasoning parser splitting a chat output, whose thought is left out unless
-        ``include_reasoning`` (``thought_closed``: the prompt ended the thought);
-        ``tokens_as_ids``: logprob entries name tokens ``token_id:N`` (vLLM's
-        ``return_tokens_as_token_ids``, for tokens that do not decode alone)."""
-        self.kind, self.id, self.created, self.logprobs = kind, rid, now(), logprobs
-        self.top_n, self.echo, self.tools, self.model = top_n, echo, tools, model
-        self.reasoning, self.include_reasoning = reasoning, include_reasoning
-        self.thought_closed, self.tokens_as_ids = thought_closed, tokens_as_ids
-        self.n = [n for _, n in prompts]
-        self.prompt_tokens = [p for p, _ in prompts]
-        self.cached = [0] * len(prompts)
-        self.offsets = [sum(self.n[:i]) for i in range(len(prompts))]
-        self.choices = [_Choice() for _ in range(sum(self.n))]
-        self.prompt_lp_k: int | None = None
-        self.prompt_ids: list[list[int]] = []
-        self.prompt_lps: list[list[dict[str, Any] | None] | None] = [None] * len(prompts)
-
-    def want_prompt_logprobs(self, k: int, prompt_ids: list[list[int]]) -> None:
-        """Answer vLLM's ``prompt_logprobs`` (the top ``k`` and each token's rank) for
-        the prompts ``prompt_ids``: per choice in completions, once in chat."""
-        self.prompt_lp_k, self.prompt_ids = k, prompt_ids
-
-    def usage(self) -> dict[str, Any]:
-        return usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self.choices),
-                     sum(self.cached))
 
 
 class Formatter:
@@ -165,6 +103,8 @@ class Formatter:
                         c.logprobs[k].extend(v)
             c.text.append(d.text)
             c.num_tokens += len(d.token_ids)
+            if st.token_ids is not None:
+                c.token_ids.extend(d.token_ids)
             c.finish_reason = d.finish_reason or c.finish_reason
             c.stop_reason = d.stop_reason if d.finish_reason else c.stop_reason
             if echo_lp is not None:
@@ -191,7 +131,7 @@ class Formatter:
             out.append(d)
         return out
 
-    def _echo(self, st: ResponseState, c: _Choice, text: str, ids: list[int],
+    def _echo(self, st: ResponseState, c: Choice, text: str, ids: list[int],
               prompt_lps: list[dict[int, float] | None] | None
               ) -> tuple[str, dict[str, list[Any]] | None]:
         """Lead the choice with its prompt: the text and, with logprobs, each prompt
@@ -242,12 +182,17 @@ class Formatter:
                 choices.append({"index": k, "text": text, "logprobs": c.logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if st.prompt_lp_k is not None:  # vLLM's, per choice
-                    prompt = max(i for i, off in enumerate(st.offsets) if off <= k)
-                    choices[-1]["prompt_logprobs"] = st.prompt_lps[prompt]
+                    choices[-1]["prompt_logprobs"] = st.prompt_lps[st.prompt_of(k)]
+                if st.token_ids is not None:
+                    choices[-1]["prompt_token_ids"] = st.token_ids[st.prompt_of(k)]
+            if st.token_ids is not None:
+                choices[-1]["token_ids"] = c.token_ids
         body = {"id": st.id, "object": st.kind, "created": st.created,
                 "model": st.model or self.model, "choices": choices, "usage": st.usage()}
         if st.prompt_lp_k is not None and st.kind == "chat.completion":
             body["prompt_logprobs"] = st.prompt_lps[0]  # vLLM's, once for the prompt
+        if st.token_ids is not None and st.kind == "chat.completion":
+            body["prompt_token_ids"] = st.token_ids[0]
         return body
 
     def stream_events(self, st: ResponseState, i: int, chunk: Any, continuous_usage: bool
@@ -278,19 +223,26 @@ class Formatter:
             else:
                 choice = {"index": c_idx, "text": text, "logprobs": lp,
                           "finish_reason": d.finish_reason}
+                if st.token_ids is not None and not c.started:
+                    choice["prompt_token_ids"] = st.token_ids[st.prompt_of(c_idx)]
             if d.finish_reason:
                 choice["stop_reason"] = d.stop_reason
-            c.started = True
+            if st.token_ids is not None:
+                choice["token_ids"] = list(d.token_ids)
             ev = {"id": st.id, "object": obj, "created": st.created,
                   "model": st.model or self.model,
                   "choices": [choice]}
+            if st.token_ids is not None and st.kind == "chat.completion" and not any(
+                    x.started for x in st.choices):
+                ev["prompt_token_ids"] = st.token_ids[0]
+            c.started = True
             if continuous_usage:
                 ev["usage"] = st.usage()
             events.append(ev)
         return events
 
     @staticmethod
-    def _reasoning_delta(st: ResponseState, c: _Choice, text: str, last: bool,
+    def _reasoning_delta(st: ResponseState, c: Choice, text: str, last: bool,
                          delta: dict[str, Any]) -> str:
         """Split a chat delta's text: the thought goes into ``delta`` (when included),
         the content is returned."""
@@ -307,7 +259,7 @@ class Formatter:
         return content
 
     @staticmethod
-    def _tool_delta(tools: ToolContext, c: _Choice, text: str, delta: dict[str, Any],
+    def _tool_delta(tools: ToolContext, c: Choice, text: str, delta: dict[str, Any],
                     finish: str | None) -> tuple[str | None, str | None]:
         """The content a tool-using choice may show now; a named function's argument
         fragments, or at the end the other calls whole, go into ``delta``."""

@@ -215,11 +215,15 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                        echo: list[tuple[str, list[int]]] | None = None,
                        tools: ToolContext | None = None, include_reasoning: bool = True,
                        thought_closed: bool = False, tokens_as_ids: bool = False,
-                       prompt_logprobs: int | None = None) -> Response:
+                       prompt_logprobs: int | None = None, token_ids: bool = False
+                       ) -> Response:
         state, chunks = self._start(rid, reqs, kind, logprobs, echo, tools, include_reasoning,
                                     thought_closed, tokens_as_ids)
         if prompt_logprobs is not None:  # vLLM's field, from the chunks' prompt logprobs
             state.want_prompt_logprobs(prompt_logprobs, [r.prompt_token_ids for r in reqs])
+        if token_ids:  # vLLM's return_token_ids (an embeddings prompt has no ids)
+            state.want_token_ids([None if r.prompt_embeds is not None else r.prompt_token_ids
+                                  for r in reqs])
         return await render_response(self.fmt, state, chunks, stream, include_usage,
                                      continuous_usage)
 
@@ -282,7 +286,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                                    bool(so and so.continuous_usage_stats),
                                    body.logprobs is not None, echo if body.echo else None,
                                    tokens_as_ids=body.return_tokens_as_token_ids,
-                                   prompt_logprobs=body.prompt_logprobs)
+                                   prompt_logprobs=body.prompt_logprobs,
+                                   token_ids=bool(body.return_token_ids))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -303,7 +308,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                                    tools=tools, include_reasoning=body.include_reasoning,
                                    thought_closed=closed,
                                    tokens_as_ids=body.return_tokens_as_token_ids,
-                                   prompt_logprobs=body.prompt_logprobs)
+                                   prompt_logprobs=body.prompt_logprobs,
+                                   token_ids=bool(body.return_token_ids))
 
     async def _chat_request(self, rid: str, body: ChatCompletionRequest
                             ) -> tuple[EngineRequest, ToolContext | None, bool]:

@@ -51,6 +51,9 @@ def test_embeds_answer_as_their_text_does(smol: App, table: torch.Tensor) -> Non
     got = sorted(r.json()["choices"], key=lambda c: c["index"])
     assert [c["text"] for c in got] == [c["text"] for c in want] + [want[0]["text"]]
     assert r.json()["usage"]["prompt_tokens"] == sum(map(len, ids)) + len(ids[0])
+    with_ids = complete(smol, prompt_embeds=encode_embeds(table[ids[0]]), return_token_ids=True)
+    choice = with_ids.json()["choices"][0]  # embeddings have no prompt ids to return
+    assert choice["prompt_token_ids"] is None and len(choice["token_ids"]) == 8
     client = smol.openai()
     out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="", max_tokens=8,
                                     temperature=0.0,
