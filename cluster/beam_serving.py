@@ -62,8 +62,10 @@ async def answer_beam_search(handle: Any, kind: str, rid: str, model: str, body:
     or ``chat.completion``): validate, search every prompt, respond (or stream).
     ``reasoning``: the server's reasoning parser, splitting each chat beam."""
     params = [beam_search_params(body, r.params.max_tokens, conflicts) for r in reqs]
+    ids = [None if r.prompt_embeds is not None else r.prompt_token_ids for r in reqs] \
+        if getattr(body, "return_token_ids", None) else None
     out = beam_response(kind, rid, model, await run_beam_searches(handle, reqs, params),
-                        reasoning, getattr(body, "include_reasoning", True))
+                        reasoning, getattr(body, "include_reasoning", True), ids)
     if not body.stream:
         return JSONResponse(out)
     so = body.stream_options
@@ -80,15 +82,16 @@ async def run_beam_searches(handle: Any, reqs: list[EngineRequest],
 
 
 def beam_response(kind: str, rid: str, model: str, results: list[dict[str, Any]],
-                  reasoning: str | None = None, include_reasoning: bool = True
-                  ) -> dict[str, Any]:
+                  reasoning: str | None = None, include_reasoning: bool = True,
+                  prompt_ids: list[list[int] | None] | None = None) -> dict[str, Any]:
     """The OpenAI completion (``text_completion``) or ``chat.completion`` body: each
     prompt's beams in order, best first (a chat beam's thought split off by the
-    ``reasoning`` parser, if any)."""
+    ``reasoning`` parser, if any). With ``prompt_ids`` (vLLM's ``return_token_ids``)
+    the ids ride along: the prompt's per choice (chat: once), each beam's own."""
     chat = kind == "chat.completion"
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
-    for res in results:
+    for p, res in enumerate(results):
         for seq in res["sequences"]:
             completion_tokens += len(seq["token_ids"])
             choice: dict[str, Any] = {"index": len(choices), "logprobs": None,
@@ -102,12 +105,19 @@ def beam_response(kind: str, rid: str, model: str, results: list[dict[str, Any]]
                         message["reasoning"] = message["reasoning_content"] = thought
             else:
                 choice["text"] = seq["text"]
+                if prompt_ids is not None:
+                    choice["prompt_token_ids"] = prompt_ids[p]
+            if prompt_ids is not None:
+                choice["token_ids"] = seq["token_ids"]
             choices.append(choice)
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+    body = {"id": rid, "object": kind, "created": int(time.time()), "model": model,
             "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+    if prompt_ids is not None and chat:
+        body["prompt_token_ids"] = prompt_ids[0]
+    return body
 
 
 def beam_stream_events(response: dict[str, Any], include_usage: bool) -> Iterator[str]:
@@ -123,7 +133,10 @@ def beam_stream_events(response: dict[str, Any], include_usage: bool) -> Iterato
             choice["delta"] = {k: v for k, v in c["message"].items() if v is not None}
         else:
             choice["text"] = c["text"]
-        yield sse({**head, "choices": [choice]})
+        choice.update({k: c[k] for k in ("prompt_token_ids", "token_ids") if k in c})
+        first = c["index"] == 0 and "prompt_token_ids" in response
+        yield sse({**head, "choices": [choice],
+                   **({"prompt_token_ids": response["prompt_token_ids"]} if first else {})})
     if include_usage:
         yield sse({**head, "choices": [], "usage": response["usage"]})
     yield "data: [DONE]\n\n"

@@ -63,3 +63,18 @@ def test_chat_carries_them_once_for_the_prompt(smol: App) -> None:
     assert all("prompt_token_ids" not in ev for ev in streamed[1:])
     assert [t for ev in streamed for c in ev["choices"] for t in c["token_ids"]] == \
         body["choices"][0]["token_ids"]
+
+
+def test_beam_search_carries_them_too(smol: App) -> None:
+    from pagedserve.worker.loaders import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None).path)
+    r = post(smol, "/v1/completions", prompt=PROMPTS[0], n=2, use_beam_search=True)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert c["prompt_token_ids"] == tok.encode(PROMPTS[0])
+        assert tok.decode(c["token_ids"], skip_special_tokens=True) == c["text"]
+    streamed = events(post(smol, "/v1/chat/completions", n=2, use_beam_search=True,
+                           stream=True, messages=[{"role": "user", "content": "Hi"}]))
+    assert streamed[0]["prompt_token_ids"] and "prompt_token_ids" not in streamed[1]
+    assert all(c["token_ids"] for ev in streamed for c in ev["choices"])
