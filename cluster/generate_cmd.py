@@ -39,7 +39,8 @@ def generate(args: argparse.Namespace) -> int:
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         allowed_local_media_path=args.allowed_local_media_path,
-        mm_processor_kwargs=args.mm_processor_kwargs)
+        mm_processor_kwargs=args.mm_processor_kwargs,
+        logits_processors=args.logits_processors)
     lora = None
     try:
         if args.lora is not None:
