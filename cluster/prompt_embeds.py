@@ -53,7 +53,7 @@ class EmbedsPrompt:
 
     def truncated(self, keep: int) -> EmbedsPrompt:
         """The last ``keep`` rows (``truncate_prompt_tokens``, as for token prompts)."""
-        return EmbedsPrompt(self.embeds[-keep:]) if keep < len(self) else self
+        return EmbedsPrompt(self.embeds[-keep:].clone()) if keep < len(self) else self
 
 
 def checked_embeds(value: Any, field: str = "prompt_embeds") -> torch.Tensor:
@@ -125,7 +125,9 @@ def embeds_inputs(prompt: EmbedsPrompt, hidden_size: int, block_size: int
     n = embeds.shape[0]
     spans = []
     for start in range(0, n, block_size):
-        rows = embeds[start:start + block_size]
+        # Each span's own copy: a view would pickle the whole prompt's storage into
+        # every span a plan ships to Ray ranks (a 2,000-row prompt: 576 MB a step).
+        rows = embeds[start:start + block_size].clone()
         spans.append(ImageInput(start, start + rows.shape[0], _rows_key(rows), rows,
                                 causal=True))
     return [0] * n, tuple(spans)

@@ -273,7 +273,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                         body.logprobs, body.prompt_logprobs or 0))
             reqs.append(routed_request(f"{eid}-{i}", ids, params, body.cache_salt, info,
                                        body.stream, lora, body.priority) if embeds is None
-                        else routed_embeds_request(f"{eid}-{i}", embeds[-len(ids):], params,
+                        else routed_embeds_request(f"{eid}-{i}", embeds[-len(ids):].clone(),
+                                                   params,
                                                    body.cache_salt, info, body.stream, lora,
                                                    body.priority))
         if body.use_beam_search:

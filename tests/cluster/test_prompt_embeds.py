@@ -139,6 +139,20 @@ def test_gemma_embeds_enter_after_its_scaling(tiny_gemma3_dir: str) -> None:
         llm.shutdown()
 
 
+def test_spans_ship_only_their_own_rows() -> None:
+    """A span's rows are its own tensor: pickled into a plan for Ray ranks, each carries
+    its block of rows, not the whole prompt's storage."""
+    import pickle
+
+    from pagedserve.cluster.prompt_embeds import embeds_inputs
+
+    prompt = EmbedsPrompt(torch.randn(640, 64))
+    ids, spans = embeds_inputs(prompt, 64, 16)
+    assert ids == [0] * 640 and len(spans) == 40
+    assert all(len(pickle.dumps(s.pixels)) < 2 * 16 * 64 * 4 for s in spans)
+    assert len(pickle.dumps(prompt.truncated(16).embeds)) < 2 * 16 * 64 * 4
+
+
 @pytest.mark.parametrize("value,match", [
     (torch.zeros(4), "2-D"),
     (torch.zeros(2, 4, 64), "2-D"),
