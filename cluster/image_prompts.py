@@ -31,6 +31,7 @@ from pagedserve.cluster.media_runs import (
 )
 from pagedserve.cluster.multimodal import image_hash, image_spans, load_image
 from pagedserve.cluster.onevision_video import OnevisionVideoProcessor
+from pagedserve.cluster.pixel_storage import own_storage
 from pagedserve.cluster.processor_options import (
     MediaList,
     check_processor_kwargs,
@@ -230,7 +231,7 @@ class ImagePrompts:
         # pixels take half the bytes in the request and in every rank's plan.
         processed = iter(p.to(self.dtype) for p in processor(pictures)) \
             if pictures else iter(())
-        pixels = [videos[i].to(self.dtype) if i in videos else next(processed)
+        pixels = [own_storage(videos[i].to(self.dtype) if i in videos else next(processed))
                   for i in range(len(images))]
         return PreparedImages(pixels, [image_hash(p) for p in pixels], options)
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pagedserve.cluster.pixel_storage import own_storage
 from pagedserve.scheduler.multimodal import ImageInput
 
 # Each family's options: key -> (kind, description of what it takes).
@@ -254,5 +255,5 @@ def pan_and_scan_inputs(runs: Sequence[tuple[int, int]], pixels: Sequence[Any],
             raise ValueError(f"prompt: an image takes {tokens_per_image} placeholder "
                              f"tokens, the run at {a} has {b - a}")
     at = iter(runs)
-    return tuple(ImageInput(*next(at), f"{key}:{j}", p[j], None, False)
+    return tuple(ImageInput(*next(at), f"{key}:{j}", own_storage(p[j]), None, False)
                  for p, key, n in zip(pixels, keys, views, strict=True) for j in range(n))
