@@ -82,8 +82,7 @@ class EngineConfig:
     Gemma 3's ``{"do_pan_and_scan": true}`` or Qwen2-VL's ``min_pixels`` /
     ``max_pixels``; a key the model's processor does not take is refused by name
     (``processor_options``).
-    ``enable_prompt_embeds`` (vLLM's option, off by default) lets prompts be given as
-    input embeddings ``[tokens, hidden]`` instead of text (``prompt_embeds``).
+    ``enable_prompt_embeds`` (vLLM's, off by default): prompts as input embeddings.
     ``logits_processors`` (vLLM's): custom processor classes (``worker.logits_processors``).
     """
 

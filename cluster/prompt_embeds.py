@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.cluster.pixel_storage import own_storage
 from pagedserve.scheduler.multimodal import EMBEDS_KEY, ImageInput
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -53,7 +54,7 @@ class EmbedsPrompt:
 
     def truncated(self, keep: int) -> EmbedsPrompt:
         """The last ``keep`` rows (``truncate_prompt_tokens``, as for token prompts)."""
-        return EmbedsPrompt(self.embeds[-keep:].clone()) if keep < len(self) else self
+        return EmbedsPrompt(own_storage(self.embeds[-keep:])) if keep < len(self) else self
 
 
 def checked_embeds(value: Any, field: str = "prompt_embeds") -> torch.Tensor:
@@ -125,9 +126,9 @@ def embeds_inputs(prompt: EmbedsPrompt, hidden_size: int, block_size: int
     n = embeds.shape[0]
     spans = []
     for start in range(0, n, block_size):
-        # Each span's own copy: a view would pickle the whole prompt's storage into
-        # every span a plan ships to Ray ranks (a 2,000-row prompt: 576 MB a step).
-        rows = embeds[start:start + block_size].clone()
+        # Each span's own storage: a view would pickle the whole prompt's into every
+        # span a plan ships to Ray ranks (a 2,000-row prompt: 576 MB a step).
+        rows = own_storage(embeds[start:start + block_size])
         spans.append(ImageInput(start, start + rows.shape[0], _rows_key(rows), rows,
                                 causal=True))
     return [0] * n, tuple(spans)

@@ -61,6 +61,7 @@ from pagedserve.cluster.metrics import (
 )
 from pagedserve.cluster.observe_api import ClusterView
 from pagedserve.cluster.observe_api import router as observe_router
+from pagedserve.cluster.pixel_storage import own_storage
 from pagedserve.cluster.placement import ingress_actor_options
 from pagedserve.cluster.pooling_api import PoolingEndpoints
 from pagedserve.cluster.pooling_api import router as pooling_router
@@ -273,8 +274,8 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                         body.logprobs, body.prompt_logprobs or 0))
             reqs.append(routed_request(f"{eid}-{i}", ids, params, body.cache_salt, info,
                                        body.stream, lora, body.priority) if embeds is None
-                        else routed_embeds_request(f"{eid}-{i}", embeds[-len(ids):].clone(),
-                                                   params,
+                        else routed_embeds_request(f"{eid}-{i}",
+                                                   own_storage(embeds[-len(ids):]), params,
                                                    body.cache_salt, info, body.stream, lora,
                                                    body.priority))
         if body.use_beam_search:
