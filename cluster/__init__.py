@@ -8,6 +8,8 @@ from pagedserve.cluster.beam_search import (
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.llm import LLM
 from pagedserve.cluster.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -20,6 +22,7 @@ from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
-           "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
+           "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput",
+           "EmbeddingOutput", "EmbeddingRequestOutput", "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams",
            "ScoringOutput", "ScoringRequestOutput", "VideoClip"]

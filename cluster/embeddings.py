@@ -1,5 +1,6 @@
-"""``POST /v1/embeddings``: the OpenAI request, the replica calls, the response; and the
-bodies of vLLM's score and rerank routes (``pooling_api``), which embed their texts.
+"""``POST /v1/embeddings``: the OpenAI request, the replica calls, the response; the
+bodies of vLLM's classify, score and rerank routes (``pooling_api``) and the
+classification response.
 
 Each input is one engine request (``EngineRequest.pooling`` set) sent with the
 prefix-affinity router like a completion, so inputs that share a prefix meet
@@ -23,17 +24,15 @@ from pagedserve.cluster.text_pairs import MAX_INPUTS, pair_texts
 from pagedserve.cluster.wire import EngineRequest
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI's embeddings body, plus vLLM's ``truncate_prompt_tokens`` and ``normalize``."""
+class _PooledInputs(BaseModel):
+    """What embeddings and classification bodies share: text or token-id inputs, vLLM's
+    ``truncate_prompt_tokens`` and routing extras."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
-    normalize: bool = True
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None  # vLLM's: names the response (else X-Request-Id)
@@ -41,8 +40,6 @@ class EmbeddingRequest(BaseModel):
     def inputs(self) -> list[str | list[int]]:
         """The batch as a list; an empty input or batch is a 400."""
         batch = as_batch(self.input, "input", MAX_INPUTS)
-        if self.dimensions is not None and self.dimensions < 1:
-            raise APIError("dimensions must be a positive integer", param="dimensions")
         k = self.truncate_prompt_tokens
         if k is not None and k < 1:
             raise APIError("truncate_prompt_tokens must be >= 1",
@@ -64,6 +61,49 @@ class EmbeddingRequest(BaseModel):
         return out
 
 
+class EmbeddingRequest(_PooledInputs):
+    """OpenAI's embeddings body, plus vLLM's ``truncate_prompt_tokens`` and ``normalize``."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        if self.dimensions is not None and self.dimensions < 1:
+            raise APIError("dimensions must be a positive integer", param="dimensions")
+        return super().inputs()
+
+
+class ClassificationRequest(_PooledInputs):
+    """vLLM's ``POST /classify`` body. ``use_activation`` False returns the raw label
+    logits (``activation`` is its older name)."""
+
+    use_activation: bool | None = None
+    activation: bool | None = None
+
+    @property
+    def activated(self) -> bool:
+        return next((a for a in (self.use_activation, self.activation) if a is not None),
+                    True)
+
+
+def classification_response(rid: str, created: int, model: str,
+                            results: list[dict[str, Any]], labels: list[str]
+                            ) -> dict[str, Any]:
+    """vLLM's classification ``list``: each input's probabilities, the likeliest label
+    (``id2label``), the class count, and the prompt tokens as usage."""
+    tokens = sum(r["prompt_tokens"] for r in results)
+    data = []
+    for i, r in enumerate(results):
+        probs = r["embedding"]
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": labels[best] if best < len(labels) else None,
+                     "probs": probs, "num_classes": len(probs)})
+    return {"id": rid, "object": "list", "created": created, "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                      "completion_tokens": 0, "prompt_tokens_details": None}}
+
+
 class _TextPairs(BaseModel):
     """What score and rerank share: the model, vLLM's routing extras, and text inputs
     turned into token ids like embeddings' (``truncate_prompt_tokens`` too)."""
@@ -75,12 +115,17 @@ class _TextPairs(BaseModel):
     priority: int = 0
     request_id: str | None = None  # vLLM's: names the response (else X-Request-Id)
 
-    def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
-                  ) -> list[list[int]]:
+    def truncation(self) -> int | None:
+        """``truncate_prompt_tokens``, checked (a 400 below 1)."""
         k = self.truncate_prompt_tokens
         if k is not None and k < 1:
             raise APIError("truncate_prompt_tokens must be >= 1",
                            param="truncate_prompt_tokens")
+        return k
+
+    def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
+                  ) -> list[list[int]]:
+        k = self.truncation()
         ids = [tokenizer.encode(x) for x in batch]
         return [x[-k:] if k is not None else x for x in ids]
 

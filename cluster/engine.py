@@ -32,7 +32,7 @@ from pagedserve.cluster.image_prompts import ImagePrompts
 from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import RequestOutput
-from pagedserve.cluster.pooling import PoolAccumulator
+from pagedserve.cluster.pooling import pool_for
 from pagedserve.cluster.prompt_embeds import EmbedsPrompt, embeds_request_inputs
 from pagedserve.cluster.request_state import (
     RequestState,
@@ -159,15 +159,7 @@ class LLMEngine:
         check_request_args(request_id, self._groups, params, pooling_params, beam,
                            export_kv, priority, self.config.scheduling_policy, output_kind)
         params = params or SamplingParams()
-        pool = None
-        if pooling_params is None and self.model_info.get("embedding_only"):
-            raise ValueError("this model is an embedding model (a base-model checkpoint "
-                             "without an LM head): it serves embeddings only "
-                             "(POST /v1/embeddings, LLM.embed)")
-        if pooling_params is not None:
-            if params.n != 1:
-                raise ValueError("n must be 1 for an embedding request")
-            pool = PoolAccumulator(pooling_params, int(self.model_info["hidden_size"]))
+        pool = pool_for(pooling_params, params, self.model_info)
         params = with_bad_word_ids(params, self.tokenizer)
         params.check_token_ids(self.model_info["vocab_size"])
         if params.structured_outputs is not None:

@@ -96,6 +96,8 @@ class EngineServer:
                 "image": core.images.info if core.images is not None else None,
                 # Whether prompts may come as embeddings, and of what width.
                 "prompt_embeds": core.config.enable_prompt_embeds,
+                # A sequence classifier's labels and activations (None: not one).
+                "classifier": core.model_info.get("classifier"),
                 "hidden_size": int(core.model_info["hidden_size"])}
 
     async def run(self, req: EngineRequest) -> int:
@@ -318,15 +320,16 @@ class EngineServer:
 
     async def probe(self, call: ReplicaCall | None = None) -> dict[str, Any]:
         """Prove this replica still generates: one greedy token through the whole engine
-        (an embedding model embeds the probe instead)."""
+        (an embedding model embeds the probe instead, a classifier classifies it)."""
         t0 = time.monotonic()
         level = self.engine.engine.sleep_level
         if level:  # asleep on purpose: healthy, and nothing to generate with
             return {"replica": self.replica_id, "ok": True, "sleeping": level,
                     "latency_s": 0.0}
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        pooling = (PoolingParams() if self.engine.engine.model_info.get("embedding_only")
-                   else None)
+        info = self.engine.engine.model_info
+        pooling = (PoolingParams(task="classify") if info.get("classifier")
+                   else PoolingParams() if info.get("embedding_only") else None)
 
         async def one() -> None:
             async for _ in self.engine.generate(self._probe_ids, params,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,6 +11,8 @@ from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
 from pagedserve.cluster.multimodal import split_chat_images
 from pagedserve.cluster.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
@@ -18,7 +21,7 @@ from pagedserve.cluster.outputs import (
 )
 from pagedserve.cluster.processor_options import MediaList
 from pagedserve.cluster.prompt_embeds import EmbedsPrompt
-from pagedserve.cluster.text_pairs import pair_texts
+from pagedserve.cluster.text_pairs import pair_texts, pair_token_ids
 from pagedserve.cluster.video import VideoSource
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -223,15 +226,33 @@ class LLM:
         Embedding requests share batches, the prefix cache and chunked prefill with
         generation; any supported model embeds (its last norm's output).
         """
-        prompts = _prompt_list(prompts)
-        pp = pooling_params or PoolingParams()
-        sp = SamplingParams(max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
-        loras = _per_prompt(lora_request, len(prompts))
-        ids = self._add_all([(p, dict(params=sp, lora_request=lora, pooling_params=pp))
-                             for p, lora in zip(prompts, loras)])
-        outs = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 16, "embed")
+        outs = self._pool(_prompt_list(prompts), pooling_params or PoolingParams(), use_tqdm,
+                          lora_request, truncate_prompt_tokens, "embed")
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
                                        EmbeddingOutput(o.embedding or []), o.finished)
+                for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_activation: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities from a sequence classifier (vLLM's
+        ``LLM.classify``): its ``score`` head over the last token's final state, then
+        softmax (sigmoid for one label or a multi-label file, none for regression);
+        ``use_activation=False`` gives the raw logits; ``pooling_params`` may pool the
+        mean state instead. Labels: ``id2label``, in
+        ``llm.engine.model_info["classifier"]["labels"]``."""
+        pooling = dataclasses.replace(pooling_params or PoolingParams(), task="classify",
+                                      use_activation=use_activation)
+        outs = self._pool(_prompt_list(prompts), pooling, use_tqdm, lora_request,
+                          truncate_prompt_tokens, "classify")
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(o.embedding or []), o.finished)
                 for o in outs]
 
     def score(
@@ -242,10 +263,21 @@ class LLM:
         lora_request: LoRARequest | None = None,
         truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` as it runs for embedding models: the cosine similarity
-        of the two texts' embeddings, ``data_1`` against each of ``data_2`` (or two
-        lists pairwise); each distinct text is embedded once."""
+        """vLLM's ``LLM.score``: ``data_1`` against each of ``data_2`` (or two lists
+        pairwise). A one-label sequence classifier (a cross-encoder reranker) reads each
+        pair as one prompt (the tokenizer's pair encoding) and scores it through its
+        activation; an embedding model scores the cosine similarity of the two texts'
+        embeddings, each distinct text embedded once."""
         firsts, seconds = pair_texts(data_1, data_2, ("data_1", "data_2"))
+        if self.engine.model_info.get("classifier") is not None:
+            tok = self.engine.tokenizer
+            ids = [pair_token_ids(tok, a, b, truncate_prompt_tokens)
+                   for a, b in zip(firsts, seconds, strict=True)]
+            outs = self._pool([(i, None) for i in ids], PoolingParams(task="score"),
+                              use_tqdm, lora_request, None, "score")
+            return [ScoringRequestOutput(f"score-{i}", o.prompt_token_ids,
+                                         ScoringOutput((o.embedding or [0.0])[0]))
+                    for i, o in enumerate(outs)]
         texts = list(dict.fromkeys(firsts + seconds))
         embs = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request,
                                           truncate_prompt_tokens=truncate_prompt_tokens),
@@ -255,6 +287,16 @@ class LLM:
             ScoringOutput(sum(x * y for x, y in zip(embs[a].outputs.embedding,
                                                     embs[b].outputs.embedding, strict=True))))
             for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))]
+
+    def _pool(self, prompts: list[Prompt], pooling: PoolingParams, use_tqdm: bool | None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+              truncate_prompt_tokens: int | None, desc: str) -> list[RequestOutput]:
+        """Run pooling requests to the end (a bar from 16 prompts unless told)."""
+        sp = SamplingParams(max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        loras = _per_prompt(lora_request, len(prompts))
+        ids = self._add_all([(p, dict(params=sp, lora_request=lora, pooling_params=pooling))
+                             for p, lora in zip(prompts, loras)])
+        return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 16, desc)
 
     def _add_all(self, requests: list[tuple[Prompt, dict[str, Any]]]) -> list[str]:
         """Queue every request; if one is refused, withdraw those already queued (none

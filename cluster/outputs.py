@@ -80,3 +80,25 @@ class ScoringRequestOutput:
     prompt_token_ids: list[int]
     outputs: ScoringOutput
     finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's: a classifier's label probabilities (raw logits when ``use_activation``
+    is off)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per input (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True

@@ -1,11 +1,12 @@
-"""The pooling routes: OpenAI's ``POST /v1/embeddings``, and vLLM's ``POST /score`` and
-``POST /rerank`` (also under ``/v1/``) on top of it.
+"""The pooling routes: OpenAI's ``POST /v1/embeddings``, vLLM's ``POST /classify``, and
+vLLM's ``POST /score`` and ``POST /rerank`` (also under ``/v1/``) on top of them.
 
-Score and rerank answer how related two texts are with the cosine similarity of
-their embeddings, as vLLM does for embedding models (bi-encoders): every distinct
+Score and rerank answer how related two texts are as vLLM does. An embedding model
+(a bi-encoder) gives the cosine similarity of their embeddings: every distinct
 text is embedded once, through the same replicas, router and continuous batches as
 ``/v1/embeddings``, and each pair's score is the dot product of the two unit
-vectors. ``/rerank`` (Jina's and Cohere's shape) orders documents by their score
+vectors. A one-label sequence classifier (a cross-encoder reranker) reads each
+pair as one prompt and answers its activated logit. ``/rerank`` (Jina's and Cohere's shape) orders documents by their score
 against the query. The routes live on an ``APIRouter`` bound to this module's
 mixin; ``OpenAIServer`` inherits it.
 """
@@ -18,15 +19,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from pagedserve.cluster.embeddings import (
+    ClassificationRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
+    classification_response,
     embed_all,
     embedding_response,
 )
+from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.request_ids import request_ids
 from pagedserve.cluster.responses import now
 from pagedserve.cluster.router import routed_request
+from pagedserve.cluster.text_pairs import pair_token_ids
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -38,32 +43,75 @@ class PoolingEndpoints:
     ``_engine_info``, the engine handle, the tokenizer, ``pooling_type`` and
     ``served_name``."""
 
-    async def _embed(self, body: Any, batch: list[str | list[int]], eid: str,
-                     normalize: bool = True, dimensions: int | None = None
-                     ) -> list[dict[str, Any]]:
-        """Each input's ``{"embedding", "prompt_tokens"}``, in order; ``eid`` names the
-        inputs' engine requests (``<eid>-<i>``)."""
+    async def _pool(self, body: Any, prompts: list[list[int]], eid: str,
+                    pooling: PoolingParams) -> list[dict[str, Any]]:
+        """Each prompt's ``{"embedding", "prompt_tokens"}`` (a classifier's: its label
+        probabilities), in order; ``eid`` names the engine requests (``<eid>-<i>``)."""
         lora = self._check_model(body.model)
         info = await self._engine_info()
-        pooling = PoolingParams(self.pooling_type, normalize, dimensions)
         params = SamplingParams(max_tokens=1)
-        prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
         reqs = [dataclasses.replace(routed_request(f"{eid}-{i}", ids, params, body.cache_salt,
                                                    info, False, lora, body.priority),
                                     pooling=pooling)
                 for i, ids in enumerate(prompts)]
         return await embed_all(self._engine, reqs)
 
+    async def _embed(self, body: Any, batch: list[str | list[int]], eid: str,
+                     normalize: bool = True, dimensions: int | None = None
+                     ) -> list[dict[str, Any]]:
+        """Each input's ``{"embedding", "prompt_tokens"}``, in order."""
+        self._check_model(body.model)
+        info = await self._engine_info()
+        prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
+        return await self._pool(body, prompts, eid,
+                                PoolingParams(self.pooling_type, normalize, dimensions))
+
     async def _pair_scores(self, body: Any, firsts: list[str], seconds: list[str], eid: str
                            ) -> tuple[list[float], int]:
-        """Cosine similarity of each pair, and the prompt tokens embedded (each distinct
-        text once)."""
+        """Each pair's score and the prompt tokens run. A one-label sequence classifier
+        (a cross-encoder) reads each pair as one prompt, the tokenizer's pair encoding;
+        an embedding model scores the cosine similarity of the two texts' embeddings
+        (each distinct text embedded once)."""
+        self._check_model(body.model)
+        classifier = (await self._engine_info()).get("classifier")
+        if classifier is not None:
+            if classifier["num_labels"] != 1:
+                raise APIError("scoring text pairs takes a one-label classifier (a "
+                               f"cross-encoder); this model has {classifier['num_labels']} "
+                               "labels: use /classify", param="model")
+            k = body.truncation()
+            ids = [pair_token_ids(self.tokenizer, a, b, k)
+                   for a, b in zip(firsts, seconds, strict=True)]
+            results = await self._pool(body, ids, eid,
+                                       PoolingParams(self.pooling_type, task="score"))
+            return ([r["embedding"][0] for r in results],
+                    sum(r["prompt_tokens"] for r in results))
         texts = list(dict.fromkeys(firsts + seconds))
         results = await self._embed(body, texts, eid)
         vecs = {t: r["embedding"] for t, r in zip(texts, results, strict=True)}
         scores = [sum(a * b for a, b in zip(vecs[x], vecs[y], strict=True))
                   for x, y in zip(firsts, seconds, strict=True)]
         return scores, sum(r["prompt_tokens"] for r in results)
+
+    @router.post("/classify")
+    @router.post("/v1/classify")
+    async def classify(self, body: ClassificationRequest, raw: Request) -> dict[str, Any]:
+        """vLLM's: a sequence classifier's label probabilities per input."""
+        self._authorize(raw)
+        rid, eid = request_ids("classify", body.request_id, raw.headers.get("x-request-id"))
+        self._check_model(body.model)
+        batch = body.inputs()
+        info = await self._engine_info()
+        classifier = info.get("classifier")
+        if classifier is None:
+            raise APIError("this model is not a sequence classifier (a "
+                           "...ForSequenceClassification checkpoint): it does not classify",
+                           param="model")
+        prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
+        results = await self._pool(body, prompts, eid, PoolingParams(
+            self.pooling_type, task="classify", use_activation=body.activated))
+        return classification_response(rid, now(), body.model or self.served_name, results,
+                                       classifier["labels"])
 
     @router.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:

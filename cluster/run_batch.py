@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-        "/v1/score", "/v1/rerank", "/score", "/rerank", "/v2/rerank")
+        "/v1/score", "/v1/rerank", "/score", "/rerank", "/v2/rerank", "/v1/classify",
+        "/classify")
 RETRY_503 = 60  # attempts, RETRY_WAIT_S apart: a full queue drains meanwhile
 RETRY_WAIT_S = 1.0
 

@@ -5,6 +5,7 @@ offline engine runs where only torch is installed (the GPU check's machine, say)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
@@ -24,3 +25,13 @@ def pair_texts(first: str | Sequence[str], second: str | Sequence[str],
     if len(seconds) > MAX_INPUTS:
         raise ValueError(f"{names[1]} may hold at most {MAX_INPUTS} texts")
     return firsts, seconds
+
+
+def pair_token_ids(tokenizer: Any, first: str, second: str,
+                   truncate: int | None = None) -> list[int]:
+    """A cross-encoder's prompt for one pair: the tokenizer's own pair encoding
+    (``text``, ``text_pair``: BERT-style ``[CLS] a [SEP] b [SEP]``, a BOS before each
+    text for a Llama tokenizer), as vLLM and sentence-transformers' ``CrossEncoder``
+    build it; ``truncate`` keeps the last that many tokens, as embeddings do."""
+    ids = [int(t) for t in tokenizer(first, text_pair=second)["input_ids"]]
+    return ids[-truncate:] if truncate is not None else ids

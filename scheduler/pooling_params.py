@@ -7,6 +7,11 @@ decoder embedders' choice: e5-mistral, gte-Qwen2, Qwen3-Embedding), "mean"
 averages every token's; ``normalize`` makes the vector unit length (L2), and
 ``dimensions`` keeps only the first that many components before normalising
 (Matryoshka embeddings, OpenAI's ``dimensions``).
+
+``task`` says what the pooled vector is for: "embed" (an embedding model's
+vector), or, on a sequence classifier (``worker.classifier``), "classify" (the
+label probabilities) or "score" (a text pair's relevance, one number);
+``use_activation`` False returns a classifier's raw label logits (vLLM's).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POOLING_TYPES = ("last", "mean")
+POOLING_TASKS = ("embed", "classify", "score")
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,8 @@ class PoolingParams:
     pooling_type: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    task: str = "embed"
+    use_activation: bool = True
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -33,6 +41,13 @@ class PoolingParams:
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"dimensions must be a positive integer, got {d!r}")
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
+        if not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be a bool, got {self.use_activation!r}")
+        if d is not None and self.task != "embed":
+            raise ValueError("dimensions is for embeddings, not for task "
+                             f"{self.task!r}")
 
     @property
     def needs_every_position(self) -> bool:

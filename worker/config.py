@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.worker.classifier import ClassifierConfig, classifier_config
 from pagedserve.worker.config_fields import positive_int, require
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
@@ -65,6 +66,9 @@ class ModelConfig:
     # ``architectures`` names only a base model (``LlamaModel``, ``Qwen3Model``...): an
     # embedding checkpoint, saved without the ``model.`` prefix and without an LM head.
     embedding_only: bool = False
+    # ``architectures`` names a ``...ForSequenceClassification``: a ``score`` head of
+    # ``num_labels`` rows replaces the LM head (``classifier``).
+    classifier: ClassifierConfig | None = None
     # Routed experts (Mixtral, Qwen2/3-MoE); None for a dense model.
     moe: MoEConfig | None = None
     # A checkpoint quantised ahead of time (GPTQ, AWQ, compressed-tensors, fp8): its
@@ -179,6 +183,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             dtype=str(dtype),
             embedding_only=_names_base_model(cfg.get("architectures")),
+            classifier=classifier_config(cfg),
             moe=moe_config_from_hf(cfg, model_type, num_layers),
             prequant=prequant_config(cfg.get("quantization_config")),
             mla=mla,
@@ -220,6 +225,12 @@ class ModelConfig:
             stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
             longest = max(longest, stretched)
         return longest
+
+    @property
+    def headless(self) -> bool:
+        """No LM head in the file (an embedding model, a classifier): the head is tied to
+        the embedding so the pipeline's last stage keeps one, and never generates."""
+        return self.embedding_only or self.classifier is not None
 
     @property
     def long_rope_from(self) -> int:

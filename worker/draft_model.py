@@ -116,7 +116,7 @@ def _unfit(mc: ModelConfig, target: ModelConfig, hybrid: bool) -> str | None:
     blocks behind a window needs a draft whose every layer looks no further back."""
     if mc.model_type not in MODEL_REGISTRY:
         return f"model_type {mc.model_type!r} is not supported"
-    if mc.image is not None or mc.embedding_only:
+    if mc.image is not None or mc.headless:
         return "a draft must be a text-generation model"
     if mc.prequant is not None:
         return (f"a {mc.prequant.method} checkpoint cannot draft: give its dense "

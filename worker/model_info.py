@@ -24,6 +24,8 @@ def model_info(worker: Worker) -> dict[str, Any]:
         "source": worker.resolved.source,
         "model_type": mc.model_type,
         "embedding_only": mc.embedding_only,
+        # A sequence classifier's labels and activations (None: not a classifier).
+        "classifier": mc.classifier.info() if mc.classifier is not None else None,
         "eos_token_ids": list(mc.eos_token_ids),
         "bos_token_id": mc.bos_token_id,
         "max_model_len": mc.max_model_len,

@@ -289,7 +289,8 @@ class ModelRunner:
             if out is not None and prompt_lps is not None:
                 out.prompt_logprobs = prompt_lps
         if inputs.pool_jobs and out is not None:
-            out.pooled = pool_hidden(hidden, inputs.pool_jobs)
+            out.pooled = pool_hidden(hidden, inputs.pool_jobs,
+                                     getattr(self.model, "score", None))
         if inputs.logits_indices.numel():
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
             if out is None or logits is None:

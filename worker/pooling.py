@@ -3,12 +3,14 @@
 The runner hands over, per pooling row, what the engine needs to finish the
 embedding later: the last token's state at the prompt's end ("last"), or the
 sum and count of this chunk's states ("mean", which a chunked prompt spreads
-over several steps). Sums are fp32 whatever the model dtype. Only rank 0
-computes them: the final hidden states are the same on every rank.
+over several steps); a classifier's label head is applied to either. Sums are
+fp32 whatever the model dtype. Only rank 0 computes them: the final hidden
+states are the same on every rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +28,21 @@ class PoolJob:
     position: int
 
 
-def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob]) -> dict[str, tuple]:
-    """``{request_id: ("last", vector) | ("mean", sum, count, position)}`` on the CPU."""
+def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob],
+                head: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> dict[str, tuple]:
+    """``{request_id: ("last", vector) | ("mean", sum, count, position)}`` on the CPU.
+
+    ``head`` (a classifier's ``ScoreHead``) maps each vector to label logits here, so
+    only ``num_labels`` numbers a request leave the rank; it is linear, so a chunk's
+    sum passes through it as the mean would."""
     out: dict[str, tuple] = {}
     for j in jobs:
         if j.pooling == "last":
-            out[j.request_id] = ("last", hidden[j.end - 1].float().cpu())
+            v = hidden[j.end - 1].float()
+            out[j.request_id] = ("last", (head(v) if head is not None else v).cpu())
         else:
-            rows = hidden[j.start:j.end].float()
-            out[j.request_id] = ("mean", rows.sum(0).cpu(), j.end - j.start, j.position)
+            v = hidden[j.start:j.end].float().sum(0)
+            out[j.request_id] = ("mean", (head(v) if head is not None else v).cpu(),
+                                 j.end - j.start, j.position)
     return out

@@ -71,7 +71,7 @@ def write_wordlevel_tokenizer(dest: str | Path, vocab_size: int,
 def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                             tokenizer_dir: str | Path | None = None, seed: int = 1234,
                             weight_scale: float = 4.0, base_model: bool = False,
-                            **overrides: Any) -> str:
+                            classifier: bool = False, **overrides: Any) -> str:
     """Save a random ``kind`` model to ``dest``; return its path.
 
     ``kind``: "llama", "mistral", "qwen2", "qwen3", or the mixtures of experts "mixtral",
@@ -79,7 +79,9 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     "deepseek_v2", "deepseek_v3" (MLA, 8 experts in 4 groups: ``MOE_DEFAULTS``).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
-    LM head), as embedding checkpoints are.
+    LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
+    (``LlamaForSequenceClassification``...: a ``score`` head of ``num_labels`` rows, set
+    by ``num_labels`` / ``id2label`` / ``problem_type`` overrides).
 
     The defaults are a 2-layer, 64-wide model; ``overrides`` are config fields.
     Matrices are scaled by ``weight_scale`` so logits are sharper than the
@@ -106,6 +108,9 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
     model_cls = bare_cls if base_model else causal_cls
+    if classifier:
+        model_cls = getattr(tf, causal_cls.__name__.replace("ForCausalLM",
+                                                            "ForSequenceClassification"))
     cfg: dict[str, Any] = dict(vocab_size=49152, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=512,

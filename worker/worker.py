@@ -153,7 +153,7 @@ class Worker:
                                           checkpoint_names(resolved.path), model.owns_tensor)
         tied = {id(model.embed_tokens.weight)} if model.embed_tokens is not None else set()
         head = model.lm_head
-        unused = {id(head)} if model_config.embedding_only and head is not None else set()
+        unused = {id(head)} if model_config.headless and head is not None else set()
         online = online_method(self.config.quantization, model_config.prequant)
         # Each layer is quantised as soon as it is loaded: the model is never whole in
         # full precision (a 7B file held dense in fp32 would not fit this box's memory).

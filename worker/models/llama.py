@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import AttentionBackend
+from pagedserve.worker.classifier import ScoreHead
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.activation import silu_and_mul
 from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
@@ -156,11 +157,14 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
         if last:
             self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
-            if self.embed_tokens is not None and (cfg.tie_word_embeddings
-                                                  or cfg.embedding_only):
+            if self.embed_tokens is not None and (cfg.tie_word_embeddings or cfg.headless):
                 # (an embedding checkpoint has no head; sharing costs no memory, and the
                 # engine never generates with it)
                 self.lm_head.tie_to(self.embed_tokens)
+        # A sequence classifier's label head (``classifier``): pooled states only.
+        self.score: ScoreHead | None = None
+        if last and cfg.classifier is not None:
+            self.score = ScoreHead(cfg.classifier.num_labels, cfg.hidden_size, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device,
                                       cfg.rotary_dim, cfg.mrope_section)
 

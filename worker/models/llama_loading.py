@@ -30,6 +30,7 @@ class LlamaWeightLoading:
     embed_tokens: Any
     norm: Any
     lm_head: Any
+    score: Any
 
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
                      on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
@@ -51,7 +52,7 @@ class LlamaWeightLoading:
             if self.config.embedding_only and not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a base model's checkpoint names its layers bare
             if name == "lm_head.weight" and (self.config.tie_word_embeddings
-                                              or self.config.embedding_only):
+                                              or self.config.headless):
                 continue
             if not self._on_this_stage(name):
                 continue  # never read: another stage loads it
@@ -84,7 +85,7 @@ class LlamaWeightLoading:
         the embedding on another stage)."""
         cfg = self.config
         return (self.lm_head is not None and self.embed_tokens is None
-                and (cfg.tie_word_embeddings or cfg.embedding_only))
+                and (cfg.tie_word_embeddings or cfg.headless))
 
     def owns_tensor(self, name: str) -> bool:
         """Whether this rank loads checkpoint tensor ``name`` (as the file names it):
@@ -97,7 +98,7 @@ class LlamaWeightLoading:
         """Whether checkpoint tensor ``name`` belongs to this pipeline stage."""
         if name == "model.embed_tokens.weight":
             return self.embed_tokens is not None or self._tied_head_loads_embedding()
-        if name in ("model.norm.weight", "lm_head.weight"):
+        if name in ("model.norm.weight", "lm_head.weight", "score.weight"):
             return self.lm_head is not None
         m = _LAYER_RE.match(name)
         if m is None or int(m.group(1)) >= self.config.num_layers:
@@ -111,8 +112,10 @@ class LlamaWeightLoading:
             names.add("model.embed_tokens.weight")
         if self.lm_head is not None:
             names.add("model.norm.weight")
-            if not cfg.tie_word_embeddings and not cfg.embedding_only:
+            if not cfg.tie_word_embeddings and not cfg.headless:
                 names.add("lm_head.weight")
+            if cfg.classifier is not None:
+                names.add("score.weight")
         for i in range(self.stage.start, self.stage.end):
             p = f"model.layers.{i}."
             names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
@@ -169,6 +172,9 @@ class LlamaWeightLoading:
         if name == "lm_head.weight":
             assert self.lm_head is not None
             self.lm_head.load(lazy)
+            return
+        if name == "score.weight" and self.score is not None:
+            self.score.load(name, lazy)
             return
         if name == "model.norm.weight":
             assert self.norm is not None

@@ -1,0 +1,180 @@
+"""Sequence classifiers (``...ForSequenceClassification`` files): ``LLM.classify`` gives
+Hugging Face's label probabilities, ``LLM.score`` scores a pair as a cross-encoder
+does, and a classifier refuses to generate or embed (a generative model refuses to
+classify). The head is the file's ``score`` rows over the last token's final state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.cluster import LLM, PoolingParams, SamplingParams
+from pagedserve.worker.classifier import classifier_config
+from pagedserve.worker.testing import write_random_checkpoint
+from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+
+LONG = [(7 * i + 3) % 300 + 4 for i in range(70)]
+PROMPTS = [[5, 9, 33, 7, 100, 4], [8, 3], LONG, [*LONG[:40], 11, 12, 13]]
+LABELS = {"0": "negative", "1": "neutral", "2": "positive"}
+
+
+def _hf_logits(path: str, prompts: list[list[int]], mean: bool = False) -> list[torch.Tensor]:
+    """HF's label logits per prompt (one at a time: no padding); ``mean``: its score
+    head over the mean final state instead of the last token's."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            if mean:
+                hidden = model.model(ids).last_hidden_state[0].mean(0)
+                out.append(model.score(hidden))
+            else:
+                out.append(model(ids).logits[0])
+    return out
+
+
+def _close(got: list[float], want: torch.Tensor, tol: float = 2e-5) -> None:
+    assert len(got) == want.numel()
+    assert max(abs(a - b) for a, b in zip(got, want.tolist(), strict=True)) < tol, (got, want)
+
+
+@pytest.fixture(scope="module")
+def three_labels(tmp_path_factory) -> str:
+    return write_random_checkpoint(tmp_path_factory.mktemp("cls") / "llama3", "llama",
+                                   classifier=True, id2label=LABELS, vocab_size=512,
+                                   label2id={v: int(k) for k, v in LABELS.items()})
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory) -> str:
+    from pagedserve.worker.loaders import resolve_model
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("cls") / "qwen2ce", "qwen2",
+                                   resolve_model(None).path, classifier=True, num_labels=1,
+                                   weight_scale=2.0)
+
+
+def test_classify_equals_hugging_face_whole_chunked_and_cached(three_labels) -> None:
+    """Softmax over HF's logits, whether the prompt runs whole, in 16-token chunks, or
+    from prefix-cache hits (the last position is always computed again); the labels
+    come from ``id2label``; the mean state through the head equals HF's head on it."""
+    want = [torch.softmax(x, -1) for x in _hf_logits(three_labels, PROMPTS)]
+    want_mean = [torch.softmax(x, -1) for x in _hf_logits(three_labels, PROMPTS, mean=True)]
+    llm = LLM(model=three_labels, num_gpu_blocks=64, block_size=16, max_num_batched_tokens=16)
+    try:
+        info = llm.engine.model_info["classifier"]
+        assert info["labels"] == ["negative", "neutral", "positive"]
+        assert info["activation"] == "softmax"
+        for _ in range(2):  # the second pass starts from cached blocks
+            outs = llm.classify(PROMPTS)
+            for o, w in zip(outs, want, strict=True):
+                _close(o.outputs.probs, w)
+                assert o.outputs.num_classes == 3
+        assert outs[2].prompt_token_ids == LONG
+        assert llm.engine.scheduler.kv.prefix_hits > 0
+        raw = llm.classify(PROMPTS[:2], use_activation=False)
+        for o, w in zip(raw, _hf_logits(three_labels, PROMPTS[:2]), strict=True):
+            _close(o.outputs.probs, w)
+        mean = llm.classify(PROMPTS, pooling_params=PoolingParams("mean"))
+        for o, w in zip(mean, want_mean, strict=True):
+            _close(o.outputs.probs, w)
+        # Classification shares batches with nothing else it could corrupt: the pool is
+        # back where it started.
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_refusals_name_what_the_model_serves(three_labels, tiny_llama_dir) -> None:
+    llm = LLM(model=three_labels, num_gpu_blocks=32)
+    try:
+        with pytest.raises(ValueError, match="sequence classifier"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="does not embed"):
+            llm.embed([[1, 2, 3]])
+        with pytest.raises(ValueError, match="one-label classifier"):
+            llm.score("a", "b")
+        with pytest.raises(ValueError, match="dimensions is for embeddings"):
+            PoolingParams(dimensions=4, task="classify")
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    gen = LLM(model=tiny_llama_dir, num_gpu_blocks=32)
+    try:
+        with pytest.raises(ValueError, match="needs a sequence classifier"):
+            gen.classify([[1, 2, 3]])
+    finally:
+        gen.shutdown()
+
+
+def test_cross_encoder_scores_each_pair_as_one_prompt(cross_encoder) -> None:
+    """A one-label classifier scores ``(query, document)`` as the tokenizer's pair
+    encoding through a sigmoid, as sentence-transformers' ``CrossEncoder`` does with a
+    Hugging Face model; ``classify`` gives the same one probability."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cross_encoder)
+    query, docs = "What is paged attention?", ["Blocks of KV cache.", "A recipe for bread."]
+    pairs = [tok(query, text_pair=d)["input_ids"] for d in docs]
+    want = [torch.sigmoid(x) for x in _hf_logits(cross_encoder, pairs)]
+    llm = LLM(model=cross_encoder, num_gpu_blocks=32)
+    try:
+        scores = llm.score(query, docs)
+        for s, w in zip(scores, want, strict=True):
+            _close([s.outputs.score], w)
+        assert [s.prompt_token_ids for s in scores] == pairs
+        assert scores[0].outputs.score != scores[1].outputs.score
+        probs = llm.classify([{"prompt_token_ids": p} for p in pairs])
+        for o, w in zip(probs, want, strict=True):
+            _close(o.outputs.probs, w)
+        pairwise = llm.score([query, docs[1]], docs)  # two lists: pair by pair
+        assert pairwise[0].outputs.score == pytest.approx(scores[0].outputs.score, abs=1e-6)
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(("extra", "activation", "score_activation"), [
+    ({}, "softmax", "softmax"),
+    ({"problem_type": "multi_label_classification"}, "sigmoid", "softmax"),
+    ({"problem_type": "regression", "num_labels": 1}, "identity", "sigmoid"),
+    ({"num_labels": 1, "sentence_transformers": {
+        "activation_fn": "torch.nn.modules.linear.Identity"}}, "sigmoid", "identity"),
+    ({"num_labels": 1, "sbert_ce_default_activation_function":
+        "torch.nn.modules.activation.Tanh"}, "sigmoid", "tanh"),
+])
+def test_activations_follow_the_config(extra, activation, score_activation) -> None:
+    """vLLM's choice, after transformers' loss: softmax over several labels, sigmoid for
+    one or for multi-label problems, none for regression; a cross-encoder's stored
+    sentence-transformers activation for scores."""
+    cfg = classifier_config({"architectures": ["LlamaForSequenceClassification"], **extra})
+    assert cfg is not None
+    assert (cfg.activation, cfg.score_activation) == (activation, score_activation)
+    assert cfg.num_labels == extra.get("num_labels", 2)
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"id2label": {"0": "a", "2": "b"}}, "id2label"),
+    ({"id2label": {"x": "a"}}, "id2label"),
+    ({"num_labels": 0}, "num_labels"),
+    ({"problem_type": "ranking"}, "problem_type"),
+    ({"sentence_transformers": {"activation_fn": "os.system"}}, "activation"),
+])
+def test_bad_classifier_configs_name_the_field(extra, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        classifier_config({"architectures": ["Qwen2ForSequenceClassification"], **extra})
+
+
+def test_multi_label_file_gives_independent_sigmoids(tmp_path) -> None:
+    path = write_random_checkpoint(tmp_path / "multi", "qwen3", classifier=True,
+                                   num_labels=4, vocab_size=512, problem_type="multi_label_classification")
+    want = [torch.sigmoid(x) for x in _hf_logits(path, PROMPTS[:2])]
+    llm = LLM(model=path, num_gpu_blocks=32)
+    try:
+        for o, w in zip(llm.classify(PROMPTS[:2]), want, strict=True):
+            _close(o.outputs.probs, w)
+    finally:
+        llm.shutdown()

@@ -1,0 +1,145 @@
+"""Sequence classifiers: a decoder whose head scores labels instead of tokens.
+
+Hugging Face's ``LlamaForSequenceClassification`` (and the Mistral, Qwen2/3,
+Phi-3, Gemma, MoE ones) is the causal decoder without an LM head plus
+``score``: a bias-free ``[num_labels, hidden]`` projection of the last token's
+final (normed) hidden state. Reward models (Skywork-Reward, one label),
+cross-encoder rerankers and text classifiers ship this way.
+
+``classifier_config`` reads what the engine needs from ``config.json``: the
+label count and names (``id2label``), and the activations vLLM applies, which
+follow transformers' loss choice (``problem_type``): softmax over two or more
+labels, sigmoid for one label or multi-label problems, none for regression;
+and, for scoring text pairs (cross-encoders), sentence-transformers'
+``activation_fn`` when the file names one. ``ScoreHead`` holds the projection,
+whole on every rank (it is ``num_labels`` rows), and is not quantised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+ACTIVATIONS = ("softmax", "sigmoid", "identity", "tanh")
+# sentence-transformers' stored activation names (``torch.nn.modules...``), as run here.
+_ST_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Softmax": "softmax",
+                   "Tanh": "tanh"}
+
+
+@dataclass(frozen=True)
+class ClassifierConfig:
+    """A sequence classifier's labels and activations (see the module docstring)."""
+
+    num_labels: int
+    labels: tuple[str, ...]
+    activation: str  # for ``classify``: what turns the head's logits into ``probs``
+    score_activation: str  # for ``score`` of a text pair (a one-label cross-encoder)
+
+    def info(self) -> dict[str, Any]:
+        """The plain dict the engine gets in ``model_info["classifier"]``."""
+        return {"num_labels": self.num_labels, "labels": list(self.labels),
+                "activation": self.activation, "score_activation": self.score_activation}
+
+
+def names_classifier(architectures: Any) -> bool:
+    """True when ``architectures`` lists only ``...ForSequenceClassification`` classes."""
+    if not isinstance(architectures, list) or not architectures:
+        return False
+    return all(isinstance(a, str) and a.endswith("ForSequenceClassification")
+               for a in architectures)
+
+
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Label names by index: ``id2label`` (keys are strings in a saved config), else
+    transformers' ``LABEL_i`` for ``num_labels`` (2 when neither is given)."""
+    id2label = cfg.get("id2label")
+    if id2label is not None:
+        if not isinstance(id2label, dict) or not id2label:
+            raise ValueError("config.json: id2label must be a non-empty object")
+        try:
+            by_index = {int(k): str(v) for k, v in id2label.items()}
+        except (TypeError, ValueError):
+            raise ValueError("config.json: id2label keys must be label indices") from None
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError("config.json: id2label must number its labels 0..n-1")
+        return tuple(by_index[i] for i in range(len(by_index)))
+    n = cfg.get("num_labels", 2)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"config.json: num_labels must be a positive integer, got {n!r}")
+    return tuple(f"LABEL_{i}" for i in range(n))
+
+
+def _classify_activation(problem_type: Any, num_labels: int) -> str:
+    if problem_type == "regression":
+        return "identity"
+    if problem_type == "multi_label_classification":
+        return "sigmoid"
+    if problem_type not in (None, "", "single_label_classification"):
+        raise ValueError(f"config.json: problem_type {problem_type!r} is not one of "
+                         "regression, single_label_classification, "
+                         "multi_label_classification")
+    return "sigmoid" if num_labels < 2 else "softmax"
+
+
+def _score_activation(cfg: dict[str, Any], num_labels: int) -> str:
+    st = cfg.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    if name is None:
+        name = cfg.get("sbert_ce_default_activation_function")
+    if name is None:
+        return "sigmoid" if num_labels < 2 else "softmax"
+    short = str(name).rsplit(".", 1)[-1]
+    if not str(name).startswith("torch.nn.modules.") or short not in _ST_ACTIVATIONS:
+        raise ValueError(f"config.json: cross-encoder activation {name!r} is not one of "
+                         f"torch.nn.modules' {sorted(_ST_ACTIVATIONS)}")
+    act = _ST_ACTIVATIONS[short]
+    return ("sigmoid" if num_labels < 2 else "softmax") if act == "softmax" else act
+
+
+def classifier_config(cfg: dict[str, Any]) -> ClassifierConfig | None:
+    """The classifier facts of an HF ``config.json`` dict; None unless it names a
+    sequence-classification architecture."""
+    if not names_classifier(cfg.get("architectures")):
+        return None
+    labels = _labels(cfg)
+    return ClassifierConfig(len(labels), labels,
+                            _classify_activation(cfg.get("problem_type"), len(labels)),
+                            _score_activation(cfg, len(labels)))
+
+
+def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """Apply one of ``ACTIVATIONS`` to a request's label logits (a 1-D tensor)."""
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "tanh":
+        return torch.tanh(logits)
+    if activation == "identity":
+        return logits
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+class ScoreHead(nn.Module):
+    """The ``score`` projection, whole on each rank; applied in fp32 to pooled states
+    (it is linear without a bias, so a mean-pooled sum may pass through it first)."""
+
+    def __init__(self, num_labels: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size, dtype=dtype,
+                                               device=device), requires_grad=False)
+
+    def load(self, name: str, lazy: Any) -> None:
+        """Copy the checkpoint's ``score.weight``, checking its shape first."""
+        if tuple(lazy.shape) != tuple(self.weight.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
+                             f"{tuple(self.weight.shape)} (num_labels x hidden_size)")
+        self.weight.data.copy_(lazy[:])
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Label logits of pooled hidden states (``[..., hidden]`` -> ``[..., labels]``)."""
+        return pooled.float() @ self.weight.float().t()
