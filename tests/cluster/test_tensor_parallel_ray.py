@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from pagedserve.cluster import LLM, LoRARequest, PoolingParams, SamplingParams
 from pagedserve.worker.testing_eagle import write_guessing_pair
@@ -366,6 +367,27 @@ def test_tp2_with_kv_offloading_equals_tp1(ray_cluster, tiny_llama_dir) -> None:
     try:
         assert run(llm, conversations()) == ref
         assert llm.engine.get_stats()["kv_offload"]["loaded_blocks"] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}])
+def test_sharded_classifier_equals_hugging_face(ray_cluster, tmp_path, layout) -> None:
+    """Each TP rank holds the whole ``score`` head and rank 0 applies it; under PP the
+    last stage holds it beside the tied head it never runs."""
+    from pagedserve.worker.testing import write_random_checkpoint
+    from tests.cluster.test_classifier import LABELS, PROMPTS, _close, _hf_logits
+
+    path = write_random_checkpoint(tmp_path / "cls", "qwen2", classifier=True,
+                                   id2label=LABELS, vocab_size=512)
+    want = [torch.softmax(x, -1) for x in _hf_logits(path, PROMPTS)]
+    llm = LLM(model=path, num_gpu_blocks=64, num_threads=1, block_size=16,
+              max_num_batched_tokens=16, **layout)
+    try:
+        for o, w in zip(llm.classify(PROMPTS), want, strict=True):
+            _close(o.outputs.probs, w)
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
