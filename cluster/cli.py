@@ -83,6 +83,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
                    help='processor options as JSON, e.g. Gemma 3\'s {"do_pan_and_scan": '
                         'true} or Qwen2-VL\'s {"min_pixels": N, "max_pixels": N}')
+    p.add_argument("--hf-overrides", type=_json_object, default=None,
+                   help="keys laid over the model's config.json, as JSON; e.g. a causal LM "
+                        'served as a reranker: {"architectures": '
+                        '["Qwen3ForSequenceClassification"], "classifier_from_token": '
+                        '["no", "yes"], "is_original_qwen3_reranker": true}')
     p.add_argument("--enable-prompt-embeds", action="store_true",
                    help="/v1/completions takes prompt_embeds: base64 torch.save tensors "
                         "[tokens, hidden] in place of text (loaded weights-only; only for "

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.scheduler.spec_decode import OWN_HEAD_METHODS, SpeculativeConfig
+from pagedserve.scheduler.spec_decode import SpeculativeConfig
 from pagedserve.worker.pipeline import check_partition
-from pagedserve.worker.worker_config import WorkerConfig
 
 EXECUTORS = ("auto", "local", "ray")
 FLASH_BLOCK_SIZE = 256
@@ -84,6 +83,8 @@ class EngineConfig:
     (``processor_options``).
     ``enable_prompt_embeds`` (vLLM's, off by default): prompts as input embeddings.
     ``logits_processors`` (vLLM's): custom processor classes (``worker.logits_processors``).
+    ``hf_overrides`` (vLLM's): keys laid over the model's ``config.json``, e.g. to serve
+    a causal LM as a classifier (``worker.classifier``).
     """
 
     model: str | None = None
@@ -134,6 +135,7 @@ class EngineConfig:
     mm_processor_kwargs: dict[str, Any] | None = None
     enable_prompt_embeds: bool = False
     logits_processors: list[str | type] | None = None
+    hf_overrides: dict[str, Any] | None = None
     worker_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -150,6 +152,8 @@ class EngineConfig:
                                                                    dict):
             raise ValueError(f"mm_processor_kwargs must be a JSON object, got "
                              f"{self.mm_processor_kwargs!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
         n = self.max_loaded_loras
@@ -349,52 +353,3 @@ class EngineConfig:
         """The most videos one prompt may carry (``limit_mm_per_prompt``; a model
         without videos takes none whatever this says)."""
         return (self.limit_mm_per_prompt or {}).get("video", DEFAULT_VIDEO_LIMIT)
-
-    def worker_config(self, model_path: str, device: str) -> WorkerConfig:
-        """What every rank of this engine loads and sizes (``model_path``: the resolved
-        local checkpoint). The largest step the scheduler may plan sizes the CUDA
-        profiling forward; without chunked prefill a whole prompt is one step (the
-        worker caps it at the model's length)."""
-        step_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
-        if not self.enable_chunked_prefill:
-            step_tokens = max(step_tokens, self.max_model_len or 2**31 - 1)
-        spec = self.speculative_config
-        assert not isinstance(spec, dict), "EngineConfig parses speculative_config"
-        return WorkerConfig(
-            model=model_path,
-            dtype=self.resolved_dtype(device),
-            device=device,
-            block_size=self.resolved_block_size(device),
-            attention_backend=self.attention_backend,
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            pipeline_layer_partition=self.resolved_layer_partition(),
-            num_gpu_blocks=self.num_gpu_blocks,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes
-            if self.kv_cache_memory_bytes or self.num_gpu_blocks or device == "cuda"
-            else ENGINE_CPU_KV_BYTES,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            seed=self.seed,
-            max_num_batched_tokens=step_tokens,
-            enable_cuda_graph=device == "cuda" and not self.enforce_eager,
-            max_num_seqs=self.max_num_seqs,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            speculative_model=(model_path if spec.method in OWN_HEAD_METHODS else spec.model)
-            if spec else None,
-            speculative_method=spec.method if spec else "draft_model",
-            speculative_quantization=spec.quantization if spec else None,
-            num_threads=self.num_threads,
-            max_lora_rank=self.max_lora_rank if self.enable_lora else 0,
-            max_loaded_loras=self.resolved_max_loaded_loras() if self.enable_lora else 0,
-            kv_cache_dtype=self.kv_cache_dtype,
-            calculate_kv_scales=self.calculate_kv_scales,
-            quantization=self.quantization,
-            batch_invariant=self.batch_invariant,
-            enable_expert_parallel=self.enable_expert_parallel,
-            expert_placement_strategy=self.expert_placement_strategy,
-            hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
-            enable_images=self.image_limit > 0,
-            enable_videos=self.video_limit > 0,
-            logits_processors=tuple(self.logits_processors or ()),
-            extra=dict(self.worker_extra),
-        )

@@ -11,6 +11,7 @@ from typing import Any
 
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.processor_options import check_processor_kwargs
+from pagedserve.cluster.worker_settings import worker_config_for
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.config import ModelConfig
@@ -30,9 +31,9 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
     expert parallelism has an expert for every rank, the multimodal processor takes
     its options, the model's config reads (the engine runs this before loading the
     tokenizer, whose loader may reject a bad field without naming it)."""
-    wcfg = config.worker_config(model_path, device)
+    wcfg = worker_config_for(config, model_path, device)
     has_config = (Path(model_path) / "config.json").is_file()
-    mc = ModelConfig.from_pretrained(model_path) if has_config else None
+    mc = ModelConfig.from_pretrained(model_path, config.hf_overrides) if has_config else None
     if wcfg.speculative_model is not None and wcfg.speculative_method in EAGLE_METHODS:
         wcfg = replace(wcfg, speculative_model=check_eagle(
             wcfg.speculative_model, wcfg.speculative_method, model_path))
@@ -40,7 +41,7 @@ def checked_worker_config(config: EngineConfig, model_path: str, device: str) ->
             raise ValueError("speculative_config.method 'eagle3' reads layers of every "
                              "pipeline stage; run it with pipeline_parallel_size 1")
     elif wcfg.speculative_method in MTP_METHODS:
-        why = mtp_problem(mc or ModelConfig.from_pretrained(model_path),
+        why = mtp_problem(mc or ModelConfig.from_pretrained(model_path, config.hf_overrides),
                           checkpoint_names(model_path))
         if why is not None:
             raise ValueError(f"speculative_config.method {wcfg.speculative_method!r}: {why}")

@@ -40,7 +40,7 @@ def generate(args: argparse.Namespace) -> int:
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         allowed_local_media_path=args.allowed_local_media_path,
         mm_processor_kwargs=args.mm_processor_kwargs,
-        logits_processors=args.logits_processors)
+        logits_processors=args.logits_processors, hf_overrides=args.hf_overrides)
     lora = None
     try:
         if args.lora is not None:

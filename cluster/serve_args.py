@@ -57,6 +57,7 @@ class ServeArgs(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None  # the processor's options (vLLM's)
     enable_prompt_embeds: bool = False  # /v1/completions takes prompt_embeds (vLLM's)
     logits_processors: list[str] | None = None  # "pkg.mod:Cls" custom processors (vLLM's)
+    hf_overrides: dict[str, Any] | None = None  # laid over config.json (vLLM's)
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_offloading_size: float = Field(default=0.0, ge=0.0)
@@ -235,7 +236,7 @@ class ServeArgs(BaseModel):
             allowed_local_media_path=self.allowed_local_media_path,
             mm_processor_kwargs=self.mm_processor_kwargs,
             enable_prompt_embeds=self.enable_prompt_embeds,
-            logits_processors=self.logits_processors,
+            logits_processors=self.logits_processors, hf_overrides=self.hf_overrides,
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             kv_offloading_size=self.kv_offloading_size,

@@ -13,10 +13,19 @@ labels, sigmoid for one label or multi-label problems, none for regression;
 and, for scoring text pairs (cross-encoders), sentence-transformers'
 ``activation_fn`` when the file names one. ``ScoreHead`` holds the projection,
 whole on every rank (it is ``num_labels`` rows), and is not quantised.
+
+A causal LM can be served as a classifier too, as vLLM does through
+``hf_overrides``: ``architectures`` naming ``...ForSequenceClassification`` and
+``classifier_from_token`` listing tokens whose LM-head rows become the label
+rows ("no_post_processing"), or, for two tokens ``[false, true]`` with
+``method: "from_2_way_softmax"`` (``is_original_qwen3_reranker: true`` says the
+same), the one row ``true - false``: the sigmoid of its logit is the softmax
+probability of ``true`` against ``false``, which is how Qwen3-Reranker scores.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +33,7 @@ import torch
 from torch import nn
 
 ACTIVATIONS = ("softmax", "sigmoid", "identity", "tanh")
+FROM_TOKEN_METHODS = ("no_post_processing", "from_2_way_softmax")
 # sentence-transformers' stored activation names (``torch.nn.modules...``), as run here.
 _ST_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Softmax": "softmax",
                    "Tanh": "tanh"}
@@ -37,6 +47,10 @@ class ClassifierConfig:
     labels: tuple[str, ...]
     activation: str  # for ``classify``: what turns the head's logits into ``probs``
     score_activation: str  # for ``score`` of a text pair (a one-label cross-encoder)
+    # A head made of LM-head rows (``classifier_from_token``): their ids, and how (one
+    # of ``FROM_TOKEN_METHODS``); empty: the file's own ``score.weight``.
+    from_tokens: tuple[int, ...] = ()
+    method: str = ""
 
     def info(self) -> dict[str, Any]:
         """The plain dict the engine gets in ``model_info["classifier"]``."""
@@ -99,15 +113,86 @@ def _score_activation(cfg: dict[str, Any], num_labels: int) -> str:
     return ("sigmoid" if num_labels < 2 else "softmax") if act == "softmax" else act
 
 
-def classifier_config(cfg: dict[str, Any]) -> ClassifierConfig | None:
-    """The classifier facts of an HF ``config.json`` dict; None unless it names a
-    sequence-classification architecture."""
+def _from_tokens(cfg: dict[str, Any], token_ids: Callable[[list[str]], list[int]] | None
+                 ) -> tuple[tuple[int, ...], str, tuple[str, ...]]:
+    """``(ids, method, labels)`` of a head made of LM-head rows."""
+    tokens = cfg["classifier_from_token"]
+    if not isinstance(tokens, list) or not tokens or \
+            not all(isinstance(t, str) and t for t in tokens):
+        raise ValueError("classifier_from_token must be a non-empty list of tokens, got "
+                         f"{tokens!r}")
+    method = "from_2_way_softmax" if cfg.get("is_original_qwen3_reranker") else \
+        cfg.get("method") or "no_post_processing"
+    if method not in FROM_TOKEN_METHODS:
+        raise ValueError(f"method must be one of {FROM_TOKEN_METHODS} with "
+                         f"classifier_from_token, got {method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError("classifier_from_token needs two tokens [false, true] for "
+                         f"from_2_way_softmax, got {tokens!r}")
+    if token_ids is None:
+        raise ValueError("classifier_from_token needs the model's tokenizer")
+    ids = tuple(token_ids(tokens))
+    labels = tuple(tokens[1:]) if method == "from_2_way_softmax" else tuple(tokens)
+    return ids, method, labels
+
+
+def classifier_config(cfg: dict[str, Any],
+                      token_ids: Callable[[list[str]], list[int]] | None = None
+                      ) -> ClassifierConfig | None:
+    """The classifier facts of an HF ``config.json`` dict (with any ``hf_overrides``);
+    None unless it names a sequence-classification architecture. ``token_ids`` maps
+    ``classifier_from_token`` to ids (the model's tokenizer)."""
     if not names_classifier(cfg.get("architectures")):
+        if cfg.get("classifier_from_token") is not None:
+            raise ValueError("classifier_from_token needs architectures naming a "
+                             "...ForSequenceClassification class (hf_overrides)")
         return None
-    labels = _labels(cfg)
+    ids, method = (), ""
+    if cfg.get("classifier_from_token") is not None:
+        ids, method, labels = _from_tokens(cfg, token_ids)
+        if cfg.get("id2label") is not None:
+            named = _labels(cfg)
+            if len(named) != len(labels):
+                raise ValueError(f"config.json: id2label names {len(named)} labels, "
+                                 f"classifier_from_token makes {len(labels)}")
+            labels = named
+    else:
+        labels = _labels(cfg)
     return ClassifierConfig(len(labels), labels,
                             _classify_activation(cfg.get("problem_type"), len(labels)),
-                            _score_activation(cfg, len(labels)))
+                            _score_activation(cfg, len(labels)), ids, method)
+
+
+def vocab_token_ids(tokenizer_dir: str) -> Callable[[list[str]], list[int]]:
+    """A ``token_ids`` for ``classifier_config`` from the tokenizer saved in
+    ``tokenizer_dir``; a token that is not one of its tokens is a ``ValueError``."""
+    def lookup(tokens: list[str]) -> list[int]:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        ids = []
+        for t in tokens:
+            i = tok.convert_tokens_to_ids(t)
+            if i is None or (i == tok.unk_token_id and t != tok.unk_token):
+                raise ValueError(f"classifier_from_token: {t!r} is not a token of the "
+                                 "model's tokenizer")
+            ids.append(int(i))
+        return ids
+
+    return lookup
+
+
+def merge_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None
+                    ) -> dict[str, Any]:
+    """``config.json`` with vLLM's ``hf_overrides`` laid over it: a key's value replaces
+    the file's, an object merges into the file's object key by key."""
+    if not overrides:
+        return cfg
+    out = dict(cfg)
+    for k, v in overrides.items():
+        out[k] = merge_overrides(out[k], v) if isinstance(v, dict) and \
+            isinstance(out.get(k), dict) else v
+    return out
 
 
 def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
@@ -132,6 +217,19 @@ class ScoreHead(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_labels, hidden_size, dtype=dtype,
                                                device=device), requires_grad=False)
+
+    def load_from_vocab(self, name: str, lazy: Any, config: ClassifierConfig) -> None:
+        """Build the rows from the LM head's (or the tied embedding's) rows of
+        ``config.from_tokens``, read one row each, never the whole matrix."""
+        vocab = lazy.shape[0]
+        if tuple(lazy.shape[1:]) != tuple(self.weight.shape[1:]) or \
+                any(not 0 <= i < vocab for i in config.from_tokens):
+            raise ValueError(f"{name}: shape {tuple(lazy.shape)} does not hold rows "
+                             f"{list(config.from_tokens)} of width {self.weight.shape[1]}")
+        rows = torch.stack([lazy[i:i + 1][0].float() for i in config.from_tokens])
+        if config.method == "from_2_way_softmax":
+            rows = rows[1:2] - rows[0:1]
+        self.weight.data.copy_(rows.to(self.weight.dtype))
 
     def load(self, name: str, lazy: Any) -> None:
         """Copy the checkpoint's ``score.weight``, checking its shape first."""

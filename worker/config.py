@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.worker.classifier import ClassifierConfig, classifier_config
+from pagedserve.worker.classifier import (
+    ClassifierConfig,
+    classifier_config,
+    merge_overrides,
+    vocab_token_ids,
+)
 from pagedserve.worker.config_fields import positive_int, require
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
@@ -88,7 +93,8 @@ class ModelConfig:
     mla: MLAConfig | None = None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_hf_dict(cls, cfg: dict[str, Any], tokenizer_dir: str | None = None
+                     ) -> ModelConfig:
         """Build from a parsed ``config.json``; accepts both transformers 4 and 5 layouts.
 
         Transformers 5 writes ``rope_parameters`` (theta and scaling in one
@@ -183,15 +189,18 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             dtype=str(dtype),
             embedding_only=_names_base_model(cfg.get("architectures")),
-            classifier=classifier_config(cfg),
+            classifier=classifier_config(
+                cfg, vocab_token_ids(tokenizer_dir) if tokenizer_dir else None),
             moe=moe_config_from_hf(cfg, model_type, num_layers),
             prequant=prequant_config(cfg.get("quantization_config")),
             mla=mla,
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
-        """Read ``config.json`` from a local HF directory.
+    def from_pretrained(cls, path: str | os.PathLike[str],
+                        hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """Read ``config.json`` from a local HF directory, ``hf_overrides`` (vLLM's)
+        laid over it.
 
         EOS ids from ``generation_config.json`` are merged in: Llama 3 Instruct,
         for one, lists its end-of-turn tokens only there, and HF ``generate``
@@ -200,7 +209,7 @@ class ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        cfg = json.loads(cfg_path.read_text())
+        cfg = merge_overrides(json.loads(cfg_path.read_text()), hf_overrides)
         gen_path = Path(path) / "generation_config.json"
         if gen_path.is_file():
             gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
@@ -211,7 +220,7 @@ class ModelConfig:
                 cfg["eos_token_id"] = own + [e for e in extra if e not in own]
         from pagedserve.worker.loaders.prequant_config import legacy_quantization_config
         cfg.setdefault("quantization_config", legacy_quantization_config(Path(path)))
-        return cls.from_hf_dict(cfg)
+        return cls.from_hf_dict(cfg, str(path))
 
     @property
     def max_model_len(self) -> int:

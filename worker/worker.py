@@ -122,7 +122,8 @@ class Worker:
         assert self.ctx is not None
         t0 = time.perf_counter()
         self.resolved = resolve_model(self.config.model)
-        self.model_config = ModelConfig.from_pretrained(self.resolved.path)
+        self.model_config = ModelConfig.from_pretrained(self.resolved.path,
+                                                      self.config.hf_overrides)
         self.build_model(self.resolved, self.model_config)
         if self.config.speculative_model and self.ctx.is_first and self.model.stage.is_last:
             self.draft = load_drafter(self.config, self.model, self.model_config,

@@ -120,6 +120,7 @@ class WorkerConfig:
     enable_images: bool = True
     enable_videos: bool = True
     logits_processors: tuple[Any, ...] = ()  # classes or "pkg.mod:Cls" names (sampling rank)
+    hf_overrides: dict[str, Any] | None = None  # laid over config.json (vLLM's)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def vision_encoded(self, image: Any) -> bool:

@@ -178,3 +178,59 @@ def test_multi_label_file_gives_independent_sigmoids(tmp_path) -> None:
             _close(o.outputs.probs, w)
     finally:
         llm.shutdown()
+
+
+RERANKER = {"architectures": ["Qwen3ForSequenceClassification"],
+            "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_causal_lm_served_as_a_reranker_through_hf_overrides(tmp_path, tied) -> None:
+    """vLLM's recipe for Qwen3-Reranker: the causal file, ``hf_overrides`` naming a
+    classifier made of the "no" and "yes" rows. Its score is HF's causal LM's
+    softmax of "yes" against "no" at the pair's last token (the model card's
+    ``compute_logits``); three tokens without post-processing classify over their
+    own logits. The head reads those rows, from the LM head or the tied embedding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedserve.worker.loaders import resolve_model
+
+    path = write_random_checkpoint(tmp_path / "qwen3", "qwen3", resolve_model(None).path,
+                                   tie_word_embeddings=tied)
+    tok = AutoTokenizer.from_pretrained(path)
+    no, yes, maybe = tok.convert_tokens_to_ids(["no", "yes", "maybe"])
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    query = "<Query>: what is paged attention?\n<Document>: "
+    docs = ["KV cache in blocks.", "Bread and butter."]
+    pairs = [tok(query, text_pair=d)["input_ids"] for d in docs]
+    with torch.no_grad():
+        last = [hf(torch.tensor([p])).logits[0, -1] for p in pairs]
+    llm = LLM(model=path, num_gpu_blocks=32, hf_overrides=RERANKER)
+    try:
+        assert llm.engine.model_info["classifier"]["labels"] == ["yes"]
+        for s, x in zip(llm.score(query, docs), last, strict=True):
+            _close([s.outputs.score], torch.softmax(x[[no, yes]], -1)[1:])
+        with pytest.raises(ValueError, match="sequence classifier"):
+            llm.generate([[1, 2]])
+    finally:
+        llm.shutdown()
+    three = {"architectures": ["Qwen3ForSequenceClassification"],
+             "classifier_from_token": ["no", "maybe", "yes"]}
+    llm = LLM(model=path, num_gpu_blocks=32, hf_overrides=three)
+    try:
+        for o, x in zip(llm.classify(pairs), last, strict=True):
+            _close(o.outputs.probs, torch.softmax(x[[no, maybe, yes]], -1))
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    ({"classifier_from_token": ["no", "yes"]}, "architectures naming"),
+    ({**RERANKER, "classifier_from_token": ["no", "yes", "maybe"]}, "two tokens"),
+    ({**RERANKER, "classifier_from_token": ["no", "zzqx-not-a-token"]}, "not a token"),
+    ({**RERANKER, "is_original_qwen3_reranker": False, "method": "pooled"}, "method"),
+])
+def test_bad_overrides_fail_before_any_rank_starts(default_model_dir, overrides,
+                                                   says) -> None:
+    with pytest.raises(ValueError, match=says):
+        LLM(model=default_model_dir, num_gpu_blocks=32, hf_overrides=overrides)

@@ -102,9 +102,11 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "serve", "--batch-invariant", "--scheduling-policy", "priority",
         "--priority-aging-s", "30", "--long-prefill-token-threshold", "256",
         "--allow-runtime-lora-updating", "-ep", "--expert-placement-strategy",
-        "round_robin", "--mm-processor-kwargs", '{"do_pan_and_scan": true}']))
+        "round_robin", "--mm-processor-kwargs", '{"do_pan_and_scan": true}',
+        "--hf-overrides", '{"classifier_from_token": ["no", "yes"]}']))
     kwargs = plain.settings().engine_kwargs
     assert kwargs["mm_processor_kwargs"] == {"do_pan_and_scan": True}
+    assert kwargs["hf_overrides"] == {"classifier_from_token": ["no", "yes"]}
     assert kwargs["batch_invariant"] is True and kwargs["priority_aging_s"] == 30.0
     assert kwargs["enable_expert_parallel"] is True
     assert kwargs["expert_placement_strategy"] == "round_robin"

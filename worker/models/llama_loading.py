@@ -51,8 +51,8 @@ class LlamaWeightLoading:
                 continue
             if self.config.embedding_only and not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a base model's checkpoint names its layers bare
-            if name == "lm_head.weight" and (self.config.tie_word_embeddings
-                                              or self.config.headless):
+            if name == "lm_head.weight" and (self.config.tie_word_embeddings or (
+                    self.config.headless and not self._head_from_vocab())):
                 continue
             if not self._on_this_stage(name):
                 continue  # never read: another stage loads it
@@ -79,6 +79,12 @@ class LlamaWeightLoading:
             i = int(m.group(1))
             del per_layer[i]
             on_layer(f"model.layers.{i}", self.layers[i - self.stage.start])
+
+    def _head_from_vocab(self) -> bool:
+        """Whether this stage's classifier head is made of LM-head rows (``classifier``'s
+        ``classifier_from_token``): the file's head (or tied embedding) feeds it."""
+        c = self.config.classifier
+        return self.score is not None and c is not None and bool(c.from_tokens)
 
     def _tied_head_loads_embedding(self) -> bool:
         """Whether this stage's head takes the embedding's rows itself (tied weights,
@@ -112,9 +118,9 @@ class LlamaWeightLoading:
             names.add("model.embed_tokens.weight")
         if self.lm_head is not None:
             names.add("model.norm.weight")
-            if not cfg.tie_word_embeddings and not cfg.headless:
+            if not cfg.tie_word_embeddings and (not cfg.headless or self._head_from_vocab()):
                 names.add("lm_head.weight")
-            if cfg.classifier is not None:
+            if cfg.classifier is not None and not cfg.classifier.from_tokens:
                 names.add("score.weight")
         for i in range(self.stage.start, self.stage.end):
             p = f"model.layers.{i}."
@@ -168,10 +174,15 @@ class LlamaWeightLoading:
             else:
                 assert self.lm_head is not None
                 self.lm_head.load(lazy)
+            if self.config.tie_word_embeddings and self._head_from_vocab():
+                self.score.load_from_vocab(name, lazy, self.config.classifier)
             return
         if name == "lm_head.weight":
             assert self.lm_head is not None
-            self.lm_head.load(lazy)
+            if self._head_from_vocab():  # its rows only: the head itself never runs
+                self.score.load_from_vocab(name, lazy, self.config.classifier)
+            else:
+                self.lm_head.load(lazy)
             return
         if name == "score.weight" and self.score is not None:
             self.score.load(name, lazy)
