@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from pagedserve.cluster.aio import gather_or_cancel
+from pagedserve.cluster.chat_protocol import ChatMessage, check_continuation, check_template_kwargs
 from pagedserve.cluster.protocol import APIError, as_batch
 from pagedserve.cluster.replica_calls import call_on_replicas
 from pagedserve.cluster.text_pairs import MAX_INPUTS, pair_texts
@@ -25,26 +26,41 @@ from pagedserve.cluster.wire import EngineRequest
 
 
 class _PooledInputs(BaseModel):
-    """What embeddings and classification bodies share: text or token-id inputs, vLLM's
+    """What embeddings and classification bodies share: text or token-id ``input``, or
+    vLLM's chat form (``messages`` through the chat template, one prompt), vLLM's
     ``truncate_prompt_tokens`` and routing extras."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False  # the chat form's (vLLM's defaults for pooling)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None  # vLLM's: names the response (else X-Request-Id)
 
-    def inputs(self) -> list[str | list[int]]:
-        """The batch as a list; an empty input or batch is a 400."""
-        batch = as_batch(self.input, "input", MAX_INPUTS)
+    def inputs(self) -> list[str | list[int]] | None:
+        """The batch as a list (None: the chat form); an empty input or batch, neither
+        or both forms, or a chat with images is a 400."""
         k = self.truncate_prompt_tokens
         if k is not None and k < 1:
             raise APIError("truncate_prompt_tokens must be >= 1",
                            param="truncate_prompt_tokens")
-        return batch
+        if (self.input is None) == (self.messages is None):
+            raise APIError("give either input or messages (the chat form)", param="input")
+        if self.messages is None:
+            return as_batch(self.input, "input", MAX_INPUTS)
+        if not self.messages:
+            raise APIError("messages must not be empty", param="messages")
+        if any(m.media for m in self.messages):
+            raise APIError("pooling routes take text messages only", param="messages")
+        check_template_kwargs(self.chat_template_kwargs)
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
+        return None
 
     def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
                   ) -> list[list[int]]:
@@ -55,10 +71,13 @@ class _PooledInputs(BaseModel):
             ids = tokenizer.encode(x) if isinstance(x, str) else list(x)
             if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
                 raise APIError("input token ids must be within the vocabulary", param="input")
-            if self.truncate_prompt_tokens is not None:
-                ids = ids[-self.truncate_prompt_tokens:]
-            out.append(ids)
+            out.append(self.truncated(ids))
         return out
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        """``ids`` cut to their last ``truncate_prompt_tokens``."""
+        k = self.truncate_prompt_tokens
+        return ids[-k:] if k is not None else ids
 
 
 class EmbeddingRequest(_PooledInputs):
@@ -68,7 +87,7 @@ class EmbeddingRequest(_PooledInputs):
     dimensions: int | None = None
     normalize: bool = True
 
-    def inputs(self) -> list[str | list[int]]:
+    def inputs(self) -> list[str | list[int]] | None:
         if self.dimensions is not None and self.dimensions < 1:
             raise APIError("dimensions must be a positive integer", param="dimensions")
         return super().inputs()

@@ -40,8 +40,8 @@ router = APIRouter()
 
 class PoolingEndpoints:
     """Mixed into ``OpenAIServer``, which provides ``_authorize``, ``_check_model``,
-    ``_engine_info``, the engine handle, the tokenizer, ``pooling_type`` and
-    ``served_name``."""
+    ``_engine_info``, ``_chat_ids``, the engine handle, the tokenizer, ``pooling_type``
+    and ``served_name``."""
 
     async def _pool(self, body: Any, prompts: list[list[int]], eid: str,
                     pooling: PoolingParams) -> list[dict[str, Any]]:
@@ -56,14 +56,23 @@ class PoolingEndpoints:
                 for i, ids in enumerate(prompts)]
         return await embed_all(self._engine, reqs)
 
-    async def _embed(self, body: Any, batch: list[str | list[int]], eid: str,
+    def _prompt_ids(self, body: Any, batch: list[str | list[int]] | None,
+                    info: dict[str, Any]) -> list[list[int]]:
+        """The inputs as token ids; ``batch`` None: the chat form, one prompt through
+        the chat template (the server's ``_chat_ids``)."""
+        if batch is not None:
+            return body.token_ids(batch, self.tokenizer, info["vocab_size"])
+        ids = self._chat_ids(body.messages, body.add_generation_prompt, None,
+                             body.chat_template_kwargs, body.continue_final_message, info)
+        return [body.truncated(ids)]
+
+    async def _embed(self, body: Any, batch: list[str | list[int]] | None, eid: str,
                      normalize: bool = True, dimensions: int | None = None
                      ) -> list[dict[str, Any]]:
         """Each input's ``{"embedding", "prompt_tokens"}``, in order."""
         self._check_model(body.model)
         info = await self._engine_info()
-        prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
-        return await self._pool(body, prompts, eid,
+        return await self._pool(body, self._prompt_ids(body, batch, info), eid,
                                 PoolingParams(self.pooling_type, normalize, dimensions))
 
     async def _pair_scores(self, body: Any, firsts: list[str], seconds: list[str], eid: str
@@ -107,7 +116,7 @@ class PoolingEndpoints:
             raise APIError("this model is not a sequence classifier (a "
                            "...ForSequenceClassification checkpoint): it does not classify",
                            param="model")
-        prompts = body.token_ids(batch, self.tokenizer, info["vocab_size"])
+        prompts = self._prompt_ids(body, batch, info)
         results = await self._pool(body, prompts, eid, PoolingParams(
             self.pooling_type, task="classify", use_activation=body.activated))
         return classification_response(rid, now(), body.model or self.served_name, results,

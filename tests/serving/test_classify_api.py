@@ -12,6 +12,7 @@ import pytest
 from pagedserve.cluster import LLM
 
 QUERY = "What is paged attention?"
+CHAT = [{"role": "user", "content": QUERY}, {"role": "assistant", "content": "KV blocks."}]
 DOCS = ["Blocks of KV cache anywhere in memory.", "A recipe for sourdough bread.",
         "Attention over pages of keys and values."]
 
@@ -38,7 +39,10 @@ def test_a_cross_encoder_classifies_scores_and_reranks(cluster, smol, ranker_dir
         probs = [o.outputs.probs for o in llm.classify(DOCS)]
         logits = [o.outputs.probs for o in llm.classify(DOCS[:1], use_activation=False)]
         scores = [s.outputs.score for s in llm.score(QUERY, DOCS)]
-        tokens = [len(llm.get_tokenizer().encode(d)) for d in DOCS]
+        tok = llm.get_tokenizer()
+        tokens = [len(tok.encode(d)) for d in DOCS]
+        chat_ids = list(tok.apply_chat_template(CHAT, tokenize=True, return_dict=False))
+        chat = llm.classify([chat_ids])[0].outputs.probs
     finally:
         llm.shutdown()
     app = cluster.deploy("ranker", {"model": ranker_dir, "num_gpu_blocks": 32,
@@ -57,6 +61,12 @@ def test_a_cross_encoder_classifies_scores_and_reranks(cluster, smol, ranker_dir
         raw = httpx.post(f"{app.base}/v1/classify", timeout=60,
                          json={"input": DOCS[0], "use_activation": False}).json()
         _close(raw["data"][0]["probs"], logits[0])
+        # vLLM's chat form: the conversation through the chat template, one prompt (a
+        # reward model's use), no generation prompt unless asked.
+        r = httpx.post(f"{app.base}/classify", timeout=60, json={"messages": CHAT})
+        assert r.status_code == 200, r.text
+        _close(r.json()["data"][0]["probs"], chat)
+        assert r.json()["usage"]["prompt_tokens"] == len(chat_ids)
         r = httpx.post(f"{app.base}/score", timeout=60,
                        json={"text_1": QUERY, "text_2": DOCS})
         assert r.status_code == 200, r.text
@@ -73,6 +83,10 @@ def test_a_cross_encoder_classifies_scores_and_reranks(cluster, smol, ranker_dir
             ("/v1/completions", {"prompt": "x", "max_tokens": 2}, "sequence classifier"),
             ("/classify", {"input": []}, "must not be empty"),
             ("/classify", {"input": "x", "truncate_prompt_tokens": 0}, ">= 1"),
+            ("/classify", {"input": "x", "messages": CHAT}, "either input or messages"),
+            ("/classify", {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]},
+             "text messages only"),
         ]:
             r = httpx.post(f"{app.base}{path}", json=body, timeout=60)
             assert r.status_code == 400 and says in r.json()["error"]["message"], r.text

@@ -20,6 +20,7 @@ from pagedserve.cluster import LLM, PoolingParams
 
 TEXTS = ["The capital of France is Paris.", "Paged attention keeps KV blocks anywhere.",
          "A third, rather longer sentence about continuous batching and prefix caching."]
+CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,9 @@ def offline() -> dict[str, list[list[float]]]:
         ids = [tok.encode(t) for t in TEXTS]
         full = [o.outputs.embedding for o in llm.embed(ids)]
         cut = [o.outputs.embedding for o in llm.embed(ids, PoolingParams(dimensions=64))]
-        return {"full": full, "cut": cut, "ids": ids}
+        chat_ids = list(tok.apply_chat_template(CHAT, tokenize=True, return_dict=False))
+        chat = llm.embed([chat_ids])[0].outputs.embedding
+        return {"full": full, "cut": cut, "ids": ids, "chat": chat}
     finally:
         llm.shutdown()
 
@@ -59,6 +62,10 @@ def test_embeddings_equal_the_offline_engine(smol, offline) -> None:
                        json={"input": TEXTS[0]})
     assert named.json()["id"] == "embd-trace-7"
     assert named.headers["x-request-id"] == "trace-7"
+    chat = httpx.post(f"{smol.base}/v1/embeddings", headers=smol.headers, timeout=60,
+                      json={"messages": CHAT})  # vLLM's chat form: one templated prompt
+    assert chat.status_code == 200, chat.text
+    _close(chat.json()["data"][0]["embedding"], offline["chat"])
     smol.wait_baseline()
 
 
@@ -70,6 +77,10 @@ def test_embeddings_equal_the_offline_engine(smol, offline) -> None:
     ({"input": [5] * 2000}, None),
     ({"input": [[5] * 300] * 6 + [[5] * 2000]}, None),  # one bad input cancels the rest
     ({"input": [10**9]}, "input"),
+    ({}, "input"),
+    ({"messages": []}, "messages"),
+    ({"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
 ])
 def test_bad_embedding_requests_are_400s(smol, body: dict, param: str | None) -> None:
     r = httpx.post(f"{smol.base}/v1/embeddings", headers=smol.headers, json=body, timeout=60)
