@@ -24,5 +24,6 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams",
-           "ScoringOutput", "ScoringRequestOutput", "VideoClip"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "EngineConfig", "LoRARequest",
+           "PoolingParams", "RequestOutput", "SamplingParams", "ScoringOutput",
+           "ScoringRequestOutput", "VideoClip"]
