@@ -234,3 +234,19 @@ def test_bad_overrides_fail_before_any_rank_starts(default_model_dir, overrides,
                                                    says) -> None:
     with pytest.raises(ValueError, match=says):
         LLM(model=default_model_dir, num_gpu_blocks=32, hf_overrides=overrides)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma3_text", "qwen2_moe"])
+def test_other_families_classify_as_hugging_face(tmp_path, kind) -> None:
+    """The head is the same for every decoder: Phi-3's fused projections, Gemma 3's
+    norms and scaled embedding, and a mixture of experts give transformers'
+    probabilities (Gemma 2, Mistral, Mixtral and Qwen3-MoE did too, by hand)."""
+    path = write_random_checkpoint(tmp_path / kind, kind, classifier=True, num_labels=3,
+                                   vocab_size=512, pad_token_id=0)
+    want = [torch.softmax(x, -1) for x in _hf_logits(path, PROMPTS[:2])]
+    llm = LLM(model=path, num_gpu_blocks=32)
+    try:
+        for o, w in zip(llm.classify(PROMPTS[:2]), want, strict=True):
+            _close(o.outputs.probs, w)
+    finally:
+        llm.shutdown()
