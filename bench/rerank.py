@@ -76,8 +76,8 @@ def run_hf(path: str, queries: list[str], docs: list[list[str]], batch: int
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     no, yes = tok.convert_tokens_to_ids(["no", "yes"])
-    pairs = [tok(q, text_pair=d)["input_ids"] for q, ds in zip(queries, docs, strict=True)
-             for d in ds]
+    pairs = [tok(q + d)["input_ids"] for q, ds in zip(queries, docs, strict=True)
+             for d in ds]  # joined, as an LLM made a reranker reads a pair
     order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i]))
     scores = [0.0] * len(pairs)
     with torch.inference_mode():

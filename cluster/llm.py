@@ -265,13 +265,15 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: ``data_1`` against each of ``data_2`` (or two lists
         pairwise). A one-label sequence classifier (a cross-encoder reranker) reads each
-        pair as one prompt (the tokenizer's pair encoding) and scores it through its
+        pair as one prompt (``text_pairs.pair_token_ids``) and scores it through its
         activation; an embedding model scores the cosine similarity of the two texts'
         embeddings, each distinct text embedded once."""
         firsts, seconds = pair_texts(data_1, data_2, ("data_1", "data_2"))
-        if self.engine.model_info.get("classifier") is not None:
+        classifier = self.engine.model_info.get("classifier")
+        if classifier is not None:
             tok = self.engine.tokenizer
-            ids = [pair_token_ids(tok, a, b, truncate_prompt_tokens)
+            ids = [pair_token_ids(tok, a, b, truncate_prompt_tokens,
+                                  classifier["pair_encoding"])
                    for a, b in zip(firsts, seconds, strict=True)]
             outs = self._pool([(i, None) for i in ids], PoolingParams(task="score"),
                               use_tqdm, lora_request, None, "score")

@@ -89,7 +89,7 @@ class PoolingEndpoints:
                                f"cross-encoder); this model has {classifier['num_labels']} "
                                "labels: use /classify", param="model")
             k = body.truncation()
-            ids = [pair_token_ids(self.tokenizer, a, b, k)
+            ids = [pair_token_ids(self.tokenizer, a, b, k, classifier["pair_encoding"])
                    for a, b in zip(firsts, seconds, strict=True)]
             results = await self._pool(body, ids, eid,
                                        PoolingParams(self.pooling_type, task="score"))

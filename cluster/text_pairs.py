@@ -27,11 +27,14 @@ def pair_texts(first: str | Sequence[str], second: str | Sequence[str],
     return firsts, seconds
 
 
-def pair_token_ids(tokenizer: Any, first: str, second: str,
-                   truncate: int | None = None) -> list[int]:
-    """A cross-encoder's prompt for one pair: the tokenizer's own pair encoding
-    (``text``, ``text_pair``: BERT-style ``[CLS] a [SEP] b [SEP]``, a BOS before each
-    text for a Llama tokenizer), as vLLM and sentence-transformers' ``CrossEncoder``
-    build it; ``truncate`` keeps the last that many tokens, as embeddings do."""
-    ids = [int(t) for t in tokenizer(first, text_pair=second)["input_ids"]]
+def pair_token_ids(tokenizer: Any, first: str, second: str, truncate: int | None = None,
+                   pair_encoding: bool = True) -> list[int]:
+    """A cross-encoder's prompt for one pair, as vLLM builds it: the tokenizer's own pair
+    encoding (``text``, ``text_pair``: BERT-style ``[CLS] a [SEP] b [SEP]``, a BOS before
+    each text for a Llama tokenizer), as sentence-transformers' ``CrossEncoder`` does;
+    or, without ``pair_encoding`` (an LLM made a reranker, whose query and document
+    templates carry the format), the two texts joined and tokenised as one.
+    ``truncate`` keeps the last that many tokens, as embeddings do."""
+    enc = tokenizer(first, text_pair=second) if pair_encoding else tokenizer(first + second)
+    ids = [int(t) for t in enc["input_ids"]]
     return ids[-truncate:] if truncate is not None else ids

@@ -51,11 +51,16 @@ class ClassifierConfig:
     # of ``FROM_TOKEN_METHODS``); empty: the file's own ``score.weight``.
     from_tokens: tuple[int, ...] = ()
     method: str = ""
+    # How a text pair becomes one prompt (vLLM's ``use_sep_token``): the tokenizer's
+    # pair encoding (a cross-encoder's, with its separators), or the two texts joined
+    # and tokenised as one (an LLM made a reranker, whose templates carry the format).
+    pair_encoding: bool = True
 
     def info(self) -> dict[str, Any]:
         """The plain dict the engine gets in ``model_info["classifier"]``."""
         return {"num_labels": self.num_labels, "labels": list(self.labels),
-                "activation": self.activation, "score_activation": self.score_activation}
+                "activation": self.activation, "score_activation": self.score_activation,
+                "pair_encoding": self.pair_encoding}
 
 
 def names_classifier(architectures: Any) -> bool:
@@ -158,9 +163,13 @@ def classifier_config(cfg: dict[str, Any],
             labels = named
     else:
         labels = _labels(cfg)
+    sep = next((cfg[k] for k in ("use_pad_token", "use_sep_token") if cfg.get(k) is not None),
+               not ids)
+    if not isinstance(sep, bool):
+        raise ValueError(f"config.json: use_sep_token must be true or false, got {sep!r}")
     return ClassifierConfig(len(labels), labels,
                             _classify_activation(cfg.get("problem_type"), len(labels)),
-                            _score_activation(cfg, len(labels)), ids, method)
+                            _score_activation(cfg, len(labels)), ids, method, sep)
 
 
 def vocab_token_ids(tokenizer_dir: str) -> Callable[[list[str]], list[int]]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedserve.cluster import LLM, PoolingParams, SamplingParams
+from pagedserve.cluster.text_pairs import pair_token_ids
 from pagedserve.worker.classifier import classifier_config
 from pagedserve.worker.testing import write_random_checkpoint
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
@@ -162,6 +163,7 @@ def test_activations_follow_the_config(extra, activation, score_activation) -> N
     ({"num_labels": 0}, "num_labels"),
     ({"problem_type": "ranking"}, "problem_type"),
     ({"sentence_transformers": {"activation_fn": "os.system"}}, "activation"),
+    ({"use_sep_token": "yes"}, "use_sep_token"),
 ])
 def test_bad_classifier_configs_name_the_field(extra, field) -> None:
     with pytest.raises(ValueError, match=field):
@@ -188,9 +190,10 @@ RERANKER = {"architectures": ["Qwen3ForSequenceClassification"],
 def test_a_causal_lm_served_as_a_reranker_through_hf_overrides(tmp_path, tied) -> None:
     """vLLM's recipe for Qwen3-Reranker: the causal file, ``hf_overrides`` naming a
     classifier made of the "no" and "yes" rows. Its score is HF's causal LM's
-    softmax of "yes" against "no" at the pair's last token (the model card's
-    ``compute_logits``); three tokens without post-processing classify over their
-    own logits. The head reads those rows, from the LM head or the tied embedding."""
+    softmax of "yes" against "no" at the last token of the joined texts (the model
+    card's ``compute_logits``); three tokens without post-processing classify over
+    their own logits. The head reads those rows, from the LM head or the tied
+    embedding; ``use_sep_token`` turns the tokenizer's pair encoding back on."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagedserve.worker.loaders import resolve_model
@@ -202,26 +205,34 @@ def test_a_causal_lm_served_as_a_reranker_through_hf_overrides(tmp_path, tied) -
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     query = "<Query>: what is paged attention?\n<Document>: "
     docs = ["KV cache in blocks.", "Bread and butter."]
-    pairs = [tok(query, text_pair=d)["input_ids"] for d in docs]
+    # An LLM made a reranker joins the texts and tokenises them as one (vLLM's
+    # use_sep_token false): " KV" is one token here, not " " and "KV".
+    pairs = [tok(query + d)["input_ids"] for d in docs]
     with torch.no_grad():
         last = [hf(torch.tensor([p])).logits[0, -1] for p in pairs]
     llm = LLM(model=path, num_gpu_blocks=32, hf_overrides=RERANKER)
     try:
         assert llm.engine.model_info["classifier"]["labels"] == ["yes"]
-        for s, x in zip(llm.score(query, docs), last, strict=True):
+        scores = llm.score(query, docs)
+        assert [s.prompt_token_ids for s in scores] == pairs
+        for s, x in zip(scores, last, strict=True):
             _close([s.outputs.score], torch.softmax(x[[no, yes]], -1)[1:])
         with pytest.raises(ValueError, match="sequence classifier"):
             llm.generate([[1, 2]])
     finally:
         llm.shutdown()
     three = {"architectures": ["Qwen3ForSequenceClassification"],
-             "classifier_from_token": ["no", "maybe", "yes"]}
+             "classifier_from_token": ["no", "maybe", "yes"], "use_sep_token": True}
     llm = LLM(model=path, num_gpu_blocks=32, hf_overrides=three)
     try:
         for o, x in zip(llm.classify(pairs), last, strict=True):
             _close(o.outputs.probs, torch.softmax(x[[no, maybe, yes]], -1))
+        assert llm.engine.model_info["classifier"]["pair_encoding"] is True
     finally:
         llm.shutdown()
+    assert pair_token_ids(tok, query, docs[0]) == tok(query, text_pair=docs[0])["input_ids"]
+    assert pair_token_ids(tok, query, docs[0], pair_encoding=False) == pairs[0]
+    assert pair_token_ids(tok, query, docs[0]) != pairs[0]
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
