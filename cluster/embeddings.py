@@ -4,7 +4,8 @@ classification response.
 
 Each input is one engine request (``EngineRequest.pooling`` set) sent with the
 prefix-affinity router like a completion, so inputs that share a prefix meet
-the replica that caches it. Inputs of a batch run concurrently and share the
+the replica that caches it. A disaggregated app sends them to its prefill pool
+(pooling is all prefill), so they never stall the decode replicas' streams. Inputs of a batch run concurrently and share the
 replicas' continuous batches with generation. An embedding is idempotent, so a
 replica that dies (or answers 503) before answering is retried on another.
 """
@@ -184,16 +185,25 @@ class RerankRequest(_TextPairs):
         return list(self.documents)
 
 
-async def embed_all(handle: Any, reqs: list[EngineRequest]) -> list[dict[str, Any]]:
+async def embed_all(handle: Any, reqs: list[EngineRequest], fallback: Any = None
+                    ) -> list[dict[str, Any]]:
     """Every input's answer, in order; the first failure cancels the others (their
     replicas abort them) and is raised."""
-    return await gather_or_cancel([embed_on_replicas(handle, r) for r in reqs])
+    return await gather_or_cancel([embed_on_replicas(handle, r, fallback) for r in reqs])
 
 
-async def embed_on_replicas(handle: Any, req: EngineRequest) -> dict[str, Any]:
+async def embed_on_replicas(handle: Any, req: EngineRequest, fallback: Any = None
+                            ) -> dict[str, Any]:
     """One input's ``EngineServer.embed`` answer, retried on another replica when one
-    fails; errors become :class:`APIError` (400 for the input, 503 otherwise)."""
-    return await call_on_replicas(handle, "embed", req, what="embed the input")
+    fails; errors become :class:`APIError` (400 for the input, 503 otherwise). With a
+    ``fallback`` pool (a disaggregated app's decode replicas, behind its prefill pool),
+    an input that no replica of ``handle`` could take runs there instead."""
+    try:
+        return await call_on_replicas(handle, "embed", req, what="embed the input")
+    except APIError as e:
+        if fallback is None or e.status != 503:
+            raise
+    return await call_on_replicas(fallback, "embed", req, what="embed the input")
 
 
 def encode_vector(vec: list[float], fmt: str) -> list[float] | str:

@@ -40,8 +40,9 @@ router = APIRouter()
 
 class PoolingEndpoints:
     """Mixed into ``OpenAIServer``, which provides ``_authorize``, ``_check_model``,
-    ``_engine_info``, ``_chat_ids``, the engine handle, the tokenizer, ``pooling_type``
-    and ``served_name``."""
+    ``_engine_info``, ``_chat_ids``, the engine handle (and ``_prefill``, a
+    disaggregated app's prefill pool, or None), the tokenizer, ``pooling_type`` and
+    ``served_name``."""
 
     async def _pool(self, body: Any, prompts: list[list[int]], eid: str,
                     pooling: PoolingParams) -> list[dict[str, Any]]:
@@ -54,6 +55,11 @@ class PoolingEndpoints:
                                                    info, False, lora, body.priority),
                                     pooling=pooling)
                 for i, ids in enumerate(prompts)]
+        if self._prefill is not None and lora is None:
+            # Pooling is all prefill: a disaggregated app's prefill pool takes it (the
+            # decode replicas if it cannot), away from the decode streams. Adapters
+            # loaded at run time live on the decode replicas, so those stay there.
+            return await embed_all(self._prefill, reqs, self._engine)
         return await embed_all(self._engine, reqs)
 
     def _prompt_ids(self, body: Any, batch: list[str | list[int]] | None,

@@ -169,7 +169,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         self.reasoning_parser = reasoning_parser
         # autoscaling_config min_replicas = 0: no engine replica is a healthy, idle state.
         self.scales_to_zero = scales_to_zero
-        self._prefill = prefill  # the prefill pool of a disaggregated app (stats only)
+        self._prefill = prefill  # a disaggregated app's prefill pool (stats, pooling)
         self.failover = failover or FailoverPolicy()
         self.lora_updates = allow_runtime_lora_updating
         self.responses_store = StoreClient(responses_store) if responses_store else None

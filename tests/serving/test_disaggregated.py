@@ -262,3 +262,19 @@ def test_image_prompts_ship_from_the_prefill_pool(cluster: Cluster,
         assert prefill["kv_exported_blocks"] == decode["kv_imported_blocks"] > 0
     finally:
         cluster.delete("pd-images")
+
+
+def test_embeddings_run_on_the_prefill_pool(pd: App, offline: LLM) -> None:
+    """Pooling is all prefill: the prefill replica embeds, the decode replica (and the
+    streams it serves) never sees the inputs."""
+    decode_before, prefill_before = decode_and_prefill(pd)
+    r = httpx.post(f"{pd.base}/v1/embeddings", headers=pd.headers, timeout=60,
+                   json={"model": MODEL, "input": PROMPTS[:2]})
+    assert r.status_code == 200, r.text
+    for d, want in zip(r.json()["data"], offline.embed(PROMPTS[:2]), strict=True):
+        got = d["embedding"]
+        assert max(abs(a - b) for a, b in zip(got, want.outputs.embedding, strict=True)) < 1e-4
+    decode, prefill = decode_and_prefill(pd)
+    assert prefill["finished_requests"] - prefill_before["finished_requests"] == 2
+    assert decode["finished_requests"] == decode_before["finished_requests"]
+    wait_for(lambda: both_at_baseline(pd), 30, "both pools at baseline")
