@@ -170,18 +170,6 @@ def test_bad_classifier_configs_name_the_field(extra, field) -> None:
         classifier_config({"architectures": ["Qwen2ForSequenceClassification"], **extra})
 
 
-def test_multi_label_file_gives_independent_sigmoids(tmp_path) -> None:
-    path = write_random_checkpoint(tmp_path / "multi", "qwen3", classifier=True,
-                                   num_labels=4, vocab_size=512, problem_type="multi_label_classification")
-    want = [torch.sigmoid(x) for x in _hf_logits(path, PROMPTS[:2])]
-    llm = LLM(model=path, num_gpu_blocks=32)
-    try:
-        for o, w in zip(llm.classify(PROMPTS[:2]), want, strict=True):
-            _close(o.outputs.probs, w)
-    finally:
-        llm.shutdown()
-
-
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"],
             "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
 
@@ -247,14 +235,24 @@ def test_bad_overrides_fail_before_any_rank_starts(default_model_dir, overrides,
         LLM(model=default_model_dir, num_gpu_blocks=32, hf_overrides=overrides)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "gemma3_text", "qwen2_moe"])
-def test_other_families_classify_as_hugging_face(tmp_path, kind) -> None:
-    """The head is the same for every decoder: Phi-3's fused projections, Gemma 3's
-    norms and scaled embedding, and a mixture of experts give transformers'
-    probabilities (Gemma 2, Mistral, Mixtral and Qwen3-MoE did too, by hand)."""
-    path = write_random_checkpoint(tmp_path / kind, kind, classifier=True, num_labels=3,
-                                   vocab_size=512, pad_token_id=0)
-    want = [torch.softmax(x, -1) for x in _hf_logits(path, PROMPTS[:2])]
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, -1)
+
+
+@pytest.mark.parametrize(("kind", "extra", "activation"), [
+    ("qwen3", {"num_labels": 4, "problem_type": "multi_label_classification"}, torch.sigmoid),
+    ("phi3", {"num_labels": 3, "pad_token_id": 0}, _softmax),
+    ("gemma3_text", {"num_labels": 3}, _softmax),
+    ("qwen2_moe", {"num_labels": 3}, _softmax),
+])
+def test_other_families_classify_as_hugging_face(tmp_path, kind, extra, activation) -> None:
+    """The head is the same for every decoder: a multi-label Qwen3 file gives independent
+    sigmoids; Phi-3's fused projections, Gemma 3's norms and scaled embedding, and a
+    mixture of experts give transformers' probabilities (Gemma 2, Mistral, Mixtral and
+    Qwen3-MoE did too, by hand)."""
+    path = write_random_checkpoint(tmp_path / kind, kind, classifier=True, vocab_size=512,
+                                   **extra)
+    want = [activation(x) for x in _hf_logits(path, PROMPTS[:2])]
     llm = LLM(model=path, num_gpu_blocks=32)
     try:
         for o, w in zip(llm.classify(PROMPTS[:2]), want, strict=True):
