@@ -25,12 +25,16 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from offline import left_pad  # the offline benchmark's left padding
 
 WORDS = ("paged attention keeps every request's keys and values in fixed blocks anywhere "
          "in one pool while the scheduler batches prompts continuously and shares prefixes "
@@ -85,12 +89,7 @@ def run_hf(path: str, queries: list[str], docs: list[list[str]], batch: int
         t0 = time.perf_counter()
         for s in range(0, len(order), batch):
             idx = order[s: s + batch]
-            width = max(len(pairs[i]) for i in idx)
-            ids = torch.zeros(len(idx), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(idx):  # left padding: the last position is every row's
-                ids[r, width - len(pairs[i]):] = torch.tensor(pairs[i])
-                mask[r, width - len(pairs[i]):] = 1
+            ids, mask = left_pad([pairs[i] for i in idx])  # every row's last position last
             pos = (mask.cumsum(1) - 1).clamp(min=0)
             last = model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          logits_to_keep=1).logits[:, -1]

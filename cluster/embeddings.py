@@ -26,6 +26,13 @@ from pagedserve.cluster.text_pairs import MAX_INPUTS, pair_texts
 from pagedserve.cluster.wire import EngineRequest
 
 
+def checked_truncation(k: int | None) -> int | None:
+    """A body's ``truncate_prompt_tokens``: None or at least 1 (else a 400 on it)."""
+    if k is not None and k < 1:
+        raise APIError("truncate_prompt_tokens must be >= 1", param="truncate_prompt_tokens")
+    return k
+
+
 class _PooledInputs(BaseModel):
     """What embeddings and classification bodies share: text or token-id ``input``, or
     vLLM's chat form (``messages`` through the chat template, one prompt), vLLM's
@@ -47,10 +54,7 @@ class _PooledInputs(BaseModel):
     def inputs(self) -> list[str | list[int]] | None:
         """The batch as a list (None: the chat form); an empty input or batch, neither
         or both forms, or a chat with images is a 400."""
-        k = self.truncate_prompt_tokens
-        if k is not None and k < 1:
-            raise APIError("truncate_prompt_tokens must be >= 1",
-                           param="truncate_prompt_tokens")
+        checked_truncation(self.truncate_prompt_tokens)
         if (self.input is None) == (self.messages is None):
             raise APIError("give either input or messages (the chat form)", param="input")
         if self.messages is None:
@@ -137,11 +141,7 @@ class _TextPairs(BaseModel):
 
     def truncation(self) -> int | None:
         """``truncate_prompt_tokens``, checked (a 400 below 1)."""
-        k = self.truncate_prompt_tokens
-        if k is not None and k < 1:
-            raise APIError("truncate_prompt_tokens must be >= 1",
-                           param="truncate_prompt_tokens")
-        return k
+        return checked_truncation(self.truncate_prompt_tokens)
 
     def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
                   ) -> list[list[int]]:

@@ -45,10 +45,10 @@ class PoolingEndpoints:
     ``served_name``."""
 
     async def _pool(self, body: Any, prompts: list[list[int]], eid: str,
-                    pooling: PoolingParams) -> list[dict[str, Any]]:
+                    pooling: PoolingParams, lora: Any) -> list[dict[str, Any]]:
         """Each prompt's ``{"embedding", "prompt_tokens"}`` (a classifier's: its label
-        probabilities), in order; ``eid`` names the engine requests (``<eid>-<i>``)."""
-        lora = self._check_model(body.model)
+        probabilities), in order; ``eid`` names the engine requests (``<eid>-<i>``),
+        ``lora`` is what ``_check_model`` gave for ``body.model``."""
         info = await self._engine_info()
         params = SamplingParams(max_tokens=1)
         reqs = [dataclasses.replace(routed_request(f"{eid}-{i}", ids, params, body.cache_salt,
@@ -73,21 +73,20 @@ class PoolingEndpoints:
         return [body.truncated(ids)]
 
     async def _embed(self, body: Any, batch: list[str | list[int]] | None, eid: str,
-                     normalize: bool = True, dimensions: int | None = None
+                     lora: Any, normalize: bool = True, dimensions: int | None = None
                      ) -> list[dict[str, Any]]:
         """Each input's ``{"embedding", "prompt_tokens"}``, in order."""
-        self._check_model(body.model)
         info = await self._engine_info()
         return await self._pool(body, self._prompt_ids(body, batch, info), eid,
-                                PoolingParams(self.pooling_type, normalize, dimensions))
+                                PoolingParams(self.pooling_type, normalize, dimensions), lora)
 
     async def _pair_scores(self, body: Any, firsts: list[str], seconds: list[str], eid: str
                            ) -> tuple[list[float], int]:
         """Each pair's score and the prompt tokens run. A one-label sequence classifier
-        (a cross-encoder) reads each pair as one prompt, the tokenizer's pair encoding;
-        an embedding model scores the cosine similarity of the two texts' embeddings
+        (a cross-encoder) reads each pair as one prompt (``pair_token_ids``); an
+        embedding model scores the cosine similarity of the two texts' embeddings
         (each distinct text embedded once)."""
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         classifier = (await self._engine_info()).get("classifier")
         if classifier is not None:
             if classifier["num_labels"] != 1:
@@ -98,11 +97,11 @@ class PoolingEndpoints:
             ids = [pair_token_ids(self.tokenizer, a, b, k, classifier["pair_encoding"])
                    for a, b in zip(firsts, seconds, strict=True)]
             results = await self._pool(body, ids, eid,
-                                       PoolingParams(self.pooling_type, task="score"))
+                                       PoolingParams(self.pooling_type, task="score"), lora)
             return ([r["embedding"][0] for r in results],
                     sum(r["prompt_tokens"] for r in results))
         texts = list(dict.fromkeys(firsts + seconds))
-        results = await self._embed(body, texts, eid)
+        results = await self._embed(body, texts, eid, lora)
         vecs = {t: r["embedding"] for t, r in zip(texts, results, strict=True)}
         scores = [sum(a * b for a, b in zip(vecs[x], vecs[y], strict=True))
                   for x, y in zip(firsts, seconds, strict=True)]
@@ -114,7 +113,7 @@ class PoolingEndpoints:
         """vLLM's: a sequence classifier's label probabilities per input."""
         self._authorize(raw)
         rid, eid = request_ids("classify", body.request_id, raw.headers.get("x-request-id"))
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         batch = body.inputs()
         info = await self._engine_info()
         classifier = info.get("classifier")
@@ -124,7 +123,7 @@ class PoolingEndpoints:
                            param="model")
         prompts = self._prompt_ids(body, batch, info)
         results = await self._pool(body, prompts, eid, PoolingParams(
-            self.pooling_type, task="classify", use_activation=body.activated))
+            self.pooling_type, task="classify", use_activation=body.activated), lora)
         return classification_response(rid, now(), body.model or self.served_name, results,
                                        classifier["labels"])
 
@@ -133,8 +132,9 @@ class PoolingEndpoints:
         """OpenAI's embeddings: the model's final hidden states pooled per input."""
         self._authorize(raw)
         rid, eid = request_ids("embd", body.request_id, raw.headers.get("x-request-id"))
-        results = await self._embed(body, body.inputs(), eid, body.normalize,
-                                    body.dimensions)
+        batch = body.inputs()
+        results = await self._embed(body, batch, eid, self._check_model(body.model),
+                                    body.normalize, body.dimensions)
         return {"id": rid, "created": now(),
                 **embedding_response(body.model or self.served_name, results,
                                      body.encoding_format)}

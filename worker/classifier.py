@@ -176,9 +176,9 @@ def vocab_token_ids(tokenizer_dir: str) -> Callable[[list[str]], list[int]]:
     """A ``token_ids`` for ``classifier_config`` from the tokenizer saved in
     ``tokenizer_dir``; a token that is not one of its tokens is a ``ValueError``."""
     def lookup(tokens: list[str]) -> list[int]:
-        from transformers import AutoTokenizer
+        from pagedserve.worker.loaders import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok = load_tokenizer(tokenizer_dir)
         ids = []
         for t in tokens:
             i = tok.convert_tokens_to_ids(t)

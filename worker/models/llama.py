@@ -158,8 +158,8 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
             self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
             if self.embed_tokens is not None and (cfg.tie_word_embeddings or cfg.headless):
-                # (an embedding checkpoint has no head; sharing costs no memory, and the
-                # engine never generates with it)
+                # (an embedding or classifier checkpoint has no LM head; sharing costs no
+                # memory, and the engine never generates with it)
                 self.lm_head.tie_to(self.embed_tokens)
         # A sequence classifier's label head (``classifier``): pooled states only.
         self.score: ScoreHead | None = None
