@@ -184,9 +184,12 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
                    help="with --scheduling-policy priority: every SECONDS a request has "
                         "waited count as one priority level more urgent, so a steady stream "
                         "of urgent requests cannot starve it (default: strict priorities)")
-    s.add_argument("--pooling-type", choices=("last", "mean"), default="last",
+    s.add_argument("--pooling-type", choices=("last", "mean", "cls"), default=None,
                    help="/v1/embeddings: the last token's final hidden state (decoder "
-                        "embedders: e5-mistral, Qwen3-Embedding) or the mean of all tokens'")
+                        "embedders: e5-mistral, Qwen3-Embedding), the mean of all tokens', "
+                        "or the first token's (BERT-family: bge); default: the model's "
+                        "sentence-transformers pooling, else cls for an encoder, last for "
+                        "a decoder")
     s.add_argument("--prefill-replicas", type=int, default=0,
                    help="disaggregated prefill: this many prefill-only replicas compute "
                         "prompts and ship their KV to the engine replicas, which decode")

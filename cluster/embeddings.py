@@ -22,7 +22,7 @@ from pagedserve.cluster.aio import gather_or_cancel
 from pagedserve.cluster.chat_protocol import ChatMessage, check_continuation, check_template_kwargs
 from pagedserve.cluster.protocol import APIError, as_batch
 from pagedserve.cluster.replica_calls import call_on_replicas
-from pagedserve.cluster.text_pairs import MAX_INPUTS, pair_texts
+from pagedserve.cluster.text_pairs import MAX_INPUTS, pair_texts, truncated_ids
 from pagedserve.cluster.wire import EngineRequest
 
 
@@ -67,8 +67,8 @@ class _PooledInputs(BaseModel):
         check_continuation(self.continue_final_message, self.add_generation_prompt)
         return None
 
-    def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
-                  ) -> list[list[int]]:
+    def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int,
+                  encoder: bool = False) -> list[list[int]]:
         """Each input of ``batch`` as token ids, cut to ``truncate_prompt_tokens``; ids
         outside the vocabulary are a 400."""
         out = []
@@ -76,13 +76,12 @@ class _PooledInputs(BaseModel):
             ids = tokenizer.encode(x) if isinstance(x, str) else list(x)
             if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
                 raise APIError("input token ids must be within the vocabulary", param="input")
-            out.append(self.truncated(ids))
+            out.append(self.truncated(ids, encoder))
         return out
 
-    def truncated(self, ids: list[int]) -> list[int]:
-        """``ids`` cut to their last ``truncate_prompt_tokens``."""
-        k = self.truncate_prompt_tokens
-        return ids[-k:] if k is not None else ids
+    def truncated(self, ids: list[int], encoder: bool = False) -> list[int]:
+        """``ids`` cut to ``truncate_prompt_tokens`` (``text_pairs.truncated_ids``)."""
+        return truncated_ids(ids, self.truncate_prompt_tokens, encoder)
 
 
 class EmbeddingRequest(_PooledInputs):
@@ -143,8 +142,8 @@ class _TextPairs(BaseModel):
         """``truncate_prompt_tokens``, checked (a 400 below 1)."""
         return checked_truncation(self.truncate_prompt_tokens)
 
-    def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int
-                  ) -> list[list[int]]:
+    def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int,
+                  encoder: bool = False) -> list[list[int]]:
         k = self.truncation()
         ids = [tokenizer.encode(x) for x in batch]
         return [x[-k:] if k is not None else x for x in ids]

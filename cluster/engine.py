@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedserve.cluster.beam_search import BeamSearchParams, beam_row_params
 from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.encoder_engine import encoder_engine_config
 from pagedserve.cluster.engine_lifecycle import (
     EngineSleepingError,
     calibrate_kv_scales,
@@ -32,7 +33,7 @@ from pagedserve.cluster.image_prompts import ImagePrompts
 from pagedserve.cluster.kv_transfer import export_prompt_kv
 from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import RequestOutput
-from pagedserve.cluster.pooling import pool_for
+from pagedserve.cluster.pooling import pool_for, resolved_pooling
 from pagedserve.cluster.prompt_embeds import EmbedsPrompt, embeds_request_inputs
 from pagedserve.cluster.request_state import (
     RequestState,
@@ -42,6 +43,7 @@ from pagedserve.cluster.request_state import (
     with_bad_word_ids,
 )
 from pagedserve.cluster.step_pipeline import StepPipeline
+from pagedserve.cluster.text_pairs import truncated_ids
 from pagedserve.scheduler.block_hash import hash_prompt_blocks
 from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.multimodal import ImageInput
@@ -57,9 +59,10 @@ class LLMEngine:
     """One engine replica's core, usable synchronously (``step``) or split in phases."""
 
     def __init__(self, config: EngineConfig) -> None:
+        resolved = resolve_model(config.model)
+        config = encoder_engine_config(config, resolved.path)
         self.config = config
         self.device = config.resolved_device()
-        resolved = resolve_model(config.model)
         self.model_id = resolved.model_id
         wcfg = checked_worker_config(config, resolved.path, self.device)
         self.tokenizer = load_tokenizer(resolved)
@@ -159,6 +162,7 @@ class LLMEngine:
         check_request_args(request_id, self._groups, params, pooling_params, beam,
                            export_kv, priority, self.config.scheduling_policy, output_kind)
         params = params or SamplingParams()
+        pooling_params = resolved_pooling(pooling_params, self.model_info)
         pool = pool_for(pooling_params, params, self.model_info)
         params = with_bad_word_ids(params, self.tokenizer)
         params.check_token_ids(self.model_info["vocab_size"])
@@ -178,7 +182,8 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None and not isinstance(prompt, EmbedsPrompt):
             if image_inputs:
                 raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
-            ids = ids[-params.truncate_prompt_tokens:]
+            ids = truncated_ids(ids, params.truncate_prompt_tokens,
+                                bool(self.model_info.get("encoder")))
         resumed = check_resumed(resumed_token_ids, params, len(ids), self.max_model_len,
                                 self.model_info["vocab_size"], self.eos_token_ids,
                                 beam is not None or pooling_params is not None or export_kv)

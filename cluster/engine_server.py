@@ -98,6 +98,8 @@ class EngineServer:
                 "prompt_embeds": core.config.enable_prompt_embeds,
                 # A sequence classifier's labels and activations (None: not one).
                 "classifier": core.model_info.get("classifier"),
+                # A BERT-family encoder: truncation keeps its first token (``text_pairs``).
+                "encoder": bool(core.model_info.get("encoder")),
                 "hidden_size": int(core.model_info["hidden_size"])}
 
     async def run(self, req: EngineRequest) -> int:

@@ -273,7 +273,8 @@ class LLM:
         if classifier is not None:
             tok = self.engine.tokenizer
             ids = [pair_token_ids(tok, a, b, truncate_prompt_tokens,
-                                  classifier["pair_encoding"])
+                                  classifier["pair_encoding"],
+                                  bool(self.engine.model_info.get("encoder")))
                    for a, b in zip(firsts, seconds, strict=True)]
             outs = self._pool([(i, None) for i in ids], PoolingParams(task="score"),
                               use_tqdm, lora_request, None, "score")

@@ -13,6 +13,7 @@ their activation (``worker.classifier``): the label probabilities for
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +21,23 @@ import torch
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.classifier import activate
+
+
+def resolved_pooling(pooling: PoolingParams | None, model_info: dict[str, Any]
+                     ) -> PoolingParams | None:
+    """``pooling`` with the model's own pooling type where it names none
+    (``model_info["pooling_type"]``); an encoder's classifier head reads the first
+    token, so it takes no other type."""
+    if pooling is None:
+        return None
+    own = model_info.get("pooling_type") or "last"
+    if pooling.pooling_type is None:
+        return replace(pooling, pooling_type=own)
+    if model_info.get("encoder") and model_info.get("classifier") is not None and \
+            pooling.pooling_type != own:
+        raise ValueError(f"this classifier's head reads the first token ({own!r} pooling); "
+                         f"pooling_type {pooling.pooling_type!r} does not apply to it")
+    return pooling
 
 
 def pool_for(pooling: PoolingParams | None, params: SamplingParams,
@@ -67,7 +85,7 @@ class PoolAccumulator:
 
     def add(self, part: Any) -> None:
         """Fold one runner part (see ``worker.pooling.pool_hidden``) in."""
-        if part[0] == "last":
+        if part[0] in ("last", "cls"):
             self.total, self.count = part[1], 1
             return
         _, chunk_sum, n, position = part

@@ -67,10 +67,11 @@ class PoolingEndpoints:
         """The inputs as token ids; ``batch`` None: the chat form, one prompt through
         the chat template (the server's ``_chat_ids``)."""
         if batch is not None:
-            return body.token_ids(batch, self.tokenizer, info["vocab_size"])
+            return body.token_ids(batch, self.tokenizer, info["vocab_size"],
+                                  bool(info.get("encoder")))
         ids = self._chat_ids(body.messages, body.add_generation_prompt, None,
                              body.chat_template_kwargs, body.continue_final_message, info)
-        return [body.truncated(ids)]
+        return [body.truncated(ids, bool(info.get("encoder")))]
 
     async def _embed(self, body: Any, batch: list[str | list[int]] | None, eid: str,
                      lora: Any, normalize: bool = True, dimensions: int | None = None
@@ -87,14 +88,16 @@ class PoolingEndpoints:
         embedding model scores the cosine similarity of the two texts' embeddings
         (each distinct text embedded once)."""
         lora = self._check_model(body.model)
-        classifier = (await self._engine_info()).get("classifier")
+        info = await self._engine_info()
+        classifier = info.get("classifier")
         if classifier is not None:
             if classifier["num_labels"] != 1:
                 raise APIError("scoring text pairs takes a one-label classifier (a "
                                f"cross-encoder); this model has {classifier['num_labels']} "
                                "labels: use /classify", param="model")
             k = body.truncation()
-            ids = [pair_token_ids(self.tokenizer, a, b, k, classifier["pair_encoding"])
+            ids = [pair_token_ids(self.tokenizer, a, b, k, classifier["pair_encoding"],
+                                  bool(info.get("encoder")))
                    for a, b in zip(firsts, seconds, strict=True)]
             results = await self._pool(body, ids, eid,
                                        PoolingParams(self.pooling_type, task="score"), lora)

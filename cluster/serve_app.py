@@ -137,7 +137,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
                  served_model_name: str | list[str] | None = None,
                  api_key: str | None = None,
                  lora_modules: dict[str, str] | None = None, lora_dir: str | None = None,
-                 pooling_type: str = "last", reasoning_parser: str | None = None,
+                 pooling_type: str | None = None, reasoning_parser: str | None = None,
                  scales_to_zero: bool = False, prefill: DeploymentHandle | None = None,
                  failover: FailoverPolicy | None = None,
                  allow_runtime_lora_updating: bool = False,

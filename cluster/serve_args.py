@@ -107,7 +107,7 @@ class ServeArgs(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     priority_aging_s: float | None = None  # seconds waited that count as one level
     long_prefill_token_threshold: int = Field(default=0, ge=0)  # one prompt's tokens a step
-    pooling_type: Literal["last", "mean"] = "last"
+    pooling_type: Literal["last", "mean", "cls"] | None = None  # None: the model's
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     prefill_replicas: int = Field(default=0, ge=0)
     remote_prefill_min_tokens: int = Field(default=64, ge=1)

@@ -27,14 +27,25 @@ def pair_texts(first: str | Sequence[str], second: str | Sequence[str],
     return firsts, seconds
 
 
+def truncated_ids(ids: list[int], keep: int | None, encoder: bool = False) -> list[int]:
+    """``ids`` cut to ``keep`` tokens (None: all): a decoder keeps the last ones (the
+    end, where its pooled state is), an encoder the first ones and its closing
+    separator (its ``[CLS]`` first, as a right-truncating BERT tokenizer keeps it)."""
+    if keep is None or len(ids) <= keep:
+        return ids
+    if not encoder:
+        return ids[-keep:]
+    return ids[:keep - 1] + ids[-1:] if keep > 1 else ids[:1]
+
+
 def pair_token_ids(tokenizer: Any, first: str, second: str, truncate: int | None = None,
-                   pair_encoding: bool = True) -> list[int]:
+                   pair_encoding: bool = True, encoder: bool = False) -> list[int]:
     """A cross-encoder's prompt for one pair, as vLLM builds it: the tokenizer's own pair
     encoding (``text``, ``text_pair``: BERT-style ``[CLS] a [SEP] b [SEP]``, a BOS before
     each text for a Llama tokenizer), as sentence-transformers' ``CrossEncoder`` does;
     or, without ``pair_encoding`` (an LLM made a reranker, whose query and document
     templates carry the format), the two texts joined and tokenised as one.
-    ``truncate`` keeps the last that many tokens, as embeddings do."""
+    ``truncate`` cuts to that many tokens as embeddings do (``truncated_ids``)."""
     enc = tokenizer(first, text_pair=second) if pair_encoding else tokenizer(first + second)
     ids = [int(t) for t in enc["input_ids"]]
-    return ids[-truncate:] if truncate is not None else ids
+    return truncated_ids(ids, truncate, encoder)

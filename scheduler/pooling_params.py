@@ -4,7 +4,10 @@ A pooling request runs its prompt through the model and ends without
 sampling: its result is one vector made of the final hidden states (after the
 model's last norm). ``pooling_type`` "last" takes the last token's state (the
 decoder embedders' choice: e5-mistral, gte-Qwen2, Qwen3-Embedding), "mean"
-averages every token's; ``normalize`` makes the vector unit length (L2), and
+averages every token's, "cls" takes the first token's (BERT-family embedders:
+bge, and their classifiers' heads); None is the model's own choice
+(``model_info["pooling_type"]``: its sentence-transformers pooling, else "cls" for
+an encoder and "last" for a decoder), which the engine fills in; ``normalize`` makes the vector unit length (L2), and
 ``dimensions`` keeps only the first that many components before normalising
 (Matryoshka embeddings, OpenAI's ``dimensions``).
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("last", "mean", "cls")
 POOLING_TASKS = ("embed", "classify", "score")
 
 
@@ -26,14 +29,14 @@ POOLING_TASKS = ("embed", "classify", "score")
 class PoolingParams:
     """How one request's hidden states become its embedding."""
 
-    pooling_type: str = "last"
+    pooling_type: str | None = None
     normalize: bool = True
     dimensions: int | None = None
     task: str = "embed"
     use_activation: bool = True
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, "
                              f"got {self.pooling_type!r}")
         if not isinstance(self.normalize, bool):
@@ -51,5 +54,6 @@ class PoolingParams:
 
     @property
     def needs_every_position(self) -> bool:
-        """Mean pooling reads every prompt token's state, so no prefix-cache hits."""
-        return self.pooling_type == "mean"
+        """Mean and first-token pooling read prompt tokens from the first one on, so a
+        prefix-cache hit (which skips them) cannot serve them."""
+        return self.pooling_type in ("mean", "cls")

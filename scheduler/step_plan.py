@@ -60,8 +60,10 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int],
     pp = req.pooling_params
     if pp is not None:
         sched.pool_final = start + num_new == req.num_tokens
-        if pp.pooling_type == "mean" or sched.pool_final:
-            sched.pooling = pp.pooling_type
+        kind = pp.pooling_type or "last"  # (the engine fills the model's in; alone: last)
+        if kind == "mean" or (kind == "cls" and start == 0) or (
+                kind == "last" and sched.pool_final):
+            sched.pooling = kind
     sp = req.sampling_params
     if sample_ids and (sp.needs_output_history or history):
         # Siblings share the params; at the prompt's end none has an output yet.

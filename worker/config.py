@@ -22,6 +22,11 @@ from pagedserve.worker.classifier import (
     vocab_token_ids,
 )
 from pagedserve.worker.config_fields import positive_int, require
+from pagedserve.worker.encoder_config import (
+    ENCODER_MODEL_TYPES,
+    EncoderConfig,
+    encoder_model_config,
+)
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
@@ -33,7 +38,7 @@ from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
-                         *QWEN_VL_MODEL_TYPES)
+                         *QWEN_VL_MODEL_TYPES, *ENCODER_MODEL_TYPES)
 
 
 def _names_base_model(architectures: Any) -> bool:
@@ -91,6 +96,8 @@ class ModelConfig:
     # DeepSeek's multi-head latent attention (``mla_config``): ``head_dim`` is then the
     # latent a token caches and ``num_kv_heads`` 1; None: plain attention.
     mla: MLAConfig | None = None
+    # A BERT-family encoder (``encoder_config``): attends both ways, never generates.
+    encoder: EncoderConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], tokenizer_dir: str | None = None
@@ -106,6 +113,8 @@ class ModelConfig:
                 f"model config field 'model_type' must be one of {SUPPORTED_MODEL_TYPES}, "
                 f"got {model_type!r}"
             )
+        if model_type in ENCODER_MODEL_TYPES:
+            return encoder_model_config(cls, cfg, tokenizer_dir)
         image = image_config_from_hf(cfg)
         if model_type in ("llava", "llava_next", "llava_onevision"):  # decoder behind a tower
             cfg = llava_text_config(cfg)

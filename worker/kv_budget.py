@@ -43,11 +43,17 @@ def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int
 def num_device_blocks(worker: Worker) -> int:
     """Device KV blocks ``worker`` can hold: its explicit count, else its byte budget
     (``kv_cache_memory_bytes``, CUDA profiling, or the CPU default) over its bytes per
-    block; a budget below one block is an error, not an empty pool."""
+    block; a budget below one block is an error, not an empty pool. A model that
+    caches nothing gets enough blocks for ``max_num_seqs`` prompts of its longest
+    length: the scheduler's block accounting then limits nothing else."""
     cfg = worker.config
     if cfg.num_gpu_blocks is not None:
         return cfg.num_gpu_blocks
     per_block = worker.block_bytes()
+    if per_block == 0:  # no KV cache (an encoder): as many blocks as the batch can fill
+        assert worker.model_config is not None
+        per_seq = -(-worker.model_config.max_model_len // cfg.block_size)
+        return cfg.max_num_seqs * per_seq
     if cfg.kv_cache_memory_bytes is not None:
         budget = cfg.kv_cache_memory_bytes
     elif worker.device.type == "cuda":

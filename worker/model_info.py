@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.kernels.kv_quant import kv_dtype_name
 from pagedserve.worker.pipeline import layer_partition
+from pagedserve.worker.pooling_config import default_pooling_type
 
 if TYPE_CHECKING:
     from pagedserve.worker.worker import Worker
@@ -24,6 +25,10 @@ def model_info(worker: Worker) -> dict[str, Any]:
         "source": worker.resolved.source,
         "model_type": mc.model_type,
         "embedding_only": mc.embedding_only,
+        # A BERT-family encoder (no KV cache, whole prompts) and the pooling a request
+        # gets when it names none (``pooling_config``).
+        "encoder": mc.encoder is not None,
+        "pooling_type": default_pooling_type(worker.resolved.path, mc),
         # A sequence classifier's labels and activations (None: not a classifier).
         "classifier": mc.classifier.info() if mc.classifier is not None else None,
         "eos_token_ids": list(mc.eos_token_ids),

@@ -1,7 +1,8 @@
 """Pooling rows of embedding requests: their part of a step's final hidden states.
 
 The runner hands over, per pooling row, what the engine needs to finish the
-embedding later: the last token's state at the prompt's end ("last"), or the
+embedding later: the last token's state at the prompt's end ("last"), the first
+token's ("cls", from the chunk at position 0), or the
 sum and count of this chunk's states ("mean", which a chunked prompt spreads
 over several steps); a classifier's label head is applied to either. Sums are
 fp32 whatever the model dtype. Only rank 0 computes them: the final hidden
@@ -31,16 +32,17 @@ class PoolJob:
 def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob],
                 head: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> dict[str, tuple]:
-    """``{request_id: ("last", vector) | ("mean", sum, count, position)}`` on the CPU.
+    """``{request_id: ("last" | "cls", vector) | ("mean", sum, count, position)}`` on the
+    CPU ("cls" jobs are the chunks that start at position 0).
 
     ``head`` (a classifier's ``ScoreHead``) maps each vector to label logits here, so
     only ``num_labels`` numbers a request leave the rank; it is linear, so a chunk's
     sum passes through it as the mean would."""
     out: dict[str, tuple] = {}
     for j in jobs:
-        if j.pooling == "last":
-            v = hidden[j.end - 1].float()
-            out[j.request_id] = ("last", (head(v) if head is not None else v).cpu())
+        if j.pooling in ("last", "cls"):
+            v = hidden[j.end - 1 if j.pooling == "last" else j.start].float()
+            out[j.request_id] = (j.pooling, (head(v) if head is not None else v).cpu())
         else:
             v = hidden[j.start:j.end].float().sum(0)
             out[j.request_id] = ("mean", (head(v) if head is not None else v).cpu(),

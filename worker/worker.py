@@ -188,11 +188,6 @@ class Worker:
             self.draft.model.attach(model)  # (rebuilt: woken from sleep, new weights)
 
     @property
-    def num_local_layers(self) -> int:
-        """Decoder layers this rank holds (its pipeline stage's; all without one)."""
-        return self._stage().num_layers
-
-    @property
     def kv_layout(self) -> KVGroupLayout:
         """Which layers share a block table (one group unless the model mixes windows)."""
         assert self.model_config is not None
@@ -204,13 +199,18 @@ class Worker:
                                 self.config.pp_rank, self.config.pipeline_layer_partition)
 
     def _layer_slots(self) -> list[int]:
-        """The cache each local layer reads (``KVCache``'s ``layer_slots``)."""
+        """The cache each local layer reads (``KVCache``'s ``layer_slots``); none for an
+        encoder, which caches nothing."""
+        if self.model_config is not None and self.model_config.encoder is not None:
+            return []
         stage = self._stage()
         return self.kv_layout.local_slots(range(stage.start, stage.end))
 
     def block_bytes(self) -> int:
         """Bytes one block id takes on this rank: the target's KV, and a draft model's."""
         assert self.model_config is not None
+        if not self._layer_slots():
+            return 0  # (an encoder: its "blocks" only count prompt tokens)
         draft = (draft_block_bytes(self.draft, self.config.block_size, self.dtype)
                  if self.draft is not None else 0)
         return draft + bytes_per_block(max(self._layer_slots()) + 1, self.config.block_size,
@@ -255,7 +255,7 @@ class Worker:
         """
         assert self.model is not None and self.model_config is not None and self.ctx
         cpu_blocks = self.config.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks
-        self.kv_cache = KVCache(self.num_local_layers, num_gpu_blocks,
+        self.kv_cache = KVCache(len(self._layer_slots()), num_gpu_blocks,
                                 self.config.block_size, self.num_kv_heads_per_rank,
                                 self.model_config.head_dim, self.kv_dtype, self.device,
                                 self.backend, cpu_blocks, self._layer_slots(),

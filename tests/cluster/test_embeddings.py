@@ -148,7 +148,7 @@ def test_bad_embedding_requests_raise_value_errors(tiny_llama_dir) -> None:
         with pytest.raises(ValueError, match="dimensions"):
             llm.embed([[5, 6, 7]], PoolingParams(dimensions=10**6))
         with pytest.raises(ValueError, match="pooling_type"):
-            PoolingParams(pooling_type="cls")
+            PoolingParams(pooling_type="max")
         with pytest.raises(ValueError, match="dimensions"):
             PoolingParams(dimensions=0)
         with pytest.raises(ValueError, match="context"):

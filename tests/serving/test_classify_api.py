@@ -97,3 +97,43 @@ def test_a_cross_encoder_classifies_scores_and_reranks(cluster, smol, ranker_dir
     r = httpx.post(f"{smol.base}/classify", headers=smol.headers, timeout=60,
                    json={"input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_a_bert_cross_encoder_reranks_over_http(cluster, tmp_path) -> None:
+    """An encoder app (BERT, ``[CLS] query [SEP] doc [SEP]`` with token types): /rerank
+    and /score equal transformers' sigmoid scores, truncation keeps ``[CLS]`` and the
+    closing ``[SEP]``, and what it cannot serve is a 400 that says why."""
+    import torch
+
+    from pagedserve.worker.testing_encoders import hf_encoder_outputs, write_random_encoder
+
+    ask, words = "w1 w2 w9", ["w3 w4 w5 w6", "w9", "w2 w1 w9 w9 w7"]
+    path = write_random_encoder(tmp_path / "cross", "bert", num_labels=1, seed=4)
+    want = [torch.sigmoid(x).item()
+            for x in hf_encoder_outputs(path, [(ask, d) for d in words], True)]
+    app = cluster.deploy("bert", {"model": path, "num_threads": 1, "served_model_name": "ce"})
+    try:
+        r = httpx.post(f"{app.base}/rerank", timeout=60,
+                       json={"query": ask, "documents": words})
+        assert r.status_code == 200, r.text
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        _close([got[i] for i in range(len(words))], want)
+        r = httpx.post(f"{app.base}/v1/score", timeout=60,
+                       json={"text_1": ask, "text_2": words[0], "truncate_prompt_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 5
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(path)(ask, words[0])["input_ids"]
+        cut = hf_encoder_outputs(path, [ids[:4] + ids[-1:]], True)[0]  # (types from the ids: all 0 here)
+        _close([r.json()["data"][0]["score"]], [torch.sigmoid(cut).item()])
+        for route, body, says in [
+            ("/v1/embeddings", {"input": "w1"}, "does not embed"),
+            ("/v1/completions", {"prompt": "w1", "max_tokens": 2}, "sequence classifier"),
+        ]:
+            r = httpx.post(f"{app.base}{route}", json=body, timeout=60)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{app.base}/health", timeout=60).status_code == 200
+        app.wait_baseline()
+    finally:
+        cluster.delete("bert")

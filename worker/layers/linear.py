@@ -163,6 +163,40 @@ class MergedColumnParallelLinear(PackableLinear):
         self.weight.data[off:off + n].copy_(lazy[self.rank * n:(self.rank + 1) * n])
 
 
+class ColumnParallelLinear(PackableLinear):
+    """One output-dim-sharded projection with an optional bias (an encoder's MLP input):
+    each rank holds its rows, and the row-parallel projection after it sums them."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if out_features % ctx.world_size:
+            raise ValueError(f"output size {out_features} is not divisible by TP size "
+                             f"{ctx.world_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.local_out = out_features // ctx.world_size
+        self.rank = ctx.rank
+        self.weight = _param((self.local_out, in_features), dtype, device)
+        self.bias = _param((self.local_out,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_lora(self.matmul(x, self.bias), x)
+
+    @property
+    def weight_out_features(self) -> int:
+        return self.local_out
+
+    def load(self, lazy: LazyTensor, is_bias: bool = False) -> None:
+        """Copy this rank's rows of the full weight (or bias)."""
+        target = self.bias if is_bias else self.weight
+        if target is None:
+            raise ValueError("checkpoint has a bias but the layer has none")
+        expected = (self.out_features,) if is_bias else (self.out_features, self.in_features)
+        _check_shape("column bias" if is_bias else "column weight", lazy, expected)
+        n = self.local_out
+        target.data.copy_(lazy[self.rank * n:(self.rank + 1) * n])
+
+
 class RowParallelLinear(PackableLinear):
     """Input-dim-sharded linear whose partial sums are all-reduced across ranks.
 

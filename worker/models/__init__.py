@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.worker.models.bert import BertModel
 from pagedserve.worker.models.deepseek import DeepseekForCausalLM
 from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
@@ -19,6 +20,9 @@ MODEL_REGISTRY = {
     "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)
     "deepseek_v2": DeepseekForCausalLM,  # (multi-head latent attention, DeepSeekMoE)
     "deepseek_v3": DeepseekForCausalLM,
+    "bert": BertModel,  # (encoders: embeddings and classification, ``encoder_config``)
+    "roberta": BertModel,
+    "xlm-roberta": BertModel,
 }
 
-__all__ = ["MODEL_REGISTRY", "DeepseekForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM"]
+__all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM"]

@@ -1,0 +1,58 @@
+"""What an engine changes to serve a BERT-family encoder (``worker.encoder_config``).
+
+An encoder attends both ways: a token's state depends on the whole prompt, so
+a prompt runs whole, in one step (no chunked prefill), and no prefix of it can
+be reused (no prefix caching) — the choices vLLM makes for encoder-only models
+too. It keeps no KV cache (``worker.models.bert``), so there is nothing to swap
+or offload: preemption recomputes, which for a one-step request means running
+it again later. Options that need a decoder are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.worker.encoder_config import ENCODER_MODEL_TYPES
+
+logger = logging.getLogger(__name__)
+
+
+def is_encoder(model_path: str) -> bool:
+    """Whether the checkpoint in ``model_path`` is a BERT-family encoder."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("model_type") in ENCODER_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False  # (the model config's own reader names what is wrong)
+
+
+def encoder_engine_config(config: EngineConfig, model_path: str) -> EngineConfig:
+    """``config`` as an encoder runs it (unchanged for any other model); a
+    ``ValueError`` names an option an encoder cannot honour."""
+    if not is_encoder(model_path):
+        return config
+    refused = {
+        "enable_lora": config.enable_lora,
+        "speculative_config": config.speculative_config is not None,
+        "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
+        "quantization": config.quantization is not None,
+        "enable_prompt_embeds": config.enable_prompt_embeds,
+        "long_prefill_token_threshold": config.long_prefill_token_threshold > 0,
+        "kv_offloading_size": config.offloads_kv(),
+        "logits_processors": bool(config.logits_processors),
+    }
+    for option, on in refused.items():
+        if on:
+            raise ValueError(f"{option} is not supported for encoder models (BERT, RoBERTa, "
+                             "XLM-RoBERTa): they embed and classify whole prompts")
+    if config.enable_prefix_caching or config.enable_chunked_prefill:
+        logger.info("encoder model: prefix caching and chunked prefill are off (each "
+                    "prompt runs whole, attending both ways)")
+    return replace(config, enable_prefix_caching=False, enable_chunked_prefill=False,
+                   preemption_mode="recompute", num_cpu_blocks=0, num_offload_blocks=0)

@@ -1,0 +1,125 @@
+"""How a BERT-family encoder loads its checkpoint: transformers' names mapped onto
+``BertModel``'s modules, each rank copying its shard, anything missing failing by name.
+
+A ``...ForSequenceClassification`` file nests the encoder under ``bert.`` or
+``roberta.``; a base model's file has it bare (or nested, when it was saved from a
+pre-training class, whose masked-LM and next-sentence heads are skipped). Old
+checkpoints name LayerNorm parameters ``gamma`` / ``beta``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.worker.encoder_config import CHECKPOINT_PREFIX
+from pagedserve.worker.layers.linear import LazyTensor
+
+_LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
+_QKV = {"attention.self.query": "q", "attention.self.key": "k", "attention.self.value": "v"}
+# Heads of pre-training classes and buffers saved with some files: never used here.
+_SKIPPED = ("cls.", "lm_head.", "embeddings.position_ids", "embeddings.token_type_ids")
+
+
+def _copy(name: str, target: torch.Tensor, lazy: LazyTensor) -> None:
+    if tuple(lazy.shape) != tuple(target.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
+                         f"{tuple(target.shape)}")
+    target.data.copy_(lazy[:])
+
+
+class BertWeightLoading:
+    """``load_weights`` of ``BertModel`` (see the module docstring)."""
+
+    config: Any
+    layers: Any
+    embed_tokens: Any
+    position_embeddings: Any
+    token_type_embeddings: Any
+    embed_norm: Any
+    score: Any
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
+                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
+        """Load transformers-named tensors; fail naming any missing or unknown one.
+        ``on_layer`` gets each layer once everything is in."""
+        pending = set(self._expected_names())
+        prefix = CHECKPOINT_PREFIX[self.config.model_type]
+        for raw, lazy in weights:
+            name = raw.removeprefix(prefix)
+            name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
+            name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
+            if name.startswith(_SKIPPED) or (name.startswith("pooler.")
+                                             and "pooler.dense.weight" not in pending):
+                continue  # (an embedder's pooler: sentence-transformers never uses it)
+            self._load_one(name, lazy)
+            pending.discard(name)
+        if pending:
+            missing = sorted(pending)
+            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
+        for i, layer in enumerate(self.layers if on_layer is not None else ()):
+            on_layer(f"encoder.layer.{i}", layer)
+
+    def owns_tensor(self, name: str) -> bool:
+        """Every rank reads every tensor (its shard of the split ones)."""
+        return True
+
+    def _head_names(self) -> dict[str, tuple[str, bool]]:
+        """A classifier file's head tensors -> (``EncoderClassifierHead`` part, is bias)."""
+        if self.score is None:
+            return {}
+        if self.config.encoder.family == "bert":
+            dense, out = "pooler.dense", "classifier"
+        else:
+            dense, out = "classifier.dense", "classifier.out_proj"
+        return {f"{dense}.weight": ("dense_weight", False), f"{dense}.bias": ("dense_bias", True),
+                f"{out}.weight": ("out_weight", False), f"{out}.bias": ("out_bias", True)}
+
+    def _expected_names(self) -> set[str]:
+        names = {"embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight",
+                 "embeddings.token_type_embeddings.weight", "embeddings.LayerNorm.weight",
+                 "embeddings.LayerNorm.bias", *self._head_names()}
+        parts = [*_QKV, "attention.output.dense", "attention.output.LayerNorm",
+                 "intermediate.dense", "output.dense", "output.LayerNorm"]
+        for i in range(self.config.num_layers):
+            names |= {f"encoder.layer.{i}.{p}.{w}" for p in parts for w in ("weight", "bias")}
+        return names
+
+    def _load_one(self, name: str, lazy: LazyTensor) -> None:
+        head = self._head_names()
+        if name in head:
+            part, _ = head[name]
+            _copy(name, getattr(self.score, part), lazy)
+            return
+        simple = {"embeddings.position_embeddings.weight": self.position_embeddings,
+                  "embeddings.token_type_embeddings.weight": self.token_type_embeddings,
+                  "embeddings.LayerNorm.weight": self.embed_norm.weight,
+                  "embeddings.LayerNorm.bias": self.embed_norm.bias}
+        if name == "embeddings.word_embeddings.weight":
+            self.embed_tokens.load(lazy)
+            return
+        if name in simple:
+            _copy(name, simple[name], lazy)
+            return
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) >= len(self.layers):
+            raise ValueError(f"unexpected weight in checkpoint: {name}")
+        layer, part, is_bias = self.layers[int(m.group(1))], m.group(2), m.group(3) == "bias"
+        if part in _QKV:
+            layer.attention.qkv_proj.load(_QKV[part], lazy, is_bias)
+        elif part == "attention.output.dense":
+            layer.attention.o_proj.load(lazy, is_bias)
+        elif part == "intermediate.dense":
+            layer.up_proj.load(lazy, is_bias)
+        elif part == "output.dense":
+            layer.down_proj.load(lazy, is_bias)
+        elif part in ("attention.output.LayerNorm", "output.LayerNorm"):
+            norm = layer.attention.norm if part.startswith("attention") else layer.norm
+            _copy(name, norm.bias if is_bias else norm.weight, lazy)
+        else:
+            raise ValueError(f"unexpected weight in checkpoint: {name}")

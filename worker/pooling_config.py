@@ -1,0 +1,70 @@
+"""A model's own pooling: what its sentence-transformers files say, else its kind's.
+
+sentence-transformers models (most embedders: bge, e5, gte, MiniLM) list their
+modules in ``modules.json``; the ``Pooling`` module's folder holds a
+``config.json`` whose ``pooling_mode_*`` flags say which states make the
+vector (``pooling_mode_cls_token``, ``pooling_mode_mean_tokens``,
+``pooling_mode_lasttoken``). vLLM reads the same file. Without one, an encoder
+pools its first token (``[CLS]``, the token BERT's heads read) and a decoder
+its last (the only one that has seen the whole prompt). A classifier's head
+decides for itself: an encoder's reads the first token, a decoder's the last.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pagedserve.worker.config import ModelConfig
+
+# sentence-transformers' flags -> our pooling types (max / weighted mean: not served).
+_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+          "pooling_mode_lasttoken": "last"}
+_UNSERVED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+             "pooling_mode_weightedmean_tokens")
+
+
+def _pooling_folder(path: Path) -> Path | None:
+    """The ``Pooling`` module's folder from ``modules.json``, if the file lists one."""
+    modules = path / "modules.json"
+    if not modules.is_file():
+        return None
+    try:
+        listed = json.loads(modules.read_text())
+    except ValueError as exc:
+        raise ValueError(f"modules.json is not valid JSON: {exc}") from None
+    for m in listed if isinstance(listed, list) else ():
+        if isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling"):
+            return path / str(m.get("path", ""))
+    return None
+
+
+def sentence_transformers_pooling(path: str | Path) -> str | None:
+    """The pooling type the model's sentence-transformers config names (None: no such
+    config); a mode not served here is a ``ValueError`` naming it."""
+    folder = _pooling_folder(Path(path))
+    cfg_file = folder / "config.json" if folder is not None else None
+    if cfg_file is None or not cfg_file.is_file():
+        return None
+    cfg: dict[str, Any] = json.loads(cfg_file.read_text())
+    mode = cfg.get("pooling_mode")  # (newer files may name it directly)
+    if isinstance(mode, str):
+        named = {"cls": "cls", "mean": "mean", "lasttoken": "last"}.get(mode)
+        if named is None:
+            raise ValueError(f"sentence-transformers pooling_mode {mode!r} is not served "
+                             "(cls, mean and lasttoken are)")
+        return named
+    on = [flag for flag in (*_MODES, *_UNSERVED) if cfg.get(flag)]
+    if len(on) != 1 or on[0] not in _MODES:
+        raise ValueError(f"sentence-transformers pooling {on or 'none'} is not served: one "
+                         f"of {sorted(_MODES)} must be the only mode on")
+    return _MODES[on[0]]
+
+
+def default_pooling_type(path: str | Path, mc: ModelConfig) -> str:
+    """The pooling a request gets when it names none (see the module docstring)."""
+    first_token = "cls" if mc.encoder is not None else "last"
+    if mc.classifier is not None:
+        return first_token
+    return sentence_transformers_pooling(path) or first_token

@@ -1,0 +1,126 @@
+"""Random BERT-family checkpoints with a WordPiece tokenizer, for tests and benchmarks.
+
+transformers writes them (``BertModel``, ``XLMRobertaForSequenceClassification``...)
+and the engine loads them through its real loader, so a comparison against
+transformers on the same directory checks the whole path. Words are ``w0`` ..
+``w{n}``; RoBERTa-style files use ``<s>`` / ``</s>`` / ``<pad>`` (ids 0-2) as
+their separators and padding, BERT-style ones ``[CLS]`` / ``[SEP]`` / ``[PAD]``.
+An optional sentence-transformers ``modules.json`` + ``1_Pooling`` names the
+pooling. Needs ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
+_ST_FLAGS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
+             "last": "pooling_mode_lasttoken"}
+
+
+def _write_tokenizer(dest: Path, specials: tuple[str, ...], words: int) -> None:
+    """WordPiece over ``specials`` + ``w0..w{words-1}`` with the family's pair template
+    (BERT: ``[CLS] a [SEP] b [SEP]``, the second text token type 1; RoBERTa:
+    ``<s> a </s></s> b </s>``, one token type)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate([*specials, *(f"w{i}" for i in range(words))])}
+    bert = specials == BERT_SPECIALS
+    pad, unk, cls, sep, mask = specials if bert else (specials[1], specials[3], specials[0],
+                                                       specials[2], specials[4])
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    pair = f"{cls} $A {sep} $B:1 {sep}:1" if bert else f"{cls} $A {sep} {sep} $B {sep}"
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=pair,
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, unk_token=unk,
+                            cls_token=cls, sep_token=sep, mask_token=mask,
+                            model_max_length=64, model_input_names=[
+                                "input_ids", "token_type_ids", "attention_mask"]
+                            ).save_pretrained(dest)
+
+
+def write_sentence_transformers_pooling(dest: str | Path, pooling: str,
+                                        hidden_size: int) -> None:
+    """sentence-transformers' ``modules.json`` and ``1_Pooling/config.json``."""
+    dest = Path(dest)
+    (dest / "1_Pooling").mkdir(exist_ok=True)
+    (dest / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    flags = {flag: flag == _ST_FLAGS[pooling] for flag in _ST_FLAGS.values()}
+    (dest / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden_size, **flags}))
+
+
+def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int | None = None,
+                         pooling: str | None = None, seed: int = 0, words: int = 120,
+                         **overrides: Any) -> str:
+    """A random ``family`` ("bert", "roberta", "xlm-roberta") encoder in ``dest``: a base
+    model, or with ``num_labels`` a sequence classifier; ``pooling`` adds a
+    sentence-transformers pooling config. Returns the directory."""
+    import transformers
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    specials = BERT_SPECIALS if family == "bert" else ROBERTA_SPECIALS
+    cfg_cls = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig,
+               "xlm-roberta": transformers.XLMRobertaConfig}[family]
+    kw: dict[str, Any] = dict(vocab_size=len(specials) + words, hidden_size=32,
+                              num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=80)
+    if family != "bert":  # positions start after the padding index; one token type
+        kw.update(pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                  max_position_embeddings=82, type_vocab_size=1)
+    if num_labels is not None:
+        kw["num_labels"] = num_labels
+    cfg = cfg_cls(**{**kw, **overrides})
+    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[family]
+    suffix = "Model" if num_labels is None else "ForSequenceClassification"
+    torch.manual_seed(seed)
+    model = getattr(transformers, prefix + suffix)(cfg).eval()
+    with torch.no_grad():  # (spread the init's 0.02 std so prompts differ clearly)
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "LayerNorm" not in name:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(dest)
+    _write_tokenizer(dest, specials, words)
+    if pooling is not None:
+        write_sentence_transformers_pooling(dest, pooling, cfg.hidden_size)
+    return str(dest)
+
+
+def hf_encoder_outputs(path: str | Path, inputs: list[Any], classifier: bool = False
+                       ) -> list[torch.Tensor]:
+    """transformers' final states (a classifier's logits) on the file in ``path`` for
+    each input alone: a text, a ``(text, text)`` pair (with its token types), or token
+    ids (token type 0 throughout) — the reference the engine is checked against."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    cls = transformers.AutoModelForSequenceClassification if classifier \
+        else transformers.AutoModel
+    model = cls.from_pretrained(path).eval()
+    out = []
+    with torch.no_grad():
+        for x in inputs:
+            if isinstance(x, list):
+                enc = {"input_ids": torch.tensor([x])}
+            elif isinstance(x, tuple):
+                enc = tok(*x, return_tensors="pt")
+            else:
+                enc = tok(x, return_tensors="pt")
+            res = model(**enc)
+            out.append(res.logits[0] if classifier else res.last_hidden_state[0])
+    return out
