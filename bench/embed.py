@@ -58,7 +58,9 @@ def run_pagedserve(path: str, inputs: list[list[int]], step_tokens: int
         llm.shutdown()
 
 
-def run_hf(path: str, inputs: list[list[int]], batch: int) -> tuple[float, torch.Tensor]:
+def run_hf(path: str, inputs: list[list[int]], batch: int, pool: str = "last"
+           ) -> tuple[float, torch.Tensor]:
+    """HF's time and embeddings: the last real token's state, or the first's (``cls``)."""
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
@@ -76,8 +78,9 @@ def run_hf(path: str, inputs: list[list[int]], batch: int) -> tuple[float, torch
                 ids[r, : len(inputs[i])] = torch.tensor(inputs[i])
                 mask[r, : len(inputs[i])] = 1
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            last = hidden[torch.arange(len(idx)), mask.sum(1) - 1]
-            out[idx] = torch.nn.functional.normalize(last, dim=1)
+            rows = torch.zeros(len(idx), dtype=torch.long) if pool == "cls" else mask.sum(1) - 1
+            out[idx] = torch.nn.functional.normalize(hidden[torch.arange(len(idx)), rows],
+                                                     dim=1)
         dt = time.perf_counter() - t0
     return dt, out
 

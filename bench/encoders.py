@@ -26,13 +26,16 @@ import json
 import os
 import platform
 import random
+import sys
 import tempfile
-import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from embed import run_hf, run_pagedserve  # the decoder embedding benchmark's two runs
 
 BGE_SMALL = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=1536, max_position_embeddings=512)
@@ -43,44 +46,6 @@ def make_inputs(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[in
     rng = random.Random(seed)
     return [[2, *(rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi) - 2)), 3]
             for _ in range(n)]
-
-
-def run_pagedserve(path: str, inputs: list[list[int]], step_tokens: int
-                   ) -> tuple[float, torch.Tensor]:
-    from pagedserve.cluster import LLM
-
-    llm = LLM(model=path, max_num_seqs=256, max_num_batched_tokens=step_tokens)
-    try:
-        llm.embed(inputs[:4], use_tqdm=False)  # warm-up
-        t0 = time.perf_counter()
-        outs = llm.embed(inputs, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        return dt, torch.tensor([o.outputs.embedding for o in outs])
-    finally:
-        llm.shutdown()
-
-
-def run_hf(path: str, inputs: list[list[int]], batch: int) -> tuple[float, torch.Tensor]:
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
-    out = torch.empty(len(inputs), model.config.hidden_size)
-    with torch.inference_mode():
-        model(torch.tensor([inputs[0]]))  # warm-up
-        t0 = time.perf_counter()
-        for s in range(0, len(order), batch):
-            idx = order[s: s + batch]
-            width = max(len(inputs[i]) for i in idx)
-            ids = torch.zeros(len(idx), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(idx):
-                ids[r, : len(inputs[i])] = torch.tensor(inputs[i])
-                mask[r, : len(inputs[i])] = 1
-            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            out[idx] = torch.nn.functional.normalize(hidden[:, 0], dim=1)
-        dt = time.perf_counter() - t0
-    return dt, out
 
 
 def main() -> None:
@@ -101,7 +66,7 @@ def main() -> None:
         inputs = make_inputs(args.num_inputs, args.min_len, args.max_len, vocab, args.seed)
         tokens = sum(map(len, inputs))
         ps_dt, ps = run_pagedserve(path, inputs, args.max_num_batched_tokens)
-        hf_dt, hf = run_hf(path, inputs, args.hf_batch)
+        hf_dt, hf = run_hf(path, inputs, args.hf_batch, pool="cls")
     diff = (ps - hf).abs().max().item()
     rows = {"pagedserve LLM.embed": ps_dt,
             f"HF AutoModel (sorted batches of {args.hf_batch})": hf_dt}

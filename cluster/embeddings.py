@@ -145,8 +145,7 @@ class _TextPairs(BaseModel):
     def token_ids(self, batch: list[str | list[int]], tokenizer: Any, vocab_size: int,
                   encoder: bool = False) -> list[list[int]]:
         k = self.truncation()
-        ids = [tokenizer.encode(x) for x in batch]
-        return [x[-k:] if k is not None else x for x in ids]
+        return [truncated_ids(tokenizer.encode(x), k, encoder) for x in batch]
 
 
 class ScoreRequest(_TextPairs):

@@ -7,9 +7,10 @@ decoder embedders' choice: e5-mistral, gte-Qwen2, Qwen3-Embedding), "mean"
 averages every token's, "cls" takes the first token's (BERT-family embedders:
 bge, and their classifiers' heads); None is the model's own choice
 (``model_info["pooling_type"]``: its sentence-transformers pooling, else "cls" for
-an encoder and "last" for a decoder), which the engine fills in; ``normalize`` makes the vector unit length (L2), and
-``dimensions`` keeps only the first that many components before normalising
-(Matryoshka embeddings, OpenAI's ``dimensions``).
+an encoder and "last" for a decoder), which the engine fills in. ``normalize``
+makes the vector unit length (L2), and ``dimensions`` keeps only the first that
+many components before normalising (Matryoshka embeddings, OpenAI's
+``dimensions``).
 
 ``task`` says what the pooled vector is for: "embed" (an embedding model's
 vector), or, on a sequence classifier (``worker.classifier``), "classify" (the

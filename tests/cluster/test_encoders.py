@@ -100,19 +100,24 @@ def test_sentence_transformers_pooling_is_the_default(encoders, tmp_path) -> Non
         sentence_transformers_pooling(tmp_path)
 
 
-def test_cross_encoder_scores_pairs_with_their_token_types(encoders) -> None:
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_cross_encoder_scores_pairs_with_their_token_types(encoders, device) -> None:
     """A one-label BERT cross-encoder: each pair is ``[CLS] a [SEP] b [SEP]`` with the
     second text as token type 1 (the engine derives it from the first separator), its
     head (pooler, then classifier) reads ``[CLS]``; the score is the sigmoid of
-    transformers' logit. Its head takes no other pooling."""
+    transformers' logit (on the CPU, in fp32). Its head takes no other pooling. The
+    ``cuda`` case is a ``gpu`` test for ``bash bench/gpu_check.sh``."""
     path = encoders["cross"]
-    want = [torch.sigmoid(x) for x in hf_encoder_outputs(path, [(QUERY, d) for d in DOCS], classifier=True)]
-    llm = LLM(model=path)
+    want = [torch.sigmoid(x)
+            for x in hf_encoder_outputs(path, [(QUERY, d) for d in DOCS], classifier=True)]
+    llm = LLM(model=path, device=device, dtype="float32")
     try:
         assert llm.engine.model_info["pooling_type"] == "cls"
         scores = llm.score(QUERY, DOCS)
         for s, w in zip(scores, want, strict=True):
-            assert abs(s.outputs.score - w.item()) < 2e-5
+            assert abs(s.outputs.score - w.item()) < (2e-5 if device == "cpu" else 1e-4)
         assert len(set(round(s.outputs.score, 6) for s in scores)) == len(DOCS)
         with pytest.raises(ValueError, match="first token"):
             llm.classify(["w1"], pooling_params=PoolingParams(pooling_type="mean"))

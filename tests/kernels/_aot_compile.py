@@ -7,7 +7,8 @@ cubin with its bundled ptxas without a device, so this script does that for
 the configurations TritonBackend launches. Run in a subprocess: TRITON_INTERPRET
 must be unset when the kernels are decorated.
 
-    python tests/kernels/_aot_compile.py [capability ...]   # default: 90 80
+    python tests/kernels/_aot_compile.py [capability ...] [--only base|sweep]
+                                                         # default: 90 80, both parts
 
 The fused MoE kernels print "ok moe sm_..", the int4 GEMM "ok w4 sm_..". Narrow KV caches (kv_cache_dtype)
 compile as their own variants: fp8 caches
@@ -119,20 +120,33 @@ def build_attention(target, dt: str, g: int, d: int, max_q: int, splits: int,
           tag="ok" if kv == dt else "ok kv")
 
 
-def main(archs: list[int]) -> None:
+def sweep(target) -> None:
+    """What bench/kernels.py --sweep launches on an H100/H200 (decode), and its widest
+    tiles over an fp8 cache (most registers)."""
+    for dt, g, d in (("fp16", 3, 64), ("bf16", 4, 128)):
+        for block_n, warps, stages in LAUNCH_SWEEP:
+            build_attention(target, dt, g, d, 1, 1, block_n, warps, stages)
+        # The default decode launch for a grid short of DECODE_FULL_WAVES waves:
+        # K split in 4 with two stages (64 sequences x 3 KV heads on 132 SMs).
+        build_attention(target, dt, g, d, 1, 4, num_stages=2)
+    for block_n, warps, stages in LAUNCH_SWEEP:
+        if block_n == 128:
+            build_attention(target, "bf16", 4, 128, 1, 1, block_n, warps, stages, kv="e4m3")
+
+
+def main(archs: list[int], parts: tuple[str, ...] = ("base", "sweep")) -> None:
+    """Compile ``parts`` for each of ``archs``: "base", every target's launches, and
+    "sweep", sm_90's launch-setting sweep."""
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
+        if arch == 90 and "sweep" in parts:
+            sweep(target)
+        if "base" not in parts:
+            continue
         for dt, g, d, max_q, splits in attention_configs():
             build_attention(target, dt, g, d, max_q, splits)
         for max_q, splits in ((1, 1), (1, 4), (64, 1)):  # Gemma 2's softcapped scores
             build_attention(target, "bf16", 2, 256, max_q, splits, softcap=True)
-        if arch == 90:  # what bench/kernels.py --sweep launches on an H100/H200 (decode)
-            for dt, g, d in (("fp16", 3, 64), ("bf16", 4, 128)):
-                for block_n, warps, stages in LAUNCH_SWEEP:
-                    build_attention(target, dt, g, d, 1, 1, block_n, warps, stages)
-                # The default decode launch for a grid short of DECODE_FULL_WAVES waves:
-                # K split in 4 with two stages (64 sequences x 3 KV heads on 132 SMs).
-                build_attention(target, dt, g, d, 1, 4, num_stages=2)
         build(_combine_kernel, {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
               dict(HEAD_DIM=80, BLOCK_D=128, NUM_SPLITS=3, SPLITS_P2=4), target)
         build(_store_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32",
@@ -142,11 +156,6 @@ def main(archs: list[int]) -> None:
               dict(CHUNK=4096), target)
         for dt, kv, g, d, max_q, splits in narrow_cache_configs():
             build_attention(target, dt, g, d, max_q, splits, kv=kv)
-        if arch == 90:  # the --sweep's widest tiles over an fp8 cache (most registers)
-            for block_n, warps, stages in LAUNCH_SWEEP:
-                if block_n == 128:
-                    build_attention(target, "bf16", 4, 128, 1, 1, block_n, warps, stages,
-                                    kv="e4m3")
         u8 = {n: "*u8" for n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
         build(_store_kv_kernel, u8 | {"slot_ptr": "*i64"}, dict(ROW=192, BLOCK=256), target,
               tag="ok kv")
@@ -169,4 +178,9 @@ def main(archs: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [90, 80])
+    args = sys.argv[1:]
+    only = ()
+    if "--only" in args:  # one part ("base" or "sweep"), so parts compile side by side
+        i = args.index("--only")
+        only, args = (args[i + 1],), args[:i] + args[i + 2:]
+    main([int(a) for a in args] or [90, 80], only or ("base", "sweep"))

@@ -125,7 +125,8 @@ def test_a_bert_cross_encoder_reranks_over_http(cluster, tmp_path) -> None:
         from transformers import AutoTokenizer
 
         ids = AutoTokenizer.from_pretrained(path)(ask, words[0])["input_ids"]
-        cut = hf_encoder_outputs(path, [ids[:4] + ids[-1:]], True)[0]  # (types from the ids: all 0 here)
+        # [CLS] query [SEP]: no token after the only separator, so every type is 0
+        cut = hf_encoder_outputs(path, [ids[:4] + ids[-1:]], True)[0]
         _close([r.json()["data"][0]["score"]], [torch.sigmoid(cut).item()])
         for route, body, says in [
             ("/v1/embeddings", {"input": "w1"}, "does not embed"),
