@@ -41,7 +41,6 @@ def encoder_engine_config(config: EngineConfig, model_path: str) -> EngineConfig
         "enable_lora": config.enable_lora,
         "speculative_config": config.speculative_config is not None,
         "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
-        "quantization": config.quantization is not None,
         "enable_prompt_embeds": config.enable_prompt_embeds,
         "long_prefill_token_threshold": config.long_prefill_token_threshold > 0,
         "kv_offloading_size": config.offloads_kv(),

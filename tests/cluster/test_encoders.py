@@ -124,6 +124,13 @@ def test_cross_encoder_scores_pairs_with_their_token_types(encoders, device) -> 
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
+    if device == "cpu":  # int8 projections (the head and embeddings stay float)
+        llm = LLM(model=path, quantization="int8")
+        try:
+            for s, w in zip(llm.score(QUERY, DOCS), want, strict=True):
+                assert abs(s.outputs.score - w.item()) < 3e-3
+        finally:
+            llm.shutdown()
 
 
 def test_roberta_classifier_labels_equal_transformers(encoders) -> None:
@@ -162,8 +169,6 @@ def test_what_an_encoder_cannot_serve_is_refused_by_name(encoders, tmp_path) -> 
     path = encoders["bert"]
     with pytest.raises(ValueError, match="enable_lora is not supported for encoder"):
         LLM(model=path, enable_lora=True)
-    with pytest.raises(ValueError, match="quantization is not supported for encoder"):
-        LLM(model=path, quantization="int8")
     llm = LLM(model=path)
     try:
         with pytest.raises(ValueError, match="embedding model"):
