@@ -179,8 +179,8 @@ def test_what_an_encoder_cannot_serve_is_refused_by_name(encoders, tmp_path) -> 
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()
-    cfg = ModelConfig.from_pretrained(path).__dict__ | {}
-    assert cfg["encoder"].type_vocab_size == 2 and cfg["encoder"].sep_token_id == 3
+    enc = ModelConfig.from_pretrained(path).encoder
+    assert enc is not None and enc.type_vocab_size == 2 and enc.sep_token_id == 3
     masked = write_random_encoder(tmp_path / "mlm", "bert")
     text = (tmp_path / "mlm" / "config.json").read_text()
     (tmp_path / "mlm" / "config.json").write_text(text.replace('"BertModel"',
