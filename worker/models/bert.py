@@ -61,7 +61,8 @@ GROUP_RATIO = 1.3
 @dataclass
 class _Group:
     """Prompts padded together: ``index[s, i]`` is the flat row of prompt ``s``'s token
-    ``i`` (``T``, one past the last row, for padding), ``mask`` the keys' validity
+    ``i`` (past its end, its first row again: a padded key is masked out and a padded
+    query's output dropped, so no zero row is copied in), ``mask`` the keys' validity
     (None: no padding), ``valid`` the real positions of the padded ``[S * L]`` batch
     and ``rows`` their flat rows, in the same order."""
 
@@ -98,7 +99,7 @@ class PromptBatch:
         groups, first = [], 0
         for n in range(1, len(order) + 1):
             if n == len(order) or q_lens[order[n]] * GROUP_RATIO < q_lens[order[first]]:
-                groups.append(_group(lens, starts, order[first:n], num_rows, device))
+                groups.append(_group(lens, starts, order[first:n], device))
                 first = n
         seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
         return cls(groups, seq_of_row.to(device), starts.to(device))
@@ -109,18 +110,17 @@ class PromptBatch:
                 self.groups[0].index.shape[0] == 1:  # one prompt: no padding, no gather
             out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)))
             return out[0].transpose(0, 1)
-        padded = [torch.cat([x, x.new_zeros((1, *x.shape[1:]))]) for x in (q, k, v)]
         out = torch.empty_like(q)
         for g in self.groups:
             # [S, L, H, D] -> [S, H, L, D]; the key mask keeps padding out of every row.
-            qp, kp, vp = (x[g.index].transpose(1, 2) for x in padded)
+            qp, kp, vp = (x[g.index].transpose(1, 2) for x in (q, k, v))
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask)
             o = o.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, g.valid)
             out.index_copy_(0, g.rows, o)
         return out
 
 
-def _group(lens: torch.Tensor, starts: torch.Tensor, seqs: list[int], num_rows: int,
+def _group(lens: torch.Tensor, starts: torch.Tensor, seqs: list[int],
            device: torch.device) -> _Group:
     """Prompts ``seqs`` (longest first) padded to the longest."""
     sel = torch.tensor(seqs, dtype=torch.long)
@@ -128,7 +128,7 @@ def _group(lens: torch.Tensor, starts: torch.Tensor, seqs: list[int], num_rows: 
     longest = int(g_lens[0])
     pos = torch.arange(longest)
     ok = pos[None, :] < g_lens[:, None]
-    index = torch.where(ok, g_starts[:, None] + pos[None, :], num_rows)
+    index = torch.where(ok, g_starts[:, None] + pos[None, :], g_starts[:, None])
     valid = torch.nonzero(ok.reshape(-1)).squeeze(1)
     mask = None if bool(ok.all()) else ok.view(len(seqs), 1, 1, longest).to(device)
     return _Group(index.to(device), mask, valid.to(device),
