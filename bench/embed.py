@@ -85,6 +85,27 @@ def run_hf(path: str, inputs: list[list[int]], batch: int, pool: str = "last"
     return dt, out
 
 
+def report(title: str, inputs: list[list[int]], args: argparse.Namespace,
+           ps: tuple[float, torch.Tensor], hf: tuple[float, torch.Tensor]) -> None:
+    """Print both runs' rates, the ratio and the largest difference; ``--json`` too."""
+    (ps_dt, ps_out), (hf_dt, hf_out) = ps, hf
+    tokens = sum(map(len, inputs))
+    diff = (ps_out - hf_out).abs().max().item()
+    rows = {"pagedserve LLM.embed": ps_dt,
+            f"HF AutoModel (sorted batches of {args.hf_batch})": hf_dt}
+    print(f"{title}, {len(inputs)} inputs, {tokens} tokens "
+          f"({min(map(len, inputs))}-{max(map(len, inputs))} each)")
+    for name, dt in rows.items():
+        print(f"{name:>40}: {len(inputs) / dt:8.1f} inputs/s {tokens / dt:9.1f} tokens/s")
+    print(f"pagedserve is {hf_dt / ps_dt:.2f}x Hugging Face; max |difference| {diff:.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": platform.processor() or platform.machine(),
+                       "threads": torch.get_num_threads(), "args": vars(args),
+                       "tokens": tokens, "seconds": {"pagedserve": ps_dt, "hf": hf_dt},
+                       "speedup": hf_dt / ps_dt, "max_abs_diff": diff}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-inputs", type=int, default=256)
@@ -100,23 +121,9 @@ def main() -> None:
     resolved = resolve_model(None)
     inputs = make_inputs(load_tokenizer(resolved), args.num_inputs, args.min_words,
                          args.max_words, args.seed)
-    tokens = sum(map(len, inputs))
-    ps_dt, ps = run_pagedserve(resolved.path, inputs, args.max_num_batched_tokens)
-    hf_dt, hf = run_hf(resolved.path, inputs, args.hf_batch)
-    diff = (ps - hf).abs().max().item()
-    rows = {"pagedserve LLM.embed": ps_dt, f"HF AutoModel (sorted batches of {args.hf_batch})":
-            hf_dt}
-    print(f"SmolLM2-135M fp32, {len(inputs)} inputs, {tokens} tokens "
-          f"({min(map(len, inputs))}-{max(map(len, inputs))} each), last-token pooling")
-    for name, dt in rows.items():
-        print(f"{name:>40}: {len(inputs) / dt:8.1f} inputs/s {tokens / dt:9.1f} tokens/s")
-    print(f"pagedserve is {hf_dt / ps_dt:.2f}x Hugging Face; max |difference| {diff:.2e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": platform.processor() or platform.machine(),
-                       "threads": torch.get_num_threads(), "args": vars(args),
-                       "tokens": tokens, "seconds": {"pagedserve": ps_dt, "hf": hf_dt},
-                       "speedup": hf_dt / ps_dt, "max_abs_diff": diff}, f, indent=1)
+    report("SmolLM2-135M fp32, last-token pooling", inputs, args,
+           run_pagedserve(resolved.path, inputs, args.max_num_batched_tokens),
+           run_hf(resolved.path, inputs, args.hf_batch))
 
 
 if __name__ == "__main__":

@@ -22,20 +22,16 @@ between the two sets of embeddings.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import sys
 import tempfile
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from embed import run_hf, run_pagedserve  # the decoder embedding benchmark's two runs
+from embed import report, run_hf, run_pagedserve  # (the decoder embedding benchmark)
 
 BGE_SMALL = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=1536, max_position_embeddings=512)
@@ -64,23 +60,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_encoder(tmp, "bert", words=vocab - 5, **BGE_SMALL)
         inputs = make_inputs(args.num_inputs, args.min_len, args.max_len, vocab, args.seed)
-        tokens = sum(map(len, inputs))
-        ps_dt, ps = run_pagedserve(path, inputs, args.max_num_batched_tokens)
-        hf_dt, hf = run_hf(path, inputs, args.hf_batch, pool="cls")
-    diff = (ps - hf).abs().max().item()
-    rows = {"pagedserve LLM.embed": ps_dt,
-            f"HF AutoModel (sorted batches of {args.hf_batch})": hf_dt}
-    print(f"random bge-small-shaped BERT fp32, {len(inputs)} inputs, {tokens} tokens "
-          f"({min(map(len, inputs))}-{max(map(len, inputs))} each), [CLS] pooling")
-    for name, dt in rows.items():
-        print(f"{name:>40}: {len(inputs) / dt:8.1f} inputs/s {tokens / dt:9.1f} tokens/s")
-    print(f"pagedserve is {hf_dt / ps_dt:.2f}x Hugging Face; max |difference| {diff:.2e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": platform.processor() or platform.machine(),
-                       "threads": torch.get_num_threads(), "args": vars(args),
-                       "tokens": tokens, "seconds": {"pagedserve": ps_dt, "hf": hf_dt},
-                       "speedup": hf_dt / ps_dt, "max_abs_diff": diff}, f, indent=1)
+        report("random bge-small-shaped BERT fp32, [CLS] pooling", inputs, args,
+               run_pagedserve(path, inputs, args.max_num_batched_tokens),
+               run_hf(path, inputs, args.hf_batch, pool="cls"))
 
 
 if __name__ == "__main__":
