@@ -47,16 +47,16 @@ class BertWeightLoading:
                      on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
         """Load transformers-named tensors; fail naming any missing or unknown one.
         ``on_layer`` gets each layer once everything is in."""
-        pending = set(self._expected_names())
+        head = self._head_names()
+        pending = self._expected_names() | set(head)
         prefix = CHECKPOINT_PREFIX[self.config.model_type]
         for raw, lazy in weights:
             name = raw.removeprefix(prefix)
             name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
             name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
-            if name.startswith(_SKIPPED) or (name.startswith("pooler.")
-                                             and "pooler.dense.weight" not in pending):
+            if name.startswith(_SKIPPED) or (name.startswith("pooler.") and name not in head):
                 continue  # (an embedder's pooler: sentence-transformers never uses it)
-            self._load_one(name, lazy)
+            self._load_one(name, lazy, head)
             pending.discard(name)
         if pending:
             missing = sorted(pending)
@@ -83,15 +83,15 @@ class BertWeightLoading:
     def _expected_names(self) -> set[str]:
         names = {"embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight",
                  "embeddings.token_type_embeddings.weight", "embeddings.LayerNorm.weight",
-                 "embeddings.LayerNorm.bias", *self._head_names()}
+                 "embeddings.LayerNorm.bias"}
         parts = [*_QKV, "attention.output.dense", "attention.output.LayerNorm",
                  "intermediate.dense", "output.dense", "output.LayerNorm"]
         for i in range(self.config.num_layers):
             names |= {f"encoder.layer.{i}.{p}.{w}" for p in parts for w in ("weight", "bias")}
         return names
 
-    def _load_one(self, name: str, lazy: LazyTensor) -> None:
-        head = self._head_names()
+    def _load_one(self, name: str, lazy: LazyTensor,
+                  head: dict[str, tuple[str, bool]]) -> None:
         if name in head:
             part, _ = head[name]
             _copy(name, getattr(self.score, part), lazy)
