@@ -1,21 +1,30 @@
-"""BERT-family embedding throughput: pagedserve ``LLM.embed`` against Hugging Face.
+"""Encoder embedding throughput: pagedserve ``LLM.embed`` against Hugging Face.
 
-Same machine, same random encoder (bge-small-en-v1.5's shape by default: BERT,
-12 layers, hidden 384, 12 heads, 512 positions, 33M parameters; fp32 on CPU),
-same inputs, one run: ``--num-inputs`` prompts of ``--min-len`` to ``--max-len``
-token ids, ``[CLS]`` pooling, L2-normalised.
+Same machine, same random encoder, same inputs, one run: ``--num-inputs``
+prompts of ``--min-len`` to ``--max-len`` token ids, ``[CLS]`` pooling,
+L2-normalised. ``--family`` picks the encoder (fp32 on CPU):
+
+- ``bert``: bge-small-en-v1.5's shape (12 layers, hidden 384, 12 heads, 512
+  positions, 33M parameters);
+- ``modernbert``: ModernBERT-base's (gte-modernbert-base, modernbert-embed-base:
+  22 layers, hidden 768, 12 heads, GeGLU 1,152, local layers seeing 64 tokens
+  each side, 8,192 positions; 149M parameters), by default over longer prompts
+  (``--min-len 256 --max-len 2048``, 24 inputs) where its local layers matter.
 
 - pagedserve: every input submitted at once; each step packs up to
   ``--max-num-batched-tokens`` tokens of whole prompts, the projections run
-  over the real tokens only and attention pads to the step's longest prompt;
+  over the real tokens only and attention pads to the longest prompt of each
+  group of similar lengths (a local layer attends in chunks of its band);
 - Hugging Face: ``AutoModel`` forwards over batches of ``--hf-batch`` inputs
   sorted by length (as sentence-transformers' ``encode`` does, so padding is
-  small), right-padded with an attention mask.
+  small), right-padded with an attention mask (SDPA; its local layers mask the
+  full square to a band).
 
 Prints inputs/s and tokens/s of each, the ratio, and the largest difference
 between the two sets of embeddings.
 
     python bench/encoders.py
+    python bench/encoders.py --family modernbert
     python bench/encoders.py --json bench/figures/encoders.json
 """
 
@@ -35,6 +44,15 @@ from embed import report, run_hf, run_pagedserve  # (the decoder embedding bench
 
 BGE_SMALL = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=1536, max_position_embeddings=512)
+MODERNBERT_BASE = dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                       intermediate_size=1152, max_position_embeddings=8192,
+                       local_attention=128)
+# family -> (shape, title, default (num_inputs, min_len, max_len, hf_batch))
+FAMILIES = {
+    "bert": (BGE_SMALL, "random bge-small-shaped BERT", (256, 16, 256, 32)),
+    "modernbert": (MODERNBERT_BASE, "random ModernBERT-base-shaped encoder",
+                   (24, 256, 2048, 8)),
+}
 
 
 def make_inputs(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -46,22 +64,27 @@ def make_inputs(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-inputs", type=int, default=256)
-    ap.add_argument("--min-len", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=256)
-    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="bert")
+    ap.add_argument("--num-inputs", type=int, default=None)
+    ap.add_argument("--min-len", type=int, default=None)
+    ap.add_argument("--max-len", type=int, default=None)
+    ap.add_argument("--hf-batch", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
+    shape, title, defaults = FAMILIES[args.family]
+    for name, value in zip(("num_inputs", "min_len", "max_len", "hf_batch"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     from pagedserve.worker.testing_encoders import write_random_encoder
 
-    vocab = 30522
+    vocab = 30522 if args.family == "bert" else 50368
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_random_encoder(tmp, "bert", words=vocab - 5, **BGE_SMALL)
+        path = write_random_encoder(tmp, args.family, words=vocab - 5, **shape)
         inputs = make_inputs(args.num_inputs, args.min_len, args.max_len, vocab, args.seed)
-        report("random bge-small-shaped BERT fp32, [CLS] pooling", inputs, args,
-               run_pagedserve(path, inputs, args.max_num_batched_tokens),
+        report(f"{title} fp32, [CLS] pooling", inputs, args,
+               run_pagedserve(path, inputs, max(args.max_num_batched_tokens, args.max_len)),
                run_hf(path, inputs, args.hf_batch, pool="cls"))
 
 

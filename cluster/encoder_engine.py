@@ -1,4 +1,5 @@
-"""What an engine changes to serve a BERT-family encoder (``worker.encoder_config``).
+"""What an engine changes to serve an encoder: BERT, RoBERTa, XLM-R, ModernBERT
+(``worker.encoder_config``).
 
 An encoder attends both ways: a token's state depends on the whole prompt, so
 a prompt runs whole, in one step (no chunked prefill), and no prefix of it can
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def is_encoder(model_path: str) -> bool:
-    """Whether the checkpoint in ``model_path`` is a BERT-family encoder."""
+    """Whether the checkpoint in ``model_path`` is an encoder (``ENCODER_MODEL_TYPES``)."""
     path = Path(model_path) / "config.json"
     if not path.is_file():
         return False
@@ -49,7 +50,8 @@ def encoder_engine_config(config: EngineConfig, model_path: str) -> EngineConfig
     for option, on in refused.items():
         if on:
             raise ValueError(f"{option} is not supported for encoder models (BERT, RoBERTa, "
-                             "XLM-RoBERTa): they embed and classify whole prompts")
+                             "XLM-RoBERTa, ModernBERT): they embed and classify whole "
+                             "prompts")
     if config.enable_prefix_caching or config.enable_chunked_prefill:
         logger.info("encoder model: prefix caching and chunked prefill are off (each "
                     "prompt runs whole, attending both ways)")

@@ -26,8 +26,8 @@ from pagedserve.worker.classifier import activate
 def resolved_pooling(pooling: PoolingParams | None, model_info: dict[str, Any]
                      ) -> PoolingParams | None:
     """``pooling`` with the model's own pooling type where it names none
-    (``model_info["pooling_type"]``); an encoder's classifier head reads the first
-    token, so it takes no other type."""
+    (``model_info["pooling_type"]``); an encoder's classifier head reads what it was
+    trained on (the first token, or ModernBERT's mean), so it takes no other type."""
     if pooling is None:
         return None
     own = model_info.get("pooling_type") or "last"
@@ -35,7 +35,7 @@ def resolved_pooling(pooling: PoolingParams | None, model_info: dict[str, Any]
         return replace(pooling, pooling_type=own)
     if model_info.get("encoder") and model_info.get("classifier") is not None and \
             pooling.pooling_type != own:
-        raise ValueError(f"this classifier's head reads the first token ({own!r} pooling); "
+        raise ValueError(f"this classifier's head reads {own!r} pooling; "
                          f"pooling_type {pooling.pooling_type!r} does not apply to it")
     return pooling
 
@@ -85,7 +85,7 @@ class PoolAccumulator:
 
     def add(self, part: Any) -> None:
         """Fold one runner part (see ``worker.pooling.pool_hidden``) in."""
-        if part[0] in ("last", "cls"):
+        if part[0] in ("last", "cls", "whole"):
             self.total, self.count = part[1], 1
             return
         _, chunk_sum, n, position = part

@@ -221,6 +221,8 @@ class ScoreHead(nn.Module):
     """The ``score`` projection, whole on each rank; applied in fp32 to pooled states
     (it is linear without a bias, so a mean-pooled sum may pass through it first)."""
 
+    linear = True
+
     def __init__(self, num_labels: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()

@@ -1,4 +1,5 @@
-"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa): what their ``config.json`` says.
+"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa, ModernBERT): what their
+``config.json`` says.
 
 These are the models most embedding and reranking deployments run (bge, e5,
 gte, MiniLM sentence-transformers, ms-marco and bge cross-encoders). Unlike the
@@ -11,7 +12,8 @@ and chunked prefill off and no KV cache (``worker.models.bert``).
 labels; ``head_dim`` hidden / heads, no RoPE) plus ``EncoderConfig``: the
 embedding tables (positions, token types), the post-norm eps, the activation,
 and which classification head a ``...ForSequenceClassification`` file carries
-(BERT's pooler then classifier, RoBERTa's dense / out_proj pair).
+(BERT's pooler then classifier, RoBERTa's dense / out_proj pair). ModernBERT's
+file is read by ``modernbert_config``.
 """
 
 from __future__ import annotations
@@ -19,24 +21,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.worker.classifier import classifier_config
+from pagedserve.worker.classifier import ClassifierConfig, classifier_config
 from pagedserve.worker.config_fields import positive_int, require
 
 if TYPE_CHECKING:
     from pagedserve.worker.config import ModelConfig
 
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
 # transformers' names for the activations these files use -> torch's gelu approximation.
-_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 # What each family calls the encoder inside a ``...ForSequenceClassification`` file.
-CHECKPOINT_PREFIX = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta."}
+CHECKPOINT_PREFIX = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta.",
+                     "modernbert": "model."}
 
 
 @dataclass(frozen=True)
 class EncoderConfig:
     """What a BERT-family encoder needs beyond ``ModelConfig``'s sizes."""
 
-    family: str  # "bert" (pooler + classifier head) or "roberta" (dense + out_proj head)
+    # "bert" (pooler + classifier head), "roberta" (dense + out_proj head) or
+    # "modernbert" (pre-norm, RoPE, GeGLU, local attention; ``modernbert_config``).
+    family: str
     type_vocab_size: int
     position_table: int  # rows of the position embedding (``max_position_embeddings``)
     position_offset: int  # RoBERTa numbers positions from ``pad_token_id + 1``
@@ -44,6 +49,17 @@ class EncoderConfig:
     gelu_approximate: str  # torch's ``approximate`` for the MLP's GELU
     # A pair's second text gets token type 1 (BERT): the ids after the first separator.
     sep_token_id: int | None = None
+    norm_bias: bool = True  # (ModernBERT's LayerNorms have none)
+    mlp_bias: bool = True
+    # Per layer: how far a token sees either way (0: the whole prompt). ModernBERT's
+    # local layers see 64 tokens each side; BERT's layers see everything.
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0  # RoPE base of the local layers (ModernBERT)
+    # What the classifier head reads: the first token ("cls") or every token's mean
+    # (ModernBERT's ``classifier_pooling: mean``); its activation and dense bias.
+    head_pooling: str = "cls"
+    head_gelu_approximate: str = "none"
+    head_bias: bool = True
 
 
 def _sep_token_id(tokenizer_dir: str | None) -> int | None:
@@ -60,11 +76,9 @@ def _sep_token_id(tokenizer_dir: str | None) -> int | None:
     return int(sep) if sep is not None else None
 
 
-def encoder_model_config(cls: type[ModelConfig], cfg: dict[str, Any],
-                         tokenizer_dir: str | None) -> ModelConfig:
-    """``ModelConfig`` of a BERT / RoBERTa / XLM-R ``config.json`` (with any overrides).
-
-    Only the base model (an embedder) and ``...ForSequenceClassification`` (a
+def encoder_classifier(cfg: dict[str, Any]) -> ClassifierConfig | None:
+    """The file's classifier head (None: a base model, an embedder); a ``ValueError``
+    for any other class. Only the base model and ``...ForSequenceClassification`` (a
     classifier or cross-encoder) are served: a masked-LM head generates nothing."""
     model_type = cfg["model_type"]
     arch = cfg.get("architectures") or []
@@ -78,15 +92,33 @@ def encoder_model_config(cls: type[ModelConfig], cfg: dict[str, Any],
     if classifier is not None and classifier.from_tokens:
         raise ValueError("classifier_from_token is for decoders with an LM head; this "
                          f"{model_type} file has none")
+    return classifier
+
+
+def gelu_approximate(cfg: dict[str, Any], field: str, default: str) -> str:
+    """torch's GELU ``approximate`` for the activation named in ``cfg[field]``."""
+    act = cfg.get(field, default)
+    if act not in GELU:
+        raise ValueError(f"model config field {field!r} must be one of {sorted(GELU)}, "
+                         f"got {act!r}")
+    return GELU[act]
+
+
+def encoder_model_config(cls: type[ModelConfig], cfg: dict[str, Any],
+                         tokenizer_dir: str | None) -> ModelConfig:
+    """``ModelConfig`` of a BERT / RoBERTa / XLM-R / ModernBERT ``config.json`` (with any
+    overrides)."""
+    model_type = cfg["model_type"]
+    if model_type == "modernbert":
+        from pagedserve.worker.modernbert_config import modernbert_model_config
+
+        return modernbert_model_config(cls, cfg)
+    classifier = encoder_classifier(cfg)
     hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
     heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
     if hidden % heads:
         raise ValueError(f"model config field 'num_attention_heads' ({heads}) must divide "
                          f"hidden_size ({hidden})")
-    act = cfg.get("hidden_act", "gelu")
-    if act not in _GELU:
-        raise ValueError(f"model config field 'hidden_act' must be one of {sorted(_GELU)}, "
-                         f"got {act!r}")
     pos_type = cfg.get("position_embedding_type", "absolute")
     if pos_type != "absolute":
         raise ValueError("model config field 'position_embedding_type' must be 'absolute', "
@@ -110,7 +142,7 @@ def encoder_model_config(cls: type[ModelConfig], cfg: dict[str, Any],
     encoder = EncoderConfig(
         family="bert" if model_type == "bert" else "roberta", type_vocab_size=types,
         position_table=table, position_offset=offset, layer_norm_eps=float(eps),
-        gelu_approximate=_GELU[act],
+        gelu_approximate=gelu_approximate(cfg, "hidden_act", "gelu"),
         sep_token_id=_sep_token_id(tokenizer_dir) if types > 1 else None)
     eos = cfg.get("eos_token_id")
     return cls(

@@ -32,17 +32,23 @@ class PoolJob:
 def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob],
                 head: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> dict[str, tuple]:
-    """``{request_id: ("last" | "cls", vector) | ("mean", sum, count, position)}`` on the
-    CPU ("cls" jobs are the chunks that start at position 0).
+    """``{request_id: ("last" | "cls" | "whole", vector) | ("mean", sum, count,
+    position)}`` on the CPU ("cls" jobs are the chunks that start at position 0).
 
     ``head`` (a classifier's ``ScoreHead``) maps each vector to label logits here, so
-    only ``num_labels`` numbers a request leave the rank; it is linear, so a chunk's
-    sum passes through it as the mean would."""
+    only ``num_labels`` numbers a request leave the rank; a linear one (``head.linear``)
+    takes a chunk's sum as it would the mean. An encoder's head is not linear, but its
+    prompt is whole in one chunk: it gets the mean ("whole", a finished vector)."""
     out: dict[str, tuple] = {}
     for j in jobs:
         if j.pooling in ("last", "cls"):
             v = hidden[j.end - 1 if j.pooling == "last" else j.start].float()
             out[j.request_id] = (j.pooling, (head(v) if head is not None else v).cpu())
+        elif head is not None and not getattr(head, "linear", True):
+            if j.position != 0:
+                raise RuntimeError(f"request {j.request_id}: a non-linear head pools a "
+                                   "whole prompt, not a chunk")
+            out[j.request_id] = ("whole", head(hidden[j.start:j.end].float().mean(0)).cpu())
         else:
             v = hidden[j.start:j.end].float().sum(0)
             out[j.request_id] = ("mean", (head(v) if head is not None else v).cpu(),

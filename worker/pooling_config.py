@@ -7,7 +7,8 @@ vector (``pooling_mode_cls_token``, ``pooling_mode_mean_tokens``,
 ``pooling_mode_lasttoken``). vLLM reads the same file. Without one, an encoder
 pools its first token (``[CLS]``, the token BERT's heads read) and a decoder
 its last (the only one that has seen the whole prompt). A classifier's head
-decides for itself: an encoder's reads the first token, a decoder's the last.
+decides for itself: an encoder's reads the first token (ModernBERT's may read the
+mean, ``classifier_pooling``), a decoder's the last.
 """
 
 from __future__ import annotations
@@ -65,6 +66,6 @@ def sentence_transformers_pooling(path: str | Path) -> str | None:
 def default_pooling_type(path: str | Path, mc: ModelConfig) -> str:
     """The pooling a request gets when it names none (see the module docstring)."""
     first_token = "cls" if mc.encoder is not None else "last"
-    if mc.classifier is not None:
-        return first_token
+    if mc.classifier is not None:  # (what its head was trained on)
+        return mc.encoder.head_pooling if mc.encoder is not None else first_token
     return sentence_transformers_pooling(path) or first_token

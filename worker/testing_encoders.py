@@ -1,10 +1,12 @@
-"""Random BERT-family checkpoints with a WordPiece tokenizer, for tests and benchmarks.
+"""Random BERT-family (and ModernBERT) checkpoints with a WordPiece tokenizer, for tests
+and benchmarks.
 
 transformers writes them (``BertModel``, ``XLMRobertaForSequenceClassification``...)
 and the engine loads them through its real loader, so a comparison against
 transformers on the same directory checks the whole path. Words are ``w0`` ..
 ``w{n}``; RoBERTa-style files use ``<s>`` / ``</s>`` / ``<pad>`` (ids 0-2) as
-their separators and padding, BERT-style ones ``[CLS]`` / ``[SEP]`` / ``[PAD]``.
+their separators and padding, BERT-style and ModernBERT ones ``[CLS]`` / ``[SEP]`` /
+``[PAD]``.
 An optional sentence-transformers ``modules.json`` + ``1_Pooling`` names the
 pooling. Needs ``transformers``.
 """
@@ -23,10 +25,12 @@ _ST_FLAGS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens"
              "last": "pooling_mode_lasttoken"}
 
 
-def _write_tokenizer(dest: Path, specials: tuple[str, ...], words: int) -> None:
+def _write_tokenizer(dest: Path, specials: tuple[str, ...], words: int,
+                     token_types: bool = True) -> None:
     """WordPiece over ``specials`` + ``w0..w{words-1}`` with the family's pair template
     (BERT: ``[CLS] a [SEP] b [SEP]``, the second text token type 1; RoBERTa:
-    ``<s> a </s></s> b </s>``, one token type)."""
+    ``<s> a </s></s> b </s>``, one token type); without ``token_types`` (ModernBERT,
+    whose model takes none) the tokenizer returns no token type ids."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -44,8 +48,8 @@ def _write_tokenizer(dest: Path, specials: tuple[str, ...], words: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, unk_token=unk,
                             cls_token=cls, sep_token=sep, mask_token=mask,
                             model_max_length=64, model_input_names=[
-                                "input_ids", "token_type_ids", "attention_mask"]
-                            ).save_pretrained(dest)
+                                "input_ids", *(["token_type_ids"] if token_types else []),
+                                "attention_mask"]).save_pretrained(dest)
 
 
 def write_sentence_transformers_pooling(dest: str | Path, pooling: str,
@@ -67,26 +71,35 @@ def write_sentence_transformers_pooling(dest: str | Path, pooling: str,
 def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int | None = None,
                          pooling: str | None = None, seed: int = 0, words: int = 120,
                          **overrides: Any) -> str:
-    """A random ``family`` ("bert", "roberta", "xlm-roberta") encoder in ``dest``: a base
-    model, or with ``num_labels`` a sequence classifier; ``pooling`` adds a
-    sentence-transformers pooling config. Returns the directory."""
+    """A random ``family`` ("bert", "roberta", "xlm-roberta", "modernbert") encoder in
+    ``dest``: a base model, or with ``num_labels`` a sequence classifier; ``pooling``
+    adds a sentence-transformers pooling config. Returns the directory.
+
+    The ModernBERT has three layers (global, local, local) whose local window of 8
+    (4 positions each side) is far shorter than the test prompts."""
     import transformers
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    specials = BERT_SPECIALS if family == "bert" else ROBERTA_SPECIALS
+    specials = ROBERTA_SPECIALS if family in ("roberta", "xlm-roberta") else BERT_SPECIALS
     cfg_cls = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig,
-               "xlm-roberta": transformers.XLMRobertaConfig}[family]
+               "xlm-roberta": transformers.XLMRobertaConfig,
+               "modernbert": transformers.ModernBertConfig}[family]
     kw: dict[str, Any] = dict(vocab_size=len(specials) + words, hidden_size=32,
                               num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=64, max_position_embeddings=80)
-    if family != "bert":  # positions start after the padding index; one token type
+    if family in ("roberta", "xlm-roberta"):  # positions after the padding index; one type
         kw.update(pad_token_id=1, bos_token_id=0, eos_token_id=2,
                   max_position_embeddings=82, type_vocab_size=1)
+    elif family == "modernbert":  # ([PAD], [CLS], [SEP] are ids 0, 2, 3)
+        kw.update(num_hidden_layers=3, local_attention=8,
+                  pad_token_id=0, bos_token_id=2, cls_token_id=2, eos_token_id=3,
+                  sep_token_id=3)
     if num_labels is not None:
         kw["num_labels"] = num_labels
     cfg = cfg_cls(**{**kw, **overrides})
-    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[family]
+    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta",
+              "modernbert": "ModernBert"}[family]
     suffix = "Model" if num_labels is None else "ForSequenceClassification"
     torch.manual_seed(seed)
     model = getattr(transformers, prefix + suffix)(cfg).eval()
@@ -94,8 +107,10 @@ def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int
         for name, p in model.named_parameters():
             if p.dim() == 2 and "LayerNorm" not in name:
                 p.normal_(0.0, 0.15)
+            elif p.dim() == 1 and family == "modernbert" and "norm" in name:
+                p.normal_(1.0, 0.2)  # (its norms' weights, else all ones)
     model.save_pretrained(dest)
-    _write_tokenizer(dest, specials, words)
+    _write_tokenizer(dest, specials, words, token_types=family != "modernbert")
     if pooling is not None:
         write_sentence_transformers_pooling(dest, pooling, cfg.hidden_size)
     return str(dest)

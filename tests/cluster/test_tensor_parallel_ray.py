@@ -393,13 +393,17 @@ def test_sharded_classifier_equals_hugging_face(ray_cluster, tmp_path, layout) -
         llm.shutdown()
 
 
-def test_tp2_encoder_cross_encoder_equals_transformers(ray_cluster, tmp_path) -> None:
-    """A BERT cross-encoder over two ranks: q/k/v, the MLP input and the word embedding
-    split, the row-parallel biases added once, the head whole on rank 0."""
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_tp2_encoder_cross_encoder_equals_transformers(ray_cluster, tmp_path, family) -> None:
+    """A cross-encoder over two ranks: q/k/v, the MLP input and the word embedding
+    split, the row-parallel biases added once, the head whole on rank 0. BERT reads
+    ``[CLS]``; the ModernBERT (RoPE, local layers, GeGLU split as input and gate
+    halves) pools every token's mean."""
     from pagedserve.worker.testing_encoders import hf_encoder_outputs, write_random_encoder
     from tests.cluster.test_encoders import DOCS, QUERY
 
-    path = write_random_encoder(tmp_path / "cross", "bert", num_labels=1, seed=4)
+    extra = {"classifier_pooling": "mean"} if family == "modernbert" else {}
+    path = write_random_encoder(tmp_path / "cross", family, num_labels=1, seed=4, **extra)
     want = [torch.sigmoid(x) for x in hf_encoder_outputs(path, [(QUERY, d) for d in DOCS], True)]
     llm = LLM(model=path, tensor_parallel_size=2, num_threads=1)
     try:

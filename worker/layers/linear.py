@@ -118,10 +118,11 @@ class QKVParallelLinear(PackableLinear):
 
 
 class MergedColumnParallelLinear(PackableLinear):
-    """Several column-parallel outputs in one matmul (gate and up projections)."""
+    """Several column-parallel outputs in one matmul (gate and up projections), with an
+    optional bias (ModernBERT's ``Wi`` may have one)."""
 
     def __init__(self, in_features: int, out_features: list[int], ctx: ParallelContext,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, bias: bool = False):
         super().__init__()
         for o in out_features:
             if o % ctx.world_size:
@@ -131,9 +132,10 @@ class MergedColumnParallelLinear(PackableLinear):
         self.local_sizes = [o // ctx.world_size for o in out_features]
         self.rank = ctx.rank
         self.weight = _param((sum(self.local_sizes), in_features), dtype, device)
+        self.bias = _param((sum(self.local_sizes),), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.with_lora(self.matmul(x), x)
+        return self.with_lora(self.matmul(x, self.bias), x)
 
     @property
     def weight_out_features(self) -> int:
@@ -156,11 +158,17 @@ class MergedColumnParallelLinear(PackableLinear):
         n = self.local_sizes[index]
         return a, b[self.rank * n:(self.rank + 1) * n], sum(self.local_sizes[:index])
 
-    def load(self, index: int, lazy: LazyTensor) -> None:
-        _check_shape(f"merged[{index}]", lazy, (self.full_sizes[index], self.in_features))
+    def load(self, index: int, lazy: LazyTensor, is_bias: bool = False) -> None:
+        """Copy this rank's rows of output ``index``'s full weight (or bias)."""
+        target = self.bias if is_bias else self.weight
+        if target is None:
+            raise ValueError(f"checkpoint has a bias for merged[{index}] but the layer has "
+                             "none")
+        full = self.full_sizes[index]
+        _check_shape(f"merged[{index}]", lazy, (full,) if is_bias else (full, self.in_features))
         n = self.local_sizes[index]
         off = sum(self.local_sizes[:index])
-        self.weight.data[off:off + n].copy_(lazy[self.rank * n:(self.rank + 1) * n])
+        target.data[off:off + n].copy_(lazy[self.rank * n:(self.rank + 1) * n])
 
 
 class ColumnParallelLinear(PackableLinear):

@@ -6,6 +6,7 @@ from pagedserve.worker.models.bert import BertModel
 from pagedserve.worker.models.deepseek import DeepseekForCausalLM
 from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.modernbert import ModernBertModel
 
 MODEL_REGISTRY = {
     "llama": LlamaForCausalLM,
@@ -23,6 +24,8 @@ MODEL_REGISTRY = {
     "bert": BertModel,  # (encoders: embeddings and classification, ``encoder_config``)
     "roberta": BertModel,
     "xlm-roberta": BertModel,
+    "modernbert": ModernBertModel,  # (RoPE, local attention: ``modernbert_config``)
 }
 
-__all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM"]
+__all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
+           "LlamaForCausalLM", "ModernBertModel"]

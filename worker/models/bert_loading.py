@@ -25,7 +25,7 @@ _QKV = {"attention.self.query": "q", "attention.self.key": "k", "attention.self.
 _SKIPPED = ("cls.", "lm_head.", "embeddings.position_ids", "embeddings.token_type_ids")
 
 
-def _copy(name: str, target: torch.Tensor, lazy: LazyTensor) -> None:
+def copy_checked(name: str, target: torch.Tensor, lazy: LazyTensor) -> None:
     if tuple(lazy.shape) != tuple(target.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != "
                          f"{tuple(target.shape)}")
@@ -65,10 +65,6 @@ class BertWeightLoading:
         for i, layer in enumerate(self.layers if on_layer is not None else ()):
             on_layer(f"encoder.layer.{i}", layer)
 
-    def owns_tensor(self, name: str) -> bool:
-        """Every rank reads every tensor (its shard of the split ones)."""
-        return True
-
     def _head_names(self) -> dict[str, tuple[str, bool]]:
         """A classifier file's head tensors -> (``EncoderClassifierHead`` part, is bias)."""
         if self.score is None:
@@ -94,7 +90,7 @@ class BertWeightLoading:
                   head: dict[str, tuple[str, bool]]) -> None:
         if name in head:
             part, _ = head[name]
-            _copy(name, getattr(self.score, part), lazy)
+            copy_checked(name, getattr(self.score, part), lazy)
             return
         simple = {"embeddings.position_embeddings.weight": self.position_embeddings,
                   "embeddings.token_type_embeddings.weight": self.token_type_embeddings,
@@ -104,7 +100,7 @@ class BertWeightLoading:
             self.embed_tokens.load(lazy)
             return
         if name in simple:
-            _copy(name, simple[name], lazy)
+            copy_checked(name, simple[name], lazy)
             return
         m = _LAYER_RE.match(name)
         if m is None or int(m.group(1)) >= len(self.layers):
@@ -120,6 +116,6 @@ class BertWeightLoading:
             layer.down_proj.load(lazy, is_bias)
         elif part in ("attention.output.LayerNorm", "output.LayerNorm"):
             norm = layer.attention.norm if part.startswith("attention") else layer.norm
-            _copy(name, norm.bias if is_bias else norm.weight, lazy)
+            copy_checked(name, norm.bias if is_bias else norm.weight, lazy)
         else:
             raise ValueError(f"unexpected weight in checkpoint: {name}")
