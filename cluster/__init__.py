@@ -13,6 +13,8 @@ from pagedserve.cluster.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -25,5 +27,5 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput",
            "EmbeddingOutput", "EmbeddingRequestOutput", "EngineConfig", "LoRARequest",
-           "PoolingParams", "RequestOutput", "SamplingParams", "ScoringOutput",
+           "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput", "SamplingParams", "ScoringOutput",
            "ScoringRequestOutput", "VideoClip"]

@@ -1,6 +1,6 @@
 """``POST /v1/embeddings``: the OpenAI request, the replica calls, the response; the
-bodies of vLLM's classify, score and rerank routes (``pooling_api``) and the
-classification response.
+bodies of vLLM's classify, pooling, score and rerank routes (``pooling_api``) and the
+classification and pooling responses.
 
 Each input is one engine request (``EngineRequest.pooling`` set) sent with the
 prefix-affinity router like a completion, so inputs that share a prefix meet
@@ -122,6 +122,36 @@ def classification_response(rid: str, created: int, model: str,
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": i, "label": labels[best] if best < len(labels) else None,
                      "probs": probs, "num_classes": len(probs)})
+    return {"id": rid, "object": "list", "created": created, "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                      "completion_tokens": 0, "prompt_tokens_details": None}}
+
+
+class PoolingRequest(_PooledInputs):
+    """vLLM's ``POST /pooling`` body: ``task`` (None: the model's token task,
+    "token_classify" for a classifier, else "token_embed"; "embed" and "classify"
+    give one vector per input), with the embeddings' and classification's options."""
+
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool = True
+    use_activation: bool = True
+
+
+def pooling_response(rid: str, created: int, model: str, results: list[dict[str, Any]],
+                     fmt: str) -> dict[str, Any]:
+    """vLLM's pooling ``list``: each input's result as ``data`` (a token task's: a row
+    per token; ``base64``: the rows' float32 bytes end to end), with token usage."""
+    tokens = sum(r["prompt_tokens"] for r in results)
+    data = []
+    for i, r in enumerate(results):
+        value = r["embedding"]
+        if fmt == "base64":
+            flat = [x for row in value for x in row] if value and \
+                isinstance(value[0], list) else value
+            value = encode_vector(flat, fmt)
+        data.append({"index": i, "object": "pooling", "data": value})
     return {"id": rid, "object": "list", "created": created, "model": model, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
                       "completion_tokens": 0, "prompt_tokens_details": None}}

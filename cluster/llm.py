@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_sequences
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
@@ -15,6 +17,8 @@ from pagedserve.cluster.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -253,6 +257,32 @@ class LLM:
                           truncate_prompt_tokens, "classify")
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
                                             ClassificationOutput(o.embedding or []), o.finished)
+                for o in outs]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: each prompt's pooled result as a tensor. The token
+        tasks give a row per prompt token: "token_embed" each token's final state (L2-
+        normalised unless ``pooling_params`` says not), "token_classify" each token's
+        label probabilities (a ``...ForTokenClassification`` encoder, or a decoder
+        sequence classifier's head on every prefix). ``pooling_task`` None: the
+        model's own token task; "embed" / "classify" / "score" give one vector."""
+        if pooling_task is None:
+            classifier = self.engine.model_info.get("classifier")
+            pooling_task = "token_embed" if classifier is None else "token_classify"
+        pooling = dataclasses.replace(pooling_params or PoolingParams(), task=pooling_task)
+        outs = self._pool(_prompt_list(prompts), pooling, use_tqdm, lora_request,
+                          truncate_prompt_tokens, pooling_task)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids,
+                                     PoolingOutput(torch.tensor(o.embedding or [])),
+                                     o.finished)
                 for o in outs]
 
     def score(

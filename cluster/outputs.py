@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -42,7 +45,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    embedding: list[float] | None = None
+    embedding: list[float] | list[list[float]] | None = None  # (token tasks: a row a token)
     kv_transfer: Any = None
     prompt_logprob_ranks: list[int | None] | None = None
     delta: bool = False  # outputs hold only what is new since the request's previous one
@@ -101,4 +104,22 @@ class ClassificationRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: a pooling request's raw result; for the token tasks a ``[tokens, width]``
+    tensor (each token's state, or its label probabilities)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.encode`` returns per input (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
     finished: bool = True

@@ -8,7 +8,10 @@ Then ``dimensions`` truncates (Matryoshka) and ``normalize`` scales to unit
 L2 norm, as vLLM and OpenAI's ``dimensions`` do. A sequence classifier's parts
 are already label logits (the rank applied its ``score`` head); its result is
 their activation (``worker.classifier``): the label probabilities for
-"classify", a pair's relevance for "score".
+"classify", a pair's relevance for "score". The token tasks ("all" pooling) get
+each chunk's rows and stack them in prompt order: every token's state
+(normalised one by one) for "token_embed", every token's label probabilities
+for "token_classify".
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.scheduler.pooling_params import PoolingParams
+from pagedserve.scheduler.pooling_params import TOKEN_TASKS, PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.classifier import activate
 
@@ -30,7 +33,11 @@ def resolved_pooling(pooling: PoolingParams | None, model_info: dict[str, Any]
     trained on (the first token, or ModernBERT's mean), so it takes no other type."""
     if pooling is None:
         return None
+    if pooling.task in TOKEN_TASKS:
+        return replace(pooling, pooling_type="all")
     own = model_info.get("pooling_type") or "last"
+    if own == "all":  # a token classifier: pool_for names the tasks it serves
+        return pooling
     if pooling.pooling_type is None:
         return replace(pooling, pooling_type=own)
     if model_info.get("encoder") and model_info.get("classifier") is not None and \
@@ -58,12 +65,22 @@ def pool_for(pooling: PoolingParams | None, params: SamplingParams,
         return None
     if params.n != 1:
         raise ValueError("n must be 1 for an embedding request")
-    if classifier is None and pooling.task != "embed":
-        raise ValueError(f"task {pooling.task!r} needs a sequence classifier (a "
+    task = pooling.task
+    if classifier is None and task not in ("embed", "token_embed"):
+        raise ValueError(f"task {task!r} needs a sequence classifier (a "
                          "...ForSequenceClassification checkpoint); this model embeds")
-    if classifier is not None and pooling.task == "embed":
-        raise ValueError("this model is a sequence classifier: it classifies and scores "
-                         "(POST /classify, /score, /rerank), it does not embed")
+    if classifier is not None and task in ("embed", "token_embed"):
+        raise ValueError("this model is a classifier: it classifies and scores "
+                         "(POST /classify, /score, /rerank, /pooling), it does not embed")
+    if classifier is not None and classifier.get("per_token") and task != "token_classify":
+        raise ValueError(f"this model is a token classifier (...ForTokenClassification): it "
+                         f"labels each token (task 'token_classify': LLM.encode, POST "
+                         f"/pooling), not task {task!r}")
+    if task == "token_classify" and classifier is not None and \
+            model_info.get("encoder") and not classifier.get("per_token"):
+        raise ValueError("task 'token_classify' needs a token classifier "
+                         "(...ForTokenClassification) or a decoder's score head; this "
+                         "encoder's head reads one pooled state")
     if pooling.task == "score" and classifier["num_labels"] != 1:
         raise ValueError("scoring a text pair takes a one-label classifier (a "
                          f"cross-encoder); this one has {classifier['num_labels']} labels")
@@ -82,11 +99,18 @@ class PoolAccumulator:
         self.classifier = classifier
         self.total: torch.Tensor | None = None
         self.count = 0
+        self.rows: list[torch.Tensor] = []  # "all": the chunks' rows, in prompt order
 
     def add(self, part: Any) -> None:
         """Fold one runner part (see ``worker.pooling.pool_hidden``) in."""
         if part[0] in ("last", "cls", "whole"):
             self.total, self.count = part[1], 1
+            return
+        if part[0] == "all":
+            _, rows, position = part
+            if position == 0:  # (a recomputed prompt starts over)
+                self.rows = []
+            self.rows.append(rows)
             return
         _, chunk_sum, n, position = part
         if position == 0 or self.total is None:
@@ -95,19 +119,24 @@ class PoolAccumulator:
             self.total += chunk_sum
         self.count += n
 
-    def result(self) -> list[float]:
+    def result(self) -> list[float] | list[list[float]]:
         """The embedding: mean (or last) state, truncated, then normalised if asked; a
         classifier's label logits through its activation (unless ``use_activation`` is
-        off)."""
-        if self.total is None or self.count == 0:
+        off). The token tasks: one such row per prompt token."""
+        if self.params.task in TOKEN_TASKS:
+            if not self.rows:
+                raise RuntimeError("token pooling request finished without hidden states")
+            v = torch.cat(self.rows)
+        elif self.total is None or self.count == 0:
             raise RuntimeError("embedding request finished without pooled hidden states")
-        v = self.total / self.count
+        else:
+            v = self.total / self.count
         if self.classifier is not None:
             key = "score_activation" if self.params.task == "score" else "activation"
             return (activate(v, self.classifier[key]) if self.params.use_activation
                     else v).tolist()
         if self.params.dimensions is not None:
-            v = v[: self.params.dimensions]
+            v = v[..., : self.params.dimensions]
         if self.params.normalize:
-            v = torch.nn.functional.normalize(v, dim=0)
+            v = torch.nn.functional.normalize(v, dim=-1)
         return v.tolist()

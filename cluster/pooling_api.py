@@ -1,5 +1,6 @@
-"""The pooling routes: OpenAI's ``POST /v1/embeddings``, vLLM's ``POST /classify``, and
-vLLM's ``POST /score`` and ``POST /rerank`` (also under ``/v1/``) on top of them.
+"""The pooling routes: OpenAI's ``POST /v1/embeddings``, vLLM's ``POST /classify`` and
+``POST /pooling`` (the token tasks: a row per prompt token), and vLLM's ``POST
+/score`` and ``POST /rerank`` (also under ``/v1/``) on top of them.
 
 Score and rerank answer how related two texts are as vLLM does. An embedding model
 (a bi-encoder) gives the cosine similarity of their embeddings: every distinct
@@ -21,18 +22,21 @@ from fastapi import APIRouter, Request
 from pagedserve.cluster.embeddings import (
     ClassificationRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     classification_response,
     embed_all,
     embedding_response,
+    pooling_response,
 )
+from pagedserve.cluster.pooling import pool_for
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.request_ids import request_ids
 from pagedserve.cluster.responses import now
 from pagedserve.cluster.router import routed_request
 from pagedserve.cluster.text_pairs import pair_token_ids
-from pagedserve.scheduler.pooling_params import PoolingParams
+from pagedserve.scheduler.pooling_params import TOKEN_TASKS, PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -129,6 +133,32 @@ class PoolingEndpoints:
             self.pooling_type, task="classify", use_activation=body.activated), lora)
         return classification_response(rid, now(), body.model or self.served_name, results,
                                        classifier["labels"])
+
+    @router.post("/pooling")
+    @router.post("/v1/pooling")
+    async def pooling(self, body: PoolingRequest, raw: Request) -> dict[str, Any]:
+        """vLLM's: each input's pooled result for ``task``; the token tasks give every
+        prompt token's state ("token_embed") or label probabilities
+        ("token_classify", a token classifier's or a decoder classifier's head)."""
+        self._authorize(raw)
+        rid, eid = request_ids("pool", body.request_id, raw.headers.get("x-request-id"))
+        lora = self._check_model(body.model)
+        batch = body.inputs()
+        info = await self._engine_info()
+        task = body.task or ("token_embed" if info.get("classifier") is None
+                             else "token_classify")
+        try:
+            pooling = PoolingParams(None if task in TOKEN_TASKS else self.pooling_type,
+                                    body.normalize, body.dimensions, task,
+                                    body.use_activation)
+            pool_for(pooling, SamplingParams(max_tokens=1), info)  # (a 400 before any run)
+        except ValueError as e:
+            param = "dimensions" if "dimensions" in str(e) else "task"
+            raise APIError(str(e), param=param) from None
+        results = await self._pool(body, self._prompt_ids(body, batch, info), eid, pooling,
+                                   lora)
+        return pooling_response(rid, now(), body.model or self.served_name, results,
+                                body.encoding_format)
 
     @router.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:

@@ -16,14 +16,19 @@ many components before normalising (Matryoshka embeddings, OpenAI's
 vector), or, on a sequence classifier (``worker.classifier``), "classify" (the
 label probabilities) or "score" (a text pair's relevance, one number);
 ``use_activation`` False returns a classifier's raw label logits (vLLM's).
+vLLM's token tasks pool nothing ("all": every prompt token's row): "token_embed"
+gives each token's final state (normalised one by one), "token_classify" each
+token's label probabilities (a token classifier's, such as a BERT NER file, or a
+decoder sequence classifier's head on every prefix).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TYPES = ("last", "mean", "cls")
-POOLING_TASKS = ("embed", "classify", "score")
+POOLING_TYPES = ("last", "mean", "cls", "all")
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
+TOKEN_TASKS = ("token_embed", "token_classify")
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,17 @@ class PoolingParams:
             raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
         if not isinstance(self.use_activation, bool):
             raise ValueError(f"use_activation must be a bool, got {self.use_activation!r}")
-        if d is not None and self.task != "embed":
+        if d is not None and self.task not in ("embed", "token_embed"):
             raise ValueError("dimensions is for embeddings, not for task "
                              f"{self.task!r}")
+        if (self.pooling_type == "all") != (self.task in TOKEN_TASKS) and \
+                self.pooling_type is not None:
+            raise ValueError(f"pooling_type {self.pooling_type!r} does not apply to task "
+                             f"{self.task!r} (the token tasks {TOKEN_TASKS} and only they "
+                             "pool 'all')")
 
     @property
     def needs_every_position(self) -> bool:
-        """Mean and first-token pooling read prompt tokens from the first one on, so a
-        prefix-cache hit (which skips them) cannot serve them."""
-        return self.pooling_type in ("mean", "cls")
+        """Mean, first-token and every-token pooling read prompt tokens from the first one
+        on, so a prefix-cache hit (which skips them) cannot serve them."""
+        return self.pooling_type in ("mean", "cls", "all") or self.task in TOKEN_TASKS

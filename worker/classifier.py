@@ -55,20 +55,23 @@ class ClassifierConfig:
     # pair encoding (a cross-encoder's, with its separators), or the two texts joined
     # and tokenised as one (an LLM made a reranker, whose templates carry the format).
     pair_encoding: bool = True
+    # A token classifier (an encoder's ``...ForTokenClassification``: NER, PII
+    # tagging): its head labels every token, and it serves ``token_classify`` only.
+    per_token: bool = False
 
     def info(self) -> dict[str, Any]:
         """The plain dict the engine gets in ``model_info["classifier"]``."""
         return {"num_labels": self.num_labels, "labels": list(self.labels),
                 "activation": self.activation, "score_activation": self.score_activation,
-                "pair_encoding": self.pair_encoding}
+                "pair_encoding": self.pair_encoding, "per_token": self.per_token}
 
 
-def names_classifier(architectures: Any) -> bool:
-    """True when ``architectures`` lists only ``...ForSequenceClassification`` classes."""
+def names_classifier(architectures: Any, suffix: str = "ForSequenceClassification"
+                     ) -> bool:
+    """True when ``architectures`` lists only ``...{suffix}`` classes."""
     if not isinstance(architectures, list) or not architectures:
         return False
-    return all(isinstance(a, str) and a.endswith("ForSequenceClassification")
-               for a in architectures)
+    return all(isinstance(a, str) and a.endswith(suffix) for a in architectures)
 
 
 def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
@@ -142,11 +145,19 @@ def _from_tokens(cfg: dict[str, Any], token_ids: Callable[[list[str]], list[int]
 
 
 def classifier_config(cfg: dict[str, Any],
-                      token_ids: Callable[[list[str]], list[int]] | None = None
-                      ) -> ClassifierConfig | None:
+                      token_ids: Callable[[list[str]], list[int]] | None = None,
+                      token_level: bool = False) -> ClassifierConfig | None:
     """The classifier facts of an HF ``config.json`` dict (with any ``hf_overrides``);
-    None unless it names a sequence-classification architecture. ``token_ids`` maps
-    ``classifier_from_token`` to ids (the model's tokenizer)."""
+    None unless it names a sequence-classification architecture (or, where
+    ``token_level`` allows it, a token-classification one: the encoders'). ``token_ids``
+    maps ``classifier_from_token`` to ids (the model's tokenizer)."""
+    if names_classifier(cfg.get("architectures"), "ForTokenClassification"):
+        if not token_level:
+            raise ValueError(f"architectures {cfg['architectures']!r}: token classification "
+                             "is served for encoder files (BERT, RoBERTa, XLM-R, ModernBERT)")
+        labels = _labels(cfg)
+        activation = _classify_activation(cfg.get("problem_type"), len(labels))
+        return ClassifierConfig(len(labels), labels, activation, activation, per_token=True)
     if not names_classifier(cfg.get("architectures")):
         if cfg.get("classifier_from_token") is not None:
             raise ValueError("classifier_from_token needs architectures naming a "

@@ -78,17 +78,19 @@ def _sep_token_id(tokenizer_dir: str | None) -> int | None:
 
 def encoder_classifier(cfg: dict[str, Any]) -> ClassifierConfig | None:
     """The file's classifier head (None: a base model, an embedder); a ``ValueError``
-    for any other class. Only the base model and ``...ForSequenceClassification`` (a
-    classifier or cross-encoder) are served: a masked-LM head generates nothing."""
+    for any other class. Only the base model, ``...ForSequenceClassification`` (a
+    classifier or cross-encoder) and ``...ForTokenClassification`` (a tagger) are
+    served: a masked-LM head generates nothing."""
     model_type = cfg["model_type"]
     arch = cfg.get("architectures") or []
-    classifier = classifier_config(cfg)
+    classifier = classifier_config(cfg, token_level=True)
     base = isinstance(arch, list) and bool(arch) and all(
         isinstance(a, str) and a.endswith("Model") for a in arch)
     if classifier is None and not base:
         raise ValueError(f"model config field 'architectures' {arch!r}: a {model_type} "
-                         "file is served as an embedder (...Model) or a sequence classifier "
-                         "(...ForSequenceClassification)")
+                         "file is served as an embedder (...Model), a sequence classifier "
+                         "(...ForSequenceClassification) or a token classifier "
+                         "(...ForTokenClassification)")
     if classifier is not None and classifier.from_tokens:
         raise ValueError("classifier_from_token is for decoders with an LM head; this "
                          f"{model_type} file has none")

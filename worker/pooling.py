@@ -2,9 +2,10 @@
 
 The runner hands over, per pooling row, what the engine needs to finish the
 embedding later: the last token's state at the prompt's end ("last"), the first
-token's ("cls", from the chunk at position 0), or the
+token's ("cls", from the chunk at position 0), the
 sum and count of this chunk's states ("mean", which a chunked prompt spreads
-over several steps); a classifier's label head is applied to either. Sums are
+over several steps), or every state of the chunk (the token tasks' "all"); a
+classifier's label head is applied to any of them. Sums are
 fp32 whatever the model dtype. Only rank 0 computes them: the final hidden
 states are the same on every rank.
 """
@@ -33,7 +34,8 @@ def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob],
                 head: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> dict[str, tuple]:
     """``{request_id: ("last" | "cls" | "whole", vector) | ("mean", sum, count,
-    position)}`` on the CPU ("cls" jobs are the chunks that start at position 0).
+    position) | ("all", rows, position)}`` on the CPU ("cls" jobs are the chunks that
+    start at position 0; "all" gives every row of the chunk).
 
     ``head`` (a classifier's ``ScoreHead``) maps each vector to label logits here, so
     only ``num_labels`` numbers a request leave the rank; a linear one (``head.linear``)
@@ -44,6 +46,9 @@ def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob],
         if j.pooling in ("last", "cls"):
             v = hidden[j.end - 1 if j.pooling == "last" else j.start].float()
             out[j.request_id] = (j.pooling, (head(v) if head is not None else v).cpu())
+        elif j.pooling == "all":  # (a head maps each row on its own)
+            v = hidden[j.start:j.end].float()
+            out[j.request_id] = ("all", (head(v) if head is not None else v).cpu(), j.position)
         elif head is not None and not getattr(head, "linear", True):
             if j.position != 0:
                 raise RuntimeError(f"request {j.request_id}: a non-linear head pools a "

@@ -70,10 +70,11 @@ def write_sentence_transformers_pooling(dest: str | Path, pooling: str,
 
 def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int | None = None,
                          pooling: str | None = None, seed: int = 0, words: int = 120,
-                         **overrides: Any) -> str:
+                         per_token: bool = False, **overrides: Any) -> str:
     """A random ``family`` ("bert", "roberta", "xlm-roberta", "modernbert") encoder in
-    ``dest``: a base model, or with ``num_labels`` a sequence classifier; ``pooling``
-    adds a sentence-transformers pooling config. Returns the directory.
+    ``dest``: a base model, or with ``num_labels`` a sequence classifier (a token
+    classifier with ``per_token``); ``pooling`` adds a sentence-transformers pooling
+    config. Returns the directory.
 
     The ModernBERT has three layers (global, local, local) whose local window of 8
     (4 positions each side) is far shorter than the test prompts."""
@@ -100,7 +101,8 @@ def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int
     cfg = cfg_cls(**{**kw, **overrides})
     prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta",
               "modernbert": "ModernBert"}[family]
-    suffix = "Model" if num_labels is None else "ForSequenceClassification"
+    suffix = "Model" if num_labels is None else \
+        "ForTokenClassification" if per_token else "ForSequenceClassification"
     torch.manual_seed(seed)
     model = getattr(transformers, prefix + suffix)(cfg).eval()
     with torch.no_grad():  # (spread the init's 0.02 std so prompts differ clearly)
@@ -116,15 +118,17 @@ def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int
     return str(dest)
 
 
-def hf_encoder_outputs(path: str | Path, inputs: list[Any], classifier: bool = False
-                       ) -> list[torch.Tensor]:
-    """transformers' final states (a classifier's logits) on the file in ``path`` for
-    each input alone: a text, a ``(text, text)`` pair (with its token types), or token
-    ids (token type 0 throughout) — the reference the engine is checked against."""
+def hf_encoder_outputs(path: str | Path, inputs: list[Any], classifier: bool = False,
+                       per_token: bool = False) -> list[torch.Tensor]:
+    """transformers' final states (a classifier's logits, a token classifier's
+    ``[tokens, labels]`` with ``per_token``) on the file in ``path`` for each input
+    alone: a text, a ``(text, text)`` pair (with its token types), or token ids (token
+    type 0 throughout) — the reference the engine is checked against."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    cls = transformers.AutoModelForSequenceClassification if classifier \
+    cls = transformers.AutoModelForTokenClassification if per_token else \
+        transformers.AutoModelForSequenceClassification if classifier \
         else transformers.AutoModel
     model = cls.from_pretrained(path).eval()
     out = []
@@ -137,5 +141,5 @@ def hf_encoder_outputs(path: str | Path, inputs: list[Any], classifier: bool = F
             else:
                 enc = tok(x, return_tensors="pt")
             res = model(**enc)
-            out.append(res.logits[0] if classifier else res.last_hidden_state[0])
+            out.append(res.logits[0] if classifier or per_token else res.last_hidden_state[0])
     return out

@@ -19,9 +19,11 @@ PROMPTS = [[5, 9, 33, 7, 100, 4], [8, 3], LONG, [*LONG[:40], 11, 12, 13]]
 LABELS = {"0": "negative", "1": "neutral", "2": "positive"}
 
 
-def _hf_logits(path: str, prompts: list[list[int]], mean: bool = False) -> list[torch.Tensor]:
+def _hf_logits(path: str, prompts: list[list[int]], mean: bool = False,
+               every: bool = False) -> list[torch.Tensor]:
     """HF's label logits per prompt (one at a time: no padding); ``mean``: its score
-    head over the mean final state instead of the last token's."""
+    head over the mean final state instead of the last token's; ``every``: over each
+    token's (``[tokens, labels]``)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
@@ -29,9 +31,9 @@ def _hf_logits(path: str, prompts: list[list[int]], mean: bool = False) -> list[
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            if mean:
-                hidden = model.model(ids).last_hidden_state[0].mean(0)
-                out.append(model.score(hidden))
+            if mean or every:
+                hidden = model.model(ids).last_hidden_state[0]
+                out.append(model.score(hidden.mean(0) if mean else hidden))
             else:
                 out.append(model(ids).logits[0])
     return out
@@ -82,6 +84,13 @@ def test_classify_equals_hugging_face_whole_chunked_and_cached(three_labels) -> 
         mean = llm.classify(PROMPTS, pooling_params=PoolingParams("mean"))
         for o, w in zip(mean, want_mean, strict=True):
             _close(o.outputs.probs, w)
+        # vLLM's token_classify: the head on every prefix, its rows from every chunk.
+        every = llm.encode(PROMPTS, pooling_task="token_classify")
+        for o, w in zip(every, _hf_logits(three_labels, PROMPTS, every=True), strict=True):
+            assert o.outputs.data.shape == w.shape
+            torch.testing.assert_close(o.outputs.data, torch.softmax(w, -1), rtol=0, atol=2e-5)
+        with pytest.raises(ValueError, match="does not embed"):
+            llm.encode(PROMPTS[:1], pooling_task="token_embed")
         # Classification shares batches with nothing else it could corrupt: the pool is
         # back where it started.
         assert_pool_at_baseline(llm)

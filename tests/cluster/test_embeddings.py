@@ -56,6 +56,9 @@ def test_last_and_mean_pooling_equal_hugging_face(tiny_llama_dir, llama_hidden, 
                                 for h in llama_hidden])
         mean = llm.embed(prompts, PoolingParams(pooling_type="mean", normalize=False))
         _close(_vectors(mean), [h.mean(0) for h in llama_hidden])
+        # vLLM's token_embed: every token's state, the chunks' rows in prompt order.
+        every = llm.encode(prompts, PoolingParams(normalize=False))
+        _close([o.outputs.data for o in every], llama_hidden)
         assert [o.prompt_token_ids for o in last] == prompts
         assert all(o.finished for o in last + mean)
         assert_pool_at_baseline(llm)
@@ -88,6 +91,9 @@ def test_prefix_hits_and_mixed_batches_change_nothing(tiny_llama_dir, llama_hidd
     try:
         alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         hits = llm.engine.scheduler.kv.prefix_hits
+        every = llm.encode(prompts, PoolingParams(normalize=False))  # reads every token:
+        assert llm.engine.scheduler.kv.prefix_hits == hits  # no prompt block is skipped
+        _close([o.outputs.data for o in every], llama_hidden)
         again = llm.embed(prompts)  # the generation left these prompts' blocks cached
         assert llm.engine.scheduler.kv.prefix_hits > hits
         _close(_vectors(again), [torch.nn.functional.normalize(h[-1], dim=0)
@@ -151,6 +157,12 @@ def test_bad_embedding_requests_raise_value_errors(tiny_llama_dir) -> None:
             PoolingParams(pooling_type="max")
         with pytest.raises(ValueError, match="dimensions"):
             PoolingParams(dimensions=0)
+        with pytest.raises(ValueError, match="pooling_type 'mean' does not apply"):
+            PoolingParams(pooling_type="mean", task="token_embed")
+        with pytest.raises(ValueError, match="pooling_type 'all' does not apply"):
+            llm.embed([[5, 6]], PoolingParams(pooling_type="all"))
+        with pytest.raises(ValueError, match="needs a sequence classifier"):
+            llm.encode([[5, 6]], pooling_task="token_classify")
         with pytest.raises(ValueError, match="context"):
             llm.embed([list(range(5, 70))])
         with pytest.raises(ValueError, match="n must be 1"):

@@ -148,6 +148,33 @@ def test_roberta_classifier_labels_equal_transformers(encoders) -> None:
         llm.shutdown()
 
 
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_token_classifiers_label_every_token(tmp_path, family) -> None:
+    """A ``...ForTokenClassification`` file (NER-style): ``LLM.encode`` gives each
+    token's softmax over transformers' logits, its default task; it serves nothing
+    else, and the token embedder's own task gives each token's normalised state."""
+    path = write_random_encoder(tmp_path / "tok", family, num_labels=5, per_token=True,
+                                seed=6)
+    want = [torch.softmax(x, -1) for x in hf_encoder_outputs(path, TEXTS, per_token=True)]
+    llm = LLM(model=path, max_num_seqs=8)
+    try:
+        info = llm.engine.model_info
+        assert info["pooling_type"] == "all" and info["classifier"]["per_token"]
+        outs = llm.encode(TEXTS)
+        for o, w in zip(outs, want, strict=True):
+            assert o.outputs.data.shape == w.shape
+            torch.testing.assert_close(o.outputs.data, w, rtol=0, atol=2e-5)
+        raw = llm.encode(TEXTS[:1], PoolingParams(use_activation=False))[0].outputs.data
+        torch.testing.assert_close(raw.softmax(-1), want[0], rtol=0, atol=2e-5)
+        for call in (lambda: llm.classify(TEXTS[:1]), lambda: llm.embed(TEXTS[:1]),
+                     lambda: llm.score(QUERY, DOCS[:1])):
+            with pytest.raises(ValueError, match=r"token classifier|does not embed"):
+                call()
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_truncation_keeps_the_first_token_and_the_separator(encoders) -> None:
     """``truncate_prompt_tokens`` on an encoder keeps ``[CLS]``, the text's start and the
     closing ``[SEP]`` (what a right-truncating BERT tokenizer keeps), and the result is

@@ -74,17 +74,27 @@ def test_embeddings_equal_transformers(files, device) -> None:
         llm.shutdown()
 
 
-def test_classifiers_equal_transformers(files) -> None:
-    """A three-label classifier reading ``[CLS]`` and a one-label cross-encoder reading
-    the mean (``classifier_pooling: mean``, with biases on its norms and head dense):
-    the head is dense, GELU, LayerNorm, then the labels, in fp32. A mean classifier
-    takes no other pooling; int8 projections stay close."""
+def test_classifiers_equal_transformers(files, tmp_path) -> None:
+    """A three-label classifier reading ``[CLS]``, a token classifier labelling every
+    token, and a one-label cross-encoder reading the mean (``classifier_pooling:
+    mean``, with biases on its norms and head dense): the head is dense, GELU,
+    LayerNorm, then the labels, in fp32. A mean classifier takes no other pooling;
+    int8 projections stay close."""
     want = [torch.softmax(x, -1) for x in hf_encoder_outputs(files["cls-3"], TEXTS, True)]
     llm = LLM(model=files["cls-3"])
     try:
         assert llm.engine.model_info["pooling_type"] == "cls"
         for o, w in zip(llm.classify(TEXTS), want, strict=True):
             _close(o.outputs.probs, w)
+    finally:
+        llm.shutdown()
+    tagger = write_random_encoder(tmp_path / "tagger", "modernbert", num_labels=4,
+                                  per_token=True, seed=5)
+    want = [torch.softmax(x, -1) for x in hf_encoder_outputs(tagger, TEXTS, per_token=True)]
+    llm = LLM(model=tagger, max_num_seqs=8)
+    try:  # a token classifier: the same head on every token
+        for o, w in zip(llm.encode(TEXTS, pooling_task="token_classify"), want, strict=True):
+            torch.testing.assert_close(o.outputs.data, w, rtol=0, atol=2e-5)
     finally:
         llm.shutdown()
     query, docs = TEXTS[0], TEXTS[1:]

@@ -43,6 +43,7 @@ def test_a_cross_encoder_classifies_scores_and_reranks(cluster, smol, ranker_dir
         tokens = [len(tok.encode(d)) for d in DOCS]
         chat_ids = list(tok.apply_chat_template(CHAT, tokenize=True, return_dict=False))
         chat = llm.classify([chat_ids])[0].outputs.probs
+        every = llm.encode(DOCS[:1])[0].outputs.data.tolist()  # token_classify
     finally:
         llm.shutdown()
     app = cluster.deploy("ranker", {"model": ranker_dir, "num_gpu_blocks": 32,
@@ -78,8 +79,16 @@ def test_a_cross_encoder_classifies_scores_and_reranks(cluster, smol, ranker_dir
         assert [x["index"] for x in r.json()["results"]] == best
         _close([x["relevance_score"] for x in r.json()["results"]],
                [scores[i] for i in best])
+        # vLLM's /pooling: a classifier's token task labels every prefix.
+        r = httpx.post(f"{app.base}/pooling", timeout=60, json={"input": DOCS[0]})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"][0]["data"]) == len(every) == tokens[0]
+        for got, want in zip(r.json()["data"][0]["data"], every, strict=True):
+            _close(got, want)
         for path, body, says in [
             ("/v1/embeddings", {"input": "x"}, "does not embed"),
+            ("/pooling", {"input": "x", "task": "token_embed"}, "does not embed"),
+            ("/pooling", {"input": "x", "task": "max"}, "task"),
             ("/v1/completions", {"prompt": "x", "max_tokens": 2}, "sequence classifier"),
             ("/classify", {"input": []}, "must not be empty"),
             ("/classify", {"input": "x", "truncate_prompt_tokens": 0}, ">= 1"),

@@ -33,7 +33,8 @@ def offline() -> dict[str, list[list[float]]]:
         cut = [o.outputs.embedding for o in llm.embed(ids, PoolingParams(dimensions=64))]
         chat_ids = list(tok.apply_chat_template(CHAT, tokenize=True, return_dict=False))
         chat = llm.embed([chat_ids])[0].outputs.embedding
-        return {"full": full, "cut": cut, "ids": ids, "chat": chat}
+        tokens = llm.encode(ids[:2])[0].outputs.data.tolist()
+        return {"full": full, "cut": cut, "ids": ids, "chat": chat, "tokens": tokens}
     finally:
         llm.shutdown()
 
@@ -66,6 +67,25 @@ def test_embeddings_equal_the_offline_engine(smol, offline) -> None:
                       json={"messages": CHAT})  # vLLM's chat form: one templated prompt
     assert chat.status_code == 200, chat.text
     _close(chat.json()["data"][0]["embedding"], offline["chat"])
+    # vLLM's /pooling: a generative model's token task is token_embed (a row a token).
+    r = httpx.post(f"{smol.base}/pooling", headers=smol.headers, timeout=60,
+                   json={"input": TEXTS[0]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("pool-") and body["data"][0]["object"] == "pooling"
+    rows = body["data"][0]["data"]
+    assert len(rows) == len(offline["tokens"]) == body["usage"]["prompt_tokens"]
+    for got, want in zip(rows, offline["tokens"], strict=True):
+        _close(got, want)
+    r = httpx.post(f"{smol.base}/pooling", headers=smol.headers, timeout=60,
+                   json={"input": TEXTS[0], "task": "embed", "encoding_format": "base64"})
+    data = base64.b64decode(r.json()["data"][0]["data"])
+    _close(list(struct.unpack(f"<{len(data) // 4}f", data)), offline["full"][0])
+    for body, says in [({"input": "x", "task": "token_classify"}, "sequence classifier"),
+                       ({"input": "x", "task": "token_embed", "dimensions": 0},
+                        "dimensions")]:
+        r = httpx.post(f"{smol.base}/pooling", headers=smol.headers, json=body, timeout=60)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
     smol.wait_baseline()
 
 

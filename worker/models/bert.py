@@ -11,7 +11,8 @@ The layers are post-norm (``LayerNorm(x + sublayer(x))``), GELU MLPs, biases
 everywhere; q/k/v, the MLP input and the word embedding are split across ranks
 as the decoders' are. The classification heads (``EncoderClassifierHead``)
 apply to the first token's final state (``[CLS]`` / ``<s>``), as transformers'
-do. Checkpoint loading: ``bert_loading``.
+do; a token classifier's (``TokenClassifierHead``) to every token's.
+Checkpoint loading: ``bert_loading``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,23 @@ class EncoderClassifierHead(nn.Module):
         return F.linear(h, self.out_weight.float(), self.out_bias.float())
 
 
+class TokenClassifierHead(nn.Module):
+    """``classifier(state)`` on every token (a ``...ForTokenClassification`` file's head:
+    NER and other taggers), whole on every rank, in fp32."""
+
+    linear = True
+
+    def __init__(self, num_labels: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.out_weight = _param((num_labels, hidden), dtype, device)
+        self.out_bias = _param((num_labels,), dtype, device)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        """Label logits of token states (``[..., hidden]`` -> ``[..., labels]``)."""
+        return F.linear(states.float(), self.out_weight.float(), self.out_bias.float())
+
+
 class EncoderModel(nn.Module):
     """What every encoder model shows the worker: no LM head, no paged attention
     layers, no CUDA graphs, a single pipeline stage."""
@@ -169,9 +187,10 @@ class BertModel(BertWeightLoading, EncoderModel):
         self.embed_norm = LayerNorm(h, enc.layer_norm_eps, dtype, device)
         self.layers = nn.ModuleList(EncoderLayer(cfg, ctx, dtype, device)
                                     for _ in range(cfg.num_layers))
-        self.score: EncoderClassifierHead | None = None
+        self.score: EncoderClassifierHead | TokenClassifierHead | None = None
         if cfg.classifier is not None:
-            self.score = EncoderClassifierHead(cfg.classifier.num_labels, h, dtype, device)
+            head = TokenClassifierHead if cfg.classifier.per_token else EncoderClassifierHead
+            self.score = head(cfg.classifier.num_labels, h, dtype, device)
 
     @property
     def num_kv_heads_per_rank(self) -> int:

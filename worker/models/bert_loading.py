@@ -69,6 +69,9 @@ class BertWeightLoading:
         """A classifier file's head tensors -> (``EncoderClassifierHead`` part, is bias)."""
         if self.score is None:
             return {}
+        if self.config.classifier.per_token:  # (one Linear over every token)
+            return {"classifier.weight": ("out_weight", False),
+                    "classifier.bias": ("out_bias", True)}
         if self.config.encoder.family == "bert":
             dense, out = "pooler.dense", "classifier"
         else:

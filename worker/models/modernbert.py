@@ -7,7 +7,8 @@ embedding norm just ran), rotate q and k with RoPE (a larger base in the global
 layers), and attend over the whole prompt (global layers) or 64 positions each
 side (local layers); the MLP is GeGLU (``Wo(gelu(input) * gate)``). A final norm
 ends the encoder. A classifier's head (``ModernBertHead``) reads the first
-token's state or the mean of all of them (``classifier_pooling``).
+token's state or the mean of all of them (``classifier_pooling``); a token
+classifier's, the same layers, every token's.
 """
 
 from __future__ import annotations
