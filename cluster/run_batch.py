@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
         "/v1/score", "/v1/rerank", "/score", "/rerank", "/v2/rerank", "/v1/classify",
-        "/classify")
+        "/classify", "/pooling", "/v1/pooling")
 RETRY_503 = 60  # attempts, RETRY_WAIT_S apart: a full queue drains meanwhile
 RETRY_WAIT_S = 1.0
 
