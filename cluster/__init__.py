@@ -27,5 +27,5 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput",
            "EmbeddingOutput", "EmbeddingRequestOutput", "EngineConfig", "LoRARequest",
-           "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput", "SamplingParams", "ScoringOutput",
-           "ScoringRequestOutput", "VideoClip"]
+           "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput",
+           "SamplingParams", "ScoringOutput", "ScoringRequestOutput", "VideoClip"]
