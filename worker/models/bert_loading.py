@@ -32,6 +32,18 @@ def copy_checked(name: str, target: torch.Tensor, lazy: LazyTensor) -> None:
     target.data.copy_(lazy[:])
 
 
+def finish_loading(pending: set[str], layers: Iterable[nn.Module],
+                   on_layer: Callable[[str, nn.Module], None] | None, prefix: str) -> None:
+    """Fail naming the weights the checkpoint lacked (``pending``, five at most); else
+    hand each layer, named ``{prefix}.{i}``, to ``on_layer``."""
+    if pending:
+        missing = sorted(pending)
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
+    for i, layer in enumerate(layers if on_layer is not None else ()):
+        on_layer(f"{prefix}.{i}", layer)
+
+
 class BertWeightLoading:
     """``load_weights`` of ``BertModel`` (see the module docstring)."""
 
@@ -58,12 +70,7 @@ class BertWeightLoading:
                 continue  # (an embedder's pooler: sentence-transformers never uses it)
             self._load_one(name, lazy, head)
             pending.discard(name)
-        if pending:
-            missing = sorted(pending)
-            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
-        for i, layer in enumerate(self.layers if on_layer is not None else ()):
-            on_layer(f"encoder.layer.{i}", layer)
+        finish_loading(pending, self.layers, on_layer, "encoder.layer")
 
     def _head_names(self) -> dict[str, tuple[str, bool]]:
         """A classifier file's head tensors -> (``EncoderClassifierHead`` part, is bias)."""

@@ -32,7 +32,7 @@ from pagedserve.worker.layers.linear import (
 )
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.bert import EncoderModel, LayerNorm
-from pagedserve.worker.models.bert_loading import copy_checked
+from pagedserve.worker.models.bert_loading import copy_checked, finish_loading
 from pagedserve.worker.models.fused_weights import split_rows
 from pagedserve.worker.models.prompt_batch import PromptBatch
 from pagedserve.worker.parallel import ParallelContext
@@ -187,12 +187,7 @@ class ModernBertModel(EncoderModel):
             else:
                 self._load_layer(name, lazy)
             pending.discard(name)
-        if pending:
-            missing = sorted(pending)
-            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
-        for i, layer in enumerate(self.layers if on_layer is not None else ()):
-            on_layer(f"layers.{i}", layer)
+        finish_loading(pending, self.layers, on_layer, "layers")
 
     def _layer_names(self) -> set[str]:
         names = set()
