@@ -38,6 +38,9 @@ def resolved_pooling(pooling: PoolingParams | None, model_info: dict[str, Any]
     own = model_info.get("pooling_type") or "last"
     if own == "all":  # a token classifier: pool_for names the tasks it serves
         return pooling
+    if "splade" in (own, pooling.pooling_type) and pooling.pooling_type not in (None, own):
+        raise ValueError(f"pooling_type {pooling.pooling_type!r} does not apply: a SPLADE "
+                         "encoder pools 'splade', and only it does")
     if pooling.pooling_type is None:
         return replace(pooling, pooling_type=own)
     if model_info.get("encoder") and model_info.get("classifier") is not None and \
@@ -92,6 +95,9 @@ class PoolAccumulator:
 
     def __init__(self, params: PoolingParams, hidden_size: int,
                  classifier: dict[str, Any] | None = None) -> None:
+        if params.dimensions is not None and params.pooling_type == "splade":
+            raise ValueError("dimensions does not apply to a SPLADE vector (one weight per "
+                             "vocabulary entry)")
         if params.dimensions is not None and params.dimensions > hidden_size:
             raise ValueError(f"dimensions ({params.dimensions}) exceeds the model's hidden "
                              f"size ({hidden_size})")
@@ -135,6 +141,8 @@ class PoolAccumulator:
             key = "score_activation" if self.params.task == "score" else "activation"
             return (activate(v, self.classifier[key]) if self.params.use_activation
                     else v).tolist()
+        if self.params.pooling_type == "splade":  # (raw, as sentence-transformers gives
+            return v.tolist()  # it: its dot products are the relevance scores)
         if self.params.dimensions is not None:
             v = v[..., : self.params.dimensions]
         if self.params.normalize:

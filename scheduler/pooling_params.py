@@ -19,14 +19,16 @@ label probabilities) or "score" (a text pair's relevance, one number);
 vLLM's token tasks pool nothing ("all": every prompt token's row): "token_embed"
 gives each token's final state (normalised one by one), "token_classify" each
 token's label probabilities (a token classifier's, such as a BERT NER file, or a
-decoder sequence classifier's head on every prefix).
+decoder sequence classifier's head on every prefix). A SPLADE encoder pools
+"splade": its masked-LM logits over the whole prompt into one vocabulary-wide
+sparse vector (``worker.splade_config``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TYPES = ("last", "mean", "cls", "all")
+POOLING_TYPES = ("last", "mean", "cls", "all", "splade")
 POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
 TOKEN_TASKS = ("token_embed", "token_classify")
 
@@ -67,4 +69,5 @@ class PoolingParams:
     def needs_every_position(self) -> bool:
         """Mean, first-token and every-token pooling read prompt tokens from the first one
         on, so a prefix-cache hit (which skips them) cannot serve them."""
-        return self.pooling_type in ("mean", "cls", "all") or self.task in TOKEN_TASKS
+        return self.pooling_type in ("mean", "cls", "all", "splade") or \
+            self.task in TOKEN_TASKS

@@ -61,7 +61,7 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int],
     if pp is not None:
         sched.pool_final = start + num_new == req.num_tokens
         kind = pp.pooling_type or "last"  # (the engine fills the model's in; alone: last)
-        if kind in ("mean", "all") or (kind == "cls" and start == 0) or (
+        if kind in ("mean", "all", "splade") or (kind == "cls" and start == 0) or (
                 kind == "last" and sched.pool_final):
             sched.pooling = kind
     sp = req.sampling_params

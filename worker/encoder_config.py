@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.worker.classifier import ClassifierConfig, classifier_config
 from pagedserve.worker.config_fields import positive_int, require
+from pagedserve.worker.splade_config import splade_pooling
 
 if TYPE_CHECKING:
     from pagedserve.worker.config import ModelConfig
@@ -60,6 +61,9 @@ class EncoderConfig:
     head_pooling: str = "cls"
     head_gelu_approximate: str = "none"
     head_bias: bool = True
+    # A SPLADE sparse encoder (a BERT masked-LM file with ``SpladePooling``,
+    # ``splade_config``): its pooling over the tokens, "max" or "sum"; "": none.
+    sparse: str = ""
 
 
 def _sep_token_id(tokenizer_dir: str | None) -> int | None:
@@ -76,25 +80,43 @@ def _sep_token_id(tokenizer_dir: str | None) -> int | None:
     return int(sep) if sep is not None else None
 
 
-def encoder_classifier(cfg: dict[str, Any]) -> ClassifierConfig | None:
+def encoder_classifier(cfg: dict[str, Any], sparse: bool = False
+                       ) -> ClassifierConfig | None:
     """The file's classifier head (None: a base model, an embedder); a ``ValueError``
     for any other class. Only the base model, ``...ForSequenceClassification`` (a
     classifier or cross-encoder) and ``...ForTokenClassification`` (a tagger) are
-    served: a masked-LM head generates nothing."""
+    served, and a masked-LM file only as a SPLADE encoder (``sparse``): a masked-LM
+    head generates nothing."""
     model_type = cfg["model_type"]
     arch = cfg.get("architectures") or []
     classifier = classifier_config(cfg, token_level=True)
+    suffix = "ForMaskedLM" if sparse else "Model"
     base = isinstance(arch, list) and bool(arch) and all(
-        isinstance(a, str) and a.endswith("Model") for a in arch)
+        isinstance(a, str) and a.endswith(suffix) for a in arch)
     if classifier is None and not base:
         raise ValueError(f"model config field 'architectures' {arch!r}: a {model_type} "
                          "file is served as an embedder (...Model), a sequence classifier "
-                         "(...ForSequenceClassification) or a token classifier "
-                         "(...ForTokenClassification)")
+                         "(...ForSequenceClassification), a token classifier "
+                         "(...ForTokenClassification) or, with sentence-transformers' "
+                         "SpladePooling, a SPLADE encoder (...ForMaskedLM)")
     if classifier is not None and classifier.from_tokens:
         raise ValueError("classifier_from_token is for decoders with an LM head; this "
                          f"{model_type} file has none")
     return classifier
+
+
+def _sparse(cfg: dict[str, Any], model_dir: str | None) -> str:
+    """A masked-LM file's SPLADE pooling ("" for any other file); SPLADE on anything
+    but BERT is refused by name."""
+    arch = cfg.get("architectures")
+    if not (isinstance(arch, list) and arch and all(
+            isinstance(a, str) and a.endswith("ForMaskedLM") for a in arch)):
+        return ""
+    strategy = splade_pooling(model_dir) or ""
+    if strategy and cfg["model_type"] != "bert":
+        raise ValueError(f"SPLADE sparse encoders are served for BERT files, not "
+                         f"model_type {cfg['model_type']!r}")
+    return strategy
 
 
 def gelu_approximate(cfg: dict[str, Any], field: str, default: str) -> str:
@@ -115,7 +137,8 @@ def encoder_model_config(cls: type[ModelConfig], cfg: dict[str, Any],
         from pagedserve.worker.modernbert_config import modernbert_model_config
 
         return modernbert_model_config(cls, cfg)
-    classifier = encoder_classifier(cfg)
+    sparse = _sparse(cfg, tokenizer_dir)
+    classifier = encoder_classifier(cfg, bool(sparse))
     hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
     heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
     if hidden % heads:
@@ -145,7 +168,7 @@ def encoder_model_config(cls: type[ModelConfig], cfg: dict[str, Any],
         family="bert" if model_type == "bert" else "roberta", type_vocab_size=types,
         position_table=table, position_offset=offset, layer_norm_eps=float(eps),
         gelu_approximate=gelu_approximate(cfg, "hidden_act", "gelu"),
-        sep_token_id=_sep_token_id(tokenizer_dir) if types > 1 else None)
+        sep_token_id=_sep_token_id(tokenizer_dir) if types > 1 else None, sparse=sparse)
     eos = cfg.get("eos_token_id")
     return cls(
         model_type=model_type,

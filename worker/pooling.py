@@ -46,6 +46,8 @@ def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob],
         if j.pooling in ("last", "cls"):
             v = hidden[j.end - 1 if j.pooling == "last" else j.start].float()
             out[j.request_id] = (j.pooling, (head(v) if head is not None else v).cpu())
+        elif j.pooling == "splade":  # (an encoder's whole prompt: its sparse vector)
+            out[j.request_id] = ("whole", head(hidden[j.start:j.end]).cpu())
         elif j.pooling == "all":  # (a head maps each row on its own)
             v = hidden[j.start:j.end].float()
             out[j.request_id] = ("all", (head(v) if head is not None else v).cpu(), j.position)

@@ -66,6 +66,8 @@ def sentence_transformers_pooling(path: str | Path) -> str | None:
 def default_pooling_type(path: str | Path, mc: ModelConfig) -> str:
     """The pooling a request gets when it names none (see the module docstring)."""
     first_token = "cls" if mc.encoder is not None else "last"
+    if mc.encoder is not None and mc.encoder.sparse:
+        return "splade"  # (its masked-LM head pooled over the prompt)
     if mc.classifier is not None and mc.classifier.per_token:
         return "all"  # (a token classifier labels every token)
     if mc.classifier is not None:  # (what its head was trained on)

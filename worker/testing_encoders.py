@@ -68,13 +68,29 @@ def write_sentence_transformers_pooling(dest: str | Path, pooling: str,
         {"word_embedding_dimension": hidden_size, **flags}))
 
 
+def write_splade_modules(dest: str | Path, strategy: str) -> None:
+    """sentence-transformers' ``SparseEncoder`` files: ``MLMTransformer`` then
+    ``SpladePooling`` with ``strategy``."""
+    dest = Path(dest)
+    (dest / "1_SpladePooling").mkdir(exist_ok=True)
+    (dest / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "",
+         "type": "sentence_transformers.sparse_encoder.models.MLMTransformer"},
+        {"idx": 1, "name": "1", "path": "1_SpladePooling",
+         "type": "sentence_transformers.sparse_encoder.models.SpladePooling"}]))
+    (dest / "1_SpladePooling" / "config.json").write_text(json.dumps(
+        {"pooling_strategy": strategy, "activation_function": "relu"}))
+
+
 def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int | None = None,
                          pooling: str | None = None, seed: int = 0, words: int = 120,
-                         per_token: bool = False, **overrides: Any) -> str:
+                         per_token: bool = False, splade: str | None = None,
+                         **overrides: Any) -> str:
     """A random ``family`` ("bert", "roberta", "xlm-roberta", "modernbert") encoder in
     ``dest``: a base model, or with ``num_labels`` a sequence classifier (a token
-    classifier with ``per_token``); ``pooling`` adds a sentence-transformers pooling
-    config. Returns the directory.
+    classifier with ``per_token``, a SPLADE masked-LM file with ``splade``, its
+    pooling strategy); ``pooling`` adds a sentence-transformers pooling config.
+    Returns the directory.
 
     The ModernBERT has three layers (global, local, local) whose local window of 8
     (4 positions each side) is far shorter than the test prompts."""
@@ -101,7 +117,7 @@ def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int
     cfg = cfg_cls(**{**kw, **overrides})
     prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta",
               "modernbert": "ModernBert"}[family]
-    suffix = "Model" if num_labels is None else \
+    suffix = "ForMaskedLM" if splade else "Model" if num_labels is None else \
         "ForTokenClassification" if per_token else "ForSequenceClassification"
     torch.manual_seed(seed)
     model = getattr(transformers, prefix + suffix)(cfg).eval()
@@ -115,7 +131,27 @@ def write_random_encoder(dest: str | Path, family: str = "bert", num_labels: int
     _write_tokenizer(dest, specials, words, token_types=family != "modernbert")
     if pooling is not None:
         write_sentence_transformers_pooling(dest, pooling, cfg.hidden_size)
+    if splade is not None:
+        write_splade_modules(dest, splade)
     return str(dest)
+
+
+def hf_splade_vectors(path: str | Path, inputs: list[Any], strategy: str = "max"
+                      ) -> list[torch.Tensor]:
+    """SPLADE's vectors by transformers' masked-LM logits on each input alone:
+    ``log1p(relu(logits))`` pooled over the tokens, as sentence-transformers does."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(path).eval()
+    out = []
+    with torch.no_grad():
+        for x in inputs:
+            enc = {"input_ids": torch.tensor([x])} if isinstance(x, list) else \
+                tok(x, return_tensors="pt")
+            scores = torch.log1p(torch.relu(model(**enc).logits[0]))
+            out.append(scores.amax(0) if strategy == "max" else scores.sum(0))
+    return out
 
 
 def hf_encoder_outputs(path: str | Path, inputs: list[Any], classifier: bool = False,

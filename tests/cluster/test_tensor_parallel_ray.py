@@ -393,22 +393,34 @@ def test_sharded_classifier_equals_hugging_face(ray_cluster, tmp_path, layout) -
         llm.shutdown()
 
 
-@pytest.mark.parametrize("family", ["bert", "modernbert"])
+@pytest.mark.parametrize("family", ["bert", "modernbert", "splade"])
 def test_tp2_encoder_cross_encoder_equals_transformers(ray_cluster, tmp_path, family) -> None:
-    """A cross-encoder over two ranks: q/k/v, the MLP input and the word embedding
-    split, the row-parallel biases added once, the head whole on rank 0. BERT reads
-    ``[CLS]``; the ModernBERT (RoPE, local layers, GeGLU split as input and gate
-    halves) pools every token's mean."""
-    from pagedserve.worker.testing_encoders import hf_encoder_outputs, write_random_encoder
+    """An encoder's scores over two ranks: q/k/v, the MLP input and the word embedding
+    split, the row-parallel biases added once, the head whole on rank 0. The BERT
+    cross-encoder reads ``[CLS]``; the ModernBERT one (RoPE, local layers, GeGLU split
+    as input and gate halves) pools every token's mean; the SPLADE encoder's head
+    decodes through the whole word embedding, and its score is a dot product."""
+    from pagedserve.worker.testing_encoders import (
+        hf_encoder_outputs,
+        hf_splade_vectors,
+        write_random_encoder,
+    )
     from tests.cluster.test_encoders import DOCS, QUERY
 
-    extra = {"classifier_pooling": "mean"} if family == "modernbert" else {}
-    path = write_random_encoder(tmp_path / "cross", family, num_labels=1, seed=4, **extra)
-    want = [torch.sigmoid(x) for x in hf_encoder_outputs(path, [(QUERY, d) for d in DOCS], True)]
+    if family == "splade":
+        path = write_random_encoder(tmp_path / "splade", "bert", splade="max", seed=4)
+        vecs = hf_splade_vectors(path, [QUERY, *DOCS])
+        want, tol = [vecs[0] @ v for v in vecs[1:]], 1e-4
+    else:
+        extra = {"classifier_pooling": "mean"} if family == "modernbert" else {}
+        path = write_random_encoder(tmp_path / "cross", family, num_labels=1, seed=4, **extra)
+        want = [torch.sigmoid(x)
+                for x in hf_encoder_outputs(path, [(QUERY, d) for d in DOCS], True)]
+        tol = 2e-5
     llm = LLM(model=path, tensor_parallel_size=2, num_threads=1)
     try:
         for s, w in zip(llm.score(QUERY, DOCS), want, strict=True):
-            assert abs(s.outputs.score - w.item()) < 2e-5
+            assert abs(s.outputs.score - w.item()) <= tol * max(1.0, abs(w.item()))
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()

@@ -32,6 +32,7 @@ from pagedserve.worker.layers.linear import (
 )
 from pagedserve.worker.models.bert_loading import BertWeightLoading
 from pagedserve.worker.models.prompt_batch import PromptBatch
+from pagedserve.worker.models.splade import SpladeHead
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage
 
@@ -187,7 +188,10 @@ class BertModel(BertWeightLoading, EncoderModel):
         self.embed_norm = LayerNorm(h, enc.layer_norm_eps, dtype, device)
         self.layers = nn.ModuleList(EncoderLayer(cfg, ctx, dtype, device)
                                     for _ in range(cfg.num_layers))
-        self.score: EncoderClassifierHead | TokenClassifierHead | None = None
+        self.score: EncoderClassifierHead | TokenClassifierHead | SpladeHead | None = None
+        if enc.sparse:  # (a SPLADE encoder: its masked-LM head, pooled)
+            self.score = SpladeHead(cfg.vocab_size, h, enc.layer_norm_eps,
+                                    enc.gelu_approximate, enc.sparse, dtype, device)
         if cfg.classifier is not None:
             head = TokenClassifierHead if cfg.classifier.per_token else EncoderClassifierHead
             self.score = head(cfg.classifier.num_labels, h, dtype, device)

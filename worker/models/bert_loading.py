@@ -61,20 +61,38 @@ class BertWeightLoading:
         ``on_layer`` gets each layer once everything is in."""
         head = self._head_names()
         pending = self._expected_names() | set(head)
+        splade = self._splade_names()
+        pending |= {n for n in splade if ".decoder." not in n}  # (tied, or one bias)
         prefix = CHECKPOINT_PREFIX[self.config.model_type]
         for raw, lazy in weights:
             name = raw.removeprefix(prefix)
             name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
             name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
+            if name in splade or (splade and name == "embeddings.word_embeddings.weight"):
+                # (SPLADE's decoder: the file's own rows, else the tied word embedding)
+                target = splade.get(name, splade["cls.predictions.decoder.weight"])
+                copy_checked(name, target, lazy)
+                pending.discard(name.replace("decoder.bias", "bias"))
+                if name in splade:
+                    continue
             if name.startswith(_SKIPPED) or (name.startswith("pooler.") and name not in head):
                 continue  # (an embedder's pooler: sentence-transformers never uses it)
             self._load_one(name, lazy, head)
             pending.discard(name)
         finish_loading(pending, self.layers, on_layer, "encoder.layer")
 
+    def _splade_names(self) -> dict[str, torch.Tensor]:
+        """A SPLADE file's masked-LM head tensors -> ``SpladeHead``'s (empty for any
+        other file); ``decoder.bias`` is the head's ``bias`` again."""
+        if not self.config.encoder.sparse:
+            return {}
+        out = {f"cls.predictions.{k}": v for k, v in self.score.tensors().items()}
+        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"]
+        return out
+
     def _head_names(self) -> dict[str, tuple[str, bool]]:
         """A classifier file's head tensors -> (``EncoderClassifierHead`` part, is bias)."""
-        if self.score is None:
+        if self.score is None or self.config.encoder.sparse:
             return {}
         if self.config.classifier.per_token:  # (one Linear over every token)
             return {"classifier.weight": ("out_weight", False),
