@@ -204,13 +204,14 @@ class HybridKVCacheManager(KVImportMixin):
         if not computed_blocks and self._has_room(request, num_new_tokens):
             return []  # every decode step but one in B
         hits = computed_blocks or [None] * len(self.groups)
-        cost = sum(g.slots_cost(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
+        cpu = loads.cpu if loads is not None else [None] * len(self.groups)
+        cost = sum(g.slots_cost(request, num_new_tokens, h, c)
+                   for g, h, c in zip(self.groups, hits, cpu))
         if cost > self.pool.num_free_blocks:
             return None
         for g, h in zip(self.groups, hits):  # every group's hits, before any allocates
             if h:
                 g.take_hits(h)
-        cpu = loads.cpu if loads is not None else [None] * len(self.groups)
         hit_tokens = self.offload_stats["cpu_hit_tokens"]
         copies: list[tuple[int, int]] = []
         for g, h, c in zip(self.groups, hits, cpu):

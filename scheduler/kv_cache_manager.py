@@ -193,7 +193,8 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
         """
         if not computed_blocks and self.has_room(request, num_new_tokens):
             return []  # every decode step but one in B
-        if self.slots_cost(request, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
+        if self.slots_cost(request, num_new_tokens, computed_blocks,
+                           offloaded) > self.pool.num_free_blocks:
             return None
         return self.commit_slots(request, num_new_tokens, computed_blocks, offloaded)
 
@@ -205,14 +206,15 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
             or blocks[request.num_computed_tokens // self.block_size].ref_cnt == 1)
 
     def slots_cost(self, request: Request, num_new_tokens: int,
-                   computed_blocks: list[KVCacheBlock] | None = None) -> int:
+                   computed_blocks: list[KVCacheBlock] | None = None,
+                   offloaded: list[int] | None = None) -> int:
         """Free blocks ``allocate_slots`` would take: fresh ones, a copy-on-write's, and
         cached hits it revives."""
         if not computed_blocks and self.has_room(request, num_new_tokens):
             return 0
         blocks = self.req_blocks.get(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens
-        computed_blocks = computed_blocks or []
+        computed_blocks, _ = self._within_window(computed_blocks or [], offloaded or [])
         need = max(0, cdiv(total, self.block_size) - len(blocks) - len(computed_blocks))
         need += self._cow_index(request, blocks, num_new_tokens) is not None
         return need + sum(1 for b in computed_blocks if b is not RELEASED and b.ref_cnt == 0)
@@ -233,8 +235,7 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
         rid = request.request_id
         self._snapshots.pop(rid, None)
         blocks = self.req_blocks.get(rid, [])
-        computed_blocks = computed_blocks or []
-        offloaded = offloaded or []
+        computed_blocks, offloaded = self._within_window(computed_blocks or [], offloaded or [])
         if (computed_blocks or offloaded) and blocks:
             raise RuntimeError(f"{rid} already has blocks; prefix hits only at admission")
         total = request.num_computed_tokens + num_new_tokens
@@ -267,6 +268,21 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
             self.offload_stats["cpu_hit_tokens"] += len(offloaded) * self.block_size
             self.offload_stats["loaded_blocks"] += len(offloaded)
         return copies
+
+    def _within_window(self, computed_blocks: list[KVCacheBlock], offloaded: list[int]
+                       ) -> tuple[list[KVCacheBlock], list[int]]:
+        """A hit's device blocks and CPU loads less the loads a sliding window has
+        passed: the CPU blocks before the first one the next query sees are not loaded,
+        their table entries ``RELEASED``. Without this, a prompt longer than the pool
+        (which a window admits) whose prefix sits on the CPU would ask a fresh device
+        block for every block of it, could never be admitted, and would stall the
+        queue. (Device hits the window passed are held, then released at once.)"""
+        if self.sliding_window is None or not offloaded:
+            return computed_blocks, offloaded
+        lo = first_seen_block(len(computed_blocks) + len(offloaded), self.sliding_window,
+                              self.block_size)
+        skip = max(0, lo - len(computed_blocks))
+        return computed_blocks + [RELEASED] * skip, offloaded[skip:]
 
     def take_hits(self, computed_blocks: list[KVCacheBlock]) -> None:
         """Hold prefix hits (cached blocks leave the free queue, where an allocation

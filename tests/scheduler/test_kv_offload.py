@@ -280,3 +280,31 @@ def test_offloading_needs_prefix_caching_and_cpu_blocks() -> None:
                     enable_kv_offload=True)
     with pytest.raises(ValueError, match="kv_offloading"):
         KVCacheManager(8, B, num_cpu_blocks=0, enable_offload=True)
+
+
+def test_a_sliding_window_loads_only_the_blocks_its_next_query_sees() -> None:
+    """A window admits a prompt longer than the whole pool; its prefix, evicted to the
+    CPU, must come back only as far as the next query sees (the rest ``RELEASED``,
+    never loaded). Loading every block asked more fresh device blocks than the pool
+    has: the request was never admitted and the queue stalled (found by the
+    pipelined state machine: six blocks, a window of six tokens, a 25-token prompt)."""
+    sched, sim = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=12, enable_kv_offload=True,
+                                sliding_window=6, max_num_batched_tokens=4)
+    long = [100 + (13 * j) % 80 for j in range(25)]
+    sched.add_request(req("a", long, max_tokens=2, sched=sched))
+    first = run_to_completion(sched, sim)["a"]
+    sched.add_request(req("b", list(range(300, 324)), max_tokens=1, sched=sched))
+    run_to_completion(sched, sim)  # b's blocks push a's full blocks out to the CPU
+    sched.add_request(req("a2", long, max_tokens=2, sched=sched))
+    r = sched.requests["a2"]
+    _, num_hit = sched.kv.get_computed_blocks(r)
+    loads = sched.kv.get_offloaded_blocks(r, num_hit // B)
+    assert num_hit // B + len(loads) == 6  # the hit alone is as long as the pool
+    plan = sched.schedule()
+    (row,) = plan.scheduled
+    assert row.num_computed_tokens == 24 and row.token_ids == [long[-1]]
+    assert 0 < len(plan.blocks_to_swap_in) <= 2  # only what the window sees
+    assert row.block_table[:4] == [-1] * 4
+    sched.update_from_output(plan, sim.execute(plan))
+    assert run_to_completion(sched, sim).get("a2", []) == first[1:]
+    assert_baseline(sched)
