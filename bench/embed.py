@@ -86,17 +86,18 @@ def run_hf(path: str, inputs: list[list[int]], batch: int, pool: str = "last"
 
 
 def report(title: str, inputs: list[list[int]], args: argparse.Namespace,
-           ps: tuple[float, torch.Tensor], hf: tuple[float, torch.Tensor]) -> None:
+           ps: tuple[float, torch.Tensor], hf: tuple[float, torch.Tensor],
+           hf_name: str = "HF AutoModel") -> None:
     """Print both runs' rates, the ratio and the largest difference; ``--json`` too."""
     (ps_dt, ps_out), (hf_dt, hf_out) = ps, hf
     tokens = sum(map(len, inputs))
     diff = (ps_out - hf_out).abs().max().item()
     rows = {"pagedserve LLM.embed": ps_dt,
-            f"HF AutoModel (sorted batches of {args.hf_batch})": hf_dt}
+            f"{hf_name} (sorted batches of {args.hf_batch})": hf_dt}
     print(f"{title}, {len(inputs)} inputs, {tokens} tokens "
           f"({min(map(len, inputs))}-{max(map(len, inputs))} each)")
     for name, dt in rows.items():
-        print(f"{name:>40}: {len(inputs) / dt:8.1f} inputs/s {tokens / dt:9.1f} tokens/s")
+        print(f"{name:>48}: {len(inputs) / dt:8.1f} inputs/s {tokens / dt:9.1f} tokens/s")
     print(f"pagedserve is {hf_dt / ps_dt:.2f}x Hugging Face; max |difference| {diff:.2e}")
     if args.json:
         with open(args.json, "w") as f:

@@ -9,7 +9,10 @@ L2-normalised. ``--family`` picks the encoder (fp32 on CPU):
 - ``modernbert``: ModernBERT-base's (gte-modernbert-base, modernbert-embed-base:
   22 layers, hidden 768, 12 heads, GeGLU 1,152, local layers seeing 64 tokens
   each side, 8,192 positions; 149M parameters), by default over longer prompts
-  (``--min-len 256 --max-len 2048``, 24 inputs) where its local layers matter.
+  (``--min-len 256 --max-len 2048``, 24 inputs) where its local layers matter;
+- ``splade``: splade-v3's (BERT-base masked LM, 110M parameters, 30,522-wide
+  sparse vectors), 64 inputs, against ``AutoModelForMaskedLM`` with SPLADE's
+  max pooling done as sentence-transformers' ``SparseEncoder`` does.
 
 - pagedserve: every input submitted at once; each step packs up to
   ``--max-num-batched-tokens`` tokens of whole prompts, the projections run
@@ -25,6 +28,7 @@ between the two sets of embeddings.
 
     python bench/encoders.py
     python bench/encoders.py --family modernbert
+    python bench/encoders.py --family splade
     python bench/encoders.py --json bench/figures/encoders.json
 """
 
@@ -35,6 +39,9 @@ import os
 import random
 import sys
 import tempfile
+import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,12 +54,44 @@ BGE_SMALL = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12,
 MODERNBERT_BASE = dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
                        intermediate_size=1152, max_position_embeddings=8192,
                        local_attention=128)
+BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 intermediate_size=3072, max_position_embeddings=512)
 # family -> (shape, title, default (num_inputs, min_len, max_len, hf_batch))
 FAMILIES = {
     "bert": (BGE_SMALL, "random bge-small-shaped BERT", (256, 16, 256, 32)),
     "modernbert": (MODERNBERT_BASE, "random ModernBERT-base-shaped encoder",
                    (24, 256, 2048, 8)),
+    "splade": (BERT_BASE, "random splade-v3-shaped SPLADE (BERT-base masked LM)",
+               (64, 16, 256, 8)),
 }
+
+
+def run_hf_splade(path: str, inputs: list[list[int]], batch: int
+                  ) -> tuple[float, torch.Tensor]:
+    """HF's time and SPLADE vectors: ``AutoModelForMaskedLM`` over length-sorted padded
+    batches, ``log1p(relu(logits))`` masked and max-pooled, as sentence-transformers'
+    ``SparseEncoder`` computes them."""
+    from transformers import AutoModelForMaskedLM
+
+    model = AutoModelForMaskedLM.from_pretrained(path, dtype=torch.float32).eval()
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    out = torch.empty(len(inputs), model.config.vocab_size)
+    with torch.inference_mode():
+        model(torch.tensor([inputs[0]]))  # warm-up
+        t0 = time.perf_counter()
+        for s in range(0, len(order), batch):
+            idx = order[s: s + batch]
+            width = max(len(inputs[i]) for i in idx)
+            ids = torch.zeros(len(idx), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, i in enumerate(idx):
+                ids[r, : len(inputs[i])] = torch.tensor(inputs[i])
+                mask[r, : len(inputs[i])] = 1
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            scores = torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1)
+            out[idx] = scores.amax(1)
+        dt = time.perf_counter() - t0
+    return dt, out
 
 
 def make_inputs(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -79,13 +118,19 @@ def main() -> None:
             setattr(args, name, value)
     from pagedserve.worker.testing_encoders import write_random_encoder
 
-    vocab = 30522 if args.family == "bert" else 50368
+    vocab = 50368 if args.family == "modernbert" else 30522
+    splade = args.family == "splade"
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_random_encoder(tmp, args.family, words=vocab - 5, **shape)
+        path = write_random_encoder(tmp, "bert" if splade else args.family, words=vocab - 5,
+                                    splade="max" if splade else None, **shape)
         inputs = make_inputs(args.num_inputs, args.min_len, args.max_len, vocab, args.seed)
-        report(f"{title} fp32, [CLS] pooling", inputs, args,
-               run_pagedserve(path, inputs, max(args.max_num_batched_tokens, args.max_len)),
-               run_hf(path, inputs, args.hf_batch, pool="cls"))
+        ours = run_pagedserve(path, inputs, max(args.max_num_batched_tokens, args.max_len))
+        if splade:
+            report(f"{title} fp32, max pooling", inputs, args, ours,
+                   run_hf_splade(path, inputs, args.hf_batch), "HF AutoModelForMaskedLM")
+        else:
+            report(f"{title} fp32, [CLS] pooling", inputs, args, ours,
+                   run_hf(path, inputs, args.hf_batch, pool="cls"))
 
 
 if __name__ == "__main__":
