@@ -18,12 +18,14 @@ from tests.cluster.test_encoders import DOCS, QUERY, TEXTS
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 
 
-@pytest.mark.parametrize("strategy", ["max", "sum"])
-def test_sparse_vectors_equal_transformers(tmp_path, strategy) -> None:
+@pytest.mark.parametrize(("strategy", "tied"), [("max", True), ("sum", False)])
+def test_sparse_vectors_equal_transformers(tmp_path, strategy, tied) -> None:
     """Prompts of 5, 37 and 3 tokens in one step; the decoder is the tied word
-    embedding (the file holds no decoder rows); no normalisation, as
-    sentence-transformers gives them; ``LLM.score`` is their dot product."""
-    path = write_random_encoder(tmp_path / "splade", "bert", splade=strategy, seed=3)
+    embedding (the file holds no decoder rows) or the file's own rows; no
+    normalisation, as sentence-transformers gives them; ``LLM.score`` is their dot
+    product."""
+    path = write_random_encoder(tmp_path / "splade", "bert", splade=strategy, seed=3,
+                                tie_word_embeddings=tied)
     want = hf_splade_vectors(path, TEXTS, strategy)
     pairs = hf_splade_vectors(path, [QUERY, *DOCS], strategy)
     llm = LLM(model=path, max_num_seqs=8)

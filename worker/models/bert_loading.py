@@ -64,17 +64,19 @@ class BertWeightLoading:
         splade = self._splade_names()
         pending |= {n for n in splade if ".decoder." not in n}  # (tied, or one bias)
         prefix = CHECKPOINT_PREFIX[self.config.model_type]
+        own_decoder = False  # (the file's decoder rows win, whichever tensor comes first)
         for raw, lazy in weights:
             name = raw.removeprefix(prefix)
             name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
             name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
-            if name in splade or (splade and name == "embeddings.word_embeddings.weight"):
-                # (SPLADE's decoder: the file's own rows, else the tied word embedding)
-                target = splade.get(name, splade["cls.predictions.decoder.weight"])
-                copy_checked(name, target, lazy)
+            if name in splade:
+                copy_checked(name, splade[name], lazy)
                 pending.discard(name.replace("decoder.bias", "bias"))
-                if name in splade:
-                    continue
+                own_decoder |= name == "cls.predictions.decoder.weight"
+                continue
+            if splade and name == "embeddings.word_embeddings.weight" and not own_decoder:
+                # (SPLADE's decoder tied to the word embedding: its rows, whole)
+                copy_checked(name, splade["cls.predictions.decoder.weight"], lazy)
             if name.startswith(_SKIPPED) or (name.startswith("pooler.") and name not in head):
                 continue  # (an embedder's pooler: sentence-transformers never uses it)
             self._load_one(name, lazy, head)
