@@ -271,12 +271,9 @@ class KVCacheManager(KVSwapMixin, KVImportMixin):
 
     def _within_window(self, computed_blocks: list[KVCacheBlock], offloaded: list[int]
                        ) -> tuple[list[KVCacheBlock], list[int]]:
-        """A hit's device blocks and CPU loads less the loads a sliding window has
-        passed: the CPU blocks before the first one the next query sees are not loaded,
-        their table entries ``RELEASED``. Without this, a prompt longer than the pool
-        (which a window admits) whose prefix sits on the CPU would ask a fresh device
-        block for every block of it, could never be admitted, and would stall the
-        queue. (Device hits the window passed are held, then released at once.)"""
+        """A hit less the CPU loads a sliding window has passed (their entries
+        ``RELEASED``, never loaded): else a prompt longer than the pool, its prefix on
+        the CPU, would ask a device block per block, never be admitted, stall the queue."""
         if self.sliding_window is None or not offloaded:
             return computed_blocks, offloaded
         lo = first_seen_block(len(computed_blocks) + len(offloaded), self.sliding_window,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.st_modules import module_folder
 
 # sentence-transformers' flags -> our pooling types (max / weighted mean: not served).
 _MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -26,25 +27,10 @@ _UNSERVED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
              "pooling_mode_weightedmean_tokens")
 
 
-def _pooling_folder(path: Path) -> Path | None:
-    """The ``Pooling`` module's folder from ``modules.json``, if the file lists one."""
-    modules = path / "modules.json"
-    if not modules.is_file():
-        return None
-    try:
-        listed = json.loads(modules.read_text())
-    except ValueError as exc:
-        raise ValueError(f"modules.json is not valid JSON: {exc}") from None
-    for m in listed if isinstance(listed, list) else ():
-        if isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling"):
-            return path / str(m.get("path", ""))
-    return None
-
-
 def sentence_transformers_pooling(path: str | Path) -> str | None:
     """The pooling type the model's sentence-transformers config names (None: no such
     config); a mode not served here is a ``ValueError`` naming it."""
-    folder = _pooling_folder(Path(path))
+    folder = module_folder(path, ".Pooling")
     cfg_file = folder / "config.json" if folder is not None else None
     if cfg_file is None or not cfg_file.is_file():
         return None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pagedserve.worker.st_modules import module_folder
+
 STRATEGIES = ("max", "sum")
 
 
@@ -20,26 +22,17 @@ def splade_pooling(path: str | Path | None) -> str | None:
     """The ``SpladePooling`` strategy ("max" or "sum") the folder's ``modules.json``
     names (None: no such module); an unserved strategy or activation is a
     ``ValueError`` naming it."""
-    if path is None:
+    folder = module_folder(path, ".SpladePooling") if path is not None else None
+    if folder is None:
         return None
-    modules = Path(path) / "modules.json"
-    if not modules.is_file():
-        return None
-    try:
-        listed = json.loads(modules.read_text())
-    except ValueError as exc:
-        raise ValueError(f"modules.json is not valid JSON: {exc}") from None
-    for m in listed if isinstance(listed, list) else ():
-        if isinstance(m, dict) and str(m.get("type", "")).endswith(".SpladePooling"):
-            cfg_file = Path(path) / str(m.get("path", "")) / "config.json"
-            cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-            strategy = cfg.get("pooling_strategy", "max")
-            if strategy not in STRATEGIES:
-                raise ValueError(f"SpladePooling pooling_strategy must be one of "
-                                 f"{STRATEGIES}, got {strategy!r}")
-            activation = cfg.get("activation_function", "relu")
-            if activation != "relu":
-                raise ValueError("SpladePooling activation_function must be 'relu' "
-                                 f"(log(1 + relu(logit))), got {activation!r}")
-            return strategy
-    return None
+    cfg_file = folder / "config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    strategy = cfg.get("pooling_strategy", "max")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"SpladePooling pooling_strategy must be one of {STRATEGIES}, "
+                         f"got {strategy!r}")
+    activation = cfg.get("activation_function", "relu")
+    if activation != "relu":
+        raise ValueError("SpladePooling activation_function must be 'relu' "
+                         f"(log(1 + relu(logit))), got {activation!r}")
+    return strategy
