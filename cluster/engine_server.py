@@ -39,6 +39,7 @@ from pagedserve.cluster.disagg import PREFILL_PARAMS, RemotePrefillConfig, Remot
 from pagedserve.cluster.engine_lifecycle import EngineSleepingError
 from pagedserve.cluster.metrics import RequestTimer, ServerMetrics
 from pagedserve.cluster.placement import stream_message_budget
+from pagedserve.cluster.pooling import probe_pooling
 from pagedserve.cluster.wire import (
     DeltaTracker,
     EngineChunk,
@@ -48,7 +49,6 @@ from pagedserve.cluster.wire import (
     chunk_to_wire,
     pace_deltas,
 )
-from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,8 @@ class EngineServer:
                 "prompt_embeds": core.config.enable_prompt_embeds,
                 # A sequence classifier's labels and activations (None: not one).
                 "classifier": core.model_info.get("classifier"),
+                # A ColBERT / BGE-M3 file's tasks and whether it scores by MaxSim.
+                "multi_vector": core.model_info.get("multi_vector"),
                 # A BERT-family encoder: truncation keeps its first token (``text_pairs``).
                 "encoder": bool(core.model_info.get("encoder")),
                 "hidden_size": int(core.model_info["hidden_size"])}
@@ -330,8 +332,7 @@ class EngineServer:
                     "latency_s": 0.0}
         params = SamplingParams(max_tokens=1, temperature=0.0)
         info = self.engine.engine.model_info
-        pooling = (PoolingParams(task="classify") if info.get("classifier")
-                   else PoolingParams() if info.get("embedding_only") else None)
+        pooling = probe_pooling(info)
 
         async def one() -> None:
             async for _ in self.engine.generate(self._probe_ids, params,

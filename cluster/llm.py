@@ -11,6 +11,7 @@ import torch
 from pagedserve.cluster.beam_search import BeamSearchOutput, BeamSearchParams, beam_sequences
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.engine import LLMEngine
+from pagedserve.cluster.late_interaction import late_interaction, pair_score
 from pagedserve.cluster.multimodal import split_chat_images
 from pagedserve.cluster.outputs import (
     ClassificationOutput,
@@ -297,7 +298,8 @@ class LLM:
         pairwise). A one-label sequence classifier (a cross-encoder reranker) reads each
         pair as one prompt (``text_pairs.pair_token_ids``) and scores it through its
         activation; an embedding model scores the cosine similarity of the two texts'
-        embeddings, each distinct text embedded once."""
+        embeddings, each distinct text embedded once; a ColBERT model their late
+        interaction (MaxSim over their token vectors, ``late_interaction``)."""
         firsts, seconds = pair_texts(data_1, data_2, ("data_1", "data_2"))
         classifier = self.engine.model_info.get("classifier")
         if classifier is not None:
@@ -312,14 +314,17 @@ class LLM:
                                          ScoringOutput((o.embedding or [0.0])[0]))
                     for i, o in enumerate(outs)]
         texts = list(dict.fromkeys(firsts + seconds))
-        embs = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request,
-                                          truncate_prompt_tokens=truncate_prompt_tokens),
-                        strict=True))
-        return [ScoringRequestOutput(
-            f"score-{i}", embs[a].prompt_token_ids + embs[b].prompt_token_ids,
-            ScoringOutput(sum(x * y for x, y in zip(embs[a].outputs.embedding,
-                                                    embs[b].outputs.embedding, strict=True))))
-            for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))]
+        late = late_interaction(self.engine.model_info)
+        kw: dict[str, Any] = dict(use_tqdm=use_tqdm, lora_request=lora_request,
+                                  truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.encode(texts, pooling_task="token_embed", **kw) if late else \
+            self.embed(texts, **kw)
+        ids = {t: o.prompt_token_ids for t, o in zip(texts, outs, strict=True)}
+        vecs = {t: o.outputs.data if late else o.outputs.embedding
+                for t, o in zip(texts, outs, strict=True)}
+        return [ScoringRequestOutput(f"score-{i}", ids[a] + ids[b],
+                                     ScoringOutput(pair_score(vecs[a], vecs[b])))
+                for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))]
 
     def _pool(self, prompts: list[Prompt], pooling: PoolingParams, use_tqdm: bool | None,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None,

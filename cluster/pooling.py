@@ -50,6 +50,18 @@ def resolved_pooling(pooling: PoolingParams | None, model_info: dict[str, Any]
     return pooling
 
 
+def probe_pooling(model_info: dict[str, Any]) -> PoolingParams | None:
+    """What a health probe asks of the model: a token for a generator (None), else the
+    first task it serves (a token classifier labels tokens, ColBERT embeds them)."""
+    classifier, mv = model_info.get("classifier"), model_info.get("multi_vector")
+    if classifier is not None:
+        return PoolingParams(task="token_classify" if classifier.get("per_token")
+                             else "classify")
+    if mv is not None:
+        return PoolingParams(task=mv["tasks"][0])
+    return PoolingParams() if model_info.get("embedding_only") else None
+
+
 def pool_for(pooling: PoolingParams | None, params: SamplingParams,
              model_info: dict[str, Any]) -> PoolAccumulator | None:
     """The accumulator of a request (None: it generates), or a ``ValueError`` when the
@@ -69,6 +81,8 @@ def pool_for(pooling: PoolingParams | None, params: SamplingParams,
     if params.n != 1:
         raise ValueError("n must be 1 for an embedding request")
     task = pooling.task
+    if model_info.get("multi_vector") is not None:
+        return _multi_vector_pool(pooling, model_info)
     if classifier is None and task not in ("embed", "token_embed"):
         raise ValueError(f"task {task!r} needs a sequence classifier (a "
                          "...ForSequenceClassification checkpoint); this model embeds")
@@ -90,8 +104,40 @@ def pool_for(pooling: PoolingParams | None, params: SamplingParams,
     return PoolAccumulator(pooling, int(model_info["hidden_size"]), classifier)
 
 
+def _multi_vector_pool(pooling: PoolingParams, model_info: dict[str, Any]
+                       ) -> PoolAccumulator:
+    """A ColBERT or BGE-M3 request's accumulator (``multi_vector_config``): its token
+    vectors are the projection's width; BGE-M3's lexical weights are one raw number a
+    token; the prompt's first (last) token is left out where the file says so, when
+    it is the model's BOS (EOS), as vLLM does."""
+    mv = model_info["multi_vector"]
+    task = pooling.task
+    if task not in mv["tasks"]:
+        raise ValueError(f"this {mv['kind']} model serves tasks {mv['tasks']} (each "
+                         "token's vector: task 'token_embed', LLM.encode, POST /pooling; "
+                         "late-interaction scores: LLM.score, POST /score, /rerank), not "
+                         f"task {task!r}")
+    if task == "token_embed" and (pooling.dimensions or 0) > mv["dim"]:
+        raise ValueError(f"dimensions ({pooling.dimensions}) exceeds the width of this "
+                         f"model's token vectors ({mv['dim']})")
+    acc = PoolAccumulator(pooling, mv["dim"] if task == "token_embed"
+                          else int(model_info["hidden_size"]))
+    acc.weights = task == "token_classify"
+    if task in mv["skip_first"]:
+        acc.skip_first = model_info.get("bos_token_id")
+    if task in mv["skip_last"]:
+        acc.skip_last = tuple(model_info.get("eos_token_ids") or ())
+    return acc
+
+
 class PoolAccumulator:
     """The running pooled state of one embedding request."""
+
+    # A token task's ends left out: the first row when the prompt starts with this id,
+    # the last when it ends with one of these (BGE-M3's).
+    skip_first: int | None = None
+    skip_last: tuple[int, ...] = ()
+    weights = False  # one raw number a token (BGE-M3's lexical weights)
 
     def __init__(self, params: PoolingParams, hidden_size: int,
                  classifier: dict[str, Any] | None = None) -> None:
@@ -125,14 +171,18 @@ class PoolAccumulator:
             self.total += chunk_sum
         self.count += n
 
-    def result(self) -> list[float] | list[list[float]]:
+    def result(self, prompt_token_ids: list[int] | None = None
+               ) -> list[float] | list[list[float]]:
         """The embedding: mean (or last) state, truncated, then normalised if asked; a
         classifier's label logits through its activation (unless ``use_activation`` is
-        off). The token tasks: one such row per prompt token."""
+        off). The token tasks: one such row per prompt token (``prompt_token_ids`` say
+        which ends a multi-vector model leaves out)."""
         if self.params.task in TOKEN_TASKS:
             if not self.rows:
                 raise RuntimeError("token pooling request finished without hidden states")
-            v = torch.cat(self.rows)
+            v = self._trimmed(torch.cat(self.rows), prompt_token_ids or [])
+            if self.weights:
+                return v[:, 0].tolist()
         elif self.total is None or self.count == 0:
             raise RuntimeError("embedding request finished without pooled hidden states")
         else:
@@ -148,3 +198,10 @@ class PoolAccumulator:
         if self.params.normalize:
             v = torch.nn.functional.normalize(v, dim=-1)
         return v.tolist()
+
+    def _trimmed(self, rows: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        if ids and self.skip_first is not None and ids[0] == self.skip_first:
+            rows = rows[1:]
+        if len(ids) > 1 and ids[-1] in self.skip_last:
+            rows = rows[:-1]
+        return rows

@@ -6,8 +6,10 @@ Score and rerank answer how related two texts are as vLLM does. An embedding mod
 (a bi-encoder) gives the cosine similarity of their embeddings: every distinct
 text is embedded once, through the same replicas, router and continuous batches as
 ``/v1/embeddings``, and each pair's score is the dot product of the two unit
-vectors. A one-label sequence classifier (a cross-encoder reranker) reads each
-pair as one prompt and answers its activated logit. ``/rerank`` (Jina's and Cohere's shape) orders documents by their score
+vectors; a ColBERT model (``multi_vector_config``) gives their late interaction,
+MaxSim over the two texts' token vectors. A one-label sequence classifier (a
+cross-encoder reranker) reads each pair as one prompt and answers its activated
+logit. ``/rerank`` (Jina's and Cohere's shape) orders documents by their score
 against the query. The routes live on an ``APIRouter`` bound to this module's
 mixin; ``OpenAIServer`` inherits it.
 """
@@ -30,6 +32,7 @@ from pagedserve.cluster.embeddings import (
     embedding_response,
     pooling_response,
 )
+from pagedserve.cluster.late_interaction import late_interaction, pair_score
 from pagedserve.cluster.pooling import pool_for
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.request_ids import request_ids
@@ -108,10 +111,13 @@ class PoolingEndpoints:
             return ([r["embedding"][0] for r in results],
                     sum(r["prompt_tokens"] for r in results))
         texts = list(dict.fromkeys(firsts + seconds))
-        results = await self._embed(body, texts, eid, lora)
+        if late_interaction(info):  # (ColBERT: every token's vector, then MaxSim)
+            results = await self._pool(body, self._prompt_ids(body, texts, info), eid,
+                                       PoolingParams(task="token_embed"), lora)
+        else:
+            results = await self._embed(body, texts, eid, lora)
         vecs = {t: r["embedding"] for t, r in zip(texts, results, strict=True)}
-        scores = [sum(a * b for a, b in zip(vecs[x], vecs[y], strict=True))
-                  for x, y in zip(firsts, seconds, strict=True)]
+        scores = [pair_score(vecs[x], vecs[y]) for x, y in zip(firsts, seconds, strict=True)]
         return scores, sum(r["prompt_tokens"] for r in results)
 
     @router.post("/classify")

@@ -102,7 +102,7 @@ class RequestState:
             if u.pooled is not None:
                 self.pool.add(u.pooled)
             if u.finished:
-                self.embedding = self.pool.result()
+                self.embedding = self.pool.result(self.prompt_token_ids)
                 seq.out.finish_reason = u.finish_reason
             return 0, False
         ids = [t.token_id for t in u.new_tokens]

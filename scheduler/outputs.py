@@ -44,7 +44,8 @@ class ScheduledRequest:
     forked siblings have none yet): seeded draws and ``min_tokens`` read it, so they
     do not depend on worker state that a restart, a preemption or a resume loses.
     ``pooling`` ("last" or "mean") marks a row of an embedding request whose
-    hidden states the runner pools; ``pool_final`` that it ends the prompt.
+    hidden states the runner pools; ``pool_final`` that it ends the prompt;
+    ``pool_task`` what the vector is for (a multi-vector model's head goes by it).
     ``long_rope`` rotates the row's tokens by LongRoPE's long factors
     (``scheduler.long_rope``). ``group_block_tables`` are a hybrid model's tables of
     KV cache groups 1 and on (``kv_groups``); ``block_table`` is group 0's.
@@ -73,6 +74,7 @@ class ScheduledRequest:
     num_output_tokens: int = 0
     pooling: str | None = None
     pool_final: bool = False
+    pool_task: str = "embed"
     long_rope: bool = False
     group_block_tables: list[list[int]] | None = None
     images: list[ImageChunk] | None = None

@@ -60,6 +60,7 @@ def scheduled_request(req: Request, num_new: int, block_ids: list[int],
     pp = req.pooling_params
     if pp is not None:
         sched.pool_final = start + num_new == req.num_tokens
+        sched.pool_task = pp.task
         kind = pp.pooling_type or "last"  # (the engine fills the model's in; alone: last)
         if kind in ("mean", "all", "splade") or (kind == "cls" and start == 0) or (
                 kind == "last" and sched.pool_final):

@@ -251,6 +251,12 @@ class ModelConfig:
         return self.embedding_only or self.classifier is not None
 
     @property
+    def side_files(self) -> tuple[str, ...]:
+        """Head files beside the checkpoint that load with it (BGE-M3's)."""
+        mv = self.encoder.multi_vector if self.encoder is not None else None
+        return mv.side_files if mv is not None else ()
+
+    @property
     def long_rope_from(self) -> int:
         """LongRoPE's pre-trained length (its short factors' reach), 0 for other RoPE."""
         scaling = self.rope_scaling or {}

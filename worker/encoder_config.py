@@ -23,6 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.worker.classifier import ClassifierConfig, classifier_config
 from pagedserve.worker.config_fields import positive_int, require
+from pagedserve.worker.multi_vector_config import (
+    MultiVectorConfig,
+    is_multi_vector_architecture,
+    multi_vector_config,
+)
 from pagedserve.worker.splade_config import splade_pooling
 
 if TYPE_CHECKING:
@@ -64,6 +69,8 @@ class EncoderConfig:
     # A SPLADE sparse encoder (a BERT masked-LM file with ``SpladePooling``,
     # ``splade_config``): its pooling over the tokens, "max" or "sum"; "": none.
     sparse: str = ""
+    # A ColBERT or BGE-M3 file's per-token heads (``multi_vector_config``); None: none.
+    multi_vector: MultiVectorConfig | None = None
 
 
 def _sep_token_id(tokenizer_dir: str | None) -> int | None:
@@ -91,14 +98,16 @@ def encoder_classifier(cfg: dict[str, Any], sparse: bool = False
     arch = cfg.get("architectures") or []
     classifier = classifier_config(cfg, token_level=True)
     suffix = "ForMaskedLM" if sparse else "Model"
-    base = isinstance(arch, list) and bool(arch) and all(
-        isinstance(a, str) and a.endswith(suffix) for a in arch)
+    base = (isinstance(arch, list) and bool(arch) and all(
+        isinstance(a, str) and a.endswith(suffix) for a in arch)) or (
+        not sparse and is_multi_vector_architecture(cfg))
     if classifier is None and not base:
         raise ValueError(f"model config field 'architectures' {arch!r}: a {model_type} "
                          "file is served as an embedder (...Model), a sequence classifier "
                          "(...ForSequenceClassification), a token classifier "
                          "(...ForTokenClassification) or, with sentence-transformers' "
-                         "SpladePooling, a SPLADE encoder (...ForMaskedLM)")
+                         "SpladePooling, a SPLADE encoder (...ForMaskedLM); HF_ColBERT "
+                         "and BgeM3EmbeddingModel are multi-vector encoders")
     if classifier is not None and classifier.from_tokens:
         raise ValueError("classifier_from_token is for decoders with an LM head; this "
                          f"{model_type} file has none")
@@ -139,6 +148,10 @@ def encoder_model_config(cls: type[ModelConfig], cfg: dict[str, Any],
         return modernbert_model_config(cls, cfg)
     sparse = _sparse(cfg, tokenizer_dir)
     classifier = encoder_classifier(cfg, bool(sparse))
+    multi_vector = multi_vector_config(cfg, tokenizer_dir)
+    if multi_vector is not None and classifier is not None:
+        raise ValueError(f"a {multi_vector.kind} file embeds tokens; it is not also a "
+                         "classifier (architectures)")
     hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
     heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
     if hidden % heads:
@@ -168,7 +181,8 @@ def encoder_model_config(cls: type[ModelConfig], cfg: dict[str, Any],
         family="bert" if model_type == "bert" else "roberta", type_vocab_size=types,
         position_table=table, position_offset=offset, layer_norm_eps=float(eps),
         gelu_approximate=gelu_approximate(cfg, "hidden_act", "gelu"),
-        sep_token_id=_sep_token_id(tokenizer_dir) if types > 1 else None, sparse=sparse)
+        sep_token_id=_sep_token_id(tokenizer_dir) if types > 1 else None, sparse=sparse,
+        multi_vector=multi_vector)
     eos = cfg.get("eos_token_id")
     return cls(
         model_type=model_type,

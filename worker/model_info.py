@@ -31,6 +31,9 @@ def model_info(worker: Worker) -> dict[str, Any]:
         "pooling_type": default_pooling_type(worker.resolved.path, mc),
         # A sequence classifier's labels and activations (None: not a classifier).
         "classifier": mc.classifier.info() if mc.classifier is not None else None,
+        # A ColBERT / BGE-M3 file's per-token heads and the tasks they serve (None: none).
+        "multi_vector": mc.encoder.multi_vector.info()
+        if mc.encoder is not None and mc.encoder.multi_vector is not None else None,
         "eos_token_ids": list(mc.eos_token_ids),
         "bos_token_id": mc.bos_token_id,
         "max_model_len": mc.max_model_len,

@@ -139,7 +139,7 @@ class ModelRunner:
         for r, q in zip(reqs, q_lens):
             if r.pooling is not None:
                 pool_jobs.append(PoolJob(r.request_id, end, end + q, r.pooling,
-                                         r.num_computed_tokens))
+                                         r.num_computed_tokens, r.pool_task))
             if r.prompt_logprob_targets:
                 params = r.sampling_params[r.request_id]
                 k = params.prompt_logprobs or 0
@@ -290,7 +290,8 @@ class ModelRunner:
                 out.prompt_logprobs = prompt_lps
         if inputs.pool_jobs and out is not None:
             out.pooled = pool_hidden(hidden, inputs.pool_jobs,
-                                     getattr(self.model, "score", None))
+                                     getattr(self.model, "score", None),
+                                     getattr(self.model, "task_heads", None))
         if inputs.logits_indices.numel():
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
             if out is None or logits is None:

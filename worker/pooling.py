@@ -12,7 +12,7 @@ states are the same on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +28,12 @@ class PoolJob:
     end: int
     pooling: str
     position: int
+    task: str = "embed"  # (a multi-vector model picks its head by it)
 
 
 def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob],
-                head: Callable[[torch.Tensor], torch.Tensor] | None = None
+                head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                task_heads: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
                 ) -> dict[str, tuple]:
     """``{request_id: ("last" | "cls" | "whole", vector) | ("mean", sum, count,
     position) | ("all", rows, position)}`` on the CPU ("cls" jobs are the chunks that
@@ -40,9 +42,15 @@ def pool_hidden(hidden: torch.Tensor, jobs: list[PoolJob],
     ``head`` (a classifier's ``ScoreHead``) maps each vector to label logits here, so
     only ``num_labels`` numbers a request leave the rank; a linear one (``head.linear``)
     takes a chunk's sum as it would the mean. An encoder's head is not linear, but its
-    prompt is whole in one chunk: it gets the mean ("whole", a finished vector)."""
+    prompt is whole in one chunk: it gets the mean ("whole", a finished vector).
+    ``task_heads`` (a multi-vector model's) replace ``head`` for the tasks they name:
+    each maps every row of a token task on its own."""
     out: dict[str, tuple] = {}
     for j in jobs:
+        if task_heads and j.task in task_heads:
+            rows = task_heads[j.task](hidden[j.start:j.end])
+            out[j.request_id] = ("all", rows.cpu(), j.position)
+            continue
         if j.pooling in ("last", "cls"):
             v = hidden[j.end - 1 if j.pooling == "last" else j.start].float()
             out[j.request_id] = (j.pooling, (head(v) if head is not None else v).cpu())

@@ -179,3 +179,69 @@ def hf_encoder_outputs(path: str | Path, inputs: list[Any], classifier: bool = F
             res = model(**enc)
             out.append(res.logits[0] if classifier or per_token else res.last_hidden_state[0])
     return out
+
+
+def write_random_multi_vector(dest: str | Path, kind: str, dim: int = 16, seed: int = 0,
+                              dim_in_config: bool = False) -> str:
+    """A random multi-vector encoder in ``dest`` laid out as the real files are
+    (``multi_vector_config``): "colbert", colbert-ir's ``HF_ColBERT`` (the BERT under
+    ``bert.``, ``linear.weight`` beside it; the width in ``config.json`` only with
+    ``dim_in_config``), or "bge-m3", an XLM-R base model with ``colbert_linear.pt``
+    and ``sparse_linear.pt`` beside it. Returns the directory."""
+    from safetensors.torch import load_file, save_file
+
+    dest = Path(dest)
+    family = "bert" if kind == "colbert" else "xlm-roberta"
+    write_random_encoder(dest, family, seed=seed)
+    cfg = json.loads((dest / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.3
+
+    if kind == "colbert":
+        state = {f"bert.{k}": v for k, v in load_file(dest / "model.safetensors").items()}
+        state["linear.weight"] = rand(dim, hidden)
+        save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+        cfg["architectures"] = ["HF_ColBERT"]
+        if dim_in_config:
+            cfg["dim"] = dim
+        (dest / "config.json").write_text(json.dumps(cfg))
+    else:
+        torch.save({"weight": rand(dim, hidden), "bias": rand(dim)}, dest / "colbert_linear.pt")
+        torch.save({"weight": rand(1, hidden), "bias": rand(1) + 0.5}, dest / "sparse_linear.pt")
+    return str(dest)
+
+
+def hf_multi_vector_outputs(path: str | Path, kind: str, inputs: list[str]
+                            ) -> list[dict[str, torch.Tensor]]:
+    """What each task gives for each input, from transformers' final states and the
+    heads' formulas as colbert-ir and FlagEmbedding's ``BGEM3FlagModel`` apply them:
+    "token_embed" the unit-length projection of every token's state (BGE-M3's skip
+    its first token), BGE-M3's "embed" its first token's unit state and
+    "token_classify" ``relu(sparse_linear(h))`` of every token but the first and last."""
+    import transformers
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    if kind == "colbert":
+        heads = {"colbert": (load_file(path / "model.safetensors")["linear.weight"], None)}
+    else:
+        heads = {name: (s["weight"], s["bias"]) for name in ("colbert", "sparse")
+                 for s in [torch.load(path / f"{name}_linear.pt", weights_only=True)]}
+    norm = torch.nn.functional.normalize
+    out = []
+    with torch.no_grad():
+        for text in inputs:
+            h = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+            colbert = torch.nn.functional.linear(h, *heads["colbert"])
+            if kind == "colbert":
+                out.append({"token_embed": norm(colbert, dim=-1)})
+                continue
+            sparse = torch.relu(torch.nn.functional.linear(h, *heads["sparse"]))
+            out.append({"embed": norm(h[0], dim=-1), "token_embed": norm(colbert[1:], dim=-1),
+                        "token_classify": sparse[1:-1, 0]})
+    return out

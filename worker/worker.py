@@ -148,7 +148,7 @@ class Worker:
         layout = kv_layout_of(model_config, self.config.hybrid_kv_cache)
         for i, attn in enumerate(model.attention_layers()):
             attn.kv_group = layout.group_of(stage.start + i)
-        weights = iter_safetensors(resolved.path)
+        weights = iter_safetensors(resolved.path, side_files=model_config.side_files)
         if model_config.prequant is not None:
             weights = dequantized_weights(weights, model_config.prequant,
                                           checkpoint_names(resolved.path), model.owns_tensor)

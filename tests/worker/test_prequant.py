@@ -323,8 +323,8 @@ def test_layers_are_quantised_as_they_load(tmp_path, dense_src, monkeypatch):
     events: list[str] = []
     stream, quantize = worker_mod.iter_safetensors, worker_mod.quantize_model
 
-    def recording_stream(path):
-        for name, lazy in stream(path):
+    def recording_stream(path, **kw):
+        for name, lazy in stream(path, **kw):
             events.append(name)
             yield name, lazy
 
@@ -380,8 +380,8 @@ def test_a_pipeline_stage_reads_only_its_layers_packed_parts(tmp_path, dense_src
             read.append(self.name)
             return self.lazy[idx]
 
-    def spying_stream(path):
-        for name, lazy in stream(path):
+    def spying_stream(path, **kw):
+        for name, lazy in stream(path, **kw):
             yield name, Spy(name, lazy)
 
     monkeypatch.setattr(worker_mod, "iter_safetensors", spying_stream)

@@ -48,12 +48,30 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: str | Path, device: str = "cpu") -> Iterator[tuple[str, SafetensorsSlice]]:
-    """Yield ``(name, lazy slice)`` for every tensor of the checkpoint in ``path``."""
+def iter_safetensors(path: str | Path, device: str = "cpu", side_files: tuple[str, ...] = ()
+                     ) -> Iterator[tuple[str, SafetensorsSlice | torch.Tensor]]:
+    """Yield ``(name, lazy slice)`` for every tensor of the checkpoint in ``path``, then
+    those of its ``side_files``: torch state dicts beside it (BGE-M3's heads), each
+    tensor named under the file's stem (``sparse_linear.weight``), read with
+    ``weights_only`` so no code in them runs."""
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device=device) as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, SafetensorsSlice(fh.get_slice(name))
+    for side in side_files:
+        state = torch.load(Path(path) / side, map_location="cpu", weights_only=True)
+        for name, tensor in state.items():
+            yield f"{Path(side).stem}.{name}", tensor
+
+
+def tensor_shape(path: str | Path, name: str) -> tuple[int, ...] | None:
+    """The shape of tensor ``name`` in the checkpoint in ``path`` from the files'
+    headers (None: no such tensor), without reading it."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as fh:
+            if name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                return tuple(fh.get_slice(name).get_shape())
+    return None
 
 
 def checkpoint_names(path: str | Path) -> set[str]:

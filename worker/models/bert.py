@@ -31,6 +31,7 @@ from pagedserve.worker.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.worker.models.bert_loading import BertWeightLoading
+from pagedserve.worker.models.multi_vector import task_heads
 from pagedserve.worker.models.prompt_batch import PromptBatch
 from pagedserve.worker.models.splade import SpladeHead
 from pagedserve.worker.parallel import ParallelContext
@@ -195,6 +196,9 @@ class BertModel(BertWeightLoading, EncoderModel):
         if cfg.classifier is not None:
             head = TokenClassifierHead if cfg.classifier.per_token else EncoderClassifierHead
             self.score = head(cfg.classifier.num_labels, h, dtype, device)
+        # A multi-vector file's heads, by the task they answer (ColBERT, BGE-M3).
+        self.task_heads = nn.ModuleDict(
+            task_heads(enc.multi_vector, h, dtype, device) if enc.multi_vector else {})
 
     @property
     def num_kv_heads_per_rank(self) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedserve.worker.encoder_config import CHECKPOINT_PREFIX
 from pagedserve.worker.layers.linear import LazyTensor
+from pagedserve.worker.models.multi_vector import head_tensor_names
 
 _LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 _QKV = {"attention.self.query": "q", "attention.self.key": "k", "attention.self.value": "v"}
@@ -54,6 +55,7 @@ class BertWeightLoading:
     token_type_embeddings: Any
     embed_norm: Any
     score: Any
+    task_heads: Any
 
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
                      on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
@@ -63,12 +65,21 @@ class BertWeightLoading:
         pending = self._expected_names() | set(head)
         splade = self._splade_names()
         pending |= {n for n in splade if ".decoder." not in n}  # (tied, or one bias)
+        mv = self.config.encoder.multi_vector
+        projections = head_tensor_names(mv, self.task_heads) if mv is not None else {}
+        # (ColBERT's projection goes by either of two names: one is expected)
+        pending |= set(projections) - ({"colbert_linear.weight"} if mv and
+                                       mv.kind == "colbert" else set())
         prefix = CHECKPOINT_PREFIX[self.config.model_type]
         own_decoder = False  # (the file's decoder rows win, whichever tensor comes first)
         for raw, lazy in weights:
             name = raw.removeprefix(prefix)
             name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
             name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
+            if name in projections:
+                copy_checked(name, projections[name], lazy)
+                pending.discard("linear.weight" if mv.kind == "colbert" else name)
+                continue
             if name in splade:
                 copy_checked(name, splade[name], lazy)
                 pending.discard(name.replace("decoder.bias", "bias"))
