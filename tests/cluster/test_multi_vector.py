@@ -135,3 +135,23 @@ def test_pair_score_is_a_dot_product_or_maxsim() -> None:
     assert pair_score(q, d[:0]) == 0.0
     with pytest.raises(ValueError, match="MaxSim needs two"):
         pair_score(q, torch.randn(5, 3))
+
+
+def test_the_health_probe_asks_each_pooling_model_for_a_task_it_serves() -> None:
+    """A token classifier's probe labels tokens (asking it to classify was refused), a
+    ColBERT's embeds tokens, a generator's generates."""
+    from pagedserve.cluster.pooling import pool_for
+    from pagedserve.scheduler.sampling_params import SamplingParams
+    from pagedserve.worker.multi_vector_config import MultiVectorConfig
+
+    labels = {"num_labels": 2, "labels": ["a", "b"], "activation": "softmax"}
+    infos = {"token_classify": {"classifier": {**labels, "per_token": True}, "encoder": True},
+             "classify": {"classifier": labels},
+             "token_embed": {"multi_vector": MultiVectorConfig("colbert", 8).info()},
+             "embed": {"embedding_only": True}}
+    for task, info in infos.items():
+        info = {"hidden_size": 32, **info}
+        probe = probe_pooling(info)
+        assert probe.task == task
+        assert pool_for(probe, SamplingParams(max_tokens=1), info) is not None
+    assert probe_pooling({"hidden_size": 32}) is None
