@@ -1,7 +1,7 @@
 """Multi-vector encoders: ColBERT and BGE-M3, whose files give each token its own vector.
 
-A ColBERT file (colbert-ir/colbertv2.0, answerai-colbert, GTE-ModernColBERT's BERT
-kin) is a BERT encoder plus ``linear``: a projection, without bias, of every
+A ColBERT file (colbert-ir/colbertv2.0, and files saved in its layout) is a BERT
+encoder plus ``linear``: a projection, without bias, of every
 token's final state down to ``dim`` components (128 for colbertv2.0). Its
 architecture is ``HF_ColBERT`` (vLLM's ``ColBERTModel`` also names it); the
 dimension is the config's ``colbert_dim``, ``dim`` or ``projection_dim``, else the
