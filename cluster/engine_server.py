@@ -100,6 +100,7 @@ class EngineServer:
                 "classifier": core.model_info.get("classifier"),
                 # A ColBERT / BGE-M3 file's tasks and whether it scores by MaxSim.
                 "multi_vector": core.model_info.get("multi_vector"),
+                "matryoshka": core.model_info.get("matryoshka"),  # (widths ``dimensions`` takes)
                 # A BERT-family encoder: truncation keeps its first token (``text_pairs``).
                 "encoder": bool(core.model_info.get("encoder")),
                 "hidden_size": int(core.model_info["hidden_size"])}

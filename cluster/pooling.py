@@ -81,6 +81,7 @@ def pool_for(pooling: PoolingParams | None, params: SamplingParams,
     if params.n != 1:
         raise ValueError("n must be 1 for an embedding request")
     task = pooling.task
+    _check_matryoshka(pooling.dimensions, model_info.get("matryoshka"))
     if model_info.get("multi_vector") is not None:
         return _multi_vector_pool(pooling, model_info)
     if classifier is None and task not in ("embed", "token_embed"):
@@ -102,6 +103,20 @@ def pool_for(pooling: PoolingParams | None, params: SamplingParams,
         raise ValueError("scoring a text pair takes a one-label classifier (a "
                          f"cross-encoder); this one has {classifier['num_labels']} labels")
     return PoolAccumulator(pooling, int(model_info["hidden_size"]), classifier)
+
+
+def _check_matryoshka(dimensions: int | None, widths: list[int] | bool | None) -> None:
+    """vLLM's rule where the file speaks (``config_fields.matryoshka``): only the widths
+    it lists, and no cut at all on a file marked not Matryoshka. A file that says
+    nothing takes any width, as OpenAI's ``dimensions`` does (vLLM refuses it)."""
+    if dimensions is None or widths is None or widths is True:
+        return
+    if widths is False:
+        raise ValueError("dimensions: this model is not a Matryoshka embedder "
+                         "(is_matryoshka: false); its vectors are not meant to be cut")
+    if dimensions not in widths:
+        raise ValueError(f"dimensions ({dimensions}) must be one of the widths this model "
+                         f"was trained for: {widths} (matryoshka_dimensions)")
 
 
 def _multi_vector_pool(pooling: PoolingParams, model_info: dict[str, Any]

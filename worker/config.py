@@ -9,6 +9,7 @@ readable error instead of deep inside a matmul. What one rank needs to start is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from pagedserve.worker.classifier import (
     merge_overrides,
     vocab_token_ids,
 )
-from pagedserve.worker.config_fields import positive_int, require
+from pagedserve.worker.config_fields import matryoshka, positive_int, require
 from pagedserve.worker.encoder_config import (
     ENCODER_MODEL_TYPES,
     EncoderConfig,
@@ -98,6 +99,9 @@ class ModelConfig:
     mla: MLAConfig | None = None
     # A BERT-family encoder (``encoder_config``): attends both ways, never generates.
     encoder: EncoderConfig | None = None
+    # The embedding widths ``dimensions`` may cut to (``config_fields.matryoshka``):
+    # a list, True any, False none; None: the file does not say.
+    matryoshka: tuple[int, ...] | bool | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], tokenizer_dir: str | None = None
@@ -229,7 +233,8 @@ class ModelConfig:
                 cfg["eos_token_id"] = own + [e for e in extra if e not in own]
         from pagedserve.worker.loaders.prequant_config import legacy_quantization_config
         cfg.setdefault("quantization_config", legacy_quantization_config(Path(path)))
-        return cls.from_hf_dict(cfg, str(path))
+        return dataclasses.replace(cls.from_hf_dict(cfg, str(path)),
+                                   matryoshka=matryoshka(cfg))
 
     @property
     def max_model_len(self) -> int:

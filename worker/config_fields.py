@@ -32,3 +32,21 @@ def non_negative_int(cfg: dict[str, Any], name: str) -> int:
         raise ValueError(f"model config field {name!r} must be a non-negative integer, "
                          f"got {value!r}")
     return value
+
+
+def matryoshka(cfg: dict[str, Any]) -> tuple[int, ...] | bool | None:
+    """What the file says of cutting its embeddings (``dimensions``), in vLLM's fields:
+    ``matryoshka_dimensions`` lists the widths it was trained for (jina-embeddings-v3
+    writes it), ``is_matryoshka`` says whether any cut is meant (``hf_overrides`` may
+    set either). None: the file says nothing."""
+    dims = cfg.get("matryoshka_dimensions")
+    if dims is not None:
+        if not isinstance(dims, list) or not dims:
+            raise ValueError("model config field 'matryoshka_dimensions' must be a "
+                             f"non-empty list of positive integers, got {dims!r}")
+        return tuple(positive_int("matryoshka_dimensions", d) for d in dims)
+    flag = cfg.get("is_matryoshka")
+    if flag is not None and not isinstance(flag, bool):
+        raise ValueError(f"model config field 'is_matryoshka' must be true or false, "
+                         f"got {flag!r}")
+    return flag

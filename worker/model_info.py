@@ -29,6 +29,10 @@ def model_info(worker: Worker) -> dict[str, Any]:
         # gets when it names none (``pooling_config``).
         "encoder": mc.encoder is not None,
         "pooling_type": default_pooling_type(worker.resolved.path, mc),
+        # The widths ``dimensions`` may cut an embedding to (a list; True: any, False:
+        # none; None: the file does not say, and any is taken).
+        "matryoshka": list(mc.matryoshka) if isinstance(mc.matryoshka, tuple)
+        else mc.matryoshka,
         # A sequence classifier's labels and activations (None: not a classifier).
         "classifier": mc.classifier.info() if mc.classifier is not None else None,
         # A ColBERT / BGE-M3 file's per-token heads and the tasks they serve (None: none).

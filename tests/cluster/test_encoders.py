@@ -214,3 +214,31 @@ def test_what_an_encoder_cannot_serve_is_refused_by_name(encoders, tmp_path) -> 
                                                                '"BertForMaskedLM"'))
     with pytest.raises(ValueError, match="architectures"):
         ModelConfig.from_pretrained(masked)
+
+
+def test_matryoshka_widths_follow_the_file(encoders) -> None:
+    """vLLM's fields, through ``hf_overrides``: ``matryoshka_dimensions`` allows only its
+    widths (the cut is the full vector's head, renormalised), ``is_matryoshka: false``
+    no cut; a file that says nothing takes any width. Bad fields are refused by name."""
+    path = encoders["bert"]
+    full = torch.nn.functional.normalize(hf_encoder_outputs(path, TEXTS[:1])[0][0], dim=-1)
+    llm = LLM(model=path, hf_overrides={"matryoshka_dimensions": [8, 16]})
+    try:
+        assert llm.engine.model_info["matryoshka"] == [8, 16]
+        cut = llm.embed(TEXTS[:1], PoolingParams(dimensions=8))[0].outputs.embedding
+        _close(cut, torch.nn.functional.normalize(full[:8], dim=-1))
+        with pytest.raises(ValueError, match=r"one of the widths .*: \[8, 16\]"):
+            llm.embed(TEXTS[:1], PoolingParams(dimensions=12))
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+    for overrides, says in [({"is_matryoshka": False}, "not a Matryoshka embedder"),
+                            ({"is_matryoshka": "yes"}, "'is_matryoshka' must be true"),
+                            ({"matryoshka_dimensions": [8, 0]}, "positive integer"),
+                            ({"matryoshka_dimensions": 8}, "non-empty list")]:
+        with pytest.raises(ValueError, match=says):
+            llm = LLM(model=path, hf_overrides=overrides)
+            try:
+                llm.embed(TEXTS[:1], PoolingParams(dimensions=12))
+            finally:
+                llm.shutdown()
