@@ -87,12 +87,12 @@ def run_hf(path: str, inputs: list[list[int]], batch: int, pool: str = "last"
 
 def report(title: str, inputs: list[list[int]], args: argparse.Namespace,
            ps: tuple[float, torch.Tensor], hf: tuple[float, torch.Tensor],
-           hf_name: str = "HF AutoModel") -> None:
+           hf_name: str = "HF AutoModel", ps_name: str = "pagedserve LLM.embed") -> None:
     """Print both runs' rates, the ratio and the largest difference; ``--json`` too."""
     (ps_dt, ps_out), (hf_dt, hf_out) = ps, hf
     tokens = sum(map(len, inputs))
     diff = (ps_out - hf_out).abs().max().item()
-    rows = {"pagedserve LLM.embed": ps_dt,
+    rows = {ps_name: ps_dt,
             f"{hf_name} (sorted batches of {args.hf_batch})": hf_dt}
     print(f"{title}, {len(inputs)} inputs, {tokens} tokens "
           f"({min(map(len, inputs))}-{max(map(len, inputs))} each)")

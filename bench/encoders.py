@@ -12,7 +12,11 @@ L2-normalised. ``--family`` picks the encoder (fp32 on CPU):
   (``--min-len 256 --max-len 2048``, 24 inputs) where its local layers matter;
 - ``splade``: splade-v3's (BERT-base masked LM, 110M parameters, 30,522-wide
   sparse vectors), 64 inputs, against ``AutoModelForMaskedLM`` with SPLADE's
-  max pooling done as sentence-transformers' ``SparseEncoder`` does.
+  max pooling done as sentence-transformers' ``SparseEncoder`` does;
+- ``colbert``: colbertv2.0's (BERT-base, a 128-wide projection), a rerank: the
+  first input is the query, the other 63 its documents, scored by MaxSim over
+  unit token vectors (``LLM.encode`` then ``late_interaction.pair_score``; HF:
+  ``AutoModel``, the projection, normalised, masked, MaxSim in one batch).
 
 - pagedserve: every input submitted at once; each step packs up to
   ``--max-num-batched-tokens`` tokens of whole prompts, the projections run
@@ -29,6 +33,7 @@ between the two sets of embeddings.
     python bench/encoders.py
     python bench/encoders.py --family modernbert
     python bench/encoders.py --family splade
+    python bench/encoders.py --family colbert
     python bench/encoders.py --json bench/figures/encoders.json
 """
 
@@ -63,7 +68,60 @@ FAMILIES = {
                    (24, 256, 2048, 8)),
     "splade": (BERT_BASE, "random splade-v3-shaped SPLADE (BERT-base masked LM)",
                (64, 16, 256, 8)),
+    "colbert": (BERT_BASE, "random colbertv2.0-shaped ColBERT (BERT-base, 128-wide)",
+                (64, 16, 256, 8)),
 }
+
+
+def run_pagedserve_colbert(path: str, inputs: list[list[int]], step_tokens: int
+                           ) -> tuple[float, torch.Tensor]:
+    """Our time and MaxSim scores of inputs 1.. against input 0: every input's token
+    vectors through ``LLM.encode``, then the scores."""
+    from pagedserve.cluster import LLM
+    from pagedserve.cluster.late_interaction import pair_score
+
+    llm = LLM(model=path, max_num_seqs=256, max_num_batched_tokens=step_tokens)
+    try:
+        llm.encode(inputs[:4], use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        vecs = [o.outputs.data for o in llm.encode(inputs, use_tqdm=False)]
+        scores = torch.tensor([pair_score(vecs[0], d) for d in vecs[1:]])
+        return time.perf_counter() - t0, scores
+    finally:
+        llm.shutdown()
+
+
+def run_hf_colbert(path: str, inputs: list[list[int]], batch: int
+                   ) -> tuple[float, torch.Tensor]:
+    """HF's time and MaxSim scores: ``AutoModel`` over length-sorted padded batches, the
+    projection, unit rows, padding masked out of the document side."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    proj = load_file(f"{path}/model.safetensors")["linear.weight"]
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    vecs: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
+    with torch.inference_mode():
+        model(torch.tensor([inputs[0]]))  # warm-up
+        t0 = time.perf_counter()
+        for s in range(0, len(order), batch):
+            idx = order[s: s + batch]
+            width = max(len(inputs[i]) for i in idx)
+            ids = torch.zeros(len(idx), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, i in enumerate(idx):
+                ids[r, : len(inputs[i])] = torch.tensor(inputs[i])
+                mask[r, : len(inputs[i])] = 1
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            rows = torch.nn.functional.normalize(hidden @ proj.T, dim=-1)
+            for r, i in enumerate(idx):
+                vecs[i] = rows[r, : len(inputs[i])]
+        q = vecs[0]
+        scores = torch.stack([(q @ d.T).amax(-1).sum() for d in vecs[1:]])
+        dt = time.perf_counter() - t0
+    return dt, scores
+
 
 
 def run_hf_splade(path: str, inputs: list[list[int]], batch: int
@@ -120,11 +178,22 @@ def main() -> None:
 
     vocab = 50368 if args.family == "modernbert" else 30522
     splade = args.family == "splade"
+    step = max(args.max_num_batched_tokens, args.max_len)
     with tempfile.TemporaryDirectory() as tmp:
+        inputs = make_inputs(args.num_inputs, args.min_len, args.max_len, vocab, args.seed)
+        if args.family == "colbert":
+            from pagedserve.worker.testing_encoders import write_random_multi_vector
+
+            path = write_random_multi_vector(tmp, "colbert", dim=128, words=vocab - 5,
+                                             **shape)
+            report(f"{title} fp32, a rerank of {len(inputs) - 1} documents", inputs, args,
+                   run_pagedserve_colbert(path, inputs, step),
+                   run_hf_colbert(path, inputs, args.hf_batch), "HF AutoModel + MaxSim",
+                   "pagedserve LLM.encode + MaxSim")
+            return
         path = write_random_encoder(tmp, "bert" if splade else args.family, words=vocab - 5,
                                     splade="max" if splade else None, **shape)
-        inputs = make_inputs(args.num_inputs, args.min_len, args.max_len, vocab, args.seed)
-        ours = run_pagedserve(path, inputs, max(args.max_num_batched_tokens, args.max_len))
+        ours = run_pagedserve(path, inputs, step)
         if splade:
             report(f"{title} fp32, max pooling", inputs, args, ours,
                    run_hf_splade(path, inputs, args.hf_batch), "HF AutoModelForMaskedLM")

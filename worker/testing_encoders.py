@@ -182,17 +182,18 @@ def hf_encoder_outputs(path: str | Path, inputs: list[Any], classifier: bool = F
 
 
 def write_random_multi_vector(dest: str | Path, kind: str, dim: int = 16, seed: int = 0,
-                              dim_in_config: bool = False) -> str:
+                              dim_in_config: bool = False, **encoder: Any) -> str:
     """A random multi-vector encoder in ``dest`` laid out as the real files are
     (``multi_vector_config``): "colbert", colbert-ir's ``HF_ColBERT`` (the BERT under
     ``bert.``, ``linear.weight`` beside it; the width in ``config.json`` only with
     ``dim_in_config``), or "bge-m3", an XLM-R base model with ``colbert_linear.pt``
-    and ``sparse_linear.pt`` beside it. Returns the directory."""
+    and ``sparse_linear.pt`` beside it; ``encoder`` goes to ``write_random_encoder``
+    (sizes, vocabulary). Returns the directory."""
     from safetensors.torch import load_file, save_file
 
     dest = Path(dest)
     family = "bert" if kind == "colbert" else "xlm-roberta"
-    write_random_encoder(dest, family, seed=seed)
+    write_random_encoder(dest, family, seed=seed, **encoder)
     cfg = json.loads((dest / "config.json").read_text())
     hidden = cfg["hidden_size"]
     gen = torch.Generator().manual_seed(seed + 1)
