@@ -393,13 +393,14 @@ def test_sharded_classifier_equals_hugging_face(ray_cluster, tmp_path, layout) -
         llm.shutdown()
 
 
-@pytest.mark.parametrize("family", ["bert", "modernbert", "splade"])
+@pytest.mark.parametrize("family", ["bert", "modernbert", "splade", "colbert"])
 def test_tp2_encoder_cross_encoder_equals_transformers(ray_cluster, tmp_path, family) -> None:
     """An encoder's scores over two ranks: q/k/v, the MLP input and the word embedding
     split, the row-parallel biases added once, the head whole on rank 0. The BERT
     cross-encoder reads ``[CLS]``; the ModernBERT one (RoPE, local layers, GeGLU split
     as input and gate halves) pools every token's mean; the SPLADE encoder's head
-    decodes through the whole word embedding, and its score is a dot product."""
+    decodes through the whole word embedding, and its score is a dot product; the
+    ColBERT's projection is whole on rank 0, its score MaxSim over token vectors."""
     from pagedserve.worker.testing_encoders import (
         hf_encoder_outputs,
         hf_splade_vectors,
@@ -407,7 +408,17 @@ def test_tp2_encoder_cross_encoder_equals_transformers(ray_cluster, tmp_path, fa
     )
     from tests.cluster.test_encoders import DOCS, QUERY
 
-    if family == "splade":
+    if family == "colbert":
+        from pagedserve.worker.testing_encoders import (
+            hf_multi_vector_outputs,
+            write_random_multi_vector,
+        )
+
+        path = write_random_multi_vector(tmp_path / "colbert", "colbert", dim=12, seed=4)
+        rows = [v["token_embed"] for v in hf_multi_vector_outputs(path, "colbert",
+                                                                   [QUERY, *DOCS])]
+        want, tol = [(rows[0] @ d.T).amax(-1).sum() for d in rows[1:]], 1e-4
+    elif family == "splade":
         path = write_random_encoder(tmp_path / "splade", "bert", splade="max", seed=4)
         vecs = hf_splade_vectors(path, [QUERY, *DOCS])
         want, tol = [vecs[0] @ v for v in vecs[1:]], 1e-4
