@@ -18,13 +18,14 @@ if TYPE_CHECKING:
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
-def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int
-                 ) -> tuple[SchedulerOutput, int]:
+def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int,
+                 pooling: bool = False) -> tuple[SchedulerOutput, int]:
     """A step of ``num_tokens`` prompt tokens over as many sequences as may run at once.
 
     Every sequence samples with top-k/top-p, so the logits rows and the
-    sampler's sort are as large as a real step's. Returns the plan and the
-    number of blocks its sequences use (numbered from 0).
+    sampler's sort are as large as a real step's; with ``pooling`` (a headless
+    model, which only pools) every sequence pools its last state instead. Returns
+    the plan and the number of blocks its sequences use (numbered from 0).
     """
     k = max(1, min(max_num_seqs, num_tokens))
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
@@ -33,9 +34,11 @@ def profile_plan(num_tokens: int, max_num_seqs: int, block_size: int
         n = num_tokens // k + (i < num_tokens % k)
         need = -(-n // block_size)
         rid = f"profile-{i}"
-        scheduled.append(ScheduledRequest(rid, [0] * n, 0,
-                                          list(range(next_block, next_block + need)),
-                                          [rid], {rid: params}))
+        row = ScheduledRequest(rid, [0] * n, 0, list(range(next_block, next_block + need)),
+                               [] if pooling else [rid], {} if pooling else {rid: params})
+        if pooling:
+            row.pooling, row.pool_final = "last", True
+        scheduled.append(row)
         next_block += need
     return SchedulerOutput(step_id=-1, scheduled=scheduled), next_block
 

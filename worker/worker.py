@@ -232,7 +232,7 @@ class Worker:
         n_tok = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
         # Rows that verify draft tokens need logits at every position.
         rows = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
-        plan, blocks = profile_plan(n_tok, rows, self.config.block_size)
+        plan, blocks = profile_plan(n_tok, rows, self.config.block_size, self.model_config.headless)
         self.init_kv_cache(blocks, 0, cuda_graphs=False, calibrate=False)
         intermediate = None
         if not self.model.stage.is_first:  # a later stage's input, as large as a real one

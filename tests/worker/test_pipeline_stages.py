@@ -138,3 +138,31 @@ def test_stage_settings_are_checked() -> None:
         WorkerConfig(pipeline_parallel_size=2, max_lora_rank=8)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive"):
         WorkerConfig(pipeline_parallel_size=0)
+
+
+def test_a_headless_models_later_stage_holds_no_lm_head(tmp_path) -> None:
+    """An embedder (a causal file served as ``LlamaModel``) in two stages: the last one
+    holds no vocab x hidden head, which it would never run; its profile step pools
+    instead of sampling; the stages pool the whole model's last states."""
+    path = save_tiny_model(tmp_path / "emb", "llama", num_hidden_layers=4)
+    over = {"architectures": ["LlamaModel"]}
+    whole = make_worker(path, num_blocks=40, hf_overrides=over)
+    stages = _stages(path, 2, hf_overrides=over)
+    vocab = whole.model_config.vocab_size
+    assert whole.model.lm_head is not None  # (tied to its embedding: no memory)
+    assert stages[1].model.lm_head is None and stages[0].model.lm_head is None
+    assert all(vocab not in p.shape for p in stages[1].model.parameters())
+    stages[1].profile_forward()
+    stages[1].init_kv_cache(40, 0)
+
+    def pooled(run) -> dict[str, torch.Tensor]:
+        alloc = BlockAllocator(40, 4, seed=3)
+        reqs = [request(alloc, r, p, 0, sample=False) for r, p in PROMPTS.items()]
+        for r in reqs:
+            r.pooling, r.pool_final = "last", True
+        return {r: v[1] for r, v in run(plan(0, reqs)).pooled.items()}
+
+    want = pooled(whole.execute_model)
+    got = pooled(lambda p: _chain(stages, p))
+    for r in PROMPTS:
+        torch.testing.assert_close(got[r], want[r], rtol=1e-5, atol=1e-5)

@@ -156,10 +156,12 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
         self.lm_head: ParallelLMHead | None = None
         if last:
             self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        # A headless file (an embedder, a classifier) never generates: its single stage
+        # ties a head to the embedding (no memory), a later pipeline stage holds none
+        # (a vocab x hidden copy of the embedding it would never run).
+        if last and (self.embed_tokens is not None or not cfg.headless):
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
             if self.embed_tokens is not None and (cfg.tie_word_embeddings or cfg.headless):
-                # (an embedding or classifier checkpoint has no LM head; sharing costs no
-                # memory, and the engine never generates with it)
                 self.lm_head.tie_to(self.embed_tokens)
         # A sequence classifier's label head (``classifier``): pooled states only.
         self.score: ScoreHead | None = None

@@ -90,8 +90,11 @@ class LlamaWeightLoading:
         """Whether this stage's head takes the embedding's rows itself (tied weights,
         the embedding on another stage)."""
         cfg = self.config
-        return (self.lm_head is not None and self.embed_tokens is None
-                and (cfg.tie_word_embeddings or cfg.headless))
+        if not self.stage.is_last or self.embed_tokens is not None:
+            return False
+        if self.lm_head is None:  # (headless: only a tied file's score rows need them)
+            return cfg.tie_word_embeddings and self._head_from_vocab()
+        return cfg.tie_word_embeddings
 
     def owns_tensor(self, name: str) -> bool:
         """Whether this rank loads checkpoint tensor ``name`` (as the file names it):
@@ -105,7 +108,7 @@ class LlamaWeightLoading:
         if name == "model.embed_tokens.weight":
             return self.embed_tokens is not None or self._tied_head_loads_embedding()
         if name in ("model.norm.weight", "lm_head.weight", "score.weight"):
-            return self.lm_head is not None
+            return self.stage.is_last
         m = _LAYER_RE.match(name)
         if m is None or int(m.group(1)) >= self.config.num_layers:
             return True  # loading it fails, naming it
@@ -116,7 +119,7 @@ class LlamaWeightLoading:
         names = set()
         if self.embed_tokens is not None or self._tied_head_loads_embedding():
             names.add("model.embed_tokens.weight")
-        if self.lm_head is not None:
+        if self.stage.is_last:
             names.add("model.norm.weight")
             if not cfg.tie_word_embeddings and (not cfg.headless or self._head_from_vocab()):
                 names.add("lm_head.weight")
@@ -171,17 +174,16 @@ class LlamaWeightLoading:
         if name == "model.embed_tokens.weight":
             if self.embed_tokens is not None:
                 self.embed_tokens.load(lazy)
-            else:
-                assert self.lm_head is not None
+            elif self.lm_head is not None:
                 self.lm_head.load(lazy)
             if self.config.tie_word_embeddings and self._head_from_vocab():
                 self.score.load_from_vocab(name, lazy, self.config.classifier)
             return
         if name == "lm_head.weight":
-            assert self.lm_head is not None
             if self._head_from_vocab():  # its rows only: the head itself never runs
                 self.score.load_from_vocab(name, lazy, self.config.classifier)
             else:
+                assert self.lm_head is not None
                 self.lm_head.load(lazy)
             return
         if name == "score.weight" and self.score is not None:
