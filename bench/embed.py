@@ -25,6 +25,7 @@ import os
 import platform
 import random
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -58,25 +59,39 @@ def run_pagedserve(path: str, inputs: list[list[int]], step_tokens: int
         llm.shutdown()
 
 
+def padded_batch(inputs: list[list[int]], idx: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``idx`` right-padded to the longest, and their attention mask."""
+    width = max(len(inputs[i]) for i in idx)
+    ids = torch.zeros(len(idx), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, i in enumerate(idx):
+        ids[r, : len(inputs[i])] = torch.tensor(inputs[i])
+        mask[r, : len(inputs[i])] = 1
+    return ids, mask
+
+
+def sorted_batches(inputs: list[list[int]], batch: int
+                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Batches of ``batch`` inputs, longest first (as sentence-transformers' ``encode``
+    sorts them, so padding is small): their indices, padded ids and mask."""
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    for s in range(0, len(order), batch):
+        idx = order[s: s + batch]
+        yield idx, *padded_batch(inputs, idx)
+
+
 def run_hf(path: str, inputs: list[list[int]], batch: int, pool: str = "last"
            ) -> tuple[float, torch.Tensor]:
     """HF's time and embeddings: the last real token's state, or the first's (``cls``)."""
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
     out = torch.empty(len(inputs), model.config.hidden_size)
     with torch.inference_mode():
         model(torch.tensor([inputs[0]]))  # warm-up
         t0 = time.perf_counter()
-        for s in range(0, len(order), batch):
-            idx = order[s: s + batch]
-            width = max(len(inputs[i]) for i in idx)
-            ids = torch.zeros(len(idx), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(idx):
-                ids[r, : len(inputs[i])] = torch.tensor(inputs[i])
-                mask[r, : len(inputs[i])] = 1
+        for idx, ids, mask in sorted_batches(inputs, batch):
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
             rows = torch.zeros(len(idx), dtype=torch.long) if pool == "cls" else mask.sum(1) - 1
             out[idx] = torch.nn.functional.normalize(hidden[torch.arange(len(idx)), rows],

@@ -52,7 +52,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from embed import report, run_hf, run_pagedserve  # (the decoder embedding benchmark)
+from embed import (  # (the decoder embedding benchmark)
+    report,
+    run_hf,
+    run_pagedserve,
+    sorted_batches,
+)
 
 BGE_SMALL = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=1536, max_position_embeddings=512)
@@ -100,19 +105,11 @@ def run_hf_colbert(path: str, inputs: list[list[int]], batch: int
 
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     proj = load_file(f"{path}/model.safetensors")["linear.weight"]
-    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
     vecs: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
     with torch.inference_mode():
         model(torch.tensor([inputs[0]]))  # warm-up
         t0 = time.perf_counter()
-        for s in range(0, len(order), batch):
-            idx = order[s: s + batch]
-            width = max(len(inputs[i]) for i in idx)
-            ids = torch.zeros(len(idx), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(idx):
-                ids[r, : len(inputs[i])] = torch.tensor(inputs[i])
-                mask[r, : len(inputs[i])] = 1
+        for idx, ids, mask in sorted_batches(inputs, batch):
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
             rows = torch.nn.functional.normalize(hidden @ proj.T, dim=-1)
             for r, i in enumerate(idx):
@@ -132,19 +129,11 @@ def run_hf_splade(path: str, inputs: list[list[int]], batch: int
     from transformers import AutoModelForMaskedLM
 
     model = AutoModelForMaskedLM.from_pretrained(path, dtype=torch.float32).eval()
-    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
     out = torch.empty(len(inputs), model.config.vocab_size)
     with torch.inference_mode():
         model(torch.tensor([inputs[0]]))  # warm-up
         t0 = time.perf_counter()
-        for s in range(0, len(order), batch):
-            idx = order[s: s + batch]
-            width = max(len(inputs[i]) for i in idx)
-            ids = torch.zeros(len(idx), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(idx):
-                ids[r, : len(inputs[i])] = torch.tensor(inputs[i])
-                mask[r, : len(inputs[i])] = 1
+        for idx, ids, mask in sorted_batches(inputs, batch):
             logits = model(input_ids=ids, attention_mask=mask).logits
             scores = torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1)
             out[idx] = scores.amax(1)
