@@ -251,8 +251,8 @@ class ModelConfig:
 
     @property
     def headless(self) -> bool:
-        """No LM head in the file (an embedding model, a classifier): the head is tied to
-        the embedding so the pipeline's last stage keeps one, and never generates."""
+        """No LM head in the file (an embedding model, a classifier): it never generates;
+        a single stage ties a head to its embedding, a later pipeline stage holds none."""
         return self.embedding_only or self.classifier is not None
 
     @property
