@@ -18,7 +18,7 @@ from torch import nn
 
 from pagedserve.worker.encoder_config import CHECKPOINT_PREFIX
 from pagedserve.worker.layers.linear import LazyTensor
-from pagedserve.worker.models.multi_vector import head_tensor_names
+from pagedserve.worker.models.multi_vector import COLBERT_ALIASES, head_tensor_names
 
 _LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 _QKV = {"attention.self.query": "q", "attention.self.key": "k", "attention.self.value": "v"}
@@ -67,18 +67,18 @@ class BertWeightLoading:
         pending |= {n for n in splade if ".decoder." not in n}  # (tied, or one bias)
         mv = self.config.encoder.multi_vector
         projections = head_tensor_names(mv, self.task_heads) if mv is not None else {}
-        # (ColBERT's projection goes by either of two names: one is expected)
-        pending |= set(projections) - ({"colbert_linear.weight"} if mv and
-                                       mv.kind == "colbert" else set())
+        pending |= set(projections)
+        aliases = COLBERT_ALIASES if mv is not None and mv.kind == "colbert" else {}
         prefix = CHECKPOINT_PREFIX[self.config.model_type]
         own_decoder = False  # (the file's decoder rows win, whichever tensor comes first)
         for raw, lazy in weights:
             name = raw.removeprefix(prefix)
             name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
             name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
+            name = aliases.get(name, name)
             if name in projections:
                 copy_checked(name, projections[name], lazy)
-                pending.discard("linear.weight" if mv.kind == "colbert" else name)
+                pending.discard(name)
                 continue
             if name in splade:
                 copy_checked(name, splade[name], lazy)

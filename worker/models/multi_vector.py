@@ -45,14 +45,18 @@ def task_heads(mv: MultiVectorConfig, hidden: int, dtype: torch.dtype, device: t
             "token_classify": TokenProjection(1, hidden, True, True, dtype, device)}
 
 
+# Another name some ColBERT files give their projection.
+COLBERT_ALIASES = {"colbert_linear.weight": "linear.weight"}
+
+
 def head_tensor_names(mv: MultiVectorConfig, heads: nn.ModuleDict
                       ) -> dict[str, torch.Tensor]:
     """The checkpoint's names (after the encoder's prefix is taken off) of the heads'
-    tensors: ColBERT's ``linear.weight`` (some files say ``colbert_linear.weight``),
-    BGE-M3's side files' ``colbert_linear.*`` and ``sparse_linear.*``."""
+    tensors: ColBERT's ``linear.weight`` (``COLBERT_ALIASES`` maps the other name
+    onto it), BGE-M3's side files' ``colbert_linear.*`` and ``sparse_linear.*``."""
     embed = heads["token_embed"]
     if mv.kind == "colbert":
-        return {"linear.weight": embed.weight, "colbert_linear.weight": embed.weight}
+        return {"linear.weight": embed.weight}
     sparse = heads["token_classify"]
     return {"colbert_linear.weight": embed.weight, "colbert_linear.bias": embed.bias,
             "sparse_linear.weight": sparse.weight, "sparse_linear.bias": sparse.bias}
