@@ -1,7 +1,7 @@
 """Mixture-of-experts throughput: pagedserve vs Hugging Face on one routed model.
 
 Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
-(``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention) of
+(``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention, GPT-OSS) of
 ``--layers`` layers, ``--experts`` experts of which each token takes ``--top-k``,
 written with ``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32
 by default); ``--num-prompts`` prompts of 10-75 random token ids (or of
@@ -21,6 +21,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py --dtype bfloat16      # bf16 weights (the kernel widens them)
     python bench/moe.py --quantization int8   # pagedserve with int8 experts
     python bench/moe.py --kind deepseek_v3 --prompt-len 1000   # MLA at long contexts
+    python bench/moe.py --kind gpt_oss --json bench/figures/moe_gpt_oss.json
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def model_overrides(args: argparse.Namespace) -> dict:
         del cfg["head_dim"]
     elif args.kind == "mixtral":
         cfg.update(num_local_experts=args.experts, intermediate_size=args.expert_width)
+    elif args.kind == "gpt_oss":  # sinks, biased clamped experts, 128-token windows
+        cfg.update(num_local_experts=args.experts, intermediate_size=args.expert_width,
+                   sliding_window=128)
     else:
         cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                    intermediate_size=4 * args.expert_width, norm_topk_prob=True)
@@ -92,7 +96,7 @@ def active_params(model: torch.nn.Module, top_k: int, num_experts: int) -> float
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3",
-                                       "deepseek_v2"), default="qwen3_moe")
+                                       "deepseek_v2", "gpt_oss"), default="qwen3_moe")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="every prompt this many random token ids (default 10-75)")
     ap.add_argument("--layers", type=int, default=8)

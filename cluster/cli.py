@@ -51,12 +51,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="fp8 KV: per-layer scales from a calibration text's keys and values "
                         "(default: scale 1.0)")
     p.add_argument("--quantization", "-q", default=None,
-                   choices=("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"),
+                   choices=("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8", "mxfp4"),
                    help="int8: projections as 8-bit weights (a scale per 32 inputs) run on "
                         "int8 activations, ~3.5x less weight memory than fp32; int4: 4-bit "
                         "weights (scale and minimum per 32), about half that again; on CUDA "
                         "int4 only (16-bit activations, a Triton W4A16 GEMM); gptq, awq, "
-                        "compressed-tensors, fp8: the checkpoint's own (vLLM's names; it "
+                        "compressed-tensors, fp8, mxfp4: the checkpoint's own (vLLM's names; it "
                         "must say so), served dequantised")
     p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
                    help="mixtures of experts: each tensor-parallel rank holds whole routed "

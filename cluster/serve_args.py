@@ -47,7 +47,8 @@ class ServeArgs(BaseModel):
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
-    quantization: Literal["int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] | None = None
+    quantization: Literal["int8", "int4", "gptq", "awq", "compressed-tensors", "fp8",
+                          "mxfp4"] | None = None
     batch_invariant: bool = False  # logits independent of the batch (``worker.batch_invariant``)
     enable_expert_parallel: bool = False  # whole experts per TP rank (``layers.expert_placement``)
     expert_placement_strategy: Literal["linear", "round_robin"] = "linear"

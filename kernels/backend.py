@@ -70,6 +70,7 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal (bottom-right aligned) attention of packed queries over paged keys.
 
@@ -77,7 +78,11 @@ class AttentionBackend(ABC):
         before it (Mistral's, and Hugging Face's, convention); keys further back are
         never read, so their blocks may already be gone from the table. A ``softcap``
         bounds each scaled score ``s`` to ``softcap * tanh(s / softcap)`` before the
-        softmax (Gemma 2's attention logit softcapping).
+        softmax (Gemma 2's attention logit softcapping). ``sinks`` (fp32 ``[Hq]``,
+        GPT-OSS's attention sinks) is a learnt logit per query head that joins every
+        row's softmax as one more score with a zero value: it takes a share of the
+        weight, so a row's output is scaled by ``L / (L + exp(sink))``, ``L`` the sum
+        of its keys' ``exp(score)`` (backends without them refuse, ``supports_sinks``).
         """
 
     @abstractmethod
@@ -91,10 +96,27 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query per sequence attending to keys ``[0, cache_seqlens[s])``, or with a
         sliding ``window`` to keys ``[cache_seqlens[s] - window, cache_seqlens[s])``;
-        ``softcap`` as in :meth:`varlen_attention`."""
+        ``softcap`` and ``sinks`` as in :meth:`varlen_attention`."""
+
+    def supports_sinks(self) -> bool:
+        """Whether ``sinks`` (GPT-OSS's attention sinks) are taken; most backends do."""
+        return True
+
+    def check_sinks(self, sinks: torch.Tensor | None, num_heads: int) -> None:
+        """``ValueError`` for sinks this backend refuses or that are not ``[num_heads]``
+        floats (None: none)."""
+        if sinks is None:
+            return
+        if not self.supports_sinks():
+            raise ValueError(f"attention backend {self.name!r} has no attention sinks "
+                             "(GPT-OSS's); use 'triton' on CUDA")
+        if sinks.dim() != 1 or sinks.shape[0] != num_heads or not sinks.is_floating_point():
+            raise ValueError(f"sinks must be a float tensor of shape [{num_heads}] (one per "
+                             f"query head), got {tuple(sinks.shape)} {sinks.dtype}")
 
     @staticmethod
     def check_window(window: int | None, softcap: float | None = None) -> None:
@@ -228,13 +250,15 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 def get_backend(
     name: str | None = None, device: torch.device | str = "cpu",
     kv_cache_dtype: torch.dtype | None = None, model_dtype: torch.dtype | None = None,
+    needs_sinks: bool = False,
 ) -> AttentionBackend:
     """Return a backend instance; ``None`` picks flash, then triton on CUDA, and on
     CPU the native kernels ("cpu") when they build, else torch.
 
     With ``kv_cache_dtype`` and ``model_dtype`` given, the automatic choice skips
     backends that cannot read such a cache (flash-attn reads only the model's
-    fp16/bf16), and an explicit choice that cannot raises ``ValueError``.
+    fp16/bf16), and an explicit choice that cannot raises ``ValueError``; so too
+    for ``needs_sinks`` (a model with attention sinks, GPT-OSS: not flash-attn's).
     An explicit choice that cannot run raises ``RuntimeError`` with the reason,
     rather than silently falling back to a slower path.
     """
@@ -247,6 +271,9 @@ def get_backend(
         if reason is not None:
             raise RuntimeError(f"attention backend {name!r} is unavailable: {reason}")
         backend = _instantiate(name, dev)
+        if needs_sinks and not backend.supports_sinks():
+            raise ValueError(f"attention backend {name!r} has no attention sinks, which this "
+                             "model (GPT-OSS) needs; choose another backend")
         if not _reads(backend, kv_cache_dtype, model_dtype):
             raise ValueError(
                 f"attention backend {name!r} cannot read a {kv_cache_dtype} KV cache under a "
@@ -259,10 +286,22 @@ def get_backend(
         candidates = ["cpu" if _unavailable_reason("cpu", dev) is None else "torch"]
     for cand in candidates:
         backend = _instantiate(cand, dev)
-        if _reads(backend, kv_cache_dtype, model_dtype):
+        if _reads(backend, kv_cache_dtype, model_dtype) and (
+                backend.supports_sinks() or not needs_sinks):
             return backend
     raise ValueError(f"no attention backend on {dev} reads a {kv_cache_dtype} KV cache "
                      f"under a {model_dtype} model (kv_cache_dtype)")
+
+
+def backend_with_sinks(backend: AttentionBackend, name: str | None,
+                       kv_cache_dtype: torch.dtype | None = None,
+                       model_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """``backend`` if it takes attention sinks, else (chosen automatically, ``name`` None)
+    the next automatic choice that does: a GPT-OSS model on a box with flash-attn runs
+    Triton. An explicit ``name`` that has none is a ``ValueError``."""
+    if backend.supports_sinks():
+        return backend
+    return get_backend(name, backend.device, kv_cache_dtype, model_dtype, needs_sinks=True)
 
 
 def _reads(backend: AttentionBackend, kv_dtype: torch.dtype | None,

@@ -131,20 +131,24 @@ class CpuNativeBackend(TorchBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not cpu_native.supports(q, key_cache, value_cache):
             return super()._decode(q, key_cache, value_cache, block_table, lens, lens_host,
-                                   scale, window, softcap)
+                                   scale, window, softcap, sinks)
         if window is not None and max(lens_host) <= window:
             window = None  # the window cuts no row: the unwindowed kernels, cascade included
-        # A shared prefix may lie partly outside a sliding window: no cascade there.
-        if self.shared_prefix_min_tokens and len(lens_host) > 1 and window is None:
+        # A shared prefix may lie partly outside a sliding window: no cascade there (nor
+        # with sinks, which the cascade's merge does not add).
+        if (self.shared_prefix_min_tokens and len(lens_host) > 1 and window is None
+                and sinks is None):
             plan = self.prefix_plan(block_table, lens_host, key_cache.shape[1])
             if plan is not None:
                 return cpu_cascade.shared_prefix_decode(q, key_cache, value_cache, plan, scale,
                                                         softcap)
         return cpu_native.paged_decode(q, key_cache, value_cache, block_table, lens,
-                                       max(lens_host), scale, window=window, softcap=softcap)
+                                       max(lens_host), scale, window=window, softcap=softcap,
+                                       sinks=sinks)
 
     def _attend_seqs(
         self,
@@ -159,10 +163,11 @@ class CpuNativeBackend(TorchBackend):
         out: torch.Tensor,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         if not cpu_native.supports(q, key_cache, value_cache):
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts,
-                                 scale, out, window, softcap)
+                                 scale, out, window, softcap, sinks)
             return
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
         if window is not None and max(k_lens[s] for s in seqs) <= window:
@@ -177,8 +182,8 @@ class CpuNativeBackend(TorchBackend):
             (native if q_lens[s] == 1 or k_lens[s] <= reach else rest).append(s)
         if rest:
             super()._attend_seqs(q, key_cache, value_cache, block_table, md, rest, starts,
-                                 scale, out, window, softcap)
-        if native and self.shared_prefix_min_tokens and window is None:
+                                 scale, out, window, softcap, sinks)
+        if native and self.shared_prefix_min_tokens and window is None and sinks is None:
             split = self._split_decode_rows(md, block_table, native, starts,
                                             key_cache.shape[1])
             if split is not None:
@@ -201,13 +206,13 @@ class CpuNativeBackend(TorchBackend):
             into = out[:n] if out.dtype == torch.float32 and out.is_contiguous() else None
             o = cpu_native.paged_decode(q[:n], key_cache, value_cache, r.tables, r.lens,
                                         r.max_len, scale, out=into, chunks=chunks,
-                                        window=window, softcap=softcap)
+                                        window=window, softcap=softcap, sinks=sinks)
             if into is None:
                 out[:n] = o
             return
         o = cpu_native.paged_decode(q.index_select(0, r.rows), key_cache, value_cache, r.tables,
                                     r.lens, r.max_len, scale, chunks=chunks, window=window,
-                                    softcap=softcap)
+                                    softcap=softcap, sinks=sinks)
         out.index_copy_(0, r.rows, o.to(out.dtype))
 
     def _split_decode_rows(self, md: VarlenMetadata, block_table: torch.Tensor,

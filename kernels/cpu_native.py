@@ -167,6 +167,7 @@ def paged_decode(
     stats: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention [S, Hq, D] of ``q`` over keys ``[0, lens[s])``; zero rows for len 0.
 
@@ -186,7 +187,10 @@ def paged_decode(
     it are not read, and a run of rows reads the union of its rows' windows once, each
     row still bit-identical to itself alone. A ``softcap`` caps each scaled score ``s``
     to ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2; ``stats`` are then
-    of the capped scores, so split key ranges still merge).
+    of the capped scores, so split key ranges still merge). ``sinks`` ``[Hq]`` (GPT-OSS)
+    join each row's softmax as a zero-valued logit: the kernel's statistics give each
+    row's ``log L``, and the output is scaled by ``sigmoid(log L - sink)`` after the
+    call (``stats`` then stay the keys' own).
     """
     lib = _loaded()
     if lib is None:
@@ -219,6 +223,11 @@ def paged_decode(
     if stats is not None and (stats.shape != (s, hq, 2) or stats.dtype != torch.float32
                               or not stats.is_contiguous()):
         raise ValueError(f"stats must be a contiguous fp32 tensor of shape {(s, hq, 2)}")
+    if sinks is not None and stats is None:
+        stats = torch.empty((s, hq, 2), dtype=torch.float32)
+    if sinks is not None:
+        stats[..., 0].fill_(float("-inf"))  # rows of length 0 keep these: a zero share
+        stats[..., 1].zero_()
     chunk_ptr, num_chunks = None, 0
     starts = None if window is None else (lens32 - window).clamp_min(0).to(torch.int32)
     if chunks is not None:
@@ -245,6 +254,10 @@ def paged_decode(
                          f"multiples of 16, got {d}")
     if rc != 0:
         raise MemoryError("native paged decode could not allocate its score buffer")
+    if sinks is not None:
+        assert stats is not None
+        log_l = stats[..., 0] + stats[..., 1].log()  # -inf for a row without keys
+        out.mul_(torch.sigmoid(log_l - sinks.float()).unsqueeze(-1))
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -52,6 +52,10 @@ class FlashBackend(AttentionBackend):
     def supports_block_size(self, block_size: int) -> bool:
         return block_size > 0 and block_size % FLASH_BLOCK_MULTIPLE == 0
 
+    def supports_sinks(self) -> bool:
+        """Mainline flash-attn (FA2) has no attention sinks (vLLM's FA3 fork's ``s_aux``)."""
+        return False
+
     def supports_kv_cache_dtype(self, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
         """FA2 reads K/V in the query's own fp16/bf16 only (no fp8 or mixed caches)."""
         return kv_dtype == model_dtype and kv_dtype in (torch.float16, torch.bfloat16)
@@ -90,8 +94,10 @@ class FlashBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._check(q, key_cache, window, softcap)
+        self.check_sinks(sinks, q.shape[1])
         dev = q.device
         return self._varlen(
             q,
@@ -118,8 +124,10 @@ class FlashBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._check(q, key_cache, window, softcap)
+        self.check_sinks(sinks, q.shape[1])
         dev = q.device
         out = self._with_kvcache(
             q.unsqueeze(1),

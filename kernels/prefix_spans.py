@@ -65,13 +65,15 @@ def varlen_attention_spans(
     window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged varlen attention of ``q [T, Hq, D]`` where each sequence's ``spans``
     (``[start, end)`` absolute positions, e.g. one image's tokens) are bidirectional.
 
     Query ``i`` of sequence ``s`` sits at ``p = k_len - q_len + i`` and sees key ``j``
     iff ``j < k_len``, ``j <= p`` or one span holds both, and (with a ``window``)
-    ``j > p - window``; ``softcap`` caps the scaled scores before the softmax. A
+    ``j > p - window``; ``softcap`` caps the scaled scores before the softmax, ``sinks``
+    ``[Hq]`` join it as zero-valued logits (``AttentionBackend.varlen_attention``). A
     span may start in cached context but must end by ``k_len`` (its later keys
     would be missing). Rows without a visible key (``p < 0``) and rows past the
     batch's queries are zero. Returns ``[T, Hq, D]`` in ``q``'s dtype. With ``out``
@@ -105,7 +107,8 @@ def varlen_attention_spans(
         dead = max(0, q_len - k_len)  # queries before position 0 see no key
         if dead:
             mask[:dead, 0] = True  # keeps the softmax finite; the rows are zeroed below
-        o = sdpa(q[rows].to(cdt).transpose(0, 1), k, v, mask, False, scale, softcap)
+        o = sdpa(q[rows].to(cdt).transpose(0, 1), k, v, mask, False, scale, softcap,
+                 None if sinks is None else sinks.view(-1, 1, 1))
         o = o.transpose(0, 1)
         if dead:
             o[:dead] = 0

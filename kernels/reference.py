@@ -19,6 +19,7 @@ def dense_causal_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed q [Tq, Hq, D], contiguous packed k/v [Tk, Hkv, D] -> [Tq, Hq, D].
 
@@ -26,7 +27,9 @@ def dense_causal_attention(
     sequence attends to key ``j`` iff ``j <= i + k_len - q_len``; with a sliding
     ``window`` also iff ``j > i + k_len - q_len - window`` (the query's own key and
     the ``window - 1`` before it, as Hugging Face's Mistral masks); a ``softcap`` maps
-    each scaled score ``s`` to ``softcap * tanh(s / softcap)`` (Gemma 2). Rows with no
+    each scaled score ``s`` to ``softcap * tanh(s / softcap)`` (Gemma 2); ``sinks``
+    ``[Hq]`` add one more logit per head to every row's softmax, whose value is zero
+    (GPT-OSS; Hugging Face's eager attention concatenates them so). Rows with no
     visible key are zero. Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
@@ -48,7 +51,10 @@ def dense_causal_attention(
             if window is not None:
                 visible &= j > i + (lk - lq) - window
             scores = scores.masked_fill(~visible, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+            if sinks is not None:
+                sink = sinks.double()[:, None, None].expand(hq, lq, 1)
+                scores = torch.cat([scores, sink], dim=-1)
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., :lk]
             out[qo : qo + lq] = (probs @ vs).transpose(0, 1)
         qo += lq
         ko += lk

@@ -120,13 +120,18 @@ def mixed_lengths(block_size: int, seed: int) -> tuple[list[int], list[int]]:
 def check_against_oracle(
     be: AttentionBackend, b: PagedBatch, tol: float, *, decode: bool, device: str = "cpu",
     window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Run one backend on ``b`` and compare with the dense oracle (on CPU)."""
     scale = 1 / math.sqrt(b.q.shape[-1])
     ref = dense_causal_attention(
-        b.q.cpu(), b.k.cpu(), b.v.cpu(), b.query_lens, b.key_lens, scale, window, softcap
+        b.q.cpu(), b.k.cpu(), b.v.cpu(), b.query_lens, b.key_lens, scale, window, softcap,
+        None if sinks is None else sinks.cpu(),
     )
-    kw = {"window": window} if softcap is None else {"window": window, "softcap": softcap}
+    kw: dict = {"window": window} if softcap is None else {"window": window,
+                                                           "softcap": softcap}
+    if sinks is not None:
+        kw["sinks"] = sinks.to(device)
     if decode:
         seqlens = torch.tensor(b.key_lens, dtype=torch.int32, device=device)
         out = be.decode_attention(b.q, b.key_cache, b.value_cache, b.block_table, seqlens,

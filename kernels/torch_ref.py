@@ -150,6 +150,7 @@ class TorchBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s, hq, d = q.shape
         if window is not None and max(lens_host) > window:
@@ -171,6 +172,8 @@ class TorchBackend(AttentionBackend):
                 valid[:, 0] |= lens == 0  # keep softmax finite; row is zeroed below
             mask = valid[:, None, None, :]
         qg = q.reshape(s, hkv, hq // hkv, d)
+        # The group's query heads sit where SDPA's query positions go: so do their sinks.
+        head_sinks = None if sinks is None else sinks.view(hkv, hq // hkv, 1)
         # On CPU, gather and attend a few sequences at a time so the gathered K/V
         # are still in the last-level cache when SDPA reads them.
         row_bytes = nb * bsz * hkv * d * q.element_size() * 2
@@ -185,7 +188,7 @@ class TorchBackend(AttentionBackend):
                     k[:, :max_k].transpose(1, 2),
                     v[:, :max_k].transpose(1, 2),
                     None if mask is None else mask[s0:s1],
-                    False, scale, softcap,
+                    False, scale, softcap, head_sinks,
                 )
             )
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(s, hq, d)
@@ -203,13 +206,16 @@ class TorchBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.check_window(window, softcap)
+        self.check_sinks(sinks, q.shape[1])
         if q.shape[0] == 0:
             return q.new_empty(q.shape)
         lens = cache_seqlens.to(q.device, torch.long)
         return self._decode(
-            q, key_cache, value_cache, block_table, lens, lens.tolist(), scale, window, softcap
+            q, key_cache, value_cache, block_table, lens, lens.tolist(), scale, window, softcap,
+            sinks,
         ).to(q.dtype)
 
     def _prefill_group(
@@ -226,6 +232,7 @@ class TorchBackend(AttentionBackend):
         out: torch.Tensor,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         dev = q.device
         n = len(ids)
@@ -278,7 +285,8 @@ class TorchBackend(AttentionBackend):
             mask[:, :, 0] |= ~row_ok
             mask = mask[:, None]
         o = sdpa(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal,
-                  scale, softcap).transpose(1, 2)  # [n, mq, hq, d]
+                  scale, softcap, None if sinks is None else sinks.view(hq, 1, 1)
+                  ).transpose(1, 2)  # [n, mq, hq, d]
         if row_ok is not None:
             o = o.masked_fill(~row_ok[:, :, None, None], 0.0)
         if uniform:
@@ -296,8 +304,10 @@ class TorchBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.check_window(window, softcap)
+        self.check_sinks(sinks, q.shape[1])
         q_lens, k_lens = md.host_query_lens(), md.host_key_lens()
         starts = [0]
         for lq in q_lens:
@@ -312,7 +322,7 @@ class TorchBackend(AttentionBackend):
                 out[starts[s] : starts[s + 1]].zero_()
         seqs = [s for s in range(len(q_lens)) if q_lens[s] > 0 and k_lens[s] > 0]
         self._attend_seqs(q, key_cache, value_cache, block_table, md, seqs, starts, scale, out,
-                          window, softcap)
+                          window, softcap, sinks)
         return out
 
     def _attend_seqs(
@@ -328,6 +338,7 @@ class TorchBackend(AttentionBackend):
         out: torch.Tensor,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Write the rows of sequences ``seqs`` (each with queries and keys) into ``out``:
         single-query rows through the decode path, the rest as padded SDPA groups."""
@@ -349,6 +360,7 @@ class TorchBackend(AttentionBackend):
                 scale,
                 window,
                 softcap,
+                sinks,
             )
             out.index_copy_(0, rows, o.to(out.dtype))
         # Group no-context prefills apart: they run maskless with is_causal.
@@ -357,6 +369,6 @@ class TorchBackend(AttentionBackend):
         for group in _plan_groups(no_ctx, q_lens, k_lens) + _plan_groups(ctx, q_lens, k_lens):
             self._prefill_group(
                 q, key_cache, value_cache, block_table, sorted(group), starts,
-                q_lens, k_lens, scale, out, window, softcap,
+                q_lens, k_lens, scale, out, window, softcap, sinks,
             )
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)  # scores run in log2 units: exp(x) = exp2(x log2 e)
+
 
 @triton.jit
 def _widen_kv(x, KV_FP8: tl.constexpr):
@@ -48,7 +50,7 @@ def _widen_kv(x, KV_FP8: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr,
     block_table_ptr, cu_q_ptr, seq_lens_k_ptr, tile_seq_ptr, tile_qoff_ptr,
     scale_log2, softcap_inv, cap_log2, num_q_heads, block_size, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -56,7 +58,7 @@ def _paged_attention_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
-    SOFTCAP: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -136,6 +138,11 @@ def _paged_attention_kernel(
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
+        if SINKS:  # the head's sink joins the sum as exp(sink) (log2 units here)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            m_fin = tl.maximum(m_i, sink)
+            acc = acc * tl.exp2(m_i - m_fin)[:, None]
+            l_i = l_i * tl.exp2(m_i - m_fin) + tl.exp2(sink - m_fin)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -150,11 +157,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, num_q_heads, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SINKS: tl.constexpr = False,
 ):
-    """Merge split-K partials of one (token, head): rescale by each split's max."""
+    """Merge split-K partials of one (token, head): rescale by each split's max (and add
+    the head's sink to the sum, once)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -163,9 +171,14 @@ def _combine_kernel(
     m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
     l_part = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * LOG2E
+        m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)
     denom = tl.sum(w * l_part, 0)
+    if SINKS:
+        denom += tl.exp2(sink - m_safe)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     acc = tl.load(

@@ -163,8 +163,10 @@ class TritonBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.check_window(window, softcap)
+        self.check_sinks(sinks, q.shape[1])
         tq, hq, d = q.shape
         _, bsz, hkv, _ = key_cache.shape
         if hq % hkv:
@@ -196,8 +198,9 @@ class TritonBackend(AttentionBackend):
         else:
             part_acc = part_ml = out  # unused: NUM_SPLITS == 1 writes `out` directly
         bt = block_table.to(torch.int32)
+        sink_arg = out if sinks is None else sinks.to(q.device, torch.float32).contiguous()
         _paged_attention_kernel[(n_tiles, hkv, splits)](
-            q, key_cache, value_cache, out, part_acc, part_ml,
+            q, key_cache, value_cache, out, part_acc, part_ml, sink_arg,
             bt, cu_q, seq_lens_k, tile_seq, tile_qoff,
             scale * _LOG2E, scale / (softcap or 1.0), (softcap or 0.0) * _LOG2E, hq, bsz,
             _NO_WINDOW if window is None else min(window, _NO_WINDOW),
@@ -207,14 +210,15 @@ class TritonBackend(AttentionBackend):
             bt.stride(0),
             G=group, HEAD_DIM=d, BLOCK_D=next_pow2(max(d, 16)),
             BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
-            KV_FP8=kv_fp8, SOFTCAP=softcap is not None,
+            KV_FP8=kv_fp8, SOFTCAP=softcap is not None, SINKS=sinks is not None,
             num_warps=self.num_warps or (4 if block_m <= 64 else 8),
             **self._stages(n_tiles * hkv, splits, block_m),
         )
         if splits > 1:
             _combine_kernel[(tq, hq)](
-                out, part_acc, part_ml, hq, out.stride(0), out.stride(1),
+                out, part_acc, part_ml, sink_arg, hq, out.stride(0), out.stride(1),
                 HEAD_DIM=d, BLOCK_D=next_pow2(d), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits),
+                SINKS=sinks is not None,
             )
         return out
 
@@ -246,6 +250,7 @@ class TritonBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         s = q.shape[0]
         dev = q.device
@@ -255,7 +260,7 @@ class TritonBackend(AttentionBackend):
             q, key_cache, value_cache, block_table, ar,
             cache_seqlens.to(dev, torch.int32), ar[:s], torch.zeros(s, dtype=torch.int32, device=dev),
             self._block_m(group, 1), block_table.shape[1] * key_cache.shape[1], s, scale,
-            window, softcap,
+            window, softcap, sinks,
         )
 
     def varlen_attention(
@@ -268,6 +273,7 @@ class TritonBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dev = q.device
         q_lens = md.host_query_lens()
@@ -283,7 +289,7 @@ class TritonBackend(AttentionBackend):
             q, key_cache, value_cache, block_table,
             md.cu_seq_lens_q.to(dev, torch.int32), md.seq_lens_k.to(dev, torch.int32),
             tile_seq.to(dev, torch.int32), tile_qoff.to(dev, torch.int32),
-            block_m, md.max_length_k, sum(q_lens), scale, window, softcap,
+            block_m, md.max_length_k, sum(q_lens), scale, window, softcap, sinks,
         )
 
 

@@ -64,9 +64,12 @@ def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, pairs_ptr, experts_ptr, num_pairs, hidden, inter, top_k,
     stride_xt, stride_we, stride_wn, stride_ht,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, b_ptr=None, stride_be=0, alpha=1.0, limit=0.0,
+    BIAS: tl.constexpr = False, CLAMP: tl.constexpr = False,
 ):
-    """h[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n])."""
+    """h[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]); with ``BIAS``
+    ``b[e]`` (gate half, up half) added to both products first, with ``CLAMP`` GPT-OSS's
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``."""
     mb = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(experts_ptr + mb).to(tl.int64)
@@ -94,7 +97,17 @@ def _gate_up_kernel(
             else:
                 gate += tl.dot(a, wg)
                 up += tl.dot(a, wu)
-        h = gate / (1.0 + tl.exp(-gate)) * up
+        if BIAS:
+            gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0
+                            ).to(tl.float32)[None, :]
+            up += tl.load(b_ptr + e * stride_be + inter + cols, mask=col_ok, other=0.0
+                          ).to(tl.float32)[None, :]
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+        else:
+            h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_ht + cols[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
@@ -104,9 +117,9 @@ def _down_kernel(
     h_ptr, w_ptr, y_ptr, scale_ptr, pairs_ptr, experts_ptr, num_pairs, hidden, inter,
     stride_ht, stride_we, stride_wn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, b_ptr=None, stride_be=0, BIAS: tl.constexpr = False,
 ):
-    """y[pair, n] = scale[pair] * (h[pair] . w[e, n])."""
+    """y[pair, n] = scale[pair] * (h[pair] . w[e, n] (+ b[e, n] with ``BIAS``))."""
     mb = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(experts_ptr + mb).to(tl.int64)
@@ -129,6 +142,9 @@ def _down_kernel(
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(a, w)
+        if BIAS:
+            acc += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0
+                           ).to(tl.float32)[None, :]
         scale = tl.load(scale_ptr + prow, mask=valid, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
         tl.store(y_ptr + prow[:, None] * stride_yt + cols[None, :],
@@ -137,11 +153,15 @@ def _down_kernel(
 
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
             w13: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k: int = 32,
-            partial: bool = False) -> torch.Tensor:
+            partial: bool = False, b13: torch.Tensor | None = None,
+            b2: torch.Tensor | None = None, clamp: tuple[float, float] | None = None
+            ) -> torch.Tensor:
     """Sum over each row's ``chosen [T, K]`` experts of ``weights [T, K]`` times the
     expert's SwiGLU of ``x [T, H]``; ``w13 [E, 2I, H]`` (gate rows, then up rows),
     ``w2 [E, H, I]``, all in ``x``'s dtype, last dimension contiguous. With ``partial``
-    a choice may be -1 (another rank's expert), which adds nothing."""
+    a choice may be -1 (another rank's expert), which adds nothing. GPT-OSS's experts:
+    biases ``b13 [E, 2I]`` and ``b2 [E, H]`` (before the routing weight) and ``clamp``
+    ``(alpha, limit)``, its clamped SwiGLU."""
     t, k = chosen.shape
     e, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -157,12 +177,18 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     scales = weights.reshape(-1).to(torch.float32).contiguous()
     m_blocks = block_experts.shape[0]
     f32 = x.dtype == torch.float32  # exact fp32 dots (not TF32); 16-bit dots accumulate in fp32
+    alpha, limit = clamp if clamp is not None else (1.0, 0.0)
+    b13 = None if b13 is None else b13.contiguous()
+    b2 = None if b2 is None else b2.contiguous()
     _gate_up_kernel[(m_blocks, triton.cdiv(inter, block_n))](
         x, w13, h, pairs, block_experts, n, hidden, inter, k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=f32)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=f32,
+        b_ptr=b13, stride_be=0 if b13 is None else b13.stride(0), alpha=float(alpha),
+        limit=float(limit), BIAS=b13 is not None, CLAMP=clamp is not None)
     _down_kernel[(m_blocks, triton.cdiv(hidden, block_n))](
         h, w2, y, scales, pairs, block_experts, n, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=f32)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=f32,
+        b_ptr=b2, stride_be=0 if b2 is None else b2.stride(0), BIAS=b2 is not None)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)

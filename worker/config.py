@@ -97,6 +97,9 @@ class ModelConfig:
     # DeepSeek's multi-head latent attention (``mla_config``): ``head_dim`` is then the
     # latent a token caches and ``num_kv_heads`` 1; None: plain attention.
     mla: MLAConfig | None = None
+    # GPT-OSS's attention sinks: each layer holds a learnt logit per query head that
+    # joins its softmax (``AttentionBackend.varlen_attention``).
+    attention_sinks: bool = False
     # A BERT-family encoder (``encoder_config``): attends both ways, never generates.
     encoder: EncoderConfig | None = None
     # The embedding widths ``dimensions`` may cut to (``config_fields.matryoshka``):
@@ -207,6 +210,7 @@ class ModelConfig:
             moe=moe_config_from_hf(cfg, model_type, num_layers),
             prequant=prequant_config(cfg.get("quantization_config")),
             mla=mla,
+            attention_sinks=model_type == "gpt_oss",
         )
 
     @classmethod

@@ -1,4 +1,5 @@
-"""Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
+"""Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3,
+GPT-OSS).
 
 The families differ only in config spellings and in a few choices: whether
 the top-k routing weights are renormalised to sum to one (Mixtral always; the
@@ -10,7 +11,8 @@ DeepSeek also routes differently (``layers.moe_routing``): V2 limits each token 
 the ``topk_group`` groups of experts with the best single score, V3 scores by a
 sigmoid, picks groups by their two best scores and experts by scores plus a learnt
 bias (``e_score_correction_bias``), and both scale the weights by
-``routed_scaling_factor``. Parsed once here, so the model code reads plain fields
+``routed_scaling_factor``. GPT-OSS adds biases (router, experts) and a clamped
+SwiGLU (``layers.moe_gpt_oss``). Parsed once here, so the model code reads plain fields
 and a malformed config names its field at load time.
 """
 
@@ -21,7 +23,8 @@ from typing import Any
 
 from pagedserve.worker.config_fields import count, non_negative_int
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+                   "gpt_oss")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -61,6 +64,11 @@ class MoEConfig:
     scale_unnormalized_only: bool = False
     shared_gated: bool = True
     router_fp32: bool = False
+    # GPT-OSS: a biased router and experts, SwiGLU as ``(up + 1) * g * sigmoid(alpha g)``
+    # with ``g`` capped at ``swiglu_limit`` and ``up`` clamped to +-it.
+    gpt_oss: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
 
     @property
     def grouped(self) -> bool:
@@ -89,6 +97,11 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          f"the number of experts ({num_experts})")
     if model_type in DEEPSEEK_MODEL_TYPES:
         return _deepseek(cfg, model_type, num_layers, num_experts, top_k)
+    if model_type == "gpt_oss":
+        return MoEConfig(num_experts, top_k, count(cfg, "intermediate_size"), True, 0,
+                         tuple(range(num_layers)), gpt_oss=True,
+                         swiglu_alpha=_positive(cfg, "swiglu_alpha", 1.702),
+                         swiglu_limit=_positive(cfg, "swiglu_limit", 7.0))
     if model_type == "mixtral":
         return MoEConfig(num_experts, top_k, count(cfg, "intermediate_size"), True, 0,
                          tuple(range(num_layers)), mixtral_names=True)
@@ -142,3 +155,11 @@ def _deepseek(cfg: dict[str, Any], model_type: str, num_layers: int, num_experts
                      group_rank="top2" if v3 else "max", score_bias=v3,
                      routed_scale=float(scale), scale_unnormalized_only=not v3,
                      shared_gated=False, router_fp32=True)
+
+
+def _positive(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"model config field {key!r} must be a positive number, "
+                         f"got {value!r}")
+    return float(value)

@@ -38,6 +38,9 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                         kv_lora_rank=56, q_lora_rank=48, qk_rope_head_dim=8,
                         qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
                         norm_topk_prob=True),
+    # GPT-OSS: sliding and full layers alternating (a 12-token window), sinks, YaRN.
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                    head_dim=16, sliding_window=12),
     "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         n_shared_experts=2, n_group=4, topk_group=2,
                         topk_method="group_limited_greedy", first_k_dense_replace=1,
@@ -76,7 +79,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
 
     ``kind``: "llama", "mistral", "qwen2", "qwen3", or the mixtures of experts "mixtral",
     "qwen2_moe", "qwen3_moe" (4 experts, top 2, 32 wide unless overridden) and
-    "deepseek_v2", "deepseek_v3" (MLA, 8 experts in 4 groups: ``MOE_DEFAULTS``).
+    "deepseek_v2", "deepseek_v3" (MLA, 8 experts in 4 groups: ``MOE_DEFAULTS``), and
+    "gpt_oss" (4 experts, attention sinks, alternating 12-token windows).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -103,7 +107,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM,
                                tf.DeepseekV2Model),
                "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM,
-                               tf.DeepseekV3Model)}
+                               tf.DeepseekV3Model),
+               "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, tf.GptOssModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -125,6 +130,9 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                 p.mul_(weight_scale)
             elif kind.startswith("gemma"):  # its norms init to 0 (a scale of 1 + w)
                 p.normal_(0.0, 0.5)
+        for name, p in model.named_parameters():  # GPT-OSS: sinks and biases that matter
+            if kind == "gpt_oss" and (name.endswith("sinks") or "bias" in name):
+                p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.2)
         for name, b in model.named_buffers():  # DeepSeek-V3's routing bias inits to 0
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.5)

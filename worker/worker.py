@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pagedserve.kernels import get_backend
+from pagedserve.kernels.backend import backend_with_sinks
 from pagedserve.kernels.kv_quant import is_fp8
 from pagedserve.scheduler.kv_groups import KVGroupLayout, plan_kv_groups
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -142,6 +143,9 @@ class Worker:
             cls = with_vision(cls)
         stage = PipelineStage.of(model_config.num_layers, self.config.pipeline_parallel_size,
                                  self.config.pp_rank, self.config.pipeline_layer_partition)
+        if model_config.attention_sinks:  # GPT-OSS: not flash-attn's kernels
+            self.backend = backend_with_sinks(self.backend, self.config.attention_backend,
+                                              self.kv_dtype, self.dtype)
         model = cls(model_config, self.ctx, self.backend, self.dtype, self.device, stage)
         if self.config.vision_encoded(model_config.image):
             model.attach_vision(self.dtype, self.device)

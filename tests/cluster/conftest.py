@@ -95,6 +95,14 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: s
                                    default_model_dir, sliding_window=12)
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """GPT-OSS: attention sinks, biased experts with a clamped SwiGLU, YaRN, and sliding
+    (12-token) and full layers alternating."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_gpt_oss"), "gpt_oss",
+                                   default_model_dir)
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
               ignore_eos: bool = True, device: str = "cpu",
               processors: Callable[[int], list[Any]] | None = None,

@@ -96,7 +96,7 @@ def narrow_cache_configs():
 def build_attention(target, dt: str, g: int, d: int, max_q: int, splits: int,
                     block_n: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, kv: str | None = None,
-                    softcap: bool = False) -> None:
+                    softcap: bool = False, sinks: bool = False) -> None:
     """One attention launch configuration, with the backend's defaults where not given.
 
     ``kv`` is the cache dtype (default: the model's ``dt``), as TritonBackend._launch
@@ -109,10 +109,11 @@ def build_attention(target, dt: str, g: int, d: int, max_q: int, splits: int,
         G=g, HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_M=block_m, BLOCK_Q=block_m // g,
         BLOCK_N=block_n or (64 if d <= 64 else 32), NUM_SPLITS=splits,
         DOT_F32=dt == "fp32" or (not kv_fp8 and kv != dt), KV_FP8=kv_fp8, SOFTCAP=softcap,
+        SINKS=sinks,
     )
     ptrs = {n: f"*{dt}" for n in ("q_ptr", "out_ptr")}
     ptrs |= {n: f"*{kv_ptr}" for n in ("k_cache_ptr", "v_cache_ptr")}
-    ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    ptrs |= {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sinks_ptr": "*fp32"}
     ptrs |= {n: "*i32" for n in ("block_table_ptr", "cu_q_ptr", "seq_lens_k_ptr",
                                  "tile_seq_ptr", "tile_qoff_ptr")}
     build(_paged_attention_kernel, ptrs, consts, target, ("scale_log2", "softcap_inv", "cap_log2"),
@@ -147,8 +148,13 @@ def main(archs: list[int], parts: tuple[str, ...] = ("base", "sweep")) -> None:
             build_attention(target, dt, g, d, max_q, splits)
         for max_q, splits in ((1, 1), (1, 4), (64, 1)):  # Gemma 2's softcapped scores
             build_attention(target, "bf16", 2, 256, max_q, splits, softcap=True)
-        build(_combine_kernel, {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"},
-              dict(HEAD_DIM=80, BLOCK_D=128, NUM_SPLITS=3, SPLITS_P2=4), target)
+        for max_q, splits in ((1, 4), (64, 1)):  # GPT-OSS's attention sinks
+            build_attention(target, "bf16", 8, 64, max_q, splits, sinks=True)
+        combine_ptrs = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                        "sinks_ptr": "*fp32"}
+        for sinks in (False, True):
+            build(_combine_kernel, combine_ptrs,
+                  dict(HEAD_DIM=80, BLOCK_D=128, NUM_SPLITS=3, SPLITS_P2=4, SINKS=sinks), target)
         build(_store_kv_kernel, {"key_ptr": "*fp32", "value_ptr": "*fp32",
                                  "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
                                  "slot_ptr": "*i64"}, dict(ROW=192, BLOCK=256), target)
@@ -162,12 +168,20 @@ def main(archs: list[int], parts: tuple[str, ...] = ("base", "sweep")) -> None:
         build(_copy_blocks_kernel, {"cache_ptr": "*u8", "pairs_ptr": "*i64"},
               dict(CHUNK=4096), target, tag="ok kv")
         for dt in ("fp16", "bf16", "fp32"):  # the fused MoE's two kernels, default tiles
-            consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=32, DOT_F32=dt == "fp32")
+            consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=32, DOT_F32=dt == "fp32",
+                          BIAS=False)
             ids = {"pairs_ptr": "*i64", "experts_ptr": "*i64"}
             build(_gate_up_kernel, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "h_ptr": f"*{dt}"}
-                  | ids, consts, target, tag="ok moe")
+                  | ids, consts | dict(CLAMP=False), target, tag="ok moe")
             build(_down_kernel, {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": "*fp32",
                                  "scale_ptr": "*fp32"} | ids, consts, target, tag="ok moe")
+        # GPT-OSS's experts (bf16): biases and the clamped SwiGLU.
+        consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, BIAS=True)
+        bf = {n: "*bf16" for n in ("x_ptr", "w_ptr", "h_ptr", "b_ptr")} | ids
+        build(_gate_up_kernel, bf, consts | dict(CLAMP=True), target, ("alpha", "limit"),
+              tag="ok moe")
+        build(_down_kernel, bf | {"y_ptr": "*fp32", "scale_ptr": "*fp32"}, consts, target,
+              tag="ok moe")
         for dt in ("fp16", "bf16", "fp32"):  # int4 weights (W4A16): decode and batch tiles
             for bm in (16, 64):
                 ptrs = {"x_ptr": f"*{dt}", "q_ptr": "*i32", "s_ptr": f"*{dt}",

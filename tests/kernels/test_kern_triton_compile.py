@@ -32,10 +32,11 @@ def test_kernels_compile_for_nvidia_targets() -> None:
         assert p.returncode == 0, out[-2000:] + err[-4000:]
     from pagedserve.kernels.triton_backend import LAUNCH_SWEEP
 
-    # Ten default launches per target and three with Gemma 2's softcap, and the --sweep
-    # grid plus the split two-stage decode for two shapes on sm_90; then the
-    # narrow-cache (fp8 / mixed 16-bit) variants, store and copy included.
-    assert stdout.count("ok sm_") == 2 * 13 + 2 * (len(LAUNCH_SWEEP) + 1)
+    # Ten default launches per target, three with Gemma 2's softcap, two with GPT-OSS's
+    # sinks and their split-K merge, and the --sweep grid plus the split two-stage
+    # decode for two shapes on sm_90; then the narrow-cache (fp8 / mixed 16-bit)
+    # variants, store and copy included.
+    assert stdout.count("ok sm_") == 2 * 16 + 2 * (len(LAUNCH_SWEEP) + 1)
     assert stdout.count("ok kv sm_") == 32
-    assert stdout.count("ok moe sm_") == 2 * 6  # gate/up and down, three dtypes
+    assert stdout.count("ok moe sm_") == 2 * 8  # gate/up and down: three dtypes, GPT-OSS
     assert stdout.count("ok w4 sm_") == 2 * 6  # int4 GEMM: three dtypes, two tiles

@@ -139,3 +139,27 @@ def test_cuda_fused_experts_equal_the_expert_loop(dtype, tol) -> None:
         got = triton_moe.experts(x, mine, weights, w13[:16], w2[:16], partial=True).float()
         ref = expert_loop(x.float(), mine, weights, w13[:16].float(), w2[:16].float())
         torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("e,h,i,k", [(4, 64, 48, 2), (5, 80, 32, 3)])
+def test_gpt_oss_experts_equal_their_loop(e, h, i, k) -> None:
+    """GPT-OSS's biases and clamped SwiGLU in the fused kernels, on products large enough
+    for the clamp to bite; without the down bias (the ranks that do not add it)."""
+    from pagedserve.kernels import triton_moe
+    from tests.kernels.moe_helpers import gpt_oss_expert_loop
+
+    g = torch.Generator().manual_seed(e + h)
+    w13 = torch.randn(e, 2 * i, h, generator=g) * 3 / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=g) / i ** 0.5
+    b13, b2 = torch.randn(e, 2 * i, generator=g), torch.randn(e, h, generator=g)
+    x = torch.randn(23, h, generator=g)
+    chosen = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(23)])
+    weights = torch.rand(23, k, generator=g)
+    assert (x @ w13[0, :i].T + b13[0, :i]).max() > 7.0  # the clamp at 7 is exercised
+    for down_bias in (b2, torch.zeros_like(b2)):
+        got = triton_moe.experts(x, chosen, weights, w13, w2, b13=b13,
+                                 b2=down_bias if down_bias.any() else None,
+                                 clamp=(1.702, 7.0))
+        want = gpt_oss_expert_loop(x, chosen, weights, w13, w2, b13, down_bias, 1.702, 7.0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -24,7 +24,7 @@ TINY: dict[str, Any] = dict(
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                     **overrides: Any) -> Path:
     """Write a random tiny Llama, Qwen2/3, Mistral, Gemma 3 or mixture-of-experts (Mixtral,
-    Qwen2/3-MoE: ``MOE_DEFAULTS``' experts) HF checkpoint (safetensors) to ``path``."""
+    Qwen2/3-MoE, GPT-OSS: ``MOE_DEFAULTS``' experts) HF checkpoint (safetensors) to ``path``."""
     import transformers as tf
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -38,14 +38,15 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "phi3": ("Phi3Config", "Phi3ForCausalLM"),
                "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
-               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+               "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))
     # Random init leaves norms at 1 and biases at 0; perturb them so loading bugs show.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "sinks")):
                 p.add_(torch.randn_like(p) * 0.1)
         for name, b in model.named_buffers():  # DeepSeek-V3's routing bias inits to 0
             if name.endswith("e_score_correction_bias"):

@@ -4,8 +4,9 @@ Covers KV heads split across ranks (4 q / 2 kv heads), a single KV head
 replicated on both ranks (4 q / 1 kv), an odd vocabulary (padded vocab shards),
 a biased Qwen2 attention, Qwen3's per-head q/k norms (replicated on each rank),
 mixtures of experts (every expert cut along its intermediate dimension, Qwen2-MoE's
-shared expert too, one all-reduce per layer), and DeepSeek's latent attention (heads
-split, the latent cache whole on each rank) with grouped routing.
+shared expert too, one all-reduce per layer), DeepSeek's latent attention (heads
+split, the latent cache whole on each rank) with grouped routing, and GPT-OSS (its
+attention sinks split with the heads, its experts' down bias added by one rank).
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def _free_port() -> int:
     ("phi3", dict(num_key_value_heads=2, pad_token_id=0)),
     ("deepseek_v3", dict(num_key_value_heads=2)),
     ("deepseek_v2", dict(num_key_value_heads=2)),
+    ("gpt_oss", dict(num_key_value_heads=2, sliding_window=5)),
 ], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm", "mixtral_experts",
         "qwen2_moe_shared_expert", "gemma3_sliding", "phi3_fused", "deepseek_v3_mla",
-        "deepseek_v2_mla"])
+        "deepseek_v2_mla", "gpt_oss_sinks_biased_experts"])
 def test_tp2_equals_tp1(tmp_path, kind, kw):
     path = save_tiny_model(tmp_path / "m", kind, seed=4, **kw)
     ref_worker = make_worker(path, num_blocks=40, block_size=4)
@@ -110,7 +112,9 @@ def test_tp2_equals_tp1(tmp_path, kind, kw):
     ("mixtral", dict(num_local_experts=5), "linear"),
     ("qwen2_moe", dict(num_experts=8), "round_robin"),
     ("deepseek_v3", {}, "round_robin"),
-], ids=["mixtral_uneven", "qwen2_moe_shared_expert", "deepseek_v3_groups"])
+    ("gpt_oss", dict(num_local_experts=5), "linear"),
+], ids=["mixtral_uneven", "qwen2_moe_shared_expert", "deepseek_v3_groups",
+        "gpt_oss_expert_biases"])
 def test_tp2_expert_parallel_equals_tp1(tmp_path, kind, kw, placement):
     """Expert parallelism over a gloo group: each rank holds whole experts, attention
     stays split by heads, and the layer's one all-reduce adds the ranks' experts (and

@@ -53,20 +53,27 @@ class PagedAttention:
     step's K/V (the engine's calibration step), once, before anything else is stored.
     ``window`` (a sliding window, the layer's own) limits each query to its own key and
     the ``window - 1`` before it; ``scale`` replaces ``head_dim ** -0.5`` (Gemma's);
-    ``softcap`` caps each score to ``softcap * tanh(s / softcap)`` (Gemma 2).
+    ``softcap`` caps each score to ``softcap * tanh(s / softcap)`` (Gemma 2); ``sinks``
+    (``[num_heads]``, this rank's heads; GPT-OSS) join each row's softmax as learnt
+    zero-valued logits, read by the kernels at every call (loading fills them in place).
     ``kv_group`` is the layer's KV cache group in a hybrid model (the worker sets it):
     the layer stores and reads through that group's table.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  backend: AttentionBackend, window: int | None = None,
-                 scale: float | None = None, softcap: float | None = None):
+                 scale: float | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None):
         backend.check_window(window, softcap)
+        backend.check_sinks(sinks, num_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
         # Only a softcapped layer passes the argument: every backend takes the others'.
-        self._extra = {"window": window} if softcap is None else {"window": window,
-                                                                   "softcap": softcap}
+        self._extra: dict = {"window": window}
+        if softcap is not None:
+            self._extra["softcap"] = softcap
+        if sinks is not None:
+            self._extra["sinks"] = sinks
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend
         self.kv_group = 0

@@ -97,7 +97,13 @@ class SparseMoE(nn.Module):
 
     ``checkpoint_prefix`` is the submodule name the checkpoint files the
     experts under (``block_sparse_moe`` for Mixtral, ``mlp`` for Qwen and DeepSeek).
+    A subclass whose experts are not plain SwiGLU without biases (GPT-OSS's) sets
+    ``plain_swiglu`` False: the native CPU kernels, which bake that in, are then never
+    used; the expert loop runs its ``_gate_up`` / ``_activate`` / ``_down``, and it
+    passes its extras to the Triton kernels itself (``_routed``).
     """
+
+    plain_swiglu: bool = True
 
     def __init__(self, hidden: int, moe: MoEConfig, ctx: ParallelContext, dtype: torch.dtype,
                  device: torch.device):
@@ -170,8 +176,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` through the router's top-k experts (and the shared one)."""
-        logits = self.gate_linear(x.float() if self.moe.router_fp32 else x, self.router)
-        weights, experts = route(logits, self.moe, self.score_bias)
+        weights, experts = route(self.router_logits(x), self.moe, self.score_bias)
         if self.rank_pairs is not None and not _capturing(x):
             ranks = self.rank_owner[experts.reshape(-1)]
             self.rank_pairs.index_add_(0, ranks, torch.ones_like(ranks))
@@ -186,6 +191,10 @@ class SparseMoE(nn.Module):
                 shared.mul_(torch.sigmoid(self.gate_linear(x, self.shared_gate)))
             out += shared
         return self.ctx.all_reduce(out)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits ``[T, E]`` for ``x``."""
+        return self.gate_linear(x.float() if self.moe.router_fp32 else x, self.router)
 
     def _routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
@@ -219,15 +228,25 @@ class SparseMoE(nn.Module):
         return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e``'s output for its rows ``x`` (before the routing weight)."""
+        return self._down(e, self._activate(e, self._gate_up(e, x)))
+
+    def _gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
-            w13, w2 = self.int8[e]
-            return cpu_int8.linear(silu_and_mul(cpu_int8.linear(x, w13)), w2)
+            return cpu_int8.linear(x, self.int8[e][0])
         if self.packed is None:
-            return F.linear(silu_and_mul(F.linear(x, self.w13[e])), self.w2[e])
-        w13, w2 = self.packed[e]
-        linear = torch.ops.mkldnn._linear_pointwise
-        return linear(silu_and_mul(linear(x, w13, None, "none", [], "")), w2, None, "none", [],
-                      "")
+            return F.linear(x, self.w13[e])
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed[e][0], None, "none", [], "")
+
+    def _activate(self, e: int, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
+
+    def _down(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return cpu_int8.linear(h, self.int8[e][1])
+        if self.packed is None:
+            return F.linear(h, self.w2[e])
+        return torch.ops.mkldnn._linear_pointwise(h, self.packed[e][1], None, "none", [], "")
 
     def pack(self, release_plain: bool = True) -> None:
         """Repack the experts for CPU: for the native kernel (``kernels.cpu_moe``) where it
@@ -236,7 +255,8 @@ class SparseMoE(nn.Module):
         ``F.linear``. Experts already quantised stay as they are."""
         if self.int8 is not None or self.int8_native is not None:
             return
-        if cpu_moe.available(self.w13.device, self.w13.dtype, self.hidden, self.local_i):
+        if self.plain_swiglu and cpu_moe.available(self.w13.device, self.w13.dtype,
+                                                   self.hidden, self.local_i):
             self.native = cpu_moe.pack(self.w13.data, self.w2.data)
         else:
             reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -265,7 +285,7 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(self.w13.new_empty((0,)), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty((0,)), requires_grad=False)
         self.native, self.packed, self.fused = None, None, False
-        if all(a.packed and b.packed for a, b in pairs):
+        if self.plain_swiglu and all(a.packed and b.packed for a, b in pairs):
             self.int8_native = (cpu_int8.stack_experts([a for a, _ in pairs]),
                                 cpu_int8.stack_experts([b for _, b in pairs]))
             return sum(t.numel() * t.element_size() for st in self.int8_native for t in st)

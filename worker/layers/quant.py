@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("int8", "int4")
 # vLLM's names for a checkpoint's own quantisation: accepted (the file must say so) and
 # served as the file's weights, dequantised at load (``loaders.prequant``).
-CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4")
 
 
 def check_quantization(method: str | None, device: str | None = None) -> None:

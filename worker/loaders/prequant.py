@@ -16,7 +16,8 @@ Costs: the weights are dense after load (a 4-bit checkpoint takes 4x its bytes i
 outputs or inputs where the packing splits there (``prequant_slices``; elsewhere the
 whole projection, then the slice), and a pipeline stage reads only its own layers'
 parts (``keep``). Activation scales (``input_scale``), calibrated KV scales and the like are
-dropped: activations and the KV pool run in the engine's dtypes.
+dropped: activations and the KV pool run in the engine's dtypes. MXFP4 files (gpt-oss's
+experts) pair their blocks and scales in ``loaders.mxfp4``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.worker.loaders.mxfp4 import mxfp4_weights
 from pagedserve.worker.loaders.prequant_config import PrequantConfig
 from pagedserve.worker.loaders.prequant_slices import input_parts, row_parts
 
@@ -98,7 +100,11 @@ def dequantized_weights(weights: Iterable[tuple[str, Any]], cfg: PrequantConfig,
     projection has is known before the first arrives). Parts are read as they come (the
     file they are in may close before the rest); a projection missing one is a
     ``ValueError`` at the end. A projection whose ``<module>.weight`` ``keep`` refuses
-    (another pipeline stage's) is never read nor yielded."""
+    (another pipeline stage's) is never read nor yielded. An MXFP4 file's expert
+    pairs (``<prefix>_blocks`` / ``_scales``) become ``<prefix>`` (``loaders.mxfp4``)."""
+    if cfg.method == "mxfp4":
+        yield from mxfp4_weights(weights, names, keep)
+        return
     expected = _quantised_parts(cfg, set(names))
     pending: dict[str, dict[str, torch.Tensor]] = {}
     dropped = 0

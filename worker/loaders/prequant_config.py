@@ -3,8 +3,9 @@
 Most quantised models that people serve with vLLM ship their linear weights as integer
 or fp8 codes with scales and name the scheme in ``config.json``: GPTQ (AutoGPTQ,
 GPTQModel), AWQ (AutoAWQ's GEMM layout), compressed-tensors (llm-compressor's output,
-vLLM's own format: packed int4 / int8 / fp8 weights) and transformers' fine-grained
-``fp8`` (block-scaled, as Qwen3's and DeepSeek's fp8 releases). This module reads that
+vLLM's own format: packed int4 / int8 / fp8 weights), transformers' fine-grained
+``fp8`` (block-scaled, as Qwen3's and DeepSeek's fp8 releases) and ``mxfp4`` (OpenAI's
+gpt-oss releases: the routed experts in FP4 with e8m0 scales). This module reads that
 dict into a ``PrequantConfig`` and refuses, as a ``ValueError`` naming the field, what
 ``loaders.prequant`` cannot turn back into the checkpoint's weights exactly (kernel-
 specific repackings such as AWQ's GEMV layouts or GPTQ's Marlin format, sparse or rotated
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PREQUANT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+PREQUANT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4")
 # compressed-tensors formats whose weights dequantise exactly: packed ints, int8 codes,
 # fp8 codes, and dense (a module left in full precision).
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "dense")
@@ -100,6 +101,8 @@ def prequant_config(raw: Any) -> PrequantConfig | None:
         return _compressed_tensors(raw)
     if method == "fp8":
         return _fp8(raw)
+    if method == "mxfp4":
+        return _mxfp4(raw)
     raise ValueError(f"quantization_config.quant_method must be one of {PREQUANT_METHODS}, "
                      f"got {raw.get('quant_method')!r}")
 
@@ -190,6 +193,22 @@ def _fp8(raw: dict[str, Any]) -> PrequantConfig:
     if raw.get("activation_scheme", "dynamic") == "static":
         notes = ("activation_scheme static: activations run in the model's dtype here",)
     return PrequantConfig("fp8", block=tuple(block) if block else None, notes=notes)
+
+
+def _mxfp4(raw: dict[str, Any]) -> PrequantConfig:
+    """gpt-oss's MXFP4 (``loaders.mxfp4``): FP4 codes in groups of 32 with e8m0 scales,
+    only the routed experts' ``*_blocks`` / ``*_scales`` pairs; the tensors named say
+    what is packed, so ``modules_to_not_convert`` (the rest, as transformers writes it)
+    is only checked."""
+    skip = raw.get("modules_to_not_convert")
+    if skip is not None and not (isinstance(skip, list)
+                                 and all(isinstance(m, str) for m in skip)):
+        raise ValueError("quantization_config.modules_to_not_convert must be a list of "
+                         f"module names, got {skip!r}")
+    if not isinstance(raw.get("dequantize", False), bool):
+        raise ValueError(f"quantization_config.dequantize must be a boolean, got "
+                         f"{raw.get('dequantize')!r}")
+    return PrequantConfig("mxfp4")
 
 
 def _int(raw: dict[str, Any], key: str, where: str = "quantization_config") -> int:

@@ -16,6 +16,7 @@ MODEL_REGISTRY = {
     "mixtral": LlamaForCausalLM,
     "qwen2_moe": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
+    "gpt_oss": LlamaForCausalLM,  # (attention sinks, biased clamped experts: flags)
     "phi3": LlamaForCausalLM,  # (its fused qkv / gate_up projections load split)
     "gemma3_text": Gemma3ForCausalLM,
     "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)

@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2, and the mixture-of-experts
-Mixtral, Qwen2-MoE and Qwen3-MoE) with tensor parallelism.
+Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS) with tensor parallelism.
 
 The differences between these architectures are config flags (q/k/v bias,
 Qwen3's per-head q/k RMSNorm, rope scaling, tied head, GQA ratio, routed
-experts in place of some or all MLPs), so one implementation covers them. The
+experts in place of some or all MLPs, GPT-OSS's attention sinks and biased,
+clamped experts), so one implementation covers them. The
 forward runs over a flat, mixed batch of tokens (any mix of prefill chunks and
 decodes) and returns hidden states; the runner picks the rows that need
 logits, so the LM head is never computed on prompt tokens that are not
@@ -27,6 +28,7 @@ from pagedserve.worker.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.worker.layers.moe import SparseMoE
+from pagedserve.worker.layers.moe_gpt_oss import GptOssMoE
 from pagedserve.worker.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.llama_loading import LlamaWeightLoading
@@ -55,10 +57,15 @@ class LlamaAttention(nn.Module):
             self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         scale = cfg.gemma.query_pre_attn_scalar ** -0.5 if cfg.gemma else None
+        # GPT-OSS: a learnt sink logit per query head (this rank's), kept in fp32.
+        self.sinks: nn.Parameter | None = None
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32,
+                                                  device=device), requires_grad=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend,
                                    window=cfg.layer_window(index), scale=scale,
                                    softcap=cfg.gemma.attn_logit_softcapping if cfg.gemma
-                                   else None)
+                                   else None, sinks=self.sinks)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
@@ -104,7 +111,8 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
         self.mlp: LlamaMLP | SparseMoE
         if cfg.moe is not None and index in cfg.moe.sparse_layers:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, ctx, dtype, device)
+            moe_cls = GptOssMoE if cfg.moe.gpt_oss else SparseMoE
+            self.mlp = moe_cls(cfg.hidden_size, cfg.moe, ctx, dtype, device)
         else:
             self.mlp = LlamaMLP(cfg, ctx, dtype, device)
 

@@ -149,6 +149,8 @@ class LlamaWeightLoading:
             names.add("o_proj.bias")
         if cfg.qk_norm:
             names |= {"q_norm.weight", "k_norm.weight"}
+        if cfg.attention_sinks:
+            names.add("sinks")
         return names
 
     def _load_attention(self, attn: nn.Module, module: str, is_bias: bool, name: str,
@@ -209,6 +211,8 @@ class LlamaWeightLoading:
         elif module.startswith("self_attn.") and self._load_attention(
                 layer.self_attn, module[10:], is_bias, name, lazy):
             return
+        elif rest == "self_attn.sinks" and self.config.attention_sinks:
+            _load_sinks(name, layer.self_attn, lazy, self.config.num_heads)
         elif moe is not None:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         elif module == "mlp.gate_up_proj" and self.config.model_type == "phi3" and not is_bias:
@@ -230,3 +234,11 @@ def _copy_full(name: str, param: nn.Parameter, lazy: LazyTensor) -> None:
     if tuple(lazy.shape) != tuple(param.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != {tuple(param.shape)}")
     param.data.copy_(lazy[:])
+
+
+def _load_sinks(name: str, attn: nn.Module, lazy: LazyTensor, num_heads: int) -> None:
+    """GPT-OSS's sink logits: this rank's query heads' share (fp32 whatever the file's)."""
+    if tuple(lazy.shape) != (num_heads,):
+        raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != ({num_heads},)")
+    start = attn.qkv_proj.q_start
+    attn.sinks.data.copy_(lazy[start:start + attn.num_heads])
