@@ -108,10 +108,16 @@ class ChatCompletionRequest(SamplingRequestBase):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, e.g. enable_thinking
     include_reasoning: bool = True  # vLLM's: with a reasoning parser, return the thought
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: this request's processor options
+    # OpenAI's: how long a reasoning model thinks. A chat template variable, as in vLLM
+    # (GPT-OSS's template writes it into the system message; others ignore it).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def check(self) -> None:
         self._check_unsupported()
         check_template_kwargs(self.chat_template_kwargs)
+        if self.reasoning_effort is not None:
+            self.chat_template_kwargs = {"reasoning_effort": self.reasoning_effort,
+                                         **(self.chat_template_kwargs or {})}
         check_continuation(self.continue_final_message, self.add_generation_prompt)
         if self.top_logprobs is not None:
             if not self.logprobs:

@@ -25,6 +25,7 @@ from typing import Any
 
 from pagedserve.cluster import cache_cmd
 from pagedserve.cluster.http_front import INGRESS_MODES
+from pagedserve.scheduler.sampling_params import REASONING_FORMATS
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -202,9 +203,11 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--remote-prefill-max-inflight", type=int, default=None, metavar="N",
                    help="with --prefill-replicas: a decode replica waiting on N remote "
                         "prefills computes the next prompt itself (default: no bound)")
-    s.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+    s.add_argument("--reasoning-parser", choices=REASONING_FORMATS, default=None,
                    help="chat answers of thinking models: the text between <think> and "
-                        "</think> goes to the message's 'reasoning', the rest to 'content'")
+                        "</think> goes to the message's 'reasoning', the rest to 'content'; "
+                        "openai_gptoss: GPT-OSS's harmony channels (analysis: reasoning, "
+                        "final: content, calls to functions.NAME: tool calls)")
     s.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (on by itself with --lora-modules/--lora-dir)")
     s.add_argument("--max-loras", type=int, default=1,

@@ -16,6 +16,11 @@ agree: a delta that may be the start of a tag is held back until the next one
 shows what it is. Tool calls are parsed from the content only. Output
 constraints (``response_format``, structured outputs, a forced tool call) start
 after the thought, as in vLLM (``defer_constraint``).
+
+A third parser, ``openai_gptoss`` (GPT-OSS's harmony messages: an ``analysis``
+channel, a ``final`` one, tool calls to ``functions.NAME``), is ``harmony``'s;
+the stream and the split hand over to it, and its requests keep special tokens
+and take no output constraint (``harmony_params``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pagedserve.cluster.harmony import HARMONY, HarmonyStream, harmony_params, split_harmony
 from pagedserve.scheduler.sampling_params import REASONING_FORMATS, SamplingParams
 
 REASONING_PARSERS = REASONING_FORMATS
@@ -49,9 +55,19 @@ class ReasoningStream:
         self.mode = "content" if closed else "start"  # then "reasoning" or "content"
         self.held = ""
         self.thought = False  # whether any of the output is reasoning
+        self.harmony = HarmonyStream() if parser == HARMONY else None
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        """The tool calls a harmony answer made (none in the ``<think>`` formats)."""
+        return self.harmony.calls if self.harmony is not None else []
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and content ``text`` adds (either may be empty)."""
+        if self.harmony is not None:
+            out = self.harmony.feed(text)
+            self.thought = self.harmony.thought
+            return out
         buf, self.held = self.held + text, ""
         reasoning = content = ""
         while buf:
@@ -82,6 +98,10 @@ class ReasoningStream:
 
     def finish(self) -> tuple[str, str]:
         """What was held back, once the output has ended."""
+        if self.harmony is not None:
+            out = self.harmony.finish()
+            self.thought = self.harmony.thought
+            return out
         rest, self.held = self.held, ""
         if self.mode == "reasoning" or (self.mode == "start" and self.parser == "deepseek_r1"):
             self.thought = self.thought or bool(rest)
@@ -95,10 +115,14 @@ def thought_closed(tokenizer: Any, prompt_ids: list[int]) -> bool:
     return tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(END)
 
 
-def defer_constraint(params: SamplingParams, parser: str | None, closed: bool
-                     ) -> SamplingParams:
+def defer_constraint(params: SamplingParams, parser: str | None, closed: bool,
+                     request: Any = None) -> SamplingParams:
     """Under a reasoning parser, let a constrained chat answer think first (the
-    grammar starts after ``</think>``), unless the prompt already ``closed`` it."""
+    grammar starts after ``</think>``), unless the prompt already ``closed`` it.
+    Under ``openai_gptoss``, keep special tokens and refuse a constraint with a 400
+    naming ``request``'s field (``harmony_params``)."""
+    if parser == HARMONY:
+        return harmony_params(params, request)
     spec = params.structured_outputs
     if parser is None or closed or spec is None or spec.reasoning is not None:
         return params
@@ -109,7 +133,10 @@ def defer_constraint(params: SamplingParams, parser: str | None, closed: bool
 def split_reasoning(parser: str, text: str, closed: bool = False
                     ) -> tuple[str | None, str | None]:
     """A whole output's ``(reasoning, content)``: reasoning None when the model did not
-    think; content None when a thought is all there is (vLLM's shapes)."""
+    think; content None when a thought is all there is (vLLM's shapes). A harmony
+    answer's tool calls are ``harmony.split_harmony``'s."""
+    if parser == HARMONY:
+        return split_harmony(text)[:2]
     stream = ReasoningStream(parser, closed)
     r1, c1 = stream.feed(text)
     r2, c2 = stream.finish()

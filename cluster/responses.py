@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.cluster.harmony import HARMONY, harmony_message, harmony_stream_calls
 from pagedserve.cluster.protocol import APIError
 from pagedserve.cluster.reasoning import ReasoningStream, split_reasoning
 from pagedserve.cluster.response_state import Choice, ResponseState, now, usage
@@ -161,19 +162,7 @@ class Formatter:
         for k, c in enumerate(st.choices):
             text = "".join(c.text)
             if st.kind == "chat.completion":
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                finish = c.finish_reason
-                if st.reasoning is not None:
-                    thought, message["content"] = split_reasoning(st.reasoning, text,
-                                                                  st.thought_closed)
-                    text = message["content"] or ""
-                    if st.include_reasoning:
-                        message["reasoning"] = message["reasoning_content"] = thought
-                if st.tools is not None:
-                    message["content"], calls = st.tools.parse(text)
-                    if calls:
-                        message["tool_calls"] = calls
-                    finish = st.tools.finish_reason(calls, finish)
+                message, finish = self._chat_message(st, text, c.finish_reason)
                 choices.append({"index": k, "message": message,
                                 "logprobs": {"content": c.logprobs or []} if st.logprobs
                                 else None,
@@ -195,6 +184,27 @@ class Formatter:
             body["prompt_token_ids"] = st.token_ids[0]
         return body
 
+    @staticmethod
+    def _chat_message(st: ResponseState, text: str, finish: str | None
+                      ) -> tuple[dict[str, Any], str | None]:
+        """A whole chat choice's message and finish reason: its thought split off under
+        a reasoning parser, its tool calls parsed (a harmony answer's: ``harmony``)."""
+        if st.reasoning == HARMONY:
+            return harmony_message(text, st.tools, st.include_reasoning, finish)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if st.reasoning is not None:
+            thought, message["content"] = split_reasoning(st.reasoning, text,
+                                                          st.thought_closed)
+            text = message["content"] or ""
+            if st.include_reasoning:
+                message["reasoning"] = message["reasoning_content"] = thought
+        if st.tools is not None:
+            message["content"], calls = st.tools.parse(text)
+            if calls:
+                message["tool_calls"] = calls
+            finish = st.tools.finish_reason(calls, finish)
+        return message, finish
+
     def stream_events(self, st: ResponseState, i: int, chunk: Any, continuous_usage: bool
                       ) -> list[str]:
         return [sse(ev) for ev in self.stream_chunks(st, i, chunk, continuous_usage)]
@@ -212,7 +222,11 @@ class Formatter:
                 if content or not delta:
                     delta["content"] = content
                 finish = d.finish_reason
-                if st.tools is not None:
+                if st.reasoning == HARMONY:  # its calls are the harmony stream's
+                    assert c.reasoning_stream is not None
+                    finish = harmony_stream_calls(c.reasoning_stream.calls, st.tools, delta,
+                                                  finish)
+                elif st.tools is not None:
                     delta["content"], finish = self._tool_delta(st.tools, c, content, delta,
                                                                 finish)
                 if not c.started:

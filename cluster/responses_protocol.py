@@ -126,13 +126,17 @@ class ResponsesRequest(BaseModel):
             "top_logprobs": (self.top_logprobs or 0) if self.logprobs() else None,
             "priority": self.priority, "cache_salt": self.cache_salt,
             "chat_template_kwargs": self.chat_template_kwargs, "user": self.user,
-            "structured_outputs": self.structured_outputs}
+            "structured_outputs": self.structured_outputs,
+            "reasoning_effort": (self.reasoning or {}).get("effort")}
         try:
             chat = ChatCompletionRequest.model_validate(
                 {k: v for k, v in body.items() if v is not None})
             chat.check()
         except ValidationError as e:
             loc = e.errors()[0]["loc"]
+            if loc and loc[0] == "reasoning_effort":
+                raise APIError("reasoning.effort must be 'low', 'medium' or 'high'",
+                               param="reasoning") from None
             raise APIError(f"input: {e.errors()[0]['msg']} at {list(loc)}",
                            param="input") from None
         except APIError as e:

@@ -335,7 +335,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         if tools is not None and tools.keeps_special_tokens:  # [TOOL_CALLS] is one
             params.skip_special_tokens = False
         closed = thought_closed(self.tokenizer, ids)
-        params = defer_constraint(params, self.reasoning_parser, closed)
+        params = defer_constraint(params, self.reasoning_parser, closed, body)
         req = routed_request(rid, ids, params, body.cache_salt, info, body.stream, lora,
                              body.priority,
                              affinity_images(ids, images, info["image"]) if images else ())

@@ -109,7 +109,7 @@ class ServeArgs(BaseModel):
     priority_aging_s: float | None = None  # seconds waited that count as one level
     long_prefill_token_threshold: int = Field(default=0, ge=0)  # one prompt's tokens a step
     pooling_type: Literal["last", "mean", "cls"] | None = None  # None: the model's
-    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    reasoning_parser: Literal["qwen3", "deepseek_r1", "openai_gptoss"] | None = None
     prefill_replicas: int = Field(default=0, ge=0)
     remote_prefill_min_tokens: int = Field(default=64, ge=1)
     remote_prefill_timeout_s: float = Field(default=60.0, gt=0.0)

@@ -12,8 +12,11 @@ from typing import Any
 
 MAX_N = 16
 MAX_LOGPROBS = 20
-# Thought formats (vLLM's reasoning parser names): see ``StructuredOutputs.reasoning``.
-REASONING_FORMATS = ("qwen3", "deepseek_r1")
+# Thought formats (vLLM's reasoning parser names). A grammar can let a thought in the
+# first two run before it (``StructuredOutputs.reasoning``); GPT-OSS's harmony
+# messages (``openai_gptoss``) it cannot, so constraints are refused under that parser.
+REASONING_FORMATS = ("qwen3", "deepseek_r1", "openai_gptoss")
+GRAMMAR_THOUGHT_FORMATS = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class StructuredOutputs:
     [{"begin", "schema", "end"}], "triggers": [...]}``) leaves text free until a
     trigger, then holds the tagged part to its schema (tool calls in a model's own tags).
 
-    ``reasoning`` (one of ``REASONING_FORMATS``) lets a thinking model think first, as
+    ``reasoning`` (one of ``GRAMMAR_THOUGHT_FORMATS``) lets a thinking model think first, as
     vLLM does under a reasoning parser: the constraint starts after a thought in that
     format, ``<think> ... </think>`` (optional with ``qwen3``; with ``deepseek_r1`` the
     opening tag is optional and the closing one required) and any newlines or spaces.
@@ -75,9 +78,9 @@ class StructuredOutputs:
         if self.grammar is not None and (not isinstance(self.grammar, str)
                                          or not self.grammar.strip()):
             raise ValueError("structured_outputs.grammar must be a non-empty string")
-        if self.reasoning is not None and self.reasoning not in REASONING_FORMATS:
+        if self.reasoning is not None and self.reasoning not in GRAMMAR_THOUGHT_FORMATS:
             raise ValueError(f"structured_outputs.reasoning must be one of "
-                             f"{list(REASONING_FORMATS)}, got {self.reasoning!r}")
+                             f"{list(GRAMMAR_THOUGHT_FORMATS)}, got {self.reasoning!r}")
         given = [self.json is not None, bool(self.json_object), self.regex is not None,
                  self.choice is not None, self.grammar is not None,
                  self.structural_tag is not None]

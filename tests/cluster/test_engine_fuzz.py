@@ -203,7 +203,11 @@ def _run_example(llm: LLM, loras, requests, abort_at) -> None:
             if sample.finish_reason == "length":
                 assert n_out == params.max_tokens
             stops = set(params.stop_token_ids) | set(engine.eos_token_ids)
-            only_stops = params.allowed_token_ids and set(params.allowed_token_ids) <= stops
+            # Allowed ids that all stop (or that one-token bad words leave only stops) win
+            # over min_tokens: nothing else may be sampled.
+            banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+            only_stops = params.allowed_token_ids and (
+                set(params.allowed_token_ids) - banned <= stops)
             if (params.min_tokens and sample.finish_reason == "stop" and not only_stops
                     and params.structured_outputs is None):
                 # (allowed ids that all stop win over it, and so does a complete grammar)

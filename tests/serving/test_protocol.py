@@ -141,6 +141,31 @@ def test_continue_final_message_excludes_a_generation_prompt() -> None:
     assert e.value.param == "chat_template_kwargs"
 
 
+def test_reasoning_effort_reaches_the_chat_template() -> None:
+    """OpenAI's ``reasoning_effort`` is a template variable (GPT-OSS's template writes it
+    into its system message), as in vLLM; an explicit ``chat_template_kwargs`` entry
+    wins, a value outside low / medium / high is a 400, and the Responses API's
+    ``reasoning.effort`` arrives the same way."""
+    from pagedserve.cluster.responses_protocol import ResponsesRequest
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    body = ChatCompletionRequest(messages=msgs, reasoning_effort="high")
+    body.check()
+    assert body.chat_template_kwargs == {"reasoning_effort": "high"}
+    body = ChatCompletionRequest(messages=msgs, reasoning_effort="low",
+                                 chat_template_kwargs={"reasoning_effort": "medium", "x": 1})
+    body.check()
+    assert body.chat_template_kwargs == {"reasoning_effort": "medium", "x": 1}
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=msgs, reasoning_effort="extreme")
+    chat = ResponsesRequest(input="hi", reasoning={"effort": "low"}).to_chat()
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert ResponsesRequest(input="hi").to_chat().chat_template_kwargs is None
+    with pytest.raises(APIError) as e:
+        ResponsesRequest(input="hi", reasoning={"effort": "extreme"}).to_chat()
+    assert e.value.param == "reasoning"
+
+
 def test_delta_tracker_sends_each_token_once() -> None:
     tr = DeltaTracker(2)
     d1 = tr.deltas(_out(["a", ""], [[5], []], [None, None]))
