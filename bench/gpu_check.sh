@@ -37,6 +37,7 @@ timeout 300 "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=8 --
     tests/kernels/test_kern_gpu.py tests/worker/test_cuda_graph_runner.py \
     tests/cluster/test_engine_gpu.py tests/kernels/test_kern_gpu_kv_dtype.py \
     tests/cluster/test_moe.py tests/kernels/test_kern_triton_moe.py tests/worker/test_prequant.py \
+    tests/cluster/test_gpt_oss.py tests/kernels/test_kern_sinks.py \
     tests/kernels/test_kern_triton_w4a16.py tests/cluster/test_int4_gpu.py \
     tests/cluster/test_models_gpu.py tests/cluster/test_gemma3_images.py \
     tests/cluster/test_gemma3_pan_and_scan.py \

@@ -4,7 +4,8 @@ clamp and biases each change the answer (so parity is not luck); int8 experts on
 CPU; a backend without sinks is never picked for it, and asking for one fails.
 
 (The mixed batch with prefix-cache hits is in ``test_hf_parity.py``; TP=2 and
-expert parallelism against TP=1 in ``tests/worker/test_tensor_parallel.py``.)
+expert parallelism against TP=1 in ``tests/worker/test_tensor_parallel.py``.) The
+``gpu`` test runs in ``bench/gpu_check.sh``'s window.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagedserve.worker.layers.moe_gpt_oss import GptOssMoE
 from pagedserve.worker.parallel import ParallelContext
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
+from tests.cluster.test_engine_gpu import cuda_only
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -180,5 +182,27 @@ def test_an_mxfp4_file_equals_hugging_face_dequantising_it(tmp_path, tiny_gpt_os
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert got == ref
+    finally:
+        llm.shutdown()
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_greedy_equals_hugging_face_with_graphs(tiny_gpt_oss_dir, dtype) -> None:
+    """On CUDA: Triton attention with sinks (flash-attn skipped), the fused Triton experts
+    with biases and the clamp, decode in CUDA graphs; HF's tokens in fp32, bf16 runs."""
+    prompts = prompts_of_mixed_lengths()
+    llm = LLM(model=tiny_gpt_oss_dir, device="cuda", dtype=dtype, num_gpu_blocks=256)
+    try:
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        worker = llm.engine.executor.worker
+        assert worker.backend.supports_sinks() and worker.model.layers[0].mlp.fused
+        graphs = worker.runner.graphs
+        assert graphs is not None and graphs.graphs and not graphs.disabled
+        if dtype == "float32":
+            assert outs == hf_greedy(tiny_gpt_oss_dir, prompts, 16, device="cuda")
+        else:
+            assert all(len(o) == 16 for o in outs)
+        assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()

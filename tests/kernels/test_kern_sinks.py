@@ -146,3 +146,25 @@ def test_triton_sinks_with_split_k(window: int | None) -> None:
     b = _batch(True, 2, 64, 7)
     check_against_oracle(TritonBackend("cpu", num_splits=3), b, 1e-5, decode=True,
                          window=window, sinks=_sinks(4, 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_triton_sinks_match_oracle(dtype: torch.dtype) -> None:
+    """The compiled kernel (GPT-OSS's shape: 8 query heads a KV head, head size 64, a
+    128-token window), prefill and decode, one split and four."""
+    from pagedserve.kernels.triton_backend import TritonBackend
+
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    q_lens, k_lens = mixed_lengths(16, 3)
+    k_lens = [k * 20 for k in k_lens]  # past the window
+    q_lens = [min(q, k) for q, k in zip(q_lens, k_lens, strict=True)]
+    for splits in (1, 4):
+        be = TritonBackend("cuda", num_splits=splits)
+        for decode in (False, True):
+            ql = [1] * len(k_lens) if decode else q_lens
+            b = make_paged_batch(ql, k_lens, 16, 2, 64, 16, dtype=dtype, device="cuda",
+                                 seed=splits)
+            check_against_oracle(be, b, tol, decode=decode, device="cuda", window=128,
+                                 sinks=_sinks(16, splits).cuda())
