@@ -29,6 +29,7 @@ from pagedserve.worker.encoder_config import (
     encoder_model_config,
 )
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
+from pagedserve.worker.granite_config import GraniteScales, granite_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.mla_config import MLA_MODEL_TYPES, MLAConfig, mla_config_from_hf
@@ -37,7 +38,8 @@ from pagedserve.worker.qwen_vl_config import QWEN_VL_MODEL_TYPES, qwen_vl_text_c
 from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES,
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite",
+                         *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
                          *QWEN_VL_MODEL_TYPES, *ENCODER_MODEL_TYPES)
 
@@ -88,6 +90,7 @@ class ModelConfig:
     # Layers that attend through ``sliding_window`` (``window_config``); the rest see all.
     sliding_layers: tuple[int, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama (``gemma_config``)
+    granite: GraniteScales | None = None  # Granite's four scalars (``granite_config``)
     rotary_dim: int = 0  # dims of each head RoPE turns (partial_rotary_factor); 0: all
     # A multimodal file's image facts (``image_config``); None: text only.
     image: ImageConfig | None = None
@@ -211,6 +214,7 @@ class ModelConfig:
             prequant=prequant_config(cfg.get("quantization_config")),
             mla=mla,
             attention_sinks=model_type == "gpt_oss",
+            granite=granite_from_hf(cfg, model_type),
         )
 
     @classmethod

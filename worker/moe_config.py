@@ -1,5 +1,5 @@
 """Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3,
-GPT-OSS).
+GPT-OSS, Granite MoE).
 
 The families differ only in config spellings and in a few choices: whether
 the top-k routing weights are renormalised to sum to one (Mixtral always; the
@@ -12,7 +12,8 @@ the ``topk_group`` groups of experts with the best single score, V3 scores by a
 sigmoid, picks groups by their two best scores and experts by scores plus a learnt
 bias (``e_score_correction_bias``), and both scale the weights by
 ``routed_scaling_factor``. GPT-OSS adds biases (router, experts) and a clamped
-SwiGLU (``layers.moe_gpt_oss``). Parsed once here, so the model code reads plain fields
+SwiGLU (``layers.moe_gpt_oss``); Granite stacks its experts (``layers.moe_granite``).
+Parsed once here, so the model code reads plain fields
 and a malformed config names its field at load time.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
-                   "gpt_oss")
+                   "gpt_oss", "granitemoe", "granitemoeshared")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -69,6 +70,9 @@ class MoEConfig:
     gpt_oss: bool = False
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
+    # Granite's layout: experts stacked in ``block_sparse_moe.input_linear`` /
+    # ``output_linear``, the shared expert in the layer's ``shared_mlp``.
+    granite: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -97,6 +101,11 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          f"the number of experts ({num_experts})")
     if model_type in DEEPSEEK_MODEL_TYPES:
         return _deepseek(cfg, model_type, num_layers, num_experts, top_k)
+    if model_type.startswith("granitemoe"):  # Mixtral's routing, a plain shared expert
+        shared = non_negative_int(cfg, "shared_intermediate_size") \
+            if model_type == "granitemoeshared" else 0
+        return MoEConfig(num_experts, top_k, count(cfg, "intermediate_size"), True, shared,
+                         tuple(range(num_layers)), shared_gated=False, granite=True)
     if model_type == "gpt_oss":
         return MoEConfig(num_experts, top_k, count(cfg, "intermediate_size"), True, 0,
                          tuple(range(num_layers)), gpt_oss=True,

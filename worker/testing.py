@@ -41,12 +41,22 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     # GPT-OSS: sliding and full layers alternating (a 12-token window), sinks, YaRN.
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                     head_dim=16, sliding_window=12),
+    # Granite's MoE (4 experts stacked; the shared variant's always-on expert).
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                             shared_intermediate_size=64),
     "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         n_shared_experts=2, n_group=4, topk_group=2,
                         topk_method="group_limited_greedy", first_k_dense_replace=1,
                         kv_lora_rank=56, q_lora_rank=None, qk_rope_head_dim=8,
                         qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.0),
 }
+
+
+# Granite's four scalars, away from 1 (and the attention scale from head_dim ** -0.5) so
+# that a model ignoring one gives other tokens.
+GRANITE_SCALES: dict[str, float] = dict(embedding_multiplier=2.0, attention_multiplier=0.2,
+                                        residual_multiplier=1.5, logits_scaling=4.0)
 
 
 def write_wordlevel_tokenizer(dest: str | Path, vocab_size: int,
@@ -80,7 +90,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     ``kind``: "llama", "mistral", "qwen2", "qwen3", or the mixtures of experts "mixtral",
     "qwen2_moe", "qwen3_moe" (4 experts, top 2, 32 wide unless overridden) and
     "deepseek_v2", "deepseek_v3" (MLA, 8 experts in 4 groups: ``MOE_DEFAULTS``), and
-    "gpt_oss" (4 experts, attention sinks, alternating 12-token windows).
+    "gpt_oss" (4 experts, attention sinks, alternating 12-token windows), and Granite's
+    "granite", "granitemoe", "granitemoeshared" (``GRANITE_SCALES``).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -108,7 +119,12 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                                tf.DeepseekV2Model),
                "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM,
                                tf.DeepseekV3Model),
-               "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, tf.GptOssModel)}
+               "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, tf.GptOssModel),
+               "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, tf.GraniteModel),
+               "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM,
+                              tf.GraniteMoeModel),
+               "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM,
+                                    tf.GraniteMoeSharedModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -121,6 +137,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                                num_key_value_heads=2, max_position_embeddings=512,
                                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     cfg.update(MOE_DEFAULTS.get(kind, {}))
+    if kind.startswith("granite"):
+        cfg.update(GRANITE_SCALES)
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**cfg))

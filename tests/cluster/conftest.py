@@ -103,6 +103,20 @@ def tiny_gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir
                                    default_model_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_granite_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Granite 3.x: a tied head and four scalars away from 1 (``GRANITE_SCALES``)."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_granite"), "granite",
+                                   default_model_dir, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_granitemoe_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """Granite MoE with its shared expert: stacked experts, Granite's scalars."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_granitemoe"),
+                                   "granitemoeshared", default_model_dir)
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
               ignore_eos: bool = True, device: str = "cpu",
               processors: Callable[[int], list[Any]] | None = None,

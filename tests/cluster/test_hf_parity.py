@@ -62,7 +62,8 @@ def test_default_model_mixed_batch_equals_hugging_face(smol_llm, default_model_d
                                      "tiny_mixtral_dir", "tiny_qwen2_moe_dir",
                                      "tiny_qwen3_moe_dir", "tiny_gemma3_dir",
                                      "tiny_gemma2_dir", "tiny_phi3_dir",
-                                     "tiny_gpt_oss_dir"])
+                                     "tiny_gpt_oss_dir", "tiny_granite_dir",
+                                     "tiny_granitemoe_dir"])
 def test_random_checkpoint_batch_equals_hugging_face(fixture, request) -> None:
     path = request.getfixturevalue(fixture)
     prompts = prompts_of_mixed_lengths()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedserve.worker.pipeline import IntermediateTensors, PipelineStage, layer_partition
+from pagedserve.worker.testing import GRANITE_SCALES
 from pagedserve.worker.worker import Worker
 from tests.worker.helpers import (
     BlockAllocator,
@@ -76,16 +77,20 @@ def _greedy(run, n: int, groups: int = 1) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("qwen2", True),
-                                       ("gemma3_text", True), ("deepseek_v3", False)])
+                                       ("gemma3_text", True), ("deepseek_v3", False),
+                                       ("granitemoeshared", True)])
 def test_three_stages_equal_the_whole_model(tmp_path, kind: str, tied: bool) -> None:
     """A 5-layer model in stages of 2, 2 and 1 layers (the tied head of the last stage
     loads the embedding's rows itself) gives the whole model's greedy tokens, which
-    are Hugging Face's (Gemma 3: each stage picks its own layers' RoPE tables)."""
+    are Hugging Face's (Gemma 3: each stage picks its own layers' RoPE tables; Granite:
+    the first stage scales the embeddings, the last the logits)."""
     extra = {} if kind != "gemma3_text" else dict(
         head_dim=16, sliding_window=4, layer_types=["sliding_attention"] * 2
         + ["full_attention", "sliding_attention", "full_attention"])
     if kind == "deepseek_v3":  # (latent attention: one cache a layer, no value cache)
         extra = dict(num_key_value_heads=4)
+    if kind == "granitemoeshared":  # (embeddings scaled on the first stage, logits last)
+        extra = dict(GRANITE_SCALES)
     path = save_tiny_model(tmp_path / kind, kind, num_hidden_layers=5,
                            tie_word_embeddings=tied, **extra)
     whole = make_worker(path, num_blocks=40)

@@ -92,9 +92,12 @@ def _free_port() -> int:
     ("deepseek_v3", dict(num_key_value_heads=2)),
     ("deepseek_v2", dict(num_key_value_heads=2)),
     ("gpt_oss", dict(num_key_value_heads=2, sliding_window=5)),
+    ("granitemoeshared", dict(num_key_value_heads=2, embedding_multiplier=6.0,
+                              attention_multiplier=0.2, residual_multiplier=0.5,
+                              logits_scaling=4.0)),
 ], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm", "mixtral_experts",
         "qwen2_moe_shared_expert", "gemma3_sliding", "phi3_fused", "deepseek_v3_mla",
-        "deepseek_v2_mla", "gpt_oss_sinks_biased_experts"])
+        "deepseek_v2_mla", "gpt_oss_sinks_biased_experts", "granite_moe_shared_scaled"])
 def test_tp2_equals_tp1(tmp_path, kind, kw):
     path = save_tiny_model(tmp_path / "m", kind, seed=4, **kw)
     ref_worker = make_worker(path, num_blocks=40, block_size=4)

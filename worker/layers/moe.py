@@ -292,6 +292,16 @@ class SparseMoE(nn.Module):
         self.int8 = pairs
         return sum(a.nbytes + b.nbytes for a, b in pairs)
 
+    def layer_names(self) -> set[str]:
+        """Checkpoint names under the decoder layer this layer must load."""
+        return {f"{self.checkpoint_prefix}.{n}" for n in self.expected_names()}
+
+    def claims(self, rest: str) -> str | None:
+        """The name ``load`` takes for ``rest`` (a tensor's name under its decoder layer)
+        when it is one of this layer's, else None."""
+        prefix = self.checkpoint_prefix + "."
+        return rest[len(prefix):] if rest.startswith(prefix) else None
+
     def expected_names(self) -> set[str]:
         """Checkpoint names under ``checkpoint_prefix`` this layer must load."""
         names = {"gate.weight"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedserve.worker.models.bert import BertModel
 from pagedserve.worker.models.deepseek import DeepseekForCausalLM
 from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
+from pagedserve.worker.models.granite import GraniteForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
 
@@ -17,6 +18,9 @@ MODEL_REGISTRY = {
     "qwen2_moe": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
     "gpt_oss": LlamaForCausalLM,  # (attention sinks, biased clamped experts: flags)
+    "granite": GraniteForCausalLM,  # (four scalars: ``granite_config``)
+    "granitemoe": GraniteForCausalLM,  # (its experts stacked: ``layers.moe_granite``)
+    "granitemoeshared": GraniteForCausalLM,
     "phi3": LlamaForCausalLM,  # (its fused qkv / gate_up projections load split)
     "gemma3_text": Gemma3ForCausalLM,
     "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)
@@ -29,4 +33,4 @@ MODEL_REGISTRY = {
 }
 
 __all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
-           "LlamaForCausalLM", "ModernBertModel"]
+           "GraniteForCausalLM", "LlamaForCausalLM", "ModernBertModel"]

@@ -29,6 +29,7 @@ from pagedserve.worker.layers.linear import (
 )
 from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.moe_gpt_oss import GptOssMoE
+from pagedserve.worker.layers.moe_granite import GraniteMoE
 from pagedserve.worker.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.llama_loading import LlamaWeightLoading
@@ -57,6 +58,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         scale = cfg.gemma.query_pre_attn_scalar ** -0.5 if cfg.gemma else None
+        if cfg.granite is not None:
+            scale = cfg.granite.attention
         # GPT-OSS: a learnt sink logit per query head (this rank's), kept in fp32.
         self.sinks: nn.Parameter | None = None
         if cfg.attention_sinks:
@@ -111,7 +114,8 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
         self.mlp: LlamaMLP | SparseMoE
         if cfg.moe is not None and index in cfg.moe.sparse_layers:
-            moe_cls = GptOssMoE if cfg.moe.gpt_oss else SparseMoE
+            moe_cls = GptOssMoE if cfg.moe.gpt_oss else GraniteMoE if cfg.moe.granite \
+                else SparseMoE
             self.mlp = moe_cls(cfg.hidden_size, cfg.moe, ctx, dtype, device)
         else:
             self.mlp = LlamaMLP(cfg, ctx, dtype, device)

@@ -130,7 +130,7 @@ class LlamaWeightLoading:
             names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
             mlp = self.layers[i - self.stage.start].mlp
             if isinstance(mlp, SparseMoE):
-                names |= {f"{p}{mlp.checkpoint_prefix}.{n}" for n in mlp.expected_names()}
+                names |= {p + n for n in mlp.layer_names()}
             elif cfg.model_type == "phi3":  # fused projections (fused_weights)
                 names |= {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
             else:
@@ -203,8 +203,8 @@ class LlamaWeightLoading:
         module, _, kind = rest.rpartition(".")
         is_bias = kind == "bias"
         moe = layer.mlp if isinstance(layer.mlp, SparseMoE) else None
-        if moe is not None and rest.startswith(moe.checkpoint_prefix + "."):
-            if not moe.load(rest[len(moe.checkpoint_prefix) + 1:], lazy):
+        if moe is not None and (claimed := moe.claims(rest)) is not None:
+            if not moe.load(claimed, lazy):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
         elif module in ("input_layernorm", "post_attention_layernorm") and not is_bias:
             _copy_full(name, getattr(layer, module).weight, lazy)
