@@ -30,6 +30,7 @@ from pagedserve.worker.encoder_config import (
 )
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.granite_config import GraniteScales, granite_from_hf
+from pagedserve.worker.olmo_config import OLMO_MODEL_TYPES, olmo_rope
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.mla_config import MLA_MODEL_TYPES, MLAConfig, mla_config_from_hf
@@ -39,7 +40,7 @@ from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite",
-                         *MOE_MODEL_TYPES,
+                         *OLMO_MODEL_TYPES, *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
                          *QWEN_VL_MODEL_TYPES, *ENCODER_MODEL_TYPES)
 
@@ -91,6 +92,8 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama (``gemma_config``)
     granite: GraniteScales | None = None  # Granite's four scalars (``granite_config``)
+    # OLMo 3's sliding layers' own RoPE base (unscaled; ``olmo_config``); None: one table.
+    local_rope_theta: float | None = None
     rotary_dim: int = 0  # dims of each head RoPE turns (partial_rotary_factor); 0: all
     # A multimodal file's image facts (``image_config``); None: text only.
     image: ImageConfig | None = None
@@ -138,6 +141,7 @@ class ModelConfig:
             model_type = "qwen2"
         cfg, gemma = gemma_from_hf(cfg, model_type)
         model_type = cfg["model_type"]  # a multimodal Gemma 3 serves its text decoder
+        cfg, local_theta = olmo_rope(cfg, model_type)
         hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
         heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
         kv_heads = positive_int(
@@ -194,7 +198,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *OLMO_MODEL_TYPES),
             max_position_embeddings=positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
             ),
@@ -215,6 +219,7 @@ class ModelConfig:
             mla=mla,
             attention_sinks=model_type == "gpt_oss",
             granite=granite_from_hf(cfg, model_type),
+            local_rope_theta=local_theta,
         )
 
     @classmethod

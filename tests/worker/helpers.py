@@ -40,7 +40,9 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
                "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
                "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
-               "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM")}
+               "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
+               "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+               "olmo3": ("Olmo3Config", "Olmo3ForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))

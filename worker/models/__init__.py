@@ -8,6 +8,7 @@ from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.worker.models.granite import GraniteForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
+from pagedserve.worker.models.olmo import OlmoForCausalLM
 
 MODEL_REGISTRY = {
     "llama": LlamaForCausalLM,
@@ -21,6 +22,8 @@ MODEL_REGISTRY = {
     "granite": GraniteForCausalLM,  # (four scalars: ``granite_config``)
     "granitemoe": GraniteForCausalLM,  # (its experts stacked: ``layers.moe_granite``)
     "granitemoeshared": GraniteForCausalLM,
+    "olmo2": OlmoForCausalLM,  # (post-norms, whole-projection q/k norms: ``olmo_config``)
+    "olmo3": OlmoForCausalLM,  # (and sliding layers with their own RoPE)
     "phi3": LlamaForCausalLM,  # (its fused qkv / gate_up projections load split)
     "gemma3_text": Gemma3ForCausalLM,
     "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)
@@ -33,4 +36,4 @@ MODEL_REGISTRY = {
 }
 
 __all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
-           "GraniteForCausalLM", "LlamaForCausalLM", "ModernBertModel"]
+           "GraniteForCausalLM", "LlamaForCausalLM", "ModernBertModel", "OlmoForCausalLM"]

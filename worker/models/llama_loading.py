@@ -19,6 +19,8 @@ from pagedserve.worker.models.fused_weights import split_rows
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+# A layer's own norms (OLMo's layers hold the last two only).
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm")
 
 
 class LlamaWeightLoading:
@@ -206,7 +208,7 @@ class LlamaWeightLoading:
         if moe is not None and (claimed := moe.claims(rest)) is not None:
             if not moe.load(claimed, lazy):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        elif module in ("input_layernorm", "post_attention_layernorm") and not is_bias:
+        elif module in _LAYER_NORMS and hasattr(layer, module) and not is_bias:
             _copy_full(name, getattr(layer, module).weight, lazy)
         elif module.startswith("self_attn.") and self._load_attention(
                 layer.self_attn, module[10:], is_bias, name, lazy):
