@@ -251,3 +251,16 @@ def harmony_params(params: SamplingParams, request: Any = None) -> SamplingParam
                        param=field)
     params.skip_special_tokens = False
     return params
+
+
+def default_parser(model_path: str) -> str | None:
+    """``openai_gptoss`` for a GPT-OSS checkpoint (its chat answers are always harmony
+    messages: vLLM serves them so whatever ``--reasoning-parser`` says), else None."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return HARMONY if isinstance(cfg, dict) and cfg.get("model_type") == "gpt_oss" else None

@@ -40,6 +40,7 @@ from pagedserve.cluster.chat_protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.cluster.dispatch import FailoverPolicy, merge_streams
 from pagedserve.cluster.embeds_api import decoded_embeds, routed_embeds_request
 from pagedserve.cluster.engine_server import ENGINE_DEPLOYMENT, EngineServer
+from pagedserve.cluster.harmony import default_parser
 from pagedserve.cluster.http_errors import api_error, http_error, validation_error
 from pagedserve.cluster.image_chat import (
     affinity_images,
@@ -166,7 +167,7 @@ class OpenAIServer(EngineAdmin, ClusterView, ResponsesEndpoint, StoredResponsesE
         self.fmt = Formatter(self.tokenizer, self.served_name)
         self.adapters = AdapterCatalog(lora_modules, lora_dir, self.base_names)
         self.pooling_type = pooling_type
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser = reasoning_parser or default_parser(resolved.path)
         # autoscaling_config min_replicas = 0: no engine replica is a healthy, idle state.
         self.scales_to_zero = scales_to_zero
         self._prefill = prefill  # a disaggregated app's prefill pool (stats, pooling)

@@ -272,3 +272,21 @@ def test_responses_api_items_from_a_harmony_answer() -> None:
     again = ResponseBuilder(body, "resp_2", "m", fmt).response(whole)
     assert [o["type"] for o in again["output"]] == ["reasoning", "message", "function_call"]
     assert again["status"] == "completed"
+
+
+def test_a_gpt_oss_checkpoint_defaults_to_harmony(tmp_path) -> None:
+    """GPT-OSS's chat answers are always harmony messages: its app parses them without
+    ``--reasoning-parser`` (as vLLM does); other files, or none, keep no parser."""
+    import json
+
+    from pagedserve.cluster.harmony import default_parser
+
+    for model_type, want in (("gpt_oss", "openai_gptoss"), ("llama", None)):
+        d = tmp_path / model_type
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+        assert default_parser(str(d)) == want
+    assert default_parser(str(tmp_path / "missing")) is None
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("[")
+    assert default_parser(str(tmp_path / "bad")) is None
