@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 from pagedserve.cluster.protocol import APIError
@@ -256,9 +257,6 @@ def harmony_params(params: SamplingParams, request: Any = None) -> SamplingParam
 def default_parser(model_path: str) -> str | None:
     """``openai_gptoss`` for a GPT-OSS checkpoint (its chat answers are always harmony
     messages: vLLM serves them so whatever ``--reasoning-parser`` says), else None."""
-    import json
-    from pathlib import Path
-
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
