@@ -22,7 +22,7 @@ from pagedserve.worker.classifier import (
     merge_overrides,
     vocab_token_ids,
 )
-from pagedserve.worker.config_fields import matryoshka, positive_int, require
+from pagedserve.worker.config_fields import matryoshka, nope_layers, positive_int, require
 from pagedserve.worker.encoder_config import (
     ENCODER_MODEL_TYPES,
     EncoderConfig,
@@ -39,7 +39,7 @@ from pagedserve.worker.qwen_vl_config import QWEN_VL_MODEL_TYPES, qwen_vl_text_c
 from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite",
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3",
                          *OLMO_MODEL_TYPES, *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
                          *QWEN_VL_MODEL_TYPES, *ENCODER_MODEL_TYPES)
@@ -94,6 +94,8 @@ class ModelConfig:
     granite: GraniteScales | None = None  # Granite's four scalars (``granite_config``)
     # OLMo 3's sliding layers' own RoPE base (unscaled; ``olmo_config``); None: one table.
     local_rope_theta: float | None = None
+    # Layers that rotate by nothing (SmolLM3's ``no_rope_layers`` zeros).
+    nope_layers: tuple[int, ...] = ()
     rotary_dim: int = 0  # dims of each head RoPE turns (partial_rotary_factor); 0: all
     # A multimodal file's image facts (``image_config``); None: text only.
     image: ImageConfig | None = None
@@ -220,6 +222,7 @@ class ModelConfig:
             attention_sinks=model_type == "gpt_oss",
             granite=granite_from_hf(cfg, model_type),
             local_rope_theta=local_theta,
+            nope_layers=nope_layers(cfg, num_layers) if model_type == "smollm3" else (),
         )
 
     @classmethod

@@ -50,3 +50,17 @@ def matryoshka(cfg: dict[str, Any]) -> tuple[int, ...] | bool | None:
         raise ValueError(f"model config field 'is_matryoshka' must be true or false, "
                          f"got {flag!r}")
     return flag
+
+
+def nope_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's ``no_rope_layers`` (one 0 / 1 a layer, 1 where RoPE applies) as the
+    indices of the layers without RoPE; absent: every fourth (transformers' default)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if (not isinstance(flags, list) or len(flags) != num_layers
+            or any(f not in (0, 1) or isinstance(f, bool) for f in flags)):
+        raise ValueError(f"model config field 'no_rope_layers' must list 0 or 1 for each of "
+                         f"{num_layers} layers, got {flags!r}")
+    return tuple(i for i, f in enumerate(flags) if f == 0)

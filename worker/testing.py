@@ -122,6 +122,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, tf.GptOssModel),
                "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, tf.GraniteModel),
                "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, tf.Olmo2Model),
+               "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM, tf.SmolLM3Model),
                "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM, tf.Olmo3Model),
                "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM,
                               tf.GraniteMoeModel),
@@ -141,6 +142,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     cfg.update(MOE_DEFAULTS.get(kind, {}))
     if kind.startswith("granite"):
         cfg.update(GRANITE_SCALES)
+    if kind == "smollm3":  # (its config's default pad id is Llama 3's, past our vocab)
+        cfg["pad_token_id"] = 0
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**cfg))

@@ -5,9 +5,9 @@ checkpoint gets the same mask here as under ``generate``:
 
 - an explicit ``layer_types`` list wins: ``"sliding_attention"`` layers use
   ``sliding_window``, the rest attend to everything;
-- Qwen2 / Qwen3 only slide with ``use_sliding_window``, and then only layers from
-  ``max_window_layers`` on; Qwen2-MoE then slides its even layers below
-  ``max_window_layers``; Qwen3-MoE slides every layer;
+- Qwen2 / Qwen3 only slide with ``use_sliding_window`` (SmolLM3's ``layer_types`` too),
+  and then only layers from ``max_window_layers`` on; Qwen2-MoE then slides its even
+  layers below ``max_window_layers``; Qwen3-MoE slides every layer;
 - Mistral and Mixtral slide every layer whenever ``sliding_window`` is set (Mistral
   v0.1's 4096; later Mistral releases write ``null``).
 """
@@ -38,7 +38,7 @@ def sliding_window_layers(cfg: dict[str, Any], model_type: str, num_layers: int
             raise ValueError(f"model config field 'layer_types' must list {num_layers} "
                              f"layers, got {types!r}")
         layers = tuple(i for i, t in enumerate(types) if t == SLIDING)
-        if model_type.startswith("qwen") and not use:
+        if (model_type.startswith("qwen") or model_type == "smollm3") and not use:
             layers = ()
         if layers and window is None:
             raise ValueError("model config field 'layer_types' names sliding_attention "

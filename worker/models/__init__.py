@@ -9,6 +9,7 @@ from pagedserve.worker.models.granite import GraniteForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
 from pagedserve.worker.models.olmo import OlmoForCausalLM
+from pagedserve.worker.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY = {
     "llama": LlamaForCausalLM,
@@ -24,6 +25,7 @@ MODEL_REGISTRY = {
     "granitemoeshared": GraniteForCausalLM,
     "olmo2": OlmoForCausalLM,  # (post-norms, whole-projection q/k norms: ``olmo_config``)
     "olmo3": OlmoForCausalLM,  # (and sliding layers with their own RoPE)
+    "smollm3": SmolLM3ForCausalLM,  # (no RoPE on every fourth layer)
     "phi3": LlamaForCausalLM,  # (its fused qkv / gate_up projections load split)
     "gemma3_text": Gemma3ForCausalLM,
     "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)
@@ -36,4 +38,5 @@ MODEL_REGISTRY = {
 }
 
 __all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
-           "GraniteForCausalLM", "LlamaForCausalLM", "ModernBertModel", "OlmoForCausalLM"]
+           "GraniteForCausalLM", "LlamaForCausalLM", "ModernBertModel", "OlmoForCausalLM",
+           "SmolLM3ForCausalLM"]
