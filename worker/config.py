@@ -175,6 +175,8 @@ class ModelConfig:
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
         if model_type in ("qwen2", "qwen2_moe"):
             qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
+        elif model_type == "glm4_moe":  # (its o_proj has no bias whatever attention_bias says)
+            qkv_bias, o_bias = bool(cfg.get("attention_bias", False)), False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
@@ -200,7 +202,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *OLMO_MODEL_TYPES),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *OLMO_MODEL_TYPES)
+            or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             max_position_embeddings=positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
             ),

@@ -1,5 +1,5 @@
 """Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3,
-GPT-OSS, Granite MoE).
+GPT-OSS, Granite MoE, GLM-4.5).
 
 The families differ only in config spellings and in a few choices: whether
 the top-k routing weights are renormalised to sum to one (Mixtral always; the
@@ -25,7 +25,7 @@ from typing import Any
 from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
-                   "gpt_oss", "granitemoe", "granitemoeshared")
+                   "gpt_oss", "granitemoe", "granitemoeshared", "glm4_moe")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -92,7 +92,7 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
     key = "num_local_experts" if model_type == "mixtral" else "num_experts"
     if cfg.get(key) is None:
         key = "num_experts" if key == "num_local_experts" else "num_local_experts"
-    if model_type in DEEPSEEK_MODEL_TYPES:
+    if model_type in (*DEEPSEEK_MODEL_TYPES, "glm4_moe"):
         key = "n_routed_experts"
     num_experts = count(cfg, key)
     top_k = count(cfg, "num_experts_per_tok")
@@ -101,6 +101,8 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          f"the number of experts ({num_experts})")
     if model_type in DEEPSEEK_MODEL_TYPES:
         return _deepseek(cfg, model_type, num_layers, num_experts, top_k)
+    if model_type == "glm4_moe":  # GLM-4.5 / 4.6: DeepSeek-V3's routing and shared experts
+        return _deepseek(cfg, "deepseek_v3", num_layers, num_experts, top_k)
     if model_type.startswith("granitemoe"):  # Mixtral's routing, a plain shared expert
         shared = non_negative_int(cfg, "shared_intermediate_size") \
             if model_type == "granitemoeshared" else 0
