@@ -40,6 +40,7 @@ from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3",
+                         "ernie4_5",
                          *OLMO_MODEL_TYPES, *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
                          *QWEN_VL_MODEL_TYPES, *ENCODER_MODEL_TYPES)
@@ -96,6 +97,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Layers that rotate by nothing (SmolLM3's ``no_rope_layers`` zeros).
     nope_layers: tuple[int, ...] = ()
+    # RoPE turns interleaved pairs (2i, 2i + 1) (Ernie 4.5): q / k rows are reordered at
+    # load to the half-split pairs our rotation turns (``fused_weights.neox_rows``).
+    rope_interleaved: bool = False
     rotary_dim: int = 0  # dims of each head RoPE turns (partial_rotary_factor); 0: all
     # A multimodal file's image facts (``image_config``); None: text only.
     image: ImageConfig | None = None
@@ -162,6 +166,9 @@ class ModelConfig:
             raise ValueError(f"model config field {field!r} must be even for RoPE, got {head_dim}")
         if cfg.get("mlp_bias"):
             raise ValueError("model config field 'mlp_bias' = true is not supported")
+        if model_type == "ernie4_5" and cfg.get("use_bias"):
+            raise ValueError("model config field 'use_bias' = true (biased MLPs) is not "
+                             "supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"model config field 'hidden_act' must be 'silu', got "
                              f"{cfg.get('hidden_act')!r}")
@@ -226,6 +233,7 @@ class ModelConfig:
             granite=granite_from_hf(cfg, model_type),
             local_rope_theta=local_theta,
             nope_layers=nope_layers(cfg, num_layers) if model_type == "smollm3" else (),
+            rope_interleaved=model_type == "ernie4_5",
         )
 
     @classmethod

@@ -46,3 +46,15 @@ def split_rows(lazy: LazyTensor, sizes: list[int], name: str) -> list[RowSlice]:
     for n in sizes:
         bounds.append(bounds[-1] + n)
     return [RowSlice(lazy, a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def neox_rows(lazy: LazyTensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A q or k projection (weight or bias) whose heads' rotary dims are rotated in
+    interleaved pairs (GPT-J style: dims ``2i`` and ``2i + 1`` turn together, Ernie 4.5)
+    reordered per head to the half-split layout our RoPE turns (``i`` with
+    ``i + rotary_dim / 2``): evens first, then odds, the rest as they are. q and k get
+    the same order, so their products, and the attention, are unchanged."""
+    t = lazy[:]
+    order = [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
+    heads = t.reshape(t.shape[0] // head_dim, head_dim, *t.shape[1:])
+    return heads[:, order].reshape(t.shape)

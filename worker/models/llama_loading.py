@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.layers.moe import SparseMoE
-from pagedserve.worker.models.fused_weights import split_rows
+from pagedserve.worker.models.fused_weights import neox_rows, split_rows
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
@@ -162,6 +162,9 @@ class LlamaWeightLoading:
         if module in ("q_norm", "k_norm") and self.config.qk_norm and not is_bias:
             _copy_full(name, getattr(attn, module).weight, lazy)
         elif module in _QKV:
+            cfg = self.config
+            if cfg.rope_interleaved and module != "v_proj":  # (q and k alike)
+                lazy = neox_rows(lazy, cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
             attn.qkv_proj.load(_QKV[module], lazy, is_bias)
         elif module == "qkv_proj" and self.config.model_type == "phi3":
             cfg = self.config
