@@ -40,7 +40,7 @@ from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-                         "ernie4_5",
+                         "ernie4_5", "glm4",
                          *OLMO_MODEL_TYPES, *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
                          *QWEN_VL_MODEL_TYPES, *ENCODER_MODEL_TYPES)
@@ -97,7 +97,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Layers that rotate by nothing (SmolLM3's ``no_rope_layers`` zeros).
     nope_layers: tuple[int, ...] = ()
-    # RoPE turns interleaved pairs (2i, 2i + 1) (Ernie 4.5): q / k rows are reordered at
+    # RoPE turns interleaved pairs (2i, 2i + 1) (Ernie 4.5, GLM-4): q / k rows reordered at
     # load to the half-split pairs our rotation turns (``fused_weights.neox_rows``).
     rope_interleaved: bool = False
     rotary_dim: int = 0  # dims of each head RoPE turns (partial_rotary_factor); 0: all
@@ -182,7 +182,7 @@ class ModelConfig:
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
         if model_type in ("qwen2", "qwen2_moe"):
             qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
-        elif model_type == "glm4_moe":  # (its o_proj has no bias whatever attention_bias says)
+        elif model_type in ("glm4", "glm4_moe"):  # (no o_proj bias whatever attention_bias says)
             qkv_bias, o_bias = bool(cfg.get("attention_bias", False)), False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
@@ -233,7 +233,7 @@ class ModelConfig:
             granite=granite_from_hf(cfg, model_type),
             local_rope_theta=local_theta,
             nope_layers=nope_layers(cfg, num_layers) if model_type == "smollm3" else (),
-            rope_interleaved=model_type == "ernie4_5",
+            rope_interleaved=model_type in ("ernie4_5", "glm4"),
         )
 
     @classmethod

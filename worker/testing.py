@@ -131,6 +131,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM, tf.SmolLM3Model),
                "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, tf.Glm4MoeModel),
                "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM, tf.Ernie4_5Model),
+               "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, tf.Glm4Model),
                "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM, tf.Olmo3Model),
                "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM,
                               tf.GraniteMoeModel),
@@ -150,7 +151,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     cfg.update(MOE_DEFAULTS.get(kind, {}))
     if kind.startswith("granite"):
         cfg.update(GRANITE_SCALES)
-    if kind == "smollm3":  # (its config's default pad id is Llama 3's, past our vocab)
+    if kind in ("smollm3", "glm4"):  # (their configs' default pad ids are past our vocab)
         cfg["pad_token_id"] = 0
     cfg.update(overrides)
     torch.manual_seed(seed)

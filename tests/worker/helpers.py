@@ -44,7 +44,8 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
                "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
                "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
-               "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM")}
+               "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
+               "glm4": ("Glm4Config", "Glm4ForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedserve.worker.models.bert import BertModel
 from pagedserve.worker.models.deepseek import DeepseekForCausalLM
 from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
+from pagedserve.worker.models.glm4 import Glm4ForCausalLM
 from pagedserve.worker.models.glm4_moe import Glm4MoeForCausalLM
 from pagedserve.worker.models.granite import GraniteForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
@@ -33,6 +34,7 @@ MODEL_REGISTRY = {
     "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)
     "deepseek_v2": DeepseekForCausalLM,  # (multi-head latent attention, DeepSeekMoE)
     "deepseek_v3": DeepseekForCausalLM,
+    "glm4": Glm4ForCausalLM,  # (four norms a layer, interleaved half-head RoPE)
     "glm4_moe": Glm4MoeForCausalLM,  # (GQA, partial RoPE, DeepSeek-V3's experts)
     "bert": BertModel,  # (encoders: embeddings and classification, ``encoder_config``)
     "roberta": BertModel,
@@ -41,6 +43,6 @@ MODEL_REGISTRY = {
 }
 
 __all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
-           "Glm4MoeForCausalLM",
+           "Glm4ForCausalLM", "Glm4MoeForCausalLM",
            "GraniteForCausalLM", "LlamaForCausalLM", "ModernBertModel", "OlmoForCausalLM",
            "SmolLM3ForCausalLM"]

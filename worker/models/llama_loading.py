@@ -19,8 +19,11 @@ from pagedserve.worker.models.fused_weights import neox_rows, split_rows
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
-# A layer's own norms (OLMo's layers hold the last two only).
-_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm")
+# A layer's own norms (OLMo's layers hold two of them; GLM-4's four).
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm",
+                "post_self_attn_layernorm", "post_mlp_layernorm")
+# Model types whose files fuse each MLP's gate and up rows (``mlp.gate_up_proj``).
+_FUSED_GATE_UP = ("phi3", "glm4")
 
 
 class LlamaWeightLoading:
@@ -133,7 +136,7 @@ class LlamaWeightLoading:
             mlp = self.layers[i - self.stage.start].mlp
             if isinstance(mlp, SparseMoE):
                 names |= {p + n for n in mlp.layer_names()}
-            elif cfg.model_type == "phi3":  # fused projections (fused_weights)
+            elif cfg.model_type in _FUSED_GATE_UP:  # fused projections (fused_weights)
                 names |= {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
             else:
                 names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
@@ -220,7 +223,8 @@ class LlamaWeightLoading:
             _load_sinks(name, layer.self_attn, lazy, self.config.num_heads)
         elif moe is not None:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        elif module == "mlp.gate_up_proj" and self.config.model_type == "phi3" and not is_bias:
+        elif (module == "mlp.gate_up_proj" and self.config.model_type in _FUSED_GATE_UP
+              and not is_bias):
             half = self.config.intermediate_size
             for i, rows in enumerate(split_rows(lazy, [half, half], name)):
                 layer.mlp.gate_up_proj.load(i, rows)
