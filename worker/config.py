@@ -166,7 +166,7 @@ class ModelConfig:
             raise ValueError(f"model config field {field!r} must be even for RoPE, got {head_dim}")
         if cfg.get("mlp_bias"):
             raise ValueError("model config field 'mlp_bias' = true is not supported")
-        if model_type == "ernie4_5" and cfg.get("use_bias"):
+        if model_type in ("ernie4_5", "ernie4_5_moe") and cfg.get("use_bias"):
             raise ValueError("model config field 'use_bias' = true (biased MLPs) is not "
                              "supported")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -233,7 +233,7 @@ class ModelConfig:
             granite=granite_from_hf(cfg, model_type),
             local_rope_theta=local_theta,
             nope_layers=nope_layers(cfg, num_layers) if model_type == "smollm3" else (),
-            rope_interleaved=model_type in ("ernie4_5", "glm4"),
+            rope_interleaved=model_type in ("ernie4_5", "ernie4_5_moe", "glm4"),
         )
 
     @classmethod

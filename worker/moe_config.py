@@ -1,5 +1,5 @@
 """Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3,
-GPT-OSS, Granite MoE, GLM-4.5).
+GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE).
 
 The families differ only in config spellings and in a few choices: whether
 the top-k routing weights are renormalised to sum to one (Mixtral always; the
@@ -25,7 +25,7 @@ from typing import Any
 from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
-                   "gpt_oss", "granitemoe", "granitemoeshared", "glm4_moe")
+                   "gpt_oss", "granitemoe", "granitemoeshared", "glm4_moe", "ernie4_5_moe")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -70,6 +70,8 @@ class MoEConfig:
     gpt_oss: bool = False
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
+    # Ernie 4.5's layout: the routing bias filed as ``moe_statics.e_score_correction_bias``.
+    ernie: bool = False
     # Granite's layout: experts stacked in ``block_sparse_moe.input_linear`` /
     # ``output_linear``, the shared expert in the layer's ``shared_mlp``.
     granite: bool = False
@@ -89,6 +91,8 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
     """
     if model_type not in MOE_MODEL_TYPES:
         return None
+    if model_type == "ernie4_5_moe":
+        return _ernie(cfg, num_layers)
     key = "num_local_experts" if model_type == "mixtral" else "num_experts"
     if cfg.get(key) is None:
         key = "num_experts" if key == "num_local_experts" else "num_local_experts"
@@ -174,3 +178,29 @@ def _positive(cfg: dict[str, Any], key: str, default: float) -> float:
         raise ValueError(f"model config field {key!r} must be a positive number, "
                          f"got {value!r}")
     return float(value)
+
+
+def _ernie(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
+    """Ernie 4.5's MoE (``ernie4_5_moe``): softmax scores, a routing bias on the scores
+    that choose (not the weights), the top-k renormalised, shared experts; routed
+    layers every ``moe_layer_interval`` from ``moe_layer_start_index`` to
+    ``moe_layer_end_index`` (as transformers picks them). The release spells the
+    counts ``moe_num_experts`` / ``moe_k`` (transformers 5: ``num_experts`` /
+    ``num_experts_per_tok``)."""
+    e_key = "moe_num_experts" if "moe_num_experts" in cfg else "num_experts"
+    k_key = "moe_k" if "moe_k" in cfg else "num_experts_per_tok"
+    num_experts, top_k = count(cfg, e_key), count(cfg, k_key)
+    if top_k > num_experts:
+        raise ValueError(f"model config field {k_key!r} ({top_k}) must be at most the number "
+                         f"of experts ({num_experts})")
+    width = count(cfg, "moe_intermediate_size")
+    start = non_negative_int(cfg, "moe_layer_start_index")
+    end = cfg.get("moe_layer_end_index", num_layers - 1)
+    if isinstance(end, bool) or not isinstance(end, int):
+        raise ValueError(f"model config field 'moe_layer_end_index' must be an integer, "
+                         f"got {end!r}")
+    step = count(cfg, "moe_layer_interval", 1)
+    sparse = tuple(i for i in range(num_layers) if (i + 1) % step == 0 and start <= i <= end)
+    shared = non_negative_int(cfg, "moe_num_shared_experts") * width
+    return MoEConfig(num_experts, top_k, width, True, shared, sparse, score_bias=True,
+                     shared_gated=False, router_fp32=True, ernie=True)

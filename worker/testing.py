@@ -51,6 +51,9 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                      n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, head_dim=16, use_qk_norm=True,
                      attention_bias=True),
+    # Ernie 4.5 MoE: 8 experts (the first layer dense), two shared, a routing bias.
+    "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
+                         moe_num_shared_experts=2, moe_layer_start_index=1, head_dim=16),
     "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         n_shared_experts=2, n_group=4, topk_group=2,
                         topk_method="group_limited_greedy", first_k_dense_replace=1,
@@ -132,6 +135,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, tf.Glm4MoeModel),
                "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM, tf.Ernie4_5Model),
                "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, tf.Glm4Model),
+               "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM,
+                                tf.Ernie4_5_MoeModel),
                "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM, tf.Olmo3Model),
                "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM,
                               tf.GraniteMoeModel),
@@ -165,7 +170,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
         for name, p in model.named_parameters():  # GPT-OSS: sinks and biases that matter
             if kind == "gpt_oss" and (name.endswith("sinks") or "bias" in name):
                 p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.2)
-        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias inits to 0
+        routing_biases = [*model.named_buffers(), *model.named_parameters()]
+        for name, b in routing_biases:  # DeepSeek-V3's (Ernie's) routing bias inits to 0
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.5)
     dest = Path(dest)

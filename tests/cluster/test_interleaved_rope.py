@@ -1,6 +1,7 @@
 """Models whose RoPE turns interleaved pairs, which the loader reorders into our
-half-split rotation: Ernie 4.5 (``ernie4_5``) and GLM-4 (``glm4``: on half of each
-head, with four norms a layer and a fused gate/up). The engine gives Hugging Face's
+half-split rotation: Ernie 4.5 (``ernie4_5``; and its MoE, ``ernie4_5_moe``: softmax
+routing with a bias on the choosing scores, shared experts) and GLM-4 (``glm4``: on
+half of each head, with four norms a layer and a fused gate/up). The engine gives Hugging Face's
 greedy tokens under chunked prefill, while an Ernie file read as a plain Llama (no
 reordering) does not; biased MLPs are refused by name. (TP=2, each head reordered
 before it is split, is in ``tests/worker/test_tensor_parallel.py``.)"""
@@ -28,7 +29,10 @@ def dirs(tmp_path_factory, default_model_dir) -> dict[str, str]:
     return {"ernie4_5": write_random_checkpoint(root / "ernie", "ernie4_5", default_model_dir,
                                                 head_dim=16, tie_word_embeddings=True),
             "glm4": write_random_checkpoint(root / "glm4", "glm4", default_model_dir,
-                                            head_dim=16)}
+                                            head_dim=16),
+            "ernie4_5_moe": write_random_checkpoint(root / "ernie_moe", "ernie4_5_moe",
+                                                    default_model_dir,
+                                                    tie_word_embeddings=True)}
 
 
 def _greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -39,7 +43,7 @@ def _greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["ernie4_5", "glm4"])
+@pytest.mark.parametrize("kind", ["ernie4_5", "glm4", "ernie4_5_moe"])
 def test_interleaved_rope_equals_hugging_face(tmp_path, dirs, kind) -> None:
     prompts = prompts_of_mixed_lengths()
     ref = hf_greedy(dirs[kind], prompts, 12)
@@ -57,5 +61,8 @@ def test_config_flags(dirs) -> None:
     assert ModelConfig.from_hf_dict(ernie).rope_interleaved
     with pytest.raises(ValueError, match="use_bias"):
         ModelConfig.from_hf_dict({**ernie, "use_bias": True})
+    moe = ModelConfig.from_pretrained(dirs["ernie4_5_moe"]).moe
+    assert moe.sparse_layers == (1,) and moe.score_bias and moe.shared_intermediate_size == 64
+    assert moe.num_experts == 8 and moe.top_k == 2 and moe.renormalize
     glm = ModelConfig.from_pretrained(dirs["glm4"])
     assert glm.rope_interleaved and glm.rotary_dim == 8 and glm.qkv_bias and not glm.o_bias

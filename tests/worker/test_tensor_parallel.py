@@ -101,6 +101,7 @@ def _free_port() -> int:
     ("glm4_moe", dict(num_key_value_heads=2)),
     ("ernie4_5", dict(num_key_value_heads=2, head_dim=16)),
     ("glm4", dict(num_key_value_heads=2, head_dim=16, pad_token_id=0)),
+    ("ernie4_5_moe", dict(num_key_value_heads=2)),
     ("olmo3", dict(num_key_value_heads=1, sliding_window=5,
                    layer_types=["sliding_attention", "full_attention"])),
 ], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm", "mixtral_experts",
@@ -108,6 +109,7 @@ def _free_port() -> int:
         "deepseek_v2_mla", "gpt_oss_sinks_biased_experts", "granite_moe_shared_scaled",
         "olmo2_sharded_qk_norms", "glm4_moe_partial_rope_grouped_experts",
         "ernie_interleaved_rope", "glm4_sandwich_norms_fused_gate_up",
+        "ernie_moe_biased_choice_shared",
         "olmo3_replicated_kv_head_norm"])
 def test_tp2_equals_tp1(tmp_path, kind, kw):
     path = save_tiny_model(tmp_path / "m", kind, seed=4, **kw)

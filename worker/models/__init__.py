@@ -29,6 +29,7 @@ MODEL_REGISTRY = {
     "olmo3": OlmoForCausalLM,  # (and sliding layers with their own RoPE)
     "smollm3": SmolLM3ForCausalLM,  # (no RoPE on every fourth layer)
     "ernie4_5": LlamaForCausalLM,  # (interleaved RoPE: q / k rows reordered at load)
+    "ernie4_5_moe": LlamaForCausalLM,  # (and routed experts: ``layers.moe_ernie``)
     "phi3": LlamaForCausalLM,  # (its fused qkv / gate_up projections load split)
     "gemma3_text": Gemma3ForCausalLM,
     "gemma2": Gemma3ForCausalLM,  # (Gemma 3's decoder without q/k norms, scores softcapped)

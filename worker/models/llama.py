@@ -28,6 +28,7 @@ from pagedserve.worker.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.worker.layers.moe import SparseMoE
+from pagedserve.worker.layers.moe_ernie import ErnieMoE
 from pagedserve.worker.layers.moe_gpt_oss import GptOssMoE
 from pagedserve.worker.layers.moe_granite import GraniteMoE
 from pagedserve.worker.layers.norm import GemmaRMSNorm, RMSNorm
@@ -115,7 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: LlamaMLP | SparseMoE
         if cfg.moe is not None and index in cfg.moe.sparse_layers:
             moe_cls = GptOssMoE if cfg.moe.gpt_oss else GraniteMoE if cfg.moe.granite \
-                else SparseMoE
+                else ErnieMoE if cfg.moe.ernie else SparseMoE
             self.mlp = moe_cls(cfg.hidden_size, cfg.moe, ctx, dtype, device)
         else:
             self.mlp = LlamaMLP(cfg, ctx, dtype, device)
