@@ -35,6 +35,7 @@ from pagedserve.cluster.lora_registry import LoRARegistry
 from pagedserve.cluster.outputs import RequestOutput
 from pagedserve.cluster.pooling import pool_for, resolved_pooling
 from pagedserve.cluster.prompt_embeds import EmbedsPrompt, embeds_request_inputs
+from pagedserve.cluster.recurrent_engine import check_recurrent_request, recurrent_engine_config
 from pagedserve.cluster.request_state import (
     RequestState,
     check_prompt_ids,
@@ -60,7 +61,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         resolved = resolve_model(config.model)
-        config = encoder_engine_config(config, resolved.path)
+        config = recurrent_engine_config(encoder_engine_config(config, resolved.path),
+                                         resolved.path)
         self.config = config
         self.device = config.resolved_device()
         self.model_id = resolved.model_id
@@ -161,6 +163,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         check_request_args(request_id, self._groups, params, pooling_params, beam,
                            export_kv, priority, self.config.scheduling_policy, output_kind)
+        if self.model_info.get("recurrent_state"):
+            check_recurrent_request(beam is not None, export_kv)
         params = params or SamplingParams()
         pooling_params = resolved_pooling(pooling_params, self.model_info)
         pool = pool_for(pooling_params, params, self.model_info)

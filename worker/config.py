@@ -32,6 +32,12 @@ from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma
 from pagedserve.worker.granite_config import GraniteScales, granite_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
+from pagedserve.worker.mamba_config import (
+    HYBRID_MODEL_TYPES,
+    MambaConfig,
+    mamba_config_from_hf,
+    uses_rope,
+)
 from pagedserve.worker.mla_config import MLA_MODEL_TYPES, MLAConfig, mla_config_from_hf
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 from pagedserve.worker.olmo_config import OLMO_MODEL_TYPES, olmo_rope
@@ -40,7 +46,7 @@ from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-                         "ernie4_5", "glm4",
+                         "ernie4_5", "glm4", *HYBRID_MODEL_TYPES,
                          *OLMO_MODEL_TYPES, *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
                          *QWEN_VL_MODEL_TYPES, *ENCODER_MODEL_TYPES)
@@ -117,6 +123,9 @@ class ModelConfig:
     # The embedding widths ``dimensions`` may cut to (``config_fields.matryoshka``):
     # a list, True any, False none; None: the file does not say.
     matryoshka: tuple[int, ...] | bool | None = None
+    # A hybrid model's Mamba-2 layers and their mixers' shapes (``mamba_config``): they
+    # hold per-sequence state, not KV; None: every layer attends.
+    mamba: MambaConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], tokenizer_dir: str | None = None
@@ -192,6 +201,12 @@ class ModelConfig:
         if mla is not None:  # the cache holds one latent "head" a token (``mla_config``)
             head_dim, kv_heads, rotary_dim = mla.cache_dim, 1, mla.cache_dim
         window, sliding_layers = sliding_window_layers(cfg, model_type, num_layers)
+        mamba = mamba_config_from_hf(cfg, model_type, num_layers)
+        nope = nope_layers(cfg, num_layers) if model_type == "smollm3" else ()
+        if mamba is not None:
+            nope = () if uses_rope(cfg) else tuple(range(num_layers))
+            if not cfg.get("num_local_experts"):  # dense: the shared MLP is the layer's MLP
+                cfg = {**cfg, "intermediate_size": cfg.get("shared_intermediate_size")}
         return cls(
             model_type=model_type,
             num_layers=num_layers,
@@ -232,7 +247,8 @@ class ModelConfig:
             attention_sinks=model_type == "gpt_oss",
             granite=granite_from_hf(cfg, model_type),
             local_rope_theta=local_theta,
-            nope_layers=nope_layers(cfg, num_layers) if model_type == "smollm3" else (),
+            nope_layers=nope,
+            mamba=mamba,
             rope_interleaved=model_type in ("ernie4_5", "ernie4_5_moe", "glm4"),
         )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GRANITE_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared")
+GRANITE_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.mamba_state import state_bytes
 
 if TYPE_CHECKING:
     from pagedserve.worker.worker import Worker
@@ -57,12 +58,18 @@ def num_device_blocks(worker: Worker) -> int:
         assert worker.model_config is not None
         per_seq = -(-worker.model_config.max_model_len // cfg.block_size)
         return cfg.max_num_seqs * per_seq
+    states = cfg.max_num_seqs * state_bytes(worker.model)  # (a hybrid's Mamba slots)
     if cfg.kv_cache_memory_bytes is not None:
-        budget = cfg.kv_cache_memory_bytes
+        budget = cfg.kv_cache_memory_bytes - states
     elif worker.device.type == "cuda":
-        budget = cuda_kv_budget(worker)
+        budget = cuda_kv_budget(worker)  # (its profiled peak holds the slots)
     else:
-        budget = CPU_DEFAULT_KV_BYTES
+        budget = CPU_DEFAULT_KV_BYTES - states
+    if budget < per_block and states:
+        raise RuntimeError(f"KV budget left after the Mamba state of max_num_seqs "
+                           f"({cfg.max_num_seqs}) sequences ({states} bytes) is below one "
+                           f"block ({per_block} bytes): lower max_num_seqs or raise "
+                           "kv_cache_memory_bytes")
     if budget < per_block:
         raise RuntimeError(f"KV budget of {budget} bytes is below one block "
                            f"({per_block} bytes)")

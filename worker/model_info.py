@@ -74,6 +74,8 @@ def model_info(worker: Worker) -> dict[str, Any]:
         "kv_group_windows": list(worker.kv_layout.windows)
         if worker.kv_layout.is_hybrid else None,
         "long_rope_from": mc.long_rope_from,
+        # Mamba layers: each sequence carries a state no KV block holds (no prefix cache).
+        "recurrent_state": mc.mamba is not None,
         "weight_bytes": worker.weight_bytes,
         # A multimodal file's image facts when its encoder is loaded (None: text only).
         "image": mc.image.info() if worker.config.vision_encoded(mc.image) else None,

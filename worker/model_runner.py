@@ -30,6 +30,7 @@ from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.moe import take_expert_load
 from pagedserve.worker.layers.rotary import mark_long_rope
+from pagedserve.worker.mamba_state import states_for
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.multimodal import encode_picture
 from pagedserve.worker.mrope_positions import step_positions
@@ -74,6 +75,8 @@ class ModelRunner:
         self.long_rope = (model.config.rope_scaling or {}).get("rope_type") == "longrope"
         self.mrope = bool(model.config.mrope_section)
         self.graphs: DecodeGraphRunner | None = None
+        # A hybrid model's per-sequence Mamba state (``mamba_state``); None: KV only.
+        self.states = states_for(model, max_num_seqs)
         # The torch reference backend reads lengths back to the host, which graph
         # capture forbids; the Triton and flash paths are sync-free.
         # A pipeline stage runs eagerly: its input or output is not a whole forward's.
@@ -129,6 +132,8 @@ class ModelRunner:
         md = mds[0]
         if len(mds) > 1:
             md.groups = mds[1:]
+        if self.states is not None:
+            md.mamba = self.states.step(reqs)
         rows: list[int] = []
         images: list[tuple[int, ImageChunk]] = []  # (first flat row, what it takes)
         sample_reqs: list[SampleRequest] = []
@@ -263,6 +268,8 @@ class ModelRunner:
         done = list(plan.finished_ids) + list(plan.aborted_ids)
         if done:
             self.sampler.forget(done)
+            if self.states is not None:
+                self.states.forget(done)
         self.apply_cache_ops(plan)
         samples = self.ctx.is_first and self.model.stage.is_last
         out = ModelRunnerOutput(step_id=plan.step_id) if samples else None
@@ -278,6 +285,11 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
+        if self.states is not None:  # siblings (n > 1) leave the prompt's end with its state
+            for r in plan.scheduled:
+                if len(r.sample_ids) > 1:
+                    self.states.fork(r.request_id,
+                                     [s for s in r.sample_ids if s != r.request_id])
         # Every rank's, rank 0's reported (its routing counts every rank's expert load).
         counters = self.kv_cache.backend.take_counters() | take_expert_load(self.model)
         if isinstance(hidden, IntermediateTensors):

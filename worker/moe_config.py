@@ -25,7 +25,8 @@ from typing import Any
 from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
-                   "gpt_oss", "granitemoe", "granitemoeshared", "glm4_moe", "ernie4_5_moe")
+                   "gpt_oss", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe",
+                   "ernie4_5_moe")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -91,6 +92,8 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
     """
     if model_type not in MOE_MODEL_TYPES:
         return None
+    if model_type == "granitemoehybrid" and not cfg.get("num_local_experts"):
+        return None  # (granite-4.0-h-micro: dense, its shared MLP the only one)
     if model_type == "ernie4_5_moe":
         return _ernie(cfg, num_layers)
     key = "num_local_experts" if model_type == "mixtral" else "num_experts"
@@ -109,7 +112,7 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
         return _deepseek(cfg, "deepseek_v3", num_layers, num_experts, top_k)
     if model_type.startswith("granitemoe"):  # Mixtral's routing, a plain shared expert
         shared = non_negative_int(cfg, "shared_intermediate_size") \
-            if model_type == "granitemoeshared" else 0
+            if model_type in ("granitemoeshared", "granitemoehybrid") else 0
         return MoEConfig(num_experts, top_k, count(cfg, "intermediate_size"), True, shared,
                          tuple(range(num_layers)), shared_gated=False, granite=True)
     if model_type == "gpt_oss":

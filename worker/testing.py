@@ -45,6 +45,13 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
     "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                              shared_intermediate_size=64),
+    # Granite 4.0-H: Mamba-2 layers around one attention layer, two groups of B / C, a
+    # chunk of 8 tokens (prompts span several), Granite's experts and shared MLP.
+    "granitemoehybrid": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                             shared_intermediate_size=64, num_hidden_layers=4,
+                             layer_types=["mamba", "attention", "mamba", "mamba"],
+                             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                             mamba_n_groups=2, mamba_chunk_size=8, mamba_d_conv=4),
     # GLM-4.5: DeepSeek-V3's experts (8 in 4 groups), biased q/k/v, per-head q/k norms,
     # RoPE on half of each 16-wide head.
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -100,7 +107,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     "qwen2_moe", "qwen3_moe" (4 experts, top 2, 32 wide unless overridden) and
     "deepseek_v2", "deepseek_v3" (MLA, 8 experts in 4 groups: ``MOE_DEFAULTS``), and
     "gpt_oss" (4 experts, attention sinks, alternating 12-token windows), and Granite's
-    "granite", "granitemoe", "granitemoeshared" (``GRANITE_SCALES``).
+    "granite", "granitemoe", "granitemoeshared" (``GRANITE_SCALES``), and Granite 4.0-H's
+    "granitemoehybrid" (Mamba-2 and attention layers).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -141,7 +149,9 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM,
                               tf.GraniteMoeModel),
                "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM,
-                                    tf.GraniteMoeSharedModel)}
+                                    tf.GraniteMoeSharedModel),
+               "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM,
+                                    tf.GraniteMoeHybridModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -170,6 +180,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
         for name, p in model.named_parameters():  # GPT-OSS: sinks and biases that matter
             if kind == "gpt_oss" and (name.endswith("sinks") or "bias" in name):
                 p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.2)
+            if name.endswith((".mamba.D", ".mamba.dt_bias")):  # (Mamba's init: all ones)
+                p.normal_(1.0 if name.endswith("D") else 0.0, 0.5)
         routing_biases = [*model.named_buffers(), *model.named_parameters()]
         for name, b in routing_biases:  # DeepSeek-V3's (Ernie's) routing bias inits to 0
             if name.endswith("e_score_correction_bias"):

@@ -20,7 +20,7 @@ import torch
 from pagedserve.kernels import get_backend
 from pagedserve.kernels.backend import backend_with_sinks
 from pagedserve.kernels.kv_quant import is_fp8
-from pagedserve.scheduler.kv_groups import KVGroupLayout, plan_kv_groups
+from pagedserve.scheduler.kv_groups import KVGroupLayout
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import batch_invariant
 from pagedserve.worker import sleep as sleep_mode
@@ -29,6 +29,7 @@ from pagedserve.worker.draft_model import DraftModel, draft_block_bytes
 from pagedserve.worker.drafting import HEAD_TYPES, drafter_runner, load_drafter
 from pagedserve.worker.kv_budget import num_device_blocks, profile_plan
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
+from pagedserve.worker.kv_layers import kv_layout_of, stage_kv_ids
 from pagedserve.worker.layers.lora import LoRAManager
 from pagedserve.worker.layers.packed import can_pack, pack_model, slow_half_precision
 from pagedserve.worker.layers.quant import online_method, quantize_model, weight_bytes
@@ -150,8 +151,9 @@ class Worker:
         if self.config.vision_encoded(model_config.image):
             model.attach_vision(self.dtype, self.device)
         layout = kv_layout_of(model_config, self.config.hybrid_kv_cache)
-        for i, attn in enumerate(model.attention_layers()):
-            attn.kv_group = layout.group_of(stage.start + i)
+        for kv_id, attn in zip(stage_kv_ids(model_config, stage), model.attention_layers(),
+                               strict=True):
+            attn.kv_group = layout.group_of(kv_id)
         weights = iter_safetensors(resolved.path, side_files=model_config.side_files)
         if model_config.prequant is not None:
             weights = dequantized_weights(weights, model_config.prequant,
@@ -207,8 +209,7 @@ class Worker:
         encoder, which caches nothing."""
         if self.model_config is not None and self.model_config.encoder is not None:
             return []
-        stage = self._stage()
-        return self.kv_layout.local_slots(range(stage.start, stage.end))
+        return self.kv_layout.local_slots(stage_kv_ids(self.model_config, self._stage()))
 
     def block_bytes(self) -> int:
         """Bytes one block id takes on this rank: the target's KV, and a draft model's."""
@@ -397,7 +398,3 @@ class Worker:
             destroy_parallel(self.ctx)
             self.ctx = None
 
-
-def kv_layout_of(mc: ModelConfig, hybrid: bool) -> KVGroupLayout:
-    """The model's KV cache groups: by layer window when ``hybrid``, else one."""
-    return plan_kv_groups([mc.layer_window(i) for i in range(mc.num_layers)], hybrid)

@@ -29,7 +29,7 @@ def _row(rid: str, token_ids: list[int], start: int, table: list[int]) -> Schedu
 def _runner(block_size: int, long_rope: bool = False, mrope: bool = False
             ) -> SimpleNamespace:
     return SimpleNamespace(block_size=block_size, device=torch.device("cpu"),
-                           long_rope=long_rope, mrope=mrope)
+                           long_rope=long_rope, mrope=mrope, states=None)
 
 
 def test_long_rope_rows_carry_their_mark_in_the_positions() -> None:

@@ -8,6 +8,7 @@ by the model runner and passed down explicitly (no global forward context).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,6 +27,8 @@ class AttentionMetadata:
     and slots; this one is group 0's. ``image_spans`` (per sequence, absolute token
     ranges) are images whose tokens attend to each other both ways (Gemma 3); a step
     with any goes through ``kernels.prefix_spans``, the causal kernels cannot mask so.
+    ``mamba`` is the step's view of a hybrid model's recurrent states
+    (``worker.mamba_state.MambaStep``; None without Mamba layers).
     """
 
     slot_mapping: torch.Tensor
@@ -35,6 +38,7 @@ class AttentionMetadata:
     varlen: VarlenMetadata | None = None
     groups: list[AttentionMetadata] | None = None
     image_spans: list[list[tuple[int, int]]] | None = None
+    mamba: Any = None
 
 
 # vLLM's calculate_kv_scales: the first step's largest |k| (|v|) is stored as 200 (100),

@@ -8,6 +8,7 @@ from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.worker.models.glm4 import Glm4ForCausalLM
 from pagedserve.worker.models.glm4_moe import Glm4MoeForCausalLM
 from pagedserve.worker.models.granite import GraniteForCausalLM
+from pagedserve.worker.models.granite_hybrid import GraniteHybridForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
 from pagedserve.worker.models.olmo import OlmoForCausalLM
@@ -25,6 +26,7 @@ MODEL_REGISTRY = {
     "granite": GraniteForCausalLM,  # (four scalars: ``granite_config``)
     "granitemoe": GraniteForCausalLM,  # (its experts stacked: ``layers.moe_granite``)
     "granitemoeshared": GraniteForCausalLM,
+    "granitemoehybrid": GraniteHybridForCausalLM,  # (Mamba-2 layers: ``layers.mamba2``)
     "olmo2": OlmoForCausalLM,  # (post-norms, whole-projection q/k norms: ``olmo_config``)
     "olmo3": OlmoForCausalLM,  # (and sliding layers with their own RoPE)
     "smollm3": SmolLM3ForCausalLM,  # (no RoPE on every fourth layer)
@@ -45,5 +47,6 @@ MODEL_REGISTRY = {
 
 __all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
            "Glm4ForCausalLM", "Glm4MoeForCausalLM",
-           "GraniteForCausalLM", "LlamaForCausalLM", "ModernBertModel", "OlmoForCausalLM",
+           "GraniteForCausalLM", "GraniteHybridForCausalLM", "LlamaForCausalLM",
+           "ModernBertModel", "OlmoForCausalLM",
            "SmolLM3ForCausalLM"]

@@ -1,0 +1,69 @@
+"""What an engine changes to serve a hybrid model with Mamba-2 layers (Granite 4.0-H,
+``worker.mamba_config``).
+
+A Mamba layer folds a sequence's whole past into one state per sequence
+(``worker.mamba_state``), which no KV block holds. So a prompt whose leading blocks
+sit in the prefix cache still needs its state, which was never kept: prefix
+caching is off (vLLM turned it off for these models too until it learnt to keep
+states at block boundaries), and with it the CPU offload tier, a second level of
+that cache, and shipping a prompt's KV to another replica. Draft tokens would need
+the state rolled back past rejected guesses, beam search a state copied per beam:
+refused by name, as are pipeline stages and LoRA adapters, not built for these
+layers yet. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
+parallelism (``mamba_n_groups`` divisible by it) work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.worker.mamba_config import HYBRID_MODEL_TYPES
+
+logger = logging.getLogger(__name__)
+
+_WHY = "for hybrid Mamba models (Granite 4.0-H): their per-sequence state is not paged"
+
+
+def is_recurrent(model_path: str) -> bool:
+    """Whether the checkpoint in ``model_path`` has Mamba layers (``HYBRID_MODEL_TYPES``)."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("model_type") in HYBRID_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False  # (the model config's own reader names what is wrong)
+
+
+def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConfig:
+    """``config`` as a hybrid Mamba model runs it (unchanged for any other model); a
+    ``ValueError`` names an option it cannot honour."""
+    if not is_recurrent(model_path):
+        return config
+    refused = {
+        "speculative_config": config.speculative_config is not None,
+        "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
+        "enable_lora": config.enable_lora,
+        "kv_offloading_size": config.offloads_kv(),
+        "batch_invariant": config.batch_invariant,
+    }
+    for option, on in refused.items():
+        if on:
+            raise ValueError(f"{option} is not supported {_WHY}")
+    if config.enable_prefix_caching:
+        logger.info("hybrid Mamba model: prefix caching is off (a cached prefix's KV "
+                    "holds no Mamba state)")
+    return replace(config, enable_prefix_caching=False)
+
+
+def check_recurrent_request(beam: bool, export_kv: bool) -> None:
+    """Refuse, by name, what a request to a hybrid Mamba model cannot have."""
+    if beam:
+        raise ValueError(f"beam search is not supported {_WHY}")
+    if export_kv:
+        raise ValueError(f"shipping a prompt's KV (disaggregated prefill) is not supported "
+                         f"{_WHY}")

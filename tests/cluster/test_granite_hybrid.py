@@ -1,0 +1,148 @@
+"""Granite 4.0-H (``granitemoehybrid``): Mamba-2 layers around an attention layer.
+
+Through the engine, against Hugging Face's ``generate`` (its torch Mamba path):
+greedy tokens equal over prompts that span several scan chunks, whole and in
+prefill chunks mixed with decodes, dense and with experts; under swap and
+recompute preemption (a state kept in its slot, a state rebuilt from token 0); for
+``n = 2`` siblings forking at the prompt's end. The chunked scan equals the
+token-by-token recurrence it replaces, from any starting state; slots are reused,
+grown and forked; what these models cannot serve is refused by name, and prefix
+caching is off (a cached prefix holds no state)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.cluster.beam_search import BeamSearchParams
+from pagedserve.scheduler.outputs import ScheduledRequest
+from pagedserve.worker.layers.mamba2 import Mamba2Mixer, ssd_scan
+from pagedserve.worker.mamba_config import MambaConfig
+from pagedserve.worker.mamba_state import MambaStates
+from pagedserve.worker.testing import write_random_checkpoint
+from tests.cluster.conftest import hf_greedy
+from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def hybrid(request, tmp_path_factory, default_model_dir) -> tuple[str, list, list]:
+    """A checkpoint (experts, or the shared MLP alone), prompts of 3 to 48 tokens (up
+    to six 8-token scan chunks), and HF's greedy tokens for them."""
+    extra = {} if request.param == "moe" else {"num_local_experts": 0}
+    path = write_random_checkpoint(tmp_path_factory.mktemp(f"hybrid_{request.param}"),
+                                   "granitemoehybrid", default_model_dir, **extra)
+    prompts = prompts_of_mixed_lengths(6)
+    return path, prompts, hf_greedy(path, prompts, GREEDY.max_tokens)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_equals_hugging_face_whole_and_in_prefill_chunks(hybrid) -> None:
+    path, prompts, ref = hybrid
+    llm = LLM(model=path, num_gpu_blocks=96, block_size=4)
+    try:
+        assert llm.engine.scheduler.kv.pool.enable_caching is False  # (no state in a prefix)
+        # Twice each: the second copy would be a prefix hit with caching on.
+        assert _tokens(llm.generate(prompts + prompts, GREEDY)) == ref + ref
+    finally:
+        llm.shutdown()
+    llm = LLM(model=path, num_gpu_blocks=96, block_size=4, max_num_batched_tokens=8)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_sequences_resume_with_their_state(hybrid, mode) -> None:
+    path, prompts, ref = hybrid
+    llm = LLM(model=path, num_gpu_blocks=24, block_size=4, preemption_mode=mode)
+    try:
+        first = llm.generate(prompts, GREEDY)
+        assert _tokens(first) == ref
+        assert llm.engine.scheduler.num_preemptions[mode] > 0
+        llm.generate(prompts[:1], GREEDY)
+        # Finished sequences give their slots back (on the next step's plan).
+        held = set(llm.engine.executor.worker.runner.states.slot_of)
+        assert not held & {o.request_id for o in first}, held
+    finally:
+        llm.shutdown()
+
+
+def test_siblings_fork_the_prompts_state(hybrid) -> None:
+    path, prompts, ref = hybrid
+    llm = LLM(model=path, num_gpu_blocks=96, block_size=4)
+    try:
+        (out,) = llm.generate([prompts[4]], SamplingParams(temperature=0.0, max_tokens=10,
+                                                            ignore_eos=True, n=2))
+        assert [c.token_ids for c in out.outputs] == [ref[4], ref[4]]
+        with pytest.raises(ValueError, match="beam search is not supported"):
+            llm.engine.add_request(prompts[0], beam=BeamSearchParams(beam_width=2,
+                                                                     max_tokens=4))
+    finally:
+        llm.shutdown()
+
+
+def test_what_it_cannot_serve_is_refused_by_name(hybrid, tmp_path) -> None:
+    path = hybrid[0]
+    for option, value in [("speculative_config", {"method": "ngram",
+                                                  "num_speculative_tokens": 2}),
+                          ("enable_lora", True), ("pipeline_parallel_size", 2)]:
+        with pytest.raises(ValueError, match="not supported for hybrid Mamba"):
+            LLM(model=path, num_gpu_blocks=32, **{option: value})
+    mc = MambaConfig((0,), num_heads=4, head_dim=8, d_state=4, num_groups=1, d_conv=4,
+                     chunk_size=8, conv_bias=True, proj_bias=False)
+    with pytest.raises(ValueError, match="mamba_n_groups"):
+        Mamba2Mixer(32, mc, 1e-5, SimpleNamespace(world_size=2, rank=0), torch.float32,
+                    torch.device("cpu"), 0)
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 29])
+def test_chunked_scan_equals_the_recurrence(length) -> None:
+    """The chunked scan (chunks of 8) against ``h = exp(dt a) h + dt b x``, ``y = c h``
+    one token at a time, from a non-zero state."""
+    g = torch.Generator().manual_seed(length)
+    heads, p, n = 3, 4, 5
+    x = torch.randn(length, heads, p, generator=g)
+    dt = torch.rand(length, heads, generator=g)
+    a = -torch.rand(heads, generator=g) * 2
+    b = torch.randn(length, heads, n, generator=g)
+    c = torch.randn(length, heads, n, generator=g)
+    h0 = torch.randn(heads, p, n, generator=g)
+    y, final = ssd_scan(x, dt, a, b, c, 8, h0)
+    h, want = h0, []
+    for t in range(length):
+        h = h * torch.exp(dt[t] * a)[:, None, None] \
+            + (dt[t][:, None] * x[t])[..., None] * b[t][:, None, :]
+        want.append(torch.einsum("hpn,hn->hp", h, c[t]))
+    torch.testing.assert_close(y, torch.stack(want), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, h, atol=1e-5, rtol=1e-5)
+
+
+def _row(rid: str, start: int, n: int) -> ScheduledRequest:
+    return ScheduledRequest(rid, list(range(n)), start, [], [rid], {})
+
+
+def test_slots_are_zeroed_reused_grown_and_forked() -> None:
+    states = MambaStates((3, 2), (2, 2, 2), 2, torch.float32, torch.device("cpu"), capacity=2)
+    step = states.step([_row("a", 0, 5), _row("b", 0, 1)])
+    assert states.slot_of == {"a": 0, "b": 1} and step.multi == [(0, 5, 0)]
+    assert step.single_slots.tolist() == [1] and step.single_rows.tolist() == [5]
+    states.ssm[1][0].fill_(7.0)
+    states.step([_row("c", 0, 2)])  # a third sequence: the slots double
+    assert states.capacity == 4 and states.slot_of["c"] == 2
+    assert float(states.ssm[1][0].sum()) == 7.0 * 8  # (held states kept)
+    states.fork("a", ["a1"])
+    assert float(states.ssm[1][states.slot_of["a1"]].sum()) == 7.0 * 8
+    states.forget(["a", "b"])
+    step = states.step([_row("d", 0, 1), _row("c", 2, 1)])  # all single: rows in order
+    assert step.single_rows is None and float(states.ssm[1][states.slot_of["d"]].sum()) == 0
+    with pytest.raises(ValueError, match="without its Mamba state"):
+        states.step([_row("e", 4, 1)])

@@ -1,0 +1,234 @@
+"""The Mamba-2 mixer over a flat, mixed batch, each sequence's state in its slot.
+
+Per token the mixer projects the input to a gate z, the convolution's input (x, B
+and C) and a step size dt per head; runs a causal depthwise convolution over the
+sequence (its last ``d_conv - 1`` inputs carried in the state), then the selective
+scan ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t``, ``y_t = C_t h_t + D x_t``, and a
+gated RMSNorm (``y * silu(z)``, normalised per group) before the output
+projection: transformers' ``GraniteMoeHybridMambaLayer`` (its torch path), which
+the tests hold this to.
+
+One-token rows (decodes) run as one batch: a gather of their states, one update,
+a scatter back. Longer rows (prompts, prefill chunks) run one sequence at a time
+through the chunked scan of state-space duality (SSD): within a chunk of
+``chunk_size`` tokens the scan is a masked, decayed ``C B^T`` matmul (attention-like),
+between chunks a recurrence over chunk states, starting from the slot's state, so
+a prompt split into prefill chunks gives what it gives whole. No loop runs per token.
+
+Tensor parallelism splits heads and groups: each rank projects its heads' z, x and
+dt and its groups' B and C, convolves and scans them, normalises its whole groups
+and the row-parallel output projection sums the ranks. That needs ``num_groups``
+divisible by the TP size (Granite 4.0-H has one group: TP 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.worker.layers.linear import (
+    LazyTensor,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from pagedserve.worker.mamba_config import MambaConfig
+from pagedserve.worker.mamba_state import MambaStep
+from pagedserve.worker.models.fused_weights import split_rows
+from pagedserve.worker.parallel import ParallelContext
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba-2 layer's mixer; ``state_index`` is its place among this rank's Mamba
+    layers (the slot tensors it reads in a ``MambaStep``)."""
+
+    def __init__(self, hidden: int, mc: MambaConfig, eps: float, ctx: ParallelContext,
+                 dtype: torch.dtype, device: torch.device, state_index: int) -> None:
+        super().__init__()
+        tp = ctx.world_size
+        if mc.num_groups % tp:
+            raise ValueError(f"model config field 'mamba_n_groups' ({mc.num_groups}) must be "
+                             f"divisible by tensor_parallel_size ({tp}): a Mamba-2 layer "
+                             "splits its groups across ranks")
+        self.mc, self.eps, self.rank, self.state_index = mc, eps, ctx.rank, state_index
+        self.heads, self.groups = mc.num_heads // tp, mc.num_groups // tp
+        self.inter = self.heads * mc.head_dim
+        self.bc = self.groups * mc.d_state
+        self.conv_dim = self.inter + 2 * self.bc
+        gn = mc.num_groups * mc.d_state
+        self.in_proj = MergedColumnParallelLinear(
+            hidden, [mc.intermediate, mc.intermediate, gn, gn, mc.num_heads], ctx, dtype,
+            device, bias=mc.proj_bias)
+        self.conv_weight = _param((self.conv_dim, mc.d_conv), dtype, device)
+        self.conv_bias = _param((self.conv_dim,), dtype, device) if mc.conv_bias else None
+        self.dt_bias = _param((self.heads,), torch.float32, device)
+        self.A_log = _param((self.heads,), torch.float32, device)
+        self.D = _param((self.heads,), torch.float32, device)
+        self.norm_weight = _param((self.inter,), dtype, device)
+        self.out_proj = RowParallelLinear(mc.intermediate, hidden, mc.proj_bias, ctx, dtype,
+                                          device)
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def checkpoint_names(self) -> set[str]:
+        """Its tensors, as named under the layer's ``mamba.``."""
+        names = {"in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
+                 "out_proj.weight"}
+        if self.mc.conv_bias:
+            names.add("conv1d.bias")
+        if self.mc.proj_bias:
+            names |= {"in_proj.bias", "out_proj.bias"}
+        return names
+
+    def load(self, name: str, lazy: LazyTensor) -> bool:
+        """Copy this rank's share of tensor ``name`` (under ``mamba.``); False if unknown."""
+        mc = self.mc
+        gn = mc.num_groups * mc.d_state
+        if name in ("in_proj.weight", "in_proj.bias"):
+            sizes = [mc.intermediate, mc.intermediate, gn, gn, mc.num_heads]
+            for i, rows in enumerate(split_rows(lazy, sizes, name)):
+                self.in_proj.load(i, rows, name.endswith("bias"))
+        elif name in ("out_proj.weight", "out_proj.bias"):
+            self.out_proj.load(lazy, name.endswith("bias"))
+        elif name in ("conv1d.weight", "conv1d.bias") and (
+                name == "conv1d.weight" or self.conv_bias is not None):
+            full = (mc.conv_dim, 1, mc.d_conv) if name == "conv1d.weight" else (mc.conv_dim,)
+            _check(name, lazy, full)
+            t = lazy[:].reshape(mc.conv_dim, -1)
+            x, b, c = torch.split(t, [mc.intermediate, gn, gn])
+            mine = torch.cat([_share(x, self.inter, self.rank), _share(b, self.bc, self.rank),
+                              _share(c, self.bc, self.rank)])
+            target = self.conv_weight if name == "conv1d.weight" else self.conv_bias
+            target.data.copy_(mine.reshape(target.shape))
+        elif name in ("dt_bias", "A_log", "D"):
+            _check(name, lazy, (mc.num_heads,))
+            getattr(self, name).data.copy_(_share(lazy[:], self.heads, self.rank))
+        elif name == "norm.weight":
+            _check(name, lazy, (mc.intermediate,))
+            self.norm_weight.data.copy_(_share(lazy[:], self.inter, self.rank))
+        else:
+            return False
+        return True
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, step: MambaStep) -> torch.Tensor:
+        """``[T, hidden]`` in, ``[T, hidden]`` out; the rows' slots updated in place."""
+        t = x.shape[0]
+        zxbcdt = self.in_proj(x)
+        z, xbc, dt = zxbcdt.split([self.inter, self.conv_dim, self.heads], dim=-1)
+        conv, ssm = step.conv[self.state_index], step.ssm[self.state_index]
+        y = torch.empty(t, self.heads, self.mc.head_dim, dtype=torch.float32, device=x.device)
+        if step.single_slots.numel():
+            rows = step.single_rows
+            if rows is None:  # every row a single token, in order
+                y.copy_(self._decode(xbc, dt, conv, ssm, step.single_slots))
+            else:
+                y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, step.single_slots)
+        for start, n, slot in step.multi:
+            end = start + n
+            y[start:end] = self._prefill(xbc[start:end], dt[start:end], conv, ssm, slot)
+        out = gated_rms_norm(y.view(t, self.inter), z, self.norm_weight, self.groups,
+                             self.eps)
+        return self.out_proj(out.to(x.dtype))
+
+    def _discretize(self, h: torch.Tensor, dt: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+        """From the convolution's activated output ``[n, conv_dim]`` and the raw ``dt``
+        ``[n, heads]``: x ``[n, H, P]``, B and C ``[n, H, N]`` (each head its group's),
+        dt after its bias, softplus and limits, and A, all fp32."""
+        n, mc = h.shape[0], self.mc
+        xs, b, c = h.float().split([self.inter, self.bc, self.bc], dim=-1)
+        per = self.heads // self.groups
+        b = b.view(n, self.groups, mc.d_state).repeat_interleave(per, dim=1)
+        c = c.view(n, self.groups, mc.d_state).repeat_interleave(per, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias).clamp(mc.dt_min, mc.dt_max)
+        return xs.view(n, self.heads, mc.head_dim), b, c, dt, -torch.exp(self.A_log)
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
+                ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token for each of ``len(slots)`` sequences: ``[n, H, P]``."""
+        window = torch.cat([conv.index_select(0, slots), xbc.unsqueeze(-1).to(conv.dtype)],
+                           dim=-1)  # [n, conv_dim, d_conv]
+        conv.index_copy_(0, slots, window[:, :, 1:])
+        h = (window * self.conv_weight).sum(-1)
+        if self.conv_bias is not None:
+            h = h + self.conv_bias
+        xs, b, c, dt, a = self._discretize(F.silu(h), dt)
+        state = ssm.index_select(0, slots)  # [n, H, P, N]
+        state = state * torch.exp(dt * a)[..., None, None] \
+            + (dt[..., None] * xs)[..., None] * b[:, :, None, :]
+        ssm.index_copy_(0, slots, state)
+        y = torch.matmul(state, c.unsqueeze(-1)).squeeze(-1)
+        return y + self.D[:, None] * xs
+
+    def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
+                 ssm: torch.Tensor, slot: int) -> torch.Tensor:
+        """``L > 1`` tokens of one sequence from its slot's state: ``[L, H, P]``."""
+        keep = self.mc.d_conv - 1
+        full = torch.cat([conv[slot], xbc.t().to(conv.dtype)], dim=-1)  # [C, keep + L]
+        conv[slot].copy_(full[:, full.shape[1] - keep:])
+        h = F.conv1d(full.unsqueeze(0), self.conv_weight.unsqueeze(1), self.conv_bias,
+                     groups=self.conv_dim)[0].t()  # [L, C]
+        xs, b, c, dt, a = self._discretize(F.silu(h), dt)
+        y, final = ssd_scan(xs, dt, a, b, c, self.mc.chunk_size, ssm[slot])
+        ssm[slot].copy_(final)
+        return y + self.D[:, None] * xs
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             c: torch.Tensor, chunk_size: int, h0: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan of one sequence, chunk by chunk (fp32 throughout).
+
+    ``x [L, H, P]``, ``dt [L, H]`` (discretised), ``a [H]`` (negative), ``b`` and ``c
+    [L, H, N]``, ``h0 [H, P, N]`` the state before the first token. Returns ``y [L, H,
+    P]`` (without the ``D x`` skip) and the state after the last token. The tail pads
+    with ``dt = 0``, which neither decays the state nor adds to it.
+    """
+    length, heads, p = x.shape
+    q = min(chunk_size, length)
+    nc = -(-length // q)
+    pad = nc * q - length
+    xdt = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)).view(nc, q, heads, p)
+    acs = F.pad(dt * a, (0, 0, 0, pad)).view(nc, q, heads).cumsum(1)  # [c, l, h]
+    b = F.pad(b, (0, 0, 0, 0, 0, pad)).view(nc, q, heads, -1)
+    c = F.pad(c, (0, 0, 0, 0, 0, pad)).view(nc, q, heads, -1)
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+    seg = (acs[:, :, None, :] - acs[:, None, :, :]).masked_fill(~causal, float("-inf"))
+    scores = torch.einsum("clhn,cshn->clsh", c, b) * torch.exp(seg)
+    y = torch.einsum("clsh,cshp->clhp", scores, xdt)
+    decay = torch.exp(acs[:, -1:, :] - acs)  # [c, l, h]: from each token to its chunk's end
+    chunk_states = torch.einsum("clhn,clhp->chpn", b * decay[..., None], xdt)
+    through = torch.exp(acs[:, -1, :])  # [c, h]: a whole chunk's decay
+    starts = []
+    h = h0
+    for k in range(nc):  # (a loop over chunks: tokens / chunk_size steps)
+        starts.append(h)
+        h = h * through[k][:, None, None] + chunk_states[k]
+    y = y + torch.einsum("clhn,chpn->clhp", c, torch.stack(starts)) * torch.exp(acs)[..., None]
+    return y.reshape(nc * q, heads, p)[:length], h
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int,
+                   eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(y * silu(z))`` with the statistics per group of channels, in
+    fp32 (transformers' ``GraniteMoeHybridRMSNormGated``); fp32 out."""
+    n, width = y.shape
+    h = (y.float() * F.silu(z.float())).view(n, groups, width // groups)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * h.view(n, width)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _share(t: torch.Tensor, n: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s ``n`` leading-dim rows of ``t``."""
+    return t[rank * n:(rank + 1) * n]
+
+
+def _check(name: str, lazy: LazyTensor, shape: tuple[int, ...]) -> None:
+    if tuple(lazy.shape) != shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != {shape}")

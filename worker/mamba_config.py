@@ -1,0 +1,121 @@
+"""What a hybrid Mamba-2 / attention decoder needs beyond a Llama config.
+
+IBM's Granite 4.0-H (``model_type: granitemoehybrid``: granite-4.0-h-micro, -tiny,
+-small) interleaves Mamba-2 mixers with a few attention layers: ``layer_types``
+names each layer ``mamba`` (transformers 5: ``linear_attention``) or ``attention``
+(``full_attention``). A Mamba-2 layer keeps no KV cache: each sequence carries a
+fixed-size state instead, the last ``d_conv - 1`` inputs of its causal convolution
+and an ``[heads, head_dim, d_state]`` SSM state (``worker.mamba_state``). The mixer's
+shapes are read here once, so a malformed field names itself at load time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.worker.config_fields import count, positive_int
+
+HYBRID_MODEL_TYPES = ("granitemoehybrid",)
+_MAMBA_KINDS = ("mamba", "linear_attention")
+_ATTENTION_KINDS = ("attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """A Mamba-2 mixer's shapes (every Mamba layer's alike) and which layers have one.
+
+    ``intermediate`` is ``num_heads * head_dim`` (``mamba_expand * hidden``); B and C
+    have ``num_groups * d_state`` channels each, the convolution runs over x, B and C
+    (``conv_dim``), and the input projection yields z (the gate), x, B, C and dt
+    (one per head): ``proj_dim`` rows.
+    """
+
+    layers: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    d_state: int
+    num_groups: int
+    d_conv: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    dt_min: float = 0.0
+    dt_max: float = math.inf
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.num_groups * self.d_state
+
+    @property
+    def proj_dim(self) -> int:
+        return self.intermediate + self.conv_dim + self.num_heads
+
+
+def mamba_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
+                         ) -> MambaConfig | None:
+    """The Mamba part of a parsed ``config.json``; None for a model without one."""
+    if model_type not in HYBRID_MODEL_TYPES:
+        return None
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if kinds is None:
+        kinds = ["mamba"] * num_layers  # (transformers' default: every layer a mixer)
+    if (not isinstance(kinds, list) or len(kinds) != num_layers
+            or any(k not in (*_MAMBA_KINDS, *_ATTENTION_KINDS) for k in kinds)):
+        raise ValueError(f"model config field 'layer_types' must name each of {num_layers} "
+                         f"layers 'mamba' or 'attention', got {kinds!r}")
+    hidden = positive_int("hidden_size", cfg.get("hidden_size"))
+    expand = count(cfg, "mamba_expand", 2)
+    heads = count(cfg, "mamba_n_heads", 128)
+    head_dim = cfg.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = expand * hidden // heads
+    head_dim = positive_int("mamba_d_head", head_dim)
+    if heads * head_dim != expand * hidden:
+        raise ValueError(f"model config fields 'mamba_n_heads' ({heads}) x 'mamba_d_head' "
+                         f"({head_dim}) must equal 'mamba_expand' x 'hidden_size' "
+                         f"({expand * hidden})")
+    groups = count(cfg, "mamba_n_groups", 1)
+    if heads % groups:
+        raise ValueError(f"model config field 'mamba_n_groups' ({groups}) must divide "
+                         f"'mamba_n_heads' ({heads})")
+    raw = cfg.get("time_step_limit") or (0.0, math.inf)
+    limit = [_number(v) for v in raw] if isinstance(raw, (list, tuple)) else []
+    if len(limit) != 2 or None in limit or limit[0] > limit[1]:
+        raise ValueError(f"model config field 'time_step_limit' must be [min, max], "
+                         f"got {raw!r}")
+    return MambaConfig(
+        layers=tuple(i for i, k in enumerate(kinds) if k in _MAMBA_KINDS),
+        num_heads=heads, head_dim=head_dim,
+        d_state=count(cfg, "mamba_d_state", 256), num_groups=groups,
+        d_conv=count(cfg, "mamba_d_conv", 4), chunk_size=count(cfg, "mamba_chunk_size", 256),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        dt_min=float(limit[0]), dt_max=float(limit[1]))
+
+
+def _number(v: Any) -> float | None:
+    """A JSON number, or transformers' spelling of a non-finite one
+    (``{"__float__": "Infinity"}``); None for anything else."""
+    if isinstance(v, dict) and set(v) == {"__float__"}:
+        v = v["__float__"]
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def uses_rope(cfg: dict[str, Any]) -> bool:
+    """Whether a hybrid file's attention layers rotate: Granite 4.0-H's do not
+    (``position_embedding_type`` "nope" or absent; "rope" turns them on)."""
+    kind = cfg.get("position_embedding_type")
+    if kind not in (None, "nope", "rope"):
+        raise ValueError(f"model config field 'position_embedding_type' must be 'rope' or "
+                         f"'nope', got {kind!r}")
+    return kind == "rope"

@@ -1,0 +1,169 @@
+"""Each sequence's recurrent state in a hybrid model's Mamba-2 layers, on one rank.
+
+Attention layers page their KV through the scheduler's block tables; a Mamba layer
+instead folds everything a sequence has seen into a fixed-size state: its causal
+convolution's last ``d_conv - 1`` inputs and an SSM state ``[heads, head_dim,
+d_state]`` (fp32: it is summed into at every token, and rounding it to 16 bits
+every step would drift). Each sequence holds one slot of per-layer tensors here
+from its first step until the plan names it finished or aborted.
+
+The slots are this rank's own bookkeeping, not the scheduler's: every rank of an
+engine sees the same plans in the same order, so each assigns the same slots, and
+nothing on the wire changes. What the scheduler does still maps onto them:
+
+- a step that starts a sequence at token 0 (a new request, or one preempted by
+  recompute and now run again) zeroes its slot;
+- swap preemption moves only KV blocks: the state stays in its slot meanwhile;
+- a row that samples for siblings (``n > 1``) hands each its own copy of the
+  state at the prompt's end (``fork``), as the scheduler forks their blocks;
+- a sequence that resumes past token 0 without a slot (a prefix-cache hit, KV
+  shipped from another replica) cannot be served, and the engine turns those
+  features off for these models; meeting one here is an error, not a silent
+  zero state.
+
+Slots grow by doubling when every one is taken: live sequences (running, swapped,
+or preempted and waiting) bound them. ``max_num_seqs`` slots are made up front and
+come out of the KV budget (``kv_budget.num_device_blocks``; a CUDA profile counts
+them in its peak), so a full batch never grows them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.scheduler.outputs import ScheduledRequest
+
+
+@dataclass
+class MambaStep:
+    """One step's rows, as every Mamba layer of the forward reads them.
+
+    ``single`` rows compute one token each (decodes, one-token prompts): they run
+    batched, their slots in ``single_slots`` and flat rows in ``single_rows`` (None:
+    every row of the step is single, in order). ``multi`` lists the rest as ``(first
+    flat row, tokens, slot)``: each runs the chunked scan on its own.
+    """
+
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+    single_slots: torch.Tensor
+    single_rows: torch.Tensor | None
+    multi: list[tuple[int, int, int]]
+
+
+class MambaStates:
+    """Slots of per-layer conv and SSM state, one slot per live sequence."""
+
+    def __init__(self, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
+                 num_layers: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 8) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.conv_shape, self.ssm_shape = conv_shape, ssm_shape
+        self.dtype, self.device = dtype, device
+        self.conv = [torch.zeros((capacity, *conv_shape), dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.ssm = [torch.zeros((capacity, *ssm_shape), dtype=torch.float32, device=device)
+                    for _ in range(num_layers)]
+        self.slot_of: dict[str, int] = {}
+        self.free = list(range(capacity - 1, -1, -1))  # (pop() takes the lowest)
+
+    @property
+    def capacity(self) -> int:
+        return self.conv[0].shape[0] if self.conv else 0
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Give back the slots of finished or aborted sequences."""
+        for rid in request_ids:
+            slot = self.slot_of.pop(rid, None)
+            if slot is not None:
+                self.free.append(slot)
+
+    def _take(self, rid: str) -> int:
+        if not self.free:
+            self._grow()
+        slot = self.free.pop()
+        self.slot_of[rid] = slot
+        return slot
+
+    def _grow(self) -> None:
+        """Double the slots, keeping every held state where it is."""
+        old = self.capacity
+        self.conv = [torch.cat([t, torch.zeros_like(t)]) for t in self.conv]
+        self.ssm = [torch.cat([t, torch.zeros_like(t)]) for t in self.ssm]
+        self.free = list(range(2 * old - 1, old - 1, -1)) + self.free
+
+    def _zero(self, slots: list[int]) -> None:
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        for t in (*self.conv, *self.ssm):
+            t.index_fill_(0, idx, 0)
+
+    def step(self, reqs: Sequence[ScheduledRequest]) -> MambaStep:
+        """Each row's slot (a new sequence takes one, zeroed), sorted for the mixers."""
+        slots, fresh = [], []
+        for r in reqs:
+            slot = self.slot_of.get(r.request_id)
+            if slot is None:
+                if r.num_computed_tokens:
+                    raise ValueError(
+                        f"request {r.request_id} resumes at token {r.num_computed_tokens} "
+                        "without its Mamba state: a recurrent model cannot continue from "
+                        "cached or shipped KV alone")
+                slot = self._take(r.request_id)
+            if r.num_computed_tokens == 0:
+                fresh.append(slot)
+            slots.append(slot)
+        if fresh:
+            self._zero(fresh)
+        q_lens = [len(r.token_ids) for r in reqs]
+        single_rows, single_slots, multi, row = [], [], [], 0
+        for q, slot in zip(q_lens, slots):
+            if q == 1:
+                single_rows.append(row)
+                single_slots.append(slot)
+            else:
+                multi.append((row, q, slot))
+            row += q
+        rows = None if not multi else torch.tensor(single_rows, dtype=torch.long,
+                                                   device=self.device)
+        return MambaStep(self.conv, self.ssm,
+                         torch.tensor(single_slots, dtype=torch.long, device=self.device),
+                         rows, multi)
+
+    def fork(self, parent: str, children: Iterable[str]) -> None:
+        """Copy ``parent``'s state into a slot of each child (``n > 1`` siblings forking
+        at the prompt's end)."""
+        src = self.slot_of[parent]
+        for child in children:
+            dst = self.slot_of.get(child)
+            if dst is None:
+                dst = self._take(child)
+            for t in (*self.conv, *self.ssm):
+                t[dst].copy_(t[src])
+
+
+def states_for(model: torch.nn.Module, capacity: int) -> MambaStates | None:
+    """Slots for ``model``'s Mamba mixers on this rank (``mamba_mixers()``, each with
+    its ``state_index``); None for a model without any."""
+    mixers = model.mamba_mixers() if hasattr(model, "mamba_mixers") else []
+    if not mixers:
+        return None
+    m = mixers[0]
+    weight = m.conv_weight
+    return MambaStates((m.conv_dim, m.mc.d_conv - 1), (m.heads, m.mc.head_dim, m.mc.d_state),
+                       len(mixers), weight.dtype, weight.device, capacity)
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    """Bytes one sequence's state takes over ``model``'s Mamba mixers on this rank (0
+    without any): what the KV budget sets aside per sequence the batch may hold."""
+    mixers = model.mamba_mixers() if hasattr(model, "mamba_mixers") else []
+    total = 0
+    for m in mixers:
+        conv = m.conv_dim * (m.mc.d_conv - 1) * m.conv_weight.element_size()
+        total += conv + m.heads * m.mc.head_dim * m.mc.d_state * 4  # (fp32 SSM state)
+    return total
+

@@ -1,0 +1,163 @@
+"""IBM Granite 4.0-H (``granitemoehybrid``): Mamba-2 layers with a few attention
+layers between them, each followed by Granite's MLP (routed experts beside a
+shared SwiGLU, or the shared one alone in the dense micro release), with Granite's
+four scalars (``granite_config``) and, in the releases, no positional rotation
+(``position_embedding_type: nope``).
+
+An attention layer is Granite 3's (``GraniteDecoderLayer``) and pages its KV as
+any; a Mamba layer swaps the attention for ``layers.mamba2.Mamba2Mixer``, which
+reads and updates each sequence's slot of recurrent state (``worker.mamba_state``,
+handed down in ``AttentionMetadata.mamba``). The KV pool holds the attention
+layers only (``worker.kv_layers``): the forward gets their caches and gives each
+to its layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.worker.layers.linear import LazyTensor
+from pagedserve.worker.layers.mamba2 import Mamba2Mixer
+from pagedserve.worker.layers.moe import SparseMoE
+from pagedserve.worker.layers.moe_granite import GraniteMoE
+from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.models.fused_weights import split_rows
+from pagedserve.worker.models.granite import GraniteDecoderLayer, GraniteForCausalLM
+from pagedserve.worker.models.llama import KVCaches, LlamaMLP
+from pagedserve.worker.models.llama_loading import _LAYER_RE
+from pagedserve.worker.pipeline import IntermediateTensors
+
+_SHARED = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight")
+
+
+class GraniteMambaLayer(nn.Module):
+    """A Granite 4.0-H layer whose mixer is Mamba-2: norm, mixer, norm, MLP, each
+    sublayer's output scaled by ``residual_multiplier`` before its residual add."""
+
+    def __init__(self, cfg: Any, ctx: Any, backend: Any, dtype: torch.dtype,
+                 device: torch.device, index: int) -> None:
+        super().__init__()
+        self.residual_scale = cfg.granite.residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.rms_norm_eps, ctx, dtype,
+                                 device, state_index=0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                device)
+        self.mlp: LlamaMLP | SparseMoE
+        if cfg.moe is not None:
+            self.mlp = GraniteMoE(cfg.hidden_size, cfg.moe, ctx, dtype, device)
+        else:
+            self.mlp = LlamaMLP(cfg, ctx, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: None, md: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.mamba(h, md.mamba) * self.residual_scale
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h) * self.residual_scale, residual
+
+
+def _hybrid_layer(cfg: Any, ctx: Any, backend: Any, dtype: torch.dtype,
+                  device: torch.device, index: int) -> nn.Module:
+    """Layer ``index`` of its kind (``layer_types``)."""
+    cls = GraniteMambaLayer if index in cfg.mamba.layers else GraniteDecoderLayer
+    return cls(cfg, ctx, backend, dtype, device, index)
+
+
+class GraniteHybridForCausalLM(GraniteForCausalLM):
+    """Granite 4.0-H: ``GraniteForCausalLM`` with Mamba-2 layers among its attention
+    layers (see the module docstring)."""
+
+    layer_cls = staticmethod(_hybrid_layer)  # type: ignore[assignment]
+
+    def __init__(self, cfg, ctx, backend, dtype, device, stage=None) -> None:
+        super().__init__(cfg, ctx, backend, dtype, device, stage)
+        self._is_mamba = [isinstance(layer, GraniteMambaLayer) for layer in self.layers]
+        for j, mixer in enumerate(self.mamba_mixers()):
+            mixer.state_index = j
+        self._rotates = bool(set(range(cfg.num_layers)) - set(cfg.nope_layers))
+
+    def mamba_mixers(self) -> list[Mamba2Mixer]:
+        """This stage's Mamba mixers in order (their ``state_index`` order)."""
+        return [layer.mamba for layer in self.layers if isinstance(layer, GraniteMambaLayer)]
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer, m in zip(self.layers, self._is_mamba)
+                if not m]
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        attn = self.attention_layers()
+        return attn[0].num_kv_heads if attn else self.config.num_kv_heads
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Never: the mixers pick each step's prompt rows on the host."""
+        return False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                md: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """``LlamaForCausalLM.forward`` with ``kv_caches`` holding the attention layers'
+        caches only, in order."""
+        caches = iter(kv_caches)
+        per_layer = [None if m else next(caches) for m in self._is_mamba]
+        return super().forward(input_ids, positions, per_layer, md, intermediate,
+                               image_embeds)
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ropes = super().layer_ropes(positions, dtype)
+        if self._rotates or not ropes:
+            return ropes
+        cos, sin = ropes[0]  # (NoPE: an identity table, as SmolLM3's NoPE layers take)
+        return [(torch.ones_like(cos), torch.zeros_like(sin))] * len(self.layers)
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def _expected_names(self) -> set[str]:
+        names = set()
+        dense = self.config.moe is None
+        for name in super()._expected_names():
+            m = _LAYER_RE.match(name)
+            if m is None:
+                names.add(name)
+                continue
+            local = int(m.group(1)) - self.stage.start
+            rest = m.group(2)
+            if rest.startswith("self_attn.") and self._is_mamba[local]:
+                continue
+            if dense and rest.startswith("mlp."):
+                continue
+            names.add(name)
+        for i, layer in enumerate(self.layers, self.stage.start):
+            p = f"model.layers.{i}."
+            if isinstance(layer, GraniteMambaLayer):
+                names |= {p + "mamba." + n for n in layer.mamba.checkpoint_names()}
+            if dense:
+                names |= {p + n for n in _SHARED}
+        return names
+
+    def _load_one(self, name: str, lazy: LazyTensor) -> None:
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) >= self.config.num_layers:
+            return super()._load_one(name, lazy)
+        layer = self.layers[int(m.group(1)) - self.stage.start]
+        rest = m.group(2)
+        if rest.startswith("mamba."):
+            if not isinstance(layer, GraniteMambaLayer) or not layer.mamba.load(rest[6:], lazy):
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        elif rest in _SHARED and self.config.moe is None:
+            if rest == _SHARED[0]:
+                i = self.config.intermediate_size
+                for part, rows in enumerate(split_rows(lazy, [i, i], name)):
+                    layer.mlp.gate_up_proj.load(part, rows)
+            else:
+                layer.mlp.down_proj.load(lazy)
+        else:
+            super()._load_one(name, lazy)
