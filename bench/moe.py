@@ -1,7 +1,8 @@
 """Mixture-of-experts throughput: pagedserve vs Hugging Face on one routed model.
 
 Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
-(``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention, GPT-OSS) of
+(``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention, GPT-OSS,
+Granite 4.0-H's Mamba-2 hybrid) of
 ``--layers`` layers, ``--experts`` experts of which each token takes ``--top-k``,
 written with ``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32
 by default); ``--num-prompts`` prompts of 10-75 random token ids (or of
@@ -22,6 +23,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py --quantization int8   # pagedserve with int8 experts
     python bench/moe.py --kind deepseek_v3 --prompt-len 1000   # MLA at long contexts
     python bench/moe.py --kind gpt_oss --json bench/figures/moe_gpt_oss.json
+    python bench/moe.py --kind granitemoehybrid --json bench/figures/moe_granite_hybrid.json
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ def model_overrides(args: argparse.Namespace) -> dict:
     elif args.kind == "gpt_oss":  # sinks, biased clamped experts, 128-token windows
         cfg.update(num_local_experts=args.experts, intermediate_size=args.expert_width,
                    sliding_window=128)
+    elif args.kind == "granitemoehybrid":  # Granite 4.0-H: Mamba-2, one layer in four attends
+        cfg.update(num_local_experts=args.experts, intermediate_size=args.expert_width,
+                   shared_intermediate_size=2 * args.expert_width,
+                   layer_types=["attention" if i % 4 == 3 else "mamba"
+                                for i in range(args.layers)],
+                   mamba_n_heads=args.hidden * 2 // 64, mamba_d_head=64, mamba_d_state=128,
+                   mamba_n_groups=1, mamba_chunk_size=256)
     else:
         cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                    intermediate_size=4 * args.expert_width, norm_topk_prob=True)
@@ -88,7 +97,8 @@ def active_params(model: torch.nn.Module, top_k: int, num_experts: int) -> float
         if "embed_tokens" in name:
             continue
         routed = ".experts." in name or name.endswith(("experts.gate_up_proj",
-                                                       "experts.down_proj"))
+                                                       "experts.down_proj")) or (
+            "block_sparse_moe." in name and "_linear" in name)  # (Granite's stacks)
         total += p.numel() * (top_k / num_experts if routed else 1.0)
     return total
 
@@ -96,7 +106,8 @@ def active_params(model: torch.nn.Module, top_k: int, num_experts: int) -> float
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3",
-                                       "deepseek_v2", "gpt_oss"), default="qwen3_moe")
+                                       "deepseek_v2", "gpt_oss", "granitemoehybrid"),
+                    default="qwen3_moe")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="every prompt this many random token ids (default 10-75)")
     ap.add_argument("--layers", type=int, default=8)

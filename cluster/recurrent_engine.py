@@ -10,7 +10,9 @@ that cache, and shipping a prompt's KV to another replica. Draft tokens would ne
 the state rolled back past rejected guesses, beam search a state copied per beam:
 refused by name, as are pipeline stages and LoRA adapters, not built for these
 layers yet. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
-parallelism (``mamba_n_groups`` divisible by it) work.
+parallelism (``mamba_n_groups`` divisible by it) work. Every sequence the batch may
+hold has its state made up front, out of the KV budget: on CPU ``max_num_seqs`` is
+lowered to what half the budget holds.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.config import ENGINE_CPU_KV_BYTES, EngineConfig
 from pagedserve.worker.mamba_config import HYBRID_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,35 @@ def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConf
     if config.enable_prefix_caching:
         logger.info("hybrid Mamba model: prefix caching is off (a cached prefix's KV "
                     "holds no Mamba state)")
-    return replace(config, enable_prefix_caching=False)
+    return replace(config, enable_prefix_caching=False,
+                   max_num_seqs=_seqs_within_budget(config, model_path))
+
+
+def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
+    """``max_num_seqs``, lowered on CPU so that many sequences' Mamba state takes at
+    most half the KV budget (Granite 4.0-H-tiny keeps 57 MB a sequence in fp32; 256
+    of them would be 14.6 GB). A CUDA pool is sized after a profile that holds the
+    slots, and an explicit block count leaves the state uncounted: unchanged."""
+    device = config.resolved_device()
+    if device == "cuda" or (config.num_gpu_blocks and not config.kv_cache_memory_bytes):
+        return config.max_num_seqs
+    import torch
+
+    from pagedserve.worker.config import ModelConfig
+
+    mamba = ModelConfig.from_pretrained(model_path, config.hf_overrides).mamba
+    assert mamba is not None
+    elem = torch.empty((), dtype=getattr(torch, config.resolved_dtype(device))).element_size()
+    per_seq = mamba.state_bytes(elem, config.tensor_parallel_size)
+    budget = config.kv_cache_memory_bytes or ENGINE_CPU_KV_BYTES
+    fits = max(1, budget // 2 // per_seq)
+    if fits >= config.max_num_seqs:
+        return config.max_num_seqs
+    logger.warning("hybrid Mamba model: max_num_seqs lowered from %d to %d, whose Mamba "
+                   "state (%.1f MiB a sequence) fits half the KV budget (%.0f MiB; "
+                   "kv_cache_memory_bytes raises it)", config.max_num_seqs, fits,
+                   per_seq / 2**20, budget / 2**20)
+    return fits
 
 
 def check_recurrent_request(beam: bool, export_kv: bool) -> None:

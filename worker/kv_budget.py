@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.mamba_state import state_bytes
 
 if TYPE_CHECKING:
     from pagedserve.worker.worker import Worker
@@ -58,7 +59,11 @@ def num_device_blocks(worker: Worker) -> int:
         assert worker.model_config is not None
         per_seq = -(-worker.model_config.max_model_len // cfg.block_size)
         return cfg.max_num_seqs * per_seq
-    states = cfg.max_num_seqs * state_bytes(worker.model)  # (a hybrid's Mamba slots)
+    mamba = worker.model_config.mamba if worker.model_config is not None else None
+    states = 0  # (a hybrid's Mamba slots, ``max_num_seqs`` of them)
+    if mamba is not None:
+        elem = torch.empty((), dtype=worker.dtype).element_size()
+        states = cfg.max_num_seqs * mamba.state_bytes(elem, cfg.tensor_parallel_size)
     if cfg.kv_cache_memory_bytes is not None:
         budget = cfg.kv_cache_memory_bytes - states
     elif worker.device.type == "cuda":

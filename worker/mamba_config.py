@@ -56,6 +56,14 @@ class MambaConfig:
     def proj_dim(self) -> int:
         return self.intermediate + self.conv_dim + self.num_heads
 
+    def state_bytes(self, conv_elem: int, tp: int = 1) -> int:
+        """Bytes of one sequence's state on one of ``tp`` ranks, every Mamba layer:
+        the convolution's last inputs (``conv_elem`` bytes a number, the model dtype's)
+        and the fp32 SSM state."""
+        conv = self.conv_dim * (self.d_conv - 1) * conv_elem
+        ssm = self.num_heads * self.head_dim * self.d_state * 4
+        return len(self.layers) * (conv + ssm) // tp
+
 
 def mamba_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          ) -> MambaConfig | None:

@@ -156,14 +156,3 @@ def states_for(model: torch.nn.Module, capacity: int) -> MambaStates | None:
     return MambaStates((m.conv_dim, m.mc.d_conv - 1), (m.heads, m.mc.head_dim, m.mc.d_state),
                        len(mixers), weight.dtype, weight.device, capacity)
 
-
-def state_bytes(model: torch.nn.Module) -> int:
-    """Bytes one sequence's state takes over ``model``'s Mamba mixers on this rank (0
-    without any): what the KV budget sets aside per sequence the batch may hold."""
-    mixers = model.mamba_mixers() if hasattr(model, "mamba_mixers") else []
-    total = 0
-    for m in mixers:
-        conv = m.conv_dim * (m.mc.d_conv - 1) * m.conv_weight.element_size()
-        total += conv + m.heads * m.mc.head_dim * m.mc.d_state * 4  # (fp32 SSM state)
-    return total
-

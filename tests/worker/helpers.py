@@ -46,7 +46,8 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
                "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
                "glm4": ("Glm4Config", "Glm4ForCausalLM"),
-               "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM")}
+               "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
+               "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))

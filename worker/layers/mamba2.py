@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import cpu_mamba
 from pagedserve.worker.layers.linear import (
     LazyTensor,
     MergedColumnParallelLinear,
@@ -155,11 +156,18 @@ class Mamba2Mixer(nn.Module):
         if self.conv_bias is not None:
             h = h + self.conv_bias
         xs, b, c, dt, a = self._discretize(F.silu(h), dt)
+        n, heads, p = xs.shape
+        if cpu_mamba.available(ssm):  # (in place in the slots, one pass)
+            y = cpu_mamba.state_update(ssm, slots, torch.exp(dt * a), dt[..., None] * xs, b, c)
+            return y + self.D[:, None] * xs
+        # In place on the gathered copy: the state is the step's biggest tensor (heads x
+        # head_dim x d_state a row), so each pass over it is what a decode step costs.
         state = ssm.index_select(0, slots)  # [n, H, P, N]
-        state = state * torch.exp(dt * a)[..., None, None] \
-            + (dt[..., None] * xs)[..., None] * b[:, :, None, :]
+        state.mul_(torch.exp(dt * a)[..., None, None])
+        flat = state.view(n * heads, p, -1)
+        flat.baddbmm_((dt[..., None] * xs).view(n * heads, p, 1), b.reshape(n * heads, 1, -1))
         ssm.index_copy_(0, slots, state)
-        y = torch.matmul(state, c.unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(flat, c.reshape(n * heads, -1, 1)).view(n, heads, p)
         return y + self.D[:, None] * xs
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,

@@ -1,0 +1,43 @@
+"""Mamba-2's one-token state update on CPU in one native call (``cpu_mamba.c``).
+
+Why: a decode step's cost in a Mamba layer is its SSM state (heads x head_dim x
+d_state fp32 numbers a sequence); torch gathers the batch's slots, passes over the
+copy to decay it, add the outer product and contract it with C, then scatters it
+back. The kernel updates each slot where it lies, one read and one write, and
+yields ``y`` in the same pass (``bench/moe.py --kind granitemoehybrid``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels import cpu_native
+
+
+def available(ssm: torch.Tensor) -> bool:
+    """Whether the kernel takes this state tensor (fp32, contiguous, on the CPU)."""
+    return (ssm.device.type == "cpu" and ssm.dtype == torch.float32 and ssm.is_contiguous()
+            and cpu_native.load() is not None)
+
+
+def state_update(ssm: torch.Tensor, slots: torch.Tensor, da: torch.Tensor, xdt: torch.Tensor,
+                 b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``ssm[slots] = ssm[slots] * da + xdt (outer) b`` in place, and ``y = state @ c``.
+
+    ``ssm [slots, H, P, N]``, ``slots [n]`` (int64), ``da [n, H]``, ``xdt [n, H, P]``,
+    ``b`` and ``c [n, H, N]``, all fp32; returns ``y [n, H, P]``."""
+    num_slots, heads, p, d_state = ssm.shape
+    n = slots.shape[0]
+    slots = slots.to(torch.int64).contiguous()
+    da, xdt, b, c = (t.float().contiguous() for t in (da, xdt, b, c))
+    if (tuple(da.shape) != (n, heads) or tuple(xdt.shape) != (n, heads, p)
+            or tuple(b.shape) != (n, heads, d_state) or tuple(c.shape) != b.shape):
+        raise ValueError(f"Mamba kernel: state {tuple(ssm.shape)} does not fit inputs "
+                         f"{tuple(da.shape)} / {tuple(xdt.shape)} / {tuple(b.shape)}")
+    y = torch.empty((n, heads, p), dtype=torch.float32)
+    rc = cpu_native._loaded().mamba_state_update(
+        ssm.data_ptr(), num_slots, slots.data_ptr(), n, heads, p, d_state, da.data_ptr(),
+        xdt.data_ptr(), b.data_ptr(), c.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"Mamba kernel: a slot of {slots.tolist()} is out of [0, {num_slots})")
+    return y
