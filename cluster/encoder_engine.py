@@ -22,15 +22,21 @@ from pagedserve.worker.encoder_config import ENCODER_MODEL_TYPES
 logger = logging.getLogger(__name__)
 
 
-def is_encoder(model_path: str) -> bool:
-    """Whether the checkpoint in ``model_path`` is an encoder (``ENCODER_MODEL_TYPES``)."""
+def model_type_at(model_path: str) -> str | None:
+    """The ``model_type`` of the checkpoint in ``model_path``; None when it has no
+    readable ``config.json`` (the model config's own reader names what is wrong)."""
     path = Path(model_path) / "config.json"
     if not path.is_file():
-        return False
+        return None
     try:
-        return json.loads(path.read_text()).get("model_type") in ENCODER_MODEL_TYPES
+        return json.loads(path.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
-        return False  # (the model config's own reader names what is wrong)
+        return None
+
+
+def is_encoder(model_path: str) -> bool:
+    """Whether the checkpoint in ``model_path`` is an encoder (``ENCODER_MODEL_TYPES``)."""
+    return model_type_at(model_path) in ENCODER_MODEL_TYPES
 
 
 def encoder_engine_config(config: EngineConfig, model_path: str) -> EngineConfig:

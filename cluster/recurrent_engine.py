@@ -17,12 +17,11 @@ lowered to what half the budget holds.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
-from pathlib import Path
 
 from pagedserve.cluster.config import ENGINE_CPU_KV_BYTES, EngineConfig
+from pagedserve.cluster.encoder_engine import model_type_at
 from pagedserve.worker.mamba_config import HYBRID_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -32,13 +31,7 @@ _WHY = "for hybrid Mamba models (Granite 4.0-H): their per-sequence state is not
 
 def is_recurrent(model_path: str) -> bool:
     """Whether the checkpoint in ``model_path`` has Mamba layers (``HYBRID_MODEL_TYPES``)."""
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        return False
-    try:
-        return json.loads(path.read_text()).get("model_type") in HYBRID_MODEL_TYPES
-    except (OSError, ValueError, AttributeError):
-        return False  # (the model config's own reader names what is wrong)
+    return model_type_at(model_path) in HYBRID_MODEL_TYPES
 
 
 def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConfig:
