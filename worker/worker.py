@@ -151,8 +151,9 @@ class Worker:
         if self.config.vision_encoded(model_config.image):
             model.attach_vision(self.dtype, self.device)
         layout = kv_layout_of(model_config, self.config.hybrid_kv_cache)
+        # (An encoder has no paged attention layers: nothing to place.)
         for kv_id, attn in zip(stage_kv_ids(model_config, stage), model.attention_layers(),
-                               strict=True):
+                               strict=False):
             attn.kv_group = layout.group_of(kv_id)
         weights = iter_safetensors(resolved.path, side_files=model_config.side_files)
         if model_config.prequant is not None:
