@@ -40,6 +40,7 @@ from pagedserve.worker.mamba_config import (
 )
 from pagedserve.worker.mla_config import MLA_MODEL_TYPES, MLAConfig, mla_config_from_hf
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
+from pagedserve.worker.nemotron_h_config import nemotron_h_config
 from pagedserve.worker.olmo_config import OLMO_MODEL_TYPES, olmo_rope
 from pagedserve.worker.qwen_vl_config import QWEN_VL_MODEL_TYPES, qwen_vl_text_config
 from pagedserve.worker.rope_config import parse_rope
@@ -157,6 +158,9 @@ class ModelConfig:
         cfg, gemma = gemma_from_hf(cfg, model_type)
         model_type = cfg["model_type"]  # a multimodal Gemma 3 serves its text decoder
         cfg, local_theta = olmo_rope(cfg, model_type)
+        mamba = None
+        if model_type == "nemotron_h":  # (its own field names: ``nemotron_h_config``)
+            cfg, mamba = nemotron_h_config(cfg)
         hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
         heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
         kv_heads = positive_int(
@@ -201,12 +205,13 @@ class ModelConfig:
         if mla is not None:  # the cache holds one latent "head" a token (``mla_config``)
             head_dim, kv_heads, rotary_dim = mla.cache_dim, 1, mla.cache_dim
         window, sliding_layers = sliding_window_layers(cfg, model_type, num_layers)
-        mamba = mamba_config_from_hf(cfg, model_type, num_layers)
+        mamba = mamba or mamba_config_from_hf(cfg, model_type, num_layers)
         nope = nope_layers(cfg, num_layers) if model_type == "smollm3" else ()
         if mamba is not None:
             nope = () if uses_rope(cfg) else tuple(range(num_layers))
-            if not cfg.get("num_local_experts"):  # dense: the shared MLP is the layer's MLP
-                cfg = {**cfg, "intermediate_size": cfg.get("shared_intermediate_size")}
+        if model_type == "granitemoehybrid" and not cfg.get("num_local_experts"):
+            # (dense, granite-4.0-h-micro: the shared MLP is the layer's MLP)
+            cfg = {**cfg, "intermediate_size": cfg.get("shared_intermediate_size")}
         return cls(
             model_type=model_type,
             num_layers=num_layers,

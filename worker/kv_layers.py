@@ -1,6 +1,7 @@
 """Which layers hold KV, and in which cache group: every layer of an attention model,
-all but the Mamba layers of a hybrid one (``mamba_config``), whose state lives per
-sequence (``mamba_state``) instead. Groups (``scheduler.kv_groups``) are planned over
+only the attention layers of a hybrid one (``mamba_config``): its Mamba layers keep
+a state per sequence (``mamba_state``) instead, and Nemotron-H's MLP-only layers
+keep nothing. Groups (``scheduler.kv_groups``) are planned over
 the KV layers only, so a Granite 4.0-H with four attention layers in forty pays for
 four layers' KV a block, not forty."""
 
@@ -13,8 +14,7 @@ from pagedserve.worker.pipeline import PipelineStage
 
 def kv_layers(mc: ModelConfig) -> tuple[int, ...]:
     """The model's layers that attend through the paged KV cache, in order."""
-    mamba = set(mc.mamba.layers) if mc.mamba is not None else set()
-    return tuple(i for i in range(mc.num_layers) if i not in mamba)
+    return mc.mamba.attention if mc.mamba is not None else tuple(range(mc.num_layers))
 
 
 def kv_layout_of(mc: ModelConfig, hybrid: bool) -> KVGroupLayout:

@@ -1,4 +1,5 @@
-"""What a hybrid Mamba-2 / attention decoder needs beyond a Llama config.
+"""What a hybrid Mamba-2 / attention decoder needs beyond a Llama config (Granite
+4.0-H's fields here; Nemotron-H's, spelt otherwise, in ``nemotron_h_config``).
 
 IBM's Granite 4.0-H (``model_type: granitemoehybrid``: granite-4.0-h-micro, -tiny,
 -small) interleaves Mamba-2 mixers with a few attention layers: ``layer_types``
@@ -17,7 +18,7 @@ from typing import Any
 
 from pagedserve.worker.config_fields import count, positive_int
 
-HYBRID_MODEL_TYPES = ("granitemoehybrid",)
+HYBRID_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")
 _MAMBA_KINDS = ("mamba", "linear_attention")
 _ATTENTION_KINDS = ("attention", "full_attention")
 
@@ -33,6 +34,8 @@ class MambaConfig:
     """
 
     layers: tuple[int, ...]
+    # The layers that attend (and hold KV); the rest of a Nemotron-H are MLP-only.
+    attention: tuple[int, ...]
     num_heads: int
     head_dim: int
     d_state: int
@@ -68,8 +71,8 @@ class MambaConfig:
 def mamba_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          ) -> MambaConfig | None:
     """The Mamba part of a parsed ``config.json``; None for a model without one."""
-    if model_type not in HYBRID_MODEL_TYPES:
-        return None
+    if model_type != "granitemoehybrid":
+        return None  # (Nemotron-H's fields: ``nemotron_h_config``)
     kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
     if kinds is None:
         kinds = ["mamba"] * num_layers  # (transformers' default: every layer a mixer)
@@ -92,19 +95,25 @@ def mamba_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
     if heads % groups:
         raise ValueError(f"model config field 'mamba_n_groups' ({groups}) must divide "
                          f"'mamba_n_heads' ({heads})")
-    raw = cfg.get("time_step_limit") or (0.0, math.inf)
-    limit = [_number(v) for v in raw] if isinstance(raw, (list, tuple)) else []
-    if len(limit) != 2 or None in limit or limit[0] > limit[1]:
-        raise ValueError(f"model config field 'time_step_limit' must be [min, max], "
-                         f"got {raw!r}")
+    limit = time_step_limit(cfg.get("time_step_limit"), "time_step_limit")
     return MambaConfig(
         layers=tuple(i for i, k in enumerate(kinds) if k in _MAMBA_KINDS),
+        attention=tuple(i for i, k in enumerate(kinds) if k in _ATTENTION_KINDS),
         num_heads=heads, head_dim=head_dim,
         d_state=count(cfg, "mamba_d_state", 256), num_groups=groups,
         d_conv=count(cfg, "mamba_d_conv", 4), chunk_size=count(cfg, "mamba_chunk_size", 256),
         conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         proj_bias=bool(cfg.get("mamba_proj_bias", False)),
         dt_min=float(limit[0]), dt_max=float(limit[1]))
+
+
+def time_step_limit(raw: Any, field: str) -> tuple[float, float]:
+    """``[min, max]`` of dt (absent: no limit)."""
+    raw = raw or (0.0, math.inf)
+    limit = [_number(v) for v in raw] if isinstance(raw, (list, tuple)) else []
+    if len(limit) != 2 or None in limit or limit[0] > limit[1]:
+        raise ValueError(f"model config field {field!r} must be [min, max], got {raw!r}")
+    return limit[0], limit[1]
 
 
 def _number(v: Any) -> float | None:

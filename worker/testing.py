@@ -52,6 +52,11 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                              layer_types=["mamba", "attention", "mamba", "mamba"],
                              mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
                              mamba_n_groups=2, mamba_chunk_size=8, mamba_d_conv=4),
+    # Nemotron-H: Mamba, MLP, attention, MLP, Mamba, MLP blocks; two B / C groups, chunks
+    # of 8 tokens.
+    "nemotron_h": dict(hybrid_override_pattern="M-*-M-", num_hidden_layers=6,
+                       mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+                       chunk_size=8, head_dim=16),
     # GLM-4.5: DeepSeek-V3's experts (8 in 4 groups), biased q/k/v, per-head q/k norms,
     # RoPE on half of each 16-wide head.
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -108,7 +113,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     "deepseek_v2", "deepseek_v3" (MLA, 8 experts in 4 groups: ``MOE_DEFAULTS``), and
     "gpt_oss" (4 experts, attention sinks, alternating 12-token windows), and Granite's
     "granite", "granitemoe", "granitemoeshared" (``GRANITE_SCALES``), and Granite 4.0-H's
-    "granitemoehybrid" (Mamba-2 and attention layers).
+    "granitemoehybrid" (Mamba-2 and attention layers), and "nemotron_h" (Mamba-2,
+    attention and MLP blocks).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -151,7 +157,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM,
                                     tf.GraniteMoeSharedModel),
                "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM,
-                                    tf.GraniteMoeHybridModel)}
+                                    tf.GraniteMoeHybridModel),
+               "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM, tf.NemotronHModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -180,7 +187,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
         for name, p in model.named_parameters():  # GPT-OSS: sinks and biases that matter
             if kind == "gpt_oss" and (name.endswith("sinks") or "bias" in name):
                 p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.2)
-            if name.endswith((".mamba.D", ".mamba.dt_bias")):  # (Mamba's init: all ones)
+            if name.endswith((".mamba.D", ".mamba.dt_bias", ".mixer.D", ".mixer.dt_bias")):
+                # (Mamba's init: all ones)
                 p.normal_(1.0 if name.endswith("D") else 0.0, 0.5)
         routing_biases = [*model.named_buffers(), *model.named_parameters()]
         for name, b in routing_biases:  # DeepSeek-V3's (Ernie's) routing bias inits to 0

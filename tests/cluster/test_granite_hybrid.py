@@ -97,7 +97,7 @@ def test_what_it_cannot_serve_is_refused_by_name(hybrid, tmp_path) -> None:
                           ("enable_lora", True), ("pipeline_parallel_size", 2)]:
         with pytest.raises(ValueError, match="not supported for hybrid Mamba"):
             LLM(model=path, num_gpu_blocks=32, **{option: value})
-    mc = MambaConfig((0,), num_heads=4, head_dim=8, d_state=4, num_groups=1, d_conv=4,
+    mc = MambaConfig((0,), (), num_heads=4, head_dim=8, d_state=4, num_groups=1, d_conv=4,
                      chunk_size=8, conv_bias=True, proj_bias=False)
     with pytest.raises(ValueError, match="mamba_n_groups"):
         Mamba2Mixer(32, mc, 1e-5, SimpleNamespace(world_size=2, rank=0), torch.float32,

@@ -39,7 +39,7 @@ def test_kernel_updates_the_slots_it_names_and_only_them(heads, p, n) -> None:
 def test_mixer_decode_equals_its_torch_path(monkeypatch) -> None:
     """A prompt step then two decode steps of four sequences, with the kernel and with
     ``cpu_mamba`` off (the gather / update / scatter path): the same outputs."""
-    mc = MambaConfig((0,), num_heads=4, head_dim=8, d_state=16, num_groups=2, d_conv=4,
+    mc = MambaConfig((0,), (), num_heads=4, head_dim=8, d_state=16, num_groups=2, d_conv=4,
                      chunk_size=4, conv_bias=True, proj_bias=False)
     torch.manual_seed(0)
     mixer = Mamba2Mixer(32, mc, 1e-5, ParallelContext(), torch.float32, torch.device("cpu"),

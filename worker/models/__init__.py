@@ -11,6 +11,7 @@ from pagedserve.worker.models.granite import GraniteForCausalLM
 from pagedserve.worker.models.granite_hybrid import GraniteHybridForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
+from pagedserve.worker.models.nemotron_h import NemotronHForCausalLM
 from pagedserve.worker.models.olmo import OlmoForCausalLM
 from pagedserve.worker.models.smollm3 import SmolLM3ForCausalLM
 
@@ -27,6 +28,7 @@ MODEL_REGISTRY = {
     "granitemoe": GraniteForCausalLM,  # (its experts stacked: ``layers.moe_granite``)
     "granitemoeshared": GraniteForCausalLM,
     "granitemoehybrid": GraniteHybridForCausalLM,  # (Mamba-2 layers: ``layers.mamba2``)
+    "nemotron_h": NemotronHForCausalLM,  # (Mamba-2, attention and MLP blocks)
     "olmo2": OlmoForCausalLM,  # (post-norms, whole-projection q/k norms: ``olmo_config``)
     "olmo3": OlmoForCausalLM,  # (and sliding layers with their own RoPE)
     "smollm3": SmolLM3ForCausalLM,  # (no RoPE on every fourth layer)
@@ -48,5 +50,5 @@ MODEL_REGISTRY = {
 __all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
            "Glm4ForCausalLM", "Glm4MoeForCausalLM",
            "GraniteForCausalLM", "GraniteHybridForCausalLM", "LlamaForCausalLM",
-           "ModernBertModel", "OlmoForCausalLM",
+           "ModernBertModel", "NemotronHForCausalLM", "OlmoForCausalLM",
            "SmolLM3ForCausalLM"]

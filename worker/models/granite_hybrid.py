@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.layers.mamba2 import Mamba2Mixer
 from pagedserve.worker.layers.moe import SparseMoE
@@ -26,9 +26,9 @@ from pagedserve.worker.layers.moe_granite import GraniteMoE
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.models.fused_weights import split_rows
 from pagedserve.worker.models.granite import GraniteDecoderLayer, GraniteForCausalLM
-from pagedserve.worker.models.llama import KVCaches, LlamaMLP
+from pagedserve.worker.models.hybrid import RecurrentHybridMixin
+from pagedserve.worker.models.llama import LlamaMLP
 from pagedserve.worker.models.llama_loading import _LAYER_RE
-from pagedserve.worker.pipeline import IntermediateTensors
 
 _SHARED = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight")
 
@@ -68,79 +68,25 @@ def _hybrid_layer(cfg: Any, ctx: Any, backend: Any, dtype: torch.dtype,
     return cls(cfg, ctx, backend, dtype, device, index)
 
 
-class GraniteHybridForCausalLM(GraniteForCausalLM):
+class GraniteHybridForCausalLM(RecurrentHybridMixin, GraniteForCausalLM):
     """Granite 4.0-H: ``GraniteForCausalLM`` with Mamba-2 layers among its attention
-    layers (see the module docstring)."""
+    layers (see the module docstring; what hybrids share, ``models.hybrid``)."""
 
     layer_cls = staticmethod(_hybrid_layer)  # type: ignore[assignment]
 
     def __init__(self, cfg, ctx, backend, dtype, device, stage=None) -> None:
         super().__init__(cfg, ctx, backend, dtype, device, stage)
-        self._is_mamba = [isinstance(layer, GraniteMambaLayer) for layer in self.layers]
-        for j, mixer in enumerate(self.mamba_mixers()):
-            mixer.state_index = j
-        self._rotates = bool(set(range(cfg.num_layers)) - set(cfg.nope_layers))
-
-    def mamba_mixers(self) -> list[Mamba2Mixer]:
-        """This stage's Mamba mixers in order (their ``state_index`` order)."""
-        return [layer.mamba for layer in self.layers if isinstance(layer, GraniteMambaLayer)]
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer, m in zip(self.layers, self._is_mamba)
-                if not m]
-
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        attn = self.attention_layers()
-        return attn[0].num_kv_heads if attn else self.config.num_kv_heads
-
-    @property
-    def graph_capturable(self) -> bool:
-        """Never: the mixers pick each step's prompt rows on the host."""
-        return False
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                md: AttentionMetadata, intermediate: IntermediateTensors | None = None,
-                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | IntermediateTensors:
-        """``LlamaForCausalLM.forward`` with ``kv_caches`` holding the attention layers'
-        caches only, in order."""
-        caches = iter(kv_caches)
-        per_layer = [None if m else next(caches) for m in self._is_mamba]
-        return super().forward(input_ids, positions, per_layer, md, intermediate,
-                               image_embeds)
-
-    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        ropes = super().layer_ropes(positions, dtype)
-        if self._rotates or not ropes:
-            return ropes
-        cos, sin = ropes[0]  # (NoPE: an identity table, as SmolLM3's NoPE layers take)
-        return [(torch.ones_like(cos), torch.zeros_like(sin))] * len(self.layers)
+        self._init_hybrid()
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def _expected_names(self) -> set[str]:
-        names = set()
-        dense = self.config.moe is None
-        for name in super()._expected_names():
-            m = _LAYER_RE.match(name)
-            if m is None:
-                names.add(name)
-                continue
-            local = int(m.group(1)) - self.stage.start
-            rest = m.group(2)
-            if rest.startswith("self_attn.") and self._is_mamba[local]:
-                continue
-            if dense and rest.startswith("mlp."):
-                continue
-            names.add(name)
-        for i, layer in enumerate(self.layers, self.stage.start):
-            p = f"model.layers.{i}."
-            if isinstance(layer, GraniteMambaLayer):
-                names |= {p + "mamba." + n for n in layer.mamba.checkpoint_names()}
-            if dense:
-                names |= {p + n for n in _SHARED}
+    def _layer_names(self, layer: nn.Module) -> set[str]:
+        names = super()._layer_names(layer)
+        if isinstance(layer, GraniteMambaLayer):
+            names = {n for n in names if not n.startswith("self_attn.")}
+            names |= {"mamba." + n for n in layer.mamba.checkpoint_names()}
+        if self.config.moe is None:  # dense: the shared MLP in the llama MLP's place
+            names = {n for n in names if not n.startswith("mlp.")} | set(_SHARED)
         return names
 
     def _load_one(self, name: str, lazy: LazyTensor) -> None:

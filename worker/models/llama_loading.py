@@ -130,18 +130,20 @@ class LlamaWeightLoading:
                 names.add("lm_head.weight")
             if cfg.classifier is not None and not cfg.classifier.from_tokens:
                 names.add("score.weight")
-        for i in range(self.stage.start, self.stage.end):
-            p = f"model.layers.{i}."
-            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            mlp = self.layers[i - self.stage.start].mlp
-            if isinstance(mlp, SparseMoE):
-                names |= {p + n for n in mlp.layer_names()}
-            elif cfg.model_type in _FUSED_GATE_UP:  # fused projections (fused_weights)
-                names |= {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
-            else:
-                names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
-            names |= {p + "self_attn." + n for n in self._attention_names()}
+        for i, layer in enumerate(self.layers, self.stage.start):
+            names |= {f"model.layers.{i}.{n}" for n in self._layer_names(layer)}
         return names
+
+    def _layer_names(self, layer: nn.Module) -> set[str]:
+        """A decoder layer's tensors, as named under ``model.layers.{i}.``."""
+        names = {"input_layernorm.weight", "post_attention_layernorm.weight"}
+        if isinstance(layer.mlp, SparseMoE):
+            names |= layer.mlp.layer_names()
+        elif self.config.model_type in _FUSED_GATE_UP:  # fused projections (fused_weights)
+            names |= {"mlp.gate_up_proj.weight", "mlp.down_proj.weight"}
+        else:
+            names |= {f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
+        return names | {"self_attn." + n for n in self._attention_names()}
 
     def _attention_names(self) -> set[str]:
         """A layer's attention tensors, as named under ``self_attn.``."""

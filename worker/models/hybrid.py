@@ -1,0 +1,76 @@
+"""What every hybrid Mamba-2 / attention decoder does the same way (Granite 4.0-H,
+Nemotron-H): a mixin over ``LlamaForCausalLM`` whose layers each hold a paged
+attention (``self_attn``), a Mamba-2 mixer (``mamba``), or neither.
+
+The KV pool holds the attention layers only (``worker.kv_layers``), so the
+forward gets their caches and hands each to its layer; the mixers number their
+slot tensors in layer order (``state_index``); a model without RoPE anywhere
+(both families' releases) rotates by an identity table; and no step is captured
+as a CUDA graph (the mixers pick each step's prompt rows on the host).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.worker.layers.mamba2 import Mamba2Mixer
+from pagedserve.worker.models.llama import KVCaches
+from pagedserve.worker.pipeline import IntermediateTensors
+
+
+def _paged(layer: Any) -> PagedAttention | None:
+    attn = getattr(layer, "self_attn", None)
+    return attn.attn if attn is not None else None
+
+
+class RecurrentHybridMixin:
+    """Put before ``LlamaForCausalLM`` in the bases; call ``_init_hybrid`` after its
+    ``__init__``."""
+
+    layers: Any
+    config: Any
+
+    def _init_hybrid(self) -> None:
+        self._paged_layers = [_paged(layer) for layer in self.layers]
+        for j, mixer in enumerate(self.mamba_mixers()):
+            mixer.state_index = j
+        self._rotates = bool(set(range(self.config.num_layers)) - set(self.config.nope_layers))
+
+    def mamba_mixers(self) -> list[Mamba2Mixer]:
+        """This stage's Mamba mixers in order (their ``state_index`` order)."""
+        mixers = (getattr(layer, "mamba", None) for layer in self.layers)
+        return [m for m in mixers if isinstance(m, Mamba2Mixer)]
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [a for a in self._paged_layers if a is not None]
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        attn = self.attention_layers()
+        return attn[0].num_kv_heads if attn else self.config.num_kv_heads
+
+    @property
+    def graph_capturable(self) -> bool:
+        return False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                md: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """``LlamaForCausalLM.forward`` with ``kv_caches`` holding the attention layers'
+        caches only, in order."""
+        caches = iter(kv_caches)
+        per_layer = [None if a is None else next(caches) for a in self._paged_layers]
+        return super().forward(input_ids, positions, per_layer, md,  # type: ignore[misc]
+                               intermediate, image_embeds)
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ropes = super().layer_ropes(positions, dtype)  # type: ignore[misc]
+        if self._rotates or not ropes:
+            return ropes
+        cos, sin = ropes[0]  # (NoPE: an identity table, as SmolLM3's NoPE layers take)
+        return [(torch.ones_like(cos), torch.zeros_like(sin))] * len(self.layers)

@@ -1,0 +1,137 @@
+"""NVIDIA's Nemotron-H (``nemotron_h``: Nemotron-H 8B / 47B, Nemotron Nano 2 9B / 12B):
+blocks of one norm and one mixer each, the mixer a Mamba-2 layer, attention without
+positional rotation, or a squared-ReLU MLP (``nemotron_h_config``), every block
+adding its output to the residual stream.
+
+A block is the Llama loop's layer: it normalises ``x + residual`` and returns its
+mixer's output with the new residual, so the stack, the final norm and the head are
+``LlamaForCausalLM``'s, and what hybrids share (KV for the attention blocks only,
+state slots for the Mamba ones) is ``models.hybrid``'s. The files spell the decoder
+``backbone`` and its ends ``embeddings`` / ``norm_f``; they load under Llama's names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.worker.layers.attention import AttentionMetadata
+from pagedserve.worker.layers.linear import ColumnParallelLinear, LazyTensor, RowParallelLinear
+from pagedserve.worker.layers.mamba2 import Mamba2Mixer
+from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.models.hybrid import RecurrentHybridMixin
+from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedserve.worker.models.llama_loading import _LAYER_RE, _copy_full
+
+_RENAMES = {"model.embeddings.weight": "model.embed_tokens.weight",
+            "model.norm_f.weight": "model.norm.weight"}
+
+
+def _renamed(name: str) -> str:
+    """A checkpoint name as ``LlamaWeightLoading`` reads it."""
+    if name.startswith("backbone."):
+        name = "model." + name[9:]
+    return _RENAMES.get(name, name)
+
+
+class ReluSquaredMLP(nn.Module):
+    """``down(relu(up(x)) ** 2)``: Nemotron-H's MLP block, ungated."""
+
+    def __init__(self, cfg: Any, ctx: Any, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, False, ctx,
+                                            dtype, device)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ctx,
+                                           dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class NemotronHBlock(nn.Module):
+    """One block: ``norm`` and its ``mixer`` (Mamba-2, attention or MLP)."""
+
+    def __init__(self, cfg: Any, ctx: Any, backend: Any, dtype: torch.dtype,
+                 device: torch.device, index: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.kind = ("mamba" if index in cfg.mamba.layers
+                     else "attention" if index in cfg.mamba.attention else "mlp")
+        self.mixer: nn.Module
+        if self.kind == "mamba":
+            self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.rms_norm_eps, ctx, dtype,
+                                     device, state_index=0)
+        elif self.kind == "attention":
+            self.mixer = LlamaAttention(cfg, ctx, backend, dtype, device, index)
+        else:
+            self.mixer = ReluSquaredMLP(cfg, ctx, dtype, device)
+
+    @property
+    def self_attn(self) -> nn.Module | None:
+        return self.mixer if self.kind == "attention" else None
+
+    @property
+    def mamba(self) -> nn.Module | None:
+        return self.mixer if self.kind == "mamba" else None
+
+    def checkpoint_names(self) -> set[str]:
+        """Its tensors, as named under the block (``model.layers.{i}.``)."""
+        if self.kind == "mamba":
+            mixer = {"mixer." + n for n in self.mixer.checkpoint_names()}
+        elif self.kind == "attention":
+            mixer = {f"mixer.{m}_proj.weight" for m in "qkvo"}
+        else:
+            mixer = {"mixer.up_proj.weight", "mixer.down_proj.weight"}
+        return mixer | {"norm.weight"}
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.norm(x, residual)
+        if self.kind == "mamba":
+            return self.mixer(h, md.mamba), residual
+        if self.kind == "attention":
+            return self.mixer(h, cos, sin, kv_cache, md), residual
+        return self.mixer(h), residual
+
+
+class NemotronHForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
+    """Nemotron-H (see the module docstring)."""
+
+    layer_cls = NemotronHBlock
+
+    def __init__(self, cfg, ctx, backend, dtype, device, stage=None) -> None:
+        super().__init__(cfg, ctx, backend, dtype, device, stage)
+        self._init_hybrid()
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
+                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
+        super().load_weights(((_renamed(n), t) for n, t in weights), on_layer)
+
+    def owns_tensor(self, name: str) -> bool:
+        return super().owns_tensor(_renamed(name))
+
+    def _layer_names(self, layer: nn.Module) -> set[str]:
+        return layer.checkpoint_names()
+
+    def _load_one(self, name: str, lazy: LazyTensor) -> None:
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) >= self.config.num_layers:
+            return super()._load_one(name, lazy)
+        layer = self.layers[int(m.group(1)) - self.stage.start]
+        rest = m.group(2)
+        sub = rest.removeprefix("mixer.")
+        module, _, kind = sub.rpartition(".")
+        if rest == "norm.weight":
+            _copy_full(name, layer.norm.weight, lazy)
+        elif (rest.startswith("mixer.") and layer.kind == "mamba" and layer.mixer.load(sub, lazy)) or (rest.startswith("mixer.") and layer.kind == "attention" and kind == "weight" \
+                and self._load_attention(layer.mixer, module, False, name, lazy)):
+            return
+        elif rest.startswith("mixer.") and layer.kind == "mlp" and kind == "weight" \
+                and module in ("up_proj", "down_proj"):
+            getattr(layer.mixer, module).load(lazy)
+        else:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
