@@ -29,23 +29,34 @@ from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["moe", "dense"])
-def hybrid(request, tmp_path_factory, default_model_dir) -> tuple[str, list, list]:
-    """A checkpoint (experts, or the shared MLP alone), prompts of 3 to 48 tokens (up
-    to six 8-token scan chunks), and HF's greedy tokens for them."""
-    extra = {} if request.param == "moe" else {"num_local_experts": 0}
-    path = write_random_checkpoint(tmp_path_factory.mktemp(f"hybrid_{request.param}"),
-                                   "granitemoehybrid", default_model_dir, **extra)
+def _checkpoint(tmp_path_factory, tokenizer_dir: str, **extra) -> tuple[str, list, list]:
+    """A checkpoint, prompts of 3 to 48 tokens (up to six 8-token scan chunks), and HF's
+    greedy tokens for them."""
+    path = write_random_checkpoint(tmp_path_factory.mktemp("hybrid"), "granitemoehybrid",
+                                   tokenizer_dir, **extra)
     prompts = prompts_of_mixed_lengths(6)
     return path, prompts, hf_greedy(path, prompts, GREEDY.max_tokens)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory, default_model_dir) -> tuple[str, list, list]:
+    """With routed experts beside the shared MLP."""
+    return _checkpoint(tmp_path_factory, default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dense(tmp_path_factory, default_model_dir) -> tuple[str, list, list]:
+    """granite-4.0-h-micro's shape: the shared MLP alone."""
+    return _checkpoint(tmp_path_factory, default_model_dir, num_local_experts=0)
 
 
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_greedy_equals_hugging_face_whole_and_in_prefill_chunks(hybrid) -> None:
-    path, prompts, ref = hybrid
+@pytest.mark.parametrize("fixture", ["hybrid", "hybrid_dense"])
+def test_greedy_equals_hugging_face_whole_and_in_prefill_chunks(fixture, request) -> None:
+    path, prompts, ref = request.getfixturevalue(fixture)
     llm = LLM(model=path, num_gpu_blocks=96, block_size=4)
     try:
         assert llm.engine.scheduler.kv.pool.enable_caching is False  # (no state in a prefix)
@@ -146,3 +157,25 @@ def test_slots_are_zeroed_reused_grown_and_forked() -> None:
     assert step.single_rows is None and float(states.ssm[1][states.slot_of["d"]].sum()) == 0
     with pytest.raises(ValueError, match="without its Mamba state"):
         states.step([_row("e", 4, 1)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h"])
+def test_hybrids_on_cuda_equal_hugging_face(kind, tmp_path) -> None:
+    """Granite 4.0-H and Nemotron-H on CUDA (the mixers' torch path, Triton attention,
+    eager steps) against HF on the same device: mixed prompts and one of 300 tokens
+    (38 scan chunks), twice."""
+    path = write_random_checkpoint(tmp_path / kind, kind, None)
+    prompts = [*prompts_of_mixed_lengths(), [(7 * j) % 4000 + 100 for j in range(300)]]
+    ref = hf_greedy(path, prompts, 20, device="cuda")
+    llm = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=256, block_size=16,
+              attention_backend="triton")
+    try:
+        for _ in range(2):
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20,
+                                                        ignore_eos=True))
+            assert [o.outputs[0].token_ids for o in outs] == ref
+        assert llm.engine.executor.worker.runner.graphs is None  # (eager: see models.hybrid)
+    finally:
+        llm.shutdown()

@@ -104,7 +104,6 @@ def _free_port() -> int:
     ("ernie4_5_moe", dict(num_key_value_heads=2)),
     ("olmo3", dict(num_key_value_heads=1, sliding_window=5,
                    layer_types=["sliding_attention", "full_attention"])),
-    ("granitemoehybrid", dict(num_key_value_heads=2, num_local_experts=0)),
     ("nemotron_h", dict(num_key_value_heads=2)),
 ], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm", "mixtral_experts",
         "qwen2_moe_shared_expert", "gemma3_sliding", "phi3_fused", "deepseek_v3_mla",
@@ -112,8 +111,7 @@ def _free_port() -> int:
         "olmo2_sharded_qk_norms", "glm4_moe_partial_rope_grouped_experts",
         "ernie_interleaved_rope", "glm4_sandwich_norms_fused_gate_up",
         "ernie_moe_biased_choice_shared",
-        "olmo3_replicated_kv_head_norm", "granite_hybrid_mamba_heads_and_groups_split",
-        "nemotron_h_mamba_mlp_attention_blocks"])
+        "olmo3_replicated_kv_head_norm", "nemotron_h_mamba_heads_and_groups_split"])
 def test_tp2_equals_tp1(tmp_path, kind, kw):
     path = save_tiny_model(tmp_path / "m", kind, seed=4, **kw)
     ref_worker = make_worker(path, num_blocks=40, block_size=4)
