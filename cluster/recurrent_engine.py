@@ -1,5 +1,5 @@
 """What an engine changes to serve a hybrid model with Mamba-2 layers (Granite 4.0-H,
-``worker.mamba_config``).
+Nemotron-H: ``worker.mamba_config``).
 
 A Mamba layer folds a sequence's whole past into one state per sequence
 (``worker.mamba_state``), which no KV block holds. So a prompt whose leading blocks
@@ -26,7 +26,8 @@ from pagedserve.worker.mamba_config import HYBRID_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
-_WHY = "for hybrid Mamba models (Granite 4.0-H): their per-sequence state is not paged"
+_WHY = ("for hybrid Mamba models (Granite 4.0-H, Nemotron-H): their per-sequence state "
+        "is not paged")
 
 
 def is_recurrent(model_path: str) -> bool:

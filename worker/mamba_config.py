@@ -27,7 +27,8 @@ _ATTENTION_KINDS = ("attention", "full_attention")
 class MambaConfig:
     """A Mamba-2 mixer's shapes (every Mamba layer's alike) and which layers have one.
 
-    ``intermediate`` is ``num_heads * head_dim`` (``mamba_expand * hidden``); B and C
+    ``intermediate`` is ``num_heads * head_dim`` (Granite's ``mamba_expand * hidden``; a
+    Nemotron-H may differ); B and C
     have ``num_groups * d_state`` channels each, the convolution runs over x, B and C
     (``conv_dim``), and the input projection yields z (the gate), x, B, C and dt
     (one per head): ``proj_dim`` rows.

@@ -102,7 +102,8 @@ class MambaStates:
             t.index_fill_(0, idx, 0)
 
     def step(self, reqs: Sequence[ScheduledRequest]) -> MambaStep:
-        """Each row's slot (a new sequence takes one, zeroed), sorted for the mixers."""
+        """Each row's slot (a new sequence takes one, zeroed), the rows split into the
+        mixers' batched one-token rows and their one-sequence prompt rows."""
         slots, fresh = [], []
         for r in reqs:
             slot = self.slot_of.get(r.request_id)
