@@ -15,9 +15,11 @@ from pagedserve.kernels import cpu_native
 
 
 def available(ssm: torch.Tensor) -> bool:
-    """Whether the kernel takes this state tensor (fp32, contiguous, on the CPU)."""
+    """Whether the kernel takes this state tensor (fp32, contiguous, on the CPU). Asked
+    by every Mamba layer of every decode step: the library is looked up without
+    ``load``'s lock once it has been tried."""
     return (ssm.device.type == "cpu" and ssm.dtype == torch.float32 and ssm.is_contiguous()
-            and cpu_native.load() is not None)
+            and cpu_native._loaded() is not None)
 
 
 def state_update(ssm: torch.Tensor, slots: torch.Tensor, da: torch.Tensor, xdt: torch.Tensor,
