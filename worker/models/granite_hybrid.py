@@ -28,7 +28,6 @@ from pagedserve.worker.models.fused_weights import split_rows
 from pagedserve.worker.models.granite import GraniteDecoderLayer, GraniteForCausalLM
 from pagedserve.worker.models.hybrid import RecurrentHybridMixin
 from pagedserve.worker.models.llama import LlamaMLP
-from pagedserve.worker.models.llama_loading import _LAYER_RE
 
 _SHARED = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight")
 
@@ -90,11 +89,10 @@ class GraniteHybridForCausalLM(RecurrentHybridMixin, GraniteForCausalLM):
         return names
 
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
-        m = _LAYER_RE.match(name)
-        if m is None or int(m.group(1)) >= self.config.num_layers:
+        found = self._layer_tensor(name)
+        if found is None:
             return super()._load_one(name, lazy)
-        layer = self.layers[int(m.group(1)) - self.stage.start]
-        rest = m.group(2)
+        layer, rest = found
         if rest.startswith("mamba."):
             if not isinstance(layer, GraniteMambaLayer) or not layer.mamba.load(rest[6:], lazy):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")

@@ -182,6 +182,14 @@ class LlamaWeightLoading:
             return False
         return True
 
+    def _layer_tensor(self, name: str) -> tuple[nn.Module, str] | None:
+        """The decoder layer (this stage's) that checkpoint tensor ``name`` belongs to and
+        its name under it; None for a tensor outside the model's layers."""
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) >= self.config.num_layers:
+            return None
+        return self.layers[int(m.group(1)) - self.stage.start], m.group(2)
+
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
         if name == "model.embed_tokens.weight":
             if self.embed_tokens is not None:
@@ -205,11 +213,10 @@ class LlamaWeightLoading:
             assert self.norm is not None
             _copy_full(name, self.norm.weight, lazy)
             return
-        m = _LAYER_RE.match(name)
-        if m is None or int(m.group(1)) >= self.config.num_layers:
+        found = self._layer_tensor(name)
+        if found is None:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        layer = self.layers[int(m.group(1)) - self.stage.start]
-        rest = m.group(2)
+        layer, rest = found
         module, _, kind = rest.rpartition(".")
         is_bias = kind == "bias"
         moe = layer.mlp if isinstance(layer.mlp, SparseMoE) else None

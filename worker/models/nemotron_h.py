@@ -24,7 +24,7 @@ from pagedserve.worker.layers.mamba2 import Mamba2Mixer
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.models.hybrid import RecurrentHybridMixin
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM
-from pagedserve.worker.models.llama_loading import _LAYER_RE, _copy_full
+from pagedserve.worker.models.llama_loading import _copy_full
 
 _RENAMES = {"model.embeddings.weight": "model.embed_tokens.weight",
             "model.norm_f.weight": "model.norm.weight"}
@@ -118,11 +118,10 @@ class NemotronHForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
         return layer.checkpoint_names()
 
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
-        m = _LAYER_RE.match(name)
-        if m is None or int(m.group(1)) >= self.config.num_layers:
+        found = self._layer_tensor(name)
+        if found is None:
             return super()._load_one(name, lazy)
-        layer = self.layers[int(m.group(1)) - self.stage.start]
-        rest = m.group(2)
+        layer, rest = found
         sub = rest.removeprefix("mixer.")
         module, _, kind = sub.rpartition(".")
         if rest == "norm.weight":
