@@ -1,7 +1,8 @@
-"""What an engine changes to serve a hybrid model with Mamba-2 layers (Granite 4.0-H,
-Nemotron-H: ``worker.mamba_config``).
+"""What an engine changes to serve a hybrid model with recurrent layers: Mamba-2
+(Granite 4.0-H, Nemotron-H: ``worker.mamba_config``) or gated DeltaNet (Qwen3-Next:
+``worker.deltanet_config``).
 
-A Mamba layer folds a sequence's whole past into one state per sequence
+A Mamba (or DeltaNet) layer folds a sequence's whole past into one state per sequence
 (``worker.mamba_state``), which no KV block holds. So a prompt whose leading blocks
 sit in the prefix cache still needs its state, which was never kept: prefix
 caching is off (vLLM turned it off for these models too until it learnt to keep
@@ -26,12 +27,13 @@ from pagedserve.worker.mamba_config import HYBRID_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
-_WHY = ("for hybrid Mamba models (Granite 4.0-H, Nemotron-H): their per-sequence state "
-        "is not paged")
+_WHY = ("for hybrid Mamba / DeltaNet models (Granite 4.0-H, Nemotron-H, Qwen3-Next): their "
+        "per-sequence state is not paged")
 
 
 def is_recurrent(model_path: str) -> bool:
-    """Whether the checkpoint in ``model_path`` has Mamba layers (``HYBRID_MODEL_TYPES``)."""
+    """Whether the checkpoint in ``model_path`` has recurrent layers
+    (``HYBRID_MODEL_TYPES``)."""
     return model_type_at(model_path) in HYBRID_MODEL_TYPES
 
 

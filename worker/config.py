@@ -23,6 +23,7 @@ from pagedserve.worker.classifier import (
     vocab_token_ids,
 )
 from pagedserve.worker.config_fields import matryoshka, nope_layers, positive_int, require
+from pagedserve.worker.deltanet_config import DeltaNetConfig, deltanet_config_from_hf
 from pagedserve.worker.encoder_config import (
     ENCODER_MODEL_TYPES,
     EncoderConfig,
@@ -126,7 +127,8 @@ class ModelConfig:
     matryoshka: tuple[int, ...] | bool | None = None
     # A hybrid model's Mamba-2 layers and their mixers' shapes (``mamba_config``): they
     # hold per-sequence state, not KV; None: every layer attends.
-    mamba: MambaConfig | None = None
+    # (Qwen3-Next's gated DeltaNet layers: a ``DeltaNetConfig`` with the same fields.)
+    mamba: MambaConfig | DeltaNetConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], tokenizer_dir: str | None = None
@@ -206,8 +208,10 @@ class ModelConfig:
             head_dim, kv_heads, rotary_dim = mla.cache_dim, 1, mla.cache_dim
         window, sliding_layers = sliding_window_layers(cfg, model_type, num_layers)
         mamba = mamba or mamba_config_from_hf(cfg, model_type, num_layers)
+        if model_type == "qwen3_next":
+            mamba = deltanet_config_from_hf(cfg, num_layers)
         nope = nope_layers(cfg, num_layers) if model_type == "smollm3" else ()
-        if mamba is not None:
+        if isinstance(mamba, MambaConfig):
             nope = () if uses_rope(cfg) else tuple(range(num_layers))
         if model_type == "granitemoehybrid" and not cfg.get("num_local_experts"):
             # (dense, granite-4.0-h-micro: the shared MLP is the layer's MLP)
@@ -229,7 +233,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *OLMO_MODEL_TYPES)
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text",
+                                   *OLMO_MODEL_TYPES)
             or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             max_position_embeddings=positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)

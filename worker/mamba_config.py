@@ -18,7 +18,9 @@ from typing import Any
 
 from pagedserve.worker.config_fields import count, positive_int
 
-HYBRID_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")
+# Hybrids whose recurrent layers keep a state per sequence: Mamba-2 (the first two) or
+# gated DeltaNet (Qwen3-Next: ``deltanet_config``).
+HYBRID_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "qwen3_next")
 _MAMBA_KINDS = ("mamba", "linear_attention")
 _ATTENTION_KINDS = ("attention", "full_attention")
 

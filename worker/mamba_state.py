@@ -1,10 +1,13 @@
-"""Each sequence's recurrent state in a hybrid model's Mamba-2 layers, on one rank.
+"""Each sequence's recurrent state in a hybrid model's Mamba-2 (or gated DeltaNet)
+layers, on one rank.
 
 Attention layers page their KV through the scheduler's block tables; a Mamba layer
 instead folds everything a sequence has seen into a fixed-size state: its causal
 convolution's last ``d_conv - 1`` inputs and an SSM state ``[heads, head_dim,
 d_state]`` (fp32: it is summed into at every token, and rounding it to 16 bits
-every step would drift). Each sequence holds one slot of per-layer tensors here
+every step would drift). A gated DeltaNet layer (Qwen3-Next) keeps the same two
+parts, its "SSM" tensor the ``[value heads, key dim, value dim]`` fast-weight
+matrix of the delta rule. Each sequence holds one slot of per-layer tensors here
 from its first step until the plan names it finished or aborted.
 
 The slots are this rank's own bookkeeping, not the scheduler's: every rank of an
@@ -147,13 +150,15 @@ class MambaStates:
 
 
 def states_for(model: torch.nn.Module, capacity: int) -> MambaStates | None:
-    """Slots for ``model``'s Mamba mixers on this rank (``mamba_mixers()``, each with
-    its ``state_index``); None for a model without any."""
+    """Slots for ``model``'s recurrent mixers on this rank (``mamba_mixers()``: Mamba-2
+    or gated DeltaNet, each with its ``state_index`` and ``state_shapes()``); None for a
+    model without any."""
     mixers = model.mamba_mixers() if hasattr(model, "mamba_mixers") else []
     if not mixers:
         return None
     m = mixers[0]
+    conv_shape, ssm_shape = m.state_shapes()
     weight = m.conv_weight
-    return MambaStates((m.conv_dim, m.mc.d_conv - 1), (m.heads, m.mc.head_dim, m.mc.d_state),
-                       len(mixers), weight.dtype, weight.device, capacity)
+    return MambaStates(conv_shape, ssm_shape, len(mixers), weight.dtype, weight.device,
+                       capacity)
 

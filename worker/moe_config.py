@@ -1,5 +1,5 @@
-"""Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3,
-GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE).
+"""Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
+DeepSeek-V2/V3, GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE).
 
 The families differ only in config spellings and in a few choices: whether
 the top-k routing weights are renormalised to sum to one (Mixtral always; the
@@ -26,7 +26,7 @@ from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
                    "gpt_oss", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe",
-                   "ernie4_5_moe")
+                   "ernie4_5_moe", "qwen3_next")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -130,10 +130,11 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          f"indices, got {dense!r}")
     sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     shared = 0
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_next"):
         shared = count(cfg, "shared_expert_intermediate_size")
+    renormalize = cfg.get("norm_topk_prob", model_type == "qwen3_next")  # (its default)
     return MoEConfig(num_experts, top_k, count(cfg, "moe_intermediate_size"),
-                     bool(cfg.get("norm_topk_prob", False)), shared, sparse)
+                     bool(renormalize), shared, sparse)
 
 
 def _deepseek(cfg: dict[str, Any], model_type: str, num_layers: int, num_experts: int,

@@ -57,6 +57,12 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "nemotron_h": dict(hybrid_override_pattern="M-*-M-", num_hidden_layers=6,
                        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
                        chunk_size=8, head_dim=16),
+    # Qwen3-Next: three gated DeltaNet layers (2 key heads of 16, 4 value heads of 8)
+    # before a gated attention layer; Qwen2-MoE's experts with a gated shared expert.
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, num_hidden_layers=4, head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=8),
     # GLM-4.5: DeepSeek-V3's experts (8 in 4 groups), biased q/k/v, per-head q/k norms,
     # RoPE on half of each 16-wide head.
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -113,8 +119,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     "deepseek_v2", "deepseek_v3" (MLA, 8 experts in 4 groups: ``MOE_DEFAULTS``), and
     "gpt_oss" (4 experts, attention sinks, alternating 12-token windows), and Granite's
     "granite", "granitemoe", "granitemoeshared" (``GRANITE_SCALES``), and Granite 4.0-H's
-    "granitemoehybrid" (Mamba-2 and attention layers), and "nemotron_h" (Mamba-2,
-    attention and MLP blocks).
+    "granitemoehybrid" (Mamba-2 and attention layers), "nemotron_h" (Mamba-2,
+    attention and MLP blocks), and "qwen3_next" (gated DeltaNet and gated attention).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -158,7 +164,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                                     tf.GraniteMoeSharedModel),
                "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM,
                                     tf.GraniteMoeHybridModel),
-               "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM, tf.NemotronHModel)}
+               "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM, tf.NemotronHModel),
+               "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, tf.Qwen3NextModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -182,7 +189,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
         for p in model.parameters():
             if p.dim() >= 2:  # (experts are stacked 3-D in memory)
                 p.mul_(weight_scale)
-            elif kind.startswith("gemma"):  # its norms init to 0 (a scale of 1 + w)
+            elif kind.startswith("gemma") or kind == "qwen3_next":  # (1 + w norms init to 0)
                 p.normal_(0.0, 0.5)
         for name, p in model.named_parameters():  # GPT-OSS: sinks and biases that matter
             if kind == "gpt_oss" and (name.endswith("sinks") or "bias" in name):

@@ -106,7 +106,7 @@ def test_what_it_cannot_serve_is_refused_by_name(hybrid, tmp_path) -> None:
     for option, value in [("speculative_config", {"method": "ngram",
                                                   "num_speculative_tokens": 2}),
                           ("enable_lora", True), ("pipeline_parallel_size", 2)]:
-        with pytest.raises(ValueError, match="not supported for hybrid Mamba"):
+        with pytest.raises(ValueError, match="not supported for hybrid Mamba / DeltaNet"):
             LLM(model=path, num_gpu_blocks=32, **{option: value})
     mc = MambaConfig((0,), (), num_heads=4, head_dim=8, d_state=4, num_groups=1, d_conv=4,
                      chunk_size=8, conv_bias=True, proj_bias=False)
@@ -161,11 +161,11 @@ def test_slots_are_zeroed_reused_grown_and_forked() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h"])
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h", "qwen3_next"])
 def test_hybrids_on_cuda_equal_hugging_face(kind, tmp_path) -> None:
-    """Granite 4.0-H and Nemotron-H on CUDA (the mixers' torch path, Triton attention,
-    eager steps) against HF on the same device: mixed prompts and one of 300 tokens
-    (38 scan chunks), twice."""
+    """Granite 4.0-H, Nemotron-H and Qwen3-Next on CUDA (the mixers' torch path, Triton
+    attention, eager steps) against HF on the same device: mixed prompts and one of 300
+    tokens (38 scan chunks, 5 delta-rule chunks), twice."""
     path = write_random_checkpoint(tmp_path / kind, kind, None)
     prompts = [*prompts_of_mixed_lengths(), [(7 * j) % 4000 + 100 for j in range(300)]]
     ref = hf_greedy(path, prompts, 20, device="cuda")

@@ -48,7 +48,8 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "glm4": ("Glm4Config", "Glm4ForCausalLM"),
                "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
                "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
-               "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM")}
+               "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
+               "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))

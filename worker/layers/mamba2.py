@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import cpu_mamba
+from pagedserve.worker.layers.causal_conv import conv_decode, conv_prefill
 from pagedserve.worker.layers.linear import (
     LazyTensor,
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from pagedserve.worker.layers.mixer_params import check_shape, frozen_param, rank_share
 from pagedserve.worker.mamba_config import MambaConfig
 from pagedserve.worker.mamba_state import MambaStep
 from pagedserve.worker.models.fused_weights import split_rows
@@ -60,14 +62,20 @@ class Mamba2Mixer(nn.Module):
         self.in_proj = MergedColumnParallelLinear(
             hidden, [mc.intermediate, mc.intermediate, gn, gn, mc.num_heads], ctx, dtype,
             device, bias=mc.proj_bias)
-        self.conv_weight = _param((self.conv_dim, mc.d_conv), dtype, device)
-        self.conv_bias = _param((self.conv_dim,), dtype, device) if mc.conv_bias else None
-        self.dt_bias = _param((self.heads,), torch.float32, device)
-        self.A_log = _param((self.heads,), torch.float32, device)
-        self.D = _param((self.heads,), torch.float32, device)
-        self.norm_weight = _param((self.inter,), dtype, device)
+        self.conv_weight = frozen_param((self.conv_dim, mc.d_conv), dtype, device)
+        self.conv_bias = frozen_param((self.conv_dim,), dtype, device) if mc.conv_bias else None
+        self.dt_bias = frozen_param((self.heads,), torch.float32, device)
+        self.A_log = frozen_param((self.heads,), torch.float32, device)
+        self.D = frozen_param((self.heads,), torch.float32, device)
+        self.norm_weight = frozen_param((self.inter,), dtype, device)
         self.out_proj = RowParallelLinear(mc.intermediate, hidden, mc.proj_bias, ctx, dtype,
                                           device)
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One sequence's slot on this rank: the convolution's last inputs ``[conv_dim,
+        d_conv - 1]`` and the SSM state ``[heads, head_dim, d_state]``."""
+        return (self.conv_dim, self.mc.d_conv - 1), (self.heads, self.mc.head_dim,
+                                                     self.mc.d_state)
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -94,19 +102,19 @@ class Mamba2Mixer(nn.Module):
         elif name in ("conv1d.weight", "conv1d.bias") and (
                 name == "conv1d.weight" or self.conv_bias is not None):
             full = (mc.conv_dim, 1, mc.d_conv) if name == "conv1d.weight" else (mc.conv_dim,)
-            _check(name, lazy, full)
+            check_shape(name, lazy, full)
             t = lazy[:].reshape(mc.conv_dim, -1)
             x, b, c = torch.split(t, [mc.intermediate, gn, gn])
-            mine = torch.cat([_share(x, self.inter, self.rank), _share(b, self.bc, self.rank),
-                              _share(c, self.bc, self.rank)])
+            mine = torch.cat([rank_share(x, self.inter, self.rank), rank_share(b, self.bc, self.rank),
+                              rank_share(c, self.bc, self.rank)])
             target = self.conv_weight if name == "conv1d.weight" else self.conv_bias
             target.data.copy_(mine.reshape(target.shape))
         elif name in ("dt_bias", "A_log", "D"):
-            _check(name, lazy, (mc.num_heads,))
-            getattr(self, name).data.copy_(_share(lazy[:], self.heads, self.rank))
+            check_shape(name, lazy, (mc.num_heads,))
+            getattr(self, name).data.copy_(rank_share(lazy[:], self.heads, self.rank))
         elif name == "norm.weight":
-            _check(name, lazy, (mc.intermediate,))
-            self.norm_weight.data.copy_(_share(lazy[:], self.inter, self.rank))
+            check_shape(name, lazy, (mc.intermediate,))
+            self.norm_weight.data.copy_(rank_share(lazy[:], self.inter, self.rank))
         else:
             return False
         return True
@@ -149,12 +157,7 @@ class Mamba2Mixer(nn.Module):
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
                 ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One token for each of ``len(slots)`` sequences: ``[n, H, P]``."""
-        window = torch.cat([conv.index_select(0, slots), xbc.unsqueeze(-1).to(conv.dtype)],
-                           dim=-1)  # [n, conv_dim, d_conv]
-        conv.index_copy_(0, slots, window[:, :, 1:])
-        h = (window * self.conv_weight).sum(-1)
-        if self.conv_bias is not None:
-            h = h + self.conv_bias
+        h = conv_decode(xbc, conv, slots, self.conv_weight, self.conv_bias)
         xs, b, c, dt, a = self._discretize(F.silu(h), dt)
         n, heads, p = xs.shape
         if cpu_mamba.available(ssm):  # (in place in the slots, one pass)
@@ -173,11 +176,7 @@ class Mamba2Mixer(nn.Module):
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
                  ssm: torch.Tensor, slot: int) -> torch.Tensor:
         """``L > 1`` tokens of one sequence from its slot's state: ``[L, H, P]``."""
-        keep = self.mc.d_conv - 1
-        full = torch.cat([conv[slot], xbc.t().to(conv.dtype)], dim=-1)  # [C, keep + L]
-        conv[slot].copy_(full[:, full.shape[1] - keep:])
-        h = F.conv1d(full.unsqueeze(0), self.conv_weight.unsqueeze(1), self.conv_bias,
-                     groups=self.conv_dim)[0].t()  # [L, C]
+        h = conv_prefill(xbc, conv, slot, self.conv_weight, self.conv_bias)
         xs, b, c, dt, a = self._discretize(F.silu(h), dt)
         y, final = ssd_scan(xs, dt, a, b, c, self.mc.chunk_size, ssm[slot])
         ssm[slot].copy_(final)
@@ -226,17 +225,3 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     h = (y.float() * F.silu(z.float())).view(n, groups, width // groups)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight.float() * h.view(n, width)
-
-
-def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def _share(t: torch.Tensor, n: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s ``n`` leading-dim rows of ``t``."""
-    return t[rank * n:(rank + 1) * n]
-
-
-def _check(name: str, lazy: LazyTensor, shape: tuple[int, ...]) -> None:
-    if tuple(lazy.shape) != shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(lazy.shape)} != {shape}")

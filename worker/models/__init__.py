@@ -13,6 +13,7 @@ from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
 from pagedserve.worker.models.nemotron_h import NemotronHForCausalLM
 from pagedserve.worker.models.olmo import OlmoForCausalLM
+from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
 from pagedserve.worker.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY = {
@@ -29,6 +30,7 @@ MODEL_REGISTRY = {
     "granitemoeshared": GraniteForCausalLM,
     "granitemoehybrid": GraniteHybridForCausalLM,  # (Mamba-2 layers: ``layers.mamba2``)
     "nemotron_h": NemotronHForCausalLM,  # (Mamba-2, attention and MLP blocks)
+    "qwen3_next": Qwen3NextForCausalLM,  # (gated DeltaNet: ``layers.gated_deltanet``)
     "olmo2": OlmoForCausalLM,  # (post-norms, whole-projection q/k norms: ``olmo_config``)
     "olmo3": OlmoForCausalLM,  # (and sliding layers with their own RoPE)
     "smollm3": SmolLM3ForCausalLM,  # (no RoPE on every fourth layer)

@@ -1,6 +1,7 @@
-"""What every hybrid Mamba-2 / attention decoder does the same way (Granite 4.0-H,
-Nemotron-H): a mixin over ``LlamaForCausalLM`` whose layers each hold a paged
-attention (``self_attn``), a Mamba-2 mixer (``mamba``), or neither.
+"""What every hybrid recurrent / attention decoder does the same way (Granite 4.0-H,
+Nemotron-H, Qwen3-Next): a mixin over ``LlamaForCausalLM`` whose layers each hold a
+paged attention (``self_attn``), a recurrent mixer (``mamba``: Mamba-2 or gated
+DeltaNet), or neither.
 
 The KV pool holds the attention layers only (``worker.kv_layers``), so the
 forward gets their caches and hands each to its layer; the mixers number their
@@ -14,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
-from pagedserve.worker.layers.mamba2 import Mamba2Mixer
 from pagedserve.worker.models.llama import KVCaches
 from pagedserve.worker.pipeline import IntermediateTensors
 
@@ -39,10 +40,11 @@ class RecurrentHybridMixin:
             mixer.state_index = j
         self._rotates = bool(set(range(self.config.num_layers)) - set(self.config.nope_layers))
 
-    def mamba_mixers(self) -> list[Mamba2Mixer]:
-        """This stage's Mamba mixers in order (their ``state_index`` order)."""
+    def mamba_mixers(self) -> list[nn.Module]:
+        """This stage's recurrent mixers (a layer's ``mamba``: Mamba-2 or gated
+        DeltaNet) in order (their ``state_index`` order)."""
         mixers = (getattr(layer, "mamba", None) for layer in self.layers)
-        return [m for m in mixers if isinstance(m, Mamba2Mixer)]
+        return [m for m in mixers if m is not None]
 
     def attention_layers(self) -> list[PagedAttention]:
         return [a for a in self._paged_layers if a is not None]

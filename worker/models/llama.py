@@ -74,6 +74,13 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
                 ) -> torch.Tensor:
+        return self.o_proj(self.attend(x, cos, sin, kv_cache, md))
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
+               ) -> torch.Tensor:
+        """The heads' outputs ``[T, heads * head_dim]`` before ``o_proj`` (Qwen3-Next
+        gates them there)."""
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
         hq, hkv = self.num_heads, self.num_kv_heads
@@ -86,8 +93,7 @@ class LlamaAttention(nn.Module):
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-        out = self.attn(q, k, v, kv_cache, md)
-        return self.o_proj(out)
+        return self.attn(q, k, v, kv_cache, md)
 
 
 class LlamaMLP(nn.Module):
