@@ -2,7 +2,7 @@
 
 Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
 (``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention, GPT-OSS,
-Granite 4.0-H's Mamba-2 hybrid) of
+Granite 4.0-H's Mamba-2 hybrid, Qwen3-Next's gated DeltaNet hybrid) of
 ``--layers`` layers, ``--experts`` experts of which each token takes ``--top-k``,
 written with ``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32
 by default); ``--num-prompts`` prompts of 10-75 random token ids (or of
@@ -24,6 +24,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py --kind deepseek_v3 --prompt-len 1000   # MLA at long contexts
     python bench/moe.py --kind gpt_oss --json bench/figures/moe_gpt_oss.json
     python bench/moe.py --kind granitemoehybrid --json bench/figures/moe_granite_hybrid.json
+    python bench/moe.py --kind qwen3_next --json bench/figures/moe_qwen3_next.json
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ def model_overrides(args: argparse.Namespace) -> dict:
                                 for i in range(args.layers)],
                    mamba_n_heads=args.hidden * 2 // 64, mamba_d_head=64, mamba_d_state=128,
                    mamba_n_groups=1, mamba_chunk_size=256)
+    elif args.kind == "qwen3_next":  # gated DeltaNet, one layer in four attends (gated)
+        cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
+                   intermediate_size=4 * args.expert_width,
+                   shared_expert_intermediate_size=args.expert_width,
+                   layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                                for i in range(args.layers)],
+                   linear_num_key_heads=args.hidden // 128, linear_num_value_heads=args.hidden // 64,
+                   linear_key_head_dim=64, linear_value_head_dim=64)
     else:
         cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                    intermediate_size=4 * args.expert_width, norm_topk_prob=True)
@@ -106,7 +115,8 @@ def active_params(model: torch.nn.Module, top_k: int, num_experts: int) -> float
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3",
-                                       "deepseek_v2", "gpt_oss", "granitemoehybrid"),
+                                       "deepseek_v2", "gpt_oss", "granitemoehybrid",
+                                       "qwen3_next"),
                     default="qwen3_moe")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="every prompt this many random token ids (default 10-75)")

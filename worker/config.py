@@ -23,7 +23,12 @@ from pagedserve.worker.classifier import (
     vocab_token_ids,
 )
 from pagedserve.worker.config_fields import matryoshka, nope_layers, positive_int, require
-from pagedserve.worker.deltanet_config import DeltaNetConfig, deltanet_config_from_hf
+from pagedserve.worker.deltanet_config import (
+    DELTANET_MODEL_TYPES,
+    DeltaNetConfig,
+    deltanet_config_from_hf,
+    qwen3_5_text_config,
+)
 from pagedserve.worker.encoder_config import (
     ENCODER_MODEL_TYPES,
     EncoderConfig,
@@ -48,7 +53,7 @@ from pagedserve.worker.rope_config import parse_rope
 from pagedserve.worker.window_config import sliding_window_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-                         "ernie4_5", "glm4", *HYBRID_MODEL_TYPES,
+                         "ernie4_5", "glm4", *HYBRID_MODEL_TYPES, *DELTANET_MODEL_TYPES,
                          *OLMO_MODEL_TYPES, *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES, "llava", "llava_next", "llava_onevision",
                          *QWEN_VL_MODEL_TYPES, *ENCODER_MODEL_TYPES)
@@ -157,7 +162,8 @@ class ModelConfig:
         if model_type in QWEN_VL_MODEL_TYPES:  # a Qwen2 decoder with multimodal RoPE
             cfg, mrope_section = qwen_vl_text_config(cfg)
             model_type = "qwen2"
-        cfg, gemma = gemma_from_hf(cfg, model_type)
+        cfg = qwen3_5_text_config(cfg)  # (a multimodal Qwen3.5 serves its decoder)
+        cfg, gemma = gemma_from_hf(cfg, cfg["model_type"])
         model_type = cfg["model_type"]  # a multimodal Gemma 3 serves its text decoder
         cfg, local_theta = olmo_rope(cfg, model_type)
         mamba = None
@@ -208,7 +214,7 @@ class ModelConfig:
             head_dim, kv_heads, rotary_dim = mla.cache_dim, 1, mla.cache_dim
         window, sliding_layers = sliding_window_layers(cfg, model_type, num_layers)
         mamba = mamba or mamba_config_from_hf(cfg, model_type, num_layers)
-        if model_type == "qwen3_next":
+        if model_type in DELTANET_MODEL_TYPES:
             mamba = deltanet_config_from_hf(cfg, num_layers)
         nope = nope_layers(cfg, num_layers) if model_type == "smollm3" else ()
         if isinstance(mamba, MambaConfig):
@@ -233,7 +239,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *DELTANET_MODEL_TYPES,
                                    *OLMO_MODEL_TYPES)
             or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             max_position_embeddings=positive_int(

@@ -1,7 +1,10 @@
-"""What Qwen3-Next needs beyond a Llama config: its gated DeltaNet layers' shapes.
+"""What Qwen3-Next and Qwen3.5 need beyond a Llama config: their gated DeltaNet
+layers' shapes.
 
 Qwen3-Next (``model_type: qwen3_next``: Qwen3-Next-80B-A3B Instruct / Thinking)
-puts three gated DeltaNet layers (``layer_types``: ``linear_attention``) before
+and Qwen3.5 (``qwen3_5`` dense, ``qwen3_5_moe``; their files hold a vision encoder
+beside the decoder, ``text_config`` its fields; ``qwen3_5_text`` /
+``qwen3_5_moe_text`` for the decoder alone) put three gated DeltaNet layers (``layer_types``: ``linear_attention``) before
 every attention layer (``full_attention``; ``full_attention_interval`` in older
 files). A DeltaNet layer keeps no KV: each sequence carries the last
 ``linear_conv_kernel_dim - 1`` inputs of a causal convolution over q, k and v, and
@@ -9,7 +12,9 @@ one ``[key dim, value dim]`` matrix per value head that the gated delta rule
 rewrites each token (``layers.gated_deltanet``). Key heads are fewer than value
 heads (16 and 32 in the release): each key head serves a run of consecutive value
 heads, and the projections are laid out per key head, which is what tensor
-parallelism splits (``linear_num_key_heads`` divisible by its size).
+parallelism splits (``linear_num_key_heads`` divisible by its size). Qwen3.5's
+files store the same projections unfused, q / k / v in one matrix and z, b, a in
+three (``split_proj``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from typing import Any
 
 from pagedserve.worker.config_fields import count
 
-DELTANET_MODEL_TYPES = ("qwen3_next",)
+# The decoders' model types (Qwen3.5's multimodal files name theirs in ``text_config``).
+DELTANET_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+QWEN3_5_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _KINDS = {"linear_attention": "linear", "full_attention": "attention"}
 
 
@@ -36,6 +43,9 @@ class DeltaNetConfig:
     head_k_dim: int
     head_v_dim: int
     d_conv: int
+    # Qwen3.5: ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, not
+    # Qwen3-Next's per-key-head ``in_proj_qkvz`` / ``in_proj_ba``.
+    split_proj: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -61,6 +71,26 @@ class DeltaNetConfig:
         conv = self.conv_dim * (self.d_conv - 1) * conv_elem
         matrices = self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
         return len(self.layers) * (conv + matrices) // tp
+
+
+def qwen3_5_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Qwen3.5 config as its decoder's (``text_config``, the file's own
+    token ids, dtype and quantization laid over it); any other config unchanged. The
+    vision encoder is not served: such a model answers text (its images are refused
+    as a text model's are)."""
+    text_type = QWEN3_5_MULTIMODAL.get(cfg.get("model_type"))
+    if text_type is None:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"model config field 'text_config' is required for model_type "
+                         f"{cfg['model_type']}")
+    out = dict(text)
+    for key in ("eos_token_id", "bos_token_id", "quantization_config", "dtype", "torch_dtype",
+                "tie_word_embeddings"):
+        if cfg.get(key) is not None and out.get(key) is None:
+            out[key] = cfg[key]
+    return {**out, "model_type": text_type, "architectures": cfg.get("architectures")}
 
 
 def deltanet_config_from_hf(cfg: dict[str, Any], num_layers: int) -> DeltaNetConfig:
@@ -89,4 +119,5 @@ def deltanet_config_from_hf(cfg: dict[str, Any], num_layers: int) -> DeltaNetCon
         attention=tuple(i for i, k in enumerate(kinds) if _KINDS[k] == "attention"),
         num_k_heads=k_heads, num_v_heads=v_heads,
         head_k_dim=count(cfg, "linear_key_head_dim", 128),
-        head_v_dim=count(cfg, "linear_value_head_dim", 128), d_conv=d_conv)
+        head_v_dim=count(cfg, "linear_value_head_dim", 128), d_conv=d_conv,
+        split_proj=cfg.get("model_type") != "qwen3_next")

@@ -26,7 +26,7 @@ from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
                    "gpt_oss", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe",
-                   "ernie4_5_moe", "qwen3_next")
+                   "ernie4_5_moe", "qwen3_next", "qwen3_5_moe_text")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -130,9 +130,11 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          f"indices, got {dense!r}")
     sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     shared = 0
-    if model_type in ("qwen2_moe", "qwen3_next"):
+    if model_type in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
         shared = count(cfg, "shared_expert_intermediate_size")
     renormalize = cfg.get("norm_topk_prob", model_type == "qwen3_next")  # (its default)
+    if model_type == "qwen3_5_moe_text":
+        renormalize = True  # (its router always does; the config has no such field)
     return MoEConfig(num_experts, top_k, count(cfg, "moe_intermediate_size"),
                      bool(renormalize), shared, sparse)
 

@@ -63,6 +63,14 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                        shared_expert_intermediate_size=48, num_hidden_layers=4, head_dim=16,
                        linear_num_key_heads=2, linear_num_value_heads=4,
                        linear_key_head_dim=16, linear_value_head_dim=8),
+    # Qwen3.5's multimodal files (the decoder's fields go in ``text_config``): Qwen3-Next's
+    # layers with the DeltaNet projections unfused; dense, and with experts.
+    "qwen3_5": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8),
+    "qwen3_5_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, num_hidden_layers=4, head_dim=16,
+                        linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=8),
     # GLM-4.5: DeepSeek-V3's experts (8 in 4 groups), biased q/k/v, per-head q/k norms,
     # RoPE on half of each 16-wide head.
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -79,6 +87,12 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                         qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.0),
 }
 
+
+# Kinds whose RMSNorms scale by ``1 + weight`` (the weights init to 0: randomised).
+ZERO_CENTERED_NORMS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Qwen3.5's vision encoder, as small as it goes (never run by pagedserve).
+QWEN3_5_VISION: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=64,
+                                      num_heads=2, out_hidden_size=64)
 
 # Granite's four scalars, away from 1 (and the attention scale from head_dim ** -0.5) so
 # that a model ignoring one gives other tokens.
@@ -120,7 +134,9 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     "gpt_oss" (4 experts, attention sinks, alternating 12-token windows), and Granite's
     "granite", "granitemoe", "granitemoeshared" (``GRANITE_SCALES``), and Granite 4.0-H's
     "granitemoehybrid" (Mamba-2 and attention layers), "nemotron_h" (Mamba-2,
-    attention and MLP blocks), and "qwen3_next" (gated DeltaNet and gated attention).
+    attention and MLP blocks), "qwen3_next" (gated DeltaNet and gated attention), and
+    Qwen3.5's multimodal "qwen3_5" / "qwen3_5_moe" (the same decoder beside a vision
+    encoder).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -165,7 +181,11 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM,
                                     tf.GraniteMoeHybridModel),
                "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM, tf.NemotronHModel),
-               "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, tf.Qwen3NextModel)}
+               "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, tf.Qwen3NextModel),
+               "qwen3_5": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration,
+                           tf.Qwen3_5Model),
+               "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration,
+                               tf.Qwen3_5MoeModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -184,12 +204,16 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
         cfg["pad_token_id"] = 0
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**cfg))
+    if kind in ("qwen3_5", "qwen3_5_moe"):  # (a small vision encoder beside the decoder)
+        config = config_cls(text_config=cfg, vision_config=QWEN3_5_VISION)
+    else:
+        config = config_cls(**cfg)
+    model = model_cls(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:  # (experts are stacked 3-D in memory)
                 p.mul_(weight_scale)
-            elif kind.startswith("gemma") or kind == "qwen3_next":  # (1 + w norms init to 0)
+            elif kind.startswith("gemma") or kind in ZERO_CENTERED_NORMS:  # (1 + w: init 0)
                 p.normal_(0.0, 0.5)
         for name, p in model.named_parameters():  # GPT-OSS: sinks and biases that matter
             if kind == "gpt_oss" and (name.endswith("sinks") or "bias" in name):

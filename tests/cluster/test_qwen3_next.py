@@ -1,11 +1,14 @@
-"""Qwen3-Next (``qwen3_next``): gated DeltaNet layers before a gated attention layer.
+"""Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``): gated
+DeltaNet layers before a gated attention layer.
 
 Through the engine, against Hugging Face's ``generate`` (its torch DeltaNet path) on
-a file its own classes wrote: greedy tokens equal over prompts of 3 to 150 tokens
+files its own classes wrote: greedy tokens equal over prompts of 3 to 150 tokens
 (past one 64-token chunk of the delta rule), twice in one batch, whole and in
 8-token prefill chunks mixed with decodes; under swap preemption and for ``n = 2``
-siblings. The chunked delta rule equals the token-by-token one from any starting
-state; the file's MTP module is skipped; malformed fields are named."""
+siblings. Qwen3.5's multimodal files serve their decoder (unfused projections, the
+vision encoder never read). The chunked delta rule equals the token-by-token one
+from any starting state; the file's MTP module is skipped; malformed fields are
+named."""
 
 from __future__ import annotations
 
@@ -57,6 +60,21 @@ def test_greedy_equals_hugging_face_whole_and_in_prefill_chunks(qwen3_next) -> N
     llm = LLM(model=path, num_gpu_blocks=160, block_size=4, max_num_batched_tokens=8)
     try:
         assert _tokens(llm.generate(prompts, GREEDY)) == ref
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_files_serve_their_decoder(kind, tmp_path, default_model_dir) -> None:
+    path = write_random_checkpoint(tmp_path / kind, kind, default_model_dir)
+    prompts = [*prompts_of_mixed_lengths(5), [(5 * j) % 4000 + 100 for j in range(90)]]
+    ref = hf_greedy(path, prompts, GREEDY.max_tokens)
+    mc = ModelConfig.from_pretrained(path)
+    assert mc.mamba.split_proj and mc.image is None and (mc.moe is not None) == (
+        kind == "qwen3_5_moe")
+    llm = LLM(model=path, num_gpu_blocks=96, block_size=4, max_num_batched_tokens=32)
+    try:
+        assert _tokens(llm.generate(prompts + prompts, GREEDY)) == ref + ref
     finally:
         llm.shutdown()
 

@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.testing import MOE_DEFAULTS
+from pagedserve.worker.testing import MOE_DEFAULTS, QWEN3_5_VISION
 from pagedserve.worker.worker import Worker
 from pagedserve.worker.worker_config import WorkerConfig
 
@@ -49,10 +49,15 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
                "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
                "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
-               "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM")}
+               "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+               "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**{**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}))
+    fields = {**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}
+    if model_type == "qwen3_5":  # (a multimodal file: the decoder in text_config)
+        model = model_cls(cfg_cls(text_config=fields, vision_config=QWEN3_5_VISION))
+    else:
+        model = model_cls(cfg_cls(**fields))
     # Random init leaves norms at 1 and biases at 0; perturb them so loading bugs show.
     with torch.no_grad():
         for name, p in model.named_parameters():

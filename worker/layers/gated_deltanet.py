@@ -22,8 +22,9 @@ triangular solves and masked, decayed matmuls; between chunks a loop carries S,
 starting from the slot's, so a prompt split into prefill chunks gives what it
 gives whole.
 
-Tensor parallelism splits key heads (with their value heads): the projections are
-laid out key head by key head, so a rank's rows are one contiguous block of each.
+Tensor parallelism splits key heads (with their value heads): Qwen3-Next's
+projections are laid out key head by key head, so a rank's rows are one contiguous
+block of each; Qwen3.5's unfused ones give each rank its block of every part.
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ from torch import nn
 
 from pagedserve.worker.deltanet_config import DeltaNetConfig
 from pagedserve.worker.layers.causal_conv import conv_decode, conv_prefill
-from pagedserve.worker.layers.linear import ColumnParallelLinear, LazyTensor, RowParallelLinear
+from pagedserve.worker.layers.linear import (
+    ColumnParallelLinear,
+    LazyTensor,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from pagedserve.worker.layers.mixer_params import check_shape, frozen_param, rank_share
 from pagedserve.worker.mamba_state import MambaStep
+from pagedserve.worker.models.fused_weights import split_rows
 from pagedserve.worker.parallel import ParallelContext
 
 CHUNK = 64  # (transformers' and the fla kernels' chunk)
@@ -59,11 +66,20 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.k_heads * dc.head_k_dim
         self.value_dim = self.v_heads * dc.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        per_k = 2 * dc.head_k_dim + 2 * dc.v_per_k * dc.head_v_dim
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, dc.num_k_heads * per_k, False, ctx,
-                                                 dtype, device)
-        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * dc.num_v_heads, False, ctx, dtype,
-                                               device)
+        self.in_proj_qkvz: ColumnParallelLinear | MergedColumnParallelLinear
+        self.in_proj_ba: ColumnParallelLinear | MergedColumnParallelLinear
+        if dc.split_proj:  # (Qwen3.5: q | k | v | z and b | a, each part split by rank)
+            self.in_proj_qkvz = MergedColumnParallelLinear(
+                hidden, [dc.key_dim, dc.key_dim, dc.value_dim, dc.value_dim], ctx, dtype,
+                device)
+            self.in_proj_ba = MergedColumnParallelLinear(
+                hidden, [dc.num_v_heads, dc.num_v_heads], ctx, dtype, device)
+        else:  # (Qwen3-Next: key head by key head, [q k v z] and [b a] each)
+            per_k = 2 * dc.head_k_dim + 2 * dc.v_per_k * dc.head_v_dim
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, dc.num_k_heads * per_k, False,
+                                                     ctx, dtype, device)
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * dc.num_v_heads, False, ctx,
+                                                   dtype, device)
         self.conv_weight = frozen_param((self.conv_dim, dc.d_conv), dtype, device)
         self.dt_bias = frozen_param((self.v_heads,), torch.float32, device)
         self.A_log = frozen_param((self.v_heads,), torch.float32, device)
@@ -80,15 +96,25 @@ class GatedDeltaNet(nn.Module):
 
     def checkpoint_names(self) -> set[str]:
         """Its tensors, as named under the layer's ``linear_attn.``."""
-        return {"in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias",
-                "A_log", "norm.weight", "out_proj.weight"}
+        proj = ({f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")} if self.dc.split_proj
+                else {"in_proj_qkvz.weight", "in_proj_ba.weight"})
+        return proj | {"conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"}
 
     def load(self, name: str, lazy: LazyTensor) -> bool:
         """Copy this rank's share of tensor ``name`` (under ``linear_attn.``); False if
         unknown."""
         dc = self.dc
-        if name in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
+        if name in ("in_proj_qkvz.weight", "in_proj_ba.weight") and not dc.split_proj:
             getattr(self, name[:-7]).load(lazy)  # (a rank's key heads: contiguous rows)
+        elif name == "in_proj_qkv.weight" and dc.split_proj:
+            sizes = [dc.key_dim, dc.key_dim, dc.value_dim]
+            for i, rows in enumerate(split_rows(lazy, sizes, name)):
+                self.in_proj_qkvz.load(i, rows)
+        elif name in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight") \
+                and dc.split_proj:
+            part = name[8]
+            target = self.in_proj_qkvz if part == "z" else self.in_proj_ba
+            target.load({"z": 3, "b": 0, "a": 1}[part], lazy)
         elif name == "out_proj.weight":
             self.out_proj.load(lazy)
         elif name == "conv1d.weight":
@@ -114,11 +140,17 @@ class GatedDeltaNet(nn.Module):
         """``[T, hidden]`` in, ``[T, hidden]`` out; the rows' slots updated in place."""
         t, dc = x.shape[0], self.dc
         r, dk, dv = dc.v_per_k, dc.head_k_dim, dc.head_v_dim
-        qkvz = self.in_proj_qkvz(x).view(t, self.k_heads, -1)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        ba = self.in_proj_ba(x).view(t, self.k_heads, 2 * r)
-        beta = torch.sigmoid(ba[..., :r].reshape(t, self.v_heads).float())
-        g = -torch.exp(self.A_log) * F.softplus(ba[..., r:].reshape(t, self.v_heads).float()
+        if dc.split_proj:
+            q, k, v, z = self.in_proj_qkvz(x).split(
+                [self.key_dim, self.key_dim, self.value_dim, self.value_dim], dim=-1)
+            b, a = self.in_proj_ba(x).split([self.v_heads, self.v_heads], dim=-1)
+        else:
+            qkvz = self.in_proj_qkvz(x).view(t, self.k_heads, -1)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+            ba = self.in_proj_ba(x).view(t, self.k_heads, 2 * r)
+            b, a = ba[..., :r], ba[..., r:]
+        beta = torch.sigmoid(b.reshape(t, self.v_heads).float())
+        g = -torch.exp(self.A_log) * F.softplus(a.reshape(t, self.v_heads).float()
                                                + self.dt_bias)
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         conv, state = step.conv[self.state_index], step.ssm[self.state_index]

@@ -1,7 +1,11 @@
-"""Qwen3-Next (``qwen3_next``: Qwen3-Next-80B-A3B Instruct / Thinking): gated DeltaNet
-layers (``layers.gated_deltanet``) with a gated attention layer after every three,
-each followed by Qwen2-MoE's routed experts beside a sigmoid-gated shared expert
-(or a dense MLP in ``mlp_only_layers``).
+"""Qwen3-Next (``qwen3_next``: Qwen3-Next-80B-A3B Instruct / Thinking) and Qwen3.5
+(``qwen3_5``: 0.8B to 27B dense; ``qwen3_5_moe``: 35B-A3B to 397B-A17B): gated
+DeltaNet layers (``layers.gated_deltanet``) with a gated attention layer after every
+three, each followed by Qwen2-MoE's routed experts beside a sigmoid-gated shared
+expert (or a dense MLP: Qwen3.5's dense models, Qwen3-Next's ``mlp_only_layers``).
+Qwen3.5 stores the DeltaNet projections unfused and its files hold a vision
+encoder (``model.visual.``) beside the decoder (``model.language_model.``): the
+decoder is served, text in and out.
 
 Its attention is Qwen3's (per-head q/k norms, GQA) with three changes: RoPE turns
 only the first quarter of each head (``partial_rotary_factor``), ``q_proj`` yields a
@@ -16,6 +20,7 @@ read.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,6 +33,17 @@ from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.norm import GemmaRMSNorm
 from pagedserve.worker.models.hybrid import RecurrentHybridMixin
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+# The file's parts outside the decoder: the MTP module, Qwen3.5's vision encoder.
+_NOT_READ = ("mtp.", "model.visual.")
+
+
+def _renamed(name: str) -> str:
+    """A checkpoint name as ``LlamaWeightLoading`` reads it (Qwen3.5's multimodal files
+    hold the decoder under ``model.language_model.``)."""
+    if name.startswith("model.language_model."):
+        return "model." + name[21:]
+    return name
 
 
 class GatedAttention(LlamaAttention):
@@ -113,8 +129,15 @@ class Qwen3NextForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
         super().__init__(cfg, ctx, backend, dtype, device, stage)
         self._init_hybrid()
 
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
+                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
+        super().load_weights(((_renamed(n), t) for n, t in weights), on_layer)
+
+    def owns_tensor(self, name: str) -> bool:
+        return super().owns_tensor(_renamed(name))
+
     def _on_this_stage(self, name: str) -> bool:
-        return not name.startswith("mtp.") and super()._on_this_stage(name)
+        return not name.startswith(_NOT_READ) and super()._on_this_stage(name)
 
     def _layer_names(self, layer: nn.Module) -> set[str]:
         names = super()._layer_names(layer)
