@@ -20,7 +20,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_paged_decode.c", HERE / "cpu_fused_ops.c", HERE / "cpu_lora.c",
-            HERE / "cpu_moe.c", HERE / "cpu_int8.c", HERE / "cpu_mamba.c"]
+            HERE / "cpu_moe.c", HERE / "cpu_int8.c", HERE / "cpu_mamba.c",
+            HERE / "cpu_deltanet.c"]
 HEADERS = [HERE / "cpu_math.h", HERE / "cpu_vec.h", HERE / "cpu_kv.h",
             HERE / "cpu_paged_rows.h", HERE / "cpu_int8_avx2.h"]
 # Associative math lets the dot products vectorise; the kernel never forms inf/nan.
@@ -150,6 +151,9 @@ def declare_signatures(lib: ctypes.CDLL) -> None:
     lib.mamba_state_update.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr,
                                        ptr, ptr, ctypes.c_int]
     lib.mamba_state_update.restype = ctypes.c_int
+    lib.delta_rule_update.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                      ptr, ptr, ctypes.c_int]
+    lib.delta_rule_update.restype = ctypes.c_int
     lib.grid_steps4.argtypes = [ptr, i64, ptr]
     lib.grid_steps4.restype = None
     for name in ("rope_f32", "rope_bf16"):

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import cpu_deltanet
 from pagedserve.worker.deltanet_config import DeltaNetConfig
 from pagedserve.worker.layers.causal_conv import conv_decode, conv_prefill
 from pagedserve.worker.layers.linear import (
@@ -188,7 +189,10 @@ class GatedDeltaNet(nn.Module):
         """One token for each of ``len(slots)`` sequences: ``[n, value heads, value dim]``."""
         h = F.silu(conv_decode(qkv, conv, slots, self.conv_weight, None))
         q, k, v = self._heads(h)
+        if cpu_deltanet.available(state):  # (in place in the slots, two cached passes)
+            return cpu_deltanet.update(state, slots, torch.exp(g), beta, q, k, v)
         n, heads, dk = k.shape
+        # In place on the gathered copy: the state is the step's biggest tensor.
         s = state.index_select(0, slots)  # [n, H, dk, dv]
         s.mul_(torch.exp(g)[..., None, None])
         flat = s.view(n * heads, dk, -1)
