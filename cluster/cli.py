@@ -102,6 +102,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
                    help="GiB of CPU memory per rank for a second prefix-cache tier: blocks "
                         "evicted from the pool are kept there and loaded back on a hit")
+    p.add_argument("--mamba-cache-mode", choices=("none", "align"), default="none",
+                   help="hybrid Mamba / DeltaNet models: 'align' turns prefix caching on, "
+                        "keeping state snapshots at block boundaries")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

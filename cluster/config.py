@@ -109,6 +109,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Prefix caching for hybrid recurrent models (vLLM's option): "align" keeps state
+    # snapshots at block boundaries (``scheduler.state_cache``); "none" leaves their
+    # prefix caching off.
+    mamba_cache_mode: str = "none"
     preemption_mode: str = "swap"
     seed: int = 0
     num_threads: int | None = None
@@ -221,6 +225,9 @@ class EngineConfig:
         if self.offloads_kv() and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching: offloaded "
                              "blocks come back as prefix-cache hits")
+        if self.mamba_cache_mode not in ("none", "align"):
+            raise ValueError(f"mamba_cache_mode must be 'none' or 'align', got "
+                             f"{self.mamba_cache_mode!r}")
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(
                 f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}"

@@ -393,7 +393,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix no request holds (offloaded ones too); returns how
         many blocks."""
-        return self.scheduler.kv.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

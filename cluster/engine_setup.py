@@ -11,6 +11,7 @@ from typing import Any
 
 from pagedserve.cluster.config import EngineConfig
 from pagedserve.cluster.processor_options import check_processor_kwargs
+from pagedserve.cluster.recurrent_engine import state_snapshots
 from pagedserve.cluster.worker_settings import worker_config_for
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.scheduler import Scheduler
@@ -112,6 +113,7 @@ def build_scheduler(config: EngineConfig, info: dict[str, Any], model_id: str, m
             enable_kv_offload=num_offload > 0, sliding_window=info.get("kv_sliding_window"),
             long_rope_from=info.get("long_rope_from", 0),
             kv_group_windows=tuple(info.get("kv_group_windows") or ()),
+            state_snapshots=state_snapshots(config, bool(info.get("recurrent_state"))),
         ),
         config.speculative_config,
     )

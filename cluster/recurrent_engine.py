@@ -4,10 +4,11 @@
 
 A Mamba (or DeltaNet) layer folds a sequence's whole past into one state per sequence
 (``worker.mamba_state``), which no KV block holds. So a prompt whose leading blocks
-sit in the prefix cache still needs its state, which was never kept: prefix
-caching is off (vLLM turned it off for these models too until it learnt to keep
-states at block boundaries), and with it the CPU offload tier, a second level of
-that cache, and shipping a prompt's KV to another replica. Draft tokens would need
+sit in the prefix cache still needs its state there: prefix caching is off unless
+``mamba_cache_mode`` is "align" (vLLM's name), which keeps snapshots of states at
+block boundaries (``scheduler.state_cache``: each sequence's prompt's and its
+latest, ``max_num_seqs`` of them in all) and resumes a hit only where one is held.
+The CPU offload tier and shipping a prompt's KV to another replica stay off. Draft tokens would need
 the state rolled back past rejected guesses, beam search a state copied per beam:
 refused by name, as are pipeline stages and LoRA adapters, not built for these
 layers yet. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
@@ -52,11 +53,20 @@ def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConf
     for option, on in refused.items():
         if on:
             raise ValueError(f"{option} is not supported {_WHY}")
-    if config.enable_prefix_caching:
-        logger.info("hybrid Mamba model: prefix caching is off (a cached prefix's KV "
-                    "holds no Mamba state)")
-    return replace(config, enable_prefix_caching=False,
-                   max_num_seqs=_seqs_within_budget(config, model_path))
+    caching = config.enable_prefix_caching and config.mamba_cache_mode == "align"
+    if config.enable_prefix_caching and not caching:
+        logger.info("hybrid Mamba / DeltaNet model: prefix caching is off (a cached "
+                    "prefix's KV holds no recurrent state; mamba_cache_mode='align' keeps "
+                    "states at block boundaries)")
+    config = replace(config, enable_prefix_caching=caching)
+    return replace(config, max_num_seqs=_seqs_within_budget(config, model_path))
+
+
+def state_snapshots(config: EngineConfig, recurrent: bool) -> int:
+    """How many state snapshots a recurrent model's prefix cache keeps (its workers'
+    room, the scheduler's directory): one per sequence the batch may hold, when
+    ``recurrent_engine_config`` left prefix caching on; else 0."""
+    return config.max_num_seqs if recurrent and config.enable_prefix_caching else 0
 
 
 def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
@@ -75,6 +85,7 @@ def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
     assert mamba is not None
     elem = torch.empty((), dtype=getattr(torch, config.resolved_dtype(device))).element_size()
     per_seq = mamba.state_bytes(elem, config.tensor_parallel_size)
+    per_seq *= 2 if config.enable_prefix_caching else 1  # (and a snapshot's room each)
     budget = config.kv_cache_memory_bytes or ENGINE_CPU_KV_BYTES
     fits = max(1, budget // 2 // per_seq)
     if fits >= config.max_num_seqs:

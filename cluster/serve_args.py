@@ -62,6 +62,7 @@ class ServeArgs(BaseModel):
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_offloading_size: float = Field(default=0.0, ge=0.0)
+    mamba_cache_mode: Literal["none", "align"] = "none"  # hybrids' prefix caching (vLLM's)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     speculative_config: dict[str, Any] | None = None
@@ -241,6 +242,7 @@ class ServeArgs(BaseModel):
             num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             kv_offloading_size=self.kv_offloading_size,
+            mamba_cache_mode=self.mamba_cache_mode,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager, speculative_config=self.speculative_config,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pagedserve.cluster.config import ENGINE_CPU_KV_BYTES, EngineConfig
+from pagedserve.cluster.recurrent_engine import is_recurrent, state_snapshots
 from pagedserve.scheduler.spec_decode import OWN_HEAD_METHODS
 from pagedserve.worker.worker_config import WorkerConfig
 
@@ -36,6 +37,7 @@ def worker_config_for(config: EngineConfig, model_path: str, device: str) -> Wor
         max_num_batched_tokens=step_tokens,
         enable_cuda_graph=device == "cuda" and not config.enforce_eager,
         max_num_seqs=config.max_num_seqs,
+        state_snapshots=state_snapshots(config, is_recurrent(model_path)),
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         speculative_model=(model_path if spec.method in OWN_HEAD_METHODS else spec.model)
         if spec else None,

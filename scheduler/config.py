@@ -95,6 +95,9 @@ class CacheConfig:
     sliding_window: int | None = None
     long_rope_from: int = 0
     kv_group_windows: tuple[int | None, ...] = ()
+    # A recurrent model's prefix cache: how many state snapshots the workers keep at
+    # block boundaries (``state_cache``; 0: none, and its prefix hits are never taken).
+    state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -105,6 +108,10 @@ class CacheConfig:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
         if self.enable_kv_offload and not (self.enable_prefix_caching and self.num_cpu_blocks):
             raise ValueError("kv_offloading needs enable_prefix_caching and num_cpu_blocks > 0")
+        if self.state_snapshots and (not self.enable_prefix_caching or self.enable_kv_offload
+                                     or len(self.kv_group_windows) > 1):
+            raise ValueError("state_snapshots need prefix caching, one KV cache group and "
+                             "no offload tier")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"sliding_window must be None or a positive integer, got {w!r}")

@@ -57,7 +57,10 @@ class ScheduledRequest:
     Under M-RoPE (Qwen2-VL) a row's tokens turn by their index plus ``rope_delta``
     once past its images; a chunk that starts before its last image ends carries
     ``mrope_grids``, ``(start, rows, cols, times)`` of the images before its end, instead
-    (``multimodal.mrope_grids``).
+    (``multimodal.mrope_grids``). A recurrent model's row resuming from a prefix hit
+    names the state snapshot to start from (``restore_state``); one ending on a block
+    boundary, the snapshot to keep of its state there (``save_state``;
+    ``scheduler.state_cache``).
     """
 
     request_id: str
@@ -82,6 +85,8 @@ class ScheduledRequest:
     num_lookahead: int = 0
     rope_delta: int = 0
     mrope_grids: tuple[MRopeGrid, ...] | None = None
+    restore_state: bytes | None = None
+    save_state: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +102,8 @@ class SchedulerOutput:
     scheduler reuse a block freed by a swap-out in the same step.
     Pairs are ``(device_block, cpu_block)`` for swaps and ``(src, dst)`` for copies.
     ``finished_ids`` and ``aborted_ids`` let workers drop per-request state
-    (e.g. seeded generators).
+    (e.g. seeded generators); ``dropped_states`` the recurrent-state snapshots to free
+    after the step (``scheduler.state_cache``).
     """
 
     step_id: int
@@ -107,6 +113,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     aborted_ids: list[str] = field(default_factory=list)
+    dropped_states: list[bytes] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

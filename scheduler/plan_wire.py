@@ -127,7 +127,8 @@ class PlanEncoder:
             lengths.append(len(table))
             lasts.append(table[-1] if table else -1)
         bare = SchedulerOutput(plan.step_id, [], plan.blocks_to_swap_out, plan.blocks_to_swap_in,
-                               plan.blocks_to_copy, plan.finished_ids, plan.aborted_ids)
+                               plan.blocks_to_copy, plan.finished_ids, plan.aborted_ids,
+                               plan.dropped_states)
         return EncodedPlan(self._number, bare, rows, lengths, lasts, reset)
 
 
@@ -170,7 +171,7 @@ class PlanDecoder:
         self._number = enc.number
         return SchedulerOutput(plan.step_id, scheduled, plan.blocks_to_swap_out,
                                plan.blocks_to_swap_in, plan.blocks_to_copy, plan.finished_ids,
-                               plan.aborted_ids)
+                               plan.aborted_ids, plan.dropped_states)
 
 
 def _delta(records: dict[str, list[int]], key: str, ids: list[int]

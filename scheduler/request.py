@@ -96,6 +96,10 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
+        # A recurrent model's state snapshots this sequence took (``state_cache``): at its
+        # prompt's last block boundary, and the latest since.
+        self.prompt_state: BlockHash | None = None
+        self.latest_state: BlockHash | None = None
         # Leading blocks of the current table already offered to the prefix cache.
         self.num_hashed_blocks = 0
         self.pending_children: list[Request] = []

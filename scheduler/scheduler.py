@@ -49,6 +49,7 @@ from pagedserve.scheduler.queues import make_queues, urgency
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.spec_decode import Drafter, SpeculativeConfig
+from pagedserve.scheduler.state_cache import StateSnapshots
 from pagedserve.scheduler.step_plan import scheduled_request
 
 
@@ -89,6 +90,9 @@ class Scheduler(Preemption):
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.drafter = (Drafter(speculative_config, scheduler_config.max_model_len)
                         if speculative_config is not None else None)
+        # A recurrent model's prefix cache: its state snapshots (``state_cache``).
+        self.snapshots = (StateSnapshots(cache_config.state_snapshots, self.block_size)
+                          if cache_config.state_snapshots else None)
 
     # ---- admission -------------------------------------------------------------
 
@@ -260,6 +264,8 @@ class Scheduler(Preemption):
             if req.sampling_params.prompt_logprobs is None and not (
                     req.pooling_params and req.pooling_params.needs_every_position):
                 hits, num_hit = self.kv.get_computed_blocks(req)
+                if self.snapshots is not None:  # (resumes only where a state was kept)
+                    hits, num_hit = self.snapshots.trim(req, hits, num_hit)
                 loads = self.kv.get_offloaded_blocks(req, num_hit // self.block_size)
                 device_hit = num_hit
                 num_hit += self.kv.offloaded_tokens(loads)
@@ -287,6 +293,8 @@ class Scheduler(Preemption):
             out.scheduled.append(self._scheduled(req, num_new, look))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        if self.snapshots is not None:
+            out.dropped_states = self.snapshots.take_drops()
         offloads, loads = self.kv.end_step()
         out.blocks_to_swap_out.extend(offloads)
         out.blocks_to_swap_in.extend(loads)
@@ -321,6 +329,8 @@ class Scheduler(Preemption):
         remaining = req.num_tokens - start
         cap = self.config.long_prefill_token_threshold
         num_new = min(remaining, budget, cap) if cap else min(remaining, budget)
+        if self.snapshots is not None:
+            num_new = self.snapshots.align(req, start, num_new)
         if req.images and num_new < remaining:
             return fit_chunk(req.images, start, num_new)
         return num_new
@@ -330,7 +340,16 @@ class Scheduler(Preemption):
         sched = scheduled_request(req, num_new, self.kv.block_ids(rid),
                                   self.kv.group_block_ids(rid), self.config.output_history)
         sched.num_lookahead = look
+        if self.snapshots is not None:
+            self.snapshots.mark(req, sched)
         return sched
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no request holds (offloaded ones too) and every
+        state snapshot (the next plan frees them); returns how many blocks."""
+        if self.snapshots is not None:
+            self.snapshots.reset()
+        return self.kv.reset_prefix_cache()
 
     # ---- introspection ---------------------------------------------------------------
 

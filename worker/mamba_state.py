@@ -19,10 +19,13 @@ nothing on the wire changes. What the scheduler does still maps onto them:
 - swap preemption moves only KV blocks: the state stays in its slot meanwhile;
 - a row that samples for siblings (``n > 1``) hands each its own copy of the
   state at the prompt's end (``fork``), as the scheduler forks their blocks;
-- a sequence that resumes past token 0 without a slot (a prefix-cache hit, KV
-  shipped from another replica) cannot be served, and the engine turns those
-  features off for these models; meeting one here is an error, not a silent
-  zero state.
+- a sequence that resumes past token 0 from a prefix-cache hit starts from the
+  snapshot the plan names (``restore_state``): with prefix caching on
+  (``scheduler.state_cache``) this rank keeps copies of states at block
+  boundaries where the plan says (``save_state``, after the forward) and frees them
+  when it says (``dropped_states``, just before those saves); one resuming without a snapshot (KV shipped from another
+  replica) cannot be served, and meeting one here is an error, not a silent zero
+  state.
 
 Slots grow by doubling when every one is taken: live sequences (running, swapped,
 or preempted and waiting) bound them. ``max_num_seqs`` slots are made up front and
@@ -62,9 +65,11 @@ class MambaStates:
 
     def __init__(self, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
                  num_layers: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = 8) -> None:
+                 capacity: int = 8, snapshots: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if snapshots < 0:
+            raise ValueError(f"snapshots must be >= 0, got {snapshots}")
         self.conv_shape, self.ssm_shape = conv_shape, ssm_shape
         self.dtype, self.device = dtype, device
         self.conv = [torch.zeros((capacity, *conv_shape), dtype=dtype, device=device)
@@ -73,6 +78,14 @@ class MambaStates:
                     for _ in range(num_layers)]
         self.slot_of: dict[str, int] = {}
         self.free = list(range(capacity - 1, -1, -1))  # (pop() takes the lowest)
+        # Prefix caching (``scheduler.state_cache``): copies of states at block
+        # boundaries, named by the block's hash; the scheduler's directory bounds them.
+        self.snap_conv = [torch.zeros((snapshots, *conv_shape), dtype=dtype, device=device)
+                          for _ in range(num_layers)] if snapshots else []
+        self.snap_ssm = [torch.zeros((snapshots, *ssm_shape), dtype=torch.float32,
+                                     device=device) for _ in range(num_layers)] if snapshots else []
+        self.snapshot_of: dict[bytes, int] = {}
+        self.snap_free = list(range(snapshots - 1, -1, -1))
 
     @property
     def capacity(self) -> int:
@@ -111,13 +124,15 @@ class MambaStates:
         for r in reqs:
             slot = self.slot_of.get(r.request_id)
             if slot is None:
-                if r.num_computed_tokens:
+                if r.num_computed_tokens and r.restore_state is None:
                     raise ValueError(
                         f"request {r.request_id} resumes at token {r.num_computed_tokens} "
                         "without its Mamba state: a recurrent model cannot continue from "
                         "cached or shipped KV alone")
                 slot = self._take(r.request_id)
-            if r.num_computed_tokens == 0:
+            if r.restore_state is not None:  # (a prefix hit: the state where it ends)
+                self._restore(r.request_id, r.restore_state, slot)
+            elif r.num_computed_tokens == 0:
                 fresh.append(slot)
             slots.append(slot)
         if fresh:
@@ -137,6 +152,38 @@ class MambaStates:
                          torch.tensor(single_slots, dtype=torch.long, device=self.device),
                          rows, multi)
 
+    def _restore(self, rid: str, h: bytes, slot: int) -> None:
+        snap = self.snapshot_of.get(h)
+        if snap is None:
+            raise ValueError(f"request {rid} resumes from a state snapshot this rank does "
+                             "not hold (ranks out of step with the scheduler)")
+        for live, kept in zip((*self.conv, *self.ssm), (*self.snap_conv, *self.snap_ssm),
+                              strict=True):
+            live[slot].copy_(kept[snap])
+
+    def save(self, reqs: Sequence[ScheduledRequest]) -> None:
+        """After the forward: keep a copy of each row's state that the plan names a
+        snapshot (``save_state``; one already held under that hash is the same state)."""
+        for r in reqs:
+            h = r.save_state
+            if h is None or h in self.snapshot_of:
+                continue
+            if not self.snap_free:
+                raise RuntimeError(f"no room for a state snapshot of {len(self.snapshot_of)}: "
+                                   "the scheduler's directory outgrew this rank's")
+            snap = self.snapshot_of[h] = self.snap_free.pop()
+            slot = self.slot_of[r.request_id]
+            for live, kept in zip((*self.conv, *self.ssm), (*self.snap_conv, *self.snap_ssm),
+                                  strict=True):
+                kept[snap].copy_(live[slot])
+
+    def drop(self, hashes: Iterable[bytes]) -> None:
+        """Free the snapshots the scheduler's directory let go."""
+        for h in hashes:
+            snap = self.snapshot_of.pop(h, None)
+            if snap is not None:
+                self.snap_free.append(snap)
+
     def fork(self, parent: str, children: Iterable[str]) -> None:
         """Copy ``parent``'s state into a slot of each child (``n > 1`` siblings forking
         at the prompt's end)."""
@@ -149,7 +196,8 @@ class MambaStates:
                 t[dst].copy_(t[src])
 
 
-def states_for(model: torch.nn.Module, capacity: int) -> MambaStates | None:
+def states_for(model: torch.nn.Module, capacity: int, snapshots: int = 0
+               ) -> MambaStates | None:
     """Slots for ``model``'s recurrent mixers on this rank (``mamba_mixers()``: Mamba-2
     or gated DeltaNet, each with its ``state_index`` and ``state_shapes()``); None for a
     model without any."""
@@ -160,5 +208,5 @@ def states_for(model: torch.nn.Module, capacity: int) -> MambaStates | None:
     conv_shape, ssm_shape = m.state_shapes()
     weight = m.conv_weight
     return MambaStates(conv_shape, ssm_shape, len(mixers), weight.dtype, weight.device,
-                       capacity)
+                       capacity, snapshots)
 

@@ -65,7 +65,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, ctx: ParallelContext,
                  device: torch.device, sampler: Sampler | None = None,
                  enable_cuda_graph: bool = False, max_num_seqs: int = 256,
-                 lora: LoRAManager | None = None, drafter: DraftRunner | None = None):
+                 lora: LoRAManager | None = None, drafter: DraftRunner | None = None,
+                 state_snapshots: int = 0):
         self.model, self.kv_cache, self.ctx, self.device = model, kv_cache, ctx, device
         self.lora = lora
         self.drafter = drafter  # (on the rank that samples, with a draft model)
@@ -75,8 +76,9 @@ class ModelRunner:
         self.long_rope = (model.config.rope_scaling or {}).get("rope_type") == "longrope"
         self.mrope = bool(model.config.mrope_section)
         self.graphs: DecodeGraphRunner | None = None
-        # A hybrid model's per-sequence Mamba state (``mamba_state``); None: KV only.
-        self.states = states_for(model, max_num_seqs)
+        # A hybrid model's per-sequence Mamba state (``mamba_state``), with its prefix
+        # cache's snapshots; None: KV only.
+        self.states = states_for(model, max_num_seqs, state_snapshots)
         # The torch reference backend reads lengths back to the host, which graph
         # capture forbids; the Triton and flash paths are sync-free.
         # A pipeline stage runs eagerly: its input or output is not a whole forward's.
@@ -274,6 +276,8 @@ class ModelRunner:
         samples = self.ctx.is_first and self.model.stage.is_last
         out = ModelRunnerOutput(step_id=plan.step_id) if samples else None
         if not plan.scheduled:
+            if self.states is not None:
+                self.states.drop(plan.dropped_states)
             return out
         if self.lora is not None and len({r.lora_id for r in plan.scheduled}) > 1:
             # Rows of one adapter side by side: each adapter's delta is one slice's matmuls.
@@ -290,6 +294,8 @@ class ModelRunner:
                 if len(r.sample_ids) > 1:
                     self.states.fork(r.request_id,
                                      [s for s in r.sample_ids if s != r.request_id])
+            self.states.drop(plan.dropped_states)  # (prefix caching: room, then copies)
+            self.states.save(plan.scheduled)
         # Every rank's, rank 0's reported (its routing counts every rank's expert load).
         counters = self.kv_cache.backend.take_counters() | take_expert_load(self.model)
         if isinstance(hidden, IntermediateTensors):

@@ -113,10 +113,8 @@ class Worker:
         self.backend = get_backend(cfg.attention_backend, self.device,
                                    kv_cache_dtype=self.kv_dtype, model_dtype=self.dtype)
         if not self.backend.supports_block_size(cfg.block_size):
-            raise ValueError(
-                f"attention backend {self.backend.name!r} does not support block_size "
-                f"{cfg.block_size}"
-            )
+            raise ValueError(f"attention backend {self.backend.name!r} does not support "
+                             f"block_size {cfg.block_size}")
 
     def load_model(self, dist_init_method: str | None = None) -> None:
         """Resolve the model (GGUF conversion is cached), build it and load this rank's shard."""
@@ -283,7 +281,8 @@ class Worker:
                           processors=self._logits_processors())
         self.runner = ModelRunner(self.model, self.kv_cache, self.ctx, self.device, sampler,
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
-                                  max_num_seqs=self.config.max_num_seqs, lora=self.lora,
+                                  max_num_seqs=self.config.max_num_seqs,
+                                  state_snapshots=self.config.state_snapshots, lora=self.lora,
                                   drafter=None if self.draft is None else drafter_runner(
                                       self.draft, self.model, self.kv_cache, self.config,
                                       self.dtype, self.device, self.backend))

@@ -102,6 +102,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 8192
     enable_cuda_graph: bool = False
     max_num_seqs: int = 256
+    # A recurrent model's prefix cache: state snapshots kept at block boundaries
+    # (``mamba_state``; the scheduler's ``state_cache`` directs them). 0: none.
+    state_snapshots: int = 0
     num_speculative_tokens: int = 0
     speculative_model: str | None = None
     speculative_method: str = "draft_model"

@@ -103,8 +103,10 @@ def test_serve_flags_reach_the_serve_args() -> None:
         "--priority-aging-s", "30", "--long-prefill-token-threshold", "256",
         "--allow-runtime-lora-updating", "-ep", "--expert-placement-strategy",
         "round_robin", "--mm-processor-kwargs", '{"do_pan_and_scan": true}',
-        "--hf-overrides", '{"classifier_from_token": ["no", "yes"]}']))
+        "--hf-overrides", '{"classifier_from_token": ["no", "yes"]}',
+        "--mamba-cache-mode", "align"]))
     kwargs = plain.settings().engine_kwargs
+    assert kwargs["mamba_cache_mode"] == "align"
     assert kwargs["mm_processor_kwargs"] == {"do_pan_and_scan": True}
     assert kwargs["hf_overrides"] == {"classifier_from_token": ["no", "yes"]}
     assert kwargs["batch_invariant"] is True and kwargs["priority_aging_s"] == 30.0
