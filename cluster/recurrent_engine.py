@@ -7,7 +7,7 @@ A Mamba (or DeltaNet) layer folds a sequence's whole past into one state per seq
 sit in the prefix cache still needs its state there: prefix caching is off unless
 ``mamba_cache_mode`` is "align" (vLLM's name), which keeps snapshots of states at
 block boundaries (``scheduler.state_cache``: each sequence's prompt's and its
-latest, ``max_num_seqs`` of them in all) and resumes a hit only where one is held.
+latest, ``2 * max_num_seqs`` of them in all) and resumes a hit only where one is held.
 The CPU offload tier and shipping a prompt's KV to another replica stay off. Draft tokens would need
 the state rolled back past rejected guesses, beam search a state copied per beam:
 refused by name, as are pipeline stages and LoRA adapters, not built for these
@@ -64,9 +64,11 @@ def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConf
 
 def state_snapshots(config: EngineConfig, recurrent: bool) -> int:
     """How many state snapshots a recurrent model's prefix cache keeps (its workers'
-    room, the scheduler's directory): one per sequence the batch may hold, when
-    ``recurrent_engine_config`` left prefix caching on; else 0."""
-    return config.max_num_seqs if recurrent and config.enable_prefix_caching else 0
+    room, the scheduler's directory): two per sequence the batch may hold (each keeps
+    its prompt's and its latest; with one, a batch's new snapshots evicted those of
+    the conversations it had yet to admit), when ``recurrent_engine_config`` left
+    prefix caching on; else 0."""
+    return 2 * config.max_num_seqs if recurrent and config.enable_prefix_caching else 0
 
 
 def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
@@ -85,7 +87,7 @@ def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
     assert mamba is not None
     elem = torch.empty((), dtype=getattr(torch, config.resolved_dtype(device))).element_size()
     per_seq = mamba.state_bytes(elem, config.tensor_parallel_size)
-    per_seq *= 2 if config.enable_prefix_caching else 1  # (and a snapshot's room each)
+    per_seq *= 3 if config.enable_prefix_caching else 1  # (and two snapshots' room each)
     budget = config.kv_cache_memory_bytes or ENGINE_CPU_KV_BYTES
     fits = max(1, budget // 2 // per_seq)
     if fits >= config.max_num_seqs:
