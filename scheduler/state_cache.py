@@ -98,6 +98,7 @@ class StateSnapshots:
         is enough) and the end of the plan's bookkeeping."""
         drops, self._drops = self._drops, []
         self._marked.clear()
+        self._restores.clear()  # (requests not admitted after all look again next step)
         return drops
 
     def reset(self) -> None:
