@@ -88,7 +88,8 @@ def model_overrides(args: argparse.Namespace) -> dict:
                    shared_expert_intermediate_size=args.expert_width,
                    layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
                                 for i in range(args.layers)],
-                   linear_num_key_heads=args.hidden // 128, linear_num_value_heads=args.hidden // 64,
+                   linear_num_key_heads=args.hidden // 128,
+                   linear_num_value_heads=args.hidden // 64,
                    linear_key_head_dim=64, linear_value_head_dim=64)
     else:
         cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,

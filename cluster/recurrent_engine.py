@@ -7,11 +7,11 @@ A Mamba (or DeltaNet) layer folds a sequence's whole past into one state per seq
 sit in the prefix cache still needs its state there: prefix caching is off unless
 ``mamba_cache_mode`` is "align" (vLLM's name), which keeps snapshots of states at
 block boundaries (``scheduler.state_cache``: each sequence's prompt's and its
-latest, ``2 * max_num_seqs`` of them in all) and resumes a hit only where one is held.
-The CPU offload tier and shipping a prompt's KV to another replica stay off. Draft tokens would need
-the state rolled back past rejected guesses, beam search a state copied per beam:
-refused by name, as are pipeline stages and LoRA adapters, not built for these
-layers yet. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
+latest, ``2 * max_num_seqs`` of them in all) and resumes a hit only where one is
+held. The CPU offload tier and shipping a prompt's KV to another replica stay off.
+Draft tokens would need the state rolled back past rejected guesses, beam search a
+state copied per beam: refused by name, as are pipeline stages and LoRA adapters,
+not built for these layers yet. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
 parallelism (``mamba_n_groups`` divisible by it) work. Every sequence the batch may
 hold has its state made up front, out of the KV budget: on CPU ``max_num_seqs`` is
 lowered to what half the budget holds.

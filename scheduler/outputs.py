@@ -103,7 +103,7 @@ class SchedulerOutput:
     Pairs are ``(device_block, cpu_block)`` for swaps and ``(src, dst)`` for copies.
     ``finished_ids`` and ``aborted_ids`` let workers drop per-request state
     (e.g. seeded generators); ``dropped_states`` the recurrent-state snapshots to free
-    after the step (``scheduler.state_cache``).
+    after the forward, before the step's saves (``scheduler.state_cache``).
     """
 
     step_id: int

@@ -22,10 +22,10 @@ nothing on the wire changes. What the scheduler does still maps onto them:
 - a sequence that resumes past token 0 from a prefix-cache hit starts from the
   snapshot the plan names (``restore_state``): with prefix caching on
   (``scheduler.state_cache``) this rank keeps copies of states at block
-  boundaries where the plan says (``save_state``, after the forward) and frees them
-  when it says (``dropped_states``, just before those saves); one resuming without a snapshot (KV shipped from another
-  replica) cannot be served, and meeting one here is an error, not a silent zero
-  state.
+  boundaries where the plan says (``save_state``, after the forward) and frees
+  them when it says (``dropped_states``, just before those saves); one resuming
+  without a snapshot (KV shipped from another replica) cannot be served, and
+  meeting one here is an error, not a silent zero state.
 
 Slots grow by doubling when every one is taken: live sequences (running, swapped,
 or preempted and waiting) bound them. ``max_num_seqs`` slots are made up front and

@@ -105,7 +105,8 @@ class Mamba2Mixer(nn.Module):
             check_shape(name, lazy, full)
             t = lazy[:].reshape(mc.conv_dim, -1)
             x, b, c = torch.split(t, [mc.intermediate, gn, gn])
-            mine = torch.cat([rank_share(x, self.inter, self.rank), rank_share(b, self.bc, self.rank),
+            mine = torch.cat([rank_share(x, self.inter, self.rank),
+                              rank_share(b, self.bc, self.rank),
                               rank_share(c, self.bc, self.rank)])
             target = self.conv_weight if name == "conv1d.weight" else self.conv_bias
             target.data.copy_(mine.reshape(target.shape))
