@@ -1,20 +1,20 @@
 """What Qwen3-Next and Qwen3.5 need beyond a Llama config: their gated DeltaNet
 layers' shapes.
 
-Qwen3-Next (``model_type: qwen3_next``: Qwen3-Next-80B-A3B Instruct / Thinking)
-and Qwen3.5 (``qwen3_5`` dense, ``qwen3_5_moe``; their files hold a vision encoder
+Qwen3-Next (``model_type: qwen3_next``: Qwen3-Next-80B-A3B Instruct / Thinking) and
+Qwen3.5 (``qwen3_5`` dense, ``qwen3_5_moe``; their files hold a vision encoder
 beside the decoder, ``text_config`` its fields; ``qwen3_5_text`` /
 ``qwen3_5_moe_text`` for the decoder alone) put three gated DeltaNet layers
 (``layer_types``: ``linear_attention``) before every attention layer
-(``full_attention``; ``full_attention_interval`` in older files). A DeltaNet
-layer keeps no KV: each sequence carries the last ``linear_conv_kernel_dim - 1``
-inputs of a causal convolution over q, k and v, and one ``[key dim, value dim]``
-matrix per value head that the gated delta rule rewrites each token (``layers.gated_deltanet``). Key heads are fewer than value
-heads (16 and 32 in the release): each key head serves a run of consecutive value
-heads, and the projections are laid out per key head, which is what tensor
-parallelism splits (``linear_num_key_heads`` divisible by its size). Qwen3.5's
-files store the same projections unfused, q / k / v in one matrix and z, b, a in
-three (``split_proj``).
+(``full_attention``; ``full_attention_interval`` in older files). A DeltaNet layer
+keeps no KV: each sequence carries the last ``linear_conv_kernel_dim - 1`` inputs of
+a causal convolution over q, k and v, and one ``[key dim, value dim]`` matrix per
+value head that the gated delta rule rewrites each token
+(``layers.gated_deltanet``). Key heads are fewer than value heads (16 and 32 in the
+release): each key head serves a run of consecutive value heads, and the projections
+are laid out per key head, which is what tensor parallelism splits
+(``linear_num_key_heads`` divisible by its size). Qwen3.5's files store the same
+projections unfused, q / k / v in one matrix and z, b, a in three (``split_proj``).
 """
 
 from __future__ import annotations
