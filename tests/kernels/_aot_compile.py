@@ -10,7 +10,8 @@ must be unset when the kernels are decorated.
     python tests/kernels/_aot_compile.py [capability ...] [--only base|sweep]
                                                          # default: 90 80, both parts
 
-The fused MoE kernels print "ok moe sm_..", the int4 GEMM "ok w4 sm_..". Narrow KV caches (kv_cache_dtype)
+The fused MoE kernels print "ok moe sm_..", the int4 GEMM "ok w4 sm_..", the
+gated delta rule's decode step "ok gdn sm_..". Narrow KV caches (kv_cache_dtype)
 compile as their own variants: fp8 caches
 reach the kernels as uint8 bytes (KV_FP8 picks the in-kernel decoding), and a
 cache dtype other than the query's changes which dots the kernel emits. Those
@@ -36,6 +37,7 @@ from pagedserve.kernels.triton_attention import (
 )
 from pagedserve.kernels.triton_backend import LAUNCH_SWEEP, TritonBackend
 from pagedserve.kernels.triton_cache import _copy_blocks_kernel, _store_kv_kernel
+from pagedserve.kernels.triton_deltanet import _delta_rule_decode_kernel, block_v
 from pagedserve.kernels.triton_moe import BLOCK_M, _down_kernel, _gate_up_kernel
 from pagedserve.kernels.triton_w4a16 import BLOCK_N as W4_BLOCK_N
 from pagedserve.kernels.triton_w4a16 import _w4a16_kernel
@@ -189,6 +191,12 @@ def main(archs: list[int], parts: tuple[str, ...] = ("base", "sweep")) -> None:
                 build(_w4a16_kernel, ptrs, dict(HAS_BIAS=bm == 64, BLOCK_M=bm,
                                                 BLOCK_N=W4_BLOCK_N, DOT_F32=dt == "fp32"),
                       target, tag="ok w4")
+        gdn = {n: "*fp32" for n in ("state_ptr", "decay_ptr", "beta_ptr", "q_ptr", "k_ptr",
+                                    "v_ptr", "out_ptr")} | {"slots_ptr": "*i64"}
+        for dk, dv in ((128, 128), (256, 64)):  # the gated delta rule's decode step
+            build(_delta_rule_decode_kernel, gdn, dict(HEADS=32, DK=dk, DV=dv, BLOCK_K=dk,
+                                                       BLOCK_V=block_v(dk, dv)),
+                  target, tag="ok gdn")
 
 
 if __name__ == "__main__":

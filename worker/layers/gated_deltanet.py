@@ -191,6 +191,10 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(h)
         if cpu_deltanet.available(state):  # (in place in the slots, two cached passes)
             return cpu_deltanet.update(state, slots, torch.exp(g), beta, q, k, v)
+        if state.is_cuda:  # (in place in the slots, one Triton program per tile)
+            from pagedserve.kernels import triton_deltanet
+
+            return triton_deltanet.decode(state, slots, torch.exp(g), beta, q, k, v)
         n, heads, dk = k.shape
         # In place on the gathered copy: the state is the step's biggest tensor.
         s = state.index_select(0, slots)  # [n, H, dk, dv]
