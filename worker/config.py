@@ -37,6 +37,7 @@ from pagedserve.worker.encoder_config import (
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.granite_config import GraniteScales, granite_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
+from pagedserve.worker.lfm2_config import ShortConvConfig, lfm2_config
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
 from pagedserve.worker.mamba_config import (
     HYBRID_MODEL_TYPES,
@@ -132,8 +133,9 @@ class ModelConfig:
     matryoshka: tuple[int, ...] | bool | None = None
     # A hybrid model's Mamba-2 layers and their mixers' shapes (``mamba_config``): they
     # hold per-sequence state, not KV; None: every layer attends.
-    # (Qwen3-Next's gated DeltaNet layers: a ``DeltaNetConfig`` with the same fields.)
-    mamba: MambaConfig | DeltaNetConfig | None = None
+    # (Qwen3-Next's gated DeltaNet layers, LFM2's short convolutions: configs with the
+    # same fields.)
+    mamba: MambaConfig | DeltaNetConfig | ShortConvConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], tokenizer_dir: str | None = None
@@ -169,6 +171,8 @@ class ModelConfig:
         mamba = None
         if model_type == "nemotron_h":  # (its own field names: ``nemotron_h_config``)
             cfg, mamba = nemotron_h_config(cfg)
+        elif model_type == "lfm2":  # (and LFM2's: ``lfm2_config``)
+            cfg, mamba = lfm2_config(cfg)
         hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
         heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
         kv_heads = positive_int(
@@ -239,8 +243,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *DELTANET_MODEL_TYPES,
-                                   *OLMO_MODEL_TYPES)
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "lfm2",
+                                   *DELTANET_MODEL_TYPES, *OLMO_MODEL_TYPES)
             or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             max_position_embeddings=positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 2048)

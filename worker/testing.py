@@ -71,6 +71,8 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                         shared_expert_intermediate_size=48, num_hidden_layers=4, head_dim=16,
                         linear_num_key_heads=2, linear_num_value_heads=4,
                         linear_key_head_dim=16, linear_value_head_dim=8),
+    # LFM2: conv, conv, attention, conv layers (3-tap convolutions), its MLP width adjusted.
+    "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"]),
     # GLM-4.5: DeepSeek-V3's experts (8 in 4 groups), biased q/k/v, per-head q/k norms,
     # RoPE on half of each 16-wide head.
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -136,7 +138,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     "granitemoehybrid" (Mamba-2 and attention layers), "nemotron_h" (Mamba-2,
     attention and MLP blocks), "qwen3_next" (gated DeltaNet and gated attention), and
     Qwen3.5's multimodal "qwen3_5" / "qwen3_5_moe" (the same decoder beside a vision
-    encoder).
+    encoder), and "lfm2" (gated short convolutions and attention).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -185,7 +187,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "qwen3_5": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration,
                            tf.Qwen3_5Model),
                "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration,
-                               tf.Qwen3_5MoeModel)}
+                               tf.Qwen3_5MoeModel),
+               "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, tf.Lfm2Model)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]

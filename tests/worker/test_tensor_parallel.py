@@ -107,6 +107,7 @@ def _free_port() -> int:
     ("nemotron_h", dict(num_key_value_heads=2)),
     ("qwen3_next", dict(num_key_value_heads=2)),
     ("qwen3_5", dict(num_key_value_heads=2)),
+    ("lfm2", dict(num_key_value_heads=2)),
 ], ids=["kv_split", "kv_replicated_tied", "qwen2_bias", "qwen3_qk_norm", "mixtral_experts",
         "qwen2_moe_shared_expert", "gemma3_sliding", "phi3_fused", "deepseek_v3_mla",
         "deepseek_v2_mla", "gpt_oss_sinks_biased_experts", "granite_moe_shared_scaled",
@@ -115,7 +116,7 @@ def _free_port() -> int:
         "ernie_moe_biased_choice_shared",
         "olmo3_replicated_kv_head_norm", "nemotron_h_mamba_heads_and_groups_split",
         "qwen3_next_deltanet_key_heads_and_attention_gate_split",
-        "qwen3_5_unfused_deltanet_projections_split"])
+        "qwen3_5_unfused_deltanet_projections_split", "lfm2_short_conv_channels_split"])
 def test_tp2_equals_tp1(tmp_path, kind, kw):
     path = save_tiny_model(tmp_path / "m", kind, seed=4, **kw)
     ref_worker = make_worker(path, num_blocks=40, block_size=4)

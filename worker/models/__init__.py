@@ -9,6 +9,7 @@ from pagedserve.worker.models.glm4 import Glm4ForCausalLM
 from pagedserve.worker.models.glm4_moe import Glm4MoeForCausalLM
 from pagedserve.worker.models.granite import GraniteForCausalLM
 from pagedserve.worker.models.granite_hybrid import GraniteHybridForCausalLM
+from pagedserve.worker.models.lfm2 import Lfm2ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
 from pagedserve.worker.models.nemotron_h import NemotronHForCausalLM
@@ -33,6 +34,7 @@ MODEL_REGISTRY = {
     "qwen3_next": Qwen3NextForCausalLM,  # (gated DeltaNet: ``layers.gated_deltanet``)
     "qwen3_5_text": Qwen3NextForCausalLM,  # (Qwen3.5: the same, projections unfused)
     "qwen3_5_moe_text": Qwen3NextForCausalLM,
+    "lfm2": Lfm2ForCausalLM,  # (gated short convolutions: ``layers.short_conv``)
     "olmo2": OlmoForCausalLM,  # (post-norms, whole-projection q/k norms: ``olmo_config``)
     "olmo3": OlmoForCausalLM,  # (and sliding layers with their own RoPE)
     "smollm3": SmolLM3ForCausalLM,  # (no RoPE on every fourth layer)
