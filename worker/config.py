@@ -171,7 +171,7 @@ class ModelConfig:
         mamba = None
         if model_type == "nemotron_h":  # (its own field names: ``nemotron_h_config``)
             cfg, mamba = nemotron_h_config(cfg)
-        elif model_type == "lfm2":  # (and LFM2's: ``lfm2_config``)
+        elif model_type in ("lfm2", "lfm2_moe"):  # (and LFM2's: ``lfm2_config``)
             cfg, mamba = lfm2_config(cfg)
         hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
         heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
@@ -243,7 +243,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "lfm2",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "lfm2", "lfm2_moe",
                                    *DELTANET_MODEL_TYPES, *OLMO_MODEL_TYPES)
             or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             max_position_embeddings=positive_int(

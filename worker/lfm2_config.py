@@ -1,6 +1,7 @@
 """What Liquid AI's LFM2 needs beyond a Llama config, read from ``config.json``.
 
-LFM2 (``model_type: lfm2``: LFM2-350M / 700M / 1.2B / 2.6B, LFM2.5) puts a few
+LFM2 (``model_type: lfm2``: LFM2-350M / 700M / 1.2B / 2.6B, LFM2.5; ``lfm2_moe``:
+LFM2-8B-A1B, routed experts after its first ``num_dense_layers``) puts a few
 attention layers (``full_attention`` in ``layer_types``; ``full_attn_idxs`` in the
 first files) among gated short-convolution layers (``conv``): ``B, C, x =
 in_proj(h)``, a depthwise causal convolution of ``conv_L_cache`` taps over ``B *
@@ -40,10 +41,11 @@ class ShortConvConfig:
 
 
 def _ff_dim(cfg: dict[str, Any]) -> int:
-    """The MLP's width as ``Lfm2MLP`` builds it from the file's fields."""
+    """The MLP's width as ``Lfm2MLP`` builds it from the file's fields (LFM2-MoE's
+    dense layers take ``intermediate_size`` as it is)."""
     width = positive_int("intermediate_size", cfg.get("block_ff_dim",
                                                       cfg.get("intermediate_size", 12288)))
-    if not cfg.get("block_auto_adjust_ff_dim", True):
+    if cfg.get("model_type") == "lfm2_moe" or not cfg.get("block_auto_adjust_ff_dim", True):
         return width
     width = int(2 * width / 3)
     multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)

@@ -22,7 +22,7 @@ from pagedserve.worker.config_fields import count, positive_int
 # gated DeltaNet (Qwen3-Next, Qwen3.5 and its decoder alone: ``deltanet_config``) or
 # gated short convolutions (LFM2: ``lfm2_config``).
 HYBRID_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5", "qwen3_5_moe",
-                      "qwen3_5_text", "qwen3_5_moe_text", "lfm2")
+                      "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe")
 _MAMBA_KINDS = ("mamba", "linear_attention")
 _ATTENTION_KINDS = ("attention", "full_attention")
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
-DeepSeek-V2/V3, GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE).
+DeepSeek-V2/V3, GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE, LFM2-MoE).
 
 The families differ only in config spellings and in a few choices: whether
 the top-k routing weights are renormalised to sum to one (Mixtral always; the
@@ -26,7 +26,7 @@ from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
                    "gpt_oss", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe",
-                   "ernie4_5_moe", "qwen3_next", "qwen3_5_moe_text")
+                   "ernie4_5_moe", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -120,6 +120,13 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          tuple(range(num_layers)), gpt_oss=True,
                          swiglu_alpha=_positive(cfg, "swiglu_alpha", 1.702),
                          swiglu_limit=_positive(cfg, "swiglu_limit", 7.0))
+    if model_type == "lfm2_moe":  # sigmoid scores, a choosing bias, no groups
+        return MoEConfig(num_experts, top_k, count(cfg, "moe_intermediate_size"),
+                         bool(cfg.get("norm_topk_prob", True)), 0,
+                         tuple(range(non_negative_int(cfg, "num_dense_layers"), num_layers)),
+                         scoring="sigmoid", score_bias=bool(cfg.get("use_expert_bias", True)),
+                         routed_scale=_positive(cfg, "routed_scaling_factor", 1.0),
+                         shared_gated=False)
     if model_type == "mixtral":
         return MoEConfig(num_experts, top_k, count(cfg, "intermediate_size"), True, 0,
                          tuple(range(num_layers)), mixtral_names=True)

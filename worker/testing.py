@@ -73,6 +73,9 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                         linear_key_head_dim=16, linear_value_head_dim=8),
     # LFM2: conv, conv, attention, conv layers (3-tap convolutions), its MLP width adjusted.
     "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"]),
+    "lfm2_moe": dict(num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"],
+                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     num_dense_layers=1, routed_scaling_factor=1.5),
     # GLM-4.5: DeepSeek-V3's experts (8 in 4 groups), biased q/k/v, per-head q/k norms,
     # RoPE on half of each 16-wide head.
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -188,7 +191,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                            tf.Qwen3_5Model),
                "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration,
                                tf.Qwen3_5MoeModel),
-               "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, tf.Lfm2Model)}
+               "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, tf.Lfm2Model),
+               "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, tf.Lfm2MoeModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -226,7 +230,7 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                 p.normal_(1.0 if name.endswith("D") else 0.0, 0.5)
         routing_biases = [*model.named_buffers(), *model.named_parameters()]
         for name, b in routing_biases:  # DeepSeek-V3's (Ernie's) routing bias inits to 0
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.normal_(0.0, 0.5)
     dest = Path(dest)
     model.save_pretrained(dest, safe_serialization=True)

@@ -1,10 +1,12 @@
-"""Liquid AI's LFM2 (``lfm2``): gated short-convolution layers around attention.
+"""Liquid AI's LFM2 (``lfm2``, ``lfm2_moe``): gated short-convolution layers around
+attention.
 
 Through the engine, against Hugging Face's ``generate`` on a file its own classes
 wrote (conv, conv, attention, conv; 3-tap convolutions): greedy tokens equal over
 prompts of 3 to 48 tokens twice in one batch, whole and in 8-token prefill chunks,
 and with the prefix cache on (``mamba_cache_mode="align"``: a conversation continued
-from its answer resumes from its convolution's snapshot). The first files' field
+from its answer resumes from its convolution's snapshot); LFM2-MoE's experts route
+as transformers' do. The first files' field
 spellings (``full_attn_idxs``, ``block_ff_dim``, ``tie_embedding``) parse as
 transformers reads them; a malformed layer list is named."""
 
@@ -49,6 +51,23 @@ def test_greedy_equals_hugging_face_whole_in_chunks_and_from_the_prefix_cache(lf
         assert _tokens(outs) == want
         assert [o.num_cached_tokens for o in outs] == [
             (len(p) + len(r) - 1) // 4 * 4 for p, r in zip(prompts[-2:], ref[-2:], strict=True)]
+    finally:
+        llm.shutdown()
+
+
+def test_lfm2_moe_routes_its_later_layers_as_hugging_face_does(tmp_path,
+                                                              default_model_dir) -> None:
+    """LFM2-MoE: a dense first layer, then 4 experts with sigmoid scores, a random
+    choosing bias and a routed scale of 1.5; prompts in 8-token chunks."""
+    path = write_random_checkpoint(tmp_path / "moe", "lfm2_moe", default_model_dir)
+    prompts = prompts_of_mixed_lengths(4)[1:]
+    ref = hf_greedy(path, prompts, 6)
+    llm = LLM(model=path, num_gpu_blocks=64, block_size=4, max_num_batched_tokens=8)
+    try:
+        assert llm.engine.executor.worker.model_config.moe.sparse_layers == (1, 2, 3)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                    ignore_eos=True))
+        assert _tokens(outs) == ref
     finally:
         llm.shutdown()
 

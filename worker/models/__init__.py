@@ -35,6 +35,7 @@ MODEL_REGISTRY = {
     "qwen3_5_text": Qwen3NextForCausalLM,  # (Qwen3.5: the same, projections unfused)
     "qwen3_5_moe_text": Qwen3NextForCausalLM,
     "lfm2": Lfm2ForCausalLM,  # (gated short convolutions: ``layers.short_conv``)
+    "lfm2_moe": Lfm2ForCausalLM,  # (and routed experts, sigmoid-scored)
     "olmo2": OlmoForCausalLM,  # (post-norms, whole-projection q/k norms: ``olmo_config``)
     "olmo3": OlmoForCausalLM,  # (and sliding layers with their own RoPE)
     "smollm3": SmolLM3ForCausalLM,  # (no RoPE on every fourth layer)

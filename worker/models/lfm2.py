@@ -1,6 +1,7 @@
 """Liquid AI's LFM2 (``lfm2``): gated short-convolution layers (``layers.short_conv``)
 with a few attention layers between them (``lfm2_config``), each layer a pre-norm
-mixer and a pre-norm SwiGLU MLP.
+mixer and a pre-norm SwiGLU MLP; LFM2-MoE (``lfm2_moe``) routes the MLPs after its
+first ``num_dense_layers`` to experts (sigmoid scores, a choosing bias).
 
 Its attention is Qwen3's (per-head q / k RMSNorms, GQA, RoPE), its layers Llama's
 shape, so the files' names (``operator_norm``, ``ffn_norm``, ``feed_forward.w1 / w3 /
@@ -21,6 +22,7 @@ from torch import nn
 
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.linear import LazyTensor
+from pagedserve.worker.layers.moe import SparseMoE
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.short_conv import ShortConv
 from pagedserve.worker.models.hybrid import RecurrentHybridMixin
@@ -28,10 +30,13 @@ from pagedserve.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, 
 
 _LAYER = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
 _IN_LAYER = {"operator_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
-             "feed_forward.w1.": "mlp.gate_proj.", "feed_forward.w3.": "mlp.up_proj.",
-             "feed_forward.w2.": "mlp.down_proj.", "self_attn.out_proj.": "self_attn.o_proj.",
+             "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+             "feed_forward.": "mlp.", "self_attn.out_proj.": "self_attn.o_proj.",
              "self_attn.q_layernorm.": "self_attn.q_norm.",
              "self_attn.k_layernorm.": "self_attn.k_norm."}
+# An MLP's (or an expert's) projections: w1 gates, w3 goes up, w2 comes down.
+_PROJ = re.compile(r"(^mlp\.(?:experts\.\d+\.)?)w([123])\.")
+_PROJ_NAMES = {"1": "gate_proj.", "3": "up_proj.", "2": "down_proj."}
 
 
 def _renamed(name: str) -> str:
@@ -44,8 +49,9 @@ def _renamed(name: str) -> str:
     prefix, rest = m.groups()
     for theirs, ours in _IN_LAYER.items():
         if rest.startswith(theirs):
-            return prefix + ours + rest[len(theirs):]
-    return name
+            rest = ours + rest[len(theirs):]
+            break
+    return prefix + _PROJ.sub(lambda p: p.group(1) + _PROJ_NAMES[p.group(2)], rest)
 
 
 class Lfm2ConvLayer(nn.Module):
@@ -58,7 +64,11 @@ class Lfm2ConvLayer(nn.Module):
         self.conv = ShortConv(cfg.mamba, ctx, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 device)
-        self.mlp = LlamaMLP(cfg, ctx, dtype, device)
+        self.mlp: LlamaMLP | SparseMoE
+        if cfg.moe is not None and index in cfg.moe.sparse_layers:  # (LFM2-MoE)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, ctx, dtype, device)
+        else:
+            self.mlp = LlamaMLP(cfg, ctx, dtype, device)
 
     @property
     def mamba(self) -> ShortConv:
