@@ -2,7 +2,8 @@
 
 Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
 (``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention, GPT-OSS,
-Granite 4.0-H's Mamba-2 hybrid, Qwen3-Next's gated DeltaNet hybrid) of
+Granite 4.0-H's Mamba-2 hybrid, Qwen3-Next's gated DeltaNet hybrid, LFM2-MoE's short
+convolutions) of
 ``--layers`` layers, ``--experts`` experts of which each token takes ``--top-k``,
 written with ``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32
 by default); ``--num-prompts`` prompts of 10-75 random token ids (or of
@@ -25,6 +26,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py --kind gpt_oss --json bench/figures/moe_gpt_oss.json
     python bench/moe.py --kind granitemoehybrid --json bench/figures/moe_granite_hybrid.json
     python bench/moe.py --kind qwen3_next --json bench/figures/moe_qwen3_next.json
+    python bench/moe.py --kind lfm2_moe --json bench/figures/moe_lfm2_moe.json
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def model_overrides(args: argparse.Namespace) -> dict:
                    linear_num_key_heads=args.hidden // 128,
                    linear_num_value_heads=args.hidden // 64,
                    linear_key_head_dim=64, linear_value_head_dim=64)
+    elif args.kind == "lfm2_moe":  # LFM2-8B-A1B: short convolutions, one layer in four attends
+        cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
+                   intermediate_size=4 * args.expert_width, num_dense_layers=1,
+                   layer_types=["full_attention" if i % 4 == 3 else "conv"
+                                for i in range(args.layers)])
     else:
         cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                    intermediate_size=4 * args.expert_width, norm_topk_prob=True)
@@ -117,7 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3",
                                        "deepseek_v2", "gpt_oss", "granitemoehybrid",
-                                       "qwen3_next"),
+                                       "qwen3_next", "lfm2_moe"),
                     default="qwen3_moe")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="every prompt this many random token ids (default 10-75)")
