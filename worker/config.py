@@ -197,6 +197,9 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"model config field 'hidden_act' must be 'silu', got "
                              f"{cfg.get('hidden_act')!r}")
+        if model_type == "bamba":  # (transformers turns half of each head, whatever the file)
+            cfg = {**cfg, "rope_parameters": {**(cfg.get("rope_parameters") or {}),
+                                              "partial_rotary_factor": 0.5}}
         theta, scaling, rotary_dim = parse_rope(cfg, head_dim, model_type)
         if mrope_section and 2 * sum(mrope_section) != rotary_dim:
             raise ValueError(f"model config field 'rope_parameters.mrope_section' "

@@ -1,5 +1,6 @@
 """What a hybrid Mamba-2 / attention decoder needs beyond a Llama config (Granite
-4.0-H's fields here; Nemotron-H's, spelt otherwise, in ``nemotron_h_config``).
+4.0-H's fields here, which IBM's Bamba shares; Nemotron-H's, spelt otherwise, in
+``nemotron_h_config``).
 
 IBM's Granite 4.0-H (``model_type: granitemoehybrid``: granite-4.0-h-micro, -tiny,
 -small) interleaves Mamba-2 mixers with a few attention layers: ``layer_types``
@@ -21,8 +22,8 @@ from pagedserve.worker.config_fields import count, positive_int
 # Hybrids whose recurrent layers keep a state per sequence: Mamba-2 (the first two) or
 # gated DeltaNet (Qwen3-Next, Qwen3.5 and its decoder alone: ``deltanet_config``) or
 # gated short convolutions (LFM2: ``lfm2_config``).
-HYBRID_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5", "qwen3_5_moe",
-                      "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe")
+HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "qwen3_next", "qwen3_5",
+                      "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe")
 _MAMBA_KINDS = ("mamba", "linear_attention")
 _ATTENTION_KINDS = ("attention", "full_attention")
 
@@ -76,9 +77,15 @@ class MambaConfig:
 def mamba_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
                          ) -> MambaConfig | None:
     """The Mamba part of a parsed ``config.json``; None for a model without one."""
-    if model_type != "granitemoehybrid":
+    if model_type not in ("granitemoehybrid", "bamba"):
         return None  # (Nemotron-H's fields: ``nemotron_h_config``)
     kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if model_type == "bamba" and kinds is None:  # (its attention layers by index)
+        attn = cfg.get("attn_layer_indices") or []
+        if not isinstance(attn, list) or not all(isinstance(i, int) for i in attn):
+            raise ValueError(f"model config field 'attn_layer_indices' must be a list of "
+                             f"layer indices, got {attn!r}")
+        kinds = ["attention" if i in attn else "mamba" for i in range(num_layers)]
     if kinds is None:
         kinds = ["mamba"] * num_layers  # (transformers' default: every layer a mixer)
     if (not isinstance(kinds, list) or len(kinds) != num_layers
@@ -135,7 +142,9 @@ def _number(v: Any) -> float | None:
 
 def uses_rope(cfg: dict[str, Any]) -> bool:
     """Whether a hybrid file's attention layers rotate: Granite 4.0-H's do not
-    (``position_embedding_type`` "nope" or absent; "rope" turns them on)."""
+    (``position_embedding_type`` "nope" or absent; "rope" turns them on), Bamba's do."""
+    if cfg.get("model_type") == "bamba":
+        return True
     kind = cfg.get("position_embedding_type")
     if kind not in (None, "nope", "rope"):
         raise ValueError(f"model config field 'position_embedding_type' must be 'rope' or "

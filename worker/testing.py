@@ -52,6 +52,10 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                              layer_types=["mamba", "attention", "mamba", "mamba"],
                              mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
                              mamba_n_groups=2, mamba_chunk_size=8, mamba_d_conv=4),
+    # Bamba: Mamba-2 layers around one attention layer (RoPE on half of its 16-wide heads).
+    "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=8,
+                  mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8,
+                  head_dim=16),
     # Nemotron-H: Mamba, MLP, attention, MLP, Mamba, MLP blocks; two B / C groups, chunks
     # of 8 tokens.
     "nemotron_h": dict(hybrid_override_pattern="M-*-M-", num_hidden_layers=6,
@@ -192,7 +196,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration,
                                tf.Qwen3_5MoeModel),
                "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, tf.Lfm2Model),
-               "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, tf.Lfm2MoeModel)}
+               "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, tf.Lfm2MoeModel),
+               "bamba": (tf.BambaConfig, tf.BambaForCausalLM, tf.BambaModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]

@@ -7,7 +7,8 @@ recompute preemption (a state kept in its slot, a state rebuilt from token 0); f
 ``n = 2`` siblings forking at the prompt's end. The chunked scan equals the
 token-by-token recurrence it replaces, from any starting state; slots are reused,
 grown and forked; what these models cannot serve is refused by name, and prefix
-caching is off (a cached prefix holds no state)."""
+caching is off by default (a cached prefix holds no state). IBM's Bamba, the same
+mixer in Llama-shaped layers, equals transformers too."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.cluster.beam_search import BeamSearchParams
 from pagedserve.scheduler.outputs import ScheduledRequest
 from pagedserve.worker.layers.mamba2 import Mamba2Mixer, ssd_scan
-from pagedserve.worker.mamba_config import MambaConfig
+from pagedserve.worker.mamba_config import MambaConfig, mamba_config_from_hf
 from pagedserve.worker.mamba_state import MambaStates
 from pagedserve.worker.testing import write_random_checkpoint
 from tests.cluster.conftest import hf_greedy
@@ -179,3 +180,21 @@ def test_hybrids_on_cuda_equal_hugging_face(kind, tmp_path) -> None:
         assert llm.engine.executor.worker.runner.graphs is None  # (eager: see models.hybrid)
     finally:
         llm.shutdown()
+
+
+def test_bamba_equals_hugging_face_in_prefill_chunks(tmp_path, default_model_dir) -> None:
+    """IBM's Bamba: Granite 4.0-H's mixer in Llama-shaped layers, its attention layer
+    given by index and rotating half of each head; the files' own MLP and norm names."""
+    path = write_random_checkpoint(tmp_path / "bamba", "bamba", default_model_dir)
+    prompts = prompts_of_mixed_lengths(5)
+    ref = hf_greedy(path, prompts, GREEDY.max_tokens)
+    llm = LLM(model=path, num_gpu_blocks=96, block_size=4, max_num_batched_tokens=8)
+    try:
+        config = llm.engine.executor.worker.model_config
+        assert (config.mamba.attention, config.rotary_dim) == ((1,), 8)
+        assert _tokens(llm.generate(prompts + prompts, GREEDY)) == ref + ref
+    finally:
+        llm.shutdown()
+    bad = {"model_type": "bamba", "attn_layer_indices": "1", "hidden_size": 64}
+    with pytest.raises(ValueError, match="'attn_layer_indices'"):
+        mamba_config_from_hf(bad, "bamba", 4)
