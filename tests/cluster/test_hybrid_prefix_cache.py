@@ -3,8 +3,9 @@ snapshots at block boundaries (``scheduler.state_cache``, ``worker.mamba_state``
 
 A conversation continued from where it stopped and a prompt sent again resume from
 the snapshot at their last cached block (exactly that many tokens reported cached)
-and give the tokens an engine without the cache gives, for Qwen3-Next's DeltaNet and
-Granite 4.0-H's Mamba-2 layers; so do prompts cut into prefill chunks, sequences
+and give the tokens an engine without the cache gives (Qwen3-Next's DeltaNet layers:
+a convolution's inputs and a matrix a head, the parts every recurrent layer's slot
+has; LFM2's convolution-only slots in ``test_lfm2``); so do prompts cut into prefill chunks, sequences
 preempted by recompute (which resume from their own snapshots) and a directory too
 small for every snapshot (the workers hold exactly what it holds). A reset frees
 them all. The directory's rules are checked on their own."""
@@ -25,7 +26,7 @@ from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["qwen3_next"])
 def rounds(request, tmp_path_factory, default_model_dir):
     """A file, prompts of 3 to 48 tokens, their continuations (prompt + answer + three
     more tokens), and an uncached engine's answers to both."""
