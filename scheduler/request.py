@@ -100,6 +100,8 @@ class Request:
         # prompt's last block boundary, and the latest since.
         self.prompt_state: BlockHash | None = None
         self.latest_state: BlockHash | None = None
+        # Where its cached KV ended past any snapshot (0: nowhere): it keeps one there.
+        self.state_junction = 0
         # Leading blocks of the current table already offered to the prefix cache.
         self.num_hashed_blocks = 0
         self.pending_children: list[Request] = []

@@ -14,7 +14,11 @@ Snapshots are taken where a step ends on a boundary, which decode steps do every
 last token (one more step for the tail) so that the prompt's own state is kept.
 Each running sequence holds two: its prompt's (a repeated prompt, a shared one
 extended) and its latest (a conversation continued from where it stopped),
-replaced as it goes. All of them stay in a least-recently-used directory of
+replaced as it goes. A prompt whose cached KV reaches past the last snapshot it
+could resume from (a system prompt shared with an earlier request, whose own
+snapshots lie past where the prompts part) is also cut at the end of that KV, the
+junction, and keeps a snapshot there: the requests after it resume there (vLLM's
+"shared-prefix checkpoint"). All of them stay in a least-recently-used directory of
 ``capacity`` entries, the workers' room (vLLM's ``mamba_cache_mode: align`` keeps
 one per block; keeping two a sequence costs two states, not one per block).
 """
@@ -47,19 +51,28 @@ class StateSnapshots:
         """The prefix hit ``req`` can resume from: the longest run of ``hits`` whose last
         block has a snapshot (its restore recorded for the plan), else none."""
         hashes = req.update_block_hashes(self.block_size)
-        for j in range(num_hit // self.block_size, 0, -1):
+        blocks = num_hit // self.block_size
+        # Where the cached KV ends, if no snapshot does: this request keeps one there.
+        req.state_junction = num_hit
+        for j in range(blocks, 0, -1):
             if hashes[j - 1] in self.held:
                 self.held.move_to_end(hashes[j - 1])
                 self._restores[req.request_id] = hashes[j - 1]
+                if j == blocks:
+                    req.state_junction = 0
                 return hits[:j], j * self.block_size
         self._restores.pop(req.request_id, None)
         return [], 0
 
     def align(self, req: Request, start: int, num_new: int) -> int:
-        """``num_new`` cut so that a step from ``start`` ends on the last block boundary
-        before the sequence's last token rather than past it."""
-        boundary = (req.num_tokens - 1) // self.block_size * self.block_size
-        return boundary - start if start < boundary < start + num_new else num_new
+        """``num_new`` cut so that a step from ``start`` ends on the junction (where its
+        cached KV ended) and on the last block boundary before the sequence's last
+        token rather than past them."""
+        last = (req.num_tokens - 1) // self.block_size * self.block_size
+        for boundary in sorted({req.state_junction, last}):
+            if start < boundary < start + num_new:
+                return boundary - start
+        return num_new
 
     def mark(self, req: Request, sched: ScheduledRequest) -> None:
         """Put on ``req``'s row its restore (if admitted from a hit) and, when the row
@@ -75,7 +88,9 @@ class StateSnapshots:
         sched.save_state = h
         self._marked.setdefault(h, []).append(sched)
         prompt_end = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
-        if end == prompt_end:
+        if end == req.state_junction:  # (kept like the prompt's: never replaced)
+            req.state_junction = 0
+        elif end == prompt_end:
             req.prompt_state = h
         else:
             old, req.latest_state = req.latest_state, h

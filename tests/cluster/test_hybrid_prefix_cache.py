@@ -116,6 +116,7 @@ def test_the_directory_resumes_at_held_blocks_keeps_two_a_sequence_and_evicts_lr
     b = _request("b", [*a.all_token_ids[:18], 9, 9])  # shares 4 blocks, 3 have a state
     hits, num_hit = snaps.trim(b, ["h0", "h1", "h2", "h3"], 16)
     assert (hits, num_hit) == (["h0", "h1", "h2"], 12)
+    assert b.state_junction == 16 and snaps.align(b, 12, 8) == 4  # (cut at the junction)
     row = _row(b, 12, 8)
     snaps.mark(b, row)
     assert row.restore_state == a.block_hashes[2]
@@ -130,3 +131,28 @@ def test_the_directory_resumes_at_held_blocks_keeps_two_a_sequence_and_evicts_lr
         CacheConfig(num_gpu_blocks=8, enable_prefix_caching=False, state_snapshots=2)
     with pytest.raises(ValueError, match="mamba_cache_mode"):
         EngineConfig(model="x", mamba_cache_mode="all")
+
+
+def test_a_shared_system_prompt_keeps_a_snapshot_where_the_prompts_part(rounds) -> None:
+    """Three requests after one 22-token system prompt: the second finds its KV cached
+    but no snapshot there (the first's lie past where the prompts part), computes it
+    and keeps one at the junction (20 tokens, the cached blocks' end); the third
+    resumes there."""
+    path = rounds[0]
+    system = [(13 * j) % 4000 + 100 for j in range(22)]
+    prompts = [[*system, 200 + i, 300 + i, 400 + i, 500 + i] for i in range(3)]
+    ref = LLM(model=path, num_gpu_blocks=96, block_size=4)
+    try:
+        want = _tokens(ref.generate(prompts, GREEDY))
+    finally:
+        ref.shutdown()
+    llm = LLM(model=path, num_gpu_blocks=96, block_size=4, mamba_cache_mode="align")
+    try:
+        got, cached = [], []
+        for p in prompts:
+            (out,) = llm.generate([p], GREEDY)
+            got.append(out.outputs[0].token_ids)
+            cached.append(out.num_cached_tokens)
+        assert got == want and cached == [0, 0, 20]
+    finally:
+        llm.shutdown()
