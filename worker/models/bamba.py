@@ -11,7 +11,6 @@ attention layers only, a state slot per sequence for the Mamba ones) is
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -67,17 +66,7 @@ class BambaForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
     """Bamba (see the module docstring)."""
 
     layer_cls = staticmethod(_layer)  # type: ignore[assignment]
-
-    def __init__(self, cfg, ctx, backend, dtype, device, stage=None) -> None:
-        super().__init__(cfg, ctx, backend, dtype, device, stage)
-        self._init_hybrid()
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
-                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
-        super().load_weights(((_renamed(n), t) for n, t in weights), on_layer)
-
-    def owns_tensor(self, name: str) -> bool:
-        return super().owns_tensor(_renamed(name))
+    checkpoint_name = staticmethod(_renamed)
 
     def _layer_names(self, layer: nn.Module) -> set[str]:
         names = super()._layer_names(layer)

@@ -73,9 +73,6 @@ class GraniteHybridForCausalLM(RecurrentHybridMixin, GraniteForCausalLM):
 
     layer_cls = staticmethod(_hybrid_layer)  # type: ignore[assignment]
 
-    def __init__(self, cfg, ctx, backend, dtype, device, stage=None) -> None:
-        super().__init__(cfg, ctx, backend, dtype, device, stage)
-        self._init_hybrid()
 
     # ---- loading ---------------------------------------------------------------------------
 

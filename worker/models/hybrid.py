@@ -12,12 +12,14 @@ as a CUDA graph (the mixers pick each step's prompt rows on the host).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.worker.layers.linear import LazyTensor
 from pagedserve.worker.models.llama import KVCaches
 from pagedserve.worker.pipeline import IntermediateTensors
 
@@ -28,11 +30,27 @@ def _paged(layer: Any) -> PagedAttention | None:
 
 
 class RecurrentHybridMixin:
-    """Put before ``LlamaForCausalLM`` in the bases; call ``_init_hybrid`` after its
-    ``__init__``."""
+    """Put before ``LlamaForCausalLM`` in the bases. A family whose files spell
+    tensors otherwise sets ``checkpoint_name`` (a file's name -> Llama's)."""
 
     layers: Any
     config: Any
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return name
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_hybrid()
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
+                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
+        super().load_weights(  # type: ignore[misc]
+            ((self.checkpoint_name(n), t) for n, t in weights), on_layer)
+
+    def owns_tensor(self, name: str) -> bool:
+        return super().owns_tensor(self.checkpoint_name(name))  # type: ignore[misc]
 
     def _init_hybrid(self) -> None:
         self._paged_layers = [_paged(layer) for layer in self.layers]

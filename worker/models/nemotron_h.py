@@ -12,7 +12,6 @@ state slots for the Mamba ones) is ``models.hybrid``'s. The files spell the deco
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -102,17 +101,7 @@ class NemotronHForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
     """Nemotron-H (see the module docstring)."""
 
     layer_cls = NemotronHBlock
-
-    def __init__(self, cfg, ctx, backend, dtype, device, stage=None) -> None:
-        super().__init__(cfg, ctx, backend, dtype, device, stage)
-        self._init_hybrid()
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
-                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
-        super().load_weights(((_renamed(n), t) for n, t in weights), on_layer)
-
-    def owns_tensor(self, name: str) -> bool:
-        return super().owns_tensor(_renamed(name))
+    checkpoint_name = staticmethod(_renamed)
 
     def _layer_names(self, layer: nn.Module) -> set[str]:
         return layer.checkpoint_names()

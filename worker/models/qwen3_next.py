@@ -20,7 +20,6 @@ read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -124,17 +123,7 @@ class Qwen3NextForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
 
     layer_cls = Qwen3NextLayer
     norm_cls = GemmaRMSNorm
-
-    def __init__(self, cfg, ctx, backend, dtype, device, stage=None) -> None:
-        super().__init__(cfg, ctx, backend, dtype, device, stage)
-        self._init_hybrid()
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]],
-                     on_layer: Callable[[str, nn.Module], None] | None = None) -> None:
-        super().load_weights(((_renamed(n), t) for n, t in weights), on_layer)
-
-    def owns_tensor(self, name: str) -> bool:
-        return super().owns_tensor(_renamed(name))
+    checkpoint_name = staticmethod(_renamed)
 
     def _on_this_stage(self, name: str) -> bool:
         return not name.startswith(_NOT_READ) and super()._on_this_stage(name)
