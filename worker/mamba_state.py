@@ -164,6 +164,8 @@ class MambaStates:
     def save(self, reqs: Sequence[ScheduledRequest]) -> None:
         """After the forward: keep a copy of each row's state that the plan names a
         snapshot (``save_state``; one already held under that hash is the same state)."""
+        if not self.snap_conv:  # (prefix caching off: no row names one)
+            return
         for r in reqs:
             h = r.save_state
             if h is None or h in self.snapshot_of:

@@ -73,14 +73,10 @@ class GraniteHybridForCausalLM(RecurrentHybridMixin, GraniteForCausalLM):
 
     layer_cls = staticmethod(_hybrid_layer)  # type: ignore[assignment]
 
-
     # ---- loading ---------------------------------------------------------------------------
 
     def _layer_names(self, layer: nn.Module) -> set[str]:
-        names = super()._layer_names(layer)
-        if isinstance(layer, GraniteMambaLayer):
-            names = {n for n in names if not n.startswith("self_attn.")}
-            names |= {"mamba." + n for n in layer.mamba.checkpoint_names()}
+        names = super()._layer_names(layer)  # (a Mamba layer's: ``models.hybrid``)
         if self.config.moe is None:  # dense: the shared MLP in the llama MLP's place
             names = {n for n in names if not n.startswith("mlp.")} | set(_SHARED)
         return names
@@ -90,10 +86,7 @@ class GraniteHybridForCausalLM(RecurrentHybridMixin, GraniteForCausalLM):
         if found is None:
             return super()._load_one(name, lazy)
         layer, rest = found
-        if rest.startswith("mamba."):
-            if not isinstance(layer, GraniteMambaLayer) or not layer.mamba.load(rest[6:], lazy):
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        elif rest in _SHARED and self.config.moe is None:
+        if rest in _SHARED and self.config.moe is None:
             if rest == _SHARED[0]:
                 i = self.config.intermediate_size
                 for part, rows in enumerate(split_rows(lazy, [i, i], name)):

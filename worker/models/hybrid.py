@@ -1,7 +1,9 @@
 """What every hybrid recurrent / attention decoder does the same way (Granite 4.0-H,
-Nemotron-H, Qwen3-Next): a mixin over ``LlamaForCausalLM`` whose layers each hold a
-paged attention (``self_attn``), a recurrent mixer (``mamba``: Mamba-2 or gated
-DeltaNet), or neither.
+Bamba, Nemotron-H, Qwen3-Next / Qwen3.5, LFM2): a mixin over ``LlamaForCausalLM``
+whose layers each hold a paged attention (``self_attn``), a recurrent mixer
+(``mamba``: Mamba-2, gated DeltaNet or a short convolution), or neither; the mixer's
+tensors load under ``mixer_prefix`` in the files, and a Llama-shaped layer around
+a mixer is ``RecurrentLayer``.
 
 The KV pool holds the attention layers only (``worker.kv_layers``), so the
 forward gets their caches and hands each to its layer; the mixers number their
@@ -20,6 +22,7 @@ from torch import nn
 
 from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.layers.linear import LazyTensor
+from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.models.llama import KVCaches
 from pagedserve.worker.pipeline import IntermediateTensors
 
@@ -31,10 +34,12 @@ def _paged(layer: Any) -> PagedAttention | None:
 
 class RecurrentHybridMixin:
     """Put before ``LlamaForCausalLM`` in the bases. A family whose files spell
-    tensors otherwise sets ``checkpoint_name`` (a file's name -> Llama's)."""
+    tensors otherwise sets ``checkpoint_name`` (a file's name -> Llama's), and
+    ``mixer_prefix`` where a layer's mixer tensors sit."""
 
     layers: Any
     config: Any
+    mixer_prefix = "mamba."
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
@@ -51,6 +56,22 @@ class RecurrentHybridMixin:
 
     def owns_tensor(self, name: str) -> bool:
         return super().owns_tensor(self.checkpoint_name(name))  # type: ignore[misc]
+
+    def _layer_names(self, layer: nn.Module) -> set[str]:
+        names = super()._layer_names(layer)  # type: ignore[misc]
+        mixer = getattr(layer, "mamba", None)
+        if mixer is None:
+            return names
+        names = {n for n in names if not n.startswith("self_attn.")}
+        return names | {self.mixer_prefix + n for n in mixer.checkpoint_names()}
+
+    def _load_one(self, name: str, lazy: LazyTensor) -> None:
+        found = self._layer_tensor(name)  # type: ignore[attr-defined]
+        if found is None or not found[1].startswith(self.mixer_prefix):
+            return super()._load_one(name, lazy)  # type: ignore[misc]
+        mixer = getattr(found[0], "mamba", None)
+        if mixer is None or not mixer.load(found[1][len(self.mixer_prefix):], lazy):
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
 
     def _init_hybrid(self) -> None:
         self._paged_layers = [_paged(layer) for layer in self.layers]
@@ -94,3 +115,24 @@ class RecurrentHybridMixin:
             return ropes
         cos, sin = ropes[0]  # (NoPE: an identity table, as SmolLM3's NoPE layers take)
         return [(torch.ones_like(cos), torch.zeros_like(sin))] * len(self.layers)
+
+
+class RecurrentLayer(nn.Module):
+    """A hybrid's layer whose mixer is recurrent, in Llama's shape: norm, the mixer
+    (``mamba``), norm, ``mlp``, each after its residual add (Bamba's and LFM2's)."""
+
+    def __init__(self, cfg: Any, mixer: nn.Module, mlp: nn.Module, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mamba = mixer
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                device)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: None, md: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.mamba(h, md.mamba), residual)
+        return self.mlp(h), residual

@@ -115,11 +115,15 @@ class NemotronHForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
         module, _, kind = sub.rpartition(".")
         if rest == "norm.weight":
             _copy_full(name, layer.norm.weight, lazy)
-        elif (rest.startswith("mixer.") and layer.kind == "mamba" and layer.mixer.load(sub, lazy)) or (rest.startswith("mixer.") and layer.kind == "attention" and kind == "weight" \
-                and self._load_attention(layer.mixer, module, False, name, lazy)):
             return
-        elif rest.startswith("mixer.") and layer.kind == "mlp" and kind == "weight" \
+        mixer = rest.startswith("mixer.")
+        if mixer and layer.kind == "mamba" and layer.mixer.load(sub, lazy):
+            return
+        if mixer and layer.kind == "attention" and kind == "weight" \
+                and self._load_attention(layer.mixer, module, False, name, lazy):
+            return
+        if mixer and layer.kind == "mlp" and kind == "weight" \
                 and module in ("up_proj", "down_proj"):
             getattr(layer.mixer, module).load(lazy)
-        else:
-            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            return
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")

@@ -124,26 +124,15 @@ class Qwen3NextForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
     layer_cls = Qwen3NextLayer
     norm_cls = GemmaRMSNorm
     checkpoint_name = staticmethod(_renamed)
+    mixer_prefix = "linear_attn."
 
     def _on_this_stage(self, name: str) -> bool:
         return not name.startswith(_NOT_READ) and super()._on_this_stage(name)
 
-    def _layer_names(self, layer: nn.Module) -> set[str]:
-        names = super()._layer_names(layer)
-        if layer.linear_attn is not None:
-            names = {n for n in names if not n.startswith("self_attn.")}
-            names |= {"linear_attn." + n for n in layer.linear_attn.checkpoint_names()}
-        return names
-
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
         found = self._layer_tensor(name)
-        if found is None:
-            return super()._load_one(name, lazy)
-        layer, rest = found
-        if rest.startswith("linear_attn."):
-            if layer.linear_attn is None or not layer.linear_attn.load(rest[12:], lazy):
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        elif rest == "self_attn.q_proj.weight" and layer.self_attn is not None:
-            layer.self_attn.load_q_and_gate(name, lazy)
+        if found is not None and found[1] == "self_attn.q_proj.weight" \
+                and found[0].self_attn is not None:
+            found[0].self_attn.load_q_and_gate(name, lazy)
         else:
             super()._load_one(name, lazy)
