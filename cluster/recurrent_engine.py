@@ -9,12 +9,15 @@ sit in the prefix cache still needs its state there: prefix caching is off unles
 block boundaries (``scheduler.state_cache``: each sequence's prompt's and its
 latest, ``2 * max_num_seqs`` of them in all) and resumes a hit only where one is
 held. The CPU offload tier and shipping a prompt's KV to another replica stay off.
-Draft tokens would need the state rolled back past rejected guesses, beam search a
-state copied per beam: refused by name, as are pipeline stages and LoRA adapters,
-not built for these layers yet. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
+Speculative decoding by n-gram, suffix or a (non-recurrent) draft model works: each
+slot keeps its states after each guess, and a step that rejected some starts its
+next from the one after the last kept (``worker.mamba_state``). EAGLE heads and
+the files' own MTP layers are not built for these models; beam search would need
+a state copied per beam: refused by name, as are pipeline stages and LoRA
+adapters. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
 parallelism (``mamba_n_groups`` divisible by it) work. Every sequence the batch may
-hold has its state made up front, out of the KV budget: on CPU ``max_num_seqs`` is
-lowered to what half the budget holds.
+hold has its state (and its states after guesses) made up front, out of the KV
+budget: on CPU ``max_num_seqs`` is lowered to what half the budget holds.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import replace
 
 from pagedserve.cluster.config import ENGINE_CPU_KV_BYTES, EngineConfig
 from pagedserve.cluster.encoder_engine import model_type_at
+from pagedserve.scheduler.spec_decode import MODEL_METHODS, OWN_HEAD_METHODS
 from pagedserve.worker.mamba_config import HYBRID_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -43,8 +47,10 @@ def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConf
     ``ValueError`` names an option it cannot honour."""
     if not is_recurrent(model_path):
         return config
+    method = config.speculative_config.method if config.speculative_config else None
+    heads = (*OWN_HEAD_METHODS, *(m for m in MODEL_METHODS if m != "draft_model"))
     refused = {
-        "speculative_config": config.speculative_config is not None,
+        f"speculative_config.method {method!r}": method in heads,
         "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
         "enable_lora": config.enable_lora,
         "kv_offloading_size": config.offloads_kv(),
@@ -87,7 +93,10 @@ def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
     assert mamba is not None
     elem = torch.empty((), dtype=getattr(torch, config.resolved_dtype(device))).element_size()
     per_seq = mamba.state_bytes(elem, config.tensor_parallel_size)
-    per_seq *= 3 if config.enable_prefix_caching else 1  # (and two snapshots' room each)
+    spec = config.speculative_config
+    # (its states after each guess, and two snapshots' room with prefix caching)
+    per_seq *= (1 + (spec.num_speculative_tokens if spec else 0)
+                + (2 if config.enable_prefix_caching else 0))
     budget = config.kv_cache_memory_bytes or ENGINE_CPU_KV_BYTES
     fits = max(1, budget // 2 // per_seq)
     if fits >= config.max_num_seqs:

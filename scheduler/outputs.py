@@ -60,7 +60,9 @@ class ScheduledRequest:
     (``multimodal.mrope_grids``). A recurrent model's row resuming from a prefix hit
     names the state snapshot to start from (``restore_state``); one ending on a block
     boundary, the snapshot to keep of its state there (``save_state``;
-    ``scheduler.state_cache``).
+    ``scheduler.state_cache``). ``draft_state``: the row's last step verified guesses
+    and kept this many, fewer than it sent, so a recurrent model's ranks start it from
+    their state after those (``worker.mamba_state``); None otherwise.
     """
 
     request_id: str
@@ -87,6 +89,7 @@ class ScheduledRequest:
     mrope_grids: tuple[MRopeGrid, ...] | None = None
     restore_state: bytes | None = None
     save_state: bytes | None = None
+    draft_state: int | None = None
 
     @property
     def num_tokens(self) -> int:

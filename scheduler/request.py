@@ -108,6 +108,9 @@ class Request:
         # Speculative decoding: this step's guessed tokens, and the token ids as C
         # ints for the n-gram and suffix searches (``token_buffer``).
         self.spec_token_ids: tuple[int, ...] = ()
+        # How many guesses its last step kept, when it rejected any: its next row
+        # tells a recurrent model's ranks (``ScheduledRequest.draft_state``).
+        self.draft_state: int | None = None
         # A draft model's guesses for the next step, with the token count they follow.
         self.draft_proposal: tuple[int, tuple[int, ...]] | None = None
         self.token_bytes: bytearray | None = None

@@ -340,6 +340,7 @@ class Scheduler(Preemption):
         sched = scheduled_request(req, num_new, self.kv.block_ids(rid),
                                   self.kv.group_block_ids(rid), self.config.output_history)
         sched.num_lookahead = look
+        sched.draft_state, req.draft_state = req.draft_state, None
         if self.snapshots is not None:
             self.snapshots.mark(req, sched)
         return sched

@@ -108,6 +108,7 @@ class StepResults(BeamScheduling):
         toks = toks or []
         accepted = self.drafter.count(req, drafts, [t.token_id for t in toks])
         req.spec_token_ids = ()
+        req.draft_state = accepted if accepted < len(drafts) else None
         new: list[SampledToken] = []
         reason = None
         for tok in toks:

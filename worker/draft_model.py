@@ -118,6 +118,8 @@ def _unfit(mc: ModelConfig, target: ModelConfig, hybrid: bool) -> str | None:
         return f"model_type {mc.model_type!r} is not supported"
     if mc.image is not None or mc.headless:
         return "a draft must be a text-generation model"
+    if mc.mamba is not None:
+        return "a hybrid recurrent model cannot draft (its drafting keeps no per-guess state)"
     if mc.prequant is not None:
         return (f"a {mc.prequant.method} checkpoint cannot draft: give its dense "
                 "checkpoint, with speculative_config.quantization for a small one")

@@ -60,11 +60,12 @@ def num_device_blocks(worker: Worker) -> int:
         per_seq = -(-worker.model_config.max_model_len // cfg.block_size)
         return cfg.max_num_seqs * per_seq
     mamba = worker.model_config.mamba if worker.model_config is not None else None
-    states = 0  # (a hybrid's Mamba slots, ``max_num_seqs`` of them, and its snapshots)
+    states = 0  # (a hybrid's Mamba slots, ``max_num_seqs`` of them, each with the
+    # states after its draft tokens, and its prefix cache's snapshots)
     if mamba is not None:
         elem = torch.empty((), dtype=worker.dtype).element_size()
-        states = (cfg.max_num_seqs + cfg.state_snapshots) * mamba.state_bytes(
-            elem, cfg.tensor_parallel_size)
+        slots = cfg.max_num_seqs * (1 + cfg.num_speculative_tokens) + cfg.state_snapshots
+        states = slots * mamba.state_bytes(elem, cfg.tensor_parallel_size)
     if cfg.kv_cache_memory_bytes is not None:
         budget = cfg.kv_cache_memory_bytes - states
     elif worker.device.type == "cuda":

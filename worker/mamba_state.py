@@ -19,6 +19,11 @@ nothing on the wire changes. What the scheduler does still maps onto them:
 - swap preemption moves only KV blocks: the state stays in its slot meanwhile;
 - a row that samples for siblings (``n > 1``) hands each its own copy of the
   state at the prompt's end (``fork``), as the scheduler forks their blocks;
+- a row that verifies draft tokens (speculative decoding) runs them one position
+  at a time through the one-token update, keeping its state after each guess; the
+  scheduler learns only from the sampler how many it kept, so the row's next plan
+  names that count (``draft_state``) and the step starts from the state kept there
+  (vLLM keeps the same per-guess states for its Mamba layers);
 - a sequence that resumes past token 0 from a prefix-cache hit starts from the
   snapshot the plan names (``restore_state``): with prefix caching on
   (``scheduler.state_cache``) this rank keeps copies of states at block
@@ -36,7 +41,7 @@ them in its peak), so a full batch never grows them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,17 +52,28 @@ from pagedserve.scheduler.outputs import ScheduledRequest
 class MambaStep:
     """One step's rows, as every Mamba layer of the forward reads them.
 
-    ``single`` rows compute one token each (decodes, one-token prompts): they run
-    batched, their slots in ``single_slots`` and flat rows in ``single_rows`` (None:
-    every row of the step is single, in order). ``multi`` lists the rest as ``(first
-    flat row, tokens, slot)``: each runs the chunked scan on its own.
+    ``batches`` are the one-token updates, in order, each ``(flat rows, slots)``
+    (rows None: every row of the step, in order): first the rows that compute one
+    token (decodes, one-token prompts) with the first token of each row that
+    verifies guesses, then each later position of those rows, one batch a
+    position. After batch ``j`` a mixer calls ``keep(its state_index, j)``, which
+    copies the verifying rows' states (``kept[j]``, their slots) aside. ``multi``
+    lists the rest as ``(first flat row, tokens, slot)``: each runs the chunked
+    scan on its own.
     """
 
     conv: list[torch.Tensor]
     ssm: list[torch.Tensor]
-    single_slots: torch.Tensor
-    single_rows: torch.Tensor | None
+    batches: list[tuple[torch.Tensor | None, torch.Tensor]]
     multi: list[tuple[int, int, int]]
+    kept: list[torch.Tensor] = field(default_factory=list)
+    owner: MambaStates | None = None
+
+    def keep(self, index: int, j: int) -> None:
+        """Copy the state after batch ``j`` of the rows that verify guesses, in layer
+        ``index``, where a later rollback finds it (nothing without guesses)."""
+        if j < len(self.kept) and self.owner is not None:
+            self.owner.keep(index, j, self.kept[j])
 
 
 class MambaStates:
@@ -65,17 +81,26 @@ class MambaStates:
 
     def __init__(self, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
                  num_layers: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = 8, snapshots: int = 0) -> None:
+                 capacity: int = 8, snapshots: int = 0, guesses: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if snapshots < 0:
             raise ValueError(f"snapshots must be >= 0, got {snapshots}")
+        if guesses < 0:
+            raise ValueError(f"guesses must be >= 0, got {guesses}")
         self.conv_shape, self.ssm_shape = conv_shape, ssm_shape
         self.dtype, self.device = dtype, device
         self.conv = [torch.zeros((capacity, *conv_shape), dtype=dtype, device=device)
                      for _ in range(num_layers)]
         self.ssm = [torch.zeros((capacity, *ssm_shape), dtype=torch.float32, device=device)
                     for _ in range(num_layers)]
+        # Speculative decoding: each slot's states after its guesses 0 .. guesses - 1
+        # of its last verifying step, ``[capacity * guesses, ...]`` (slot-major).
+        self.guesses = guesses
+        self.draft_conv = [torch.zeros((capacity * guesses, *conv_shape), dtype=dtype,
+                                       device=device) for _ in range(num_layers)]
+        self.draft_ssm = [torch.zeros((capacity * guesses, *ssm_shape), dtype=torch.float32,
+                                      device=device) for _ in range(num_layers)]
         self.slot_of: dict[str, int] = {}
         self.free = list(range(capacity - 1, -1, -1))  # (pop() takes the lowest)
         # Prefix caching (``scheduler.state_cache``): copies of states at block
@@ -110,6 +135,8 @@ class MambaStates:
         old = self.capacity
         self.conv = [torch.cat([t, torch.zeros_like(t)]) for t in self.conv]
         self.ssm = [torch.cat([t, torch.zeros_like(t)]) for t in self.ssm]
+        self.draft_conv = [torch.cat([t, torch.zeros_like(t)]) for t in self.draft_conv]
+        self.draft_ssm = [torch.cat([t, torch.zeros_like(t)]) for t in self.draft_ssm]
         self.free = list(range(2 * old - 1, old - 1, -1)) + self.free
 
     def _zero(self, slots: list[int]) -> None:
@@ -118,8 +145,10 @@ class MambaStates:
             t.index_fill_(0, idx, 0)
 
     def step(self, reqs: Sequence[ScheduledRequest]) -> MambaStep:
-        """Each row's slot (a new sequence takes one, zeroed), the rows split into the
-        mixers' batched one-token rows and their one-sequence prompt rows."""
+        """Each row's slot (a new sequence takes one, zeroed; one whose last step kept
+        fewer guesses than it verified goes back to the state after those), the rows
+        split into the mixers' batches of one-token updates and their one-sequence
+        prompt rows."""
         slots, fresh = [], []
         for r in reqs:
             slot = self.slot_of.get(r.request_id)
@@ -130,6 +159,8 @@ class MambaStates:
                         "without its Mamba state: a recurrent model cannot continue from "
                         "cached or shipped KV alone")
                 slot = self._take(r.request_id)
+            elif r.draft_state is not None:
+                self._roll_back(r.request_id, slot, r.draft_state)
             if r.restore_state is not None:  # (a prefix hit: the state where it ends)
                 self._restore(r.request_id, r.restore_state, slot)
             elif r.num_computed_tokens == 0:
@@ -137,20 +168,59 @@ class MambaStates:
             slots.append(slot)
         if fresh:
             self._zero(fresh)
-        q_lens = [len(r.token_ids) for r in reqs]
         single_rows, single_slots, multi, row = [], [], [], 0
-        for q, slot in zip(q_lens, slots):
-            if q == 1:
+        drafted: list[tuple[int, int, int]] = []  # (first flat row, tokens, slot)
+        for r, slot in zip(reqs, slots):
+            q = len(r.token_ids)
+            if q == 1 or r.draft_token_ids:
                 single_rows.append(row)
                 single_slots.append(slot)
+                if q > 1:
+                    self._check_guesses(r.request_id, q - 1)
+                    drafted.append((row, q, slot))
             else:
                 multi.append((row, q, slot))
             row += q
-        rows = None if not multi else torch.tensor(single_rows, dtype=torch.long,
-                                                   device=self.device)
-        return MambaStep(self.conv, self.ssm,
-                         torch.tensor(single_slots, dtype=torch.long, device=self.device),
-                         rows, multi)
+        batches: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        if single_slots:
+            rows = None if not multi and not drafted else self._longs(single_rows)
+            batches.append((rows, self._longs(single_slots)))
+        kept = []  # (after position j: the slots of rows with a guess past it)
+        for j in range(max((q for _, q, _ in drafted), default=0)):
+            if j:
+                batches.append((self._longs([start + j for start, q, _ in drafted if q > j]),
+                                self._longs([slot for _, q, slot in drafted if q > j])))
+            if j < self.guesses:
+                kept.append(self._longs([slot for _, q, slot in drafted if q > j + 1]))
+        return MambaStep(self.conv, self.ssm, batches, multi, kept, self)
+
+    def _longs(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _check_guesses(self, rid: str, n: int) -> None:
+        if n > self.guesses:
+            raise ValueError(f"request {rid} verifies {n} draft tokens, but this rank keeps "
+                             f"the states of {self.guesses} (num_speculative_tokens)")
+
+    def keep(self, index: int, j: int, slots: torch.Tensor) -> None:
+        """Copy layer ``index``'s states of ``slots`` aside as their states after guess
+        position ``j`` (``MambaStep.keep``)."""
+        if not slots.numel():
+            return
+        at = slots * self.guesses + j
+        self.draft_conv[index].index_copy_(0, at, self.conv[index].index_select(0, slots))
+        self.draft_ssm[index].index_copy_(0, at, self.ssm[index].index_select(0, slots))
+
+    def _roll_back(self, rid: str, slot: int, kept: int) -> None:
+        """Put back the state ``slot`` had after the first token and ``kept`` guesses of
+        its last verifying step (the rest were rejected)."""
+        if not 0 <= kept < self.guesses:
+            raise ValueError(f"request {rid}: no state kept after {kept} guesses (this rank "
+                             f"keeps {self.guesses})")
+        at = slot * self.guesses + kept
+        for live, kept_t in zip((*self.conv, *self.ssm), (*self.draft_conv, *self.draft_ssm),
+                                strict=True):
+            live[slot].copy_(kept_t[at])
 
     def _restore(self, rid: str, h: bytes, slot: int) -> None:
         snap = self.snapshot_of.get(h)
@@ -198,11 +268,12 @@ class MambaStates:
                 t[dst].copy_(t[src])
 
 
-def states_for(model: torch.nn.Module, capacity: int, snapshots: int = 0
+def states_for(model: torch.nn.Module, capacity: int, snapshots: int = 0, guesses: int = 0
                ) -> MambaStates | None:
     """Slots for ``model``'s recurrent mixers on this rank (``mamba_mixers()``: Mamba-2
-    or gated DeltaNet, each with its ``state_index`` and ``state_shapes()``); None for a
-    model without any."""
+    or gated DeltaNet, each with its ``state_index`` and ``state_shapes()``), with room
+    for ``snapshots`` prefix-cache copies and each slot's states after ``guesses``
+    draft tokens; None for a model without any."""
     mixers = model.mamba_mixers() if hasattr(model, "mamba_mixers") else []
     if not mixers:
         return None
@@ -210,5 +281,5 @@ def states_for(model: torch.nn.Module, capacity: int, snapshots: int = 0
     conv_shape, ssm_shape = m.state_shapes()
     weight = m.conv_weight
     return MambaStates(conv_shape, ssm_shape, len(mixers), weight.dtype, weight.device,
-                       capacity, snapshots)
+                       capacity, snapshots, guesses)
 

@@ -66,7 +66,7 @@ class ModelRunner:
                  device: torch.device, sampler: Sampler | None = None,
                  enable_cuda_graph: bool = False, max_num_seqs: int = 256,
                  lora: LoRAManager | None = None, drafter: DraftRunner | None = None,
-                 state_snapshots: int = 0):
+                 state_snapshots: int = 0, guesses: int = 0):
         self.model, self.kv_cache, self.ctx, self.device = model, kv_cache, ctx, device
         self.lora = lora
         self.drafter = drafter  # (on the rank that samples, with a draft model)
@@ -77,8 +77,9 @@ class ModelRunner:
         self.mrope = bool(model.config.mrope_section)
         self.graphs: DecodeGraphRunner | None = None
         # A hybrid model's per-sequence Mamba state (``mamba_state``), with its prefix
-        # cache's snapshots; None: KV only.
-        self.states = states_for(model, max_num_seqs, state_snapshots)
+        # cache's snapshots and the states after each of ``guesses`` draft tokens;
+        # None: KV only.
+        self.states = states_for(model, max_num_seqs, state_snapshots, guesses)
         # The torch reference backend reads lengths back to the host, which graph
         # capture forbids; the Triton and flash paths are sync-free.
         # A pipeline stage runs eagerly: its input or output is not a whole forward's.

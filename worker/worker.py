@@ -283,6 +283,7 @@ class Worker:
                                   enable_cuda_graph=self.config.enable_cuda_graph and cuda_graphs,
                                   max_num_seqs=self.config.max_num_seqs,
                                   state_snapshots=self.config.state_snapshots, lora=self.lora,
+                                  guesses=self.config.num_speculative_tokens,
                                   drafter=None if self.draft is None else drafter_runner(
                                       self.draft, self.model, self.kv_cache, self.config,
                                       self.dtype, self.device, self.backend))

@@ -104,9 +104,7 @@ def test_siblings_fork_the_prompts_state(hybrid) -> None:
 
 def test_what_it_cannot_serve_is_refused_by_name(hybrid, tmp_path) -> None:
     path = hybrid[0]
-    for option, value in [("speculative_config", {"method": "ngram",
-                                                  "num_speculative_tokens": 2}),
-                          ("enable_lora", True), ("pipeline_parallel_size", 2)]:
+    for option, value in [("enable_lora", True), ("pipeline_parallel_size", 2)]:
         with pytest.raises(ValueError, match="not supported for hybrid Mamba / DeltaNet"):
             LLM(model=path, num_gpu_blocks=32, **{option: value})
     mc = MambaConfig((0,), (), num_heads=4, head_dim=8, d_state=4, num_groups=1, d_conv=4,
@@ -146,7 +144,8 @@ def test_slots_are_zeroed_reused_grown_and_forked() -> None:
     states = MambaStates((3, 2), (2, 2, 2), 2, torch.float32, torch.device("cpu"), capacity=2)
     step = states.step([_row("a", 0, 5), _row("b", 0, 1)])
     assert states.slot_of == {"a": 0, "b": 1} and step.multi == [(0, 5, 0)]
-    assert step.single_slots.tolist() == [1] and step.single_rows.tolist() == [5]
+    (rows, slots), = step.batches
+    assert slots.tolist() == [1] and rows.tolist() == [5]
     states.ssm[1][0].fill_(7.0)
     states.step([_row("c", 0, 2)])  # a third sequence: the slots double
     assert states.capacity == 4 and states.slot_of["c"] == 2
@@ -155,7 +154,7 @@ def test_slots_are_zeroed_reused_grown_and_forked() -> None:
     assert float(states.ssm[1][states.slot_of["a1"]].sum()) == 7.0 * 8
     states.forget(["a", "b"])
     step = states.step([_row("d", 0, 1), _row("c", 2, 1)])  # all single: rows in order
-    assert step.single_rows is None and float(states.ssm[1][states.slot_of["d"]].sum()) == 0
+    assert step.batches[0][0] is None and float(states.ssm[1][states.slot_of["d"]].sum()) == 0
     with pytest.raises(ValueError, match="without its Mamba state"):
         states.step([_row("e", 4, 1)])
 

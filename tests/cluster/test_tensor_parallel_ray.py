@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve.cluster import LLM, LoRARequest, PoolingParams, SamplingParams
+from pagedserve.worker.testing import write_random_checkpoint
 from pagedserve.worker.testing_eagle import write_guessing_pair
 from pagedserve.worker.testing_mtp import write_guessing_mtp_model
 from tests.cluster.conftest import hf_greedy
@@ -17,6 +18,11 @@ from tests.cluster.lora_fixtures import GREEDY, make_llama_adapters, mixed_batch
 from tests.cluster.test_eagle import assert_every_guess_kept
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
 from tests.cluster.test_hf_parity import prompts_of_mixed_lengths
+from tests.cluster.test_hybrid_spec_decode import (
+    OracleProposer,
+    assert_every_rollback_taken,
+    hybrid_prompts,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -177,6 +183,25 @@ def test_tp2_with_speculative_decoding_equals_hugging_face(ray_cluster, tiny_lla
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama_dir, prompts, 16)
         assert llm.engine.get_stats()["spec_decode"]["num_drafts"] > 0
         assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_hybrid_rolls_back_rejected_guesses_on_every_rank(ray_cluster, tmp_path,
+                                                               default_model_dir) -> None:
+    """Each rank keeps its share of the states after every guess; the plan after a
+    rejection names how many were kept, and every rank puts the state back there."""
+    path = write_random_checkpoint(tmp_path / "granite", "granitemoehybrid", default_model_dir)
+    prompts = hybrid_prompts()
+    ref = hf_greedy(path, prompts, 16)
+    llm = LLM(model=path, tensor_parallel_size=2, num_gpu_blocks=160, block_size=4,
+              num_threads=1, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        llm.engine.scheduler.drafter.proposer = OracleProposer(prompts, ref)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                    ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert_every_rollback_taken(llm)
     finally:
         llm.shutdown()
 

@@ -156,13 +156,12 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         conv, state = step.conv[self.state_index], step.ssm[self.state_index]
         out = torch.empty(t, self.v_heads, dv, dtype=torch.float32, device=x.device)
-        if step.single_slots.numel():
-            rows = step.single_rows
+        for j, (rows, slots) in enumerate(step.batches):
             if rows is None:  # every row a single token, in order
-                out.copy_(self._decode(qkv, beta, g, conv, state, step.single_slots))
+                out.copy_(self._decode(qkv, beta, g, conv, state, slots))
             else:
-                out[rows] = self._decode(qkv[rows], beta[rows], g[rows], conv, state,
-                                         step.single_slots)
+                out[rows] = self._decode(qkv[rows], beta[rows], g[rows], conv, state, slots)
+            step.keep(self.state_index, j)
         for start, n, slot in step.multi:
             end = start + n
             out[start:end] = self._prefill(qkv[start:end], beta[start:end], g[start:end],

@@ -129,12 +129,12 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = zxbcdt.split([self.inter, self.conv_dim, self.heads], dim=-1)
         conv, ssm = step.conv[self.state_index], step.ssm[self.state_index]
         y = torch.empty(t, self.heads, self.mc.head_dim, dtype=torch.float32, device=x.device)
-        if step.single_slots.numel():
-            rows = step.single_rows
+        for j, (rows, slots) in enumerate(step.batches):
             if rows is None:  # every row a single token, in order
-                y.copy_(self._decode(xbc, dt, conv, ssm, step.single_slots))
+                y.copy_(self._decode(xbc, dt, conv, ssm, slots))
             else:
-                y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, step.single_slots)
+                y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, slots)
+            step.keep(self.state_index, j)
         for start, n, slot in step.multi:
             end = start + n
             y[start:end] = self._prefill(xbc[start:end], dt[start:end], conv, ssm, slot)

@@ -86,14 +86,14 @@ class ShortConv(nn.Module):
         bx = b * h
         conv = step.conv[self.state_index]
         y = torch.empty_like(bx)
-        if step.single_slots.numel():
-            rows = step.single_rows
-            out = conv_decode(bx if rows is None else bx[rows], conv, step.single_slots,
+        for j, (rows, slots) in enumerate(step.batches):
+            out = conv_decode(bx if rows is None else bx[rows], conv, slots,
                               self.conv_weight, self.conv_bias)
             if rows is None:  # every row a single token, in order
                 y.copy_(out)
             else:
                 y[rows] = out.to(y.dtype)
+            step.keep(self.state_index, j)
         for start, n, slot in step.multi:
             y[start:start + n] = conv_prefill(bx[start:start + n], conv, slot,
                                               self.conv_weight, self.conv_bias)
