@@ -123,7 +123,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         'draft model \'{"model": "/path/to/draft", "num_speculative_tokens": '
                         '4, "quantization": "int8"}\' or an EAGLE head \'{"method": "eagle3", '
                         '"model": "/path/to/head", "num_speculative_tokens": 3}\' or a '
-                        'DeepSeek-V3\'s own MTP layer \'{"method": "deepseek_mtp"}\'')
+                        'the model\'s own MTP layer \'{"method": "mtp"}\' (DeepSeek-V3, '
+                        'Qwen3-Next, Qwen3.5)')
 
 
 def _json_object(text: str) -> dict:

@@ -9,12 +9,12 @@ sit in the prefix cache still needs its state there: prefix caching is off unles
 block boundaries (``scheduler.state_cache``: each sequence's prompt's and its
 latest, ``2 * max_num_seqs`` of them in all) and resumes a hit only where one is
 held. The CPU offload tier and shipping a prompt's KV to another replica stay off.
-Speculative decoding by n-gram, suffix or a (non-recurrent) draft model works: each
-slot keeps its states after each guess, and a step that rejected some starts its
-next from the one after the last kept (``worker.mamba_state``). EAGLE heads and
-the files' own MTP layers are not built for these models; beam search would need
-a state copied per beam: refused by name, as are pipeline stages and LoRA
-adapters. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
+Speculative decoding by n-gram, suffix, a (non-recurrent) draft model or
+Qwen3-Next's own MTP module works: each slot keeps its states after each guess, and
+a step that rejected some starts its next from the one after the last kept
+(``worker.mamba_state``). EAGLE heads are not built for these models; beam search
+would need a state copied per beam: refused by name, as are pipeline stages and
+LoRA adapters. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
 parallelism (``mamba_n_groups`` divisible by it) work. Every sequence the batch may
 hold has its state (and its states after guesses) made up front, out of the KV
 budget: on CPU ``max_num_seqs`` is lowered to what half the budget holds.
@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from pagedserve.cluster.config import ENGINE_CPU_KV_BYTES, EngineConfig
 from pagedserve.cluster.encoder_engine import model_type_at
-from pagedserve.scheduler.spec_decode import MODEL_METHODS, OWN_HEAD_METHODS
+from pagedserve.scheduler.spec_decode import MODEL_METHODS
 from pagedserve.worker.mamba_config import HYBRID_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConf
     if not is_recurrent(model_path):
         return config
     method = config.speculative_config.method if config.speculative_config else None
-    heads = (*OWN_HEAD_METHODS, *(m for m in MODEL_METHODS if m != "draft_model"))
     refused = {
-        f"speculative_config.method {method!r}": method in heads,
+        f"speculative_config.method {method!r}": method in MODEL_METHODS
+        and method != "draft_model",
         "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
         "enable_lora": config.enable_lora,
         "kv_offloading_size": config.offloads_kv(),

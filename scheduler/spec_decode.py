@@ -32,11 +32,13 @@ from typing import Any
 from pagedserve.scheduler.request import TOKEN_WIDTH, Request
 from pagedserve.scheduler.suffix_decoding import SuffixProposer
 
-SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "deepseek_mtp", "mtp")
+SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "deepseek_mtp", "mtp",
+                "qwen3_next_mtp")
 # Methods whose guesses come from a model beside the sampler (``model`` names it).
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")
-# The target's own multi-token-prediction layers draft (DeepSeek-V3): no ``model``.
-OWN_HEAD_METHODS = ("deepseek_mtp", "mtp")
+# The target's own multi-token-prediction layers draft (DeepSeek-V3, Qwen3-Next /
+# Qwen3.5): no ``model``.
+OWN_HEAD_METHODS = ("deepseek_mtp", "mtp", "qwen3_next_mtp")
 DRAFT_QUANTIZATIONS = ("int8", "int4")
 
 
@@ -49,7 +51,9 @@ class SpeculativeConfig:
     ``"eagle3"`` take ``model`` too: an EAGLE / EAGLE-3 head that drafts from the
     target's own hidden states (``worker.models.eagle``). ``"deepseek_mtp"`` (or
     ``"mtp"``) drafts with a DeepSeek-V3 target's own multi-token-prediction layer
-    (``worker.models.mtp``), one guess a step unless ``num_speculative_tokens`` says.
+    (``worker.models.mtp``), ``"qwen3_next_mtp"`` (or ``"mtp"``) with a Qwen3-Next /
+    Qwen3.5 target's (``worker.models.qwen3_next_mtp``), one guess a step unless
+    ``num_speculative_tokens`` says.
 
     Defaults from ``bench/spec_decode.py`` on SmolLM2: single-token matches
     (``prompt_lookup_min=1``) guess twice as often for little more accepted,

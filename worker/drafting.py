@@ -22,12 +22,18 @@ from pagedserve.worker.loaders.prequant import dequantized_weights
 from pagedserve.worker.models.eagle import EAGLE_METHODS, EagleHead
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.mtp import MTP_METHODS, MTPHead, mtp_problem
+from pagedserve.worker.models.qwen3_next_mtp import (
+    PREFIX,
+    QWEN3_NEXT_TYPES,
+    Qwen3NextMTPHead,
+    routed_mtp,
+)
 from pagedserve.worker.parallel import ParallelContext
 from pagedserve.worker.worker_config import WorkerConfig
 
 # Heads that draft from the target's hidden states (``EagleRunner``), reattached to
 # a target built anew (woken from sleep, new weights).
-HEAD_TYPES = (EagleHead, MTPHead)
+HEAD_TYPES = (EagleHead, MTPHead, Qwen3NextMTPHead)
 
 
 def load_drafter(config: WorkerConfig, target: LlamaForCausalLM, target_config: ModelConfig,
@@ -65,13 +71,21 @@ def load_mtp_head(target: LlamaForCausalLM, cfg: ModelConfig, target_path: str,
                   ctx: ParallelContext, dtype: torch.dtype, device: torch.device,
                   attention_backend: str | None, packed_weights: bool = True) -> DraftModel:
     """The target checkpoint's first MTP layer as a head on this rank (the last
-    stage's rank 0), sharing the target's embedding where it holds it whole."""
+    stage's rank 0), sharing the target's embedding (and for Qwen3-Next / Qwen3.5, its
+    LM head) where it holds them whole."""
     names = checkpoint_names(target_path)
     if (why := mtp_problem(cfg, names)) is not None:
-        raise ValueError(f"speculative_config.method 'deepseek_mtp': {why}")
+        raise ValueError(f"speculative_config.method (the model's MTP layer): {why}")
     whole = ctx.world_size == 1 and target.embed_tokens is not None
     backend = get_backend(attention_backend, device, kv_cache_dtype=dtype, model_dtype=dtype)
-    head = MTPHead(cfg, backend, dtype, device, target.embed_tokens if whole else None)
+    head: MTPHead | Qwen3NextMTPHead
+    if cfg.model_type in QWEN3_NEXT_TYPES:
+        whole = whole and target.lm_head is not None
+        head = Qwen3NextMTPHead(cfg, backend, dtype, device,
+                                target.embed_tokens if whole else None,
+                                target.lm_head if whole else None, routed_mtp(names))
+    else:
+        head = MTPHead(cfg, backend, dtype, device, target.embed_tokens if whole else None)
     weights = iter_safetensors(target_path)
     if cfg.prequant is not None:
         weights = dequantized_weights(weights, cfg.prequant, names, _mtp_or_embedding(cfg))
@@ -79,10 +93,15 @@ def load_mtp_head(target: LlamaForCausalLM, cfg: ModelConfig, target_path: str,
     head.eval()
     if packed_weights and can_pack(device, dtype):
         pack_model(head.layer)
-        pack_model(head.lm_head)
+        if isinstance(head, MTPHead) or head.own_head:
+            pack_model(head.lm_head)
     return DraftModel(head, replace(cfg, num_layers=1), f"{target_path} (MTP layer)")
 
 
 def _mtp_or_embedding(cfg: ModelConfig) -> Callable[[str], bool]:
+    """The tensors an MTP head reads: its layer's, the embedding's and the head's."""
+    if cfg.model_type in QWEN3_NEXT_TYPES:
+        return lambda name: name.startswith(PREFIX) or name.endswith(
+            ("embed_tokens.weight", "lm_head.weight"))
     prefix = f"model.layers.{cfg.num_layers}."
     return lambda name: name.startswith(prefix) or name == "model.embed_tokens.weight"

@@ -37,6 +37,7 @@ from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.loaders import resolve_model
 from pagedserve.worker.loaders.hf import checkpoint_names
 from pagedserve.worker.models.mtp import MTPHead, mtp_problem
+from pagedserve.worker.models.qwen3_next_mtp import Qwen3NextMTPHead
 
 if TYPE_CHECKING:
     from pagedserve.worker.worker import Worker
@@ -158,7 +159,8 @@ def update_weights(worker: Worker, model: str) -> None:
 
 def _drafts_with_mtp(worker: Worker) -> bool:
     """Whether this rank holds the model's own MTP layer as its drafter."""
-    return worker.draft is not None and isinstance(worker.draft.model, MTPHead)
+    return worker.draft is not None and isinstance(worker.draft.model,
+                                                   (MTPHead, Qwen3NextMTPHead))
 
 
 def _load_mtp(worker: Worker) -> None:

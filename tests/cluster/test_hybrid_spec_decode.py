@@ -153,9 +153,11 @@ def test_a_draft_model_drafts_for_a_hybrid(granite, tmp_path, default_model_dir)
 
 def test_what_cannot_draft_for_a_hybrid_is_refused(granite) -> None:
     path = granite[0]
-    with pytest.raises(ValueError, match="'deepseek_mtp' is not supported for hybrid"):
+    with pytest.raises(ValueError, match="'eagle' is not supported for hybrid"):
         LLM(model=path, num_gpu_blocks=32,
-            speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1})
+            speculative_config={"method": "eagle", "model": path})
+    with pytest.raises(ValueError, match="'granitemoehybrid' has no multi-token-prediction"):
+        LLM(model=path, num_gpu_blocks=32, speculative_config={"method": "mtp"})
     with pytest.raises(ValueError, match="hybrid recurrent model cannot draft"):
         LLM(model=path, num_gpu_blocks=32,
             speculative_config={"model": path, "num_speculative_tokens": K})

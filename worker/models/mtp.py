@@ -37,9 +37,10 @@ from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.deepseek import DeepseekDecoderLayer, MLAAttention
 from pagedserve.worker.models.llama_loading import _copy_full
+from pagedserve.worker.models.qwen3_next_mtp import QWEN3_NEXT_TYPES, qwen3_next_mtp_problem
 from pagedserve.worker.parallel import ParallelContext
 
-MTP_METHODS = ("deepseek_mtp", "mtp")
+MTP_METHODS = ("deepseek_mtp", "mtp", "qwen3_next_mtp")
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
         "shared_head.head.weight")
 
@@ -51,7 +52,10 @@ def mtp_prefix(cfg: ModelConfig) -> str:
 
 def mtp_problem(cfg: ModelConfig, names: set[str]) -> str | None:
     """Why a target cannot draft with its MTP module (None: it can); ``names``: its
-    checkpoint's tensor names."""
+    checkpoint's tensor names. Qwen3-Next / Qwen3.5 carry theirs as
+    ``models.qwen3_next_mtp`` reads it."""
+    if cfg.model_type in QWEN3_NEXT_TYPES:
+        return qwen3_next_mtp_problem(cfg, names)
     if cfg.mla is None or cfg.model_type != "deepseek_v3":
         return f"model_type {cfg.model_type!r} has no multi-token-prediction module"
     if cfg.mla.mtp_layers < 1:

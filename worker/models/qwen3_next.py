@@ -14,8 +14,8 @@ gate beside each query head, and the heads' outputs are multiplied by
 weight`` (Gemma's form; the file stores the offset), the DeltaNet's own gated norm
 excepted. KV is paged for the attention layers only and the DeltaNet layers keep a
 state slot per sequence: what hybrids share (``models.hybrid``). The file's
-multi-token-prediction module (``mtp.*``) is not part of the decoder and is never
-read.
+multi-token-prediction module (``mtp.*``) is not part of the decoder: it is read
+only to draft (``models.qwen3_next_mtp``).
 """
 
 from __future__ import annotations
