@@ -5,7 +5,6 @@ method "qwen3_next_mtp", ``models.qwen3_next_mtp``)."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,38 +14,25 @@ from safetensors.torch import load_file, save_file
 
 def add_random_qwen3_next_mtp(model_dir: str | Path, seed: int = 0,
                               weight_scale: float = 4.0) -> str:
-    """Add to ``model_dir``'s (one-file) checkpoint an MTP module: a random gated-attention
-    decoder layer written by transformers' own ``Qwen3NextForCausalLM`` (one layer more,
-    renamed to ``mtp.layers.0.``), ``mtp.fc`` and its three norms; returns
-    ``model_dir``."""
-    import transformers as tf
-
+    """Add to ``model_dir``'s (one-file) Qwen3-Next or Qwen3.5 checkpoint an MTP module:
+    a copy of its last attention layer, each tensor jittered (the layout transformers
+    wrote for the decoder, under ``mtp.layers.0.``), ``mtp.fc`` and its three norms;
+    returns ``model_dir``."""
     root = Path(model_dir)
-    cfg = json.loads((root / "config.json").read_text())
-    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    types = cfg.get("layer_types") or [
-        "full_attention" if (i + 1) % cfg["full_attention_interval"] == 0
-        else "linear_attention" for i in range(n)]
-    torch.manual_seed(seed)
-    bigger = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig.from_dict(
-        {**cfg, "num_hidden_layers": n + 1, "layer_types": [*types, "full_attention"]}))
-    with torch.no_grad():
-        for p in bigger.parameters():
-            if p.dim() >= 2:
-                p.mul_(weight_scale)
-            else:
-                p.add_(0.1 * torch.randn_like(p))
-    with tempfile.TemporaryDirectory() as scratch:
-        bigger.save_pretrained(scratch, safe_serialization=True)
-        layer = f"model.layers.{n}."
-        extra = {"mtp.layers.0." + k[len(layer):]: v
-                 for k, v in load_file(str(Path(scratch) / "model.safetensors")).items()
-                 if k.startswith(layer)}
-    g = torch.Generator().manual_seed(seed + 1)
+    tensors = load_file(str(root / "model.safetensors"))
+    decoder = "model.language_model." if any(
+        k.startswith("model.language_model.") for k in tensors) else "model."
+    attends = sorted(int(k[len(decoder) + 7:].split(".")[0]) for k in tensors
+                     if k.startswith(decoder + "layers.") and k.endswith("self_attn.q_proj.weight"))
+    layer = f"{decoder}layers.{attends[-1]}."
+    g = torch.Generator().manual_seed(seed)
+    extra = {"mtp.layers.0." + k[len(layer):]:
+             v + 0.5 * v.float().std().clamp_min(0.1) * torch.randn(v.shape, generator=g)
+             for k, v in tensors.items() if k.startswith(layer)}
+    h = tensors[decoder + "embed_tokens.weight"].shape[1]
     extra["mtp.fc.weight"] = 0.02 * weight_scale * torch.randn(h, 2 * h, generator=g)
     for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):  # (1 + w) offsets
         extra[f"mtp.{norm}.weight"] = 0.1 * torch.randn(h, generator=g)
-    tensors = load_file(str(root / "model.safetensors"))
     save_file({**tensors, **extra}, str(root / "model.safetensors"), metadata={"format": "pt"})
     return str(root)
 

@@ -85,6 +85,23 @@ def test_a_random_modules_guesses_change_no_token(random_mtp, kw) -> None:
         llm.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_files_draft_with_their_module(kind, tmp_path, default_model_dir) -> None:
+    """Multimodal files: the decoder under ``model.language_model.``, the module at
+    the top level (``mtp.``)."""
+    path = add_random_qwen3_next_mtp(write_random_checkpoint(tmp_path / kind, kind,
+                                                             default_model_dir))
+    prompts = prompts_of_mixed_lengths(4)
+    want = _plain(path, prompts)
+    llm = LLM(model=path, num_gpu_blocks=128, block_size=4,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == want
+        assert llm.engine.get_stats()["spec_decode"]["num_draft_tokens"] > 0
+    finally:
+        llm.shutdown()
+
+
 def test_what_has_no_module_is_refused_by_name(random_mtp, tmp_path,
                                                default_model_dir) -> None:
     spec = {"method": "qwen3_next_mtp"}
