@@ -5,7 +5,8 @@ Transformers never reads the module (no oracle for its guesses), so: a checkpoin
 built so that the module computes the target's next token exactly
 (``testing_qwen3_next_mtp.write_guessing_qwen3_next_mtp_model``) has every guess kept
 and fewer steps, which fails if the module's wiring (the order of its two inputs,
-its norms, the token it reads, the feature fed back) is wrong; a random module's
+its norms, the token it reads, the feature fed back) is wrong, and again after
+sleep level 2 reloads it; a random module's
 guesses, mostly rejected, change no greedy token (whole, in prefill chunks, under
 swap preemption); a file without the module, or another hybrid, is refused by name.
 """
@@ -64,6 +65,14 @@ def test_a_module_that_knows_the_next_token_has_every_guess_kept(tmp_path,
             assert s["num_accepted_tokens"] >= 0.95 * s["num_draft_tokens"], s
             # 16 tokens a row take 16 steps without guesses, ~16 / (k + 1) with them.
             assert llm.engine.stats["steps"] - steps0 <= 16 // (k + 1) + 3
+            if method == "mtp":  # sleep level 2 drops the module with the model
+                llm.sleep(2)
+                assert llm.engine.executor.worker.draft is None
+                llm.wake_up()
+                before = llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"]
+                assert _tokens(llm.generate(prompts, GREEDY)) == want
+                after = llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"]
+                assert after - before >= 0.95 * (s["num_accepted_tokens"])
         finally:
             llm.shutdown()
 
