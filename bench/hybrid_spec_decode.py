@@ -3,7 +3,8 @@ gains when each layer's state must be kept after every guess and rolled back aft
 a rejection (``worker/mamba_state.py``), against plain decoding.
 
 One random Qwen3-Next-shaped checkpoint (``--kind qwen3_next``, or Granite 4.0-H's
-``granitemoehybrid``; ``bench/moe.py``'s shapes), fp32, in one process. Plain greedy
+``granitemoehybrid``; ``bench/moe.py``'s shapes), fp32, in one process (``--kind
+qwen3_moe``, attention only, runs the same steps with no state to keep). Plain greedy
 decoding of ``--batch`` prompts of ``--prompt-len`` random tokens gives the answers;
 then the same prompts run with ``--k`` guesses a step from a proposer that knows those
 answers and gets them right up to a chosen point: every guess right (the most
@@ -72,8 +73,9 @@ def timed(llm, prompts: list[list[int]], out_len: int) -> tuple[list[list[int]],
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kind", choices=("qwen3_next", "granitemoehybrid"),
-                    default="qwen3_next")
+    ap.add_argument("--kind", choices=("qwen3_next", "granitemoehybrid", "qwen3_moe"),
+                    default="qwen3_next", help="qwen3_moe: attention only, no state to "
+                    "keep (the same verify steps' cost without it)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--out-len", type=int, default=64)
