@@ -13,9 +13,10 @@ Speculative decoding by n-gram, suffix, a (non-recurrent) draft model or
 Qwen3-Next's own MTP module works: each slot keeps its states after each guess, and
 a step that rejected some starts its next from the one after the last kept
 (``worker.mamba_state``). EAGLE heads are not built for these models; beam search
-would need a state copied per beam: refused by name, as are pipeline stages and
-LoRA adapters. Chunked prefill, swap and recompute preemption, ``n > 1`` and tensor
-parallelism (``mamba_n_groups`` divisible by it) work. Every sequence the batch may
+would need a state copied per beam: refused by name, as are LoRA adapters. Chunked
+prefill, swap and recompute preemption, ``n > 1``, tensor parallelism
+(``mamba_n_groups`` divisible by it) and pipeline stages (each keeps its own
+layers' states, as every stage sees every plan of its sequences in order) work. Every sequence the batch may
 hold has its state (and its states after guesses) made up front, out of the KV
 budget: on CPU ``max_num_seqs`` is lowered to what half the budget holds.
 """
@@ -51,7 +52,6 @@ def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConf
     refused = {
         f"speculative_config.method {method!r}": method in MODEL_METHODS
         and method != "draft_model",
-        "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
         "enable_lora": config.enable_lora,
         "kv_offloading_size": config.offloads_kv(),
         "batch_invariant": config.batch_invariant,

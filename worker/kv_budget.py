@@ -66,6 +66,9 @@ def num_device_blocks(worker: Worker) -> int:
         elem = torch.empty((), dtype=worker.dtype).element_size()
         slots = cfg.max_num_seqs * (1 + cfg.num_speculative_tokens) + cfg.state_snapshots
         states = slots * mamba.state_bytes(elem, cfg.tensor_parallel_size)
+        if worker.model is not None and hasattr(worker.model, "mamba_mixers"):
+            # (a pipeline stage holds its own layers' states only)
+            states = states * len(worker.model.mamba_mixers()) // max(len(mamba.layers), 1)
     if cfg.kv_cache_memory_bytes is not None:
         budget = cfg.kv_cache_memory_bytes - states
     elif worker.device.type == "cuda":

@@ -21,6 +21,7 @@ from pagedserve.cluster.config import EngineConfig
 from pagedserve.worker.testing import write_random_checkpoint
 from pagedserve.worker.testing_eagle import write_guessing_pair, write_random_eagle
 from pagedserve.worker.testing_mtp import write_guessing_mtp_model
+from pagedserve.worker.testing_qwen3_next_mtp import add_random_qwen3_next_mtp
 from tests.cluster.conftest import hf_greedy
 from tests.cluster.test_eagle import assert_every_guess_kept
 from tests.cluster.test_engine_behaviour import assert_pool_at_baseline
@@ -172,6 +173,29 @@ def test_pp2_forced_preemption_gives_the_same_tokens(ray_cluster, three_layer_ll
     try:
         assert _tokens(llm.generate(prompts, GREEDY)) == ref
         assert llm.engine.scheduler.num_preemptions[mode] > 0
+        assert_pool_at_baseline(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_pp2_hybrid_with_its_mtp_module_plans_in_flight_and_swaps(
+        ray_cluster, tmp_path, default_model_dir) -> None:
+    """Qwen3-Next in two stages (two DeltaNet layers; one and the attention layer):
+    each stage keeps its own layers' states, the MTP module drafts beside the last
+    stage's sampler, and a rejection rolls every stage's states back."""
+    path = add_random_qwen3_next_mtp(write_random_checkpoint(
+        tmp_path / "qwen3_next", "qwen3_next", default_model_dir))
+    prompts = prompts_of_mixed_lengths()
+    ref = hf_greedy(path, prompts, 12)
+    llm = LLM(model=path, pipeline_parallel_size=2, num_gpu_blocks=28, block_size=4,
+              preemption_mode="swap", num_cpu_blocks=64, max_num_batched_tokens=64,
+              num_threads=1, speculative_config={"method": "mtp",
+                                                 "num_speculative_tokens": 2})
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        assert llm.engine.scheduler.num_preemptions["swap"] > 0
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert 0 <= spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
         assert_pool_at_baseline(llm)
     finally:
         llm.shutdown()

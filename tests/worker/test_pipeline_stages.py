@@ -126,6 +126,22 @@ def test_three_stages_equal_the_whole_model(tmp_path, kind: str, tied: bool) -> 
         assert out.tolist() == ref[r][:len(out)]  # (HF stops at EOS; this loop does not)
 
 
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next", "lfm2", "nemotron_h"])
+def test_hybrid_stages_equal_the_whole_model(tmp_path, kind: str) -> None:
+    """Each stage keeps the recurrent states of its own mixers (numbered from 0 on it)
+    and pages its own attention layers' KV: two stages give the whole model's greedy
+    tokens."""
+    path = save_tiny_model(tmp_path / kind, kind)
+    whole = make_worker(path, num_blocks=40)
+    groups = whole.kv_layout.num_groups
+    stages = _stages(path, 2)
+    held = [len(w.model.mamba_mixers()) for w in stages]
+    assert sum(held) == len(whole.model.mamba_mixers()) and min(held) > 0
+    assert [len(w.runner.states.conv) for w in stages] == held
+    ref = _greedy(whole.execute_model, 6, groups)
+    assert _greedy(lambda p: _chain(stages, p), 6, groups) == ref
+
+
 def test_a_later_stage_without_hidden_states_fails_clearly(tmp_path) -> None:
     path = save_tiny_model(tmp_path / "m", num_hidden_layers=2)
     (_, last) = _stages(path, 2)
