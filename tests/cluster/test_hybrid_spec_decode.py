@@ -196,3 +196,22 @@ def test_rows_verifying_guesses_run_a_position_at_a_time_and_roll_back() -> None
         states.step([_row("b", 5, 5, 4)])
     with pytest.raises(ValueError, match="no state kept after 3 guesses"):
         states.step([_row("b", 5, 1, back=3)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next"])
+def test_oracle_guesses_on_cuda_give_hugging_faces_tokens(kind, tmp_path) -> None:
+    """The per-guess loop on CUDA (Mamba-2's torch update, DeltaNet's Triton kernel, the
+    kept states copied on the device) against HF on the same device."""
+    path = write_random_checkpoint(tmp_path / kind, kind, None)
+    prompts = hybrid_prompts()
+    ref = hf_greedy(path, prompts, MAX_TOKENS, device="cuda")
+    llm = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=256, block_size=16,
+              attention_backend="triton", max_num_batched_tokens=32, speculative_config=SPEC)
+    try:
+        llm.engine.scheduler.drafter.proposer = OracleProposer(prompts, ref)
+        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        assert_every_rollback_taken(llm)
+    finally:
+        llm.shutdown()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.cluster import LLM, SamplingParams
@@ -128,3 +129,26 @@ def test_what_has_no_module_is_refused_by_name(random_mtp, tmp_path,
     save_file(tensors, f"{odd}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"MTP module is missing .*self_attn\.k_norm"):
         LLM(model=str(odd), num_gpu_blocks=32, speculative_config=spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mtp_module_on_cuda(tmp_path) -> None:
+    """The module's gated attention through Triton over its own pool, the next-token
+    module keeping every guess, on CUDA."""
+    path = write_guessing_qwen3_next_mtp_model(tmp_path / "guessing")
+    prompts = prompts_of_mixed_lengths(5)
+    kw = dict(model=path, device="cuda", dtype="float32", num_gpu_blocks=256, block_size=16,
+              attention_backend="triton")
+    plain = LLM(**kw)
+    try:
+        want = _tokens(plain.generate(prompts, GREEDY))
+    finally:
+        plain.shutdown()
+    llm = LLM(**kw, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == want
+        s = llm.engine.get_stats()["spec_decode"]
+        assert s["num_accepted_tokens"] >= 0.95 * s["num_draft_tokens"] > 0, s
+    finally:
+        llm.shutdown()
