@@ -34,6 +34,11 @@ from pagedserve.worker.encoder_config import (
     EncoderConfig,
     encoder_model_config,
 )
+from pagedserve.worker.falcon_h1_config import (
+    FalconH1Multipliers,
+    falcon_h1_mamba_config,
+    falcon_h1_multipliers,
+)
 from pagedserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaConfig, gemma_from_hf
 from pagedserve.worker.granite_config import GraniteScales, granite_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
@@ -136,6 +141,8 @@ class ModelConfig:
     # (Qwen3-Next's gated DeltaNet layers, LFM2's short convolutions: configs with the
     # same fields.)
     mamba: MambaConfig | DeltaNetConfig | ShortConvConfig | None = None
+    # Falcon-H1's muP multipliers (``falcon_h1_config``); None for other models.
+    falcon_h1: FalconH1Multipliers | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], tokenizer_dir: str | None = None
@@ -221,6 +228,8 @@ class ModelConfig:
             head_dim, kv_heads, rotary_dim = mla.cache_dim, 1, mla.cache_dim
         window, sliding_layers = sliding_window_layers(cfg, model_type, num_layers)
         mamba = mamba or mamba_config_from_hf(cfg, model_type, num_layers)
+        if model_type == "falcon_h1":
+            mamba = falcon_h1_mamba_config(cfg, num_layers)
         if model_type in DELTANET_MODEL_TYPES:
             mamba = deltanet_config_from_hf(cfg, num_layers)
         nope = nope_layers(cfg, num_layers) if model_type == "smollm3" else ()
@@ -273,6 +282,7 @@ class ModelConfig:
             nope_layers=nope,
             mamba=mamba,
             rope_interleaved=model_type in ("ernie4_5", "ernie4_5_moe", "glm4"),
+            falcon_h1=falcon_h1_multipliers(cfg) if model_type == "falcon_h1" else None,
         )
 
     @classmethod

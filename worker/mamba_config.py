@@ -22,7 +22,8 @@ from pagedserve.worker.config_fields import count, positive_int
 # Hybrids whose recurrent layers keep a state per sequence: Mamba-2 (the first two) or
 # gated DeltaNet (Qwen3-Next, Qwen3.5 and its decoder alone: ``deltanet_config``) or
 # gated short convolutions (LFM2: ``lfm2_config``).
-HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "qwen3_next", "qwen3_5",
+HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "falcon_h1", "nemotron_h", "qwen3_next",
+                      "qwen3_5",
                       "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe")
 _MAMBA_KINDS = ("mamba", "linear_attention")
 _ATTENTION_KINDS = ("attention", "full_attention")
@@ -52,6 +53,9 @@ class MambaConfig:
     proj_bias: bool
     dt_min: float = 0.0
     dt_max: float = math.inf
+    # The output's norm: "gate_then_norm" (Granite's: RMS-normalise ``y * silu(z)`` per
+    # group), "norm_then_gate" (normalise ``y``, then gate) or "gate_only" (no norm).
+    gate_norm: str = "gate_then_norm"
 
     @property
     def intermediate(self) -> int:
@@ -143,7 +147,7 @@ def _number(v: Any) -> float | None:
 def uses_rope(cfg: dict[str, Any]) -> bool:
     """Whether a hybrid file's attention layers rotate: Granite 4.0-H's do not
     (``position_embedding_type`` "nope" or absent; "rope" turns them on), Bamba's do."""
-    if cfg.get("model_type") == "bamba":
+    if cfg.get("model_type") in ("bamba", "falcon_h1"):
         return True
     kind = cfg.get("position_embedding_type")
     if kind not in (None, "nope", "rope"):

@@ -64,7 +64,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     "granitemoehybrid" (Mamba-2 and attention layers), "nemotron_h" (Mamba-2,
     attention and MLP blocks), "qwen3_next" (gated DeltaNet and gated attention), and
     Qwen3.5's multimodal "qwen3_5" / "qwen3_5_moe" (the same decoder beside a vision
-    encoder), and "lfm2" (gated short convolutions and attention).
+    encoder), and "lfm2" (gated short convolutions and attention), and "falcon_h1" (a
+    Mamba-2 mixer beside each attention, muP multipliers).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -116,7 +117,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                                tf.Qwen3_5MoeModel),
                "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, tf.Lfm2Model),
                "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, tf.Lfm2MoeModel),
-               "bamba": (tf.BambaConfig, tf.BambaForCausalLM, tf.BambaModel)}
+               "bamba": (tf.BambaConfig, tf.BambaForCausalLM, tf.BambaModel),
+               "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM, tf.FalconH1Model)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]

@@ -45,6 +45,16 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=8,
                   mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8,
                   head_dim=16),
+    # Falcon-H1: a Mamba-2 mixer (8 heads of 8, two B / C groups, 8-token chunks) beside
+    # each attention, every muP multiplier away from 1, the gated norm after the gate.
+    "falcon_h1": dict(num_hidden_layers=3, head_dim=16, mamba_d_ssm=64, mamba_n_heads=8,
+                      mamba_d_head=8, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8,
+                      mamba_rms_norm=True, mamba_norm_before_gate=False,
+                      embedding_multiplier=2.0, lm_head_multiplier=0.5,
+                      attention_in_multiplier=1.2, key_multiplier=0.8,
+                      attention_out_multiplier=0.9, ssm_in_multiplier=0.7,
+                      ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_out_multiplier=1.4,
+                      mlp_multipliers=[1.5, 0.7]),
     # Nemotron-H: Mamba, MLP, attention, MLP, Mamba, MLP blocks; two B / C groups, chunks
     # of 8 tokens.
     "nemotron_h": dict(hybrid_override_pattern="M-*-M-", num_hidden_layers=6,

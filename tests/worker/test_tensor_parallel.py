@@ -119,6 +119,8 @@ TP_CASES = {  # id -> (model kind, config overrides)
         "qwen3_next", dict(num_key_value_heads=2)),
     "qwen3_5_unfused_deltanet_projections_split": ("qwen3_5", dict(num_key_value_heads=2)),
     "lfm2_short_conv_channels_split": ("lfm2", dict(num_key_value_heads=2)),
+    "falcon_h1_mixer_beside_attention_multipliers_folded": (
+        "falcon_h1", dict(num_key_value_heads=2)),
 }
 EP_CASES = {  # id -> (model kind, config overrides, expert placement)
     "mixtral_uneven": ("mixtral", dict(num_local_experts=5), "linear"),

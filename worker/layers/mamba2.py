@@ -67,7 +67,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = frozen_param((self.heads,), torch.float32, device)
         self.A_log = frozen_param((self.heads,), torch.float32, device)
         self.D = frozen_param((self.heads,), torch.float32, device)
-        self.norm_weight = frozen_param((self.inter,), dtype, device)
+        self.norm_weight = frozen_param((self.inter,), dtype, device)  # (unread: gate_only)
         self.out_proj = RowParallelLinear(mc.intermediate, hidden, mc.proj_bias, ctx, dtype,
                                           device)
 
@@ -81,8 +81,9 @@ class Mamba2Mixer(nn.Module):
 
     def checkpoint_names(self) -> set[str]:
         """Its tensors, as named under the layer's ``mamba.``."""
-        names = {"in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
-                 "out_proj.weight"}
+        names = {"in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "out_proj.weight"}
+        if self.mc.gate_norm != "gate_only":
+            names.add("norm.weight")
         if self.mc.conv_bias:
             names.add("conv1d.bias")
         if self.mc.proj_bias:
@@ -139,7 +140,7 @@ class Mamba2Mixer(nn.Module):
             end = start + n
             y[start:end] = self._prefill(xbc[start:end], dt[start:end], conv, ssm, slot)
         out = gated_rms_norm(y.view(t, self.inter), z, self.norm_weight, self.groups,
-                             self.eps)
+                             self.eps, self.mc.gate_norm)
         return self.out_proj(out.to(x.dtype))
 
     def _discretize(self, h: torch.Tensor, dt: torch.Tensor
@@ -219,10 +220,16 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int,
-                   eps: float) -> torch.Tensor:
+                   eps: float, order: str = "gate_then_norm") -> torch.Tensor:
     """``weight * rmsnorm(y * silu(z))`` with the statistics per group of channels, in
-    fp32 (transformers' ``GraniteMoeHybridRMSNormGated``); fp32 out."""
+    fp32 (transformers' ``GraniteMoeHybridRMSNormGated``); fp32 out. ``order``
+    "norm_then_gate" gates the normalised ``y`` instead, "gate_only" skips the norm
+    (Falcon-H1's two other forms, ``MambaConfig.gate_norm``)."""
     n, width = y.shape
-    h = (y.float() * F.silu(z.float())).view(n, groups, width // groups)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.float() * h.view(n, width)
+    gate = F.silu(z.float())
+    if order == "gate_only":
+        return y.float() * gate
+    h = y.float() if order == "norm_then_gate" else y.float() * gate
+    h = h.view(n, groups, width // groups)
+    h = weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(n, width)
+    return h * gate if order == "norm_then_gate" else h

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedserve.worker.models.bamba import BambaForCausalLM
 from pagedserve.worker.models.bert import BertModel
 from pagedserve.worker.models.deepseek import DeepseekForCausalLM
+from pagedserve.worker.models.falcon_h1 import FalconH1ForCausalLM
 from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.worker.models.glm4 import Glm4ForCausalLM
 from pagedserve.worker.models.glm4_moe import Glm4MoeForCausalLM
@@ -33,6 +34,7 @@ MODEL_REGISTRY = {
     "granitemoehybrid": GraniteHybridForCausalLM,  # (Mamba-2 layers: ``layers.mamba2``)
     "nemotron_h": NemotronHForCausalLM,  # (Mamba-2, attention and MLP blocks)
     "bamba": BambaForCausalLM,  # (Granite 4.0-H's Mamba-2 layers, Llama's otherwise)
+    "falcon_h1": FalconH1ForCausalLM,  # (a Mamba-2 mixer beside each attention)
     "qwen3_next": Qwen3NextForCausalLM,  # (gated DeltaNet: ``layers.gated_deltanet``)
     "qwen3_5_text": Qwen3NextForCausalLM,  # (Qwen3.5: the same, projections unfused)
     "qwen3_5_moe_text": Qwen3NextForCausalLM,

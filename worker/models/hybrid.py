@@ -40,6 +40,8 @@ class RecurrentHybridMixin:
     layers: Any
     config: Any
     mixer_prefix = "mamba."
+    # A layer with a mixer has no attention (Falcon-H1's layers have both).
+    mixer_replaces_attention = True
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
@@ -62,7 +64,8 @@ class RecurrentHybridMixin:
         mixer = getattr(layer, "mamba", None)
         if mixer is None:
             return names
-        names = {n for n in names if not n.startswith("self_attn.")}
+        if self.mixer_replaces_attention:
+            names = {n for n in names if not n.startswith("self_attn.")}
         return names | {self.mixer_prefix + n for n in mixer.checkpoint_names()}
 
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
