@@ -3,7 +3,7 @@
 Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
 (``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention, GPT-OSS,
 Granite 4.0-H's Mamba-2 hybrid, Qwen3-Next's gated DeltaNet hybrid, LFM2-MoE's short
-convolutions) of
+convolutions; Falcon-H1, dense, a Mamba-2 mixer beside each attention) of
 ``--layers`` layers, ``--experts`` experts of which each token takes ``--top-k``,
 written with ``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32
 by default); ``--num-prompts`` prompts of 10-75 random token ids (or of
@@ -27,6 +27,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py --kind granitemoehybrid --json bench/figures/moe_granite_hybrid.json
     python bench/moe.py --kind qwen3_next --json bench/figures/moe_qwen3_next.json
     python bench/moe.py --kind lfm2_moe --json bench/figures/moe_lfm2_moe.json
+    python bench/moe.py --kind falcon_h1 --json bench/figures/moe_falcon_h1.json
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ def model_overrides(args: argparse.Namespace) -> dict:
                    intermediate_size=4 * args.expert_width, num_dense_layers=1,
                    layer_types=["full_attention" if i % 4 == 3 else "conv"
                                 for i in range(args.layers)])
+    elif args.kind == "falcon_h1":  # dense: a Mamba-2 mixer beside every attention, muP
+        cfg.update(intermediate_size=4 * args.expert_width, mamba_d_ssm=args.hidden,
+                   mamba_n_heads=args.hidden // 64, mamba_d_head=64, mamba_d_state=128,
+                   mamba_n_groups=1, mamba_chunk_size=256, mamba_rms_norm=True,
+                   embedding_multiplier=5.6, lm_head_multiplier=0.04, key_multiplier=0.4,
+                   ssm_multipliers=[0.3, 0.2, 0.4, 0.3, 0.6], mlp_multipliers=[0.9, 0.5])
     else:
         cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                    intermediate_size=4 * args.expert_width, norm_topk_prob=True)
@@ -124,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3",
                                        "deepseek_v2", "gpt_oss", "granitemoehybrid",
-                                       "qwen3_next", "lfm2_moe"),
+                                       "qwen3_next", "lfm2_moe", "falcon_h1"),
                     default="qwen3_moe")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="every prompt this many random token ids (default 10-75)")

@@ -3,8 +3,8 @@ layer, muP multipliers everywhere.
 
 Through the engine, against Hugging Face's ``generate`` (its torch Mamba path) on files
 its own classes wrote with every multiplier away from 1: greedy tokens equal over
-prompts that span several scan chunks, each twice in a batch and in 8-token prefill
-chunks mixed with decodes, for the mixer's three output forms (the gated norm after
+prompts that span several scan chunks, each twice in a batch (and in 8-token prefill
+chunks mixed with decodes, once), for the mixer's three output forms (the gated norm after
 the gate, before it, none) with tied embeddings and biased projections; malformed
 fields are named. TP=2 (``tests/worker/test_tensor_parallel.py``), pipeline stages
 (``tests/worker/test_pipeline_stages.py``) and speculative decoding
@@ -48,6 +48,8 @@ def test_greedy_equals_hugging_face_whole_and_in_prefill_chunks(form, extra, tmp
         assert _tokens(llm.generate(prompts + prompts, GREEDY)) == ref + ref
     finally:
         llm.shutdown()
+    if form != "gate_then_norm":  # (prefill chunks: once is enough)
+        return
     llm = LLM(model=path, num_gpu_blocks=128, block_size=4, max_num_batched_tokens=8)
     try:
         assert _tokens(llm.generate(prompts, GREEDY)) == ref
