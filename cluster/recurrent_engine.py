@@ -78,9 +78,9 @@ def state_snapshots(config: EngineConfig, recurrent: bool) -> int:
 
 
 def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
-    """``max_num_seqs``, lowered on CPU so that many sequences' Mamba state takes at
-    most half the KV budget (Granite 4.0-H-tiny keeps 57 MB a sequence in fp32; 256
-    of them would be 14.6 GB). A CUDA pool is sized after a profile that holds the
+    """``max_num_seqs``, lowered on CPU so that many sequences' Mamba state (on the
+    pipeline stage that holds the most of it) takes at most half the KV budget
+    (Granite 4.0-H-tiny keeps 57 MB a sequence in fp32; 256 of them would be 14.6 GB). A CUDA pool is sized after a profile that holds the
     slots, and an explicit block count leaves the state uncounted: unchanged."""
     device = config.resolved_device()
     if device == "cuda" or (config.num_gpu_blocks and not config.kv_cache_memory_bytes):
@@ -88,11 +88,18 @@ def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
     import torch
 
     from pagedserve.worker.config import ModelConfig
+    from pagedserve.worker.pipeline import layer_partition
 
-    mamba = ModelConfig.from_pretrained(model_path, config.hf_overrides).mamba
+    mc = ModelConfig.from_pretrained(model_path, config.hf_overrides)
+    mamba = mc.mamba
     assert mamba is not None
     elem = torch.empty((), dtype=getattr(torch, config.resolved_dtype(device))).element_size()
     per_seq = mamba.state_bytes(elem, config.tensor_parallel_size)
+    # (a pipeline stage keeps its own layers' states: the fullest stage's share)
+    stages = layer_partition(mc.num_layers, config.pipeline_parallel_size,
+                             config.resolved_layer_partition())
+    held = max(sum(start <= i < end for i in mamba.layers) for start, end in stages)
+    per_seq = per_seq * held // max(len(mamba.layers), 1)
     spec = config.speculative_config
     # (its states after each guess, and two snapshots' room with prefix caching)
     per_seq *= (1 + (spec.num_speculative_tokens if spec else 0)

@@ -19,7 +19,10 @@ import torch
 
 from pagedserve.cluster import LLM, SamplingParams
 from pagedserve.cluster.beam_search import BeamSearchParams
+from pagedserve.cluster.config import EngineConfig
+from pagedserve.cluster.recurrent_engine import recurrent_engine_config
 from pagedserve.scheduler.outputs import ScheduledRequest
+from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers.mamba2 import Mamba2Mixer, ssd_scan
 from pagedserve.worker.mamba_config import MambaConfig, mamba_config_from_hf
 from pagedserve.worker.mamba_state import MambaStates
@@ -160,9 +163,10 @@ def test_slots_are_zeroed_reused_grown_and_forked() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h", "qwen3_next",
+                                  "falcon_h1"])
 def test_hybrids_on_cuda_equal_hugging_face(kind, tmp_path) -> None:
-    """Granite 4.0-H, Nemotron-H and Qwen3-Next on CUDA (the mixers' torch path, Triton
+    """Granite 4.0-H, Nemotron-H, Qwen3-Next and Falcon-H1 on CUDA (the mixers' torch path, Triton
     attention, eager steps) against HF on the same device: mixed prompts and one of 300
     tokens (38 scan chunks, 5 delta-rule chunks), twice."""
     path = write_random_checkpoint(tmp_path / kind, kind, None)
@@ -196,3 +200,22 @@ def test_bamba_equals_hugging_face_in_prefill_chunks(tmp_path, default_model_dir
     bad = {"model_type": "bamba", "attn_layer_indices": "1", "hidden_size": 64}
     with pytest.raises(ValueError, match="'attn_layer_indices'"):
         mamba_config_from_hf(bad, "bamba", 4)
+
+
+def test_cpu_max_num_seqs_fits_half_the_budget_with_guesses_and_stages(hybrid) -> None:
+    """On CPU ``max_num_seqs`` is lowered until that many sequences' states take half the
+    KV budget: each guess's kept state counts, and a pipeline stage counts its own
+    layers' (layers 0, 2 and 3 are Mamba: stages of 0-1 and 2-3 keep one and two)."""
+    path = hybrid[0]
+    per_seq = ModelConfig.from_pretrained(path).mamba.state_bytes(4)  # (fp32)
+    budget = 2 * 10 * per_seq
+
+    def cap(**kw) -> int:
+        config = EngineConfig(model=path, device="cpu", dtype="float32", max_num_seqs=64,
+                              **{"kv_cache_memory_bytes": budget, **kw})
+        return recurrent_engine_config(config, path).max_num_seqs
+
+    assert cap() == 10
+    assert cap(speculative_config={"method": "ngram", "num_speculative_tokens": 4}) == 2
+    assert cap(pipeline_parallel_size=2) == budget // 2 // (per_seq * 2 // 3) == 15
+    assert cap(kv_cache_memory_bytes=None, num_gpu_blocks=32) == 64  # (explicit pool: kept)
