@@ -16,9 +16,10 @@ a step that rejected some starts its next from the one after the last kept
 would need a state copied per beam: refused by name, as are LoRA adapters. Chunked
 prefill, swap and recompute preemption, ``n > 1``, tensor parallelism
 (``mamba_n_groups`` divisible by it) and pipeline stages (each keeps its own
-layers' states, as every stage sees every plan of its sequences in order) work. Every sequence the batch may
-hold has its state (and its states after guesses) made up front, out of the KV
-budget: on CPU ``max_num_seqs`` is lowered to what half the budget holds.
+layers' states, as every stage sees every plan of its sequences in order) work.
+Every sequence the batch may hold has its state (and its states after guesses) made
+up front, out of the KV budget: on CPU ``max_num_seqs`` is lowered to what half the
+budget holds.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def state_snapshots(config: EngineConfig, recurrent: bool) -> int:
 def _seqs_within_budget(config: EngineConfig, model_path: str) -> int:
     """``max_num_seqs``, lowered on CPU so that many sequences' Mamba state (on the
     pipeline stage that holds the most of it) takes at most half the KV budget
-    (Granite 4.0-H-tiny keeps 57 MB a sequence in fp32; 256 of them would be 14.6 GB). A CUDA pool is sized after a profile that holds the
-    slots, and an explicit block count leaves the state uncounted: unchanged."""
+    (Granite 4.0-H-tiny keeps 57 MB a sequence in fp32; 256 of them would be 14.6
+    GB). A CUDA pool is sized after a profile that holds the slots, and an explicit
+    block count leaves the state uncounted: unchanged."""
     device = config.resolved_device()
     if device == "cuda" or (config.num_gpu_blocks and not config.kv_cache_memory_bytes):
         return config.max_num_seqs
