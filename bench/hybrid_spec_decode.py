@@ -27,14 +27,13 @@ import os
 import platform
 import random
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moe import model_overrides  # a sibling script: the MoE benchmark's model shapes
+from moe import random_hybrid_checkpoint  # a sibling script: the MoE benchmark's shapes
 from provenance import tree_commit
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,13 +84,9 @@ def main() -> None:
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     from pagedserve.cluster import LLM
-    from pagedserve.worker.testing import write_random_checkpoint
 
-    shape = argparse.Namespace(kind=args.kind, hidden=args.hidden, layers=args.layers,
-                               top_k=4, experts=32, expert_width=256)
-    scratch = tempfile.TemporaryDirectory(prefix="hybrid_spec_bench_")
-    path = write_random_checkpoint(scratch.name, args.kind, weight_scale=1.0,
-                                   **model_overrides(shape))
+    _scratch, path = random_hybrid_checkpoint(args.kind, args.hidden, args.layers,
+                                              "hybrid_spec_bench_")
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(args.prompt_len)]
                for _ in range(args.batch)]

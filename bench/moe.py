@@ -113,6 +113,19 @@ def model_overrides(args: argparse.Namespace) -> dict:
     return cfg
 
 
+def random_hybrid_checkpoint(kind: str, hidden: int, layers: int, prefix: str
+                            ) -> tuple[tempfile.TemporaryDirectory, str]:
+    """A random checkpoint of ``model_overrides``' shape for ``kind`` (top 4 of 32
+    experts 256 wide where it routes), in a scratch directory the caller keeps alive."""
+    from pagedserve.worker.testing import write_random_checkpoint
+
+    shape = argparse.Namespace(kind=kind, hidden=hidden, layers=layers, top_k=4, experts=32,
+                               expert_width=256)
+    scratch = tempfile.TemporaryDirectory(prefix=prefix)
+    return scratch, write_random_checkpoint(scratch.name, kind, weight_scale=1.0,
+                                            **model_overrides(shape))
+
+
 def active_params(model: torch.nn.Module, top_k: int, num_experts: int) -> float:
     """Parameters one token multiplies by: everything but the embedding, with the
     routed experts counted ``top_k / num_experts``."""
