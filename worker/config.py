@@ -44,6 +44,7 @@ from pagedserve.worker.granite_config import GraniteScales, granite_from_hf
 from pagedserve.worker.image_config import ImageConfig, image_config_from_hf, llava_text_config
 from pagedserve.worker.lfm2_config import ShortConvConfig, lfm2_config
 from pagedserve.worker.loaders.prequant_config import PrequantConfig, prequant_config
+from pagedserve.worker.mamba1_config import Mamba1Config, jamba_mamba_config
 from pagedserve.worker.mamba_config import (
     HYBRID_MODEL_TYPES,
     MambaConfig,
@@ -138,9 +139,9 @@ class ModelConfig:
     matryoshka: tuple[int, ...] | bool | None = None
     # A hybrid model's Mamba-2 layers and their mixers' shapes (``mamba_config``): they
     # hold per-sequence state, not KV; None: every layer attends.
-    # (Qwen3-Next's gated DeltaNet layers, LFM2's short convolutions: configs with the
-    # same fields.)
-    mamba: MambaConfig | DeltaNetConfig | ShortConvConfig | None = None
+    # (Qwen3-Next's gated DeltaNet layers, LFM2's short convolutions, Jamba's Mamba-1
+    # layers: configs with the same fields.)
+    mamba: MambaConfig | Mamba1Config | DeltaNetConfig | ShortConvConfig | None = None
     # Falcon-H1's muP multipliers (``falcon_h1_config``); None for other models.
     falcon_h1: FalconH1Multipliers | None = None
 
@@ -230,11 +231,15 @@ class ModelConfig:
         mamba = mamba or mamba_config_from_hf(cfg, model_type, num_layers)
         if model_type == "falcon_h1":
             mamba = falcon_h1_mamba_config(cfg, num_layers)
+        if model_type == "jamba":
+            mamba = jamba_mamba_config(cfg, num_layers)
         if model_type in DELTANET_MODEL_TYPES:
             mamba = deltanet_config_from_hf(cfg, num_layers)
         nope = nope_layers(cfg, num_layers) if model_type == "smollm3" else ()
         if isinstance(mamba, MambaConfig):
             nope = () if uses_rope(cfg) else tuple(range(num_layers))
+        if isinstance(mamba, Mamba1Config):  # (Jamba's attention rotates by nothing)
+            nope = tuple(range(num_layers))
         if model_type == "granitemoehybrid" and not cfg.get("num_local_experts"):
             # (dense, granite-4.0-h-micro: the shared MLP is the layer's MLP)
             cfg = {**cfg, "intermediate_size": cfg.get("shared_intermediate_size")}

@@ -1,13 +1,13 @@
-"""Each sequence's recurrent state in a hybrid model's Mamba-2 (or gated DeltaNet)
-layers, on one rank.
+"""Each sequence's recurrent state in a hybrid model's Mamba-2 (Mamba-1, gated DeltaNet,
+short convolution) layers, on one rank.
 
 Attention layers page their KV through the scheduler's block tables; a Mamba layer
 instead folds everything a sequence has seen into a fixed-size state: its causal
 convolution's last ``d_conv - 1`` inputs and an SSM state ``[heads, head_dim,
-d_state]`` (fp32: it is summed into at every token, and rounding it to 16 bits
-every step would drift). A gated DeltaNet layer (Qwen3-Next) keeps the same two
-parts, its "SSM" tensor the ``[value heads, key dim, value dim]`` fast-weight
-matrix of the delta rule. Each sequence holds one slot of per-layer tensors here
+d_state]`` (Mamba-1's ``[channels, d_state]``; fp32: it is summed into at every
+token, and rounding it to 16 bits every step would drift). A gated DeltaNet layer
+(Qwen3-Next) keeps the same two parts, its "SSM" tensor the ``[value heads, key
+dim, value dim]`` fast-weight matrix of the delta rule. Each sequence holds one slot of per-layer tensors here
 from its first step until the plan names it finished or aborted.
 
 The slots are this rank's own bookkeeping, not the scheduler's: every rank of an
@@ -69,17 +69,19 @@ class MambaStep:
     kept: list[torch.Tensor] = field(default_factory=list)
     owner: MambaStates | None = None
 
-    def keep(self, index: int, j: int) -> None:
+    def keep(self, index: int, j: int, conv: bool = True, ssm: bool = True) -> None:
         """Copy the state after batch ``j`` of the rows that verify guesses, in layer
-        ``index``, where a later rollback finds it (nothing without guesses)."""
+        ``index``, where a later rollback finds it (nothing without guesses). A mixer
+        that runs its convolutions and its scans in two passes keeps each part after
+        its own pass (``conv`` / ``ssm`` False skip one)."""
         if j < len(self.kept) and self.owner is not None:
-            self.owner.keep(index, j, self.kept[j])
+            self.owner.keep(index, j, self.kept[j], conv, ssm)
 
 
 class MambaStates:
     """Slots of per-layer conv and SSM state, one slot per live sequence."""
 
-    def __init__(self, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
+    def __init__(self, conv_shape: tuple[int, int], ssm_shape: tuple[int, ...],
                  num_layers: int, dtype: torch.dtype, device: torch.device,
                  capacity: int = 8, snapshots: int = 0, guesses: int = 0) -> None:
         if capacity < 1:
@@ -202,14 +204,17 @@ class MambaStates:
             raise ValueError(f"request {rid} verifies {n} draft tokens, but this rank keeps "
                              f"the states of {self.guesses} (num_speculative_tokens)")
 
-    def keep(self, index: int, j: int, slots: torch.Tensor) -> None:
-        """Copy layer ``index``'s states of ``slots`` aside as their states after guess
-        position ``j`` (``MambaStep.keep``)."""
+    def keep(self, index: int, j: int, slots: torch.Tensor, conv: bool = True,
+             ssm: bool = True) -> None:
+        """Copy layer ``index``'s states of ``slots`` (the convolution's, the SSM's or
+        both) aside as their states after guess position ``j`` (``MambaStep.keep``)."""
         if not slots.numel():
             return
         at = slots * self.guesses + j
-        self.draft_conv[index].index_copy_(0, at, self.conv[index].index_select(0, slots))
-        self.draft_ssm[index].index_copy_(0, at, self.ssm[index].index_select(0, slots))
+        if conv:
+            self.draft_conv[index].index_copy_(0, at, self.conv[index].index_select(0, slots))
+        if ssm:
+            self.draft_ssm[index].index_copy_(0, at, self.ssm[index].index_select(0, slots))
 
     def _roll_back(self, rid: str, slot: int, kept: int) -> None:
         """Put back the state ``slot`` had after the first token and ``kept`` guesses of

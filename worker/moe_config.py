@@ -1,5 +1,5 @@
 """Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
-DeepSeek-V2/V3, GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE, LFM2-MoE).
+DeepSeek-V2/V3, GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE, LFM2-MoE, Jamba).
 
 The families differ only in config spellings and in a few choices: whether
 the top-k routing weights are renormalised to sum to one (Mixtral always; the
@@ -26,7 +26,7 @@ from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
                    "gpt_oss", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe",
-                   "ernie4_5_moe", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
+                   "ernie4_5_moe", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "jamba")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -96,6 +96,8 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
         return None  # (granite-4.0-h-micro: dense, its shared MLP the only one)
     if model_type == "ernie4_5_moe":
         return _ernie(cfg, num_layers)
+    if model_type == "jamba":
+        return _jamba(cfg, num_layers)
     key = "num_local_experts" if model_type == "mixtral" else "num_experts"
     if cfg.get(key) is None:
         key = "num_experts" if key == "num_local_experts" else "num_local_experts"
@@ -217,3 +219,20 @@ def _ernie(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
     shared = non_negative_int(cfg, "moe_num_shared_experts") * width
     return MoEConfig(num_experts, top_k, width, True, shared, sparse, score_bias=True,
                      shared_gated=False, router_fp32=True, ernie=True)
+
+
+def _jamba(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    """Jamba's experts: one layer in every ``expert_layer_period`` (at
+    ``expert_layer_offset``) routes, softmax top-k, the weights not renormalised; None
+    for a file with one expert (every MLP dense)."""
+    from pagedserve.worker.mamba1_config import period_layers
+
+    num_experts = count(cfg, "num_experts", 16)
+    if num_experts == 1:
+        return None
+    top_k = count(cfg, "num_experts_per_tok", 2)
+    if top_k > num_experts:
+        raise ValueError(f"model config field 'num_experts_per_tok' ({top_k}) must be at most "
+                         f"the number of experts ({num_experts})")
+    sparse = period_layers(cfg, "expert_layer_period", "expert_layer_offset", 2, 1, num_layers)
+    return MoEConfig(num_experts, top_k, count(cfg, "intermediate_size"), False, 0, sparse)

@@ -65,7 +65,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     attention and MLP blocks), "qwen3_next" (gated DeltaNet and gated attention), and
     Qwen3.5's multimodal "qwen3_5" / "qwen3_5_moe" (the same decoder beside a vision
     encoder), and "lfm2" (gated short convolutions and attention), and "falcon_h1" (a
-    Mamba-2 mixer beside each attention, muP multipliers).
+    Mamba-2 mixer beside each attention, muP multipliers), and "jamba" (Mamba-1 and
+    attention layers, experts every other layer).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -118,7 +119,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, tf.Lfm2Model),
                "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, tf.Lfm2MoeModel),
                "bamba": (tf.BambaConfig, tf.BambaForCausalLM, tf.BambaModel),
-               "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM, tf.FalconH1Model)}
+               "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM, tf.FalconH1Model),
+               "jamba": (tf.JambaConfig, tf.JambaForCausalLM, tf.JambaModel)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -151,9 +153,16 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
         for name, p in model.named_parameters():  # GPT-OSS: sinks and biases that matter
             if kind == "gpt_oss" and (name.endswith("sinks") or "bias" in name):
                 p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.2)
-            if name.endswith((".mamba.D", ".mamba.dt_bias", ".mixer.D", ".mixer.dt_bias")):
+            if name.endswith((".mamba.D", ".mamba.dt_bias", ".mixer.D", ".mixer.dt_bias",
+                              ".mamba.dt_proj.bias")):
                 # (Mamba's init: all ones)
                 p.normal_(1.0 if name.endswith("D") else 0.0, 0.5)
+            if name.endswith(".mamba.A_log") and p.dim() == 2:
+                # (Mamba-1's per-channel decays, scaled with the matrices above: back
+                # to rates between 0.1 and 3, so a state remembers a few tokens)
+                p.uniform_(-2.0, 1.0)
+            if ".mamba." in name and name.endswith("_layernorm.weight"):  # (Jamba's)
+                p.normal_(1.0, 0.3)
         routing_biases = [*model.named_buffers(), *model.named_parameters()]
         for name, b in routing_biases:  # DeepSeek-V3's (Ernie's) routing bias inits to 0
             if name.endswith(("e_score_correction_bias", "expert_bias")):

@@ -55,6 +55,11 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                       attention_out_multiplier=0.9, ssm_in_multiplier=0.7,
                       ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_out_multiplier=1.4,
                       mlp_multipliers=[1.5, 0.7]),
+    # Jamba: Mamba-1, attention, Mamba-1, Mamba-1 layers (128 channels, 8 state dims), the
+    # second and fourth MLPs 4 experts (top 2, unnormalised).
+    "jamba": dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                  num_experts_per_tok=2, intermediate_size=32, mamba_d_state=8),
     # Nemotron-H: Mamba, MLP, attention, MLP, Mamba, MLP blocks; two B / C groups, chunks
     # of 8 tokens.
     "nemotron_h": dict(hybrid_override_pattern="M-*-M-", num_hidden_layers=6,

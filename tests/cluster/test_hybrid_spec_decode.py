@@ -86,7 +86,8 @@ def assert_every_rollback_taken(llm: LLM) -> None:
     assert kept[0] > kept[1] > kept[2] > 0, s
 
 
-@pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next", "lfm2", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next", "lfm2", "falcon_h1",
+                                  "jamba"])
 def test_oracle_guesses_give_hugging_faces_tokens(kind, tmp_path_factory, default_model_dir,
                                                   granite) -> None:
     path, prompts, ref = granite if kind == "granitemoehybrid" else _reference(

@@ -121,6 +121,7 @@ TP_CASES = {  # id -> (model kind, config overrides)
     "lfm2_short_conv_channels_split": ("lfm2", dict(num_key_value_heads=2)),
     "falcon_h1_mixer_beside_attention_multipliers_folded": (
         "falcon_h1", dict(num_key_value_heads=2)),
+    "jamba_mamba1_channels_split_x_proj_reduced": ("jamba", dict(num_key_value_heads=2)),
 }
 EP_CASES = {  # id -> (model kind, config overrides, expert placement)
     "mixtral_uneven": ("mixtral", dict(num_local_experts=5), "linear"),

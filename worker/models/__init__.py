@@ -11,6 +11,7 @@ from pagedserve.worker.models.glm4 import Glm4ForCausalLM
 from pagedserve.worker.models.glm4_moe import Glm4MoeForCausalLM
 from pagedserve.worker.models.granite import GraniteForCausalLM
 from pagedserve.worker.models.granite_hybrid import GraniteHybridForCausalLM
+from pagedserve.worker.models.jamba import JambaForCausalLM
 from pagedserve.worker.models.lfm2 import Lfm2ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
@@ -35,6 +36,7 @@ MODEL_REGISTRY = {
     "nemotron_h": NemotronHForCausalLM,  # (Mamba-2, attention and MLP blocks)
     "bamba": BambaForCausalLM,  # (Granite 4.0-H's Mamba-2 layers, Llama's otherwise)
     "falcon_h1": FalconH1ForCausalLM,  # (a Mamba-2 mixer beside each attention)
+    "jamba": JambaForCausalLM,  # (Mamba-1 layers: ``layers.mamba1``; experts every other)
     "qwen3_next": Qwen3NextForCausalLM,  # (gated DeltaNet: ``layers.gated_deltanet``)
     "qwen3_5_text": Qwen3NextForCausalLM,  # (Qwen3.5: the same, projections unfused)
     "qwen3_5_moe_text": Qwen3NextForCausalLM,
@@ -60,6 +62,7 @@ MODEL_REGISTRY = {
 
 __all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
            "Glm4ForCausalLM", "Glm4MoeForCausalLM",
-           "GraniteForCausalLM", "GraniteHybridForCausalLM", "LlamaForCausalLM",
+           "GraniteForCausalLM", "GraniteHybridForCausalLM", "JambaForCausalLM",
+           "LlamaForCausalLM",
            "ModernBertModel", "NemotronHForCausalLM", "OlmoForCausalLM",
            "SmolLM3ForCausalLM"]
