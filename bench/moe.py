@@ -3,7 +3,8 @@
 Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
 (``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention, GPT-OSS,
 Granite 4.0-H's Mamba-2 hybrid, Qwen3-Next's gated DeltaNet hybrid, LFM2-MoE's short
-convolutions; Falcon-H1, dense, a Mamba-2 mixer beside each attention) of
+convolutions; Falcon-H1, dense, a Mamba-2 mixer beside each attention; Jamba's
+Mamba-1 hybrid) of
 ``--layers`` layers, ``--experts`` experts of which each token takes ``--top-k``,
 written with ``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32
 by default); ``--num-prompts`` prompts of 10-75 random token ids (or of
@@ -28,6 +29,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py --kind qwen3_next --json bench/figures/moe_qwen3_next.json
     python bench/moe.py --kind lfm2_moe --json bench/figures/moe_lfm2_moe.json
     python bench/moe.py --kind falcon_h1 --json bench/figures/moe_falcon_h1.json
+    python bench/moe.py --kind jamba --json bench/figures/moe_jamba.json
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ def model_overrides(args: argparse.Namespace) -> dict:
                    mamba_n_groups=1, mamba_chunk_size=256, mamba_rms_norm=True,
                    embedding_multiplier=5.6, lm_head_multiplier=0.04, key_multiplier=0.4,
                    ssm_multipliers=[0.3, 0.2, 0.4, 0.3, 0.6], mlp_multipliers=[0.9, 0.5])
+    elif args.kind == "jamba":  # Jamba 1.5's rhythm: Mamba-1, one layer in eight attends,
+        # experts every other layer (as wide as the dense MLPs), 16 state dims a channel
+        cfg.update(num_experts=args.experts, intermediate_size=args.expert_width,
+                   attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2,
+                   expert_layer_offset=1, mamba_d_state=16, mamba_expand=2,
+                   mamba_dt_rank=args.hidden // 16)
     else:
         cfg.update(num_experts=args.experts, moe_intermediate_size=args.expert_width,
                    intermediate_size=4 * args.expert_width, norm_topk_prob=True)
@@ -144,7 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3",
                                        "deepseek_v2", "gpt_oss", "granitemoehybrid",
-                                       "qwen3_next", "lfm2_moe", "falcon_h1"),
+                                       "qwen3_next", "lfm2_moe", "falcon_h1", "jamba"),
                     default="qwen3_moe")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="every prompt this many random token ids (default 10-75)")

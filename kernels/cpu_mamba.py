@@ -1,4 +1,5 @@
-"""Mamba-2's one-token state update on CPU in one native call (``cpu_mamba.c``).
+"""Mamba-2's one-token state update on CPU in one native call (``cpu_mamba.c``), and
+Mamba-1's, one token for a batch and a whole prompt (``layers.mamba1``).
 
 Why: a decode step's cost in a Mamba layer is its SSM state (heads x head_dim x
 d_state fp32 numbers a sequence); torch gathers the batch's slots, passes over the
@@ -43,3 +44,53 @@ def state_update(ssm: torch.Tensor, slots: torch.Tensor, da: torch.Tensor, xdt: 
     if rc != 0:
         raise ValueError(f"Mamba kernel: a slot of {slots.tolist()} is out of [0, {num_slots})")
     return y
+
+
+def mamba1_state_update(ssm: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                        dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+                        ) -> torch.Tensor:
+    """Mamba-1's ``ssm[slots] = ssm[slots] * exp(dt A) + dt x (outer) b`` in place, and
+    ``y = state @ c``.
+
+    ``ssm [slots, D, N]``, ``slots [n]`` (int64), ``x`` and ``dt [n, D]``, ``a [D,
+    N]`` (negative), ``b`` and ``c [n, N]``, all fp32; returns ``y [n, D]``."""
+    num_slots, width, d_state = ssm.shape
+    n = slots.shape[0]
+    slots = slots.to(torch.int64).contiguous()
+    x, dt, a, b, c = (t.float().contiguous() for t in (x, dt, a, b, c))
+    if (tuple(x.shape) != (n, width) or dt.shape != x.shape
+            or tuple(a.shape) != (width, d_state) or tuple(b.shape) != (n, d_state)
+            or c.shape != b.shape):
+        raise ValueError(f"Mamba-1 kernel: state {tuple(ssm.shape)} does not fit inputs "
+                         f"{tuple(x.shape)} / {tuple(a.shape)} / {tuple(b.shape)}")
+    y = torch.empty((n, width), dtype=torch.float32)
+    rc = cpu_native._loaded().mamba1_state_update(
+        ssm.data_ptr(), num_slots, slots.data_ptr(), n, width, d_state, dt.data_ptr(),
+        x.data_ptr(), a.data_ptr(), b.data_ptr(), c.data_ptr(), y.data_ptr(),
+        torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"Mamba-1 kernel: a slot of {slots.tolist()} is out of "
+                         f"[0, {num_slots})")
+    return y
+
+
+def mamba1_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                c: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-1's scan of one sequence, token by token in one native pass (the contract
+    of ``layers.mamba1.selective_scan``): ``x`` and ``dt [L, D]``, ``a [D, N]``, ``b``
+    and ``c [L, N]``, ``h0 [D, N]``, fp32; returns ``y [L, D]`` and the last state."""
+    length, width = x.shape
+    d_state = a.shape[1]
+    if (dt.shape != x.shape or tuple(a.shape) != (width, d_state)
+            or tuple(b.shape) != (length, d_state) or c.shape != b.shape
+            or tuple(h0.shape) != (width, d_state)):
+        raise ValueError(f"Mamba-1 scan: inputs {tuple(x.shape)} / {tuple(a.shape)} / "
+                         f"{tuple(b.shape)} / {tuple(h0.shape)} do not fit")
+    h = h0.float().clone().contiguous()
+    xt, dtt = x.float().t().contiguous(), dt.float().t().contiguous()  # (channel-major)
+    a, b, c = (t.float().contiguous() for t in (a, b, c))
+    y = torch.empty((width, length), dtype=torch.float32)
+    cpu_native._loaded().mamba1_scan(
+        h.data_ptr(), length, width, d_state, dtt.data_ptr(), xt.data_ptr(), a.data_ptr(),
+        b.data_ptr(), c.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y.t(), h

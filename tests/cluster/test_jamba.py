@@ -2,11 +2,12 @@
 routed experts every other layer.
 
 Through the engine, against Hugging Face's ``generate`` (its torch Mamba path) on files
-its own classes wrote: greedy tokens equal over prompts of 3 to 48 tokens, each twice in
-a batch, whole, in 8-token prefill chunks mixed with decodes, and with the scan cut into
-16-token chunks; a dense file with biased projections, an unbiased convolution and tied
-embeddings; a conversation continued from a prefix-cache snapshot. The scan alone
-against the token-by-token recurrence; malformed fields named. TP=2
+its own classes wrote: greedy tokens equal over prompts of 3 to 48 tokens, each twice
+in a batch, whole, in 8-token prefill chunks mixed with decodes, and through the torch
+paths (the native kernels off) with the scan cut into 16-token chunks; a dense file
+with biased projections, an unbiased convolution and tied embeddings; a conversation
+continued from a prefix-cache snapshot. The scan alone against the token-by-token
+recurrence; malformed fields named. TP=2
 (``tests/worker/test_tensor_parallel.py``), pipeline stages
 (``tests/worker/test_pipeline_stages.py``) and speculative decoding
 (``test_hybrid_spec_decode.py``) cover it with the other hybrids."""
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from pagedserve.cluster import LLM, SamplingParams
+from pagedserve.kernels import cpu_mamba
 from pagedserve.worker.config import ModelConfig
 from pagedserve.worker.layers import mamba1
 from pagedserve.worker.mamba1_config import jamba_mamba_config
@@ -35,6 +37,7 @@ def _tokens(outs) -> list[list[int]]:
 def test_experts_file_equals_hugging_face_whole_in_chunks_and_from_snapshots(
         tmp_path, default_model_dir, monkeypatch) -> None:
     path = write_random_checkpoint(tmp_path / "jamba", "jamba", default_model_dir)
+    available = cpu_mamba.available
     prompts = prompts_of_mixed_lengths(6)
     ref = hf_greedy(path, prompts, GREEDY.max_tokens)
     mc = ModelConfig.from_pretrained(path)
@@ -51,10 +54,12 @@ def test_experts_file_equals_hugging_face_whole_in_chunks_and_from_snapshots(
     finally:
         llm.shutdown()
     assert _tokens(cont) == hf_greedy(path, turn2, GREEDY.max_tokens)
-    # Prefill chunks of 8 tokens beside decodes, and scan chunks of 16 (128 channels x 8
-    # state dims a token): the 48-token prompt spans three.
+    # Prefill chunks of 8 tokens beside decodes; and the torch paths (the native kernels
+    # off), the scan in chunks of 16 (128 channels x 8 state dims a token): the
+    # 48-token prompt spans three.
     monkeypatch.setattr(mamba1, "_SCAN_NUMBERS", 16 * 128 * 8)
-    for budget in (8, 64):
+    for budget, native in ((8, True), (64, False)):
+        monkeypatch.setattr(cpu_mamba, "available", available if native else lambda s: False)
         llm = LLM(model=path, num_gpu_blocks=128, block_size=4,
                   max_num_batched_tokens=budget)
         try:

@@ -1,5 +1,6 @@
 """The native Mamba-2 state update (``kernels/cpu_mamba.c``) against torch's math, in
-place in scattered slots; and a mixer's decode through it equal to its torch path."""
+place in scattered slots; a mixer's decode through it equal to its torch path; and
+Mamba-1's update and scan against ``layers.mamba1``'s torch paths."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from pagedserve.kernels import cpu_mamba, cpu_native
 from pagedserve.scheduler.outputs import ScheduledRequest
+from pagedserve.worker.layers import mamba1
 from pagedserve.worker.layers.mamba2 import Mamba2Mixer
 from pagedserve.worker.mamba_config import MambaConfig
 from pagedserve.worker.mamba_state import states_for
@@ -65,3 +67,33 @@ def test_mixer_decode_equals_its_torch_path(monkeypatch) -> None:
     monkeypatch.setattr(cpu_mamba, "available", lambda ssm: False)
     for got, want in zip(native, run(), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_mamba1_kernels_equal_torch(monkeypatch) -> None:
+    """Mamba-1's one-token update in scattered slots (only them touched) and its
+    whole-sequence scan against the torch paths of ``layers.mamba1``."""
+    g = torch.Generator().manual_seed(1)
+    width, n = 24, 16
+    a = -torch.rand(width, n, generator=g) * 3
+    ssm = torch.randn(9, width, n, generator=g)
+    slots = torch.tensor([7, 2, 4])
+    x, dt = torch.randn(3, width, generator=g), torch.rand(3, width, generator=g)
+    b, c = torch.randn(3, n, generator=g), torch.randn(3, n, generator=g)
+    want = ssm.clone()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_mamba, "available", lambda ssm: False)
+        want_y = mamba1._state_update(want, slots, x, dt, a, b, c)
+    got = ssm.clone()
+    torch.testing.assert_close(cpu_mamba.mamba1_state_update(got, slots, x, dt, a, b, c),
+                               want_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="out of"):
+        cpu_mamba.mamba1_state_update(got, torch.tensor([9, 0, 1]), x, dt, a, b, c)
+    length = 37
+    x, dt = torch.randn(length, width, generator=g), torch.rand(length, width, generator=g)
+    b, c = torch.randn(length, n, generator=g), torch.randn(length, n, generator=g)
+    h0 = torch.randn(width, n, generator=g)
+    y, final = cpu_mamba.mamba1_scan(x, dt, a, b, c, h0)
+    want_y, want_final = mamba1.selective_scan(x, dt, a, b, c, h0, chunk=8)
+    torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, want_final, atol=1e-5, rtol=1e-5)

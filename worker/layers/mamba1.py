@@ -11,13 +11,15 @@ softplus); then the selective scan ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``,
 transformers' ``JambaMambaMixer`` (its torch path), which the tests hold this to.
 
 One-token rows (decodes) run as batches: a gather of their states, one update, a
-scatter back. Longer rows (prompts, prefill chunks) run one sequence at a time through
-``selective_scan``, from the slot's state, so a prompt split into prefill chunks gives
-what it gives whole. Mamba-1's decay differs per state dimension, so the chunked
-matmul form of Mamba-2's scan (``layers.mamba2.ssd_scan``) does not apply; the scan
-here is a Hillis-Steele prefix scan within chunks (log2 of the chunk's length passes,
-each over the whole chunk) and a carry between chunks: no loop runs per token, and no
-step exponentiates anything but a decay in (0, 1].
+scatter back (on CPU one native pass in the slots: ``kernels.cpu_mamba``). Longer
+rows (prompts, prefill chunks) run one sequence at a time through the scan, from the
+slot's state, so a prompt split into prefill chunks gives what it gives whole.
+Mamba-1's decay differs per state dimension, so the chunked matmul form of Mamba-2's
+scan (``layers.mamba2.ssd_scan``) does not apply. On CPU the native scan runs the
+recurrence token by token, each channel's state in registers; elsewhere
+``selective_scan`` is a Hillis-Steele prefix scan within chunks (log2 of the chunk's
+length passes, each over the whole chunk) and a carry between chunks: no Python loop
+runs per token, and no step exponentiates anything but a decay in (0, 1].
 
 Tensor parallelism splits the channels (vLLM's split): each rank projects, convolves
 and scans its share; ``x_proj`` is row-parallel (its all-reduce gives every rank the
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import cpu_mamba
 from pagedserve.worker.layers.causal_conv import conv_decode, conv_prefill
 from pagedserve.worker.layers.linear import (
     ColumnParallelLinear,
@@ -160,10 +163,11 @@ class Mamba1Mixer(nn.Module):
             else:
                 y[rows] = _state_update(ssm, slots, hf[rows], dt[rows], a, b[rows], c[rows])
             step.keep(self.state_index, j, conv=False)
+        scan = cpu_mamba.mamba1_scan if cpu_mamba.available(ssm) else selective_scan
         for start, n, slot in step.multi:
             end = start + n
-            y[start:end], final = selective_scan(hf[start:end], dt[start:end], a,
-                                                 b[start:end], c[start:end], ssm[slot])
+            y[start:end], final = scan(hf[start:end], dt[start:end], a, b[start:end],
+                                       c[start:end], ssm[slot])
             ssm[slot].copy_(final)
         out = (y + self.D * hf) * F.silu(z.float())
         return self.out_proj(out.to(x.dtype))
@@ -194,6 +198,8 @@ def _state_update(ssm: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: t
     """One token for each of ``len(slots)`` sequences: ``x`` and ``dt [n, channels]``,
     ``b`` and ``c [n, d_state]`` (fp32); their slots' states advanced in place. Returns
     ``y [n, channels]`` without the ``D x`` skip."""
+    if cpu_mamba.available(ssm):  # (in place in the slots, one pass)
+        return cpu_mamba.mamba1_state_update(ssm, slots, x, dt, a, b, c)
     state = ssm.index_select(0, slots)  # [n, channels, d_state]
     state.mul_(torch.exp(dt[..., None] * a))
     state.baddbmm_((dt * x)[..., None], b[:, None, :])
