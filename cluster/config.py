@@ -294,7 +294,13 @@ class EngineConfig:
 
     def cpu_tier_blocks(self, bytes_per_block: int) -> tuple[int, int]:
         """``(swap, offload)`` CPU blocks of ``bytes_per_block`` each: no swap blocks in
-        recompute mode; the offloading share must hold at least one block."""
+        recompute mode; the offloading share must hold at least one block. A model that
+        keeps no KV (attention-free: its blocks are bookkeeping) gets neither."""
+        if bytes_per_block == 0:
+            if self.offloads_kv():
+                raise ValueError("kv_offloading_size: this model keeps no KV to offload (no "
+                                 "layer attends)")
+            return 0, 0
         swap = self.num_cpu_blocks
         if swap is None:
             swap = self.swap_space_bytes // bytes_per_block

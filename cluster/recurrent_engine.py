@@ -34,8 +34,8 @@ from pagedserve.worker.mamba_config import HYBRID_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
-_WHY = ("for hybrid Mamba / DeltaNet models (Granite 4.0-H, Nemotron-H, Qwen3-Next): their "
-        "per-sequence state is not paged")
+_WHY = ("for recurrent models (Mamba, Jamba, Granite 4.0-H, Nemotron-H, Qwen3-Next...): "
+        "their per-sequence state is not paged")
 
 
 def is_recurrent(model_path: str) -> bool:

@@ -64,8 +64,9 @@ def plan_kv_groups(layer_windows: Sequence[int | None], hybrid: bool = True) -> 
     """Group layers by window into groups of ``min`` layers-per-kind each; with
     ``hybrid=False`` (or one kind) every layer is one group, which keeps every block of
     every layer (a model whose every layer slides releases them in that one group)."""
-    if not layer_windows:
-        raise ValueError("a model needs at least one layer")
+    if not layer_windows:  # (an attention-free model: one full group of no layers, so
+        # the block tables that place prefix-cache snapshots are kept, and no KV)
+        return KVGroupLayout((None,), ((),))
     kinds: dict[int | None, list[int]] = {}
     for layer, w in enumerate(layer_windows):
         if w is not None and (not isinstance(w, int) or w <= 0):

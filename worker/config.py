@@ -51,6 +51,7 @@ from pagedserve.worker.mamba_config import (
     mamba_config_from_hf,
     uses_rope,
 )
+from pagedserve.worker.mamba_lm_config import MAMBA_LM_MODEL_TYPES, mamba_lm_config
 from pagedserve.worker.mla_config import MLA_MODEL_TYPES, MLAConfig, mla_config_from_hf
 from pagedserve.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_config_from_hf
 from pagedserve.worker.nemotron_h_config import nemotron_h_config
@@ -181,6 +182,8 @@ class ModelConfig:
             cfg, mamba = nemotron_h_config(cfg)
         elif model_type in ("lfm2", "lfm2_moe"):  # (and LFM2's: ``lfm2_config``)
             cfg, mamba = lfm2_config(cfg)
+        elif model_type in MAMBA_LM_MODEL_TYPES:  # (attention-free: ``mamba_lm_config``)
+            cfg, mamba = mamba_lm_config(cfg)
         hidden = positive_int("hidden_size", require(cfg, "hidden_size"))
         heads = positive_int("num_attention_heads", require(cfg, "num_attention_heads"))
         kv_heads = positive_int(

@@ -39,8 +39,9 @@ class Mamba1Config:
     dt_rank: int
     conv_bias: bool
     proj_bias: bool
-    # Jamba's RMSNorms on the step size, B and C (weighted, ``norm_eps``).
-    inner_norms: bool = True
+    # The RMSNorms on the step size, B and C: "weighted" (Jamba's ``dt_layernorm``...),
+    # "plain" (Falcon-Mamba's, without weights) or "none" (Mamba's); ``norm_eps`` theirs.
+    inner_norms: str = "weighted"
     norm_eps: float = 1e-6
 
     def state_bytes(self, conv_elem: int, tp: int = 1) -> int:

@@ -22,10 +22,11 @@ from pagedserve.worker.config_fields import count, positive_int
 # Hybrids whose recurrent layers keep a state per sequence: Mamba-2 (the first four;
 # Falcon-H1's beside each attention: ``falcon_h1_config``) or gated DeltaNet (Qwen3-Next,
 # Qwen3.5 and its decoder alone: ``deltanet_config``) or gated short convolutions (LFM2:
-# ``lfm2_config``) or Mamba-1 (Jamba: ``mamba1_config``).
+# ``lfm2_config``) or Mamba-1 (Jamba: ``mamba1_config``); and the attention-free Mamba
+# models (``mamba_lm_config``).
 HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "falcon_h1", "nemotron_h", "qwen3_next",
                       "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "lfm2",
-                      "lfm2_moe", "jamba")
+                      "lfm2_moe", "jamba", "mamba", "falcon_mamba", "mamba2")
 _MAMBA_KINDS = ("mamba", "linear_attention")
 _ATTENTION_KINDS = ("attention", "full_attention")
 

@@ -66,7 +66,8 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
     Qwen3.5's multimodal "qwen3_5" / "qwen3_5_moe" (the same decoder beside a vision
     encoder), and "lfm2" (gated short convolutions and attention), and "falcon_h1" (a
     Mamba-2 mixer beside each attention, muP multipliers), and "jamba" (Mamba-1 and
-    attention layers, experts every other layer).
+    attention layers, experts every other layer), and the attention-free "mamba",
+    "falcon_mamba" (Mamba-1 blocks) and "mamba2" (Mamba-2 blocks).
 
     ``base_model`` saves the bare decoder (``LlamaModel``...: no ``model.`` prefix, no
     LM head), as embedding checkpoints are; ``classifier`` the sequence classifier
@@ -120,7 +121,11 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
                "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, tf.Lfm2MoeModel),
                "bamba": (tf.BambaConfig, tf.BambaForCausalLM, tf.BambaModel),
                "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM, tf.FalconH1Model),
-               "jamba": (tf.JambaConfig, tf.JambaForCausalLM, tf.JambaModel)}
+               "jamba": (tf.JambaConfig, tf.JambaForCausalLM, tf.JambaModel),
+               "mamba": (tf.MambaConfig, tf.MambaForCausalLM, tf.MambaModel),
+               "falcon_mamba": (tf.FalconMambaConfig, tf.FalconMambaForCausalLM,
+                                tf.FalconMambaModel),
+               "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, tf.Mamba2Model)}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config_cls, causal_cls, bare_cls = classes[kind]
@@ -154,10 +159,10 @@ def write_random_checkpoint(dest: str | Path, kind: str = "llama",
             if kind == "gpt_oss" and (name.endswith("sinks") or "bias" in name):
                 p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.2)
             if name.endswith((".mamba.D", ".mamba.dt_bias", ".mixer.D", ".mixer.dt_bias",
-                              ".mamba.dt_proj.bias")):
+                              ".mamba.dt_proj.bias", ".mixer.dt_proj.bias")):
                 # (Mamba's init: all ones)
                 p.normal_(1.0 if name.endswith("D") else 0.0, 0.5)
-            if name.endswith(".mamba.A_log") and p.dim() == 2:
+            if name.endswith((".mamba.A_log", ".mixer.A_log")) and p.dim() == 2:
                 # (Mamba-1's per-channel decays, scaled with the matrices above: back
                 # to rates between 0.1 and 3, so a state remembers a few tokens)
                 p.uniform_(-2.0, 1.0)

@@ -60,6 +60,13 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "jamba": dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
                   expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                   num_experts_per_tok=2, intermediate_size=32, mamba_d_state=8),
+    # Attention-free: three Mamba-1 blocks (128 channels, 8 state dims; Falcon-Mamba's
+    # weightless inner norms), or three Mamba-2 blocks (8 heads of 16, two B / C groups,
+    # chunks of 8 tokens).
+    "mamba": dict(num_hidden_layers=3, state_size=8),
+    "falcon_mamba": dict(num_hidden_layers=3, state_size=8, mixer_rms_eps=1e-5),
+    "mamba2": dict(num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+                   chunk_size=8),
     # Nemotron-H: Mamba, MLP, attention, MLP, Mamba, MLP blocks; two B / C groups, chunks
     # of 8 tokens.
     "nemotron_h": dict(hybrid_override_pattern="M-*-M-", num_hidden_layers=6,

@@ -87,7 +87,7 @@ def assert_every_rollback_taken(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next", "lfm2", "falcon_h1",
-                                  "jamba"])
+                                  "jamba", "falcon_mamba"])
 def test_oracle_guesses_give_hugging_faces_tokens(kind, tmp_path_factory, default_model_dir,
                                                   granite) -> None:
     path, prompts, ref = granite if kind == "granitemoehybrid" else _reference(

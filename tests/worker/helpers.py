@@ -53,7 +53,10 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0,
                "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
                "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
                "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),
-               "jamba": ("JambaConfig", "JambaForCausalLM")}
+               "jamba": ("JambaConfig", "JambaForCausalLM"),
+               "mamba": ("MambaConfig", "MambaForCausalLM"),
+               "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM"),
+               "mamba2": ("Mamba2Config", "Mamba2ForCausalLM")}
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[model_type])
     torch.manual_seed(seed)
     fields = {**TINY, **MOE_DEFAULTS.get(model_type, {}), **overrides}

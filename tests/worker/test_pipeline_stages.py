@@ -127,7 +127,7 @@ def test_three_stages_equal_the_whole_model(tmp_path, kind: str, tied: bool) -> 
 
 
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next", "lfm2", "nemotron_h",
-                                  "falcon_h1", "jamba"])
+                                  "falcon_h1", "jamba", "mamba2"])
 def test_hybrid_stages_equal_the_whole_model(tmp_path, kind: str) -> None:
     """Each stage keeps the recurrent states of its own mixers (numbered from 0 on it)
     and pages its own attention layers' KV: two stages give the whole model's greedy

@@ -122,6 +122,8 @@ TP_CASES = {  # id -> (model kind, config overrides)
     "falcon_h1_mixer_beside_attention_multipliers_folded": (
         "falcon_h1", dict(num_key_value_heads=2)),
     "jamba_mamba1_channels_split_x_proj_reduced": ("jamba", dict(num_key_value_heads=2)),
+    "mamba_attention_free_no_kv": ("mamba", {}),
+    "mamba2_attention_free_heads_split": ("mamba2", {}),
 }
 EP_CASES = {  # id -> (model kind, config overrides, expert placement)
     "mixtral_uneven": ("mixtral", dict(num_local_experts=5), "linear"),
@@ -171,7 +173,7 @@ def test_tp2_equals_tp1(tp2_runs, case):
     got = torch.load(result)
     torch.testing.assert_close(got["logits"], ref_logits, atol=2e-5, rtol=1e-4)
     assert got["toks"] == ref_toks
-    assert got["kv_heads"] == max(1, TP_CASES[case][1]["num_key_value_heads"] // 2)
+    assert got["kv_heads"] == max(1, TP_CASES[case][1].get("num_key_value_heads", 1) // 2)
 
 
 @pytest.mark.parametrize("case", list(EP_CASES))

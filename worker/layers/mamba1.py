@@ -1,14 +1,16 @@
-"""The Mamba-1 mixer (Jamba's) over a flat, mixed batch, each sequence's state in its
-slot.
+"""The Mamba-1 mixer (Jamba's, Mamba's, Falcon-Mamba's) over a flat, mixed batch, each
+sequence's state in its slot.
 
 Per token the mixer projects the input to the convolution's input x and a gate z;
 runs a causal depthwise convolution over x (its last ``d_conv - 1`` inputs carried in
 the state) and a SiLU; projects that to a low-rank step size, B and C (``x_proj``;
-Jamba RMS-normalises each), lifts the step to a channel's ``dt`` (``dt_proj``, then
-softplus); then the selective scan ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``,
-``y_t = h_t C_t + D x_t`` with one decay per channel and state dimension (``A``:
-``[intermediate, d_state]``), gated by ``silu(z)`` before the output projection:
-transformers' ``JambaMambaMixer`` (its torch path), which the tests hold this to.
+Jamba RMS-normalises each, Falcon-Mamba without weights), lifts the step to a
+channel's ``dt`` (``dt_proj``, then softplus); then the selective scan ``h_t =
+exp(dt_t A) h_{t-1} + dt_t x_t B_t``, ``y_t = h_t C_t + D x_t`` with one decay per
+channel and state dimension (``A``: ``[intermediate, d_state]``), gated by
+``silu(z)`` before the output projection: transformers' ``JambaMambaMixer``,
+``MambaMixer`` and ``FalconMambaMixer`` (their torch paths), which the tests hold
+this to.
 
 One-token rows (decodes) run as batches: a gather of their states, one update, a
 scatter back (on CPU one native pass in the slots: ``kernels.cpu_mamba``). Longer
@@ -76,10 +78,13 @@ class Mamba1Mixer(nn.Module):
         self.dt_proj = ColumnParallelLinear(r, mc.intermediate, True, ctx, dtype, device)
         self.A_log = frozen_param((self.inter, n), torch.float32, device)
         self.D = frozen_param((self.inter,), torch.float32, device)
+        if mc.inner_norms not in ("weighted", "plain", "none"):
+            raise ValueError(f"inner_norms must be 'weighted', 'plain' or 'none', got "
+                             f"{mc.inner_norms!r}")
         self.norms = {"dt_layernorm": frozen_param((r,), dtype, device),
                       "b_layernorm": frozen_param((n,), dtype, device),
                       "c_layernorm": frozen_param((n,), dtype, device)} \
-            if mc.inner_norms else {}
+            if mc.inner_norms == "weighted" else {}
         for name, p in self.norms.items():
             self.register_parameter(name, p)
         self.out_proj = RowParallelLinear(mc.intermediate, hidden, mc.proj_bias, ctx, dtype,
@@ -177,20 +182,21 @@ class Mamba1Mixer(nn.Module):
         (after ``dt_proj``, its bias and softplus) and B and C ``[T, d_state]``, fp32."""
         mc = self.mc
         low, b, c = self.x_proj(h).split([mc.dt_rank, mc.d_state, mc.d_state], dim=-1)
-        if self.norms:
-            eps = mc.norm_eps
-            low = _rms(low, self.norms["dt_layernorm"], eps)
-            b = _rms(b, self.norms["b_layernorm"], eps)
-            c = _rms(c, self.norms["c_layernorm"], eps)
+        if mc.inner_norms != "none":
+            weight = self.norms.get
+            low = _rms(low, weight("dt_layernorm"), mc.norm_eps)
+            b = _rms(b, weight("b_layernorm"), mc.norm_eps)
+            c = _rms(c, weight("c_layernorm"), mc.norm_eps)
         dt = F.softplus(self.dt_proj(low).float())
         return dt, b.float(), c.float()
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)``, the statistics in fp32, back in ``x``'s dtype (Jamba's
-    ``JambaRMSNorm``)."""
+    ``JambaRMSNorm``; Falcon-Mamba's has no weight)."""
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return h if weight is None else weight * h
 
 
 def _state_update(ssm: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,

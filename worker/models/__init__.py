@@ -14,6 +14,7 @@ from pagedserve.worker.models.granite_hybrid import GraniteHybridForCausalLM
 from pagedserve.worker.models.jamba import JambaForCausalLM
 from pagedserve.worker.models.lfm2 import Lfm2ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.mamba_lm import MambaForCausalLM
 from pagedserve.worker.models.modernbert import ModernBertModel
 from pagedserve.worker.models.nemotron_h import NemotronHForCausalLM
 from pagedserve.worker.models.olmo import OlmoForCausalLM
@@ -37,6 +38,9 @@ MODEL_REGISTRY = {
     "bamba": BambaForCausalLM,  # (Granite 4.0-H's Mamba-2 layers, Llama's otherwise)
     "falcon_h1": FalconH1ForCausalLM,  # (a Mamba-2 mixer beside each attention)
     "jamba": JambaForCausalLM,  # (Mamba-1 layers: ``layers.mamba1``; experts every other)
+    "mamba": MambaForCausalLM,  # (attention-free: Mamba-1 blocks, no KV at all)
+    "falcon_mamba": MambaForCausalLM,
+    "mamba2": MambaForCausalLM,  # (Mamba-2 blocks)
     "qwen3_next": Qwen3NextForCausalLM,  # (gated DeltaNet: ``layers.gated_deltanet``)
     "qwen3_5_text": Qwen3NextForCausalLM,  # (Qwen3.5: the same, projections unfused)
     "qwen3_5_moe_text": Qwen3NextForCausalLM,
@@ -63,6 +67,6 @@ MODEL_REGISTRY = {
 __all__ = ["MODEL_REGISTRY", "BertModel", "DeepseekForCausalLM", "Gemma3ForCausalLM",
            "Glm4ForCausalLM", "Glm4MoeForCausalLM",
            "GraniteForCausalLM", "GraniteHybridForCausalLM", "JambaForCausalLM",
-           "LlamaForCausalLM",
+           "LlamaForCausalLM", "MambaForCausalLM",
            "ModernBertModel", "NemotronHForCausalLM", "OlmoForCausalLM",
            "SmolLM3ForCausalLM"]

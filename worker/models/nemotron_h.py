@@ -19,8 +19,10 @@ from torch import nn
 
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.linear import ColumnParallelLinear, LazyTensor, RowParallelLinear
+from pagedserve.worker.layers.mamba1 import Mamba1Mixer
 from pagedserve.worker.layers.mamba2 import Mamba2Mixer
 from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.mamba1_config import Mamba1Config
 from pagedserve.worker.models.hybrid import RecurrentHybridMixin
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.worker.models.llama_loading import _copy_full
@@ -51,7 +53,8 @@ class ReluSquaredMLP(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    """One block: ``norm`` and its ``mixer`` (Mamba-2, attention or MLP)."""
+    """One block: ``norm`` and its ``mixer`` (Mamba-2, attention or MLP; Mamba-1 in the
+    attention-free Mamba models, ``models.mamba_lm``)."""
 
     def __init__(self, cfg: Any, ctx: Any, backend: Any, dtype: torch.dtype,
                  device: torch.device, index: int) -> None:
@@ -60,7 +63,10 @@ class NemotronHBlock(nn.Module):
         self.kind = ("mamba" if index in cfg.mamba.layers
                      else "attention" if index in cfg.mamba.attention else "mlp")
         self.mixer: nn.Module
-        if self.kind == "mamba":
+        if self.kind == "mamba" and isinstance(cfg.mamba, Mamba1Config):  # (Mamba-1 LMs)
+            self.mixer = Mamba1Mixer(cfg.hidden_size, cfg.mamba, ctx, dtype, device,
+                                     state_index=0)
+        elif self.kind == "mamba":
             self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.rms_norm_eps, ctx, dtype,
                                      device, state_index=0)
         elif self.kind == "attention":
