@@ -4,7 +4,8 @@ Same machine, same random checkpoint, same requests, one run: a Qwen3-MoE
 (``--kind``: or Mixtral, Qwen2-MoE, DeepSeek-V3 / V2 with latent attention, GPT-OSS,
 Granite 4.0-H's Mamba-2 hybrid, Qwen3-Next's gated DeltaNet hybrid, LFM2-MoE's short
 convolutions; Falcon-H1, dense, a Mamba-2 mixer beside each attention; Jamba's
-Mamba-1 hybrid; the attention-free Mamba and Mamba-2, dense) of
+Mamba-1 hybrid; the attention-free Mamba and Mamba-2, dense; Nemotron 3's Mamba-2 and
+squared-ReLU expert blocks) of
 ``--layers`` layers, ``--experts`` experts of which each token takes ``--top-k``,
 written with ``save_pretrained`` and loaded by both engines in ``--dtype`` (fp32
 by default); ``--num-prompts`` prompts of 10-75 random token ids (or of
@@ -32,6 +33,7 @@ its top-k experts, the LM head), and each engine's share of it.
     python bench/moe.py --kind jamba --json bench/figures/moe_jamba.json
     python bench/moe.py --kind mamba --json bench/figures/moe_mamba.json
     python bench/moe.py --kind mamba2 --json bench/figures/moe_mamba2.json
+    python bench/moe.py --kind nemotron_h --json bench/figures/moe_nemotron3.json
 """
 
 from __future__ import annotations
@@ -115,6 +117,15 @@ def model_overrides(args: argparse.Namespace) -> dict:
                    attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2,
                    expert_layer_offset=1, mamba_d_state=16, mamba_expand=2,
                    mamba_dt_rank=args.hidden // 16)
+    elif args.kind == "nemotron_h":  # Nemotron 3 Nano's rhythm: Mamba-2 and expert blocks
+        # in turn, one attention block in eight; squared-ReLU experts and a shared one
+        cfg.update(hybrid_override_pattern=("MEMEM*EM" * args.layers)[:args.layers],
+                   n_routed_experts=args.experts, moe_intermediate_size=args.expert_width,
+                   moe_shared_expert_intermediate_size=2 * args.expert_width,
+                   routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                   mamba_num_heads=args.hidden * 2 // 64, mamba_head_dim=64,
+                   ssm_state_size=128, n_groups=1, chunk_size=256,
+                   intermediate_size=4 * args.expert_width)
     elif args.kind in ("mamba", "mamba2"):  # attention-free, dense: a mixer a layer, no MLP
         cfg.update(state_size=16 if args.kind == "mamba" else 128, expand=2,
                    intermediate_size=2 * args.hidden, num_heads=args.hidden * 2 // 64,
@@ -159,7 +170,7 @@ def main() -> None:
     ap.add_argument("--kind", choices=("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3",
                                        "deepseek_v2", "gpt_oss", "granitemoehybrid",
                                        "qwen3_next", "lfm2_moe", "falcon_h1", "jamba",
-                                       "mamba", "mamba2"),
+                                       "mamba", "mamba2", "nemotron_h"),
                     default="qwen3_moe")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="every prompt this many random token ids (default 10-75)")

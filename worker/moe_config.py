@@ -1,5 +1,6 @@
 """Mixture-of-experts facts of a checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
-DeepSeek-V2/V3, GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE, LFM2-MoE, Jamba).
+DeepSeek-V2/V3, GPT-OSS, Granite MoE, GLM-4.5, Ernie 4.5 MoE, LFM2-MoE, Jamba,
+Nemotron 3).
 
 The families differ only in config spellings and in a few choices: whether
 the top-k routing weights are renormalised to sum to one (Mixtral always; the
@@ -26,7 +27,8 @@ from pagedserve.worker.config_fields import count, non_negative_int
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
                    "gpt_oss", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe",
-                   "ernie4_5_moe", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "jamba")
+                   "ernie4_5_moe", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "jamba",
+                   "nemotron_h")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -98,6 +100,10 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
         return _ernie(cfg, num_layers)
     if model_type == "jamba":
         return _jamba(cfg, num_layers)
+    if model_type == "nemotron_h":  # (its ``E`` blocks: ``nemotron_h_config``)
+        from pagedserve.worker.nemotron_h_config import nemotron_moe_config
+
+        return nemotron_moe_config(cfg)
     key = "num_local_experts" if model_type == "mixtral" else "num_experts"
     if cfg.get(key) is None:
         key = "num_experts" if key == "num_local_experts" else "num_local_experts"

@@ -25,6 +25,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from pagedserve.worker.layers.moe import SparseMoE
+from tests.cluster.test_nemotron_h import NEMOTRON3
 from tests.worker.helpers import BlockAllocator, make_worker, plan, request, save_tiny_model
 
 PROMPTS = {"a": [5, 9, 17, 33, 4, 12, 7], "b": [8, 70, 12, 44, 90, 3, 61, 22, 19, 30, 2]}
@@ -69,7 +71,7 @@ def _rank_main(rank: int, path: str, init: str, result: str, quant: str | None =
                          enable_expert_parallel=placement is not None,
                          expert_placement_strategy=placement or "linear")
     if placement is not None:  # whole experts, a share each: 5 over 2 is 3 + 2 (linear)
-        held = worker.model.layers[-1].mlp.held
+        held = next(m for m in worker.model.modules() if isinstance(m, SparseMoE)).held
         want = ([0, 1, 2], [3, 4])[rank] if placement == "linear" else list(range(rank, 8, 2))
         assert held == want
     logits, toks = _run(worker, 4)
@@ -122,6 +124,8 @@ TP_CASES = {  # id -> (model kind, config overrides)
     "falcon_h1_mixer_beside_attention_multipliers_folded": (
         "falcon_h1", dict(num_key_value_heads=2)),
     "jamba_mamba1_channels_split_x_proj_reduced": ("jamba", dict(num_key_value_heads=2)),
+    "nemotron3_relu2_experts_and_shared_split": ("nemotron_h", dict(
+        num_key_value_heads=2, **NEMOTRON3)),
     "mamba_attention_free_no_kv": ("mamba", {}),
     "mamba2_attention_free_heads_split": ("mamba2", {}),
 }
@@ -130,6 +134,7 @@ EP_CASES = {  # id -> (model kind, config overrides, expert placement)
     "qwen2_moe_shared_expert": ("qwen2_moe", dict(num_experts=8), "round_robin"),
     "deepseek_v3_groups": ("deepseek_v3", {}, "round_robin"),
     "gpt_oss_expert_biases": ("gpt_oss", dict(num_local_experts=5), "linear"),
+    "nemotron3_relu2_experts": ("nemotron_h", NEMOTRON3, "round_robin"),
 }
 QUANT_CASES = ("int8", "int4")
 

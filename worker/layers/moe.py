@@ -104,6 +104,9 @@ class SparseMoE(nn.Module):
     """
 
     plain_swiglu: bool = True
+    # Matrices stacked in an expert's first projection: gate and up (SwiGLU); 1 for an
+    # ungated expert (Nemotron 3's: ``layers.moe_nemotron``).
+    gate_up_parts: int = 2
 
     def __init__(self, hidden: int, moe: MoEConfig, ctx: ParallelContext, dtype: torch.dtype,
                  device: torch.device):
@@ -158,7 +161,8 @@ class SparseMoE(nn.Module):
         # DeepSeek-V3's learnt bias on the scores that choose experts (not the weights).
         self.score_bias = _param((moe.num_experts,), torch.float32, device) \
             if moe.score_bias else None
-        self.w13 = _param((self.num_local_experts, 2 * self.local_i, hidden), dtype, device)
+        self.w13 = _param((self.num_local_experts, self.gate_up_parts * self.local_i, hidden),
+                          dtype, device)
         self.w2 = _param((self.num_local_experts, hidden, self.local_i), dtype, device)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if moe.shared_intermediate_size:
@@ -183,14 +187,21 @@ class SparseMoE(nn.Module):
         if self.expert_map is not None:
             experts = self.expert_map[experts]  # this rank's indices, -1: another rank's
         out = self._routed(x, experts, weights.to(x.dtype))
-        if self.shared_gate_up is not None:
-            # The down projection's partial sum, gated (a per-row scalar, the same on
-            # every rank), joins the experts' before the one all-reduce.
-            shared = self.shared_down.matmul(silu_and_mul(self.shared_gate_up(x)))
-            if self.shared_gate is not None:
-                shared.mul_(torch.sigmoid(self.gate_linear(x, self.shared_gate)))
+        shared = self._shared(x)
+        if shared is not None:
             out += shared
         return self.ctx.all_reduce(out)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's down projection as this rank's partial sum (gated by a
+        per-row scalar, the same on every rank, where Qwen2-MoE gates it): it joins the
+        experts' before the layer's one all-reduce. None without a shared expert."""
+        if self.shared_gate_up is None:
+            return None
+        shared = self.shared_down.matmul(silu_and_mul(self.shared_gate_up(x)))
+        if self.shared_gate is not None:
+            shared.mul_(torch.sigmoid(self.gate_linear(x, self.shared_gate)))
+        return shared
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's logits ``[T, E]`` for ``x``."""

@@ -1,6 +1,7 @@
-"""NVIDIA's Nemotron-H (``nemotron_h``: Nemotron-H 8B / 47B, Nemotron Nano 2 9B / 12B):
-blocks of one norm and one mixer each, the mixer a Mamba-2 layer, attention without
-positional rotation, or a squared-ReLU MLP (``nemotron_h_config``), every block
+"""NVIDIA's Nemotron-H (``nemotron_h``: Nemotron-H 8B / 47B, Nemotron Nano 2 9B / 12B,
+Nemotron 3 Nano): blocks of one norm and one mixer each, the mixer a Mamba-2 layer,
+attention without positional rotation, a squared-ReLU MLP, or Nemotron 3's
+squared-ReLU experts (``layers.moe_nemotron``; ``nemotron_h_config``), every block
 adding its output to the residual stream.
 
 A block is the Llama loop's layer: it normalises ``x + residual`` and returns its
@@ -21,6 +22,7 @@ from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.layers.linear import ColumnParallelLinear, LazyTensor, RowParallelLinear
 from pagedserve.worker.layers.mamba1 import Mamba1Mixer
 from pagedserve.worker.layers.mamba2 import Mamba2Mixer
+from pagedserve.worker.layers.moe_nemotron import NemotronMoE
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.mamba1_config import Mamba1Config
 from pagedserve.worker.models.hybrid import RecurrentHybridMixin
@@ -53,15 +55,17 @@ class ReluSquaredMLP(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    """One block: ``norm`` and its ``mixer`` (Mamba-2, attention or MLP; Mamba-1 in the
-    attention-free Mamba models, ``models.mamba_lm``)."""
+    """One block: ``norm`` and its ``mixer`` (Mamba-2, attention, MLP or experts; Mamba-1
+    in the attention-free Mamba models, ``models.mamba_lm``)."""
 
     def __init__(self, cfg: Any, ctx: Any, backend: Any, dtype: torch.dtype,
                  device: torch.device, index: int) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.kind = ("mamba" if index in cfg.mamba.layers
-                     else "attention" if index in cfg.mamba.attention else "mlp")
+                     else "attention" if index in cfg.mamba.attention
+                     else "moe" if cfg.moe is not None and index in cfg.moe.sparse_layers
+                     else "mlp")
         self.mixer: nn.Module
         if self.kind == "mamba" and isinstance(cfg.mamba, Mamba1Config):  # (Mamba-1 LMs)
             self.mixer = Mamba1Mixer(cfg.hidden_size, cfg.mamba, ctx, dtype, device,
@@ -71,6 +75,8 @@ class NemotronHBlock(nn.Module):
                                      device, state_index=0)
         elif self.kind == "attention":
             self.mixer = LlamaAttention(cfg, ctx, backend, dtype, device, index)
+        elif self.kind == "moe":
+            self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, ctx, dtype, device)
         else:
             self.mixer = ReluSquaredMLP(cfg, ctx, dtype, device)
 
@@ -88,6 +94,8 @@ class NemotronHBlock(nn.Module):
             mixer = {"mixer." + n for n in self.mixer.checkpoint_names()}
         elif self.kind == "attention":
             mixer = {f"mixer.{m}_proj.weight" for m in "qkvo"}
+        elif self.kind == "moe":
+            mixer = {"mixer." + n for n in self.mixer.expected_names()}
         else:
             mixer = {"mixer.up_proj.weight", "mixer.down_proj.weight"}
         return mixer | {"norm.weight"}
@@ -123,7 +131,7 @@ class NemotronHForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
             _copy_full(name, layer.norm.weight, lazy)
             return
         mixer = rest.startswith("mixer.")
-        if mixer and layer.kind == "mamba" and layer.mixer.load(sub, lazy):
+        if mixer and layer.kind in ("mamba", "moe") and layer.mixer.load(sub, lazy):
             return
         if mixer and layer.kind == "attention" and kind == "weight" \
                 and self._load_attention(layer.mixer, module, False, name, lazy):
