@@ -64,9 +64,8 @@ class Mamba1Mixer(nn.Module):
         super().__init__()
         tp = ctx.world_size
         if mc.intermediate % tp:
-            raise ValueError(f"a Mamba layer's width ({mc.intermediate}: 'mamba_expand' x "
-                             f"'hidden_size') must be divisible by tensor_parallel_size "
-                             f"({tp})")
+            raise ValueError(f"a Mamba-1 layer's width ({mc.intermediate} channels) must be "
+                             f"divisible by tensor_parallel_size ({tp})")
         self.mc, self.rank, self.state_index = mc, ctx.rank, state_index
         self.inter = mc.intermediate // tp
         n, r = mc.d_state, mc.dt_rank
@@ -98,7 +97,7 @@ class Mamba1Mixer(nn.Module):
     # ---- loading -------------------------------------------------------------------------
 
     def checkpoint_names(self) -> set[str]:
-        """Its tensors, as named under the layer's ``mamba.``."""
+        """Its tensors, as named under the layer's mixer (``mamba.``, ``mixer.``)."""
         names = {"in_proj.weight", "conv1d.weight", "x_proj.weight", "dt_proj.weight",
                  "dt_proj.bias", "A_log", "D", "out_proj.weight"}
         names |= {f"{n}.weight" for n in self.norms}
@@ -109,7 +108,7 @@ class Mamba1Mixer(nn.Module):
         return names
 
     def load(self, name: str, lazy: LazyTensor) -> bool:
-        """Copy this rank's share of tensor ``name`` (under ``mamba.``); False if unknown."""
+        """Copy this rank's share of tensor ``name`` (under the mixer); False if unknown."""
         mc = self.mc
         module, _, kind = name.rpartition(".")
         if name in ("in_proj.weight", "in_proj.bias"):
