@@ -44,7 +44,7 @@ timeout 300 "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=8 --
     tests/cluster/test_llava_next_images.py tests/cluster/test_encoders.py \
     tests/cluster/test_modernbert.py tests/cluster/test_granite_hybrid.py \
     tests/kernels/test_kern_triton_deltanet.py tests/cluster/test_hybrid_spec_decode.py \
-    tests/cluster/test_qwen3_next_mtp.py 2>&1 \
+    tests/cluster/test_qwen3_next_mtp.py tests/kernels/test_kern_triton_mamba1.py 2>&1 \
     | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 100 "$PY" bench/kernels.py "${@:---quick}" --json bench/results/kernels_gpu.json \

@@ -11,7 +11,8 @@ must be unset when the kernels are decorated.
                                                          # default: 90 80, both parts
 
 The fused MoE kernels print "ok moe sm_..", the int4 GEMM "ok w4 sm_..", the
-gated delta rule's decode step "ok gdn sm_..". Narrow KV caches (kv_cache_dtype)
+gated delta rule's decode step "ok gdn sm_..", Mamba-1's update and scan "ok mamba1
+sm_..". Narrow KV caches (kv_cache_dtype)
 compile as their own variants: fp8 caches
 reach the kernels as uint8 bytes (KV_FP8 picks the in-kernel decoding), and a
 cache dtype other than the query's changes which dots the kernel emits. Those
@@ -38,6 +39,8 @@ from pagedserve.kernels.triton_attention import (
 from pagedserve.kernels.triton_backend import LAUNCH_SWEEP, TritonBackend
 from pagedserve.kernels.triton_cache import _copy_blocks_kernel, _store_kv_kernel
 from pagedserve.kernels.triton_deltanet import _delta_rule_decode_kernel, block_v
+from pagedserve.kernels.triton_mamba1 import BLOCK_D as M1_BLOCK_D
+from pagedserve.kernels.triton_mamba1 import _mamba1_scan_kernel, _mamba1_update_kernel
 from pagedserve.kernels.triton_moe import BLOCK_M, _down_kernel, _gate_up_kernel
 from pagedserve.kernels.triton_w4a16 import BLOCK_N as W4_BLOCK_N
 from pagedserve.kernels.triton_w4a16 import _w4a16_kernel
@@ -197,6 +200,11 @@ def main(archs: list[int], parts: tuple[str, ...] = ("base", "sweep")) -> None:
             build(_delta_rule_decode_kernel, gdn, dict(HEADS=32, DK=dk, DV=dv, BLOCK_K=dk,
                                                        BLOCK_V=block_v(dk, dv)),
                   target, tag="ok gdn")
+        m1 = {n: "*fp32" for n in ("ssm_ptr", "h_ptr", "x_ptr", "dt_ptr", "a_ptr", "b_ptr",
+                                   "c_ptr", "y_ptr")} | {"slots_ptr": "*i64"}
+        m1_consts = dict(D=8192, N=16, BLOCK_D=M1_BLOCK_D, BLOCK_N=16)  # (Jamba 1.5 Mini)
+        build(_mamba1_update_kernel, m1, m1_consts, target, tag="ok mamba1")
+        build(_mamba1_scan_kernel, m1, m1_consts, target, tag="ok mamba1")
 
 
 if __name__ == "__main__":

@@ -41,3 +41,4 @@ def test_kernels_compile_for_nvidia_targets() -> None:
     assert stdout.count("ok moe sm_") == 2 * 8  # gate/up and down: three dtypes, GPT-OSS
     assert stdout.count("ok w4 sm_") == 2 * 6  # int4 GEMM: three dtypes, two tiles
     assert stdout.count("ok gdn sm_") == 2 * 2  # the delta rule's decode: two head shapes
+    assert stdout.count("ok mamba1 sm_") == 2 * 2  # Mamba-1's update and scan

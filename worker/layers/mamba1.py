@@ -13,15 +13,16 @@ channel and state dimension (``A``: ``[intermediate, d_state]``), gated by
 this to.
 
 One-token rows (decodes) run as batches: a gather of their states, one update, a
-scatter back (on CPU one native pass in the slots: ``kernels.cpu_mamba``). Longer
-rows (prompts, prefill chunks) run one sequence at a time through the scan, from the
-slot's state, so a prompt split into prefill chunks gives what it gives whole.
-Mamba-1's decay differs per state dimension, so the chunked matmul form of Mamba-2's
-scan (``layers.mamba2.ssd_scan``) does not apply. On CPU the native scan runs the
-recurrence token by token, each channel's state in registers; elsewhere
-``selective_scan`` is a Hillis-Steele prefix scan within chunks (log2 of the chunk's
-length passes, each over the whole chunk) and a carry between chunks: no Python loop
-runs per token, and no step exponentiates anything but a decay in (0, 1].
+scatter back (one pass in the slots: ``kernels.cpu_mamba`` on CPU,
+``kernels.triton_mamba1`` on CUDA). Longer rows (prompts, prefill chunks) run one
+sequence at a time through the scan, from the slot's state, so a prompt split into
+prefill chunks gives what it gives whole. Mamba-1's decay differs per state
+dimension, so the chunked matmul form of Mamba-2's scan (``layers.mamba2.ssd_scan``)
+does not apply. The native and Triton scans run the recurrence token by token, each
+channel's state in registers; elsewhere ``selective_scan`` is a Hillis-Steele prefix
+scan within chunks (log2 of the chunk's length passes, each over the whole chunk)
+and a carry between chunks: no Python loop runs per token, and no step exponentiates
+anything but a decay in (0, 1].
 
 Tensor parallelism splits the channels (vLLM's split): each rank projects, convolves
 and scans its share; ``x_proj`` is row-parallel (its all-reduce gives every rank the
@@ -31,6 +32,8 @@ row-parallel output projection sums the ranks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +170,7 @@ class Mamba1Mixer(nn.Module):
             else:
                 y[rows] = _state_update(ssm, slots, hf[rows], dt[rows], a, b[rows], c[rows])
             step.keep(self.state_index, j, conv=False)
-        scan = cpu_mamba.mamba1_scan if cpu_mamba.available(ssm) else selective_scan
+        scan = _scan_for(ssm)
         for start, n, slot in step.multi:
             end = start + n
             y[start:end], final = scan(hf[start:end], dt[start:end], a, b[start:end],
@@ -205,11 +208,27 @@ def _state_update(ssm: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: t
     ``y [n, channels]`` without the ``D x`` skip."""
     if cpu_mamba.available(ssm):  # (in place in the slots, one pass)
         return cpu_mamba.mamba1_state_update(ssm, slots, x, dt, a, b, c)
+    if ssm.is_cuda:  # (in place in the slots, one Triton program per channel tile)
+        from pagedserve.kernels import triton_mamba1
+
+        return triton_mamba1.update(ssm, slots, x, dt, a, b, c)
     state = ssm.index_select(0, slots)  # [n, channels, d_state]
     state.mul_(torch.exp(dt[..., None] * a))
     state.baddbmm_((dt * x)[..., None], b[:, None, :])
     ssm.index_copy_(0, slots, state)
     return torch.bmm(state, c[..., None]).squeeze(-1)
+
+
+def _scan_for(ssm: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """A prompt's scan where the state lives: native on CPU, Triton on CUDA, else the
+    torch prefix scan (all with ``selective_scan``'s contract)."""
+    if cpu_mamba.available(ssm):
+        return cpu_mamba.mamba1_scan
+    if ssm.is_cuda:
+        from pagedserve.kernels import triton_mamba1
+
+        return triton_mamba1.scan
+    return selective_scan
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
