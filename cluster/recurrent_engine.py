@@ -1,6 +1,7 @@
-"""What an engine changes to serve a hybrid model with recurrent layers: Mamba-2
-(Granite 4.0-H, Nemotron-H: ``worker.mamba_config``) or gated DeltaNet (Qwen3-Next:
-``worker.deltanet_config``).
+"""What an engine changes to serve a model with recurrent layers: Mamba-2 (Granite
+4.0-H, Nemotron-H: ``worker.mamba_config``), Mamba-1 (Jamba: ``worker.mamba1_config``;
+the attention-free Mamba models: ``worker.mamba_lm_config``), gated DeltaNet
+(Qwen3-Next: ``worker.deltanet_config``) or short convolutions (LFM2).
 
 A Mamba (or DeltaNet) layer folds a sequence's whole past into one state per sequence
 (``worker.mamba_state``), which no KV block holds. So a prompt whose leading blocks
@@ -13,7 +14,9 @@ Speculative decoding by n-gram, suffix, a (non-recurrent) draft model or
 Qwen3-Next's own MTP module works: each slot keeps its states after each guess, and
 a step that rejected some starts its next from the one after the last kept
 (``worker.mamba_state``). EAGLE heads are not built for these models; beam search
-would need a state copied per beam: refused by name, as are LoRA adapters. Chunked
+would need a state copied per beam: refused by name. LoRA adapters on the attention
+and MLP projections serve where those are Llama's (``LORA_MODEL_TYPES``); the mixers
+take none, and other families refuse ``enable_lora`` by name. Chunked
 prefill, swap and recompute preemption, ``n > 1``, tensor parallelism
 (``mamba_n_groups`` divisible by it) and pipeline stages (each keeps its own
 layers' states, as every stage sees every plan of its sequences in order) work.
@@ -38,6 +41,12 @@ _WHY = ("for recurrent models (Mamba, Jamba, Granite 4.0-H, Nemotron-H, Qwen3-Ne
         "their per-sequence state is not paged")
 
 
+# Recurrent models whose attention and MLP projections take adapters as Llama's do
+# (checked against PEFT); Falcon-H1 folds multipliers into them, Qwen3-Next's q rows hold
+# its gate, Nemotron-H's MLP is ungated and the Mamba models have neither.
+LORA_MODEL_TYPES = ("jamba", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe")
+
+
 def is_recurrent(model_path: str) -> bool:
     """Whether the checkpoint in ``model_path`` has recurrent layers
     (``HYBRID_MODEL_TYPES``)."""
@@ -53,13 +62,17 @@ def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConf
     refused = {
         f"speculative_config.method {method!r}": method in MODEL_METHODS
         and method != "draft_model",
-        "enable_lora": config.enable_lora,
         "kv_offloading_size": config.offloads_kv(),
         "batch_invariant": config.batch_invariant,
     }
     for option, on in refused.items():
         if on:
             raise ValueError(f"{option} is not supported {_WHY}")
+    model_type = model_type_at(model_path)
+    if config.enable_lora and model_type not in LORA_MODEL_TYPES:
+        raise ValueError(f"enable_lora is not supported for {model_type!r}: among recurrent "
+                         f"models LoRA serves the attention and MLP projections of "
+                         f"{', '.join(LORA_MODEL_TYPES)} (the mixers take no adapter)")
     caching = config.enable_prefix_caching and config.mamba_cache_mode == "align"
     if config.enable_prefix_caching and not caching:
         logger.info("hybrid Mamba / DeltaNet model: prefix caching is off (a cached "

@@ -44,9 +44,10 @@ _TARGETS: dict[str, tuple[str, str, str | int | None]] = {
 
 def _target(model: torch.nn.Module, layer_idx: int, name: str) -> torch.nn.Module | None:
     """The projection module adapter target ``name`` of layer ``layer_idx`` lands on; None
-    where the layer has no such projection (a mixture-of-experts layer's MLP)."""
+    where the layer has no such projection (a mixture-of-experts layer's MLP, a hybrid's
+    recurrent layer, which has no attention)."""
     parent, attr, _ = _TARGETS[name]
-    return getattr(getattr(model.layers[layer_idx], parent), attr, None)
+    return getattr(getattr(model.layers[layer_idx], parent, None), attr, None)
 
 
 @dataclass
@@ -219,12 +220,15 @@ def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int
             cfg.intermediate_size
         fused = {"qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
                  "gate_up_proj": [("gate_proj", i), ("up_proj", i)]}
-    adapter = load_lora_adapter(path, len(model.layers), max_lora_rank, fused)
+    rename = getattr(model, "checkpoint_name", None)  # (a hybrid's own module names)
+    adapter = load_lora_adapter(path, len(model.layers), max_lora_rank, fused, rename)
     for (layer_idx, name), (a, b, _) in adapter.weights.items():
         module = _target(model, layer_idx, name)
         if module is None:
-            raise ValueError(f"{path}: layer {layer_idx} {name}: that layer's MLP is a "
-                             "mixture of experts; adapters on experts are not supported")
+            raise ValueError(f"{path}: layer {layer_idx} {name}: the layer has no such "
+                             "projection (its MLP is a mixture of experts, or it is a "
+                             "recurrent layer); adapters on experts and recurrent mixers "
+                             "are not supported")
         want_in, want_out = module.lora_full_shape(_TARGETS[name][2])
         if a.shape[1] != want_in or b.shape[0] != want_out:
             raise ValueError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY_RE = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_PEFT_PREFIX = "base_model.model."
 # Config fields that must be off / empty: each changes what the adapter computes.
 _REFUSED = {
     "use_dora": "DoRA adapters are not supported",
@@ -95,14 +97,16 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int,
-                      fused: dict[str, list[tuple[str, int]]] | None = None) -> LoRAAdapter:
+                      fused: dict[str, list[tuple[str, int]]] | None = None,
+                      rename: Callable[[str], str] | None = None) -> LoRAAdapter:
     """Every ``lora_A`` / ``lora_B`` pair of the adapter with its scale, in fp32 (the
     engine scales and fuses them before casting to the model's dtype).
 
     ``fused`` names the model's fused projections (Phi-3's ``qkv_proj`` as
     ``[("q_proj", rows), ("k_proj", rows), ("v_proj", rows)]``): an adapter on one is
     served as adapters on its parts, each with the shared A and its rows of B (the
-    same product, row for row).
+    same product, row for row). ``rename`` maps the model's own module names (a
+    hybrid's ``feed_forward``, LFM2's ``w1``...) to Llama's, as its weights load.
 
     Raises ``ValueError`` for a rank above ``max_lora_rank``, a layer the model
     does not have, a module other than the projections, or an A without its B.
@@ -113,6 +117,8 @@ def load_lora_adapter(path: str | Path, num_layers: int, max_lora_rank: int,
     tensors = _read_tensors(path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
+        if rename is not None and key.startswith(_PEFT_PREFIX):
+            key = _PEFT_PREFIX + rename(key[len(_PEFT_PREFIX):])
         m = _KEY_RE.match(key)
         if m is None:
             raise ValueError(f"{path}: unsupported adapter weight {key!r} (only LoRA on "
