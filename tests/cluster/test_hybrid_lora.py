@@ -42,7 +42,7 @@ def test_adapter_rows_beside_base_rows_equal_peft(kind, targets, tmp_path,
         assert got[0::2] == ref and got[1::2] == base
         if kind == "lfm2":  # (``out_proj`` names the conv mixers' projection too)
             bad = write_adapter(path, tmp_path / "bad", 2, ["out_proj"])
-            with pytest.raises(ValueError, match="conv.out_proj"):
+            with pytest.raises(ValueError, match=r"conv\.out_proj"):
                 llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("bad", 2, bad))
             assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids == base[0]
     finally:
