@@ -164,11 +164,12 @@ def test_slots_are_zeroed_reused_grown_and_forked() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "nemotron_h", "qwen3_next",
-                                  "falcon_h1", "jamba"])
+                                  "falcon_h1", "jamba", "mamba", "mamba2"])
 def test_hybrids_on_cuda_equal_hugging_face(kind, tmp_path) -> None:
-    """Granite 4.0-H, Nemotron-H, Qwen3-Next, Falcon-H1 and Jamba on CUDA (the mixers'
-    torch path, Triton attention, eager steps) against HF on the same device: mixed
-    prompts and one of 300 tokens (38 scan chunks, 5 delta-rule chunks), twice."""
+    """Granite 4.0-H, Nemotron-H, Qwen3-Next, Falcon-H1, Jamba and the attention-free
+    Mamba and Mamba-2 on CUDA (the mixers' torch paths, Mamba-1's and DeltaNet's
+    Triton kernels, Triton attention, eager steps) against HF on the same device:
+    mixed prompts and one of 300 tokens (38 scan chunks, 5 delta-rule chunks), twice."""
     path = write_random_checkpoint(tmp_path / kind, kind, None)
     prompts = [*prompts_of_mixed_lengths(), [(7 * j) % 4000 + 100 for j in range(300)]]
     ref = hf_greedy(path, prompts, 20, device="cuda")
