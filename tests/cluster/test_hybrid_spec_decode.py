@@ -154,7 +154,7 @@ def test_a_draft_model_drafts_for_a_hybrid(granite, tmp_path, default_model_dir)
 
 def test_what_cannot_draft_for_a_hybrid_is_refused(granite) -> None:
     path = granite[0]
-    with pytest.raises(ValueError, match="'eagle' is not supported for hybrid"):
+    with pytest.raises(ValueError, match="'eagle' is not supported for recurrent"):
         LLM(model=path, num_gpu_blocks=32,
             speculative_config={"method": "eagle", "model": path})
     with pytest.raises(ValueError, match="'granitemoehybrid' has no multi-token-prediction"):
