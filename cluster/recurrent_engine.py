@@ -42,9 +42,10 @@ _WHY = ("for recurrent models (Mamba, Jamba, Granite 4.0-H, Nemotron-H, Qwen3-Ne
 
 
 # Recurrent models whose attention and MLP projections take adapters as Llama's do
-# (checked against PEFT); Falcon-H1 folds multipliers into them, Qwen3-Next's q rows hold
-# its gate, Nemotron-H's MLP is ungated and the Mamba models have neither.
-LORA_MODEL_TYPES = ("jamba", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe")
+# (checked against PEFT; Falcon-H1's scaled by the multipliers folded into them);
+# Qwen3-Next's q rows hold its gate, Nemotron-H's MLP is ungated and the Mamba models
+# have neither.
+LORA_MODEL_TYPES = ("jamba", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "falcon_h1")
 
 
 def is_recurrent(model_path: str) -> bool:

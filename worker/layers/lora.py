@@ -136,8 +136,11 @@ class LoRAManager:
         adapter = load_lora_adapter_for(self.model, path, self.max_lora_rank)
         fused: dict[int, tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]]]
         fused = {}
+        fold = getattr(self.model, "lora_multiplier", None)
         for (layer_idx, name), (a, b, scale) in adapter.weights.items():
             module = _target(self.model, layer_idx, name)
+            if fold is not None:  # (multipliers folded into the weights fold in here too)
+                scale *= fold(f"{_TARGETS[name][0]}.{name}")
             pa, pb, off = module.lora_piece(_TARGETS[name][2], a, b * scale)
             fused.setdefault(id(module), (module, []))[1].append((pa, pb, off))
         slots = self.batch.slots

@@ -68,6 +68,13 @@ class FalconH1ForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         return None if logits is None else logits * self.multipliers.lm_head
 
+    def lora_multiplier(self, module: str) -> float:
+        """The multiplier folded into projection ``module``'s weights (``self_attn.q_proj``,
+        ``mlp.gate_proj``...): an adapter's delta on it scales alike, as transformers
+        applies it around the whole projection."""
+        scale = self.multipliers.projection_scale(module + ".weight")
+        return 1.0 if scale is None else scale
+
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
         found = self._layer_tensor(name)
         if found is not None:
