@@ -1,7 +1,9 @@
 """LoRA adapters on recurrent hybrids (``cluster.recurrent_engine.LORA_MODEL_TYPES``):
 the attention and MLP projections take adapters as Llama's do, under the files' own
-module names (Jamba's ``feed_forward``, LFM2's ``w1`` / ``w2`` / ``w3``), scaled by
-the multipliers folded into those projections (Falcon-H1's), the mixers none.
+module names (Jamba's ``feed_forward``, LFM2's ``w1`` / ``w2`` / ``w3``, Qwen3.5's
+``language_model``), scaled by the multipliers folded into those projections
+(Falcon-H1's), Qwen3-Next's ``q_proj`` deltas split into its query and its gate
+projection as its weight is; the mixers take none.
 
 Against Hugging Face + PEFT on adapters PEFT itself wrote: each prompt with the
 adapter and without it, interleaved in one batch, gives PEFT's greedy tokens (and
@@ -26,6 +28,7 @@ from tests.cluster.lora_fixtures import ALL7, GREEDY, PROMPTS, hf_peft_greedy, w
     ("granitemoehybrid", ["q_proj", "k_proj", "v_proj", "o_proj"]),
     ("lfm2", ["q_proj", "k_proj", "v_proj", "w1", "w2", "w3"]),
     ("falcon_h1", ALL7),  # (every muP multiplier away from 1: the deltas scale alike)
+    ("qwen3_5", ALL7),  # (a multimodal file's decoder; q_proj's B rows hold the gate's)
 ])
 def test_adapter_rows_beside_base_rows_equal_peft(kind, targets, tmp_path,
                                                   default_model_dir) -> None:
@@ -51,7 +54,7 @@ def test_adapter_rows_beside_base_rows_equal_peft(kind, targets, tmp_path,
 
 
 def test_other_recurrent_families_refuse_lora(tmp_path) -> None:
-    for model_type in ("qwen3_next", "nemotron_h", "mamba"):
+    for model_type in ("nemotron_h", "mamba"):
         (tmp_path / model_type).mkdir()
         (tmp_path / model_type / "config.json").write_text(
             json.dumps({"model_type": model_type}))

@@ -194,6 +194,21 @@ class ColumnParallelLinear(PackableLinear):
     def weight_out_features(self) -> int:
         return self.local_out
 
+    lora_pieces = 1
+
+    @property
+    def lora_in_features(self) -> int:
+        return self.in_features
+
+    def lora_full_shape(self, piece: None) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    def lora_piece(self, piece: None, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's share of an adapter: A whole, B's local rows."""
+        n = self.local_out
+        return a, b[self.rank * n:(self.rank + 1) * n], 0
+
     def load(self, lazy: LazyTensor, is_bias: bool = False) -> None:
         """Copy this rank's rows of the full weight (or bias)."""
         target = self.bias if is_bias else self.weight

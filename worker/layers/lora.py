@@ -39,6 +39,9 @@ _TARGETS: dict[str, tuple[str, str, str | int | None]] = {
     "gate_proj": ("mlp", "gate_up_proj", 0),
     "up_proj": ("mlp", "gate_up_proj", 1),
     "down_proj": ("mlp", "down_proj", None),
+    # Qwen3-Next's attention gate: the gate rows of its files' ``q_proj`` (the model's
+    # ``split_lora`` moves them here), never an adapter's own module name.
+    "attn_gate_proj": ("self_attn", "gate_proj", None),
 }
 
 
@@ -225,6 +228,9 @@ def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int
                  "gate_up_proj": [("gate_proj", i), ("up_proj", i)]}
     rename = getattr(model, "checkpoint_name", None)  # (a hybrid's own module names)
     adapter = load_lora_adapter(path, len(model.layers), max_lora_rank, fused, rename)
+    split = getattr(model, "split_lora", None)  # (Qwen3-Next's q_proj: query and gate)
+    if split is not None:
+        adapter.weights = split(adapter.weights)
     for (layer_idx, name), (a, b, _) in adapter.weights.items():
         module = _target(model, layer_idx, name)
         if module is None:

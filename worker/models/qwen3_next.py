@@ -129,6 +129,21 @@ class Qwen3NextForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
     def _on_this_stage(self, name: str) -> bool:
         return not name.startswith(_NOT_READ) and super()._on_this_stage(name)
 
+    def split_lora(self, weights: dict[tuple[int, str], Any]) -> dict[tuple[int, str], Any]:
+        """An adapter's ``q_proj`` deltas on the gated attention layers, whose B rows go
+        head by head ``[query, gate]`` as the file's weight does: the query rows stay on
+        ``q_proj``, the gate rows go to ``attn_gate_proj`` (the layer's ``gate_proj``)."""
+        out = dict(weights)
+        for (layer, name), (a, b, scale) in weights.items():
+            attn = getattr(self.layers[layer], "self_attn", None)
+            heads, d = self.config.num_heads, self.config.head_dim
+            if name != "q_proj" or attn is None or b.shape[0] != heads * 2 * d:
+                continue
+            per_head = b.reshape(heads, 2, d, -1)
+            out[(layer, name)] = (a, per_head[:, 0].reshape(heads * d, -1), scale)
+            out[(layer, "attn_gate_proj")] = (a, per_head[:, 1].reshape(heads * d, -1), scale)
+        return out
+
     def _load_one(self, name: str, lazy: LazyTensor) -> None:
         found = self._layer_tensor(name)
         if found is not None and found[1] == "self_attn.q_proj.weight" \
