@@ -111,3 +111,45 @@ void mamba1_scan(float *h, int64_t length, int64_t channels, int64_t d_state,
         }
     }
 }
+
+/* The causal depthwise convolution's one-token step for n sequences, in place in
+ * each sequence's slot of the layer's convolution state (every recurrent mixer
+ * runs it before its recurrence: layers/causal_conv.py):
+ *     window = [state[slots[i], c, :], x[i, c]]       (kernel taps)
+ *     out[i, c] = window . w[c, :] + bias[c]
+ *     state[slots[i], c, :] = window[1:]
+ * in one pass (torch gathers the slots, concatenates, scatters the shifted window
+ * back and multiplies, sums and adds: five passes). x rows are `xs` elements apart
+ * (a column slice of the input projection's output); state, w, bias and out are
+ * contiguous, all fp32 or (bf16 != 0) all bf16, summed in fp32. Tasks are
+ * (sequence, block of 64 channels). Returns 1 (nothing written) when a slot is out
+ * of range.
+ */
+int conv_state_update(const void *x, int64_t xs, void *state, int64_t num_slots,
+                      const int64_t *slots, int64_t n, int64_t channels, int64_t kernel,
+                      const void *w, const void *bias, void *out, int bf16, int threads)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots)
+            return 1;
+    const int64_t keep = kernel - 1, blocks = (channels + 63) / 64;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < n * blocks; task++) {
+        const int64_t i = task / blocks, c0 = (task % blocks) * 64;
+        const int64_t c1 = c0 + 64 < channels ? c0 + 64 : channels;
+        for (int64_t c = c0; c < c1; c++) {
+            const int64_t row = (slots[i] * channels + c) * keep;
+            float acc = bias ? ld(bias, c, bf16) : 0.0f;
+            float prev = ld(x, i * xs + c, bf16);
+            acc += prev * ld(w, c * kernel + keep, bf16);
+            for (int64_t k = keep - 1; k >= 0; k--) {  /* shift right to left */
+                const float s = ld(state, row + k, bf16);
+                acc += s * ld(w, c * kernel + k, bf16);
+                st(state, row + k, prev, bf16);
+                prev = s;
+            }
+            st(out, i * channels + c, acc, bf16);
+        }
+    }
+    return 0;
+}

@@ -94,3 +94,37 @@ def mamba1_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
         h.data_ptr(), length, width, d_state, dtt.data_ptr(), xt.data_ptr(), a.data_ptr(),
         b.data_ptr(), c.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y.t(), h
+
+
+def conv_available(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> bool:
+    """Whether ``conv_update`` takes these tensors: on the CPU, all fp32 or all bf16,
+    the state, weight and bias contiguous, ``x`` rows of unit stride (a column slice of
+    a projection's output is fine)."""
+    return (conv.device.type == "cpu" and conv.dtype in (torch.float32, torch.bfloat16)
+            and x.dim() == 2 and x.dtype == conv.dtype == weight.dtype
+            and (bias is None or (bias.dtype == conv.dtype and bias.is_contiguous()))
+            and conv.is_contiguous() and weight.is_contiguous() and x.stride(-1) == 1
+            and cpu_native._loaded() is not None)
+
+
+def conv_update(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The causal convolution's one-token step (``layers.causal_conv.conv_decode``'s
+    contract) in one native pass: ``x [n, C]``, ``conv [S, C, kernel - 1]`` shifted
+    in place at ``slots``, ``weight [C, kernel]``; returns ``[n, C]``."""
+    num_slots, channels, keep = conv.shape
+    n = slots.shape[0]
+    slots = slots.to(torch.int64).contiguous()
+    if tuple(x.shape) != (n, channels) or tuple(weight.shape) != (channels, keep + 1):
+        raise ValueError(f"convolution kernel: state {tuple(conv.shape)} does not fit "
+                         f"inputs {tuple(x.shape)} / weight {tuple(weight.shape)}")
+    out = torch.empty((n, channels), dtype=conv.dtype)
+    rc = cpu_native._loaded().conv_state_update(
+        x.data_ptr(), x.stride(0), conv.data_ptr(), num_slots, slots.data_ptr(), n, channels,
+        keep + 1, weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), int(conv.dtype == torch.bfloat16), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"convolution kernel: a slot of {slots.tolist()} is out of "
+                         f"[0, {num_slots})")
+    return out

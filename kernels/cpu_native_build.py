@@ -157,6 +157,9 @@ def declare_signatures(lib: ctypes.CDLL) -> None:
     lib.mamba1_scan.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
                                 ctypes.c_int]
     lib.mamba1_scan.restype = None
+    lib.conv_state_update.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr,
+                                      ctypes.c_int, ctypes.c_int]
+    lib.conv_state_update.restype = ctypes.c_int
     lib.delta_rule_update.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
                                       ptr, ptr, ctypes.c_int]
     lib.delta_rule_update.restype = ctypes.c_int

@@ -107,8 +107,8 @@ def test_siblings_fork_the_prompts_state(hybrid) -> None:
 
 def test_what_it_cannot_serve_is_refused_by_name(hybrid, tmp_path) -> None:
     path = hybrid[0]
-    with pytest.raises(ValueError, match="not supported for recurrent models"):
-        LLM(model=path, num_gpu_blocks=32, enable_lora=True)
+    with pytest.raises(ValueError, match="kv_offloading_size is not supported for recurrent"):
+        LLM(model=path, num_gpu_blocks=32, kv_offloading_size=1)
     mc = MambaConfig((0,), (), num_heads=4, head_dim=8, d_state=4, num_groups=1, d_conv=4,
                      chunk_size=8, conv_bias=True, proj_bias=False)
     with pytest.raises(ValueError, match="mamba_n_groups"):

@@ -1,6 +1,7 @@
 """The native Mamba-2 state update (``kernels/cpu_mamba.c``) against torch's math, in
-place in scattered slots; a mixer's decode through it equal to its torch path; and
-Mamba-1's update and scan against ``layers.mamba1``'s torch paths."""
+place in scattered slots; a mixer's decode through it equal to its torch path;
+Mamba-1's update and scan against ``layers.mamba1``'s torch paths; and the causal
+convolution's one-token step against ``layers.causal_conv``'s."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from pagedserve.kernels import cpu_mamba, cpu_native
 from pagedserve.scheduler.outputs import ScheduledRequest
-from pagedserve.worker.layers import mamba1
+from pagedserve.worker.layers import causal_conv, mamba1
 from pagedserve.worker.layers.mamba2 import Mamba2Mixer
 from pagedserve.worker.mamba_config import MambaConfig
 from pagedserve.worker.mamba_state import states_for
@@ -97,3 +98,28 @@ def test_mamba1_kernels_equal_torch(monkeypatch) -> None:
     want_y, want_final = mamba1.selective_scan(x, dt, a, b, c, h0, chunk=8)
     torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, want_final, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,bias,kernel", [(torch.float32, True, 4),
+                                               (torch.bfloat16, False, 3)])
+def test_conv_step_equals_torch(dtype, bias, kernel, monkeypatch) -> None:
+    """The causal convolution's one-token step in scattered slots, from a column slice
+    of a wider projection (rows not contiguous), against the torch path."""
+    g = torch.Generator().manual_seed(kernel)
+    wide = torch.randn(3, 200, generator=g).to(dtype)
+    x = wide[:, 30:160]  # (130 channels: three blocks of the kernel's 64)
+    conv = torch.randn(9, 130, kernel - 1, generator=g).to(dtype)
+    weight = torch.randn(130, kernel, generator=g).to(dtype)
+    b = torch.randn(130, generator=g).to(dtype) if bias else None
+    slots = torch.tensor([7, 2, 4])
+    assert cpu_mamba.conv_available(x, conv, weight, b)
+    got_state = conv.clone()
+    got = causal_conv.conv_decode(x, got_state, slots, weight, b)
+    monkeypatch.setattr(cpu_mamba, "conv_available", lambda *a: False)
+    want_state = conv.clone()
+    want = causal_conv.conv_decode(x, want_state, slots, weight, b)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert torch.equal(got_state, want_state)  # (the shift moves numbers: exact)
+    with pytest.raises(ValueError, match="out of"):
+        cpu_mamba.conv_update(x, got_state, torch.tensor([9, 0, 1]), weight, b)

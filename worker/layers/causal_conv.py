@@ -13,11 +13,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import cpu_mamba
+
 
 def conv_decode(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One input ``x[n, C]`` for each of ``len(slots)`` sequences: ``[n, C]``; the slots
-    of ``conv [S, C, kernel - 1]`` shifted by one input in place."""
+    of ``conv [S, C, kernel - 1]`` shifted by one input in place (on CPU in one native
+    pass: ``kernels.cpu_mamba.conv_update``)."""
+    if cpu_mamba.conv_available(x, conv, weight, bias):
+        return cpu_mamba.conv_update(x, conv, slots, weight, bias)
     window = torch.cat([conv.index_select(0, slots), x.unsqueeze(-1).to(conv.dtype)],
                        dim=-1)  # [n, C, kernel]
     conv.index_copy_(0, slots, window[:, :, 1:])
