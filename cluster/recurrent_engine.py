@@ -43,11 +43,11 @@ _WHY = ("for recurrent models (Mamba, Jamba, Granite 4.0-H, Nemotron-H, Qwen3-Ne
 
 # Recurrent models whose attention and MLP projections take adapters as Llama's do
 # (checked against PEFT; Falcon-H1's scaled by the multipliers folded into them,
-# Qwen3-Next's q_proj split into query and gate); Nemotron-H's MLP is ungated and the
+# Qwen3-Next's q_proj split into query and gate, Nemotron-H's blocks' renamed); the
 # Mamba models have neither.
 LORA_MODEL_TYPES = ("jamba", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "falcon_h1",
                     "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text",
-                    "qwen3_5_moe_text")
+                    "qwen3_5_moe_text", "nemotron_h")
 
 
 def is_recurrent(model_path: str) -> bool:

@@ -1,14 +1,14 @@
 """LoRA adapters on recurrent hybrids (``cluster.recurrent_engine.LORA_MODEL_TYPES``):
 the attention and MLP projections take adapters as Llama's do, under the files' own
 module names (Jamba's ``feed_forward``, LFM2's ``w1`` / ``w2`` / ``w3``, Qwen3.5's
-``language_model``), scaled by the multipliers folded into those projections
-(Falcon-H1's), Qwen3-Next's ``q_proj`` deltas split into its query and its gate
-projection as its weight is; the mixers take none.
+``language_model``, Nemotron-H's blocks' ``mixer``), scaled by the multipliers
+folded into those projections (Falcon-H1's), Qwen3-Next's ``q_proj`` deltas split
+into its query and its gate projection as its weight is; the mixers take none.
 
 Against Hugging Face + PEFT on adapters PEFT itself wrote: each prompt with the
 adapter and without it, interleaved in one batch, gives PEFT's greedy tokens (and
-the adapter changes them). Families whose projections are not Llama's refuse
-``enable_lora`` by name; an adapter on a conv mixer is refused naming its weight."""
+the adapter changes them). The attention-free Mamba models refuse ``enable_lora``
+by name; an adapter on a conv mixer is refused naming its weight."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from tests.cluster.lora_fixtures import ALL7, GREEDY, PROMPTS, hf_peft_greedy, w
     ("lfm2", ["q_proj", "k_proj", "v_proj", "w1", "w2", "w3"]),
     ("falcon_h1", ALL7),  # (every muP multiplier away from 1: the deltas scale alike)
     ("qwen3_5", ALL7),  # (a multimodal file's decoder; q_proj's B rows hold the gate's)
+    # (Nemotron-H: every projection a block's ``mixer``; the MLP blocks' ungated)
+    ("nemotron_h", ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]),
 ])
 def test_adapter_rows_beside_base_rows_equal_peft(kind, targets, tmp_path,
                                                   default_model_dir) -> None:
@@ -54,7 +56,7 @@ def test_adapter_rows_beside_base_rows_equal_peft(kind, targets, tmp_path,
 
 
 def test_other_recurrent_families_refuse_lora(tmp_path) -> None:
-    for model_type in ("nemotron_h", "mamba"):
+    for model_type in ("mamba", "falcon_mamba", "mamba2"):
         (tmp_path / model_type).mkdir()
         (tmp_path / model_type / "config.json").write_text(
             json.dumps({"model_type": model_type}))

@@ -50,7 +50,10 @@ def _target(model: torch.nn.Module, layer_idx: int, name: str) -> torch.nn.Modul
     where the layer has no such projection (a mixture-of-experts layer's MLP, a hybrid's
     recurrent layer, which has no attention)."""
     parent, attr, _ = _TARGETS[name]
-    return getattr(getattr(model.layers[layer_idx], parent, None), attr, None)
+    owner = getattr(model.layers[layer_idx], parent, None)
+    if name == "up_proj" and not hasattr(owner, attr):  # (an ungated MLP: Nemotron-H's)
+        attr = "up_proj"
+    return getattr(owner, attr, None)
 
 
 @dataclass
@@ -226,7 +229,8 @@ def load_lora_adapter_for(model: torch.nn.Module, path: str, max_lora_rank: int
             cfg.intermediate_size
         fused = {"qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
                  "gate_up_proj": [("gate_proj", i), ("up_proj", i)]}
-    rename = getattr(model, "checkpoint_name", None)  # (a hybrid's own module names)
+    rename = getattr(model, "lora_name", None) or getattr(model, "checkpoint_name", None)
+    # (a hybrid's own module names, as its weights load or as its adapters name them)
     adapter = load_lora_adapter(path, len(model.layers), max_lora_rank, fused, rename)
     split = getattr(model, "split_lora", None)  # (Qwen3-Next's q_proj: query and gate)
     if split is not None:

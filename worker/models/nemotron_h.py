@@ -13,6 +13,7 @@ state slots for the Mamba ones) is ``models.hybrid``'s. The files spell the deco
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from pagedserve.worker.models.llama_loading import _copy_full
 
 _RENAMES = {"model.embeddings.weight": "model.embed_tokens.weight",
             "model.norm_f.weight": "model.norm.weight"}
+_LORA_MIXER = re.compile(r"^(model\.layers\.\d+\.)mixer\.([qkvo]_proj|up_proj|down_proj)\.")
 
 
 def _renamed(name: str) -> str:
@@ -88,6 +90,11 @@ class NemotronHBlock(nn.Module):
     def mamba(self) -> nn.Module | None:
         return self.mixer if self.kind == "mamba" else None
 
+    @property
+    def mlp(self) -> nn.Module | None:
+        """The ungated MLP of an MLP block (where LoRA adapters find its projections)."""
+        return self.mixer if self.kind == "mlp" else None
+
     def checkpoint_names(self) -> set[str]:
         """Its tensors, as named under the block (``model.layers.{i}.``)."""
         if self.kind == "mamba":
@@ -111,11 +118,23 @@ class NemotronHBlock(nn.Module):
         return self.mixer(h), residual
 
 
+def _lora_renamed(name: str) -> str:
+    """An adapter's module name as Llama's: a block's attention projections under
+    ``self_attn``, its MLP's under ``mlp`` (an expert's or a Mamba mixer's stay under
+    ``mixer``, which adapters are refused on)."""
+    def under(m: re.Match[str]) -> str:
+        parent = "mlp" if m.group(2) in ("up_proj", "down_proj") else "self_attn"
+        return f"{m.group(1)}{parent}.{m.group(2)}."
+
+    return _LORA_MIXER.sub(under, _renamed(name))
+
+
 class NemotronHForCausalLM(RecurrentHybridMixin, LlamaForCausalLM):
     """Nemotron-H (see the module docstring)."""
 
     layer_cls = NemotronHBlock
     checkpoint_name = staticmethod(_renamed)
+    lora_name = staticmethod(_lora_renamed)
 
     def _layer_names(self, layer: nn.Module) -> set[str]:
         return layer.checkpoint_names()
