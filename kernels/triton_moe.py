@@ -1,4 +1,5 @@
-"""Routed SwiGLU experts on a GPU: a grouped GEMM in two Triton kernels (vLLM's fused MoE).
+"""Routed SwiGLU (or squared-ReLU) experts on a GPU: a grouped GEMM in two Triton
+kernels (vLLM's fused MoE).
 
 A step's (token, expert) pairs are grouped by expert and each expert's group
 padded to a multiple of ``BLOCK_M`` rows (``align``), so every row block of
@@ -65,11 +66,13 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_ht,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, b_ptr=None, stride_be=0, alpha=1.0, limit=0.0,
-    BIAS: tl.constexpr = False, CLAMP: tl.constexpr = False,
+    BIAS: tl.constexpr = False, CLAMP: tl.constexpr = False, RELU2: tl.constexpr = False,
 ):
     """h[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]); with ``BIAS``
     ``b[e]`` (gate half, up half) added to both products first, with ``CLAMP`` GPT-OSS's
-    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``."""
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``;
+    with ``RELU2`` an ungated expert's ``relu(x[token] . w[e, n]) ** 2`` (``w[e]`` its up
+    rows alone: Nemotron 3's)."""
     mb = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(experts_ptr + mb).to(tl.int64)
@@ -89,20 +92,26 @@ def _gate_up_kernel(
                         mask=valid[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
                          mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(w_base + (inter + cols[None, :]).to(tl.int64) * stride_wn
-                         + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             if DOT_F32:
                 gate += tl.dot(a.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
-                up += tl.dot(a.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
             else:
                 gate += tl.dot(a, wg)
-                up += tl.dot(a, wu)
+            if not RELU2:
+                wu = tl.load(w_base + (inter + cols[None, :]).to(tl.int64) * stride_wn
+                             + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                if DOT_F32:
+                    up += tl.dot(a.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
+                else:
+                    up += tl.dot(a, wu)
         if BIAS:
             gate += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0
                             ).to(tl.float32)[None, :]
             up += tl.load(b_ptr + e * stride_be + inter + cols, mask=col_ok, other=0.0
                           ).to(tl.float32)[None, :]
-        if CLAMP:
+        if RELU2:
+            gate = tl.maximum(gate, 0.0)
+            h = gate * gate
+        elif CLAMP:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             h = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
@@ -154,17 +163,18 @@ def _down_kernel(
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
             w13: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k: int = 32,
             partial: bool = False, b13: torch.Tensor | None = None,
-            b2: torch.Tensor | None = None, clamp: tuple[float, float] | None = None
-            ) -> torch.Tensor:
+            b2: torch.Tensor | None = None, clamp: tuple[float, float] | None = None,
+            relu2: bool = False) -> torch.Tensor:
     """Sum over each row's ``chosen [T, K]`` experts of ``weights [T, K]`` times the
     expert's SwiGLU of ``x [T, H]``; ``w13 [E, 2I, H]`` (gate rows, then up rows),
     ``w2 [E, H, I]``, all in ``x``'s dtype, last dimension contiguous. With ``partial``
     a choice may be -1 (another rank's expert), which adds nothing. GPT-OSS's experts:
     biases ``b13 [E, 2I]`` and ``b2 [E, H]`` (before the routing weight) and ``clamp``
-    ``(alpha, limit)``, its clamped SwiGLU."""
+    ``(alpha, limit)``, its clamped SwiGLU. ``relu2``: ungated experts, ``relu(x W1^T)
+    ** 2`` with ``w13 [E, I, H]`` their up rows alone (Nemotron 3's)."""
     t, k = chosen.shape
     e, two_i, hidden = w13.shape
-    inter = two_i // 2
+    inter = two_i if relu2 else two_i // 2
     if x.stride(1) != 1:
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
@@ -185,7 +195,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=f32,
         b_ptr=b13, stride_be=0 if b13 is None else b13.stride(0), alpha=float(alpha),
-        limit=float(limit), BIAS=b13 is not None, CLAMP=clamp is not None)
+        limit=float(limit), BIAS=b13 is not None, CLAMP=clamp is not None, RELU2=relu2)
     _down_kernel[(m_blocks, triton.cdiv(hidden, block_n))](
         h, w2, y, scales, pairs, block_experts, n, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),

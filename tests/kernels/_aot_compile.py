@@ -177,15 +177,18 @@ def main(archs: list[int], parts: tuple[str, ...] = ("base", "sweep")) -> None:
                           BIAS=False)
             ids = {"pairs_ptr": "*i64", "experts_ptr": "*i64"}
             build(_gate_up_kernel, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "h_ptr": f"*{dt}"}
-                  | ids, consts | dict(CLAMP=False), target, tag="ok moe")
+                  | ids, consts | dict(CLAMP=False, RELU2=False), target, tag="ok moe")
             build(_down_kernel, {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": "*fp32",
                                  "scale_ptr": "*fp32"} | ids, consts, target, tag="ok moe")
         # GPT-OSS's experts (bf16): biases and the clamped SwiGLU.
         consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=32, DOT_F32=False, BIAS=True)
         bf = {n: "*bf16" for n in ("x_ptr", "w_ptr", "h_ptr", "b_ptr")} | ids
-        build(_gate_up_kernel, bf, consts | dict(CLAMP=True), target, ("alpha", "limit"),
-              tag="ok moe")
+        build(_gate_up_kernel, bf, consts | dict(CLAMP=True, RELU2=False), target,
+              ("alpha", "limit"), tag="ok moe")
         build(_down_kernel, bf | {"y_ptr": "*fp32", "scale_ptr": "*fp32"}, consts, target,
+              tag="ok moe")
+        # Nemotron 3's ungated squared-ReLU experts (bf16).
+        build(_gate_up_kernel, bf, consts | dict(BIAS=False, CLAMP=False, RELU2=True), target,
               tag="ok moe")
         for dt in ("fp16", "bf16", "fp32"):  # int4 weights (W4A16): decode and batch tiles
             for bm in (16, 64):

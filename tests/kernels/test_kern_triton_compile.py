@@ -38,7 +38,8 @@ def test_kernels_compile_for_nvidia_targets() -> None:
     # variants, store and copy included.
     assert stdout.count("ok sm_") == 2 * 16 + 2 * (len(LAUNCH_SWEEP) + 1)
     assert stdout.count("ok kv sm_") == 32
-    assert stdout.count("ok moe sm_") == 2 * 8  # gate/up and down: three dtypes, GPT-OSS
+    assert stdout.count("ok moe sm_") == 2 * 9  # gate/up and down: three dtypes, GPT-OSS;
+    # Nemotron 3's squared-ReLU gate/up
     assert stdout.count("ok w4 sm_") == 2 * 6  # int4 GEMM: three dtypes, two tiles
     assert stdout.count("ok gdn sm_") == 2 * 2  # the delta rule's decode: two head shapes
     assert stdout.count("ok mamba1 sm_") == 2 * 2  # Mamba-1's update and scan

@@ -163,3 +163,36 @@ def test_gpt_oss_experts_equal_their_loop(e, h, i, k) -> None:
                                  clamp=(1.702, 7.0))
         want = gpt_oss_expert_loop(x, chosen, weights, w13, w2, b13, down_bias, 1.702, 7.0)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("e,h,i,k", [(8, 64, 48, 3), (4, 80, 32, 2)])
+def test_squared_relu_experts_equal_their_loop(e, h, i, k) -> None:
+    """Nemotron 3's ungated experts (``relu2``: up rows alone) in the fused kernels,
+    against ``down(relu(up(x)) ** 2)`` expert by expert, and with another rank's
+    choices (expert parallelism) adding nothing."""
+    from pagedserve.kernels import triton_moe
+
+    g = torch.Generator().manual_seed(e * h)
+    w1 = torch.randn(e, i, h, generator=g) / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=g) / i ** 0.5
+    x = torch.randn(19, h, generator=g)
+    chosen = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(19)])
+    weights = torch.rand(19, k, generator=g)
+    want = torch.zeros_like(x)
+    for t in range(19):
+        for j in range(k):
+            ex = int(chosen[t, j])
+            want[t] += weights[t, j] * (torch.relu(x[t] @ w1[ex].T).square() @ w2[ex].T)
+    got = triton_moe.experts(x, chosen, weights, w1, w2, relu2=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    mine = torch.where(chosen < e // 2, chosen, -1)
+    want_mine = torch.zeros_like(x)
+    for t in range(19):
+        for j in range(k):
+            ex = int(mine[t, j])
+            if ex >= 0:
+                want_mine[t] += weights[t, j] * (torch.relu(x[t] @ w1[ex].T).square()
+                                                 @ w2[ex].T)
+    got = triton_moe.experts(x, mine, weights, w1, w2, partial=True, relu2=True)
+    torch.testing.assert_close(got, want_mine, atol=1e-5, rtol=1e-5)

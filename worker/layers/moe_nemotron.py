@@ -9,8 +9,9 @@ that choose, groups ranked by their two best, the top k renormalised and scaled 
 An expert's first projection is its up rows alone (``gate_up_parts`` 1), so tensor
 and expert parallelism shard them as any other mixture's, and the shared expert's
 down projection joins the routed experts' partial sums before the layer's one
-all-reduce. The native CPU kernel and the fused Triton kernels bake SwiGLU in, so
-this layer runs the loop over the experts some row chose (oneDNN-packed on CPU).
+all-reduce. On CUDA the fused Triton kernels run them (``triton_moe.experts``'s
+``relu2``); the native CPU kernel bakes SwiGLU in, so on CPU this layer runs the loop
+over the experts some row chose (oneDNN-packed).
 """
 
 from __future__ import annotations
@@ -36,13 +37,21 @@ class NemotronMoE(SparseMoE):
     def __init__(self, hidden: int, moe: MoEConfig, ctx: ParallelContext, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__(hidden, replace(moe, shared_intermediate_size=0), ctx, dtype, device)
-        self.fused = False  # (the Triton kernels compute SwiGLU)
         self._names = {"up_proj": 0, "down_proj": 2}
         s = moe.shared_intermediate_size
         self.shared_up = ColumnParallelLinear(hidden, s, False, ctx, dtype, device) if s \
             else None
         self.shared_down = RowParallelLinear(s, hidden, False, ctx, dtype, device) if s \
             else None
+
+    def _routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        if not self.fused:
+            return super()._routed(x, experts, weights)
+        from pagedserve.kernels import triton_moe
+
+        return triton_moe.experts(x, experts, weights, self.w13, self.w2,
+                                  partial=self.expert_parallel, relu2=True)
 
     def _activate(self, e: int, up: torch.Tensor) -> torch.Tensor:
         return torch.relu(up).square()
