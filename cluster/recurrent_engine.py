@@ -59,7 +59,8 @@ def is_recurrent(model_path: str) -> bool:
 def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConfig:
     """``config`` as a hybrid Mamba model runs it (unchanged for any other model); a
     ``ValueError`` names an option it cannot honour."""
-    if not is_recurrent(model_path):
+    model_type = model_type_at(model_path)
+    if model_type not in HYBRID_MODEL_TYPES:
         return config
     method = config.speculative_config.method if config.speculative_config else None
     refused = {
@@ -71,7 +72,6 @@ def recurrent_engine_config(config: EngineConfig, model_path: str) -> EngineConf
     for option, on in refused.items():
         if on:
             raise ValueError(f"{option} is not supported {_WHY}")
-    model_type = model_type_at(model_path)
     if config.enable_lora and model_type not in LORA_MODEL_TYPES:
         raise ValueError(f"enable_lora is not supported for {model_type!r}: among recurrent "
                          f"models LoRA serves the attention and MLP projections of "

@@ -57,6 +57,20 @@ int mamba_state_update(float *ssm, int64_t num_slots, const int64_t *slots, int6
  * argument is never positive: dt >= 0, a < 0). Returns 1 (nothing written)
  * when a slot is out of range.
  */
+/* One Mamba-1 state row (one channel's d_state numbers) through one token, in
+ * place: row = row * exp(step a) + u b; returns row . c. */
+static inline float mamba1_row(float *row, const float *a, float step, float u,
+                               const float *b, const float *c, int64_t d_state)
+{
+    float acc = 0.0f;
+    for (int64_t k = 0; k < d_state; k++) {
+        const float v = row[k] * exp_nonpos(step * a[k]) + u * b[k];
+        row[k] = v;
+        acc += v * c[k];
+    }
+    return acc;
+}
+
 int mamba1_state_update(float *ssm, int64_t num_slots, const int64_t *slots, int64_t n,
                         int64_t channels, int64_t d_state, const float *dt, const float *x,
                         const float *a, const float *b, const float *c, float *y,
@@ -68,16 +82,9 @@ int mamba1_state_update(float *ssm, int64_t num_slots, const int64_t *slots, int
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < n * channels; task++) {
         const int64_t i = task / channels, d = task % channels;
-        float *row = ssm + (slots[i] * channels + d) * d_state;
-        const float step = dt[task], u = step * x[task];
-        const float *av = a + d * d_state, *bv = b + i * d_state, *cv = c + i * d_state;
-        float acc = 0.0f;
-        for (int64_t k = 0; k < d_state; k++) {
-            const float v = row[k] * exp_nonpos(step * av[k]) + u * bv[k];
-            row[k] = v;
-            acc += v * cv[k];
-        }
-        y[task] = acc;
+        y[task] = mamba1_row(ssm + (slots[i] * channels + d) * d_state, a + d * d_state,
+                             dt[task], dt[task] * x[task], b + i * d_state, c + i * d_state,
+                             d_state);
     }
     return 0;
 }
@@ -98,17 +105,9 @@ void mamba1_scan(float *h, int64_t length, int64_t channels, int64_t d_state,
         float *row = h + d * d_state;
         const float *av = a + d * d_state, *dtv = dt + d * length, *xv = x + d * length;
         float *out = y + d * length;
-        for (int64_t t = 0; t < length; t++) {
-            const float step = dtv[t], u = step * xv[t];
-            const float *bv = b + t * d_state, *cv = c + t * d_state;
-            float acc = 0.0f;
-            for (int64_t k = 0; k < d_state; k++) {
-                const float v = row[k] * exp_nonpos(step * av[k]) + u * bv[k];
-                row[k] = v;
-                acc += v * cv[k];
-            }
-            out[t] = acc;
-        }
+        for (int64_t t = 0; t < length; t++)
+            out[t] = mamba1_row(row, av, dtv[t], dtv[t] * xv[t], b + t * d_state,
+                                c + t * d_state, d_state);
     }
 }
 

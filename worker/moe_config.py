@@ -100,10 +100,8 @@ def moe_config_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int
         return _ernie(cfg, num_layers)
     if model_type == "jamba":
         return _jamba(cfg, num_layers)
-    if model_type == "nemotron_h":  # (its ``E`` blocks: ``nemotron_h_config``)
-        from pagedserve.worker.nemotron_h_config import nemotron_moe_config
-
-        return nemotron_moe_config(cfg)
+    if model_type == "nemotron_h":
+        return _nemotron(cfg)
     key = "num_local_experts" if model_type == "mixtral" else "num_experts"
     if cfg.get(key) is None:
         key = "num_experts" if key == "num_local_experts" else "num_local_experts"
@@ -172,25 +170,52 @@ def _deepseek(cfg: dict[str, Any], model_type: str, num_layers: int, num_experts
                          f"{model_type}, got {method!r}")
     groups = topk_group = 1
     if v3 or method == "group_limited_greedy":
-        groups = count(cfg, "n_group", 1)
-        topk_group = count(cfg, "topk_group", 1)
-        if num_experts % groups or topk_group > groups:
-            raise ValueError(f"model config fields 'n_group' ({groups}) and 'topk_group' "
-                             f"({topk_group}) must split {num_experts} experts into groups "
-                             "and pick at most all of them")
-        if v3 and num_experts // groups < 2:
-            raise ValueError(f"model config field 'n_group' ({groups}) must leave at least "
-                             "two experts a group (groups rank by their two best)")
-    scale = cfg.get("routed_scaling_factor", 1.0)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
-        raise ValueError(f"model config field 'routed_scaling_factor' must be a positive "
-                         f"number, got {scale!r}")
+        groups, topk_group = _groups(cfg, num_experts, top2=v3)
     return MoEConfig(num_experts, top_k, width, bool(cfg.get("norm_topk_prob", False)),
                      width * shared, sparse, scoring="sigmoid" if v3 else "softmax",
                      num_groups=groups, topk_group=topk_group,
                      group_rank="top2" if v3 else "max", score_bias=v3,
-                     routed_scale=float(scale), scale_unnormalized_only=not v3,
-                     shared_gated=False, router_fp32=True)
+                     routed_scale=_positive(cfg, "routed_scaling_factor", 1.0),
+                     scale_unnormalized_only=not v3, shared_gated=False, router_fp32=True)
+
+
+def _groups(cfg: dict[str, Any], num_experts: int, top2: bool) -> tuple[int, int]:
+    """``(n_group, topk_group)``: groups that split the experts, of which each token may
+    use at most all; ranked by their two best (``top2``), at least two experts each."""
+    groups = count(cfg, "n_group", 1)
+    topk_group = count(cfg, "topk_group", 1)
+    if num_experts % groups or topk_group > groups:
+        raise ValueError(f"model config fields 'n_group' ({groups}) and 'topk_group' "
+                         f"({topk_group}) must split {num_experts} experts into groups "
+                         "and pick at most all of them")
+    if top2 and num_experts // groups < 2:
+        raise ValueError(f"model config field 'n_group' ({groups}) must leave at least "
+                         "two experts a group (groups rank by their two best)")
+    return groups, topk_group
+
+
+def _nemotron(cfg: dict[str, Any]) -> MoEConfig | None:
+    """Nemotron 3's routed-expert blocks (``E`` in a Nemotron-H pattern; None without
+    any): DeepSeek-V3's routing over ``n_routed_experts`` ungated experts
+    (``layers.moe_nemotron``), the shared expert as wide as
+    ``moe_shared_expert_intermediate_size``."""
+    from pagedserve.worker.nemotron_h_config import block_kinds
+
+    sparse = tuple(i for i, k in enumerate(block_kinds(cfg)) if k == "moe")
+    if not sparse:
+        return None
+    experts, top_k = count(cfg, "n_routed_experts", 8), count(cfg, "num_experts_per_tok", 2)
+    if top_k > experts:
+        raise ValueError(f"model config field 'num_experts_per_tok' ({top_k}) must be at most "
+                         f"'n_routed_experts' ({experts})")
+    groups, topk_group = _groups(cfg, experts, top2=True)
+    return MoEConfig(
+        experts, top_k, count(cfg, "moe_intermediate_size", 7688),
+        bool(cfg.get("norm_topk_prob", True)),
+        non_negative_int(cfg, "moe_shared_expert_intermediate_size"), sparse,
+        scoring="sigmoid", num_groups=groups, topk_group=topk_group, group_rank="top2",
+        score_bias=True, routed_scale=_positive(cfg, "routed_scaling_factor", 1.0),
+        shared_gated=False, router_fp32=True)
 
 
 def _positive(cfg: dict[str, Any], key: str, default: float) -> float:

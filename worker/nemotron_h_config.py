@@ -8,7 +8,7 @@ rotation (``*``) or a squared-ReLU MLP (``-``); transformers 5 writes the same a
 fields have their own names here (``mamba_num_heads``, ``ssm_state_size``,
 ``n_groups``...), and its width is ``mamba_num_heads * mamba_head_dim`` (Nano 2's
 10,240 is not ``expand * hidden``). Routed-expert blocks (``E``, ``moe``: Nemotron 3)
-route to squared-ReLU experts beside a shared one (``nemotron_moe_config``,
+route to squared-ReLU experts beside a shared one (``moe_config``,
 ``layers.moe_nemotron``); experts behind a latent projection (``moe_latent_size``)
 are refused by name. ``nemotron_h_config`` turns the file into the Llama fields
 ``ModelConfig`` reads and the ``MambaConfig`` of its mixers.
@@ -20,14 +20,13 @@ from typing import Any
 
 from pagedserve.worker.config_fields import count, positive_int
 from pagedserve.worker.mamba_config import MambaConfig, time_step_limit
-from pagedserve.worker.moe_config import MoEConfig
 
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
           "attention": "attention", "mlp": "mlp", "moe": "moe"}
 
 
-def _kinds(cfg: dict[str, Any]) -> list[str]:
+def block_kinds(cfg: dict[str, Any]) -> list[str]:
     """Each layer's kind, from ``hybrid_override_pattern`` or ``layer_types``."""
     pattern = cfg.get("hybrid_override_pattern")
     if pattern is not None:
@@ -50,7 +49,7 @@ def _kinds(cfg: dict[str, Any]) -> list[str]:
 def nemotron_h_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], MambaConfig]:
     """The Llama fields of a Nemotron-H file (its layer count from the pattern, its norm
     epsilon, unbiased attention as transformers builds it) and its mixers' config."""
-    kinds = _kinds(cfg)
+    kinds = block_kinds(cfg)
     if cfg.get("mlp_hidden_act", "relu2") != "relu2":
         raise ValueError(f"model config field 'mlp_hidden_act' must be 'relu2', got "
                          f"{cfg.get('mlp_hidden_act')!r}")
@@ -78,32 +77,3 @@ def nemotron_h_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], MambaConfig]
              "attention_bias": False, "hidden_act": "silu"}  # (the MLP's: checked above)
     return llama, mamba
 
-
-def nemotron_moe_config(cfg: dict[str, Any]) -> MoEConfig | None:
-    """The routed-expert blocks of a Nemotron-H file (None without any): DeepSeek-V3's
-    routing over ``n_routed_experts`` ungated experts, the shared expert as wide as
-    ``moe_shared_expert_intermediate_size``."""
-    kinds = _kinds(cfg)
-    if "moe" not in kinds:
-        return None
-    experts, top_k = count(cfg, "n_routed_experts", 8), count(cfg, "num_experts_per_tok", 2)
-    groups, topk_group = count(cfg, "n_group", 1), count(cfg, "topk_group", 1)
-    if top_k > experts:
-        raise ValueError(f"model config field 'num_experts_per_tok' ({top_k}) must be at most "
-                         f"'n_routed_experts' ({experts})")
-    if experts % groups or topk_group > groups or (groups > 1 and experts // groups < 2):
-        raise ValueError(f"model config fields 'n_group' ({groups}) and 'topk_group' "
-                         f"({topk_group}) must split {experts} experts into groups of at "
-                         "least two and pick at most all of them")
-    scale = cfg.get("routed_scaling_factor", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
-        raise ValueError(f"model config field 'routed_scaling_factor' must be a positive "
-                         f"number, got {scale!r}")
-    shared = cfg.get("moe_shared_expert_intermediate_size") or 0
-    shared = positive_int("moe_shared_expert_intermediate_size", shared) if shared else 0
-    return MoEConfig(
-        experts, top_k, count(cfg, "moe_intermediate_size", 7688),
-        bool(cfg.get("norm_topk_prob", True)), shared,
-        tuple(i for i, k in enumerate(kinds) if k == "moe"), scoring="sigmoid",
-        num_groups=groups, topk_group=topk_group, group_rank="top2", score_bias=True,
-        routed_scale=float(scale), shared_gated=False, router_fp32=True)

@@ -25,8 +25,7 @@ from pagedserve.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, 
 
 def _renamed(name: str) -> str:
     """A checkpoint name as ``LlamaWeightLoading`` reads it."""
-    name = _bamba_renamed(name)
-    return name.replace(".mlp.router.", ".mlp.gate.") if ".mlp.router." in name else name
+    return _bamba_renamed(name).replace(".mlp.router.", ".mlp.gate.")
 
 
 def _layer(cfg: Any, ctx: Any, backend: Any, dtype: torch.dtype, device: torch.device,
